@@ -1,0 +1,1 @@
+"""Replicated data types (pure: no I/O, no asyncio, no torch). Filled by the CRDT issue."""

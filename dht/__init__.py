@@ -1,0 +1,1 @@
+"""Discovery and signed records on hivemind's DHTNode."""

@@ -1,0 +1,380 @@
+"""Peer discovery: hivemind's DHTNode on our transport, signed member records, bootstrap with backoff, hello.
+
+How a node finds the swarm
+1. It dials each bootstrap address (retrying with exponential backoff and jitter while it has no peers at all), pings
+   the bootstrap's DHT so each adds the other to its routing table, and walks the DHT towards its own id.
+2. It stores its :class:`NodeRecord` under ``swarmd/<swarm>/members`` with its owner tag as the subkey, signed by its
+   Ed25519 key, expiring after ``record_ttl``; it re-stores it every ``refresh_interval``.
+3. It reads the members key every ``poll_interval`` (and right after joining), dials members it is not connected to
+   (up to ``max_peers``), and says hello to them.
+4. Hello (``/swarmd/hello/1.0.0``) swaps signed records over a direct stream, so a newcomer is visible to every member
+   it greets at once, not a poll later.
+
+The members key is protected: its entries must be signed by the peer their subkey names. Records from the network
+are parsed strictly; a bad one is dropped and counted against the peer that sent it (hello) or ignored (DHT, where
+the storing peer is not known).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+from dht.records import Ed25519RecordValidator, NodeRecord, open_envelope, owner_tag, seal
+from transport._compat import load_hivemind
+from transport.base import Stream
+from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation, TransportError
+from transport.framing import ProtocolSpec
+from transport.identity import Identity
+from transport.multiaddrs import split_peer_addr
+from transport.p2pd import P2PDaemonTransport
+from transport.penalties import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+HELLO, HELLO_ACK = 1, 2
+HELLO_SPEC = ProtocolSpec("hello", "1.0.0", max_frame=16 * 1024, kinds=frozenset({HELLO, HELLO_ACK}))
+MAX_RECORD = 8 * 1024
+MAX_MEMBERS = 10_000
+
+
+@dataclass
+class DiscoveryConfig:
+    swarm: str
+    bootstrap: list[str]
+    record_ttl: float = 60.0
+    refresh_interval: float = 20.0
+    poll_interval: float = 5.0
+    max_peers: int = 64
+    dial_timeout: float = 10.0
+    backoff_initial: float = 1.0
+    backoff_max: float = 60.0
+
+
+@dataclass
+class Member:
+    record: NodeRecord
+    expires: float  # wall clock
+    last_seen: float  # wall clock of the last hello, ping or DHT refresh
+    source: str  # "dht" | "hello"
+
+
+@dataclass
+class BootstrapState:
+    addr: str
+    peer_id: str
+    state: str = "pending"  # pending | dialing | connected | retrying
+    attempts: int = 0
+    last_error: str | None = None
+    next_attempt: float | None = None  # wall clock
+    connected_at: float | None = None
+
+    def to_json(self) -> dict:
+        return {
+            "addr": self.addr,
+            "peer_id": self.peer_id,
+            "state": self.state,
+            "attempts": self.attempts,
+            "last_error": self.last_error,
+            "next_attempt": self.next_attempt,
+            "connected_at": self.connected_at,
+        }
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    updated: float
+
+
+class Discovery:
+    def __init__(
+        self,
+        transport: P2PDaemonTransport,
+        identity: Identity,
+        config: DiscoveryConfig,
+        *,
+        version: str,
+        loops: Callable[[], list[str]] = lambda: [],
+        clock: Callable[[], float] = time.time,
+    ):
+        self.transport = transport
+        self.identity = identity
+        self.config = config
+        self.version = version
+        self._loops = loops
+        self._clock = clock
+        self.members_key = f"swarmd/{config.swarm}/members"
+        self.members: dict[str, Member] = {}
+        self.bootstrap: list[BootstrapState] = [BootstrapState(a, split_peer_addr(a)[0]) for a in config.bootstrap]
+        self.dht = None
+        self.counters = {"hello_in": 0, "hello_out": 0, "records_rejected": 0, "dht_polls": 0, "dht_stores": 0}
+        self._joined = asyncio.Event()
+        self._poll_now = asyncio.Event()
+        self._hello_buckets: dict[str, _Bucket] = {}
+        self._dialing: set[str] = set()
+        self._tasks: set[asyncio.Task] = set()
+        self._log = RateLimitedLog(logger, interval=30.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        hm = load_hivemind()
+        validator = Ed25519RecordValidator(self.identity, protected_keys=[self.members_key])
+        self.dht = await hm.DHTNode.create(
+            p2p=self.transport.hivemind_p2p,
+            record_validator=validator,
+            wait_timeout=3,
+            bootstrap_timeout=3,
+            num_replicas=5,
+            cache_locally=False,  # we always want fresh member lists, not a cached copy
+            cache_nearest=0,
+            reuse_get_requests=False,
+        )
+        await self.transport.serve(HELLO_SPEC, self._on_hello)
+
+    async def run(self) -> None:
+        """Runs until cancelled."""
+        async with asyncio.TaskGroup() as tg:
+            for state in self.bootstrap:
+                tg.create_task(self._bootstrap_loop(state))
+            tg.create_task(self._announce_loop())
+            tg.create_task(self._poll_loop())
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self.dht is not None:
+            dht, self.dht = self.dht, None
+            try:
+                await asyncio.wait_for(dht.shutdown(), 3.0)
+            except (asyncio.TimeoutError, Exception) as e:  # shutting down: log, never raise
+                logger.debug("DHT shutdown: %r", e)
+
+    # ------------------------------------------------------------------ our record
+    async def my_record(self) -> NodeRecord:
+        addrs = tuple(a.rsplit("/p2p/", 1)[0] for a in await self.transport.addresses())
+        return NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16], self._clock())
+
+    async def _announce_loop(self) -> None:
+        while True:
+            try:
+                await self.announce()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._log.log(logging.WARNING, "announce", "could not store our member record: %s", e)
+            await asyncio.sleep(self.config.refresh_interval * random.uniform(0.9, 1.1))
+
+    async def announce(self) -> bool:
+        hm = load_hivemind()
+        record = await self.my_record()
+        ok = await self.dht.store(
+            self.members_key,
+            record.to_wire(),
+            expiration_time=hm.get_dht_time() + self.config.record_ttl,
+            subkey=owner_tag(self.identity.peer_id),
+        )
+        self.counters["dht_stores"] += 1
+        return bool(ok)
+
+    # ------------------------------------------------------------------ bootstrap
+    async def _bootstrap_loop(self, state: BootstrapState) -> None:
+        delay = self.config.backoff_initial
+        while True:
+            if state.state != "connected":
+                state.state = "dialing"
+                state.attempts += 1
+                state.next_attempt = None
+                try:
+                    await self.join_via(state.addr)
+                except asyncio.CancelledError:
+                    raise
+                except (TransportError, ProtocolViolation) as e:
+                    state.state, state.last_error = "retrying", str(e)
+                    wait = delay * random.uniform(0.8, 1.2)
+                    state.next_attempt = self._clock() + wait
+                    self._log.log(
+                        logging.WARNING,
+                        ("bootstrap", state.addr),
+                        "bootstrap %s unreachable (attempt %d): %s; retrying in %.0f s",
+                        state.addr,
+                        state.attempts,
+                        e,
+                        wait,
+                    )
+                    await asyncio.sleep(wait)
+                    delay = min(delay * 2, self.config.backoff_max)
+                    continue
+                state.state, state.last_error, state.connected_at = "connected", None, self._clock()
+                delay = self.config.backoff_initial
+            # connected: re-bootstrap only if we end up with no peers at all
+            await asyncio.sleep(self.config.poll_interval)
+            if not await self.transport.peers():
+                state.state = "retrying"
+
+    async def join_via(self, addr: str) -> None:
+        hm = load_hivemind()
+        peer_id = await self.transport.connect(addr, timeout=self.config.dial_timeout)
+        node_id = await self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False)
+        if node_id is None:
+            raise PeerUnreachable(f"{addr} answered the dial but not the DHT ping")
+        await self._hello(peer_id)
+        await self.dht.find_nearest_nodes([self.dht.node_id])
+        self._joined.set()
+        await self.announce()
+        self._poll_now.set()
+
+    # ------------------------------------------------------------------ members
+    async def _poll_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._poll_now.wait(), self.config.poll_interval * random.uniform(0.8, 1.2))
+            except asyncio.TimeoutError:
+                pass
+            self._poll_now.clear()
+            try:
+                await self.poll()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                self._log.log(logging.WARNING, "poll", "member poll failed: %s", e)
+
+    async def poll(self) -> None:
+        result = await self.dht.get(self.members_key, latest=True)
+        self.counters["dht_polls"] += 1
+        now = self._clock()
+        entries = result.value if result is not None and isinstance(result.value, dict) else {}
+        for subkey, item in list(entries.items())[:MAX_MEMBERS]:
+            try:
+                record = NodeRecord.from_wire(item.value)
+            except MalformedMessage:
+                self.counters["records_rejected"] += 1
+                continue
+            if not isinstance(subkey, bytes) or subkey != owner_tag(record.peer_id):
+                self.counters["records_rejected"] += 1  # signed by someone, but about someone else
+                continue
+            self._upsert(record, expires=item.expiration_time, source="dht", now=now)
+        self._expire(now)
+        await self._dial_unconnected()
+
+    def _upsert(self, record: NodeRecord, *, expires: float, source: str, now: float) -> bool:
+        """Add or refresh a member; returns True if it is new."""
+        if record.peer_id == self.identity.peer_id:
+            return False
+        member = self.members.get(record.peer_id)
+        if member is None:
+            if len(self.members) >= MAX_MEMBERS:
+                return False
+            self.members[record.peer_id] = Member(record, expires, now, source)
+            logger.info("member %s joined (%s)", record.peer_id, source)
+            return True
+        if record.issued >= member.record.issued:
+            member.record = record
+        member.expires = max(member.expires, expires)
+        member.last_seen = now
+        return False
+
+    def _expire(self, now: float) -> None:
+        for peer_id in [p for p, m in self.members.items() if m.expires < now]:
+            logger.info("member %s left (record expired)", peer_id)
+            del self.members[peer_id]
+
+    def touch(self, peer_id: str) -> None:
+        member = self.members.get(peer_id)
+        if member is not None:
+            now = self._clock()
+            member.last_seen = now
+            member.expires = max(member.expires, now + self.config.record_ttl)
+
+    async def _dial_unconnected(self) -> None:
+        connected = {p.peer_id for p in await self.transport.peers()}
+        room = self.config.max_peers - len(connected)
+        todo = [
+            p
+            for p in self.members
+            if p not in connected and p not in self._dialing and not self.transport.penalties.is_banned(p)
+        ]
+        random.shuffle(todo)
+        for peer_id in todo[: max(0, room)]:
+            self._dialing.add(peer_id)
+            task = asyncio.create_task(self._dial_and_greet(peer_id))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _dial_and_greet(self, peer_id: str) -> None:
+        try:
+            member = self.members.get(peer_id)
+            if member is None:
+                return
+            await self.transport.connect_peer(peer_id, list(member.record.addrs), timeout=self.config.dial_timeout)
+            await self._hello(peer_id)
+        except (TransportError, ProtocolViolation) as e:
+            logger.debug("could not greet member %s: %s", peer_id, e)
+        finally:
+            self._dialing.discard(peer_id)
+
+    # ------------------------------------------------------------------ hello
+    async def _hello(self, peer_id: str) -> None:
+        envelope = seal(self.identity, (await self.my_record()).to_wire())
+        async with await self.transport.open_stream(peer_id, HELLO_SPEC, timeout=self.config.dial_timeout) as stream:
+            await stream.send(HELLO, envelope)
+            reply = await asyncio.wait_for(stream.read_required(), self.config.dial_timeout)
+            if reply.kind != HELLO_ACK:
+                raise MalformedMessage("hello: expected HELLO_ACK")
+            try:
+                self._accept_envelope(peer_id, reply.body)
+            except ProtocolViolation as e:
+                self.transport.penalties.penalize(peer_id, e.kind, str(e))
+                self.transport.stats.errors[e.kind] += 1
+                raise
+        self.counters["hello_out"] += 1
+
+    def _accept_envelope(self, peer_id: str, body) -> None:
+        record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
+        if record.peer_id != peer_id:
+            raise ProtocolViolation(f"hello: record is about {record.peer_id}, sent by {peer_id}", kind="forged")
+        now = self._clock()
+        self._upsert(record, expires=now + self.config.record_ttl, source="hello", now=now)
+
+    async def _on_hello(self, stream: Stream) -> None:
+        if not self._allow_hello(stream.peer_id):
+            raise ProtocolViolation("hello: too many hellos", kind="rate_limited")
+        message = await asyncio.wait_for(stream.read_required(), 10.0)
+        if message.kind != HELLO:
+            raise MalformedMessage("hello: expected HELLO")
+        self._accept_envelope(stream.peer_id, message.body)
+        self.counters["hello_in"] += 1
+        await stream.send(HELLO_ACK, seal(self.identity, (await self.my_record()).to_wire()))
+
+    def _allow_hello(self, peer_id: str, rate: float = 1.0, burst: float = 5.0) -> bool:
+        now = time.monotonic()
+        bucket = self._hello_buckets.get(peer_id)
+        if bucket is None:
+            if len(self._hello_buckets) > MAX_MEMBERS:
+                self._hello_buckets.clear()
+            bucket = self._hello_buckets[peer_id] = _Bucket(burst, now)
+        bucket.tokens = min(burst, bucket.tokens + (now - bucket.updated) * rate)
+        bucket.updated = now
+        if bucket.tokens < 1.0:
+            return False
+        bucket.tokens -= 1.0
+        return True
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def joined(self) -> bool:
+        return self._joined.is_set() or not self.bootstrap
+
+    def routing_table_size(self) -> int:
+        if self.dht is None:
+            return 0
+        return len(self.dht.protocol.routing_table.uid_to_peer_id)
+
+
+__all__ = ["BootstrapState", "Discovery", "DiscoveryConfig", "HELLO_SPEC", "Member"]

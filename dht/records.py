@@ -1,0 +1,197 @@
+"""Signed records: the Ed25519 DHT record validator and the node record every member publishes.
+
+DHT records (hivemind ``DHTNode``)
+    A protected record names its owner in the *subkey* (``[owner:ed25519:<peer id>]``): validators only see the main
+    key as its DHTID hash, so an owner tag there would protect nothing. The value gets a fixed-size suffix
+    ``[ed25519sig:<base64 of 64 bytes>]`` holding the owner's signature over msgpack((key id, subkey, value,
+    expiration)). The owner's public key comes from the peer id itself (identity multihash). Keys listed as
+    ``protected_keys`` accept *only* owner-signed entries, so nobody can write unsigned junk into the member list.
+    hivemind ships only an RSA validator; this one is written for Ed25519 and strips the signature by its fixed
+    length, not by a regex over the payload.
+
+Envelopes (direct streams)
+    ``seal``/``open_envelope``: ``{"p": payload bytes, "s": signature}``; the signature covers a domain tag and the
+    payload bytes exactly as sent, so no canonical re-encoding is needed to verify.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+
+from transport import identity as ident
+from transport._compat import load_hivemind
+from transport.errors import BadSignature, MalformedMessage
+from transport.framing import pack_record, unpack_record
+from transport.identity import Identity
+from transport.multiaddrs import validate_multiaddr
+
+_hm = load_hivemind()
+
+OWNER_PREFIX = b"[owner:ed25519:"
+_OWNER_RE = re.compile(rb"\[owner:ed25519:([1-9A-HJ-NP-Za-km-z]{1,64})\]")
+_SIG_PREFIX = b"[ed25519sig:"
+_SIG_B64_LEN = 88  # base64 of 64 bytes
+_SIG_SUFFIX_LEN = len(_SIG_PREFIX) + _SIG_B64_LEN + 1
+MAX_RECORD_VALUE = 8 * 1024
+
+
+def owner_tag(peer_id: str) -> bytes:
+    return OWNER_PREFIX + peer_id.encode() + b"]"
+
+
+def dht_key_id(key: str) -> bytes:
+    """The DHTID bytes hivemind uses for a raw key (what validators see as ``record.key``)."""
+    from hivemind.dht.routing import DHTID
+
+    return DHTID.generate(source=key).to_bytes()
+
+
+class Ed25519RecordValidator(_hm.RecordValidatorBase):
+    """hivemind record validator for Ed25519-owned records. Never raises on bad input: it answers False."""
+
+    def __init__(self, identity: Identity, protected_keys: list[str] = ()):
+        self._identity = identity
+        self.local_owner_tag = owner_tag(identity.peer_id)
+        self._protected = {dht_key_id(k) for k in protected_keys}
+
+    def validate(self, record) -> bool:
+        try:
+            return self._validate(record)
+        except Exception:
+            return False
+
+    def _validate(self, record) -> bool:
+        if len(record.value) > MAX_RECORD_VALUE + _SIG_SUFFIX_LEN:
+            return False
+        owners = set(_OWNER_RE.findall(record.subkey or b""))
+        if not owners:
+            return record.key not in self._protected  # unprotected records are allowed on unprotected keys
+        if len(owners) != 1:
+            return False
+        signature = self._signature_of(record.value)
+        if signature is None:
+            return False
+        stripped = dataclasses.replace(record, value=record.value[:-_SIG_SUFFIX_LEN])
+        return ident.verify(owners.pop().decode(), self._signed_bytes(stripped), signature)
+
+    def sign_value(self, record) -> bytes:
+        if self.local_owner_tag not in (record.subkey or b""):
+            return record.value
+        signature = self._identity.sign(self._signed_bytes(record))
+        return record.value + _SIG_PREFIX + base64.b64encode(signature) + b"]"
+
+    def strip_value(self, record) -> bytes:
+        if self._signature_of(record.value) is None:
+            return record.value
+        return record.value[:-_SIG_SUFFIX_LEN]
+
+    @staticmethod
+    def _signature_of(value: bytes) -> bytes | None:
+        if len(value) < _SIG_SUFFIX_LEN or not value.endswith(b"]"):
+            return None
+        suffix = value[-_SIG_SUFFIX_LEN:]
+        if not suffix.startswith(_SIG_PREFIX):
+            return None
+        try:
+            return base64.b64decode(suffix[len(_SIG_PREFIX) : -1], validate=True)
+        except (binascii.Error, ValueError):
+            return None
+
+    @staticmethod
+    def _signed_bytes(record) -> bytes:
+        return msgpack.packb((record.key, record.subkey, record.value, record.expiration_time), use_bin_type=True)
+
+    @property
+    def priority(self) -> int:
+        return 10
+
+    def merge_with(self, other) -> bool:
+        return False  # one instance per node; never merge keys from another validator
+
+
+# ------------------------------------------------------------------------------------------------ envelopes
+_ENVELOPE_DOMAIN = b"swarmd/envelope/v1\x00"
+
+
+def seal(identity: Identity, payload: Any) -> dict:
+    data = pack_record(payload)
+    return {"p": data, "s": identity.sign(_ENVELOPE_DOMAIN + data)}
+
+
+def open_envelope(envelope: Any, author: str, *, max_size: int) -> Any:
+    """Verify ``author``'s signature and decode. Raises MalformedMessage / BadSignature."""
+    if not isinstance(envelope, dict) or set(envelope) != {"p", "s"}:
+        raise MalformedMessage("envelope must be {p: bytes, s: bytes}")
+    data, sig = envelope["p"], envelope["s"]
+    if not isinstance(data, bytes) or not isinstance(sig, bytes):
+        raise MalformedMessage("envelope fields must be bytes")
+    if not ident.verify(author, _ENVELOPE_DOMAIN + data, sig):
+        raise BadSignature(f"envelope signature does not verify for {author}")
+    return unpack_record(data, max_size=max_size)
+
+
+# ------------------------------------------------------------------------------------------------ node record
+MAX_ADDRS = 16
+MAX_LOOPS = 16
+MAX_TEXT = 64
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """What a member publishes about itself under the swarm's members key."""
+
+    peer_id: str
+    addrs: tuple[str, ...]
+    version: str
+    loops: tuple[str, ...]
+    issued: float  # issuer's wall clock (seconds)
+
+    def to_wire(self) -> dict:
+        return {
+            "v": 1,
+            "peer": self.peer_id,
+            "addrs": list(self.addrs),
+            "version": self.version,
+            "loops": list(self.loops),
+            "issued": self.issued,
+        }
+
+    @classmethod
+    def from_wire(cls, obj: Any) -> NodeRecord:
+        """Strict parse: exact field set and types, bounded sizes. Raises MalformedMessage."""
+        if not isinstance(obj, dict) or set(obj) != {"v", "peer", "addrs", "version", "loops", "issued"}:
+            raise MalformedMessage("node record: wrong fields")
+        if obj["v"] != 1:
+            raise MalformedMessage(f"node record: unsupported version {obj['v']!r}")
+        peer, addrs, version, loops, issued = obj["peer"], obj["addrs"], obj["version"], obj["loops"], obj["issued"]
+        if not isinstance(peer, str) or not ident.is_valid_peer_id(peer):
+            raise MalformedMessage("node record: bad peer id")
+        if not isinstance(addrs, list) or len(addrs) > MAX_ADDRS or not all(isinstance(a, str) for a in addrs):
+            raise MalformedMessage("node record: bad addrs")
+        try:
+            addrs = tuple(validate_multiaddr(a) for a in addrs)
+        except ValueError as e:
+            raise MalformedMessage(f"node record: {e}") from None
+        if not isinstance(version, str) or len(version) > MAX_TEXT:
+            raise MalformedMessage("node record: bad version")
+        if (
+            not isinstance(loops, list)
+            or len(loops) > MAX_LOOPS
+            or not all(isinstance(x, str) and 0 < len(x) <= MAX_TEXT for x in loops)
+        ):
+            raise MalformedMessage("node record: bad loops")
+        if type(issued) is not float or issued != issued:
+            raise MalformedMessage("node record: bad issued time")
+        return cls(peer, addrs, version, tuple(loops), issued)
+
+
+def now() -> float:
+    return time.time()

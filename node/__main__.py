@@ -1,0 +1,3 @@
+from node.cli import main
+
+main()

@@ -1,0 +1,324 @@
+"""``swarmd`` command line: start, status, peers, id, keygen.
+
+Exit codes: 0 success (also after a clean SIGINT/SIGTERM shutdown); 1 a runtime failure (port in use, data dir
+locked, no node running); 2 bad input (flags, config, addresses). Errors are one line on stderr, no traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import click
+
+from node import __version__, datadir
+from node.config import ConfigError, load_config, parse_host_port
+
+EXIT_RUNTIME = 1
+EXIT_USAGE = 2
+
+
+class Fail(Exception):
+    def __init__(self, message: str, code: int = EXIT_RUNTIME):
+        super().__init__(message)
+        self.code = code
+
+
+def _overrides(**flags) -> dict:
+    """CLI flags -> config overrides (only the flags the user gave)."""
+    mapping = {
+        "data_dir": ("node", "data_dir"),
+        "swarm": ("node", "swarm"),
+        "log_level": ("node", "log_level"),
+        "listen": ("network", "listen"),
+        "announce": ("network", "announce"),
+        "bootstrap": ("network", "bootstrap"),
+        "port_mapping": ("network", "port_mapping"),
+        "reachability": ("network", "reachability"),
+        "http": ("http", "listen"),
+    }
+    out: dict = {}
+    for name, value in flags.items():
+        if value is None or value == ():
+            continue
+        section, key = mapping[name]
+        out.setdefault(section, {})[key] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _setup_logging(level: str) -> None:
+    from transport._compat import load_hivemind
+
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        datefmt="%H:%M:%S",
+        stream=sys.stderr,
+        force=True,
+    )
+    hm = load_hivemind()
+    hm.use_hivemind_log_handler("nowhere")  # hivemind logs go through our root handler
+    logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
+    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
+@click.version_option(__version__, prog_name="swarmd")
+def cli() -> None:
+    """swarmd: a peer-to-peer daemon for decentralized training."""
+
+
+@cli.command()
+@click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: embedded).")
+@click.option("--data-dir", help="Where the identity and state live (default: platform user data dir).")
+@click.option("--listen", multiple=True, metavar="MULTIADDR", help="Listen address (repeatable). Port 0 picks one.")
+@click.option("--announce", multiple=True, metavar="MULTIADDR", help="Public address to announce (repeatable).")
+@click.option("--bootstrap", multiple=True, metavar="MULTIADDR", help="Peer to join through (repeatable).")
+@click.option("--http", metavar="HOST:PORT", help="Status endpoint address (port 0 picks one).")
+@click.option("--swarm", help="Swarm name (nodes only see members of the same swarm).")
+@click.option("--reachability", type=click.Choice(["auto", "public", "private"]), help="Force reachability.")
+@click.option("--port-mapping/--no-port-mapping", default=None, help="UPnP/NAT-PMP on the router (default off).")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
+def start(config_path, **flags) -> None:
+    """Run a node until SIGINT/SIGTERM. Without --bootstrap it starts a new swarm."""
+    config = _load(config_path, flags)
+    _setup_logging(config.node.log_level)
+    data_dir = datadir.ensure(datadir.resolve(config.node.data_dir))
+    lock = datadir.DataDirLock(data_dir)
+    lock.acquire()
+    try:
+        from transport.identity import Identity
+
+        identity, created = Identity.load_or_create(data_dir / datadir.IDENTITY_FILE)
+        if created:
+            logging.getLogger("swarmd").info("created identity %s in %s", identity.peer_id, data_dir)
+        code = _run_node(config, identity, data_dir)
+    finally:
+        lock.release()
+    sys.exit(code)
+
+
+def _run_node(config, identity, data_dir: Path) -> int:
+    import asyncio
+
+    import uvloop
+
+    from node.core import Node
+    from node.http import HttpStartError
+    from transport.errors import DaemonStartError
+
+    node = Node(config, identity, data_dir)
+    stop_signals = 0
+
+    def on_ready(n: Node) -> None:
+        lines = [f"swarmd {__version__} running as {identity.peer_id}", "share one of these addresses to join:"]
+        lines += [f"  {a}" for a in n.addresses]
+        lines += [f"status: {n.http.url}/status", f"data dir: {data_dir}"]
+        print("\n".join(lines), flush=True)
+
+    async def main() -> int:
+        nonlocal stop_signals
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+
+        def on_signal(signum: int) -> None:
+            nonlocal stop_signals
+            stop_signals += 1
+            if stop_signals == 1:
+                print(f"received {signal.Signals(signum).name}, shutting down (again to exit at once)",
+                      file=sys.stderr, flush=True)
+                task.cancel()
+            else:
+                os._exit(130)
+
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            await node.run(on_ready)
+        except asyncio.CancelledError:
+            if stop_signals:
+                return 0
+            raise
+        except (DaemonStartError, HttpStartError) as e:
+            raise Fail(str(e)) from None
+        return 0
+
+    started = time.monotonic()
+    code = uvloop.run(main())
+    logging.getLogger("swarmd").info("stopped after %.1f s", time.monotonic() - started)
+    return code
+
+
+def _load(config_path, flags):
+    try:
+        return load_config(config_path, _overrides(**flags))
+    except ConfigError as e:
+        raise Fail(str(e), EXIT_USAGE) from None
+
+
+def _status_url(data_dir: str | None, http: str | None) -> str:
+    if http:
+        if http.startswith("http://") or http.startswith("https://"):
+            return http.rstrip("/")
+        try:
+            host, port = parse_host_port(http)
+        except ValueError as e:
+            raise Fail(f"--http: {e}", EXIT_USAGE) from None
+        return f"http://{host}:{port}"
+    path = datadir.resolve(data_dir)
+    info = datadir.read_runtime(path)
+    if info is None:
+        raise Fail(f"no running node found for data dir {path} (start one with `swarmd start`, or pass --http)")
+    return info["http"]
+
+
+def _get_json(url: str):
+    try:
+        with urllib.request.urlopen(url, timeout=5) as resp:
+            return json.load(resp)
+    except (urllib.error.URLError, OSError, json.JSONDecodeError) as e:
+        raise Fail(f"cannot read {url}: {getattr(e, 'reason', e)}") from None
+
+
+def _ago(t: float | None) -> str:
+    return "-" if t is None else f"{max(0.0, time.time() - t):.1f}s ago"
+
+
+_local_opts = [
+    click.option("--data-dir", help="Data dir of the node to ask (default: platform user data dir)."),
+    click.option("--http", help="Status endpoint of the node (HOST:PORT or URL) instead of --data-dir."),
+    click.option("--json", "as_json", is_flag=True, help="Print the raw JSON."),
+]
+
+
+def _with_local_opts(f):
+    for opt in reversed(_local_opts):
+        f = opt(f)
+    return f
+
+
+@cli.command()
+@_with_local_opts
+def status(data_dir, http, as_json) -> None:
+    """Summary of a running node, read from its HTTP endpoint."""
+    s = _get_json(_status_url(data_dir, http) + "/status")
+    if as_json:
+        click.echo(json.dumps(s, indent=2))
+        return
+    connected = sum(1 for p in s["peers"] if p["connected"])
+    relayed = sum(1 for p in s["peers"] if p["path"] == "relayed")
+    lines = [
+        f"peer id       {s['peer_id']}",
+        f"version       {s['version']}   swarm {s['swarm']}   up {s['uptime_s']:.0f}s",
+        f"reachability  {s['reachability']}",
+        f"peers         {s['members']} members, {connected} connected ({relayed} relayed)",
+        f"dht           {s['dht']['routing_table_size']} in routing table",
+        f"traffic       {s['traffic']['bytes_in']} B in, {s['traffic']['bytes_out']} B out",
+        "addresses     " + ("\n              ".join(s["addresses"]) or "-"),
+    ]
+    for b in s["bootstrap"]:
+        line = f"bootstrap     {b['addr']}: {b['state']}"
+        if b["state"] != "connected":
+            line += f" (attempt {b['attempts']}; {b['last_error'] or 'waiting'})"
+        lines.append(line)
+    if s["errors"]:
+        lines.append("errors        " + ", ".join(f"{k}={v}" for k, v in sorted(s["errors"].items())))
+    if s["loops"]:
+        lines.append("loops         " + ", ".join(sorted(s["loops"])))
+    click.echo("\n".join(lines))
+
+
+@cli.command()
+@_with_local_opts
+def peers(data_dir, http, as_json) -> None:
+    """Table of peers: id, addresses, path, latency, last seen."""
+    rows = _get_json(_status_url(data_dir, http) + "/peers")
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        click.echo("no peers yet")
+        return
+    header = ("PEER ID", "PATH", "LATENCY", "LAST SEEN", "ADDRESSES")
+    table = [header]
+    for p in rows:
+        path = p["path"] + (f" via {p['relay'][-8:]}" if p.get("relay") else "")
+        latency = "-" if p["latency_ms"] is None else f"{p['latency_ms']:.2f} ms"
+        table.append((p["peer_id"], path, latency, _ago(p["last_seen"]), ", ".join(p["addrs"][:3])))
+    widths = [max(len(r[i]) for r in table) for i in range(len(header) - 1)]
+    for r in table:
+        click.echo("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
+
+
+@cli.command("id")
+@click.option("--data-dir", help="Data dir holding identity.key (default: platform user data dir).")
+def show_id(data_dir) -> None:
+    """Print this node's peer id."""
+    from transport.errors import IdentityError
+    from transport.identity import Identity
+
+    path = datadir.resolve(data_dir) / datadir.IDENTITY_FILE
+    try:
+        click.echo(Identity.load(path).peer_id)
+    except IdentityError as e:
+        raise Fail(str(e)) from None
+
+
+@cli.command()
+@click.option("--data-dir", help="Data dir to create identity.key in (default: platform user data dir).")
+@click.option("--force", is_flag=True, help="Replace an existing identity (the node gets a new peer id).")
+def keygen(data_dir, force) -> None:
+    """Create the node identity (an Ed25519 key, file mode 0600)."""
+    from transport.errors import IdentityError
+    from transport.identity import Identity
+
+    path = datadir.ensure(datadir.resolve(data_dir)) / datadir.IDENTITY_FILE
+    if path.exists() and not force:
+        raise Fail(f"{path} already exists (peer id {_peer_id_or_error(path)}); use --force to replace it")
+    identity = Identity.generate()
+    try:
+        identity.save(path, overwrite=force)
+    except IdentityError as e:
+        raise Fail(str(e)) from None
+    click.echo(identity.peer_id)
+
+
+def _peer_id_or_error(path: Path) -> str:
+    from transport.errors import IdentityError
+    from transport.identity import Identity
+
+    try:
+        return Identity.load(path).peer_id
+    except IdentityError:
+        return "unreadable"
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        cli.main(args=argv, prog_name="swarmd", standalone_mode=False)
+    except click.UsageError as e:
+        hint = f" (see `swarmd {e.ctx.info_name} --help`)" if e.ctx and e.ctx.parent else ""
+        print(f"swarmd: error: {e.format_message()}{hint}", file=sys.stderr)
+        sys.exit(EXIT_USAGE)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except Fail as e:
+        print(f"swarmd: error: {e}", file=sys.stderr)
+        sys.exit(e.code)
+    except datadir.DataDirError as e:
+        print(f"swarmd: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_RUNTIME)
+    except click.ClickException as e:
+        print(f"swarmd: error: {e.format_message()}", file=sys.stderr)
+        sys.exit(e.exit_code)
+
+
+if __name__ == "__main__":
+    main()

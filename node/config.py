@@ -1,0 +1,185 @@
+"""Configuration: the embedded ``configs/default.toml``, then the user's ``--config`` file, then CLI flags.
+
+Every field is validated by pydantic with unknown keys rejected (a typo is an error, not a silently ignored
+setting). :func:`load_config` raises :class:`ConfigError` whose message is one line naming the field.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.resources
+import ipaddress
+import re
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from transport.multiaddrs import parse_listen_addr, validate_multiaddr, validate_peer_addr
+
+
+class ConfigError(Exception):
+    """A user-facing, one-line configuration error."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class NodeSection(_Section):
+    data_dir: str = ""  # empty: the platform's user data dir (platformdirs)
+    swarm: str = "swarmd"
+    log_level: Literal["debug", "info", "warning", "error"] = "info"
+
+    @field_validator("swarm")
+    @classmethod
+    def _swarm(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9._-]{1,64}", v):
+            raise ValueError("must be 1-64 characters of letters, digits, '.', '_' or '-'")
+        return v
+
+
+class NetworkSection(_Section):
+    listen: list[str] = Field(min_length=1)
+    announce: list[str] = []
+    bootstrap: list[str] = []
+    port_mapping: bool = False  # UPnP / NAT-PMP
+    reachability: Literal["auto", "public", "private"] = "auto"
+    relay_service: bool = True
+    dht_mode: Literal["server", "client", "auto"] = "server"
+    startup_timeout: float = Field(15.0, gt=0, le=300)
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: list[str]) -> list[str]:
+        for addr in v:
+            parse_listen_addr(addr)
+        return [validate_multiaddr(a) for a in v]
+
+    @field_validator("announce")
+    @classmethod
+    def _announce(cls, v: list[str]) -> list[str]:
+        out = []
+        for addr in v:
+            _, _, _, port = parse_listen_addr(addr)
+            if port == 0:
+                raise ValueError(f"{addr!r}: an announced address needs an explicit port")
+            out.append(validate_multiaddr(addr))
+        return out
+
+    @field_validator("bootstrap")
+    @classmethod
+    def _bootstrap(cls, v: list[str]) -> list[str]:
+        return [validate_peer_addr(a) for a in v]
+
+
+class DiscoverySection(_Section):
+    record_ttl: float = Field(60.0, ge=5, le=3600)
+    refresh_interval: float = Field(20.0, ge=1, le=1800)
+    poll_interval: float = Field(5.0, ge=0.2, le=600)
+    ping_interval: float = Field(5.0, ge=0.5, le=600)
+    max_peers: int = Field(64, ge=1, le=10_000)
+    backoff_initial: float = Field(1.0, ge=0.05, le=60)
+    backoff_max: float = Field(60.0, ge=1, le=3600)
+
+
+class HttpSection(_Section):
+    listen: str = "127.0.0.1:8470"
+
+    @field_validator("listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_host_port(v)
+        return v
+
+
+class Config(_Section):
+    node: NodeSection = NodeSection()
+    network: NetworkSection
+    discovery: DiscoverySection = DiscoverySection()
+    http: HttpSection = HttpSection()
+
+
+def parse_host_port(text: str) -> tuple[str, int]:
+    """'127.0.0.1:8470' / '[::1]:0' / 'localhost:80' -> (host, port). Raises ValueError."""
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:(\d{1,5})|([A-Za-z0-9.-]+):(\d{1,5})", text or "")
+    if not m:
+        raise ValueError(f"{text!r} is not HOST:PORT (e.g. 127.0.0.1:8470, port 0 picks a free one)")
+    host, port = (m.group(1), m.group(2)) if m.group(1) else (m.group(3), m.group(4))
+    if m.group(1):
+        ipaddress.IPv6Address(host)
+    if int(port) > 65535:
+        raise ValueError(f"{text!r}: port out of range")
+    return host, int(port)
+
+
+# CLI flag that sets each field, so errors can name what the user typed
+FLAGS = {
+    ("node", "data_dir"): "--data-dir",
+    ("node", "swarm"): "--swarm",
+    ("node", "log_level"): "--log-level",
+    ("network", "listen"): "--listen",
+    ("network", "announce"): "--announce",
+    ("network", "bootstrap"): "--bootstrap",
+    ("network", "port_mapping"): "--port-mapping",
+    ("network", "reachability"): "--reachability",
+    ("http", "listen"): "--http",
+}
+
+
+def default_config_text() -> str:
+    return importlib.resources.files("configs").joinpath("default.toml").read_text()
+
+
+def _read_toml(text: str, source: str) -> dict:
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"{source} is not valid TOML: {e}") from None
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _format_loc(loc: tuple) -> str:
+    text = ""
+    for part in loc:
+        text += f"[{part}]" if isinstance(part, int) else (f".{part}" if text else str(part))
+    return text
+
+
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
+    """Build the effective config. Raises ConfigError (one line, names the field)."""
+    data = _read_toml(default_config_text(), "embedded configs/default.toml")
+    source = "configs/default.toml"
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"cannot read config file {path}: {e}") from None
+        data = _merge(data, _read_toml(text, f"config file {path}"))
+        source = str(path)
+    overrides = overrides or {}
+    data = _merge(data, overrides)
+    try:
+        return Config.model_validate(data)
+    except ValidationError as e:
+        err = e.errors()[0]
+        loc = tuple(err["loc"])
+        msg = err["msg"].removeprefix("Value error, ")
+        if err["type"] == "extra_forbidden":
+            msg = "unknown setting (check the spelling; see configs/default.toml)"
+        flag = FLAGS.get(loc[:2])
+        origin = f" (from {flag})" if flag and loc[1] in overrides.get(loc[0], {}) else f" (in {source})"
+        raise ConfigError(f"invalid {_format_loc(loc)}{origin}: {msg}") from None

@@ -1,0 +1,252 @@
+"""The Node: wires transport, discovery and the HTTP endpoint, and owns their lifecycle.
+
+Lifecycle: :meth:`Node.run` starts the parts in order (p2p daemon, ping, DHT, HTTP), signals readiness once through
+``on_ready``, then runs the background loops in one TaskGroup until it is cancelled; teardown runs in reverse order
+whatever happened. Cancellation is the only way to stop it (the CLI cancels it on SIGINT/SIGTERM).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from dht.discovery import Discovery, DiscoveryConfig
+from node import __version__, datadir
+from node.config import Config, parse_host_port
+from node.http import StatusServer
+from transport.base import ConnectedPeer, PathType
+from transport.errors import ProtocolViolation, TransportError
+from transport.identity import Identity
+from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from transport.ping import ping, serve_ping
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PeerState:
+    latency_ms: float | None = None
+    last_seen: float | None = None  # wall clock of the last successful ping or hello
+    path: str = PathType.NONE.value
+    path_since: float | None = None
+    relay: str | None = None
+    ping_failures: int = 0
+
+
+class Node:
+    def __init__(self, config: Config, identity: Identity, data_dir: Path):
+        self.config = config
+        self.identity = identity
+        self.data_dir = data_dir
+        net = config.network
+        self.transport = P2PDaemonTransport(
+            identity,
+            P2PDaemonConfig(
+                listen=list(net.listen),
+                announce=list(net.announce),
+                port_mapping=net.port_mapping,
+                force_reachability=None if net.reachability == "auto" else net.reachability,
+                relay_service=net.relay_service,
+                dht_mode=net.dht_mode,
+                startup_timeout=net.startup_timeout,
+            ),
+        )
+        d = config.discovery
+        self.discovery = Discovery(
+            self.transport,
+            identity,
+            DiscoveryConfig(
+                swarm=config.node.swarm,
+                bootstrap=list(net.bootstrap),
+                record_ttl=d.record_ttl,
+                refresh_interval=d.refresh_interval,
+                poll_interval=d.poll_interval,
+                max_peers=d.max_peers,
+                backoff_initial=d.backoff_initial,
+                backoff_max=d.backoff_max,
+            ),
+            version=__version__,
+            loops=self.loop_names,
+        )
+        self.http = StatusServer(self, *parse_host_port(config.http.listen))
+        self.started_at: float | None = None
+        self._started_mono: float | None = None
+        self.addresses: list[str] = []
+        self.connected: dict[str, ConnectedPeer] = {}
+        self.peer_state: dict[str, PeerState] = {}
+        self.loops: dict[str, dict] = {}  # name -> progress, filled by training loops (later issues)
+
+    def loop_names(self) -> list[str]:
+        return sorted(self.loops)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def run(self, on_ready: Callable[[Node], None] | None = None) -> None:
+        self.started_at, self._started_mono = time.time(), time.monotonic()
+        await self.transport.start()
+        try:
+            await serve_ping(self.transport)
+            await self.discovery.start()
+            try:
+                await self.http.start()
+                try:
+                    self.addresses = await self.transport.addresses()
+                    datadir.write_runtime(self.data_dir, self.runtime_info())
+                    try:
+                        if on_ready is not None:
+                            on_ready(self)
+                        async with asyncio.TaskGroup() as tg:
+                            tg.create_task(self.discovery.run())
+                            tg.create_task(self._connection_monitor())
+                            tg.create_task(self._ping_loop())
+                            if not self.discovery.bootstrap:
+                                tg.create_task(self.discovery.announce())
+                    finally:
+                        datadir.remove_runtime(self.data_dir)
+                finally:
+                    await self.http.close()
+            finally:
+                await self.discovery.close()
+        finally:
+            await self.transport.close()
+
+    def runtime_info(self) -> dict:
+        return {
+            "pid": os.getpid(),
+            "peer_id": self.identity.peer_id,
+            "addresses": self.addresses,
+            "http": self.http.url,
+            "swarm": self.config.node.swarm,
+            "started_at": self.started_at,
+        }
+
+    # ------------------------------------------------------------------ background loops
+    async def _connection_monitor(self, interval: float = 1.0) -> None:
+        while True:
+            try:
+                peers = {p.peer_id: p for p in await self.transport.peers()}
+            except TransportError as e:
+                logger.warning("cannot list peers: %s", e)
+                peers = {}
+            now = time.time()
+            for peer_id, conn in peers.items():
+                state = self.peer_state.setdefault(peer_id, PeerState())
+                if state.path != conn.path.value:
+                    if state.path != PathType.NONE.value or state.path_since is not None:
+                        logger.info("peer %s: path %s -> %s", peer_id, state.path, conn.path.value)
+                    state.path, state.path_since, state.relay = conn.path.value, now, conn.relay
+            for peer_id in set(self.connected) - set(peers):
+                state = self.peer_state.get(peer_id)
+                if state is not None:
+                    state.path, state.path_since, state.relay = PathType.NONE.value, now, None
+            self.connected = peers
+            # forget state of peers that are neither connected nor members
+            for peer_id in [p for p in self.peer_state if p not in peers and p not in self.discovery.members]:
+                del self.peer_state[peer_id]
+            if self.addresses != (addrs := await self._safe_addresses()):
+                self.addresses = addrs
+                datadir.write_runtime(self.data_dir, self.runtime_info())
+            await asyncio.sleep(interval)
+
+    async def _safe_addresses(self) -> list[str]:
+        try:
+            return await self.transport.addresses(refresh=False)
+        except (TransportError, ValueError):
+            return self.addresses
+
+    async def _ping_loop(self) -> None:
+        sem = asyncio.Semaphore(16)
+
+        async def ping_one(peer_id: str) -> None:
+            async with sem:
+                state = self.peer_state.setdefault(peer_id, PeerState())
+                try:
+                    rtt = await ping(self.transport, peer_id, timeout=5.0)
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError):
+                    state.ping_failures += 1
+                    return
+                state.latency_ms = rtt * 1000.0
+                state.last_seen = time.time()
+                state.ping_failures = 0
+                self.discovery.touch(peer_id)
+
+        while True:
+            targets = [p for p in self.connected if p in self.discovery.members]
+            if targets:
+                await asyncio.gather(*(ping_one(p) for p in targets))
+            await asyncio.sleep(self.config.discovery.ping_interval)
+
+    # ------------------------------------------------------------------ views
+    def uptime(self) -> float:
+        return 0.0 if self._started_mono is None else time.monotonic() - self._started_mono
+
+    def peers_view(self) -> list[dict]:
+        ids = set(self.discovery.members) | set(self.connected)
+        ids.discard(self.identity.peer_id)
+        out = []
+        for peer_id in sorted(ids):
+            member = self.discovery.members.get(peer_id)
+            conn = self.connected.get(peer_id)
+            state = self.peer_state.get(peer_id, PeerState())
+            last_seen = max(filter(None, [state.last_seen, member.last_seen if member else None]), default=None)
+            out.append(
+                {
+                    "peer_id": peer_id,
+                    "member": member is not None,
+                    "connected": conn is not None,
+                    "path": conn.path.value if conn else PathType.NONE.value,
+                    "relay": conn.relay if conn else None,
+                    "path_since": state.path_since,
+                    "addrs": list(member.record.addrs) if member else list(conn.addrs if conn else ()),
+                    "conn_addrs": list(conn.addrs) if conn else [],
+                    "latency_ms": None if state.latency_ms is None else round(state.latency_ms, 3),
+                    "last_seen": last_seen,
+                    "version": member.record.version if member else None,
+                    "loops": list(member.record.loops) if member else [],
+                    "source": member.source if member else "connection",
+                    "penalty_score": round(self.transport.penalties.score(peer_id), 1),
+                }
+            )
+        return out
+
+    def status(self) -> dict:
+        stats = self.transport.stats
+        peers = self.peers_view()
+        return {
+            "peer_id": self.identity.peer_id,
+            "version": __version__,
+            "swarm": self.config.node.swarm,
+            "uptime_s": round(self.uptime(), 3),
+            "started_at": self.started_at,
+            "listen": list(self.config.network.listen),
+            "addresses": self.addresses,
+            "announce": list(self.config.network.announce),
+            "reachability": self.transport.reachability.value,
+            "joined": self.discovery.joined,
+            "bootstrap": [b.to_json() for b in self.discovery.bootstrap],
+            "dht": {
+                "routing_table_size": self.discovery.routing_table_size(),
+                "members_key": self.discovery.members_key,
+                **self.discovery.counters,
+            },
+            "members": len(self.discovery.members),
+            "connected": len(self.connected),
+            "peers": peers,
+            "loops": dict(self.loops),
+            "traffic": {
+                "bytes_in": stats.bytes_in,
+                "bytes_out": stats.bytes_out,
+                "messages_in": sum(stats.messages_in.values()),
+                "messages_out": sum(stats.messages_out.values()),
+                "note": "swarmd protocol streams; DHT RPCs are counted under dht",
+            },
+            "errors": dict(stats.errors),
+            "penalties": dict(self.transport.penalties.totals),
+            "banned": self.transport.penalties.banned(),
+            "http": self.http.url,
+            "data_dir": str(self.data_dir),
+        }

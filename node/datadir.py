@@ -1,0 +1,115 @@
+"""The node's data directory: identity key, an exclusive lock, and the runtime file that local commands read.
+
+Layout::
+
+    <data dir>/identity.key   Ed25519 key (mode 0600)
+    <data dir>/swarmd.lock    held with flock(LOCK_EX) while a node runs; holds its pid
+    <data dir>/node.json      written when the node is up: pid, peer id, addresses, status URL; removed at exit
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+from pathlib import Path
+
+import platformdirs
+
+IDENTITY_FILE = "identity.key"
+LOCK_FILE = "swarmd.lock"
+RUNTIME_FILE = "node.json"
+
+
+class DataDirError(Exception):
+    """A one-line, user-facing problem with the data directory."""
+
+
+def resolve(data_dir: str | os.PathLike | None) -> Path:
+    if data_dir:
+        return Path(data_dir).expanduser().resolve()
+    return Path(platformdirs.user_data_dir("swarmd", appauthor=False))
+
+
+def ensure(path: Path) -> Path:
+    try:
+        path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    except OSError as e:
+        raise DataDirError(f"cannot create data dir {path}: {e.strerror}") from None
+    if not os.access(path, os.W_OK):
+        raise DataDirError(f"data dir {path} is not writable")
+    return path
+
+
+class DataDirLock:
+    """An exclusive advisory lock on the data dir, so two nodes never share one identity."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        lock_path = self.path / LOCK_FILE
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                other = os.read(fd, 32).decode(errors="replace").strip() or "?"
+            finally:
+                os.close(fd)
+            raise DataDirError(
+                f"data dir {self.path} is in use by another swarmd (pid {other}); "
+                "give each node its own --data-dir"
+            ) from None
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.fsync(fd)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            try:
+                os.ftruncate(self._fd, 0)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+                os.close(self._fd)
+                self._fd = None
+
+
+def write_runtime(path: Path, info: dict) -> None:
+    tmp = path / (RUNTIME_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(info, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path / RUNTIME_FILE)
+
+
+def read_runtime(path: Path) -> dict | None:
+    try:
+        with open(path / RUNTIME_FILE) as f:
+            info = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+    pid = info.get("pid")
+    if not isinstance(pid, int) or not _alive(pid):
+        return None  # left behind by a node that was killed
+    return info
+
+
+def remove_runtime(path: Path) -> None:
+    try:
+        (path / RUNTIME_FILE).unlink()
+    except FileNotFoundError:
+        pass
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

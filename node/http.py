@@ -1,0 +1,127 @@
+"""Local HTTP status endpoint (aiohttp), served on the node's own event loop.
+
+``GET /healthz`` 200 when up; ``/status`` JSON; ``/peers`` JSON list; ``/metrics`` Prometheus text; ``/`` a small page.
+Bound to 127.0.0.1 by default: it is for the person running the node, not for the swarm.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from node.metrics import CONTENT_TYPE, make_registry, render
+
+if TYPE_CHECKING:
+    from node.core import Node
+
+logger = logging.getLogger(__name__)
+
+
+class HttpStartError(Exception):
+    pass
+
+
+class StatusServer:
+    def __init__(self, node: Node, host: str, port: int):
+        self.node = node
+        self.host = host
+        self.port = port
+        self._runner: web.AppRunner | None = None
+        self._registry = make_registry(node)
+        self.url: str | None = None
+
+    def _app(self) -> web.Application:
+        app = web.Application(client_max_size=1024)
+        app.add_routes(
+            [
+                web.get("/", self._page),
+                web.get("/healthz", self._healthz),
+                web.get("/status", self._status),
+                web.get("/peers", self._peers),
+                web.get("/metrics", self._metrics),
+            ]
+        )
+        return app
+
+    async def start(self) -> None:
+        self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=False)
+        try:
+            await site.start()
+        except OSError as e:
+            await self._runner.cleanup()
+            self._runner = None
+            if e.errno == errno.EADDRINUSE:
+                raise HttpStartError(f"http address {self.host}:{self.port} is already in use (choose --http)") from None
+            raise HttpStartError(f"cannot serve http on {self.host}:{self.port}: {e.strerror}") from None
+        sock = site._server.sockets[0]  # the real port when 0 was asked for
+        host, port = sock.getsockname()[:2]
+        self.port = port
+        self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True, "peer_id": self.node.identity.peer_id})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.status())
+
+    async def _peers(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.peers_view())
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _page(self, request: web.Request) -> web.Response:
+        return web.Response(text=PAGE, content_type="text/html")
+
+
+PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><title>swarmd</title>
+<style>
+body{font:14px system-ui,sans-serif;margin:2em;color:#222}h1{font-size:1.3em}
+table{border-collapse:collapse}td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:left}
+code{font-size:12px}.k{color:#666}.bad{color:#b00}
+</style></head><body>
+<h1>swarmd <span id="ver"></span></h1>
+<p><span class="k">peer</span> <code id="pid"></code><br>
+<span class="k">swarm</span> <span id="swarm"></span> &middot; <span class="k">uptime</span> <span id="up"></span> &middot;
+<span class="k">reachability</span> <span id="reach"></span> &middot; <span class="k">DHT</span> <span id="dht"></span> &middot;
+<span class="k">traffic</span> <span id="traffic"></span></p>
+<p><span class="k">share one of</span><br><code id="addrs"></code></p>
+<div id="boot"></div>
+<h2>Peers (<span id="n"></span>)</h2>
+<table><thead><tr><th>peer</th><th>path</th><th>latency</th><th>last seen</th><th>version</th><th>loops</th></tr></thead>
+<tbody id="peers"></tbody></table>
+<p class="k"><a href="/status">/status</a> &middot; <a href="/peers">/peers</a> &middot; <a href="/metrics">/metrics</a></p>
+<script>
+const $=id=>document.getElementById(id);
+const esc=s=>String(s??'').replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
+const ago=t=>t?Math.max(0,(Date.now()/1000-t)).toFixed(1)+' s ago':'-';
+async function tick(){
+  try{
+    const s=await (await fetch('/status')).json();
+    $('ver').textContent=s.version;$('pid').textContent=s.peer_id;$('swarm').textContent=s.swarm;
+    $('up').textContent=s.uptime_s.toFixed(0)+' s';$('reach').textContent=s.reachability;
+    $('dht').textContent=s.dht.routing_table_size+' in routing table, '+s.members+' members';
+    $('traffic').textContent=s.traffic.bytes_in+' B in / '+s.traffic.bytes_out+' B out';
+    $('addrs').innerHTML=s.addresses.map(esc).join('<br>');
+    $('boot').innerHTML=s.bootstrap.filter(b=>b.state!=='connected').map(b=>
+      '<p class="bad">bootstrap '+esc(b.addr)+': '+esc(b.state)+' (attempt '+b.attempts+') '+esc(b.last_error)+'</p>').join('');
+    $('n').textContent=s.peers.length;
+    $('peers').innerHTML=s.peers.map(p=>'<tr><td><code>'+esc(p.peer_id)+'</code></td><td>'+esc(p.path)+
+      (p.relay?' via '+esc(p.relay.slice(-8)):'')+'</td><td>'+(p.latency_ms==null?'-':p.latency_ms.toFixed(2)+' ms')+
+      '</td><td>'+ago(p.last_seen)+'</td><td>'+esc(p.version)+'</td><td>'+esc(p.loops.join(', '))+'</td></tr>').join('');
+  }catch(e){$('pid').textContent='node not answering';}
+}
+tick();setInterval(tick,2000);
+</script></body></html>
+"""

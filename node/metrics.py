@@ -1,0 +1,80 @@
+"""Prometheus metrics, read from the node's state at scrape time (one registry per node, no globals)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
+
+from node import __version__
+
+if TYPE_CHECKING:
+    from node.core import Node
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class NodeCollector:
+    def __init__(self, node: Node):
+        self.node = node
+
+    def collect(self):
+        node = self.node
+        stats = node.transport.stats
+        yield InfoMetricFamily("swarmd", "swarmd build and identity",
+                               value={"version": __version__, "peer_id": node.identity.peer_id,
+                                      "swarm": node.config.node.swarm})
+        yield GaugeMetricFamily("swarmd_uptime_seconds", "Seconds since the node started", value=node.uptime())
+
+        peers = GaugeMetricFamily("swarmd_peers", "Peers by state", labels=["state"])
+        peers.add_metric(["connected"], len(node.connected))
+        peers.add_metric(["member"], len(node.discovery.members))
+        peers.add_metric(["relayed"], sum(1 for c in node.connected.values() if c.path.value == "relayed"))
+        peers.add_metric(["banned"], len(node.transport.penalties.banned()))
+        yield peers
+
+        yield GaugeMetricFamily("swarmd_dht_routing_table_size", "Peers in the DHT routing table",
+                                value=node.discovery.routing_table_size())
+        dht_ops = CounterMetricFamily("swarmd_dht_operations", "DHT and discovery operations", labels=["op"])
+        for op, count in node.discovery.counters.items():
+            dht_ops.add_metric([op], count)
+        yield dht_ops
+
+        traffic = CounterMetricFamily("swarmd_bytes", "Bytes on swarmd protocol streams", labels=["direction"])
+        traffic.add_metric(["in"], stats.bytes_in)
+        traffic.add_metric(["out"], stats.bytes_out)
+        yield traffic
+
+        messages = CounterMetricFamily("swarmd_messages", "Messages on swarmd protocol streams",
+                                       labels=["protocol", "direction"])
+        for proto, count in stats.messages_in.items():
+            messages.add_metric([proto, "in"], count)
+        for proto, count in stats.messages_out.items():
+            messages.add_metric([proto, "out"], count)
+        yield messages
+
+        errors = CounterMetricFamily("swarmd_errors", "Errors by kind (malformed, oversized, ...)", labels=["kind"])
+        for kind, count in stats.errors.items():
+            errors.add_metric([kind], count)
+        yield errors
+
+        penalties = CounterMetricFamily("swarmd_peer_penalties", "Penalties given to peers by kind", labels=["kind"])
+        for kind, count in node.transport.penalties.totals.items():
+            penalties.add_metric([kind], count)
+        yield penalties
+
+        boot = GaugeMetricFamily("swarmd_bootstrap_connected", "1 if the bootstrap peer is connected", labels=["peer"])
+        for b in node.discovery.bootstrap:
+            boot.add_metric([b.peer_id], 1.0 if b.state == "connected" else 0.0)
+        yield boot
+
+
+def make_registry(node: Node) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(NodeCollector(node))
+    return registry
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

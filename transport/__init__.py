@@ -1,0 +1,1 @@
+"""Transport: libp2p host, identity, framing, errors. Knows nothing of training."""

@@ -1,0 +1,217 @@
+"""The transport interface the rest of swarmd is written against, and the pieces every backend shares.
+
+A backend (today: :class:`transport.p2pd.P2PDaemonTransport`, the go-libp2p daemon driven through hivemind's
+``P2P``) provides connections, versioned protocol streams, peer listing, addresses and reachability. Handlers that
+serve a protocol receive a :class:`Stream`; whatever they raise is contained by :class:`HandlerRunner`: a
+:class:`~transport.errors.ProtocolViolation` penalises the remote peer, nothing reaches the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Protocol
+
+from transport.errors import FrameTooLarge, ProtocolViolation, StreamClosed, TransportError
+from transport.framing import HEADER, ProtocolSpec, decode, frame, read_frame
+from transport.penalties import PeerPenalties, RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+
+class PathType(str, enum.Enum):
+    DIRECT = "direct"
+    RELAYED = "relayed"
+    NONE = "none"
+
+
+class Reachability(str, enum.Enum):
+    PUBLIC = "public"
+    PRIVATE = "private"
+    UNKNOWN = "unknown"
+
+
+@dataclass(frozen=True)
+class ConnectedPeer:
+    peer_id: str
+    addrs: tuple[str, ...]
+    path: PathType
+    relay: str | None = None  # peer id of the relay when path is RELAYED
+
+
+@dataclass
+class TransportStats:
+    """Traffic on swarmd's own protocol streams (the DHT's RPCs are counted separately, by the DHT)."""
+
+    bytes_in: int = 0
+    bytes_out: int = 0
+    messages_in: Counter = field(default_factory=Counter)  # by protocol id
+    messages_out: Counter = field(default_factory=Counter)
+    streams_in: int = 0
+    streams_out: int = 0
+    errors: Counter = field(default_factory=Counter)  # by kind
+
+
+class Stream:
+    """A bidirectional stream to one peer on one protocol, speaking framed msgpack messages."""
+
+    def __init__(
+        self,
+        peer_id: str,
+        spec: ProtocolSpec,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        stats: TransportStats,
+    ):
+        self.peer_id = peer_id
+        self.spec = spec
+        self._reader = reader
+        self._writer = writer
+        self._stats = stats
+
+    async def read(self):
+        """The next message, or None at a clean end of stream. Raises ProtocolViolation / StreamClosed."""
+        payload = await read_frame(self._reader, self.spec)
+        if payload is None:
+            return None
+        self._stats.bytes_in += HEADER.size + len(payload)
+        self._stats.messages_in[self.spec.id] += 1
+        return decode(payload, self.spec)
+
+    async def read_required(self):
+        message = await self.read()
+        if message is None:
+            raise StreamClosed(f"{self.spec.id}: peer closed the stream before replying")
+        return message
+
+    async def send(self, kind: int, body: Any) -> None:
+        data = frame(kind, body, self.spec)
+        try:
+            self._writer.write(data)
+            await self._writer.drain()
+        except (ConnectionError, RuntimeError) as e:
+            raise StreamClosed(f"{self.spec.id}: write failed: {e}") from None
+        self._stats.bytes_out += len(data)
+        self._stats.messages_out[self.spec.id] += 1
+
+    async def close(self) -> None:
+        """Always closes; an error here only means the close was not graceful."""
+        try:
+            if self._writer.can_write_eof():
+                self._writer.write_eof()
+        except (OSError, RuntimeError):
+            pass
+        self._writer.close()
+        try:
+            await asyncio.wait_for(self._writer.wait_closed(), 1.0)
+        except (OSError, asyncio.TimeoutError, RuntimeError):
+            pass
+
+    async def __aenter__(self) -> Stream:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
+
+
+StreamHandler = Callable[[Stream], Awaitable[None]]
+
+
+class HandlerRunner:
+    """Runs a protocol handler for one inbound stream and contains every failure.
+
+    Error handling: a ProtocolViolation penalises the peer and is logged (rate limited); a TransportError (peer went
+    away) is counted and logged at debug level; any other exception is our bug: logged with its traceback, rate
+    limited, and the stream is closed. Nothing propagates to the caller.
+    """
+
+    def __init__(self, penalties: PeerPenalties, stats: TransportStats):
+        self.penalties = penalties
+        self.stats = stats
+        self._bug_log = RateLimitedLog(logger, interval=30.0)
+
+    async def run(self, handler: StreamHandler, stream: Stream) -> None:
+        self.stats.streams_in += 1
+        try:
+            if self.penalties.is_banned(stream.peer_id):
+                self.stats.errors["banned_peer"] += 1
+                return
+            await handler(stream)
+        except ProtocolViolation as e:
+            self.stats.errors[e.kind] += 1
+            self.penalties.penalize(stream.peer_id, e.kind, str(e))
+        except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+            self.stats.errors["stream_failed"] += 1
+            logger.debug("%s from %s failed: %r", stream.spec.id, stream.peer_id, e)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self.stats.errors["handler_bug"] += 1
+            self._bug_log.log(logging.ERROR, stream.spec.id, "handler for %s crashed", stream.spec.id, exc_info=True)
+        finally:
+            await stream.close()
+
+
+class Transport(Protocol):
+    """What the node, the DHT and the protocols need from a libp2p host."""
+
+    peer_id: str
+    stats: TransportStats
+    penalties: PeerPenalties
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    async def connect(self, maddr: str, *, timeout: float) -> str:
+        """Dial a multiaddr ending in /p2p/<id>; returns the peer id. Raises PeerUnreachable."""
+
+    async def connect_peer(self, peer_id: str, addrs: list[str], *, timeout: float) -> None: ...
+
+    async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float) -> Stream: ...
+
+    async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None: ...
+
+    async def peers(self) -> list[ConnectedPeer]: ...
+
+    async def addresses(self) -> list[str]:
+        """Multiaddrs other peers can dial, each ending in /p2p/<our id>."""
+
+    @property
+    def reachability(self) -> Reachability: ...
+
+
+def path_of(addrs: list[str] | tuple[str, ...]) -> tuple[PathType, str | None]:
+    """Direct unless every address the connection uses goes through a circuit relay."""
+    if not addrs:
+        return PathType.DIRECT, None
+    relayed = [a for a in addrs if "/p2p-circuit" in a]
+    if len(relayed) < len(addrs):
+        return PathType.DIRECT, None
+    relay = None
+    head = relayed[0].split("/p2p-circuit")[0]
+    if "/p2p/" in head:
+        relay = head.rsplit("/p2p/", 1)[1]
+    return PathType.RELAYED, relay
+
+
+def monotonic_ms() -> float:
+    return time.monotonic() * 1000.0
+
+
+__all__ = [
+    "ConnectedPeer",
+    "FrameTooLarge",
+    "HandlerRunner",
+    "PathType",
+    "Reachability",
+    "Stream",
+    "StreamHandler",
+    "Transport",
+    "TransportStats",
+    "path_of",
+]

@@ -1,0 +1,239 @@
+"""Transport backend on the go-libp2p daemon (p2pd) bundled with hivemind, driven by hivemind's asyncio ``P2P``.
+
+Runs on the caller's event loop. The daemon is a child process that exits by itself when our persistent control
+connection closes (so it never outlives us, even after SIGKILL).
+
+Decisions made here (see README, "Transport"):
+- p2pd is started *without* bootstrap peers: dialing, retries and backoff are ours (``dht.discovery``), so an
+  unreachable bootstrap shows in /status instead of failing start-up.
+- Port mapping (UPnP/NAT-PMP) is off unless configured; the public IPFS bootstrap list is never used.
+- TCP SO_REUSEPORT is off, so a port held by another node is a clear start-up error rather than a silently shared
+  port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import socket
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from transport._compat import load_hivemind
+from transport.base import ConnectedPeer, HandlerRunner, Reachability, Stream, StreamHandler, TransportStats, path_of
+from transport.errors import DaemonStartError, PeerUnreachable, TransportError
+from transport.framing import ProtocolSpec
+from transport.identity import Identity
+from transport.multiaddrs import parse_listen_addr, split_peer_addr
+from transport.penalties import PeerPenalties
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class P2PDaemonConfig:
+    listen: list[str]
+    announce: list[str] = field(default_factory=list)
+    port_mapping: bool = False
+    force_reachability: str | None = None  # "public" | "private" | None (AutoNAT decides)
+    relay_service: bool = True
+    auto_relay: bool = False
+    dht_mode: str = "server"
+    startup_timeout: float = 15.0
+
+
+class P2PDaemonTransport:
+    """Implements :class:`transport.base.Transport` on hivemind's ``P2P``."""
+
+    def __init__(self, identity: Identity, config: P2PDaemonConfig, *, penalties: PeerPenalties | None = None):
+        self.identity = identity
+        self.peer_id = identity.peer_id
+        self.config = config
+        self.stats = TransportStats()
+        self.penalties = penalties or PeerPenalties()
+        self._runner = HandlerRunner(self.penalties, self.stats)
+        self._p2p = None
+        self._key_dir: tempfile.TemporaryDirectory | None = None
+        self._handler_tasks: set[asyncio.Task] = set()
+        self._specs: dict[str, ProtocolSpec] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+    async def start(self) -> None:
+        hm = load_hivemind()
+        _check_ports_free(self.config.listen)
+        # p2pd reads the key from a file; give it a private copy in go-libp2p's 64-byte layout
+        self._key_dir = tempfile.TemporaryDirectory(prefix="swarmd-key-")
+        key_path = Path(self._key_dir.name) / "identity.key"
+        fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(self.identity.to_p2pd_bytes())
+        # hivemind copies os.environ for the daemon and offers no way to pass env; this only affects p2pd
+        os.environ["LIBP2P_TCP_REUSEPORT"] = "false"
+        try:
+            self._p2p = await hm.P2P.create(
+                initial_peers=None,
+                host_maddrs=self.config.listen,
+                announce_maddrs=self.config.announce or None,
+                identity_path=str(key_path),
+                check_if_identity_free=False,  # hivemind's check only understands RSA keys
+                nat_port_map=self.config.port_mapping,
+                use_ipfs=False,
+                use_relay=True,
+                use_auto_relay=self.config.auto_relay,
+                force_reachability=self.config.force_reachability,
+                dht_mode=self.config.dht_mode,
+                startup_timeout=self.config.startup_timeout,
+                idle_timeout=self.config.startup_timeout + 15,
+            )
+        except hm.P2PDaemonError as e:
+            self._cleanup_key()
+            raise DaemonStartError(_explain_daemon_error(str(e), self.config.listen)) from None
+        except ValueError as e:
+            self._cleanup_key()
+            raise DaemonStartError(str(e)) from None
+        finally:
+            # the daemon has read the key; do not leave a copy on disk
+            self._cleanup_key()
+        if self._p2p.peer_id.to_base58() != self.peer_id:
+            raise DaemonStartError(
+                f"p2pd reports peer id {self._p2p.peer_id.to_base58()}, expected {self.peer_id} (key format changed?)"
+            )
+
+    def _cleanup_key(self) -> None:
+        if self._key_dir is not None:
+            self._key_dir.cleanup()
+            self._key_dir = None
+
+    async def close(self) -> None:
+        for task in list(self._handler_tasks):
+            task.cancel()
+        if self._handler_tasks:
+            await asyncio.gather(*self._handler_tasks, return_exceptions=True)
+        if self._p2p is not None:
+            p2p, self._p2p = self._p2p, None
+            try:
+                await asyncio.wait_for(p2p.shutdown(), 5.0)
+            except asyncio.TimeoutError:
+                logger.warning("p2p daemon did not exit within 5 s; killing it")
+                if p2p._child is not None and p2p._child.returncode is None:
+                    p2p._child.kill()
+
+    @property
+    def hivemind_p2p(self):
+        """The underlying hivemind ``P2P`` (for hivemind's DHTNode). Backend-specific."""
+        if self._p2p is None:
+            raise TransportError("transport is not started")
+        return self._p2p
+
+    @property
+    def daemon_pid(self) -> int | None:
+        child = getattr(self._p2p, "_child", None)
+        return None if child is None else child.pid
+
+    @property
+    def reachability(self) -> Reachability:
+        if self.config.force_reachability in ("public", "private"):
+            return Reachability(self.config.force_reachability)
+        return Reachability.UNKNOWN
+
+    # ---------------------------------------------------------------- connections
+    async def connect(self, maddr: str, *, timeout: float = 10.0) -> str:
+        peer_id, transport_addr = split_peer_addr(maddr)
+        await self.connect_peer(peer_id, [transport_addr] if transport_addr else [], timeout=timeout)
+        return peer_id
+
+    async def connect_peer(self, peer_id: str, addrs: list[str], *, timeout: float = 10.0) -> None:
+        hm = load_hivemind()
+        if peer_id == self.peer_id:
+            raise PeerUnreachable("refusing to dial ourselves")
+        try:
+            maddrs = [hm.Multiaddr(a) for a in addrs]
+            await asyncio.wait_for(self.hivemind_p2p._client.connect(hm.PeerID.from_base58(peer_id), maddrs), timeout)
+        except asyncio.TimeoutError:
+            raise PeerUnreachable(f"dialing {peer_id} timed out after {timeout:.0f} s") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise PeerUnreachable(f"dialing {peer_id} failed: {_short(e)}") from None
+
+    async def peers(self) -> list[ConnectedPeer]:
+        infos = await self.hivemind_p2p.list_peers()
+        result = []
+        for info in infos:
+            addrs = tuple(str(a) for a in info.addrs)
+            path, relay = path_of(addrs)
+            result.append(ConnectedPeer(info.peer_id.to_base58(), addrs, path, relay))
+        return result
+
+    async def addresses(self, *, refresh: bool = True) -> list[str]:
+        return [str(a) for a in await self.hivemind_p2p.get_visible_maddrs(latest=refresh)]
+
+    # ---------------------------------------------------------------- streams
+    async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float = 10.0) -> Stream:
+        hm = load_hivemind()
+        if self.penalties.is_banned(peer_id):
+            raise PeerUnreachable(f"peer {peer_id} is banned")
+        try:
+            _, reader, writer = await asyncio.wait_for(
+                self.hivemind_p2p.call_binary_stream_handler(hm.PeerID.from_base58(peer_id), spec.id), timeout
+            )
+        except asyncio.TimeoutError:
+            raise PeerUnreachable(f"opening {spec.id} to {peer_id} timed out") from None
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise PeerUnreachable(f"opening {spec.id} to {peer_id} failed: {_short(e)}") from None
+        self.stats.streams_out += 1
+        return Stream(peer_id, spec, reader, writer, self.stats)
+
+    async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
+        if spec.id in self._specs:
+            raise ValueError(f"{spec.id} is already served")
+        self._specs[spec.id] = spec
+
+        async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats)
+            task = asyncio.current_task()
+            if task is not None:
+                self._handler_tasks.add(task)
+            try:
+                await self._runner.run(handler, stream)
+            finally:
+                if task is not None:
+                    self._handler_tasks.discard(task)
+
+        await self.hivemind_p2p.add_binary_stream_handler(spec.id, on_stream)
+
+
+def _short(e: BaseException) -> str:
+    text = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return text[:200]
+
+
+def _check_ports_free(listen: list[str]) -> None:
+    """Fail early, with a readable message, if a fixed listen port is taken."""
+    for addr in listen:
+        family, host, proto, port = parse_listen_addr(addr)
+        if port == 0 or proto not in ("tcp", "udp"):
+            continue
+        kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
+        with socket.socket(family, kind) as s:
+            try:
+                s.bind((host, port))
+            except OSError as e:
+                if e.errno == errno.EADDRINUSE:
+                    raise DaemonStartError(f"listen address {addr}: {proto} port {port} is already in use") from None
+                if e.errno == errno.EADDRNOTAVAIL:
+                    raise DaemonStartError(f"listen address {addr}: {host} is not an address of this machine") from None
+                raise DaemonStartError(f"listen address {addr}: {e.strerror}") from None
+
+
+def _explain_daemon_error(message: str, listen: list[str]) -> str:
+    if "address already in use" in message:
+        return f"p2p daemon could not listen on {', '.join(listen)}: address already in use"
+    if "cannot assign requested address" in message:
+        return f"p2p daemon could not listen on {', '.join(listen)}: not an address of this machine"
+    return f"p2p daemon failed to start: {message[:300]}"

@@ -1,0 +1,37 @@
+"""``/swarmd/ping/1.0.0``: round-trip time to a peer over a fresh stream (what `swarmd peers` shows as latency)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+from transport.base import Stream, Transport
+from transport.errors import MalformedMessage, ProtocolViolation
+from transport.framing import ProtocolSpec
+
+PING, PONG = 1, 2
+PING_SPEC = ProtocolSpec("ping", "1.0.0", max_frame=64, kinds=frozenset({PING, PONG}))
+NONCE_SIZE = 8
+
+
+async def serve_ping(transport: Transport) -> None:
+    async def handler(stream: Stream) -> None:
+        message = await stream.read_required()
+        if message.kind != PING or not isinstance(message.body, bytes) or len(message.body) != NONCE_SIZE:
+            raise MalformedMessage("ping: body must be an 8-byte nonce")
+        await stream.send(PONG, message.body)
+
+    await transport.serve(PING_SPEC, handler)
+
+
+async def ping(transport: Transport, peer_id: str, *, timeout: float = 5.0) -> float:
+    """Seconds for one PING/PONG exchange on an open stream (stream setup not included)."""
+    async with await transport.open_stream(peer_id, PING_SPEC, timeout=timeout) as stream:
+        nonce = os.urandom(NONCE_SIZE)
+        start = time.perf_counter()
+        await stream.send(PING, nonce)
+        reply = await stream.read_required()
+        rtt = time.perf_counter() - start
+        if reply.kind != PONG or reply.body != nonce:
+            raise ProtocolViolation("ping: wrong pong", kind="malformed")
+        return rtt
