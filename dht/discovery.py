@@ -213,22 +213,29 @@ class Discovery:
                     continue
                 state.state, state.last_error, state.connected_at = "connected", None, self._clock()
                 delay = self.config.backoff_initial
+                try:
+                    await self._after_join()
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+                    logger.warning("joined through %s, but the first member sync failed: %s", state.addr, e)
             # connected: re-bootstrap only if we end up with no peers at all
             await asyncio.sleep(self.config.poll_interval)
             if not await self.transport.peers():
                 state.state = "retrying"
 
     async def join_via(self, addr: str) -> None:
+        """Dial a bootstrap peer, enter its DHT routing table and greet it. Raises TransportError/ProtocolViolation."""
         hm = load_hivemind()
         peer_id = await self.transport.connect(addr, timeout=self.config.dial_timeout)
         node_id = await self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False)
         if node_id is None:
             raise PeerUnreachable(f"{addr} answered the dial but not the DHT ping")
         await self._hello(peer_id)
-        await self.dht.find_nearest_nodes([self.dht.node_id])
         self._joined.set()
-        await self.announce()
-        self._poll_now.set()
+
+    async def _after_join(self) -> None:
+        # greet every member at once (that is what makes us visible within ~1 s), while we store our record and
+        # fill our routing table
+        await asyncio.gather(self.poll(), self.announce(), self.dht.find_nearest_nodes([self.dht.node_id]))
 
     # ------------------------------------------------------------------ members
     async def _poll_loop(self) -> None:

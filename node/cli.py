@@ -66,7 +66,8 @@ def _setup_logging(level: str) -> None:
     hm = load_hivemind()
     hm.use_hivemind_log_handler("nowhere")  # hivemind logs go through our root handler
     logging.getLogger("hivemind").setLevel(logging.DEBUG if level == "debug" else logging.WARNING)
-    logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    for noisy in ("aiohttp.access", "multiaddr", "libp2p", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 110})
@@ -102,7 +103,12 @@ def start(config_path, **flags) -> None:
         code = _run_node(config, identity, data_dir)
     finally:
         lock.release()
-    sys.exit(code)
+    # Everything is closed and flushed; skip interpreter finalization, which resets signal handlers to their
+    # defaults (a Ctrl+C then would kill us with a traceback-less SIGINT) and only slows the exit down.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _run_node(config, identity, data_dir: Path) -> int:
@@ -131,12 +137,15 @@ def _run_node(config, identity, data_dir: Path) -> int:
         def on_signal(signum: int) -> None:
             nonlocal stop_signals
             stop_signals += 1
-            if stop_signals == 1:
-                print(f"received {signal.Signals(signum).name}, shutting down (again to exit at once)",
-                      file=sys.stderr, flush=True)
-                task.cancel()
-            else:
-                os._exit(130)
+            # from now on a signal exits at once, even while the loop shuts down or closes (the loop forgets
+            # these signals, so closing it does not reset them to the default action)
+            for s in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(s, _exit_now)
+                loop.remove_signal_handler(s)
+                signal.signal(s, _exit_now)
+            print(f"received {signal.Signals(signum).name}, shutting down (again to exit at once)",
+                  file=sys.stderr, flush=True)
+            task.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, on_signal, sig)
@@ -152,8 +161,15 @@ def _run_node(config, identity, data_dir: Path) -> int:
 
     started = time.monotonic()
     code = uvloop.run(main())
+    # the loop (and its signal handlers) is gone, but the process still has to exit: a signal now exits at once
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, _exit_now)
     logging.getLogger("swarmd").info("stopped after %.1f s", time.monotonic() - started)
     return code
+
+
+def _exit_now(*_) -> None:
+    os._exit(130)
 
 
 def _load(config_path, flags):

@@ -13,7 +13,7 @@ import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Awaitable, Callable
 
 from dht.discovery import Discovery, DiscoveryConfig
 from node import __version__, datadir
@@ -100,11 +100,9 @@ class Node:
                         if on_ready is not None:
                             on_ready(self)
                         async with asyncio.TaskGroup() as tg:
-                            tg.create_task(self.discovery.run())
-                            tg.create_task(self._connection_monitor())
-                            tg.create_task(self._ping_loop())
-                            if not self.discovery.bootstrap:
-                                tg.create_task(self.discovery.announce())
+                            tg.create_task(supervise("discovery", self.discovery.run))
+                            tg.create_task(supervise("connection monitor", self._connection_monitor))
+                            tg.create_task(supervise("ping", self._ping_loop))
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
@@ -112,6 +110,8 @@ class Node:
             finally:
                 await self.discovery.close()
         finally:
+            if delay := float(os.environ.get("SWARMD_TEST_SHUTDOWN_DELAY", "0")):
+                await asyncio.sleep(delay)  # fault injection for tests: a shutdown that hangs
             await self.transport.close()
 
     def runtime_info(self) -> dict:
@@ -166,8 +166,9 @@ class Node:
                 state = self.peer_state.setdefault(peer_id, PeerState())
                 try:
                     rtt = await ping(self.transport, peer_id, timeout=5.0)
-                except (TransportError, ProtocolViolation, asyncio.TimeoutError):
+                except (TransportError, ProtocolViolation) as e:
                     state.ping_failures += 1
+                    logger.debug("ping %s failed: %s", peer_id, e)
                     return
                 state.latency_ms = rtt * 1000.0
                 state.last_seen = time.time()
@@ -250,3 +251,23 @@ class Node:
             "http": self.http.url,
             "data_dir": str(self.data_dir),
         }
+
+
+async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay: float = 30.0) -> None:
+    """Run a background loop forever; if it crashes (a bug), log it and restart it with backoff.
+
+    A bug in one loop must not take the node down; cancellation passes through."""
+    delay = 1.0
+    while True:
+        started = time.monotonic()
+        try:
+            await run()
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("%s loop crashed; restarting in %.0f s", name, delay)
+        if time.monotonic() - started > 60:
+            delay = 1.0
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, max_delay)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 
 from transport.base import Stream, Transport
-from transport.errors import MalformedMessage, ProtocolViolation
+from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation
 from transport.framing import ProtocolSpec
 
 PING, PONG = 1, 2
@@ -25,13 +26,19 @@ async def serve_ping(transport: Transport) -> None:
 
 
 async def ping(transport: Transport, peer_id: str, *, timeout: float = 5.0) -> float:
-    """Seconds for one PING/PONG exchange on an open stream (stream setup not included)."""
-    async with await transport.open_stream(peer_id, PING_SPEC, timeout=timeout) as stream:
-        nonce = os.urandom(NONCE_SIZE)
-        start = time.perf_counter()
-        await stream.send(PING, nonce)
-        reply = await stream.read_required()
-        rtt = time.perf_counter() - start
-        if reply.kind != PONG or reply.body != nonce:
-            raise ProtocolViolation("ping: wrong pong", kind="malformed")
-        return rtt
+    """Seconds for one PING/PONG exchange on an open stream (stream setup not included).
+
+    Raises PeerUnreachable if the whole exchange takes longer than ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            async with await transport.open_stream(peer_id, PING_SPEC, timeout=timeout) as stream:
+                nonce = os.urandom(NONCE_SIZE)
+                start = time.perf_counter()
+                await stream.send(PING, nonce)
+                reply = await stream.read_required()
+                rtt = time.perf_counter() - start
+    except TimeoutError:
+        raise PeerUnreachable(f"ping to {peer_id} timed out after {timeout:.0f} s") from None
+    if reply.kind != PONG or reply.body != nonce:
+        raise ProtocolViolation("ping: wrong pong", kind="malformed")
+    return rtt

@@ -1,0 +1,171 @@
+"""Real `swarmd start` processes on loopback, for multi-node tests and benchmarks.
+
+Nodes use ``configs/local.toml`` (127.0.0.1, OS-picked ports, fast discovery) and their own data dirs. Readiness is
+a state we wait for (the runtime file the node writes once it serves HTTP), never a sleep. Every process we start is
+ended by its PID when the test ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parent.parent
+LOCAL_CONFIG = REPO / "configs" / "local.toml"
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
+    """Poll ``predicate`` until it returns something truthy; raise AssertionError naming ``what`` on timeout."""
+    deadline = time.monotonic() + timeout
+    last_exc = None
+    while True:
+        try:
+            value = predicate()
+            if value:
+                return value
+        except Exception as e:  # the state may not be readable yet
+            last_exc = e
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" ({last_exc!r})" if last_exc else ""))
+        time.sleep(interval)
+
+
+def http_get(url: str, timeout: float = 5.0):
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body = resp.read()
+        if resp.headers.get_content_type() == "application/json":
+            return json.loads(body)
+        return body.decode()
+
+
+class NodeProc:
+    def __init__(self, data_dir: Path, args: list[str], env: dict | None = None):
+        self.data_dir = data_dir
+        self.args = args
+        self.log_path = data_dir.parent / f"{data_dir.name}.log"
+        self._log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "node", *args],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            cwd=REPO,
+        )
+        self.info: dict | None = None
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        def ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"node exited with {self.proc.returncode}:\n{self.log()}")
+            path = self.data_dir / "node.json"
+            if not path.exists():
+                return None
+            info = json.loads(path.read_text())
+            return info if info.get("pid") == self.pid else None
+
+        self.info = wait_for(ready, timeout, f"node in {self.data_dir} to start")
+        return self.info
+
+    @property
+    def peer_id(self) -> str:
+        return self.info["peer_id"]
+
+    @property
+    def url(self) -> str:
+        return self.info["http"]
+
+    @property
+    def tcp_addr(self) -> str:
+        return next(a for a in self.info["addresses"] if "/tcp/" in a)
+
+    def status(self) -> dict:
+        return http_get(self.url + "/status")
+
+    def member_ids(self) -> set[str]:
+        return {p["peer_id"] for p in self.status()["peers"] if p["member"]}
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-4000:]
+        except FileNotFoundError:
+            return ""
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.kill(self.pid, sig)
+
+    def stop(self, timeout: float = 10.0) -> int:
+        """SIGTERM, then SIGKILL if it does not exit in time. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+class Swarm:
+    """Starts nodes under ``root``; ``close()`` ends every process it started."""
+
+    def __init__(self, root: Path, config: Path = LOCAL_CONFIG):
+        self.root = root
+        self.config = config
+        self.nodes: list[NodeProc] = []
+
+    def start(self, name: str, *extra: str, bootstrap: list[str] = (), wait: bool = True, env=None) -> NodeProc:
+        data_dir = self.root / name
+        args = ["start", "--config", str(self.config), "--data-dir", str(data_dir)]
+        for addr in bootstrap:
+            args += ["--bootstrap", addr]
+        node = NodeProc(data_dir, args + list(extra), env)
+        self.nodes.append(node)
+        if wait:
+            node.wait_ready()
+        return node
+
+    def close(self) -> None:
+        for node in self.nodes:
+            if node.proc.poll() is None:
+                node.signal(signal.SIGTERM)
+        for node in self.nodes:
+            try:
+                node.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                node.proc.kill()
+                node.proc.wait(5)
+            node._log.close()
+
+
+def run_cli(*args: str, timeout: float = 30.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "node", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env={**os.environ, **(env or {})},
+    )
+
+
+__all__ = ["NodeProc", "Swarm", "http_get", "run_cli", "wait_for", "urllib"]
