@@ -28,7 +28,7 @@ import msgpack
 
 from transport import identity as ident
 from transport._compat import load_hivemind
-from transport.errors import BadSignature, MalformedMessage
+from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
 from transport.framing import pack_record, unpack_record
 from transport.identity import Identity
 from transport.multiaddrs import validate_multiaddr
@@ -133,6 +133,8 @@ def open_envelope(envelope: Any, author: str, *, max_size: int) -> Any:
     data, sig = envelope["p"], envelope["s"]
     if not isinstance(data, bytes) or not isinstance(sig, bytes):
         raise MalformedMessage("envelope fields must be bytes")
+    if len(data) > max_size:
+        raise FrameTooLarge(f"envelope payload of {len(data)} B exceeds limit {max_size} B")
     if not ident.verify(author, _ENVELOPE_DOMAIN + data, sig):
         raise BadSignature(f"envelope signature does not verify for {author}")
     return unpack_record(data, max_size=max_size)

@@ -145,12 +145,13 @@ class HandlerRunner:
 
     async def run(self, handler: StreamHandler, stream: Stream) -> None:
         self.stats.streams_in += 1
-        logger.debug("inbound %s from %s", stream.spec.id, stream.peer_id)
+        linger = 0.0  # an offender or a failed stream is closed at once; a served one lingers for the reply
         try:
             if self.penalties.is_banned(stream.peer_id):
                 self.stats.errors["banned_peer"] += 1
                 return
             await handler(stream)
+            linger = self.linger
         except ProtocolViolation as e:
             self.stats.errors[e.kind] += 1
             self.penalties.penalize(stream.peer_id, e.kind, str(e))
@@ -163,7 +164,7 @@ class HandlerRunner:
             self.stats.errors["handler_bug"] += 1
             self._bug_log.log(logging.ERROR, stream.spec.id, "handler for %s crashed", stream.spec.id, exc_info=True)
         finally:
-            await stream.close(linger=self.linger)
+            await stream.close(linger=linger)
 
 
 class Transport(Protocol):

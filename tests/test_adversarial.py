@@ -1,0 +1,89 @@
+"""A peer that sends malformed, oversized, forged or badly signed messages to a real node process.
+
+Each offence is counted and penalised; past the ban threshold the peer's streams are refused; the node keeps
+serving everyone else."""
+
+import asyncio
+import struct
+
+import msgpack
+import pytest
+
+from dht.discovery import HELLO, HELLO_SPEC
+from dht.records import NodeRecord, seal
+from swarmproc import http_get, wait_for
+from transport.identity import Identity
+from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from transport.ping import PING_SPEC
+
+pytestmark = pytest.mark.swarm
+
+
+async def send_raw(attacker, peer_id, spec, data: bytes) -> bytes:
+    """Open a stream, write raw bytes, return whatever comes back before the node closes it."""
+    stream = await attacker.open_stream(peer_id, spec, timeout=10)
+    stream._writer.write(data)
+    await stream._writer.drain()
+    try:
+        reply = await asyncio.wait_for(stream._reader.read(), 10)
+    finally:
+        await stream.close()
+    return reply
+
+
+@pytest.mark.timeout(120)
+async def test_bad_peer_is_counted_penalised_and_banned_while_the_node_stays_up(swarm):
+    victim = swarm.start("victim")
+    attacker_id, stranger = Identity.generate(), Identity.generate()
+    attacker = P2PDaemonTransport(attacker_id, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    try:
+        await attacker.connect(victim.tcp_addr)
+        vid = victim.peer_id
+        # 1. a length prefix far above the hello limit: refused before the body is read
+        assert await send_raw(attacker, vid, HELLO_SPEC, struct.pack(">I", 50_000_000)) == b""
+        # 2. garbage msgpack
+        assert await send_raw(attacker, vid, HELLO_SPEC, struct.pack(">I", 3) + b"\xc1\xc1\xc1") == b""
+        # 3. junk ping body
+        junk = msgpack.packb([1, "not a nonce"])
+        assert await send_raw(attacker, vid, PING_SPEC, struct.pack(">I", len(junk)) + junk) == b""
+
+        def status():
+            return http_get(victim.url + "/status")
+
+        s = wait_for(lambda: (s := status())["errors"].get("malformed", 0) >= 2 and s, 10, "malformed counted")
+        assert s["errors"]["oversized"] == 1
+        assert s["penalties"] == {"oversized": 1, "malformed": 2}
+        assert attacker_id.peer_id not in s["banned"]
+        assert all(p["peer_id"] != attacker_id.peer_id or p["penalty_score"] > 0 for p in s["peers"])
+
+        # 4. a hello signed by someone else
+        fake = NodeRecord(attacker_id.peer_id, (), "0.1.0", (), 1.0).to_wire()
+        body = msgpack.packb([HELLO, seal(stranger, fake)])
+        assert await send_raw(attacker, vid, HELLO_SPEC, struct.pack(">I", len(body)) + body) == b""
+        # 5. a correctly signed hello that claims to be another peer
+        forged = NodeRecord(stranger.peer_id, (), "0.1.0", (), 1.0).to_wire()
+        body = msgpack.packb([HELLO, seal(attacker_id, forged)])
+        assert await send_raw(attacker, vid, HELLO_SPEC, struct.pack(">I", len(body)) + body) == b""
+
+        s = wait_for(lambda: (s := status())["banned"] and s, 10, "the attacker to be banned")
+        assert s["banned"] == [attacker_id.peer_id]
+        assert s["penalties"]["bad_signature"] == 1 and s["penalties"]["forged"] == 1
+        # neither the forged nor the badly signed record made it into the member list
+        assert {p["peer_id"] for p in s["peers"] if p["member"]} == set()
+
+        # banned: even a perfectly valid hello is now refused
+        good = seal(attacker_id, NodeRecord(attacker_id.peer_id, (), "0.1.0", (), 1.0).to_wire())
+        body = msgpack.packb([HELLO, good])
+        assert await send_raw(attacker, vid, HELLO_SPEC, struct.pack(">I", len(body)) + body) == b""
+        wait_for(lambda: status()["errors"].get("banned_peer", 0) >= 1, 10, "banned stream to be counted")
+
+        # the node still serves honest peers
+        honest = swarm.start("honest", bootstrap=[victim.tcp_addr])
+        wait_for(lambda: honest.peer_id in victim.member_ids() and vid in honest.member_ids(), 20, "honest join")
+        assert http_get(victim.url + "/healthz")["ok"]
+        metrics = http_get(victim.url + "/metrics")
+        assert 'swarmd_errors_total{kind="oversized"} 1.0' in metrics
+        assert 'swarmd_peers{state="banned"} 1.0' in metrics
+    finally:
+        await attacker.close()

@@ -1,0 +1,101 @@
+"""The CLI as a user runs it: bad input gets one clear line and the documented exit code, never a traceback."""
+
+import socket
+import stat
+
+import pytest
+
+from swarmproc import LOCAL_CONFIG, run_cli
+
+PEER = "12D3KooWRLprPmBWgQTLfjEci2hccdjFNWhxDAPs9dA2fVxbmfJw"
+
+
+def assert_clean_error(result, code, *fragments):
+    assert result.returncode == code, (result.returncode, result.stdout, result.stderr)
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("swarmd: error: ")]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr  # one error line, last (after any log lines)
+    for fragment in fragments:
+        assert fragment in errors[0], errors[0]
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["--bootstrap", "1.2.3.4:4001"], ["--bootstrap", "is not a multiaddr"]),
+        (["--bootstrap", "/ip4/1.2.3.4/tcp/4001"], ["--bootstrap", "no /p2p/"]),
+        (["--bootstrap", "/ip4/1.2.3.4/tcp/4001/p2p/QmNope"], ["--bootstrap"]),
+        (["--listen", "/ip4/1.2.3.4/udp/1"], ["--listen", "QUIC"]),
+        (["--http", "nowhere"], ["--http"]),
+        (["--config", "/nonexistent.toml"], ["config file /nonexistent.toml not found"]),
+        (["--reachability", "maybe"], ["--reachability"]),
+        (["--no-such-flag"], ["no-such-flag"]),
+    ],
+)
+def test_bad_input_exits_2(tmp_path, args, fragments):
+    assert_clean_error(run_cli("start", "--data-dir", str(tmp_path), *args), 2, *fragments)
+
+
+def test_invalid_config_field(tmp_path):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text("[discovery]\nmax_peers = 0\n")
+    assert_clean_error(run_cli("start", "--config", str(cfg), "--data-dir", str(tmp_path)), 2, "discovery.max_peers")
+
+
+@pytest.mark.timeout(60)
+def test_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = run_cli("start", "--config", str(LOCAL_CONFIG), "--data-dir", str(tmp_path),
+                         "--listen", f"/ip4/127.0.0.1/tcp/{port}")
+    assert_clean_error(result, 1, f"tcp port {port} is already in use")
+
+
+@pytest.mark.timeout(60)
+def test_http_port_in_use(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        result = run_cli("start", "--config", str(LOCAL_CONFIG), "--data-dir", str(tmp_path),
+                         "--http", f"127.0.0.1:{port}")
+    assert_clean_error(result, 1, f"127.0.0.1:{port} is already in use")
+
+
+@pytest.mark.timeout(60)
+def test_two_nodes_on_one_data_dir(swarm):
+    first = swarm.start("shared")
+    result = run_cli("start", "--config", str(LOCAL_CONFIG), "--data-dir", str(first.data_dir))
+    assert_clean_error(result, 1, "is in use by another swarmd", f"pid {first.pid}")
+    assert first.proc.poll() is None  # the first node is unharmed
+
+
+def test_keygen_and_id(tmp_path):
+    created = run_cli("keygen", "--data-dir", str(tmp_path))
+    assert created.returncode == 0, created.stderr
+    peer_id = created.stdout.strip()
+    assert peer_id.startswith("12D3KooW")
+    assert stat.S_IMODE((tmp_path / "identity.key").stat().st_mode) == 0o600
+    shown = run_cli("id", "--data-dir", str(tmp_path))
+    assert shown.returncode == 0 and shown.stdout.strip() == peer_id
+    assert_clean_error(run_cli("keygen", "--data-dir", str(tmp_path)), 1, "already exists", peer_id)
+    replaced = run_cli("keygen", "--data-dir", str(tmp_path), "--force")
+    assert replaced.returncode == 0 and replaced.stdout.strip() != peer_id
+
+
+def test_id_without_identity(tmp_path):
+    assert_clean_error(run_cli("id", "--data-dir", str(tmp_path)), 1, "does not exist", "swarmd keygen")
+
+
+def test_status_without_a_node(tmp_path):
+    assert_clean_error(run_cli("status", "--data-dir", str(tmp_path)), 1, "no running node")
+    assert_clean_error(run_cli("peers", "--http", "127.0.0.1:9"), 1, "cannot read")
+
+
+def test_help_and_version():
+    assert run_cli("--help").returncode == 0
+    v = run_cli("--version")
+    assert v.returncode == 0 and "0.1.0" in v.stdout

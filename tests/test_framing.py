@@ -1,0 +1,83 @@
+import asyncio
+import struct
+
+import msgpack
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
+from transport.framing import HEADER, ProtocolSpec, decode, encode, frame, read_message
+
+SPEC = ProtocolSpec("test", "1.0.0", max_frame=1024, kinds=frozenset({1, 2}))
+
+
+def reader_with(data: bytes, eof: bool = True) -> asyncio.StreamReader:
+    r = asyncio.StreamReader()
+    r.feed_data(data)
+    if eof:
+        r.feed_eof()
+    return r
+
+
+async def test_roundtrip_and_clean_eof():
+    r = reader_with(frame(1, {"a": [1, b"x", "y"]}, SPEC) + frame(2, None, SPEC))
+    m1, m2, end = await read_message(r, SPEC), await read_message(r, SPEC), await read_message(r, SPEC)
+    assert (m1.kind, m1.body, m2.kind, m2.body, end) == (1, {"a": [1, b"x", "y"]}, 2, None, None)
+    assert SPEC.id == "/swarmd/test/1.0.0"
+
+
+async def test_oversized_frame_is_rejected_before_the_body_is_read():
+    # only the header arrives, no EOF: if the reader tried to read the body it would hang (and the timeout fail)
+    r = reader_with(HEADER.pack(10**9), eof=False)
+    with pytest.raises(FrameTooLarge):
+        await asyncio.wait_for(read_message(r, SPEC), 1.0)
+
+
+def test_outgoing_oversized_is_refused():
+    with pytest.raises(FrameTooLarge):
+        frame(1, b"x" * 2000, SPEC)
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\xc1",  # never-used msgpack byte
+        msgpack.packb({"kind": 1}),  # not [kind, body]
+        msgpack.packb([1, 2, 3]),
+        msgpack.packb(["1", None]),  # kind not int
+        msgpack.packb([True, None]),  # bool is not an int kind
+        msgpack.packb([7, None]),  # unknown kind
+        msgpack.packb([1, {1: 2}]),  # non-string map key
+        msgpack.packb([1, msgpack.ExtType(5, b"xx")]),  # ext types are refused
+        encode(1, None) + b"\x00",  # trailing bytes
+        b"\x92\x01\xa5ab",  # truncated string
+        b"\x92\x01\xc4\xff",  # bin claims 255 bytes, has none
+    ],
+)
+def test_malformed_payloads(payload):
+    with pytest.raises(MalformedMessage):
+        decode(payload, SPEC)
+
+
+async def test_truncated_streams():
+    with pytest.raises(StreamClosed):
+        await read_message(reader_with(b"\x00\x00"), SPEC)
+    with pytest.raises(StreamClosed):
+        await read_message(reader_with(struct.pack(">I", 10) + b"abc"), SPEC)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=256))
+def test_arbitrary_bytes_never_raise_anything_but_malformed(data):
+    try:
+        decode(data, SPEC)
+    except MalformedMessage:
+        pass
+
+
+def test_protocol_spec_validation():
+    with pytest.raises(ValueError):
+        ProtocolSpec("a/b", "1.0.0", 10)
+    with pytest.raises(ValueError):
+        ProtocolSpec("a", "1.0.0", 0)

@@ -1,0 +1,50 @@
+"""Imports flow one way: protocols -> node services -> dht -> transport; crdt imports nothing of ours.
+
+Checked statically over every module, so a wrong import fails the suite before it becomes a cycle."""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = {"node", "dht", "crdt", "transport", "protocols", "configs"}
+
+# package -> packages of ours it may import
+ALLOWED = {
+    "transport": {"transport"},
+    "crdt": {"crdt"},
+    "dht": {"dht", "transport"},
+    "node": {"node", "dht", "transport", "crdt", "configs"},
+    "protocols": {"protocols", "node", "dht", "transport", "crdt"},
+}
+COMPOSITION_ROOTS = {"node/cli.py", "node/__main__.py"}  # may import protocols to plug the loops in
+PROTOCOLS_MAY_USE_FROM_NODE = {"node.services", "node"}
+TORCH_ALLOWED = {"protocols"}
+
+
+def imports_of(path: Path):
+    tree = ast.parse(path.read_text(), filename=str(path))
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            yield node.module
+
+
+def test_import_directions():
+    problems = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((ROOT / package).rglob("*.py")):
+            rel = path.relative_to(ROOT).as_posix()
+            for name in imports_of(path):
+                top = name.split(".")[0]
+                if top == "torch" and package not in TORCH_ALLOWED:
+                    problems.append(f"{rel} imports torch (only protocols/ may)")
+                if top not in PACKAGES or top in allowed:
+                    if package == "protocols" and top == "node" and name not in PROTOCOLS_MAY_USE_FROM_NODE:
+                        problems.append(f"{rel} imports {name}: protocols use node.services only")
+                    continue
+                if top == "protocols" and rel in COMPOSITION_ROOTS:
+                    continue
+                problems.append(f"{rel} imports {name}")
+    assert not problems, "layering violations:\n" + "\n".join(problems)

@@ -1,0 +1,148 @@
+"""Signed records: the DHT validator (unit and against real DHT nodes), envelopes, node records."""
+
+import dataclasses
+
+import pytest
+
+from dht.records import (
+    Ed25519RecordValidator,
+    NodeRecord,
+    dht_key_id,
+    open_envelope,
+    owner_tag,
+    seal,
+)
+from transport._compat import load_hivemind
+from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
+from transport.identity import Identity
+
+hm = load_hivemind()
+KEY = "swarmd/test/members"
+
+
+def record(identity, value=b"\x81\xa1a\x01", subkey=None, key=KEY, expiration=1e10):
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    sub = MSGPackSerializer.dumps(subkey if subkey is not None else owner_tag(identity.peer_id))
+    return hm.DHTRecord(dht_key_id(key), sub, value, expiration)
+
+
+def test_owner_signed_record_validates_and_strips():
+    alice = Identity.generate()
+    v = Ed25519RecordValidator(alice, protected_keys=[KEY])
+    rec = record(alice)
+    signed = dataclasses.replace(rec, value=v.sign_value(rec))
+    assert signed.value != rec.value
+    assert v.validate(signed)
+    assert v.strip_value(signed) == rec.value
+    # any other node's validator accepts it too (the key comes from the peer id)
+    assert Ed25519RecordValidator(Identity.generate(), protected_keys=[KEY]).validate(signed)
+
+
+def test_forged_altered_unsigned_and_replayed_records_are_rejected():
+    alice, mallory = Identity.generate(), Identity.generate()
+    v_alice = Ed25519RecordValidator(alice, protected_keys=[KEY])
+    v_mallory = Ed25519RecordValidator(mallory, protected_keys=[KEY])
+    checker = Ed25519RecordValidator(Identity.generate(), protected_keys=[KEY])
+
+    rec = record(alice)
+    good = dataclasses.replace(rec, value=v_alice.sign_value(rec))
+    # mallory cannot sign in alice's name: her validator does not sign records she does not own
+    assert v_mallory.sign_value(rec) == rec.value and not checker.validate(rec)
+    # a signature by mallory over alice's slot
+    forged_sig = dataclasses.replace(rec, value=v_mallory.sign_value(record(mallory, value=rec.value))[len(rec.value):])
+    assert not checker.validate(dataclasses.replace(rec, value=rec.value + forged_sig.value))
+    # altered value, altered expiration (replay with a longer life), moved to another key
+    assert not checker.validate(dataclasses.replace(good, value=b"\x00" + good.value))
+    assert not checker.validate(dataclasses.replace(good, expiration_time=good.expiration_time + 1))
+    assert not checker.validate(dataclasses.replace(good, key=dht_key_id("swarmd/other/members")))
+    # two owners in one subkey
+    both = record(alice, subkey=owner_tag(alice.peer_id) + owner_tag(mallory.peer_id))
+    assert not checker.validate(dataclasses.replace(both, value=v_alice.sign_value(both)))
+    # unprotected keys still accept unsigned records; the protected key does not
+    assert checker.validate(record(alice, subkey=b"plain", key="somewhere/else"))
+    assert not checker.validate(record(alice, subkey=b"plain"))
+    # oversized
+    big = record(alice, value=b"x" * 20000)
+    assert not checker.validate(dataclasses.replace(big, value=v_alice.sign_value(big)))
+
+
+def test_strip_value_does_not_mangle_payloads_that_look_like_signatures():
+    alice = Identity.generate()
+    v = Ed25519RecordValidator(alice)
+    payload = b"[ed25519sig:" + b"A" * 88 + b"] and more"
+    rec = record(alice, value=payload)
+    signed = dataclasses.replace(rec, value=v.sign_value(rec))
+    assert v.validate(signed) and v.strip_value(signed) == payload
+
+
+def test_envelopes():
+    alice, bob = Identity.generate(), Identity.generate()
+    env = seal(alice, {"x": 1})
+    assert open_envelope(env, alice.peer_id, max_size=100) == {"x": 1}
+    with pytest.raises(BadSignature):
+        open_envelope(env, bob.peer_id, max_size=100)
+    with pytest.raises(BadSignature):
+        open_envelope({"p": env["p"] + b"\x00", "s": env["s"]}, alice.peer_id, max_size=100)
+    for bad in (None, [], {"p": 1, "s": 2}, {"p": b"", "s": b"", "x": 1}):
+        with pytest.raises(MalformedMessage):
+            open_envelope(bad, alice.peer_id, max_size=100)
+    with pytest.raises(FrameTooLarge):
+        open_envelope(seal(alice, "y" * 500), alice.peer_id, max_size=100)
+
+
+def test_node_record_parsing_is_strict():
+    ident = Identity.generate()
+    good = NodeRecord(ident.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1.0", ("diloco",), 1.5).to_wire()
+    assert NodeRecord.from_wire(good).peer_id == ident.peer_id
+    bad_variants = [
+        {**good, "extra": 1},
+        {k: v for k, v in good.items() if k != "loops"},
+        {**good, "v": 2},
+        {**good, "peer": "QmNotEd25519"},
+        {**good, "addrs": ["not an addr"]},
+        {**good, "addrs": ["/ip4/1.2.3.4/tcp/1"] * 17},
+        {**good, "loops": ["x" * 65]},
+        {**good, "issued": 1},  # int, not float: no coercion
+        {**good, "issued": float("nan")},
+        {**good, "version": None},
+        "not a dict",
+    ]
+    for bad in bad_variants:
+        with pytest.raises(MalformedMessage):
+            NodeRecord.from_wire(bad)
+
+
+@pytest.mark.timeout(60)
+async def test_real_dht_nodes_refuse_forged_member_records():
+    """Two DHTNodes on real p2p daemons: the storing node itself refuses a record signed by the wrong key."""
+    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+    alice, mallory = Identity.generate(), Identity.generate()
+    ta = P2PDaemonTransport(alice, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    tm = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await ta.start()
+    await tm.start()
+    try:
+        va = Ed25519RecordValidator(alice, protected_keys=[KEY])
+        vm = Ed25519RecordValidator(mallory, protected_keys=[KEY])
+        node_a = await hm.DHTNode.create(p2p=ta.hivemind_p2p, record_validator=va)
+        addr = (await ta.addresses())[0]
+        await tm.connect(addr)
+        node_m = await hm.DHTNode.create(p2p=tm.hivemind_p2p, record_validator=vm, initial_peers=[addr])
+        exp = hm.get_dht_time() + 30
+        assert await node_a.store(KEY, {"me": "alice"}, exp, subkey=owner_tag(alice.peer_id))
+        # mallory overwrites alice's slot: her validator will not sign it, so it goes out unsigned -> refused
+        assert not await node_m.store(KEY, {"me": "EVIL"}, exp + 10, subkey=owner_tag(alice.peer_id))
+        # and an unsigned plain subkey on the protected key is refused too
+        assert not await node_m.store(KEY, {"junk": 1}, exp, subkey=b"plain")
+        # mallory's own slot is fine
+        assert await node_m.store(KEY, {"me": "mallory"}, exp, subkey=owner_tag(mallory.peer_id))
+        got = await node_a.get(KEY, latest=True)
+        values = {k: v.value for k, v in got.value.items()}
+        assert values == {owner_tag(alice.peer_id): {"me": "alice"}, owner_tag(mallory.peer_id): {"me": "mallory"}}
+        await node_m.shutdown()
+        await node_a.shutdown()
+    finally:
+        await tm.close()
+        await ta.close()
