@@ -117,6 +117,7 @@ class Discovery:
         self._poll_now = asyncio.Event()
         self._hello_buckets: dict[str, _Bucket] = {}
         self._dialing: set[str] = set()
+        self._greeted: set[str] = set()  # peers that hold our record from a hello
         self._tasks: set[asyncio.Task] = set()
         self._log = RateLimitedLog(logger, interval=30.0)
 
@@ -225,17 +226,26 @@ class Discovery:
     async def join_via(self, addr: str) -> None:
         """Dial a bootstrap peer, enter its DHT routing table and greet it. Raises TransportError/ProtocolViolation."""
         hm = load_hivemind()
+        started = time.perf_counter()
         peer_id = await self.transport.connect(addr, timeout=self.config.dial_timeout)
+        dialed = time.perf_counter()
         node_id = await self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False)
         if node_id is None:
             raise PeerUnreachable(f"{addr} answered the dial but not the DHT ping")
+        pinged = time.perf_counter()
         await self._hello(peer_id)
         self._joined.set()
+        logger.info(
+            "joined through %s: dial %.0f ms, DHT ping %.0f ms, hello %.0f ms",
+            peer_id, (dialed - started) * 1e3, (pinged - dialed) * 1e3, (time.perf_counter() - pinged) * 1e3,
+        )
 
     async def _after_join(self) -> None:
         # greet every member at once (that is what makes us visible within ~1 s), while we store our record and
         # fill our routing table
+        started = time.perf_counter()
         await asyncio.gather(self.poll(), self.announce(), self.dht.find_nearest_nodes([self.dht.node_id]))
+        logger.info("first member sync: %d members in %.0f ms", len(self.members), (time.perf_counter() - started) * 1e3)
 
     # ------------------------------------------------------------------ members
     async def _poll_loop(self) -> None:
@@ -268,7 +278,7 @@ class Discovery:
                 continue
             self._upsert(record, expires=item.expiration_time, source="dht", now=now)
         self._expire(now)
-        await self._dial_unconnected()
+        await self._greet_new_members()
 
     def _upsert(self, record: NodeRecord, *, expires: float, source: str, now: float) -> bool:
         """Add or refresh a member; returns True if it is new."""
@@ -291,6 +301,7 @@ class Discovery:
         for peer_id in [p for p, m in self.members.items() if m.expires < now]:
             logger.info("member %s left (record expired)", peer_id)
             del self.members[peer_id]
+            self._greeted.discard(peer_id)
 
     def touch(self, peer_id: str) -> None:
         member = self.members.get(peer_id)
@@ -299,27 +310,29 @@ class Discovery:
             member.last_seen = now
             member.expires = max(member.expires, now + self.config.record_ttl)
 
-    async def _dial_unconnected(self) -> None:
+    async def _greet_new_members(self) -> None:
+        """Say hello to members we have not greeted yet (dialing them first if needed), up to ``max_peers``."""
         connected = {p.peer_id for p in await self.transport.peers()}
-        room = self.config.max_peers - len(connected)
+        room = self.config.max_peers - len(connected & set(self._greeted))
         todo = [
             p
             for p in self.members
-            if p not in connected and p not in self._dialing and not self.transport.penalties.is_banned(p)
+            if p not in self._greeted and p not in self._dialing and not self.transport.penalties.is_banned(p)
         ]
         random.shuffle(todo)
         for peer_id in todo[: max(0, room)]:
             self._dialing.add(peer_id)
-            task = asyncio.create_task(self._dial_and_greet(peer_id))
+            task = asyncio.create_task(self._dial_and_greet(peer_id, connected=peer_id in connected))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _dial_and_greet(self, peer_id: str) -> None:
+    async def _dial_and_greet(self, peer_id: str, connected: bool) -> None:
         try:
             member = self.members.get(peer_id)
             if member is None:
                 return
-            await self.transport.connect_peer(peer_id, list(member.record.addrs), timeout=self.config.dial_timeout)
+            if not connected:
+                await self.transport.connect_peer(peer_id, list(member.record.addrs), timeout=self.config.dial_timeout)
             await self._hello(peer_id)
         except (TransportError, ProtocolViolation) as e:
             logger.debug("could not greet member %s: %s", peer_id, e)
@@ -340,6 +353,7 @@ class Discovery:
                 self.transport.penalties.penalize(peer_id, e.kind, str(e))
                 self.transport.stats.errors[e.kind] += 1
                 raise
+        self._greeted.add(peer_id)
         self.counters["hello_out"] += 1
 
     def _accept_envelope(self, peer_id: str, body) -> None:
@@ -356,6 +370,7 @@ class Discovery:
         if message.kind != HELLO:
             raise MalformedMessage("hello: expected HELLO")
         self._accept_envelope(stream.peer_id, message.body)
+        self._greeted.add(stream.peer_id)  # they know us: they just got our record in the reply
         self.counters["hello_in"] += 1
         await stream.send(HELLO_ACK, seal(self.identity, (await self.my_record()).to_wire()))
 

@@ -12,8 +12,6 @@ import os
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import click
@@ -58,7 +56,7 @@ def _setup_logging(level: str) -> None:
 
     logging.basicConfig(
         level=getattr(logging, level.upper()),
-        format="%(asctime)s %(levelname)-7s %(name)s: %(message)s",
+        format="%(asctime)s.%(msecs)03d %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
         force=True,
@@ -196,6 +194,9 @@ def _status_url(data_dir: str | None, http: str | None) -> str:
 
 
 def _get_json(url: str):
+    import urllib.error
+    import urllib.request
+
     try:
         with urllib.request.urlopen(url, timeout=5) as resp:
             return json.load(resp)

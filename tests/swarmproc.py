@@ -50,6 +50,7 @@ class NodeProc:
     def __init__(self, data_dir: Path, args: list[str], env: dict | None = None):
         self.data_dir = data_dir
         self.args = args
+        data_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(

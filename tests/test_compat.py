@@ -94,3 +94,32 @@ async def test_p2pd_needs_the_64_byte_ed25519_key(tmp_path):
     finally:
         await p2p.shutdown()
     await asyncio.sleep(0)
+
+
+def test_libp2p_package_init_is_still_heavy():
+    r = _run(
+        """
+        import sys
+        import libp2p.crypto.pb.crypto_pb2
+        print("trio" in sys.modules, "aioquic" in sys.modules)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() != ["False", "False"], "py-libp2p's __init__ is light now: drop the lazy package"
+
+
+def test_lazy_libp2p_keeps_the_stack_out_until_asked_and_then_works():
+    r = _run(
+        """
+        import sys
+        from transport.identity import Identity
+        Identity.generate()
+        light = "trio" not in sys.modules and "aioquic" not in sys.modules
+        import libp2p
+        new_host = libp2p.new_host            # first package attribute: runs the real __init__
+        from libp2p import generate_new_rsa_identity
+        print(light, callable(new_host), "trio" in sys.modules)
+        """
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.split() == ["True", "True", "True"]

@@ -10,7 +10,11 @@ needed (so we notice when an upgrade lets us delete it).
 2. **hivemind imports torch at package import.** ``import hivemind.p2p`` runs ``hivemind/__init__.py``, which pulls in
    torch (~1.2 s, ~200 MB RSS) although the P2P and DHT parts never use it. We register light package stubs for
    ``hivemind``, ``hivemind.utils`` and ``hivemind.dht`` so their submodules import without the package ``__init__``s.
-3. **p2pd's Ed25519 key format.** go-libp2p reads Ed25519 private key data as seed(32) || public key(32); py-libp2p
+3. **py-libp2p's package ``__init__`` loads the whole stack** (trio, aioquic, the transports: ~0.5 s and ~45 MB RSS)
+   although identity needs only ``libp2p.crypto`` and ``libp2p.peer.id``. We register a *lazy* ``libp2p`` package
+   module: its submodules import without the ``__init__``, and the first attribute looked up on the package itself
+   (e.g. ``libp2p.new_host``) runs the real ``__init__`` into it, so a py-libp2p backend still works.
+4. **p2pd's Ed25519 key format.** go-libp2p reads Ed25519 private key data as seed(32) || public key(32); py-libp2p
    writes only the 32-byte seed, which p2pd refuses ("expected ed25519 data size to be 64 or 96, got 32").
 """
 
@@ -25,10 +29,37 @@ from typing import Any
 _HIVEMIND_CRYPTO_PB2 = "hivemind.proto.crypto_pb2"
 
 
+class _LazyPackage(types.ModuleType):
+    """A package whose ``__init__`` runs only when an attribute of the package itself is first looked up."""
+
+    def __getattr__(self, name: str):
+        if name.startswith("__") or self.__dict__.get("_swarmd_initialized"):
+            raise AttributeError(name)
+        self.__dict__["_swarmd_initialized"] = True
+        self.__spec__.loader.exec_module(self)
+        return getattr(self, name)
+
+
+def _install_lazy_libp2p() -> None:
+    """Workaround 3."""
+    if "libp2p" in sys.modules:
+        return
+    spec = importlib.util.find_spec("libp2p")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("py-libp2p is not installed (pip install libp2p==0.8.1)")
+    module = _LazyPackage("libp2p")
+    module.__spec__ = spec
+    module.__file__ = spec.origin
+    module.__path__ = list(spec.submodule_search_locations)
+    module.__package__ = "libp2p"
+    sys.modules["libp2p"] = module
+
+
 def install_protobuf_alias() -> None:
     """Workaround 1: make ``hivemind.proto.crypto_pb2`` resolve to py-libp2p's ``crypto_pb2``."""
     if _HIVEMIND_CRYPTO_PB2 in sys.modules:
         return
+    _install_lazy_libp2p()
     import libp2p.crypto.pb.crypto_pb2 as lp_crypto_pb2
 
     sys.modules[_HIVEMIND_CRYPTO_PB2] = lp_crypto_pb2
@@ -112,7 +143,7 @@ def load_hivemind() -> Hivemind:
 
 
 def p2pd_ed25519_key_data(seed: bytes, public_key: bytes) -> bytes:
-    """Workaround 3: the private key ``data`` field that go-libp2p accepts for Ed25519 (seed || public key)."""
+    """Workaround 4: the private key ``data`` field that go-libp2p accepts for Ed25519 (seed || public key)."""
     if len(seed) != 32 or len(public_key) != 32:
         raise ValueError("Ed25519 seed and public key must be 32 bytes each")
     return seed + public_key
