@@ -1,6 +1,7 @@
 """Join benchmark: how fast a new node becomes visible to the whole swarm, and what a node costs in memory.
 
-For swarms of 8 and 32 `swarmd start` processes on loopback (configs/local.toml):
+For swarms of 8 and 32 `swarmd start` processes on loopback (configs/local.toml with the default config's discovery
+intervals, as a real deployment runs them: 32 nodes sharing 2 cores is the load here, not the network):
 - join (spawn): from spawning `swarmd start --bootstrap <random member>` until every other node lists the newcomer
   as a member in its /status (median over --joins newcomers);
 - join (ready): the same, counted from the moment the newcomer's HTTP endpoint is up (process start-up excluded);
@@ -99,8 +100,22 @@ def baseline(bootstrap: str) -> tuple[float, int]:
     return float(elapsed), int(rss)
 
 
+BENCH_CONFIG = """
+[network]
+listen = ["/ip4/127.0.0.1/tcp/0", "/ip4/127.0.0.1/udp/0/quic-v1"]
+reachability = "public"
+[discovery]
+backoff_initial = 0.5
+[http]
+listen = "127.0.0.1:0"
+"""
+
+
 def run_size(size: int, joins: int, root: Path) -> dict:
-    swarm = Swarm(root / f"swarm{size}")
+    root.mkdir(parents=True, exist_ok=True)
+    config = root / "bench.toml"
+    config.write_text(BENCH_CONFIG)
+    swarm = Swarm(root / f"swarm{size}", config=config)
     rng = random.Random(size)
     try:
         nodes = [swarm.start("n0")]

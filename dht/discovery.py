@@ -101,6 +101,7 @@ class Discovery:
         version: str,
         loops: Callable[[], list[str]] = lambda: [],
         clock: Callable[[], float] = time.time,
+        on_greeted: Callable[[str], None] = lambda peer_id: None,
     ):
         self.transport = transport
         self.identity = identity
@@ -108,6 +109,7 @@ class Discovery:
         self.version = version
         self._loops = loops
         self._clock = clock
+        self._on_greeted = on_greeted
         self.members_key = f"swarmd/{config.swarm}/members"
         self.members: dict[str, Member] = {}
         self.bootstrap: list[BootstrapState] = [BootstrapState(a, split_peer_addr(a)[0]) for a in config.bootstrap]
@@ -355,6 +357,7 @@ class Discovery:
                 raise
         self._greeted.add(peer_id)
         self.counters["hello_out"] += 1
+        self._on_greeted(peer_id)
 
     def _accept_envelope(self, peer_id: str, body) -> None:
         record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
@@ -372,6 +375,7 @@ class Discovery:
         self._accept_envelope(stream.peer_id, message.body)
         self._greeted.add(stream.peer_id)  # they know us: they just got our record in the reply
         self.counters["hello_in"] += 1
+        self._on_greeted(stream.peer_id)
         await stream.send(HELLO_ACK, seal(self.identity, (await self.my_record()).to_wire()))
 
     def _allow_hello(self, peer_id: str, rate: float = 1.0, burst: float = 5.0) -> bool:

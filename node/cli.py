@@ -274,6 +274,40 @@ def peers(data_dir, http, as_json) -> None:
         click.echo("  ".join(c.ljust(w) for c, w in zip(r[:-1], widths)) + "  " + r[-1])
 
 
+@cli.command()
+@_with_local_opts
+def state(data_dir, http, as_json) -> None:
+    """The swarm's replicated state (merged CRDT objects) as this node sees it."""
+    s = _get_json(_status_url(data_dir, http) + "/state")
+    click.echo(json.dumps(s, indent=2 if as_json else 1, sort_keys=True))
+
+
+@cli.command()
+@click.argument("obj", metavar="OBJECT")
+@click.argument("payload", metavar="PAYLOAD_JSON")
+@click.option("--data-dir", help="Data dir of the node to write through.")
+@click.option("--http", help="Status endpoint of the node (HOST:PORT or URL) instead of --data-dir.")
+def write(obj, payload, data_dir, http) -> None:
+    """Write one op to a replicated object, e.g. `swarmd write kv '{"k": "<peer id>/note", "v": "hi"}'`."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        parsed = json.loads(payload)
+    except json.JSONDecodeError as e:
+        raise Fail(f"PAYLOAD_JSON is not JSON: {e}", EXIT_USAGE) from None
+    url = _status_url(data_dir, http) + "/crdt"
+    data = json.dumps({"ops": [{"object": obj, "payload": parsed}]}).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            click.echo(json.load(resp)["ops"][0]["id"])
+    except urllib.error.HTTPError as e:
+        raise Fail(json.loads(e.read() or b"{}").get("error", str(e))) from None
+    except (urllib.error.URLError, OSError) as e:
+        raise Fail(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+
+
 @cli.command("id")
 @click.option("--data-dir", help="Data dir holding identity.key (default: platform user data dir).")
 def show_id(data_dir) -> None:

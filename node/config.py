@@ -46,7 +46,6 @@ class NetworkSection(_Section):
     bootstrap: list[str] = []
     port_mapping: bool = False  # UPnP / NAT-PMP
     reachability: Literal["auto", "public", "private"] = "auto"
-    relay_service: bool = True
     dht_mode: Literal["server", "client", "auto"] = "server"
     startup_timeout: float = Field(15.0, gt=0, le=300)
 
@@ -84,6 +83,11 @@ class DiscoverySection(_Section):
     backoff_max: float = Field(60.0, ge=1, le=3600)
 
 
+class StateSection(_Section):
+    sync_interval: float = Field(5.0, ge=0.2, le=600)  # anti-entropy with a random peer this often
+    max_clock_skew: float = Field(30.0, ge=1, le=3600)  # ops stamped further ahead than this are rejected
+
+
 class HttpSection(_Section):
     listen: str = "127.0.0.1:8470"
 
@@ -98,6 +102,7 @@ class Config(_Section):
     node: NodeSection = NodeSection()
     network: NetworkSection
     discovery: DiscoverySection = DiscoverySection()
+    state: StateSection = StateSection()
     http: HttpSection = HttpSection()
 
 

@@ -6,7 +6,9 @@ Bound to 127.0.0.1 by default: it is for the person running the node, not for th
 
 from __future__ import annotations
 
+import base64
 import errno
+import json
 import logging
 from typing import TYPE_CHECKING
 
@@ -34,7 +36,7 @@ class StatusServer:
         self.url: str | None = None
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=1024)
+        app = web.Application(client_max_size=4 << 20)
         app.add_routes(
             [
                 web.get("/", self._page),
@@ -42,6 +44,8 @@ class StatusServer:
                 web.get("/status", self._status),
                 web.get("/peers", self._peers),
                 web.get("/metrics", self._metrics),
+                web.get("/state", self._state),
+                web.post("/crdt", self._write),
             ]
         )
         return app
@@ -72,16 +76,48 @@ class StatusServer:
         return web.json_response({"ok": True, "peer_id": self.node.identity.peer_id})
 
     async def _status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.node.status())
+        return web.json_response(self.node.status(), dumps=_dumps)
 
     async def _peers(self, request: web.Request) -> web.Response:
         return web.json_response(self.node.peers_view())
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.replicator.state(), dumps=_dumps)
+
+    async def _write(self, request: web.Request) -> web.Response:
+        """Local writes: ``{"ops": [{"object": name, "payload": {...}}, ...]}``; answers once they are fsync'd."""
+        try:
+            body = await request.json()
+            items = [(item["object"], item["payload"]) for item in body["ops"]]
+            if not items or not all(isinstance(o, str) and isinstance(p, dict) for o, p in items):
+                raise ValueError
+        except (ValueError, KeyError, TypeError):
+            return web.json_response({"error": 'expected {"ops": [{"object": str, "payload": {...}}, ...]}'},
+                                     status=400)
+        try:
+            ops = await self.node.replicator.write_many(items)
+        except ValueError as e:
+            return web.json_response({"error": f"rejected: {e}"}, status=422)
+        return web.json_response({"ops": [{"id": op.id.hex(), "seq": op.seq} for op in ops],
+                                  "heads_digest": self.node.replicator.store.heads_digest()})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html")
+
+
+def _json_default(obj):
+    if isinstance(obj, bytes):
+        return "base64:" + base64.b64encode(obj).decode()
+    if isinstance(obj, (set, tuple)):
+        return list(obj)
+    raise TypeError(f"not JSON serializable: {type(obj).__name__}")
+
+
+def _dumps(obj) -> str:
+    return json.dumps(obj, default=_json_default)
 
 
 PAGE = """<!doctype html>

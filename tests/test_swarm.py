@@ -135,3 +135,12 @@ def test_status_peers_metrics_and_page(swarm):
     assert out.returncode == 0 and b.peer_id in out.stdout and "direct" in out.stdout and " ms" in out.stdout
     out = run_cli("status", "--http", a.url)
     assert out.returncode == 0 and a.peer_id in out.stdout and "1 members, 1 connected" in out.stdout
+
+
+@pytest.mark.timeout(60)
+def test_announce_replaces_advertised_addresses(swarm):
+    n = swarm.start("public", "--announce", "/ip4/203.0.113.7/tcp/4001")
+    s = n.status()
+    assert s["announce"] == ["/ip4/203.0.113.7/tcp/4001"]
+    assert s["addresses"] == [f"/ip4/203.0.113.7/tcp/4001/p2p/{n.peer_id}"]
+    assert s["listen"][0].startswith("/ip4/127.0.0.1/tcp/")

@@ -39,7 +39,6 @@ class P2PDaemonConfig:
     announce: list[str] = field(default_factory=list)
     port_mapping: bool = False
     force_reachability: str | None = None  # "public" | "private" | None (AutoNAT decides)
-    relay_service: bool = True
     auto_relay: bool = False
     dht_mode: str = "server"
     startup_timeout: float = 15.0

@@ -1,0 +1,210 @@
+"""The replicated types, with their merge semantics.
+
+Every type's ``apply`` is commutative, associative and idempotent over a set of ops (the store applies each op once,
+after its parents), so any delivery order gives the same state. ``check`` says whether ``op`` is allowed at all
+(payload shape and who may write what); it returns a rejection reason or None.
+
+| type | payload | who may write | value |
+|---|---|---|---|
+| LWWMap | ``{"k": str, "v": any or None}`` (None deletes) | namespaced: keys ``<author>/...`` only; shared: anyone | per key, the write with the greatest (clock, author, id) |
+| ORSet | ``{"add": e}`` or ``{"rm": e, "tags": [add op ids]}`` | self_only: e == author | e is in the set while some add of e is not removed by a later-observed rm |
+| GCounter | ``{"n": int >= 0}`` | anyone (each into its own slot) | sum of all increments |
+| PNCounter | ``{"n": int}`` | anyone (own slot) | sum of increments minus decrements |
+| MaxRegister | ``{"v": int}`` | anyone | the largest value written (e.g. round numbers) |
+| ProgressRegister | ``{"step", "samples", "bytes": int >= 0, "loss": float or None, "round": int >= 0}`` | each author its own entry | per author, its latest write (by clock) |
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from crdt.ops import ID_SIZE, Op
+
+MAX_KEY = 128
+MAX_TAGS = 64
+MAX_INT = 2**53
+
+
+def _rank(op: Op) -> tuple:
+    return (op.clock, op.author, op.id)
+
+
+def _is_int(v: Any, lo: int = -MAX_INT, hi: int = MAX_INT) -> bool:
+    return type(v) is int and lo <= v <= hi
+
+
+class CRDTType:
+    name = "?"
+
+    def check(self, op: Op) -> str | None:
+        raise NotImplementedError
+
+    def initial(self) -> Any:
+        raise NotImplementedError
+
+    def apply(self, state: Any, op: Op) -> Any:
+        """Return the new state (may mutate ``state`` in place and return it)."""
+        raise NotImplementedError
+
+    def value(self, state: Any) -> Any:
+        """JSON-ready value."""
+        raise NotImplementedError
+
+
+class LWWMap(CRDTType):
+    name = "lww_map"
+
+    def __init__(self, namespaced: bool = True):
+        self.namespaced = namespaced
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict) or set(p) != {"k", "v"} or not isinstance(p["k"], str) or not p["k"]:
+            return "malformed"
+        if len(p["k"]) > MAX_KEY:
+            return "oversized"
+        if self.namespaced and not p["k"].startswith(op.author + "/"):
+            return "not_allowed"
+        return None
+
+    def initial(self) -> dict:
+        return {}
+
+    def apply(self, state: dict, op: Op) -> dict:
+        key = op.payload["k"]
+        current = state.get(key)
+        if current is None or _rank(op) > current[0]:
+            state[key] = (_rank(op), op.payload["v"])
+        return state
+
+    def value(self, state: dict) -> dict:
+        return {k: v for k, (_, v) in sorted(state.items()) if v is not None}
+
+
+class ORSet(CRDTType):
+    name = "or_set"
+
+    def __init__(self, self_only: bool = False):
+        self.self_only = self_only
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict):
+            return "malformed"
+        if set(p) == {"add"}:
+            element = p["add"]
+        elif set(p) == {"rm", "tags"}:
+            element, tags = p["rm"], p["tags"]
+            if not isinstance(tags, list) or not all(isinstance(t, bytes) and len(t) == ID_SIZE for t in tags):
+                return "malformed"
+            if len(tags) > MAX_TAGS:
+                return "oversized"
+        else:
+            return "malformed"
+        if not isinstance(element, str) or not element:
+            return "malformed"
+        if len(element) > MAX_KEY:
+            return "oversized"
+        if self.self_only and element != op.author:
+            return "not_allowed"
+        return None
+
+    def initial(self) -> dict:
+        return {}  # element -> (add tags, removed tags)
+
+    def apply(self, state: dict, op: Op) -> dict:
+        p = op.payload
+        if "add" in p:
+            state.setdefault(p["add"], (set(), set()))[0].add(op.id)
+        else:
+            state.setdefault(p["rm"], (set(), set()))[1].update(p["tags"])
+        return state
+
+    def value(self, state: dict) -> list[str]:
+        return sorted(e for e, (adds, removed) in state.items() if adds - removed)
+
+    @staticmethod
+    def live_tags(state: dict, element: str) -> list[bytes]:
+        adds, removed = state.get(element, (set(), set()))
+        return sorted(adds - removed)
+
+
+class GCounter(CRDTType):
+    name = "g_counter"
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict) or set(p) != {"n"} or not _is_int(p["n"], 0, 2**32):
+            return "malformed"
+        return None
+
+    def initial(self) -> dict:
+        return {}
+
+    def apply(self, state: dict, op: Op) -> dict:
+        state[op.author] = state.get(op.author, 0) + op.payload["n"]
+        return state
+
+    def value(self, state: dict) -> dict:
+        return {"total": sum(state.values()), "by_peer": dict(sorted(state.items()))}
+
+
+class PNCounter(GCounter):
+    name = "pn_counter"
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict) or set(p) != {"n"} or not _is_int(p["n"], -(2**32), 2**32):
+            return "malformed"
+        return None
+
+
+class MaxRegister(CRDTType):
+    name = "max_register"
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict) or set(p) != {"v"} or not _is_int(p["v"]):
+            return "malformed"
+        return None
+
+    def initial(self) -> None:
+        return None
+
+    def apply(self, state, op: Op):
+        v = op.payload["v"]
+        return v if state is None or v > state else state
+
+    def value(self, state):
+        return state
+
+
+PROGRESS_FIELDS = {"step", "samples", "loss", "bytes", "round"}
+
+
+class ProgressRegister(CRDTType):
+    name = "progress"
+
+    def check(self, op: Op) -> str | None:
+        p = op.payload
+        if not isinstance(p, dict) or set(p) != PROGRESS_FIELDS:
+            return "malformed"
+        if not all(_is_int(p[k], 0) for k in ("step", "samples", "bytes", "round")):
+            return "malformed"
+        loss = p["loss"]
+        if loss is not None and (type(loss) is not float or not math.isfinite(loss)):
+            return "malformed"
+        return None
+
+    def initial(self) -> dict:
+        return {}
+
+    def apply(self, state: dict, op: Op) -> dict:
+        current = state.get(op.author)
+        if current is None or _rank(op) > current[0]:
+            state[op.author] = (_rank(op), op.payload)
+        return state
+
+    def value(self, state: dict) -> dict:
+        return {author: payload for author, (_, payload) in sorted(state.items())}

@@ -1,0 +1,303 @@
+"""Replication of the swarm's CRDT state: push on write, anti-entropy by version vectors, a durable op log.
+
+``/swarmd/crdt/1.0.0`` on one stream, requester first:
+
+- ``PUSH {"ops": [op, ...]}`` -> ``ACK {"applied": n, "rejected": n}``: new ops, sent at once to every connected
+  member when we write them;
+- ``SYNC {"vv": {author: seq}}`` -> ``OPS {"ops": [...], "more": bool, "vv": {...}}``: the responder sends what our
+  version vector says we lack (in causal order, at most ``SYNC_BATCH`` per reply; we ask again while ``more``),
+  with its own version vector, from which we compute what *it* lacks and PUSH that on the same stream.
+
+Anti-entropy runs every ``sync_interval`` with a random connected member, and at once with a peer we have just
+greeted, so a node that was offline or just joined catches up from any peer.
+
+Every op from the network is verified by the store (signature, author rights, clock skew, causality, size). A
+rejected op is counted by reason and penalises the peer that sent it: honest peers only relay ops they verified.
+Ops we apply are appended to the op log and fsync'd before we acknowledge them (a local write returns, a PUSH is
+ACKed), so a restart, even after kill -9, rebuilds the same state and loses nothing acknowledged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable
+
+from crdt import APPLIED, REJECTED, LWWMap, MaxRegister, Op, OpStore, ORSet, ProgressRegister, GCounter
+from node.oplog import OpLog
+from transport.base import Stream, Transport
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from transport.framing import ProtocolSpec
+from transport.identity import Identity, verify
+from transport.penalties import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+PUSH, ACK, SYNC, OPS = 1, 2, 3, 4
+CRDT_SPEC = ProtocolSpec("crdt", "1.0.0", max_frame=8 << 20, kinds=frozenset({PUSH, ACK, SYNC, OPS}))
+MAX_PUSH_OPS = 1000
+SYNC_BATCH = 1000
+MAX_VV_AUTHORS = 100_000
+
+# how a rejected op counts against the peer that sent it (see transport.penalties.WEIGHTS)
+PENALTY = {
+    "bad_signature": "bad_signature",
+    "not_allowed": "forged",
+    "malformed": "malformed",
+    "oversized": "oversized",
+    "unknown_object": "malformed",
+    "bad_causality": "malformed",
+    "future_clock": "stale",  # may be clock skew between honest nodes: a light penalty
+    "equivocation": "stale",  # an honest relay may carry the other fork first
+}
+
+# The objects every node replicates. All nodes of a swarm must declare the same schema.
+BASE_SCHEMA = {
+    "members": ORSet(self_only=True),  # who is in the swarm (each peer adds and removes itself)
+    "progress": ProgressRegister(),  # per peer: step, samples, loss, bytes, round
+    "rounds": MaxRegister(),  # the highest round number anyone reached
+    "kv": LWWMap(namespaced=True),  # per-peer settings and notes: keys "<peer id>/..."
+    "events": GCounter(),  # a swarm-wide counter (e.g. samples processed)
+}
+
+
+def now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+class Replicator:
+    def __init__(
+        self,
+        identity: Identity,
+        transport: Transport,
+        data_dir: Path,
+        *,
+        peers: Callable[[], list[str]],
+        schema: dict | None = None,
+        sync_interval: float = 5.0,
+        max_skew_ms: int = 30_000,
+    ):
+        self.identity = identity
+        self.transport = transport
+        self.store = OpStore(schema or BASE_SCHEMA, verify, max_skew_ms=max_skew_ms)
+        self.log = OpLog(data_dir / "crdt.log")
+        self._peers = peers
+        self.sync_interval = sync_interval
+        self.last_sync: dict[str, float] = {}
+        self.counters: Counter = Counter()
+        self._write_lock = asyncio.Lock()
+        self._outbox: list[Op] = []
+        self._outbox_event = asyncio.Event()
+        self._sync_soon: set[str] = set()
+        self._sync_event = asyncio.Event()
+        self._log = RateLimitedLog(logger, interval=30.0)
+
+    # ------------------------------------------------------------------ lifecycle
+    async def start(self) -> None:
+        wires = await asyncio.to_thread(self.log.open)
+        now = now_ms()
+        bad = 0
+        for wire in wires:
+            if self.store.receive(wire, now).status == REJECTED:
+                bad += 1
+        if bad:
+            logger.warning("op log: %d records did not verify and were skipped", bad)
+        logger.info("CRDT state: %d ops from the log", len(self.store.ops))
+        await self.transport.serve(CRDT_SPEC, self._on_stream)
+        if self.identity.peer_id not in self.store.value("members"):
+            await self.write("members", {"add": self.identity.peer_id})
+
+    async def run(self) -> None:
+        async with asyncio.TaskGroup() as tg:
+            tg.create_task(self._push_loop())
+            tg.create_task(self._anti_entropy_loop())
+
+    async def leave(self, timeout: float = 1.0) -> None:
+        """Remove ourselves from the member set and tell connected peers (best effort)."""
+        if self.identity.peer_id not in self.store.value("members"):
+            return
+        try:
+            op = await self.write("members", {"rm": self.identity.peer_id}, push=False)
+            async with asyncio.timeout(timeout):
+                await asyncio.gather(*(self._push(p, [op]) for p in self._peers()), return_exceptions=True)
+        except (TimeoutError, ValueError, OSError):
+            pass
+
+    def close(self) -> None:
+        self.log.close()
+
+    # ------------------------------------------------------------------ local writes
+    async def write(self, obj: str, payload: Any, *, push: bool = True) -> Op:
+        return (await self.write_many([(obj, payload)], push=push))[0]
+
+    async def write_many(self, items: list[tuple[str, Any]], *, push: bool = True) -> list[Op]:
+        """Create, fsync and (by default) push ops. Raises ValueError naming the rejection reason."""
+        async with self._write_lock:
+            ops = []
+            for obj, payload in items:
+                if obj in self.store.schema and isinstance(self.store.schema[obj], ORSet) and set(payload) == {"rm"}:
+                    payload = {"rm": payload["rm"], "tags": ORSet.live_tags(self.store.states[obj], payload["rm"])}
+                result = self.store.create(self.identity.sign, self.identity.peer_id, obj, payload, now_ms())
+                if result.status != APPLIED:
+                    raise ValueError(f"{obj}: {result.reason}")
+                ops.append(result.op)
+            await asyncio.to_thread(self.log.append, [op.wire() for op in ops])
+        self.counters["ops_written"] += len(ops)
+        if push:
+            self._outbox.extend(ops)
+            self._outbox_event.set()
+        return ops
+
+    # ------------------------------------------------------------------ ingest
+    async def _ingest(self, peer_id: str, wires: Any) -> tuple[int, int]:
+        if not isinstance(wires, list) or len(wires) > max(MAX_PUSH_OPS, SYNC_BATCH):
+            raise MalformedMessage("crdt: ops must be a list of at most 1000")
+        now = now_ms()
+        applied: list[Op] = []
+        rejected = Counter()
+        for wire in wires:
+            result = self.store.receive(wire, now)
+            if result.status == REJECTED:
+                rejected[result.reason] += 1
+            else:
+                applied.extend(result.applied)
+        if applied:
+            await asyncio.to_thread(self.log.append, [op.wire() for op in applied])
+        self.counters["ops_received"] += len(wires)
+        self.counters["ops_applied"] += len(applied)
+        for reason, count in rejected.items():
+            kind = PENALTY.get(reason)
+            if kind is not None:
+                for _ in range(count):
+                    self.transport.penalties.penalize(peer_id, kind, f"crdt op rejected: {reason}")
+                self.transport.stats.errors[f"crdt_{reason}"] += count
+        return len(applied), sum(rejected.values())
+
+    # ------------------------------------------------------------------ protocol: server side
+    async def _on_stream(self, stream: Stream) -> None:
+        while True:
+            message = await asyncio.wait_for(stream.read(), 30.0)
+            if message is None:
+                return
+            body = message.body
+            if message.kind == SYNC:
+                vv = _parse_vv(body)
+                ops, more = self.store.missing_for(vv, SYNC_BATCH)
+                await stream.send(OPS, {"ops": [o.wire() for o in ops], "more": more, "vv": self.store.version_vector()})
+                self.counters["ops_sent"] += len(ops)
+                self.last_sync[stream.peer_id] = time.time()
+            elif message.kind == PUSH:
+                if not isinstance(body, dict) or set(body) != {"ops"}:
+                    raise MalformedMessage("crdt: PUSH body must be {ops: [...]}")
+                applied, rejected = await self._ingest(stream.peer_id, body["ops"])
+                await stream.send(ACK, {"applied": applied, "rejected": rejected})
+            else:
+                raise MalformedMessage(f"crdt: unexpected message kind {message.kind}")
+
+    # ------------------------------------------------------------------ protocol: client side
+    async def _push(self, peer_id: str, ops: list[Op]) -> None:
+        async with await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0) as stream:
+            await self._push_on(stream, ops)
+
+    async def _push_on(self, stream: Stream, ops: list[Op]) -> None:
+        for start in range(0, len(ops), MAX_PUSH_OPS):
+            batch = ops[start : start + MAX_PUSH_OPS]
+            await stream.send(PUSH, {"ops": [o.wire() for o in batch]})
+            reply = await asyncio.wait_for(stream.read_required(), 30.0)
+            if reply.kind != ACK:
+                raise MalformedMessage("crdt: expected ACK")
+            self.counters["ops_sent"] += len(batch)
+
+    async def sync_with(self, peer_id: str) -> None:
+        """Pull what we lack from ``peer_id``, then push what it lacks."""
+        async with await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0) as stream:
+            while True:
+                await stream.send(SYNC, self.store.version_vector())
+                reply = await asyncio.wait_for(stream.read_required(), 30.0)
+                body = reply.body
+                if reply.kind != OPS or not isinstance(body, dict) or set(body) != {"ops", "more", "vv"}:
+                    raise MalformedMessage("crdt: expected OPS {ops, more, vv}")
+                await self._ingest(peer_id, body["ops"])
+                if body["more"] is not True or not body["ops"]:
+                    break
+            theirs, _ = self.store.missing_for(_parse_vv(body["vv"]), 10 * SYNC_BATCH)
+            if theirs:
+                await self._push_on(stream, theirs)
+        self.last_sync[peer_id] = time.time()
+        self.counters["syncs"] += 1
+
+    def sync_soon(self, peer_id: str) -> None:
+        self._sync_soon.add(peer_id)
+        self._sync_event.set()
+
+    # ------------------------------------------------------------------ background loops
+    async def _push_loop(self) -> None:
+        sem = asyncio.Semaphore(16)
+
+        async def push_one(peer_id: str, ops: list[Op]) -> None:
+            async with sem:
+                try:
+                    await self._push(peer_id, ops)
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+                    self.counters["push_failures"] += 1
+                    logger.debug("push to %s failed: %s (anti-entropy will repair)", peer_id, e)
+
+        while True:
+            await self._outbox_event.wait()
+            self._outbox_event.clear()
+            ops, self._outbox = self._outbox, []
+            if ops:
+                self.counters["pushes"] += 1
+                await asyncio.gather(*(push_one(p, ops) for p in self._peers()))
+
+    async def _anti_entropy_loop(self) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(self._sync_event.wait(), self.sync_interval * random.uniform(0.8, 1.2))
+            except asyncio.TimeoutError:
+                pass
+            self._sync_event.clear()
+            peers = self._peers()
+            targets = [p for p in self._sync_soon if p in peers]
+            self._sync_soon.clear()
+            if not targets and peers:
+                targets = [random.choice(peers)]
+            for peer_id in targets:
+                try:
+                    await self.sync_with(peer_id)
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+                    self.counters["sync_failures"] += 1
+                    if isinstance(e, ProtocolViolation):
+                        self.transport.penalties.penalize(peer_id, e.kind, str(e))
+                    self._log.log(logging.DEBUG, ("sync", peer_id), "sync with %s failed: %s", peer_id, e)
+
+    # ------------------------------------------------------------------ views
+    def summary(self) -> dict:
+        s = self.store.summary()
+        s.update(
+            {
+                "log_records": self.log.records,
+                "log_bytes": self.log.size,
+                "log_truncated_bytes": self.log.truncated_bytes,
+                "last_sync": {p: t for p, t in sorted(self.last_sync.items())},
+                **{k: v for k, v in sorted(self.counters.items())},
+            }
+        )
+        return s
+
+    def state(self) -> dict:
+        return {"heads_digest": self.store.heads_digest(), "ops": len(self.store.ops), "objects": self.store.values()}
+
+
+def _parse_vv(vv: Any) -> dict[str, int]:
+    if (
+        not isinstance(vv, dict)
+        or len(vv) > MAX_VV_AUTHORS
+        or not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in vv.items())
+    ):
+        raise MalformedMessage("crdt: a version vector is {author: seq}")
+    return vv

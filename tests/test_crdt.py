@@ -1,0 +1,284 @@
+"""crdt/: merge semantics, verification with reason codes, and property tests (any order, any duplication)."""
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from crdt import (
+    APPLIED,
+    DUPLICATE,
+    PENDING,
+    REJECTED,
+    GCounter,
+    LWWMap,
+    MaxRegister,
+    ORSet,
+    OpStore,
+    PNCounter,
+    ProgressRegister,
+)
+from crdt.ops import SIGN_DOMAIN, decode_body, encode_body, make_op
+from transport.identity import Identity, verify
+
+NOW = 1_700_000_000_000
+IDS = [Identity.generate() for _ in range(4)]
+
+
+def schema():
+    return {
+        "kv": LWWMap(namespaced=True),
+        "shared": LWWMap(namespaced=False),
+        "members": ORSet(self_only=True),
+        "tags": ORSet(),
+        "count": GCounter(),
+        "balance": PNCounter(),
+        "round": MaxRegister(),
+        "progress": ProgressRegister(),
+    }
+
+
+def store():
+    return OpStore(schema(), verify)
+
+
+def write(s: OpStore, who: Identity, obj, payload, now=NOW):
+    r = s.create(who.sign, who.peer_id, obj, payload, now)
+    assert r.status == APPLIED, r
+    return r.op
+
+
+def test_each_type_merges_as_documented():
+    a, b = IDS[0], IDS[1]
+    s = store()
+    write(s, a, "kv", {"k": f"{a.peer_id}/lr", "v": 0.1})
+    write(s, a, "kv", {"k": f"{a.peer_id}/lr", "v": 0.2})
+    write(s, b, "shared", {"k": "x", "v": 1})
+    write(s, a, "shared", {"k": "x", "v": 2})  # later clock wins
+    write(s, a, "members", {"add": a.peer_id})
+    write(s, b, "members", {"add": b.peer_id})
+    tags = ORSet.live_tags(s.states["members"], b.peer_id)
+    write(s, b, "members", {"rm": b.peer_id, "tags": tags})
+    write(s, a, "count", {"n": 3})
+    write(s, b, "count", {"n": 4})
+    write(s, a, "balance", {"n": -5})
+    write(s, a, "round", {"v": 7})
+    write(s, b, "round", {"v": 3})
+    write(s, a, "progress", {"step": 10, "samples": 640, "loss": 2.5, "bytes": 1000, "round": 1})
+    v = s.values()
+    assert v["kv"] == {f"{a.peer_id}/lr": 0.2}
+    assert v["shared"] == {"x": 2}
+    assert v["members"] == [a.peer_id]
+    assert v["count"]["total"] == 7 and v["balance"]["total"] == -5
+    assert v["round"] == 7
+    assert v["progress"][a.peer_id]["step"] == 10
+
+
+def test_or_set_add_wins_over_concurrent_remove():
+    a, b = IDS[0], IDS[1]
+    s1, s2 = store(), store()
+    add1 = write(s1, a, "tags", {"add": "x"})
+    s2.receive(add1.wire(), NOW)
+    # b removes the add it saw while a concurrently adds x again
+    rm = write(s2, b, "tags", {"rm": "x", "tags": ORSet.live_tags(s2.states["tags"], "x")})
+    add2 = write(s1, a, "tags", {"add": "x"})
+    for op in (rm,):
+        s1.receive(op.wire(), NOW)
+    s2.receive(add2.wire(), NOW)
+    assert s1.value("tags") == s2.value("tags") == ["x"]
+
+
+@pytest.mark.parametrize(
+    "obj, payload, reason",
+    [
+        ("kv", {"k": "someone-else/x", "v": 1}, "not_allowed"),
+        ("members", {"add": "not-me"}, "not_allowed"),
+        ("nope", {"v": 1}, "unknown_object"),
+        ("count", {"n": -1}, "malformed"),
+        ("count", {"n": 1.5}, "malformed"),
+        ("round", {"v": True}, "malformed"),
+        ("progress", {"step": 1}, "malformed"),
+        ("progress", {"step": 1, "samples": 1, "loss": float("nan"), "bytes": 1, "round": 0}, "malformed"),
+        ("kv", {"k": "x" * 200, "v": 1}, "oversized"),
+    ],
+)
+def test_type_rules_reject(obj, payload, reason):
+    a = IDS[0]
+    s = store()
+    if obj == "kv" and reason == "oversized":
+        payload = {"k": a.peer_id + "/" + "x" * 200, "v": 1}
+    r = s.create(a.sign, a.peer_id, obj, payload, NOW)
+    assert r.status == REJECTED and r.reason == reason
+    assert s.rejected[reason] == 1 and not s.ops
+
+
+def test_verification_rejects_forged_altered_future_and_oversized():
+    a, mallory = IDS[0], IDS[1]
+    s = store()
+    good = write(store(), a, "count", {"n": 1})
+    # signed by mallory in a's name
+    forged = make_op(mallory.sign, a.peer_id, 1, good.clock, [], "count", {"n": 1000})
+    assert s.receive(forged.wire(), NOW).reason == "bad_signature"
+    # a's signature over an altered body
+    altered = encode_body(a.peer_id, 1, good.clock, [], "count", {"n": 1000})
+    assert s.receive({"b": altered, "s": good.sig}, NOW).reason == "bad_signature"
+    # from the future
+    future = make_op(a.sign, a.peer_id, 1, (NOW + 3_600_000, 0), [], "count", {"n": 1})
+    assert s.receive(future.wire(), NOW).reason == "future_clock"
+    # oversized and malformed
+    big = make_op(a.sign, a.peer_id, 1, good.clock, [], "shared", {"k": "x", "v": "y" * 10_000})
+    assert s.receive(big.wire(), NOW).reason == "oversized"
+    for junk in (None, {"b": b"\xc1", "s": b""}, {"b": b"x"}, [1, 2], {"b": 1, "s": 2}):
+        assert s.receive(junk, NOW).reason == "malformed"
+    assert s.receive(good.wire(), NOW).status == APPLIED
+    assert s.value("count")["total"] == 1
+
+
+def test_unknown_parents_are_held_then_applied_and_bounded():
+    a = IDS[0]
+    src = store()
+    ops = [write(src, a, "count", {"n": 1}) for _ in range(5)]
+    s = OpStore(schema(), verify, max_pending=3)
+    for op in reversed(ops[1:4]):
+        assert s.receive(op.wire(), NOW).status == PENDING
+    assert s.receive(ops[4].wire(), NOW).reason == "pending_full"
+    r = s.receive(ops[0].wire(), NOW)
+    assert r.status == APPLIED and [o.id for o in r.applied] == [o.id for o in ops[:4]]
+    assert s.value("count")["total"] == 4 and not s.pending
+    assert s.receive(ops[0].wire(), NOW).status == DUPLICATE
+
+
+def test_equivocation_and_broken_chains_are_rejected():
+    a = IDS[0]
+    s = store()
+    first = write(s, a, "count", {"n": 1})
+    twin = make_op(a.sign, a.peer_id, 1, first.clock, [], "count", {"n": 2})
+    assert s.receive(twin.wire(), NOW).reason == "equivocation"
+    skip_own = make_op(a.sign, a.peer_id, 2, (NOW + 5, 0), [], "count", {"n": 1})  # does not list its previous op
+    assert s.receive(skip_own.wire(), NOW).reason == "bad_causality"
+    backwards = make_op(a.sign, a.peer_id, 2, (first.clock[0] - 1, 0), [first.id], "count", {"n": 1})
+    assert s.receive(backwards.wire(), NOW).reason == "bad_causality"
+
+
+def test_missing_for_returns_exactly_what_a_replica_lacks():
+    s1, s2 = store(), store()
+    for i, who in enumerate(IDS[:3]):
+        for _ in range(3):
+            write(s1, who, "count", {"n": i})
+    ops, truncated = s1.missing_for(s2.version_vector(), limit=100)
+    assert len(ops) == 9 and not truncated
+    for op in ops[:4]:
+        s2.receive(op.wire(), NOW)
+    rest, _ = s1.missing_for(s2.version_vector(), limit=100)
+    assert {o.id for o in rest} == set(s1.ops) - set(s2.ops)
+    limited, truncated = s1.missing_for({}, limit=2)
+    assert len(limited) == 2 and truncated
+
+
+# ------------------------------------------------------------------ property tests
+PAYLOADS = {
+    "shared": lambda who, r: {"k": r.choice("abc"), "v": r.randint(0, 9)},
+    "kv": lambda who, r: {"k": f"{who.peer_id}/{r.choice('xy')}", "v": r.choice([None, r.randint(0, 9)])},
+    "tags": lambda who, r: {"add": r.choice("pq")},
+    "count": lambda who, r: {"n": r.randint(0, 5)},
+    "balance": lambda who, r: {"n": r.randint(-5, 5)},
+    "round": lambda who, r: {"v": r.randint(0, 100)},
+    "progress": lambda who, r: {"step": r.randint(0, 50), "samples": 1, "loss": r.random(), "bytes": 3, "round": 0},
+}
+
+
+def history(seed: int, n_ops: int):
+    """Ops written concurrently by 3 replicas that sync now and then: a DAG with real concurrency."""
+    r = random.Random(seed)
+    replicas = [store() for _ in range(3)]
+    all_ops = []
+    for _ in range(n_ops):
+        i = r.randrange(3)
+        s, who = replicas[i], IDS[i]
+        if r.random() < 0.2:  # sync from another replica
+            other = replicas[r.randrange(3)]
+            for op in other.missing_for(s.version_vector(), 10_000)[0]:
+                s.receive(op.wire(), NOW)
+            continue
+        obj = r.choice(sorted(PAYLOADS) + ["tags_rm"])
+        if obj == "tags_rm":
+            element = r.choice("pq")
+            payload = {"rm": element, "tags": ORSet.live_tags(s.states["tags"], element)}
+            obj = "tags"
+        else:
+            payload = PAYLOADS[obj](who, r)
+        all_ops.append(write(s, who, obj, payload, NOW + r.randint(-5, 5)))
+    return all_ops
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 2**32), n_ops=st.integers(1, 40), order_seed=st.integers(0, 2**32))
+def test_any_order_and_duplication_converge(seed, n_ops, order_seed):
+    ops = history(seed, n_ops)
+    reference = store()
+    for op in sorted(ops, key=lambda o: (o.clock, o.id)):
+        reference.receive(op.wire(), NOW)
+    assert len(reference.ops) == len(ops)
+    r = random.Random(order_seed)
+    delivery = [op.wire() for op in ops] + [op.wire() for op in r.sample(ops, k=min(len(ops), 10))]
+    r.shuffle(delivery)
+    s = store()
+    for wire in delivery:
+        assert s.receive(wire, NOW).status != REJECTED
+    assert s.heads_digest() == reference.heads_digest()
+    assert s.values() == reference.values()
+    assert not s.pending
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32), n_ops=st.integers(3, 30), split=st.integers(0, 2**32))
+def test_merge_is_commutative_associative_idempotent(seed, n_ops, split):
+    ops = history(seed, n_ops)
+    r = random.Random(split)
+    parts = [[op for op in ops if r.random() < 0.5] for _ in range(3)]
+
+    def replica(*subsets):
+        s = store()
+        for subset in subsets:
+            for op in subset:
+                s.receive(op.wire(), NOW)
+        return s
+
+    def merged(x: OpStore, y: OpStore) -> OpStore:
+        out = store()
+        for src in (x, y):
+            for op in src.missing_for({}, 10**6)[0]:
+                out.receive(op.wire(), NOW)
+        return out
+
+    a, b, c = (replica(p) for p in parts)
+    ab_c, a_bc = merged(merged(a, b), c), merged(a, merged(b, c))
+    ba = merged(b, a)
+    for x, y in ((merged(a, b), ba), (ab_c, a_bc), (merged(a, a), a)):
+        assert x.heads_digest() == y.heads_digest() and x.values() == y.values()
+
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2**32), victim=st.integers(0, 1000), byte=st.integers(0, 255))
+def test_a_forged_or_altered_op_never_changes_state(seed, victim, byte):
+    ops = history(seed, 15)
+    if not ops:
+        return
+    s = store()
+    for op in ops:
+        s.receive(op.wire(), NOW)
+    before = (s.heads_digest(), s.values())
+    target = ops[victim % len(ops)]
+    position = victim % len(target.body)
+    altered = target.body[:position] + bytes([byte]) + target.body[position + 1:]
+    if altered != target.body:
+        r = s.receive({"b": altered, "s": target.sig}, NOW)
+        assert r.status == REJECTED
+    # re-signed by another key under the same author name
+    try:
+        resigned = decode_body(target.body, IDS[3].sign(SIGN_DOMAIN + target.body), max_size=4096)
+    except Exception:
+        return
+    assert s.receive(resigned.wire(), NOW).status in (REJECTED, DUPLICATE)
+    assert (s.heads_digest(), s.values()) == before
