@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dht.records import Ed25519RecordValidator, NodeRecord, open_envelope, owner_tag, seal
+from transport.framing import unpack_record
 from transport._compat import load_hivemind
 from transport.base import Stream
 from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation, TransportError
@@ -36,8 +37,8 @@ from transport.penalties import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-HELLO, HELLO_ACK = 1, 2
-HELLO_SPEC = ProtocolSpec("hello", "1.0.0", max_frame=16 * 1024, kinds=frozenset({HELLO, HELLO_ACK}))
+HELLO, HELLO_ACK, INTRODUCE = 1, 2, 3
+HELLO_SPEC = ProtocolSpec("hello", "1.0.0", max_frame=16 * 1024, kinds=frozenset({HELLO, HELLO_ACK, INTRODUCE}))
 MAX_RECORD = 8 * 1024
 MAX_MEMBERS = 10_000
 
@@ -114,10 +115,11 @@ class Discovery:
         self.members: dict[str, Member] = {}
         self.bootstrap: list[BootstrapState] = [BootstrapState(a, split_peer_addr(a)[0]) for a in config.bootstrap]
         self.dht = None
-        self.counters = {"hello_in": 0, "hello_out": 0, "records_rejected": 0, "dht_polls": 0, "dht_stores": 0}
+        self.counters = {"hello_in": 0, "hello_out": 0, "introduced_in": 0, "introduced_out": 0, "records_rejected": 0,
+                         "dht_polls": 0, "dht_stores": 0}
         self._joined = asyncio.Event()
         self._poll_now = asyncio.Event()
-        self._hello_buckets: dict[str, _Bucket] = {}
+        self._hello_buckets: dict[tuple, _Bucket] = {}
         self._dialing: set[str] = set()
         self._greeted: set[str] = set()  # peers that hold our record from a hello
         self._tasks: set[asyncio.Task] = set()
@@ -324,9 +326,7 @@ class Discovery:
         random.shuffle(todo)
         for peer_id in todo[: max(0, room)]:
             self._dialing.add(peer_id)
-            task = asyncio.create_task(self._dial_and_greet(peer_id, connected=peer_id in connected))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._spawn(self._dial_and_greet(peer_id, connected=peer_id in connected))
 
     async def _dial_and_greet(self, peer_id: str, connected: bool) -> None:
         try:
@@ -359,32 +359,79 @@ class Discovery:
         self.counters["hello_out"] += 1
         self._on_greeted(peer_id)
 
-    def _accept_envelope(self, peer_id: str, body) -> None:
+    def _accept_envelope(self, peer_id: str, body, source: str = "hello") -> bool:
+        """Verify a sealed record signed by ``peer_id`` about itself; returns True if the member is new."""
         record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
         if record.peer_id != peer_id:
             raise ProtocolViolation(f"hello: record is about {record.peer_id}, sent by {peer_id}", kind="forged")
         now = self._clock()
-        self._upsert(record, expires=now + self.config.record_ttl, source="hello", now=now)
+        return self._upsert(record, expires=now + self.config.record_ttl, source=source, now=now)
 
     async def _on_hello(self, stream: Stream) -> None:
-        if not self._allow_hello(stream.peer_id):
-            raise ProtocolViolation("hello: too many hellos", kind="rate_limited")
         message = await asyncio.wait_for(stream.read_required(), 10.0)
+        if message.kind == INTRODUCE:
+            # honest members introduce every newcomer they meet: a generous allowance, and no penalty past it
+            if self._allow(("introduce", stream.peer_id), rate=20.0, burst=100.0):
+                await self._on_introduce(stream, message.body)
+            else:
+                self.counters["introduced_dropped"] = self.counters.get("introduced_dropped", 0) + 1
+            return
+        if not self._allow(("hello", stream.peer_id), rate=1.0, burst=5.0):
+            raise ProtocolViolation("hello: too many hellos", kind="rate_limited")
         if message.kind != HELLO:
             raise MalformedMessage("hello: expected HELLO")
-        self._accept_envelope(stream.peer_id, message.body)
+        is_new = self._accept_envelope(stream.peer_id, message.body)
         self._greeted.add(stream.peer_id)  # they know us: they just got our record in the reply
         self.counters["hello_in"] += 1
         self._on_greeted(stream.peer_id)
         await stream.send(HELLO_ACK, seal(self.identity, (await self.my_record()).to_wire()))
+        if is_new:
+            self._spawn(self._introduce(message.body, exclude=stream.peer_id))
 
-    def _allow_hello(self, peer_id: str, rate: float = 1.0, burst: float = 5.0) -> bool:
+    async def _on_introduce(self, stream: Stream, envelope) -> None:
+        """A member tells us about a newcomer it has just met: the newcomer's own sealed record (one hop only)."""
+        if not isinstance(envelope, dict) or not isinstance(envelope.get("p"), bytes):
+            raise MalformedMessage("introduce: body must be a sealed record")
+        claimed = unpack_record(envelope["p"], max_size=MAX_RECORD)
+        peer_id = claimed.get("peer") if isinstance(claimed, dict) else None
+        if not isinstance(peer_id, str):
+            raise MalformedMessage("introduce: record without a peer id")
+        self._accept_envelope(peer_id, envelope, source="introduced")  # verified against the newcomer's own key
+        self.counters["introduced_in"] += 1
+        await stream.send(HELLO_ACK, None)
+
+    async def _introduce(self, envelope, exclude: str) -> None:
+        """Pass a newcomer's record to the members we are connected to, so it is visible everywhere at once
+        (over connections that already exist, instead of the newcomer dialing every member first)."""
+        connected = {p.peer_id for p in await self.transport.peers()}
+        targets = [p for p in self._greeted if p != exclude and p in connected]
+        sem = asyncio.Semaphore(16)
+
+        async def one(peer_id: str) -> None:
+            async with sem:
+                try:
+                    async with await self.transport.open_stream(peer_id, HELLO_SPEC, timeout=5.0) as stream:
+                        await stream.send(INTRODUCE, envelope)
+                        await asyncio.wait_for(stream.read_required(), 5.0)
+                    self.counters["introduced_out"] += 1
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+                    logger.debug("could not introduce a newcomer to %s: %s", peer_id, e)
+
+        await asyncio.gather(*(one(p) for p in targets))
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _allow(self, key: tuple, rate: float, burst: float) -> bool:
+        """Token bucket per (message kind, peer)."""
         now = time.monotonic()
-        bucket = self._hello_buckets.get(peer_id)
+        bucket = self._hello_buckets.get(key)
         if bucket is None:
-            if len(self._hello_buckets) > MAX_MEMBERS:
+            if len(self._hello_buckets) > 2 * MAX_MEMBERS:
                 self._hello_buckets.clear()
-            bucket = self._hello_buckets[peer_id] = _Bucket(burst, now)
+            bucket = self._hello_buckets[key] = _Bucket(burst, now)
         bucket.tokens = min(burst, bucket.tokens + (now - bucket.updated) * rate)
         bucket.updated = now
         if bucket.tokens < 1.0:

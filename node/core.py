@@ -271,6 +271,8 @@ class Node:
                 "bytes_out": stats.bytes_out,
                 "messages_in": sum(stats.messages_in.values()),
                 "messages_out": sum(stats.messages_out.values()),
+                "bytes_in_by_protocol": dict(stats.bytes_in_by_protocol),
+                "bytes_out_by_protocol": dict(stats.bytes_out_by_protocol),
                 "note": "swarmd protocol streams; DHT RPCs are counted under dht",
             },
             "errors": dict(stats.errors),

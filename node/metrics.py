@@ -41,9 +41,12 @@ class NodeCollector:
             dht_ops.add_metric([op], count)
         yield dht_ops
 
-        traffic = CounterMetricFamily("swarmd_bytes", "Bytes on swarmd protocol streams", labels=["direction"])
-        traffic.add_metric(["in"], stats.bytes_in)
-        traffic.add_metric(["out"], stats.bytes_out)
+        traffic = CounterMetricFamily("swarmd_bytes", "Bytes on swarmd protocol streams",
+                                      labels=["protocol", "direction"])
+        for proto, count in stats.bytes_in_by_protocol.items():
+            traffic.add_metric([proto, "in"], count)
+        for proto, count in stats.bytes_out_by_protocol.items():
+            traffic.add_metric([proto, "out"], count)
         yield traffic
 
         messages = CounterMetricFamily("swarmd_messages", "Messages on swarmd protocol streams",
@@ -63,6 +66,19 @@ class NodeCollector:
         for kind, count in node.transport.penalties.totals.items():
             penalties.add_metric([kind], count)
         yield penalties
+
+        crdt = node.replicator.store
+        yield GaugeMetricFamily("swarmd_crdt_ops", "Ops in the replicated state", value=len(crdt.ops))
+        yield GaugeMetricFamily("swarmd_crdt_pending_ops", "Verified ops waiting for a parent", value=len(crdt.pending))
+        yield GaugeMetricFamily("swarmd_crdt_heads", "Heads of the op DAG", value=len(crdt.heads))
+        rejected = CounterMetricFamily("swarmd_crdt_rejected_ops", "Ops rejected by reason", labels=["reason"])
+        for reason, count in crdt.rejected.items():
+            rejected.add_metric([reason], count)
+        yield rejected
+        repl = CounterMetricFamily("swarmd_crdt_replication", "Replication events", labels=["event"])
+        for event, count in node.replicator.counters.items():
+            repl.add_metric([event], count)
+        yield repl
 
         boot = GaugeMetricFamily("swarmd_bootstrap_connected", "1 if the bootstrap peer is connected", labels=["peer"])
         for b in node.discovery.bootstrap:

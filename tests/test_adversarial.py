@@ -88,3 +88,29 @@ async def test_bad_peer_is_counted_penalised_and_banned_while_the_node_stays_up(
         assert 'swarmd_peers{state="banned"} 1.0' in metrics
     finally:
         await attacker.close()
+
+
+@pytest.mark.timeout(90)
+async def test_introductions_must_be_signed_by_the_newcomer(swarm):
+    from dht.discovery import INTRODUCE
+
+    victim = swarm.start("victim")
+    mallory, newcomer = Identity.generate(), Identity.generate()
+    attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    try:
+        await attacker.connect(victim.tcp_addr)
+        record = NodeRecord(newcomer.peer_id, ("/ip4/127.0.0.1/tcp/9",), "0.1.0", (), 1.0).to_wire()
+        # mallory vouches for a record she signed herself in the newcomer's name: refused
+        body = msgpack.packb([INTRODUCE, seal(mallory, record)])
+        assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) == b""
+        wait_for(lambda: http_get(victim.url + "/status")["penalties"].get("bad_signature") == 1, 10,
+                 "the forged introduction to be penalised")
+        # the newcomer's own sealed record, passed on by anyone, is accepted (it is what honest members forward)
+        body = msgpack.packb([INTRODUCE, seal(newcomer, record)])
+        assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) != b""
+        peers = {p["peer_id"]: p for p in http_get(victim.url + "/status")["peers"]}
+        assert peers[newcomer.peer_id]["source"] == "introduced" and not peers[newcomer.peer_id]["member"]
+        assert mallory.peer_id not in peers or peers[mallory.peer_id]["discovered"] is False
+    finally:
+        await attacker.close()

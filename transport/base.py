@@ -51,6 +51,8 @@ class TransportStats:
     bytes_out: int = 0
     messages_in: Counter = field(default_factory=Counter)  # by protocol id
     messages_out: Counter = field(default_factory=Counter)
+    bytes_in_by_protocol: Counter = field(default_factory=Counter)
+    bytes_out_by_protocol: Counter = field(default_factory=Counter)
     streams_in: int = 0
     streams_out: int = 0
     errors: Counter = field(default_factory=Counter)  # by kind
@@ -79,6 +81,7 @@ class Stream:
         if payload is None:
             return None
         self._stats.bytes_in += HEADER.size + len(payload)
+        self._stats.bytes_in_by_protocol[self.spec.id] += HEADER.size + len(payload)
         self._stats.messages_in[self.spec.id] += 1
         return decode(payload, self.spec)
 
@@ -96,6 +99,7 @@ class Stream:
         except (ConnectionError, RuntimeError) as e:
             raise StreamClosed(f"{self.spec.id}: write failed: {e}") from None
         self._stats.bytes_out += len(data)
+        self._stats.bytes_out_by_protocol[self.spec.id] += len(data)
         self._stats.messages_out[self.spec.id] += 1
 
     async def close(self, linger: float = 0.0) -> None:

