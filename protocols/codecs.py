@@ -1,0 +1,388 @@
+"""Tensor codecs for updates exchanged between peers (CPU, torch). Never pickle, never torch.load.
+
+Wire format (msgpack map, keys in this order; stable, with golden byte fixtures in tests/fixtures/codecs/)::
+
+    {"v": 1, "codec": int, "dtype": int, "shape": [int, ...], "block": int, "k": int, "scales": bytes, "data": bytes}
+
+- ``dtype``: the tensor's dtype, from an allow-list (float32, float16, bfloat16); decoding returns that dtype.
+- ``block``: elements per scale block (int8, e3m0); ``k``: kept entries (topk); 0 where unused.
+- ``scales``: little-endian float32 (int8) or bfloat16 (e3m0; fp16 would lose tiny scales to its subnormal
+  range) per block; ``data``: the codes.
+
+| id | codec | bits/elem | error bound (per element, x finite) |
+|---|---|---|---|
+| 0 | none | 32 (or the dtype's) | exact |
+| 1 | fp16 | 16 | fp16 rounding: abs(x'-x) <= 2^-11 abs(x) for abs(x) in fp16's normal range; larger values are clamped to +-65504 |
+| 2 | bf16 | 16 | abs(x'-x) <= 2^-8 abs(x) |
+| 3 | int8 | 8 + 32/block | blockwise absmax s: abs(x'-x) <= s/254 (half a quantization step) |
+| 4 | e3m0 | 4 + 16/block | sign + 3-bit exponent, x' = +-s*2^-e, e in 0..7 (Streaming DiLoCo's FP4); abs(x'-x) <= (sqrt(2)-1)*abs(x) + s*2^-7 |
+| 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
+
+Non-finite input (NaN, +-inf) is refused by ``encode`` (an update holding them is a bug or an attack), and a
+payload that decodes to a non-finite value is refused by ``decode``. Every payload is checked before any large
+allocation: allow-listed dtype, element count under ``max_elements``, section sizes that match the shape.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import torch
+
+MAX_ELEMENTS = 1 << 30  # hard limit on decoded element count (4 GiB of fp32)
+MAX_NDIM = 8
+
+DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
+DTYPE_IDS = {v: k for k, v in DTYPES.items()}
+KEYS = ("v", "codec", "dtype", "shape", "block", "k", "scales", "data")
+
+
+class CodecError(ValueError):
+    """Malformed, oversized or non-finite tensor data."""
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """A codec's output, before or after the wire."""
+
+    codec: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    block: int
+    k: int
+    scales: bytes
+    data: bytes
+
+    def to_wire(self) -> bytes:
+        return msgpack.packb(
+            {
+                "v": 1,
+                "codec": self.codec,
+                "dtype": DTYPE_IDS[self.dtype],
+                "shape": list(self.shape),
+                "block": self.block,
+                "k": self.k,
+                "scales": self.scales,
+                "data": self.data,
+            },
+            use_bin_type=True,
+        )
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.scales) + len(self.data)
+
+
+def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
+    """Strictly parse the wire format. Raises CodecError."""
+    try:
+        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception as e:
+        raise CodecError(f"undecodable tensor payload ({type(e).__name__})") from None
+    if not isinstance(obj, dict) or tuple(obj) != KEYS or obj["v"] != 1:
+        raise CodecError("tensor payload must be a v1 map with keys " + ", ".join(KEYS))
+    codec, dtype, shape, block, k = obj["codec"], obj["dtype"], obj["shape"], obj["block"], obj["k"]
+    if type(codec) is not int or codec not in CODECS:
+        raise CodecError(f"unknown codec {codec!r}")
+    if type(dtype) is not int or dtype not in DTYPES:
+        raise CodecError(f"dtype {dtype!r} is not allowed")
+    if not isinstance(shape, list) or len(shape) > MAX_NDIM or not all(type(d) is int and d >= 0 for d in shape):
+        raise CodecError("bad shape")
+    if math.prod(shape) > max_elements:
+        raise CodecError(f"{math.prod(shape)} elements exceed the limit of {max_elements}")
+    if type(block) is not int or type(k) is not int or block < 0 or k < 0:
+        raise CodecError("bad block or k")
+    if not isinstance(obj["scales"], bytes) or not isinstance(obj["data"], bytes):
+        raise CodecError("scales and data must be bytes")
+    return Encoded(codec, DTYPES[dtype], tuple(shape), block, k, obj["scales"], obj["data"])
+
+
+def _check_finite(x: torch.Tensor) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise CodecError("tensor holds NaN or infinity")
+
+
+def _flat32(x: torch.Tensor) -> torch.Tensor:
+    if x.dtype not in DTYPE_IDS:
+        raise CodecError(f"dtype {x.dtype} is not allowed")
+    if x.numel() > MAX_ELEMENTS:
+        raise CodecError("tensor too large")
+    flat = x.detach().reshape(-1).to(torch.float32)
+    _check_finite(flat)
+    return flat
+
+
+def _out(enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
+    n = math.prod(enc.shape)
+    if out is None:
+        return torch.empty(n, dtype=torch.float32)
+    if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
+        raise ValueError("out must be a contiguous float32 tensor with the decoded element count")
+    return out.view(-1)
+
+
+def _need(actual: int, expected: int, what: str) -> None:
+    if actual != expected:
+        raise CodecError(f"{what} is {actual} bytes, expected {expected}")
+
+
+class Codec:
+    id = -1
+    name = "?"
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        raise NotImplementedError
+
+    def decode_flat(self, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def decode(self, enc: Encoded, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode into ``out`` (a preallocated float32 buffer) or a new tensor; returns it shaped and typed as sent.
+        With ``out`` given, the float32 result is left in ``out`` (no further allocation when dtype is float32)."""
+        flat = self.decode_flat(enc, out)
+        _check_finite(flat)
+        result = flat.view(enc.shape)
+        return result if enc.dtype == torch.float32 else result.to(enc.dtype)
+
+
+class NoneCodec(Codec):
+    id, name = 0, "none"
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        _flat32(x)
+        data = x.detach().contiguous().reshape(-1)
+        raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data
+        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", raw.numpy().tobytes())
+
+    def decode_flat(self, enc: Encoded, out):
+        n = math.prod(enc.shape)
+        size = torch.finfo(enc.dtype).bits // 8
+        _need(len(enc.data), n * size, "data")
+        result = _out(enc, out)
+        if enc.dtype == torch.bfloat16:
+            raw = torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(torch.bfloat16) if n else None
+        else:
+            raw = torch.frombuffer(bytearray(enc.data), dtype=enc.dtype) if n else None
+        if n:
+            result.copy_(raw)
+        return result
+
+
+class Fp16Codec(Codec):
+    id, name = 1, "fp16"
+    wire_dtype = torch.float16
+    view_dtype = torch.float16
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = _flat32(x)
+        limit = torch.finfo(self.wire_dtype).max
+        half = flat.clamp(-limit, limit).to(self.wire_dtype)
+        raw = half.view(torch.int16) if self.wire_dtype == torch.bfloat16 else half
+        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", raw.numpy().tobytes())
+
+    def decode_flat(self, enc: Encoded, out):
+        n = math.prod(enc.shape)
+        _need(len(enc.data), 2 * n, "data")
+        result = _out(enc, out)
+        if n:
+            codes = torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(self.wire_dtype)
+            result.copy_(codes)
+        return result
+
+
+class Bf16Codec(Fp16Codec):
+    id, name = 2, "bf16"
+    wire_dtype = torch.bfloat16
+
+
+class Int8Codec(Codec):
+    """Blockwise absmax int8: per block of ``block`` elements, s = max abs, q = round(127 x / s)."""
+
+    id, name = 3, "int8"
+
+    def __init__(self, block: int = 256):
+        self.block = block
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = _flat32(x)
+        n, b = flat.numel(), self.block
+        blocks = -(-n // b)
+        padded = torch.zeros(blocks * b, dtype=torch.float32)
+        padded[:n] = flat
+        view = padded.view(blocks, b)
+        scales = view.abs().amax(dim=1)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales))
+        q = torch.round(view * (127.0 / safe).unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
+        return Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales.numpy().tobytes(),
+                       q.reshape(-1)[:n].numpy().tobytes())
+
+    def decode_flat(self, enc: Encoded, out):
+        n, b = math.prod(enc.shape), enc.block
+        if b <= 0:
+            raise CodecError("int8: block must be positive")
+        blocks = -(-n // b)
+        _need(len(enc.data), n, "data")
+        _need(len(enc.scales), 4 * blocks, "scales")
+        result = _out(enc, out)
+        if n:
+            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
+            _check_finite(scales)
+            q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8)
+            per_elem = (scales / 127.0).repeat_interleave(b)[:n]
+            torch.mul(q.to(torch.float32), per_elem, out=result)
+        return result
+
+
+class E3M0Codec(Codec):
+    """4-bit sign + exponent: x' = sign * s * 2^-e, e in 0..7, s the block's absmax stored as bfloat16.
+
+    Code layout: bit 3 is the sign (1 = negative), bits 0-2 the exponent; two codes per byte, low nibble first.
+    E3M0 has no zero: anything below s*2^-7.5 (zeros included) becomes +-s*2^-7 (as in Streaming DiLoCo)."""
+
+    id, name = 4, "e3m0"
+
+    def __init__(self, block: int = 128):
+        self.block = block
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = _flat32(x)
+        n, b = flat.numel(), self.block
+        blocks = -(-n // b)
+        padded = torch.zeros(blocks * b, dtype=torch.float32)
+        padded[:n] = flat
+        view = padded.view(blocks, b)
+        scales16 = view.abs().amax(dim=1).to(torch.bfloat16)
+        scales = scales16.to(torch.float32)
+        safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
+        ratio = (view.abs() / safe).clamp_(min=2.0**-8)
+        exponent = torch.round(-torch.log2(ratio)).clamp_(0, 7).to(torch.uint8)
+        codes = exponent | ((view < 0).to(torch.uint8) << 3)
+        codes = codes.reshape(-1)
+        if codes.numel() % 2:
+            codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
+        packed = codes[0::2] | (codes[1::2] << 4)
+        data = packed[: (n + 1) // 2]
+        return Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(),
+                       data.numpy().tobytes())
+
+    def decode_flat(self, enc: Encoded, out):
+        n, b = math.prod(enc.shape), enc.block
+        if b <= 0:
+            raise CodecError("e3m0: block must be positive")
+        blocks = -(-n // b)
+        _need(len(enc.data), (n + 1) // 2, "data")
+        _need(len(enc.scales), 2 * blocks, "scales")
+        result = _out(enc, out)
+        if n:
+            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
+            _check_finite(scales)
+            packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
+            codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+            magnitude = torch.pow(2.0, -(codes & 0x07).to(torch.float32))
+            sign = 1.0 - 2.0 * (codes >> 3).to(torch.float32)
+            torch.mul(magnitude * sign, scales.repeat_interleave(b)[:n], out=result)
+        return result
+
+
+class TopKCodec(Codec):
+    """Top-k sparsification: the k = ceil(ratio * n) largest magnitudes, as uint32 indices + float32 values.
+
+    Stateless here; :class:`ErrorFeedback` adds Deep Gradient Compression's error feedback (carry what was dropped
+    into the next round)."""
+
+    id, name = 5, "topk"
+
+    def __init__(self, ratio: float = 0.01):
+        if not 0 < ratio <= 1:
+            raise ValueError("ratio must be in (0, 1]")
+        self.ratio = ratio
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = _flat32(x)
+        n = flat.numel()
+        k = min(n, max(1, math.ceil(self.ratio * n))) if n else 0
+        if k:
+            _, idx = torch.topk(flat.abs(), k, sorted=False)
+            idx, _ = torch.sort(idx)
+        else:
+            idx = torch.zeros(0, dtype=torch.int64)
+        values = flat[idx]
+        return Encoded(self.id, x.dtype, tuple(x.shape), 0, k, idx.to(torch.int32).numpy().tobytes(),
+                       values.numpy().tobytes())
+
+    def decode_flat(self, enc: Encoded, out):
+        n, k = math.prod(enc.shape), enc.k
+        if k > n:
+            raise CodecError("topk: k exceeds the element count")
+        _need(len(enc.scales), 4 * k, "indices")
+        _need(len(enc.data), 4 * k, "values")
+        result = _out(enc, out)
+        result.zero_()
+        if k:
+            idx = torch.frombuffer(bytearray(enc.scales), dtype=torch.int32).to(torch.int64)
+            if bool((idx < 0).any()) or bool((idx >= n).any()):
+                raise CodecError("topk: index out of range")
+            values = torch.frombuffer(bytearray(enc.data), dtype=torch.float32)
+            _check_finite(values)
+            result.index_put_((idx,), values, accumulate=False)
+        return result
+
+
+class ErrorFeedback:
+    """Wraps a lossy codec with error feedback: encode(x) sends C(x + r) and keeps r <- x + r - D(C(x + r)).
+
+    Over many rounds the sum of what was decoded equals the sum of the inputs minus the final residual."""
+
+    def __init__(self, codec: Codec):
+        self.codec = codec
+        self.residual: torch.Tensor | None = None
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        flat = _flat32(x)
+        if self.residual is None or self.residual.shape != flat.shape:
+            self.residual = torch.zeros_like(flat)
+        corrected = flat + self.residual
+        enc = self.codec.encode(corrected.view(x.shape))
+        self.residual = corrected - self.codec.decode_flat(enc, None)
+        return enc
+
+
+CODECS: dict[int, Codec] = {c.id: c for c in (NoneCodec(), Fp16Codec(), Bf16Codec(), Int8Codec(), E3M0Codec(),
+                                              TopKCodec())}
+BY_NAME: dict[str, Codec] = {c.name: c for c in CODECS.values()}
+
+
+def get(name: str, **params: Any) -> Codec:
+    """A codec by name, e.g. get("e3m0", block=64), get("topk", ratio=0.001)."""
+    base = BY_NAME.get(name)
+    if base is None:
+        raise ValueError(f"unknown codec {name!r}; known: {', '.join(sorted(BY_NAME))}")
+    return type(base)(**params) if params else base
+
+
+def encode(x: torch.Tensor, codec: str | Codec = "e3m0") -> bytes:
+    return (get(codec) if isinstance(codec, str) else codec).encode(x).to_wire()
+
+
+def decode(payload: bytes, *, out: torch.Tensor | None = None, max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
+    """Bytes from the network -> tensor. Raises CodecError on anything malformed."""
+    enc = from_wire(payload, max_elements=max_elements)
+    return CODECS[enc.codec].decode(enc, out)
+
+
+def report(codec: str | Codec, x: torch.Tensor) -> dict:
+    """Compression ratio (original bytes / wire bytes) and relative error ||x' - x|| / ||x|| on ``x``."""
+    c = get(codec) if isinstance(codec, str) else codec
+    wire = c.encode(x).to_wire()
+    y = decode(wire).to(torch.float32)
+    xf = x.to(torch.float32)
+    norm = float(xf.norm())
+    return {
+        "codec": c.name,
+        "ratio": x.numel() * x.element_size() / len(wire),
+        "rel_error": float((y - xf).norm()) / norm if norm else float((y - xf).norm()),
+        "wire_bytes": len(wire),
+    }

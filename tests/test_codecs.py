@@ -1,0 +1,201 @@
+"""Tensor codecs: documented error bounds on random tensors, golden wire bytes, malformed input, limits."""
+
+import json
+import math
+import os
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from protocols import codecs as C
+
+FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
+NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk"]
+
+
+def tensors():
+    shapes = st.lists(st.integers(0, 9), min_size=1, max_size=3).filter(lambda s: math.prod(s) <= 300)
+    return st.tuples(shapes, st.integers(0, 2**31), st.sampled_from([1e-6, 1e-2, 1.0, 1e3]),
+                     st.sampled_from([0.0, 0.3]))
+
+
+def make(shape, seed, scale, zero_fraction):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * scale
+    if zero_fraction:
+        x[torch.rand(shape, generator=g) < zero_fraction] = 0.0
+    return x
+
+
+def block_scales(x, block):
+    flat = x.reshape(-1)
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block)
+    padded[:n] = flat.abs()
+    return padded.view(-1, block).amax(dim=1).repeat_interleave(block)[:n]
+
+
+@settings(max_examples=150, deadline=None)
+@given(tensors())
+def test_error_bounds(params):
+    x = make(*params)
+    flat = x.reshape(-1)
+    for name in NAMES:
+        y = C.decode(C.encode(x, name))
+        assert y.shape == x.shape and y.dtype == x.dtype
+        err = (y.reshape(-1) - flat).abs()
+        if name == "none":
+            assert torch.equal(y, x)
+        elif name == "fp16":
+            assert bool((err <= 2**-11 * flat.abs() + 2**-24).all())
+        elif name == "bf16":
+            assert bool((err <= 2**-8 * flat.abs() + 1e-38).all())
+        elif name == "int8":
+            s = block_scales(x, 256)
+            assert bool((err <= s / 254 * (1 + 1e-6) + 1e-30).all())
+        elif name == "e3m0":
+            s = block_scales(x, 128) * (1 + 2**-8)  # the scale travels as bfloat16
+            assert bool((err <= (2**0.5 - 1) * flat.abs() + s * 2**-7 + 1e-30).all())
+        elif name == "topk":
+            k = max(1, math.ceil(0.01 * flat.numel())) if flat.numel() else 0
+            kept = y.reshape(-1) != 0
+            assert int(kept.sum()) <= k
+            assert torch.equal(y.reshape(-1)[kept], flat[kept])  # kept entries are exact
+            if k and flat.numel():
+                dropped_max = flat[~kept].abs().max() if bool((~kept).any()) else torch.tensor(0.0)
+                assert bool(dropped_max <= flat[kept].abs().min()) or int(kept.sum()) < k
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_half_dtypes_roundtrip_and_odd_sizes(name):
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for n in (1, 127, 129, 1001):
+            x = torch.randn(n).to(dtype)
+            y = C.decode(C.encode(x, name))
+            assert y.dtype == dtype and y.shape == x.shape
+
+
+def test_e3m0_codes_and_zero_blocks():
+    x = torch.tensor([1.0, -0.5, 0.25, -1 / 128, 0.0, 1e-9])
+    y = C.decode(C.encode(x, "e3m0"))
+    assert y[:4].tolist() == [1.0, -0.5, 0.25, -1 / 128]
+    assert y[4] == y[5] == 1 / 128  # E3M0 has no zero: tiny values become +-s*2^-7
+    assert torch.equal(C.decode(C.encode(torch.zeros(300), "e3m0")), torch.zeros(300))  # a zero block's scale is 0
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_non_finite_input_is_refused(name, bad):
+    x = torch.ones(10)
+    x[3] = bad
+    with pytest.raises(C.CodecError, match="NaN or infinity"):
+        C.encode(x, name)
+
+
+def test_non_finite_payloads_are_refused():
+    enc = C.get("fp16").encode(torch.ones(4))
+    data = bytearray(enc.data)
+    data[0:2] = torch.tensor([float("inf")], dtype=torch.float16).view(torch.int16).numpy().tobytes()
+    bad = C.Encoded(enc.codec, enc.dtype, enc.shape, 0, 0, b"", bytes(data))
+    with pytest.raises(C.CodecError):
+        C.decode(bad.to_wire())
+    enc = C.get("int8").encode(torch.ones(4))
+    bad = C.Encoded(enc.codec, enc.dtype, enc.shape, enc.block, 0, torch.tensor([float("nan")]).numpy().tobytes(),
+                    enc.data)
+    with pytest.raises(C.CodecError):
+        C.decode(bad.to_wire())
+
+
+def wire(**over):
+    base = {"v": 1, "codec": 0, "dtype": 0, "shape": [2], "block": 0, "k": 0, "scales": b"", "data": b"\x00" * 8}
+    base.update(over)
+    return msgpack.packb(base, use_bin_type=True)
+
+
+@pytest.mark.parametrize(
+    "payload, message",
+    [
+        (b"\xc1", "undecodable"),
+        (msgpack.packb([1, 2]), "v1 map"),
+        (wire(v=2), "v1 map"),
+        (wire(codec=99), "unknown codec"),
+        (wire(dtype=7), "not allowed"),
+        (wire(shape=[-1]), "bad shape"),
+        (wire(shape=[1] * 9), "bad shape"),
+        (wire(shape=[1 << 20, 1 << 20]), "exceed the limit"),
+        (wire(data=b"\x00" * 7), "expected 8"),
+        (wire(codec=3, block=0, data=b"\x00\x00"), "block must be positive"),
+        (wire(codec=3, block=256, data=b"\x00\x00", scales=b""), "scales is 0 bytes"),
+        (wire(codec=5, k=3, scales=b"\x00" * 12, data=b"\x00" * 12), "k exceeds"),
+        (wire(codec=5, k=1, scales=b"\x09\x00\x00\x00", data=b"\x00" * 4), "index out of range"),
+        (wire(scales="text"), "must be bytes"),
+    ],
+)
+def test_malformed_payloads_get_clear_errors(payload, message):
+    with pytest.raises(C.CodecError, match=message):
+        C.decode(payload)
+
+
+def test_element_limit_is_checked_before_allocation():
+    with pytest.raises(C.CodecError, match="exceed"):
+        C.decode(wire(shape=[1000]), max_elements=999)
+
+
+def test_decode_into_preallocated_buffer():
+    x = torch.randn(3, 50)
+    out = torch.empty(150)
+    for name in NAMES:
+        y = C.decode(C.encode(x, name), out=out)
+        assert y.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError):
+        C.decode(C.encode(x, "int8"), out=torch.empty(10))
+
+
+def test_error_feedback_carries_what_was_dropped():
+    torch.manual_seed(0)
+    ef = C.ErrorFeedback(C.get("topk", ratio=0.05))
+    inputs = [torch.randn(400) for _ in range(50)]
+    sent = torch.zeros(400)
+    for x in inputs:
+        sent += C.decode(ef.encode(x).to_wire())
+    total = torch.stack(inputs).sum(0)
+    assert torch.allclose(sent + ef.residual, total, atol=1e-4)
+    # without feedback the dropped mass is simply lost
+    plain = sum(C.decode(C.encode(x, C.get("topk", ratio=0.05))) for x in inputs)
+    assert (plain - total).norm() > 3 * (sent - total).norm()
+
+
+def test_report_gives_ratio_and_error():
+    x = torch.randn(10_000)
+    r = C.report("e3m0", x)
+    assert 7.5 < r["ratio"] < 8.1 and 0.05 < r["rel_error"] < 0.35
+    assert C.report("none", x)["rel_error"] == 0.0
+
+
+GOLDEN_INPUT = torch.tensor([[0.5, -1.25, 3.0, 0.0, -0.001], [2.0, 7.5, -3.3, 0.125, 1e-5]])
+GOLDEN = {
+    "none": C.get("none"),
+    "fp16": C.get("fp16"),
+    "bf16": C.get("bf16"),
+    "int8": C.get("int8", block=4),
+    "e3m0": C.get("e3m0", block=4),
+    "topk": C.get("topk", ratio=0.3),
+}
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_golden_wire_bytes(name):
+    """The wire format is stable: these bytes and values must not change (regenerate: SWARMD_WRITE_FIXTURES=1)."""
+    path, values_path = FIXTURES / f"{name}.bin", FIXTURES / f"{name}.json"
+    payload = GOLDEN[name].encode(GOLDEN_INPUT).to_wire()
+    decoded = C.decode(payload)
+    if os.environ.get("SWARMD_WRITE_FIXTURES"):
+        FIXTURES.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(payload)
+        values_path.write_text(json.dumps(decoded.tolist()))
+    assert payload == path.read_bytes()
+    assert decoded.tolist() == json.loads(values_path.read_text())
