@@ -116,9 +116,10 @@ def _run_node(config, identity, data_dir: Path) -> int:
 
     from node.core import Node
     from node.http import HttpStartError
+    from protocols.gossip import Gossip
     from transport.errors import DaemonStartError
 
-    node = Node(config, identity, data_dir)
+    node = Node(config, identity, data_dir, services=[Gossip()])
     stop_signals = 0
 
     def on_ready(n: Node) -> None:

@@ -20,6 +20,7 @@ from node import __version__, datadir
 from node.config import Config, parse_host_port
 from node.http import StatusServer
 from node.replication import Replicator
+from node.services import NodeContext, Service
 from transport.base import ConnectedPeer, PathType
 from transport.errors import ProtocolViolation, TransportError
 from transport.identity import Identity
@@ -42,8 +43,9 @@ class PeerState:
 class Node:
     PINGS_PER_ROUND = 8
 
-    def __init__(self, config: Config, identity: Identity, data_dir: Path):
+    def __init__(self, config: Config, identity: Identity, data_dir: Path, services: list[Service] = ()):
         self.config = config
+        self.services = list(services)
         self.identity = identity
         self.data_dir = data_dir
         net = config.network
@@ -84,7 +86,8 @@ class Node:
             sync_interval=config.state.sync_interval,
             max_skew_ms=int(config.state.max_clock_skew * 1000),
         )
-        self.http = StatusServer(self, *parse_host_port(config.http.listen))
+        self.http = StatusServer(self, *parse_host_port(config.http.listen),
+                                 extra_routes=[r for svc in self.services for r in svc.routes()])
         self.started_at: float | None = None
         self._started_mono: float | None = None
         self.addresses: list[str] = []
@@ -96,6 +99,10 @@ class Node:
         """Connected peers that are swarm members (discovered or in the CRDT member set)."""
         crdt_members = set(self.replicator.store.value("members"))
         return [p for p in self.connected if p in self.discovery.members or p in crdt_members]
+
+    def is_direct(self, peer_id: str) -> bool:
+        conn = self.connected.get(peer_id)
+        return conn is not None and conn.path == PathType.DIRECT
 
     def loop_names(self) -> list[str]:
         return sorted(self.loops)
@@ -109,6 +116,16 @@ class Node:
             await self.discovery.start()
             try:
                 await self.replicator.start()
+                ctx = NodeContext(
+                    identity=self.identity,
+                    transport=self.transport,
+                    data_dir=self.data_dir,
+                    members=self._replication_peers,
+                    replicator=self.replicator,
+                    direct=self.is_direct,
+                )
+                for svc in self.services:
+                    await svc.start(ctx)
                 await self.http.start()
                 try:
                     self.addresses = await self.transport.addresses()
@@ -121,10 +138,14 @@ class Node:
                             tg.create_task(supervise("connection monitor", self._connection_monitor))
                             tg.create_task(supervise("ping", self._ping_loop))
                             tg.create_task(supervise("replication", self.replicator.run))
+                            for svc in self.services:
+                                tg.create_task(supervise(svc.name, svc.run))
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
                     await self.http.close()
+                    for svc in reversed(self.services):
+                        await svc.close()
                     await self.replicator.leave()
             finally:
                 self.replicator.close()
@@ -265,6 +286,7 @@ class Node:
             "connected": len(self.connected),
             "peers": peers,
             "crdt": self.replicator.summary(),
+            "services": {svc.name: svc.status() for svc in self.services},
             "loops": dict(self.loops),
             "traffic": {
                 "bytes_in": stats.bytes_in,

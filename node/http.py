@@ -27,8 +27,9 @@ class HttpStartError(Exception):
 
 
 class StatusServer:
-    def __init__(self, node: Node, host: str, port: int):
+    def __init__(self, node: Node, host: str, port: int, extra_routes: list = ()):
         self.node = node
+        self._extra_routes = list(extra_routes)
         self.host = host
         self.port = port
         self._runner: web.AppRunner | None = None
@@ -46,6 +47,7 @@ class StatusServer:
                 web.get("/metrics", self._metrics),
                 web.get("/state", self._state),
                 web.post("/crdt", self._write),
+                *self._extra_routes,
             ]
         )
         return app

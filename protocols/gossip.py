@@ -1,0 +1,525 @@
+"""Topic publish/subscribe across the mesh: a validated epidemic broadcast over our own streams.
+
+Why not the p2p daemon's gossipsub (measured, ``../shared/spikes/REPORT.md``): it forwards every message before our
+code can validate it, drops silently when its 32-slot queues overflow, and drops payloads of 1 MiB or more. In a
+permissionless mesh we must not forward what we have not validated, and a drop must be visible. py-libp2p's
+gossipsub would need the py-libp2p backend (NAT issue). So this module implements the gossipsub ideas itself on
+``/swarmd/pubsub/1.0.0``, one long-lived stream per direction per peer:
+
+- **Signed messages**: ``{"b": [1, topic, author, seq, ts_ms, data], "s": Ed25519 sig}``, id = BLAKE2b-128 of the
+  body. Receivers verify the author's signature before anything else.
+- **Bounded mesh per topic** (D=6, D_lo=4, D_hi=12): messages are pushed eagerly to mesh peers; each heartbeat
+  (1 s) we send IHAVE with recent ids to a few non-mesh subscribers, who IWANT what they miss.
+- **Validate, then forward**: a message is forwarded only after the signature, the size limit of its topic, the
+  freshness window and the topic's validator (registered by a loop: ACCEPT, REJECT or IGNORE) all pass. REJECT and
+  bad signatures count against the peer that sent it (penalties, then a ban); banned peers drop out of every mesh
+  and their streams are closed.
+- **Dedup** by message id (a seen cache of ``seen_ttl``), so each subscriber gets each message exactly once.
+- **Backpressure**: each peer has a bounded send queue and each subscription a bounded receive queue; overflow
+  drops the oldest (send) or the newest (receive) message *and counts it* in status and metrics.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import collections
+import enum
+import hashlib
+import inspect
+import logging
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable
+
+import msgpack
+from aiohttp import web
+
+from node.services import NodeContext
+from transport.base import Stream
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from transport.framing import ProtocolSpec
+from transport.identity import verify
+from transport.penalties import RateLimitedLog
+
+logger = logging.getLogger(__name__)
+
+SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE = range(1, 8)
+MAX_MESSAGE = 4 << 20
+PUBSUB_SPEC = ProtocolSpec("pubsub", "1.0.0", max_frame=MAX_MESSAGE + 65536,
+                           kinds=frozenset({SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE}))
+SIGN_DOMAIN = b"swarmd/pubsub/v1\x00"
+MAX_TOPIC = 128
+MAX_TOPICS_PER_PEER = 256
+MAX_IDS = 512
+
+
+class Verdict(enum.Enum):
+    ACCEPT = "accept"
+    REJECT = "reject"  # invalid: not forwarded, counts against the sender
+    IGNORE = "ignore"  # not for us (e.g. a round already closed): not forwarded, no penalty
+
+
+@dataclass(frozen=True)
+class Message:
+    id: bytes
+    topic: str
+    author: str
+    seq: int
+    ts_ms: int
+    data: bytes
+    body: bytes
+    sig: bytes
+    received_from: str | None = None
+
+    def wire(self) -> dict:
+        return {"b": self.body, "s": self.sig}
+
+
+Validator = Callable[[Message], "Verdict | Awaitable[Verdict]"]
+
+
+@dataclass
+class Topic:
+    name: str
+    max_size: int
+    validator: Validator | None
+    queue: asyncio.Queue | None  # None: read over HTTP only (the ring buffer below)
+    mesh: set[str] = field(default_factory=set)
+    delivered: int = 0
+    dropped_full: int = 0
+    rejected: int = 0
+    ignored: int = 0
+    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))  # for HTTP readers
+    recent_seq: int = 0
+
+
+class Subscription:
+    """Async iterator over accepted messages of one topic."""
+
+    def __init__(self, topic: Topic):
+        self._topic = topic
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> Message:
+        return await self._topic.queue.get()
+
+    def get_nowait(self) -> Message:
+        return self._topic.queue.get_nowait()
+
+
+class PeerLink:
+    """Our outbound stream to one peer, with a bounded send queue drained by one writer task."""
+
+    def __init__(self, peer_id: str, stream: Stream, limit: int, counters: collections.Counter):
+        self.peer_id = peer_id
+        self.stream = stream
+        self.queue: collections.deque = collections.deque()
+        self.limit = limit
+        self.counters = counters
+        self.event = asyncio.Event()
+        self.task: asyncio.Task | None = None
+        self.alive = True
+
+    def send(self, kind: int, body: Any) -> None:
+        if len(self.queue) >= self.limit:
+            self.queue.popleft()
+            self.counters["send_queue_dropped"] += 1
+        self.queue.append((kind, body))
+        self.event.set()
+
+    async def run(self) -> None:
+        try:
+            while True:
+                await self.event.wait()
+                self.event.clear()
+                while self.queue:
+                    kind, body = self.queue.popleft()
+                    await self.stream.send(kind, body)
+        except (TransportError, ProtocolViolation, ConnectionError) as e:
+            logger.debug("pubsub link to %s closed: %s", self.peer_id, e)
+        finally:
+            self.alive = False
+            await self.stream.close()
+
+
+class Gossip:
+    name = "gossip"
+
+    def __init__(
+        self,
+        *,
+        d: int = 6,
+        d_lo: int = 4,
+        d_hi: int = 12,
+        d_lazy: int = 6,
+        heartbeat: float = 1.0,
+        seen_ttl: float = 120.0,
+        max_age: float = 120.0,
+        max_skew: float = 30.0,
+        send_queue: int = 4096,
+    ):
+        self.d, self.d_lo, self.d_hi, self.d_lazy = d, d_lo, d_hi, d_lazy
+        self.heartbeat = heartbeat
+        self.seen_ttl = seen_ttl
+        self.max_age_ms = int(max_age * 1000)
+        self.max_skew_ms = int(max_skew * 1000)
+        self.send_queue = send_queue
+        self.topics: dict[str, Topic] = {}
+        self.peer_topics: dict[str, set[str]] = {}
+        self.links: dict[str, PeerLink] = {}
+        self.seen: dict[bytes, float] = {}
+        self.cache: dict[bytes, Message] = {}  # recent messages, for IWANT
+        self.history: collections.deque = collections.deque(maxlen=3)  # ids per heartbeat, for IHAVE
+        self.history.append([])
+        self.counters: collections.Counter = collections.Counter()
+        self.latency_ms: collections.deque = collections.deque(maxlen=4096)  # publish -> delivery, ours
+        self._seq = 0
+        self._ctx: NodeContext | None = None
+        self._link_tasks: set[asyncio.Task] = set()
+        self._log = RateLimitedLog(logger, interval=10.0)
+
+    # ------------------------------------------------------------------ service lifecycle
+    async def start(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        self._seq = int(time.time() * 1000) << 10  # monotonic across restarts of the same identity
+        await ctx.transport.serve(PUBSUB_SPEC, self._on_stream)
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self._heartbeat()
+            except (TransportError, ProtocolViolation) as e:
+                self._log.log(logging.DEBUG, "heartbeat", "pubsub heartbeat: %s", e)
+            await asyncio.sleep(self.heartbeat)
+
+    async def close(self) -> None:
+        for link in self.links.values():
+            if link.task is not None:
+                link.task.cancel()
+        tasks = [link.task for link in self.links.values() if link.task is not None]
+        tasks += list(self._link_tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self.links.clear()
+
+    # ------------------------------------------------------------------ API
+    def subscribe(self, topic: str, *, max_size: int = 64 * 1024, validator: Validator | None = None,
+                  queue_size: int = 1024) -> Subscription:
+        """Receive accepted messages of ``topic`` (at most ``max_size`` bytes each). ``validator`` decides, before
+        anything is forwarded, whether a message is valid; ``queue_size`` bounds what waits for the reader (0: no
+        queue, the last 256 messages are kept for HTTP readers only)."""
+        if not topic or len(topic) > MAX_TOPIC:
+            raise ValueError("topic must be 1-128 characters")
+        if not 0 < max_size <= MAX_MESSAGE:
+            raise ValueError(f"max_size must be in (0, {MAX_MESSAGE}]")
+        if topic in self.topics:
+            raise ValueError(f"already subscribed to {topic!r}")
+        t = self.topics[topic] = Topic(topic, max_size, validator, asyncio.Queue(queue_size) if queue_size else None)
+        for link in self.links.values():
+            link.send(SUB, [topic])
+        return Subscription(t)
+
+    def unsubscribe(self, topic: str) -> None:
+        if self.topics.pop(topic, None) is not None:
+            for link in self.links.values():
+                link.send(UNSUB, [topic])
+
+    def publish(self, topic: str, data: bytes) -> bytes:
+        """Sign and send ``data`` on ``topic`` (we must be subscribed: it sets the size limit). Returns the id."""
+        t = self.topics.get(topic)
+        if t is None:
+            raise ValueError(f"subscribe to {topic!r} before publishing on it")
+        if len(data) > t.max_size:
+            raise ValueError(f"{len(data)} B exceeds {topic!r}'s limit of {t.max_size} B")
+        ident = self._ctx.identity
+        self._seq += 1
+        body = msgpack.packb([1, topic, ident.peer_id, self._seq, int(time.time() * 1000), data], use_bin_type=True)
+        message = Message(_mid(body), topic, ident.peer_id, self._seq, int(time.time() * 1000), data, body,
+                          ident.sign(SIGN_DOMAIN + body))
+        self._remember(message)
+        self.counters["published"] += 1
+        self._forward(message, exclude=None)
+        return message.id
+
+    # ------------------------------------------------------------------ links
+    async def _heartbeat(self) -> None:
+        ctx = self._ctx
+        members = set(ctx.members())
+        penalties = ctx.transport.penalties
+        # open links to members we have none to; drop links to banned peers
+        for peer_id in list(self.links):
+            link = self.links[peer_id]
+            if not link.alive or peer_id not in members or penalties.is_banned(peer_id):
+                if link.task is not None:
+                    link.task.cancel()
+                del self.links[peer_id]
+        for peer_id in members - set(self.links):
+            if not penalties.is_banned(peer_id):
+                task = asyncio.create_task(self._open_link(peer_id))
+                self._link_tasks.add(task)
+                task.add_done_callback(self._link_tasks.discard)
+        # mesh maintenance per topic
+        for t in self.topics.values():
+            subscribers = {p for p, topics in self.peer_topics.items() if t.name in topics and p in self.links
+                           and not penalties.is_banned(p)}
+            t.mesh &= subscribers
+            if len(t.mesh) < self.d_lo:
+                extra = random.sample(sorted(subscribers - t.mesh), min(self.d - len(t.mesh), len(subscribers - t.mesh)))
+                for p in extra:
+                    t.mesh.add(p)
+                    self.links[p].send(GRAFT, [t.name])
+            elif len(t.mesh) > self.d_hi:
+                worst = sorted(t.mesh, key=lambda p: -penalties.score(p))[: len(t.mesh) - self.d]
+                for p in worst:
+                    t.mesh.discard(p)
+                    self.links[p].send(PRUNE, [t.name])
+            # lazy gossip: recent ids to a few subscribers outside the mesh
+            ids = [i for batch in self.history for i in batch if i in self.cache and self.cache[i].topic == t.name]
+            if ids:
+                others = sorted(subscribers - t.mesh)
+                for p in random.sample(others, min(self.d_lazy, len(others))):
+                    self.links[p].send(IHAVE, {"topic": t.name, "ids": ids[-MAX_IDS:]})
+        self.history.append([])
+        now = time.monotonic()
+        for mid in [m for m, t0 in self.seen.items() if now - t0 > self.seen_ttl]:
+            del self.seen[mid]
+            self.cache.pop(mid, None)
+        live = {i for batch in self.history for i in batch}
+        for mid in [m for m in self.cache if m not in live]:
+            del self.cache[mid]
+
+    async def _open_link(self, peer_id: str) -> None:
+        try:
+            stream = await self._ctx.transport.open_stream(peer_id, PUBSUB_SPEC, timeout=10.0)
+        except (TransportError, ProtocolViolation) as e:
+            logger.debug("no pubsub link to %s: %s", peer_id, e)
+            return
+        if peer_id in self.links:  # raced with another heartbeat
+            await stream.close()
+            return
+        link = PeerLink(peer_id, stream, self.send_queue, self.counters)
+        self.links[peer_id] = link
+        if self.topics:
+            link.send(SUB, sorted(self.topics))
+        link.task = asyncio.create_task(link.run())
+
+    # ------------------------------------------------------------------ inbound
+    async def _on_stream(self, stream: Stream) -> None:
+        peer = stream.peer_id
+        penalties = self._ctx.transport.penalties
+        try:
+            while True:
+                message = await stream.read()
+                if message is None:
+                    return
+                if penalties.is_banned(peer):
+                    self.counters["dropped_banned"] += 1
+                    return
+                await self._on_frame(peer, message.kind, message.body)
+        finally:
+            self.peer_topics.pop(peer, None)
+            for t in self.topics.values():
+                t.mesh.discard(peer)
+
+    async def _on_frame(self, peer: str, kind: int, body: Any) -> None:
+        if kind in (SUB, UNSUB, GRAFT, PRUNE):
+            if not isinstance(body, list) or not all(isinstance(t, str) and 0 < len(t) <= MAX_TOPIC for t in body):
+                raise MalformedMessage("pubsub: topic list expected")
+            topics = self.peer_topics.setdefault(peer, set())
+            if kind == SUB:
+                topics.update(body)
+                if len(topics) > MAX_TOPICS_PER_PEER:
+                    raise ProtocolViolation("pubsub: too many topics", kind="malformed")
+            elif kind == UNSUB:
+                topics.difference_update(body)
+            for name in body:
+                t = self.topics.get(name)
+                if t is None:
+                    continue
+                if kind == GRAFT and peer in self.links:
+                    t.mesh.add(peer)
+                    topics.add(name)
+                elif kind in (PRUNE, UNSUB):
+                    t.mesh.discard(peer)
+        elif kind == MSG:
+            await self._on_message(peer, body)
+        elif kind == IHAVE:
+            if not isinstance(body, dict) or not isinstance(body.get("ids"), list) or len(body["ids"]) > MAX_IDS:
+                raise MalformedMessage("pubsub: bad IHAVE")
+            if body.get("topic") in self.topics:
+                want = [i for i in body["ids"] if isinstance(i, bytes) and len(i) == 16 and i not in self.seen]
+                if want and peer in self.links:
+                    self.links[peer].send(IWANT, want)
+                    self.counters["iwant_sent"] += len(want)
+        elif kind == IWANT:
+            if not isinstance(body, list) or len(body) > MAX_IDS:
+                raise MalformedMessage("pubsub: bad IWANT")
+            link = self.links.get(peer)
+            for mid in body:
+                message = self.cache.get(mid) if isinstance(mid, bytes) else None
+                if message is not None and link is not None:
+                    link.send(MSG, message.wire())
+                    self.counters["iwant_served"] += 1
+
+    async def _on_message(self, peer: str, wire: Any) -> None:
+        penalties = self._ctx.transport.penalties
+        message = _decode(wire)
+        if message.id in self.seen:
+            self.counters["duplicates"] += 1
+            return
+        t = self.topics.get(message.topic)
+        if t is None:
+            self.counters["unsubscribed_topic"] += 1
+            return  # not ours to judge or forward
+        if len(message.data) > t.max_size:
+            raise ProtocolViolation(f"pubsub: {len(message.data)} B on {t.name} exceeds {t.max_size} B",
+                                    kind="oversized")
+        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
+            raise ProtocolViolation(f"pubsub: bad signature on a message claiming {message.author}",
+                                    kind="bad_signature")
+        now = int(time.time() * 1000)
+        if message.ts_ms > now + self.max_skew_ms or message.ts_ms < now - self.max_age_ms:
+            self.counters["stale"] += 1
+            penalties.penalize(peer, "stale", "pubsub message outside the freshness window")
+            return
+        self._remember(message)  # seen from here on, whatever the verdict: no re-validation of replays
+        verdict = Verdict.ACCEPT
+        if t.validator is not None:
+            try:
+                verdict = t.validator(message)
+                if inspect.isawaitable(verdict):
+                    verdict = await verdict
+            except Exception:
+                self._log.log(logging.ERROR, ("validator", t.name), "validator of %s crashed", t.name, exc_info=True)
+                verdict = Verdict.IGNORE
+        if verdict is Verdict.REJECT:
+            t.rejected += 1
+            self.counters["rejected"] += 1
+            penalties.penalize(peer, "invalid_message", f"rejected by the {t.name} validator")
+            return
+        if verdict is Verdict.IGNORE:
+            t.ignored += 1
+            return
+        delivered = Message(message.id, message.topic, message.author, message.seq, message.ts_ms, message.data,
+                            message.body, message.sig, received_from=peer)
+        self._deliver(t, delivered)
+        self._forward(message, exclude=peer)
+
+    # ------------------------------------------------------------------ internals
+    def _remember(self, message: Message) -> None:
+        self.seen[message.id] = time.monotonic()
+        self.cache[message.id] = message
+        self.history[-1].append(message.id)
+
+    def _deliver(self, t: Topic, message: Message) -> None:
+        try:
+            if t.queue is not None:
+                t.queue.put_nowait(message)
+        except asyncio.QueueFull:
+            t.dropped_full += 1
+            self.counters["subscriber_dropped"] += 1
+            self._log.log(logging.WARNING, ("full", t.name), "subscriber of %s is too slow; message dropped", t.name)
+        t.delivered += 1
+        t.recent_seq += 1
+        t.recent.append((t.recent_seq, message))
+        self.latency_ms.append(max(0, int(time.time() * 1000) - message.ts_ms))
+
+    def _forward(self, message: Message, exclude: str | None) -> None:
+        t = self.topics.get(message.topic)
+        if t is None:
+            return
+        targets = set(t.mesh)
+        if len(targets) < self.d_lo:  # a young mesh: fall back to every known subscriber
+            targets |= {p for p, topics in self.peer_topics.items() if message.topic in topics}
+        for peer in targets:
+            if peer != exclude and peer != message.author and peer in self.links:
+                self.links[peer].send(MSG, message.wire())
+                self.counters["forwarded"] += 1
+
+    # ------------------------------------------------------------------ views
+    def status(self) -> dict:
+        lat = sorted(self.latency_ms)
+        return {
+            "topics": {
+                name: {"mesh": len(t.mesh), "delivered": t.delivered, "rejected": t.rejected, "ignored": t.ignored,
+                       "dropped_full": t.dropped_full, "max_size": t.max_size}
+                for name, t in sorted(self.topics.items())
+            },
+            "links": len(self.links),
+            "latency_ms_p50": lat[len(lat) // 2] if lat else None,
+            **dict(sorted(self.counters.items())),
+        }
+
+    def routes(self) -> list:
+        return [
+            web.post("/topics/{topic}/subscribe", self._http_subscribe),
+            web.post("/topics/{topic}", self._http_publish),
+            web.get("/topics/{topic}", self._http_read),
+        ]
+
+    async def _http_subscribe(self, request: web.Request) -> web.Response:
+        topic = request.match_info["topic"]
+        if topic not in self.topics:
+            max_size = int(request.query.get("max_size", 64 * 1024))
+            try:
+                self.subscribe(topic, max_size=max_size, queue_size=0)
+            except ValueError as e:
+                return web.json_response({"error": str(e)}, status=400)
+        return web.json_response({"topic": topic, "subscribed": True})
+
+    async def _http_publish(self, request: web.Request) -> web.Response:
+        topic = request.match_info["topic"]
+        data = await request.read()
+        try:
+            mid = self.publish(topic, data)
+        except ValueError as e:
+            return web.json_response({"error": str(e)}, status=400)
+        return web.json_response({"id": mid.hex()})
+
+    async def _http_read(self, request: web.Request) -> web.Response:
+        """Messages received on a topic after ``?after=N`` (the last ``seq`` you saw), oldest first."""
+        t = self.topics.get(request.match_info["topic"])
+        if t is None:
+            return web.json_response({"error": "not subscribed"}, status=404)
+        after = int(request.query.get("after", 0))
+        items = [
+            {"seq": seq, "id": m.id.hex(), "author": m.author, "from": m.received_from, "ts_ms": m.ts_ms,
+             "data": base64.b64encode(m.data).decode()}
+            for seq, m in t.recent if seq > after
+        ]
+        return web.json_response({"topic": t.name, "delivered": t.delivered, "messages": items})
+
+
+def _mid(body: bytes) -> bytes:
+    return hashlib.blake2b(body, digest_size=16).digest()
+
+
+def _decode(wire: Any) -> Message:
+    if not isinstance(wire, dict) or set(wire) != {"b", "s"}:
+        raise MalformedMessage("pubsub: message must be {b, s}")
+    body, sig = wire["b"], wire["s"]
+    if not isinstance(body, bytes) or not isinstance(sig, bytes) or len(body) > MAX_MESSAGE + 1024:
+        raise MalformedMessage("pubsub: bad message fields")
+    try:
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0)
+    except Exception:
+        raise MalformedMessage("pubsub: undecodable message body") from None
+    if (
+        not isinstance(obj, list)
+        or len(obj) != 6
+        or obj[0] != 1
+        or not isinstance(obj[1], str)
+        or not 0 < len(obj[1]) <= MAX_TOPIC
+        or not isinstance(obj[2], str)
+        or type(obj[3]) is not int
+        or type(obj[4]) is not int
+        or not isinstance(obj[5], bytes)
+    ):
+        raise MalformedMessage("pubsub: message body must be [1, topic, author, seq, ts_ms, data]")
+    _, topic, author, seq, ts_ms, data = obj
+    return Message(_mid(body), topic, author, seq, ts_ms, data, body, sig)
