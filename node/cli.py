@@ -116,10 +116,14 @@ def _run_node(config, identity, data_dir: Path) -> int:
 
     from node.core import Node
     from node.http import HttpStartError
+    from protocols.bulk import BulkService
     from protocols.gossip import Gossip
     from transport.errors import DaemonStartError
 
-    node = Node(config, identity, data_dir, services=[Gossip()])
+    gossip = Gossip()
+    tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
+    bulk = BulkService(gossip, host=tcp_hosts[0] if tcp_hosts else "0.0.0.0", port=config.network.bulk_port)
+    node = Node(config, identity, data_dir, services=[gossip, bulk])
     stop_signals = 0
 
     def on_ready(n: Node) -> None:

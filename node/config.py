@@ -48,6 +48,7 @@ class NetworkSection(_Section):
     reachability: Literal["auto", "public", "private"] = "auto"
     dht_mode: Literal["server", "client", "auto"] = "server"
     startup_timeout: float = Field(15.0, gt=0, le=300)
+    bulk_port: int = Field(0, ge=0, le=65535)  # TCP port for bulk tensor transfer (0: the OS picks)
 
     @field_validator("listen")
     @classmethod

@@ -37,7 +37,7 @@ class StatusServer:
         self.url: str | None = None
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=4 << 20)
+        app = web.Application(client_max_size=1 << 30)  # local only; bulk uploads
         app.add_routes(
             [
                 web.get("/", self._page),

@@ -452,6 +452,7 @@ class Gossip:
             },
             "links": len(self.links),
             "latency_ms_p50": lat[len(lat) // 2] if lat else None,
+            "latency_ms_p99": lat[min(len(lat) - 1, int(len(lat) * 0.99))] if lat else None,
             **dict(sorted(self.counters.items())),
         }
 
