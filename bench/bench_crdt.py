@@ -15,21 +15,19 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import statistics
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from swarmproc import Swarm, http_get, wait_for  # noqa: E402
+from swarmproc import Swarm, http_get, http_post, wait_for  # noqa: E402
 
 from crdt import OpStore  # noqa: E402
 from crdt.ops import SIGN_DOMAIN  # noqa: E402
@@ -112,10 +110,8 @@ def apply_rate(n_ops: int) -> dict:
 
 
 def post(node, ops):
-    body = json.dumps({"ops": [{"object": o, "payload": p} for o, p in ops]}).encode()
-    req = urllib.request.Request(node.url + "/crdt", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=60) as resp:
-        return json.load(resp)
+    return http_post(node.url + "/crdt", json_body={"ops": [{"object": o, "payload": p} for o, p in ops]},
+                     timeout=60)
 
 
 def digests(nodes) -> set[str]:

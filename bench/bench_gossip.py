@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -180,11 +178,8 @@ def codecs_table() -> list[dict]:
 
 # ------------------------------------------------------------------ 3. pubsub with 8 nodes
 def pubsub(rate: int, seconds: float) -> dict:
-    from swarmproc import Swarm, http_get, wait_for
-
-    def post(url, data=b""):
-        with urllib.request.urlopen(urllib.request.Request(url, data=data, method="POST"), timeout=10) as r:
-            return json.load(r)
+    from swarmproc import Swarm, wait_for
+    from swarmproc import http_post as post
 
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-gossip-") as tmp:
         swarm = Swarm(Path(tmp))

@@ -34,7 +34,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from swarmproc import Swarm, http_get, wait_for  # noqa: E402
+from swarmproc import Swarm, wait_for  # noqa: E402
 
 BASELINE = """
 import asyncio, sys, time, resource

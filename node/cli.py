@@ -133,7 +133,6 @@ def _run_node(config, identity, data_dir: Path) -> int:
         print("\n".join(lines), flush=True)
 
     async def main() -> int:
-        nonlocal stop_signals
         loop = asyncio.get_running_loop()
         task = asyncio.current_task()
 

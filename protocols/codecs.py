@@ -124,6 +124,14 @@ def _out(enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     return out.view(-1)
 
 
+def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
+    """``flat`` zero-padded to whole blocks, as a (blocks, block) view."""
+    n = flat.numel()
+    padded = torch.zeros(-(-n // block) * block, dtype=torch.float32)
+    padded[:n] = flat
+    return padded.view(-1, block)
+
+
 def _need(actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise CodecError(f"{what} is {actual} bytes, expected {expected}")
@@ -209,10 +217,7 @@ class Int8Codec(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         flat = _flat32(x)
         n, b = flat.numel(), self.block
-        blocks = -(-n // b)
-        padded = torch.zeros(blocks * b, dtype=torch.float32)
-        padded[:n] = flat
-        view = padded.view(blocks, b)
+        view = _blocked(flat, b)
         scales = view.abs().amax(dim=1)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(view * (127.0 / safe).unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
@@ -250,10 +255,7 @@ class E3M0Codec(Codec):
     def encode(self, x: torch.Tensor) -> Encoded:
         flat = _flat32(x)
         n, b = flat.numel(), self.block
-        blocks = -(-n // b)
-        padded = torch.zeros(blocks * b, dtype=torch.float32)
-        padded[:n] = flat
-        view = padded.view(blocks, b)
+        view = _blocked(flat, b)
         scales16 = view.abs().amax(dim=1).to(torch.bfloat16)
         scales = scales16.to(torch.float32)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)

@@ -46,6 +46,16 @@ def http_get(url: str, timeout: float = 5.0):
         return body.decode()
 
 
+def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None):
+    """POST raw bytes (or ``json_body`` as JSON) and return the decoded JSON reply."""
+    headers = {}
+    if json_body is not None:
+        data, headers = json.dumps(json_body).encode(), {"Content-Type": "application/json"}
+    req = urllib.request.Request(url, data=data, method="POST", headers=headers)
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
 class NodeProc:
     def __init__(self, data_dir: Path, args: list[str], env: dict | None = None):
         self.data_dir = data_dir
@@ -169,4 +179,4 @@ def run_cli(*args: str, timeout: float = 30.0, env: dict | None = None) -> subpr
     )
 
 
-__all__ = ["NodeProc", "Swarm", "http_get", "run_cli", "wait_for", "urllib"]
+__all__ = ["NodeProc", "Swarm", "http_get", "http_post", "run_cli", "wait_for"]

@@ -1,20 +1,12 @@
 """Bulk transfer: a 100 MB tensor announced by one node is pulled and verified by 4 others; bad bytes are caught."""
 
 import asyncio
-import json
 import os
-import urllib.request
 
 import pytest
 
 from protocols.bulk import HEADER, OK, BadData, content_hash, fetch
-from swarmproc import http_get, wait_for
-
-
-def post(url: str, data: bytes = b"", timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, data=data, method="POST")
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.load(resp)
+from swarmproc import http_get, http_post as post, wait_for
 
 
 @pytest.mark.swarm
@@ -35,7 +27,7 @@ def test_100_mb_tensor_pulled_and_verified_by_four_nodes(swarm):
              "the bulk announcement topic to mesh")
     tensor = torch.randn(25 * 1024 * 1024)  # 100 MiB of fp32
     payload = codecs.encode(tensor, "none")
-    put = post(nodes[0].url + "/bulk?codec=none", payload)
+    put = post(nodes[0].url + "/bulk?codec=none", payload, timeout=120)
     assert put["size"] == len(payload)
     blob = put["hash"]
     wait_for(lambda: all(n.status()["services"]["bulk"]["announcements"] >= 1 for n in nodes[1:]), 10,

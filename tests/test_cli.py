@@ -44,25 +44,19 @@ def test_invalid_config_field(tmp_path):
 
 
 @pytest.mark.timeout(60)
-def test_port_in_use(tmp_path):
+@pytest.mark.parametrize(
+    "flag, value, message",
+    [("--listen", "/ip4/127.0.0.1/tcp/{port}", "tcp port {port} is already in use"),
+     ("--http", "127.0.0.1:{port}", "127.0.0.1:{port} is already in use")],
+)
+def test_port_in_use(tmp_path, flag, value, message):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         result = run_cli("start", "--config", str(LOCAL_CONFIG), "--data-dir", str(tmp_path),
-                         "--listen", f"/ip4/127.0.0.1/tcp/{port}")
-    assert_clean_error(result, 1, f"tcp port {port} is already in use")
-
-
-@pytest.mark.timeout(60)
-def test_http_port_in_use(tmp_path):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        port = s.getsockname()[1]
-        result = run_cli("start", "--config", str(LOCAL_CONFIG), "--data-dir", str(tmp_path),
-                         "--http", f"127.0.0.1:{port}")
-    assert_clean_error(result, 1, f"127.0.0.1:{port} is already in use")
+                         flag, value.format(port=port))
+    assert_clean_error(result, 1, message.format(port=port))
 
 
 @pytest.mark.timeout(60)

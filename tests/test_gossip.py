@@ -3,9 +3,7 @@ visible backpressure."""
 
 import asyncio
 import base64
-import json
 import time
-import urllib.request
 from pathlib import Path
 
 import msgpack
@@ -13,15 +11,9 @@ import pytest
 
 from node.services import NodeContext
 from protocols.gossip import MSG, PUBSUB_SPEC, SIGN_DOMAIN, SUB, Gossip, Verdict
-from swarmproc import http_get, wait_for
+from swarmproc import http_get, http_post, wait_for
 from transport.identity import Identity
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-
-
-def http_post(url: str, data: bytes = b"") -> dict:
-    req = urllib.request.Request(url, data=data, method="POST")
-    with urllib.request.urlopen(req, timeout=10) as resp:
-        return json.load(resp)
 
 
 @pytest.mark.swarm

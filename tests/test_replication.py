@@ -1,18 +1,16 @@
 """CRDT replication between real node processes: convergence, durability across kill -9, late join, corrupt
 log tails, and forged ops from a hostile peer."""
 
-import json
 import os
 import signal
 import threading
 import time
-import urllib.request
 
 import pytest
 
 from crdt.ops import make_op
 from node.replication import CRDT_SPEC, PUSH
-from swarmproc import http_get, wait_for
+from swarmproc import http_get, http_post, wait_for
 from transport.identity import Identity
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
@@ -20,10 +18,7 @@ pytestmark = pytest.mark.swarm
 
 
 def post(node, ops):
-    body = json.dumps({"ops": [{"object": o, "payload": p} for o, p in ops]}).encode()
-    req = urllib.request.Request(node.url + "/crdt", data=body, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.load(resp)
+    return http_post(node.url + "/crdt", json_body={"ops": [{"object": o, "payload": p} for o, p in ops]})
 
 
 def state(node):
