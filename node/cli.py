@@ -123,7 +123,8 @@ def _run_node(config, identity, data_dir: Path) -> int:
     gossip = Gossip()
     tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
     bulk = BulkService(gossip, host=tcp_hosts[0] if tcp_hosts else "0.0.0.0", port=config.network.bulk_port)
-    node = Node(config, identity, data_dir, services=[gossip, bulk])
+    services = [gossip, bulk] + _loops(config, gossip)
+    node = Node(config, identity, data_dir, services=services)
     stop_signals = 0
 
     def on_ready(n: Node) -> None:
@@ -168,6 +169,26 @@ def _run_node(config, identity, data_dir: Path) -> int:
         signal.signal(sig, _exit_now)
     logging.getLogger("swarmd").info("stopped after %.1f s", time.monotonic() - started)
     return code
+
+
+def _loops(config, gossip) -> list:
+    """The training loops the config asks for ([loops.<name>] tables), validated here: bad settings exit 2."""
+    from pydantic import ValidationError
+
+    loops = []
+    for name, table in config.loops.items():
+        if name == "spsa":
+            from protocols.spsa import SPSALoop, SpsaConfig
+
+            try:
+                loops.append(SPSALoop(gossip, SpsaConfig(**table)))
+            except ValidationError as e:
+                err = e.errors()[0]
+                field = ".".join(str(x) for x in err["loc"])
+                raise Fail(f"invalid loops.spsa.{field}: {err['msg']}", EXIT_USAGE) from None
+        else:
+            raise Fail(f"invalid loops.{name}: unknown loop (known: spsa)", EXIT_USAGE)
+    return loops
 
 
 def _exit_now(*_) -> None:

@@ -100,6 +100,8 @@ class HttpSection(_Section):
 
 
 class Config(_Section):
+    # training loops, each validated by the loop itself when the node starts, e.g. [loops.spsa]
+    loops: dict[str, dict] = {}
     node: NodeSection = NodeSection()
     network: NetworkSection
     discovery: DiscoverySection = DiscoverySection()

@@ -148,12 +148,12 @@ class Node:
                         await svc.close()
                     await self.replicator.leave()
             finally:
-                self.replicator.close()
                 await self.discovery.close()
         finally:
             if delay := float(os.environ.get("SWARMD_TEST_SHUTDOWN_DELAY", "0")):
                 await asyncio.sleep(delay)  # fault injection for tests: a shutdown that hangs
-            await self.transport.close()
+            await self.transport.close()  # ends inbound handlers, which may still be writing to the op log
+            self.replicator.close()
 
     def runtime_info(self) -> dict:
         return {

@@ -65,6 +65,8 @@ class OpLog:
             chunks.append(HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
         blob = b"".join(chunks)
         with self._lock:
+            if self._file is None:
+                raise OSError(f"op log {self.path} is closed")
             self._file.write(blob)
             self._file.flush()
             os.fsync(self._file.fileno())

@@ -166,7 +166,10 @@ class Replicator:
             else:
                 applied.extend(result.applied)
         if applied:
-            await asyncio.to_thread(self.log.append, [op.wire() for op in applied])
+            try:
+                await asyncio.to_thread(self.log.append, [op.wire() for op in applied])
+            except OSError as e:  # disk full, or closing: do not ACK what is not durable
+                raise TransportError(f"crdt: cannot persist ops: {e}") from None
         self.counters["ops_received"] += len(wires)
         self.counters["ops_applied"] += len(applied)
         for reason, count in rejected.items():

@@ -203,6 +203,8 @@ class P2PDaemonTransport:
                 self._handler_tasks.add(task)
             try:
                 await self._runner.run(handler, stream)
+            except asyncio.CancelledError:
+                pass  # we cancelled it (shutdown); this is the task's top level, so end it quietly
             finally:
                 if task is not None:
                     self._handler_tasks.discard(task)

@@ -44,7 +44,7 @@ class RateLimitedLog:
         self._last: dict[object, float] = {}
         self._suppressed: Counter = Counter()
 
-    def log(self, level: int, key: object, msg: str, *args: object) -> bool:
+    def log(self, level: int, key: object, msg: str, *args: object, exc_info: bool = False) -> bool:
         """Returns True if the line was emitted."""
         now = self._clock()
         last = self._last.get(key)
@@ -58,7 +58,7 @@ class RateLimitedLog:
         suppressed = self._suppressed.pop(key, 0)
         if suppressed:
             msg = msg + f" ({suppressed} similar suppressed)"
-        self._logger.log(level, msg, *args)
+        self._logger.log(level, msg, *args, exc_info=exc_info)
         return True
 
 

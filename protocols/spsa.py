@@ -1,0 +1,471 @@
+"""Seed-based SPSA (MeZO-style zeroth-order fine-tuning) at about one byte per step per peer.
+
+The algorithm (``../shared/protocols.md`` 3.4), per step t and peer i:
+
+- seed(t, i) = BLAKE2b-64(run id || t || peer id) >> 1; seeds are derived, never sent;
+- z = randn in the fixed parameter order (sorted names), from a CPU generator seeded with it;
+- probe from the canonical weights, restoring them by copy (bit-exact; the in-place +-eps trick drifts in fp32):
+  L+ at theta + eps*z, L- at theta - eps*z, g = (L+ - L-) / (2 eps), clipped to +-clip;
+- one byte: bit 7 the sign, bits 0-6 q = round(4 log2(|g| / 1e-4)) clamped to 0..127 (quarter-octave steps,
+  |g| from 1e-4 to ~3.6e5); decoded as sign * 1e-4 * 2^(q/4);
+- every peer applies every peer's byte for a step, in canonical order (sorted peer ids):
+  theta <- theta - (lr / M) * sum_i dec(b_i) * z(seed(t, i)), M = number of peers in the step.
+
+On the wire, a peer signs one pubsub message per *window* of ``window`` steps (``{"w": window, "b": bytes}``), so the
+header and signature are amortised. Updates apply with a one-window lag: the bytes of window w are applied during
+window w+1 (step t uses the bytes of step t - window), so a window can be computed while the previous one travels.
+A window's participants are the peers whose batch for it arrived before its deadline; every ``hash_every``
+windows peers publish a hash of their weights, and a peer that disagrees with the majority counts it and resyncs by
+replaying the log. The log (every applied, signed batch) lets a late joiner rebuild the base model, verify each
+batch's signature and replay to the same weights bit for bit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import logging
+import math
+import time
+from dataclasses import dataclass, field
+
+import msgpack
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from node.services import NodeContext
+from protocols import tinylm
+from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
+from protocols.gossip import Gossip, Message, Verdict, _decode
+from transport.base import Stream
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from transport.framing import ProtocolSpec
+from transport.identity import verify
+
+logger = logging.getLogger(__name__)
+
+G0 = 1e-4
+LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}))
+
+
+# ------------------------------------------------------------------ the pure parts
+def step_seed(run: str, step: int, peer_id: str) -> int:
+    digest = hashlib.blake2b(run.encode() + b"\x00" + step.to_bytes(8, "big") + peer_id.encode(), digest_size=8)
+    return int.from_bytes(digest.digest(), "big") >> 1
+
+
+def encode_grad(g: float, clip: float) -> int:
+    if not math.isfinite(g):
+        raise ValueError("projected gradient is not finite")
+    g = max(-clip, min(clip, g))
+    q = 0 if abs(g) <= G0 else min(127, max(0, round(4 * math.log2(abs(g) / G0))))
+    return (0x80 if g < 0 else 0) | q
+
+
+def decode_grad(b: int) -> float:
+    magnitude = G0 * 2.0 ** ((b & 0x7F) / 4)
+    return -magnitude if b & 0x80 else magnitude
+
+
+def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    return [torch.randn(shape, generator=g) for shape in shapes]
+
+
+class Weights:
+    """Canonical fp32 weights of a model, and the model used to evaluate them."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.params = [p for _, p in tinylm.params_in_order(model)]
+        self.canonical = [p.detach().clone() for p in self.params]
+        self.shapes = [p.shape for p in self.params]
+
+    @torch.no_grad()
+    def _load(self, offset: list[torch.Tensor] | None, scale: float) -> None:
+        for p, c, z in zip(self.params, self.canonical, offset or [None] * len(self.params)):
+            p.copy_(c)
+            if z is not None:
+                p.add_(z, alpha=scale)
+
+    @torch.no_grad()
+    def probe(self, batch: torch.Tensor, seed: int, eps: float) -> float:
+        z = perturbation(self.shapes, seed)
+        self._load(z, eps)
+        plus = float(self.model.loss(batch))
+        self._load(z, -eps)
+        minus = float(self.model.loss(batch))
+        self._load(None, 0.0)  # restore by copy: bit-exact
+        return (plus - minus) / (2 * eps)
+
+    @torch.no_grad()
+    def apply(self, run: str, step: int, updates: dict[str, int], lr: float) -> None:
+        """Apply every peer's byte for ``step`` in canonical order."""
+        if not updates:
+            return
+        m = len(updates)
+        for peer_id in sorted(updates):
+            coeff = -lr / m * decode_grad(updates[peer_id])
+            for c, z in zip(self.canonical, perturbation(self.shapes, step_seed(run, step, peer_id))):
+                c.add_(z, alpha=coeff)
+        self._load(None, 0.0)
+
+    def hash(self) -> str:
+        h = hashlib.blake2b(digest_size=16)
+        for c in self.canonical:
+            h.update(c.contiguous().view(-1).numpy().tobytes())
+        return h.hexdigest()
+
+
+# ------------------------------------------------------------------ the loop
+class SpsaConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    run: str = Field("spsa-demo", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    base_seed: int = 1
+    pretrain_steps: int = Field(200, ge=0, le=100_000)
+    steps: int = Field(200, ge=1, le=10_000_000)
+    window: int = Field(25, ge=1, le=4096)  # steps per signed message
+    eps: float = Field(1e-3, gt=0)
+    lr: float = Field(3e-3, gt=0)
+    clip: float = Field(100.0, gt=0)
+    batch: int = Field(16, ge=1, le=4096)
+    min_peers: int = Field(1, ge=1)  # wait for this many participants (us included) before window 0
+    deadline: float = Field(10.0, gt=0)  # seconds to wait for a window's batches after ours is out
+    hash_every: int = Field(2, ge=1)  # windows between weight-hash announcements
+    eval_every: int = Field(2, ge=1)  # windows between target-domain evaluations
+
+
+@dataclass
+class Window:
+    batches: dict[str, Message] = field(default_factory=dict)  # author -> signed batch
+    joins: set[str] = field(default_factory=set)  # peers that announced they start contributing at this window
+
+
+class SPSALoop:
+    """The loop as a node service. Timeline of window w (``window`` steps):
+
+    1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
+       then probe at the new weights and encode our byte;
+    2. publish our batch for w (if we participate in w);
+    3. close w: wait for the batches of w's expected participants (those of w-1, plus peers that announced they
+       join at w), at most ``deadline`` seconds; the batches that arrived are w's participants, everywhere.
+
+    A late joiner fetches the log (the signed batches of every closed window) from a peer, verifies each batch's
+    signature, replays it onto the base model, follows the live windows without contributing, announces that it
+    joins two windows ahead, and contributes from there."""
+
+    name = "spsa"
+
+    def __init__(self, gossip: Gossip, config: SpsaConfig):
+        self.gossip = gossip
+        self.cfg = config
+        self.topic = f"spsa/{config.run}"
+        self.windows: dict[int, Window] = collections.defaultdict(Window)
+        self.applied: dict[int, dict[str, Message]] = {}  # closed windows: author -> batch
+        self.log: list[list] = []  # closed windows in order: [window, [signed batch, ...]] (possibly empty)
+        self.hashes: dict[int, dict[str, str]] = collections.defaultdict(dict)  # window -> author -> hash
+        self.my_hashes: dict[int, str] = {}
+        self.counters: collections.Counter = collections.Counter()
+        self.window = 0  # the window being computed
+        self.join_at = 0  # the first window we contribute to
+        self.losses: list[tuple[int, float]] = []
+        self.weights: Weights | None = None
+        self.base_hash: str | None = None
+        self.final_hash: str | None = None
+        self.replay_seconds: float | None = None
+        self.state = "starting"
+        self._ctx: NodeContext | None = None
+        self._arrived = asyncio.Event()
+        self._initial: set[str] = set()
+        self.ready: dict[str, str] = {}  # peer -> base model hash it announced
+        self._resync_from: list[str] = []
+        self._base_state: dict | None = None
+
+    # ------------------------------------------------------------------ service
+    async def start(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        self.gossip.subscribe(self.topic, max_size=64 + self.cfg.window, validator=self._validate, queue_size=0)
+        await ctx.transport.serve(LOG_SPEC, self._serve_log)
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self) -> None:
+        torch.set_num_threads(1)
+        self.state = "building base model"
+        model = await asyncio.to_thread(tinylm.pretrain, self.cfg.base_seed, self.cfg.pretrain_steps)
+        self.weights = Weights(model)
+        self.base_hash = self.weights.hash()
+        self._base = [c.clone() for c in self.weights.canonical]
+        self.target = tinylm.encode_text(tinylm.corpus(self.cfg.base_seed + 7, 100_000, target=True))
+        self.val = tinylm.encode_text(tinylm.corpus(self.cfg.base_seed + 99, 30_000, target=True))
+        await self._start_or_catch_up()
+        me = self._ctx.identity.peer_id
+        total = -(-self.cfg.steps // self.cfg.window)
+        while self.window < total:
+            w = self.window
+            contribute = w >= self.join_at
+            codes = []
+            for i in range(self.cfg.window):
+                step = w * self.cfg.window + i
+                if w > 0:
+                    self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
+                if contribute:
+                    batch = tinylm.batch_at(self.target, step_seed(self.cfg.run + "/data", step, me), self.cfg.batch,
+                                            self.weights.model.ctx)
+                    g = await asyncio.to_thread(self.weights.probe, batch, step_seed(self.cfg.run, step, me),
+                                                self.cfg.eps)
+                    codes.append(encode_grad(g, self.cfg.clip))
+            self.my_hashes[w] = self.weights.hash()  # windows < w applied
+            if contribute:
+                self._publish({"w": w, "b": bytes(codes)})
+            if w % self.cfg.hash_every == 0:
+                self._publish({"w": w, "h": self.my_hashes[w]})
+                self._check_hashes(w)
+            if w % self.cfg.eval_every == 0:
+                loss = await asyncio.to_thread(tinylm.evaluate, self.weights.model, self.val, 4, 32)
+                self.losses.append((w * self.cfg.window, round(loss, 5)))
+            await self._close_window(w)
+            self.window = w + 1
+            if self._resync_from:
+                await self._resync()
+        last = total - 1
+        for i in range(self.cfg.window):
+            self.weights.apply(self.cfg.run, last * self.cfg.window + i, self._bytes_for(last, i), self.cfg.lr)
+        self.losses.append((total * self.cfg.window, round(tinylm.evaluate(self.weights.model, self.val, 4, 32), 5)))
+        self.final_hash = self.weights.hash()
+        self.state = "done"
+        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, total * self.cfg.window,
+                    self.final_hash)
+        await asyncio.Event().wait()
+
+    # ------------------------------------------------------------------ windows
+    def _publish(self, body: dict) -> None:
+        payload = msgpack.packb(body, use_bin_type=True)
+        mid = self.gossip.publish(self.topic, payload)
+        # what went on the wire for it: the signed message, framed (counted once, as its author sends it);
+        # the one-off start-up messages (ready, join) are counted apart from the per-step traffic
+        wire = len(msgpack.packb([3, self.gossip.cache[mid].wire()], use_bin_type=True)) + 4
+        kind = "setup" if ("ready" in body or "join" in body) else "step"
+        self.counters[f"{kind}_messages"] += 1
+        self.counters[f"{kind}_wire_bytes"] += wire
+        if "b" in body:
+            self.windows[body["w"]].batches[self._ctx.identity.peer_id] = self.gossip.cache[mid]
+        if "join" in body:
+            self.windows[body["w"]].joins.add(self._ctx.identity.peer_id)
+
+    async def _close_window(self, w: int) -> None:
+        window = self.windows[w]
+        expected = self._expected(w)
+        deadline = time.monotonic() + self.cfg.deadline
+        while not expected <= set(window.batches):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                self.counters["deadline_missed"] += 1
+                logger.warning("spsa window %d closed without %s", w, sorted(expected - set(window.batches)))
+                break
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), remaining)
+            except asyncio.TimeoutError:
+                pass
+        self.applied[w] = {a: m for a, m in window.batches.items() if a in expected}
+        self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
+        self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
+        self.windows.pop(w, None)
+
+    def _expected(self, w: int) -> set[str]:
+        joins = self.windows[w].joins
+        if w == 0:
+            return set(self._initial) | joins
+        return set(self.applied.get(w - 1, {})) | joins
+
+    def _bytes_for(self, w: int, i: int) -> dict[str, int]:
+        return {author: _batch_bytes(m)[i] for author, m in self.applied.get(w, {}).items()}
+
+    def _check_hashes(self, w: int) -> None:
+        theirs = self.hashes.get(w, {})
+        if theirs:
+            votes = collections.Counter(list(theirs.values()) + [self.my_hashes[w]])
+            majority, _ = votes.most_common(1)[0]
+            if majority != self.my_hashes[w]:
+                self.counters["diverged"] += 1
+                logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
+                self._resync_from = [a for a, h in theirs.items() if h == majority]
+
+    async def _start_or_catch_up(self) -> None:
+        """Start at window 0 with the peers that are ready (same base model), or, if the run has begun without
+        us, replay the log and join two windows ahead."""
+        me = self._ctx.identity.peer_id
+        self.state = "waiting for peers"
+        grace_until, announced = None, 0.0
+        while True:
+            if time.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
+                self._publish({"w": 0, "ready": self.base_hash})
+                announced = time.monotonic()
+            if self._run_started_without_us():
+                peers = [p for p in self._ctx.members() if self.topic in self.gossip.peer_topics.get(p, set())]
+                await self._replay_from(peers)
+                return
+            ready = {p for p, h in self.ready.items() if h == self.base_hash} | {me}
+            if len(ready) >= self.cfg.min_peers:
+                # a short grace, so peers that became ready at the same moment are in everyone's first window
+                grace_until = grace_until or time.monotonic() + 1.0
+                if time.monotonic() >= grace_until:
+                    self._initial = ready
+                    self.state = "running"
+                    return
+            if self.ready and any(h != self.base_hash for h in self.ready.values()):
+                self.counters["base_mismatch_peers"] = sum(h != self.base_hash for h in self.ready.values())
+            await asyncio.sleep(0.1)
+
+    async def _resync(self) -> None:
+        """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
+        peers, self._resync_from = self._resync_from, []
+        for c, b in zip(self.weights.canonical, self._base):
+            c.copy_(b)
+        self.applied.clear()
+        self.log.clear()
+        self.counters["resyncs"] += 1
+        await self._replay_from(peers)
+
+    async def _replay_from(self, peers: list[str]) -> None:
+        self.state = "replaying"
+        started = time.perf_counter()
+        for peer_id in peers:
+            try:
+                async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
+                    await stream.send(1, None)
+                    reply = await asyncio.wait_for(stream.read_required(), 60)
+                if not isinstance(reply.body, list):
+                    raise MalformedMessage("spsa-log: a list of signed batches expected")
+                replayed = self._replay(reply.body)
+                break
+            except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
+                logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
+        else:
+            raise RuntimeError("no peer served a usable spsa log")
+        self.replay_seconds = time.perf_counter() - started
+        self.counters["replayed_windows"] = replayed
+        # contribute two windows after the live one, and say so now, so everyone expects us from then on
+        self.join_at = max(self.window, max(self.windows, default=self.window)) + 2
+        self._publish({"w": self.join_at, "join": True})
+        self.state = "running"
+        logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
+                    replayed, self.replay_seconds, self.window, self.join_at)
+
+    def _replay(self, entries: list) -> int:
+        """Verify and apply the closed windows of a log; leave the last one to the live loop (one-window lag)."""
+        if [e[0] if isinstance(e, list) and len(e) == 2 else None for e in entries] != list(range(len(entries))):
+            raise ValueError("spsa-log: windows must be [w, batches] contiguous from 0")
+        for w, wires in entries:
+            if not isinstance(wires, list):
+                raise ValueError("spsa-log: batches must be a list")
+            batches: dict[str, Message] = {}
+            for wire in wires:
+                message = _decode(wire)
+                if message.topic != self.topic or not verify(message.author, PUBSUB_DOMAIN + message.body,
+                                                             message.sig):
+                    raise ValueError("spsa-log: an entry does not verify")
+                body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+                if not isinstance(body, dict) or set(body) != {"w", "b"} or body["w"] != w \
+                        or len(body["b"]) != self.cfg.window:
+                    raise ValueError("spsa-log: an entry is not a batch of its window")
+                batches[message.author] = message
+            self.applied[w] = batches
+            self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
+            if w < len(entries) - 1:
+                for i in range(self.cfg.window):
+                    self.weights.apply(self.cfg.run, w * self.cfg.window + i, self._bytes_for(w, i), self.cfg.lr)
+        self.window = len(entries)
+        return len(entries)
+
+    async def _serve_log(self, stream: Stream) -> None:
+        message = await asyncio.wait_for(stream.read_required(), 10)
+        if message.kind != 1:
+            raise MalformedMessage("spsa-log: expected a request")
+        await stream.send(2, list(self.log))
+
+    # ------------------------------------------------------------------ validation (runs before forwarding)
+    def _validate(self, message: Message) -> Verdict:
+        try:
+            body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+        except Exception:
+            return Verdict.REJECT
+        if not isinstance(body, dict) or type(body.get("w")) is not int or body["w"] < 0:
+            return Verdict.REJECT
+        w = body["w"]
+        if self.state == "running" and w > self.window + 4:
+            self.counters["rejected_future"] += 1
+            return Verdict.REJECT  # far ahead of the swarm we run with: flooding steps
+        if len(self.windows) > 256 and w not in self.windows:
+            self.counters["ignored_backlog"] += 1
+            return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
+        if set(body) == {"w", "h"}:
+            if not isinstance(body["h"], str) or len(body["h"]) != 32:
+                return Verdict.REJECT
+            self.hashes[w][message.author] = body["h"]
+            return Verdict.ACCEPT
+        if set(body) == {"w", "ready"}:
+            if not isinstance(body["ready"], str) or len(body["ready"]) != 32:
+                return Verdict.REJECT
+            self.ready[message.author] = body["ready"]
+            return Verdict.ACCEPT
+        if set(body) == {"w", "join"}:
+            if body["join"] is not True:
+                return Verdict.REJECT
+            self.windows[w].joins.add(message.author)
+            return Verdict.ACCEPT
+        if set(body) != {"w", "b"} or not isinstance(body["b"], bytes) or len(body["b"]) != self.cfg.window:
+            self.counters["rejected_malformed"] += 1
+            return Verdict.REJECT
+        if w in self.applied:
+            # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
+            self.counters["late"] += 1
+            self._ctx.transport.penalties.penalize(message.received_from or message.author, "stale",
+                                                   "spsa batch for a closed window")
+            return Verdict.IGNORE
+        existing = self.windows[w].batches.get(message.author)
+        if existing is not None and existing.data != message.data:
+            self.counters["equivocation"] += 1
+            return Verdict.REJECT
+        self.windows[w].batches[message.author] = message
+        self._arrived.set()
+        return Verdict.ACCEPT
+
+    def _run_started_without_us(self) -> bool:
+        """Batches past window 0 from a peer that announced our base model, or from two different peers (one
+        outsider alone cannot send us down the late path): the run began without us."""
+        ready = {p for p, h in self.ready.items() if h == self.base_hash}
+        for w in list(self.windows):
+            authors = set(self.windows[w].batches)
+            if w > 0 and (ready & authors or len(authors) >= 2):
+                return True
+        return False
+
+    # ------------------------------------------------------------------ views
+    def status(self) -> dict:
+        steps = max(1, self.window * self.cfg.window)
+        return {
+            "run": self.cfg.run,
+            "state": self.state,
+            "window": self.window,
+            "step": self.window * self.cfg.window,
+            "participants": len(self.applied.get(self.window - 1, {})),
+            "weights_hash": self.final_hash or (self.weights.hash() if self.weights is not None else None),
+            "final_hash": self.final_hash,
+            "base_hash": self.base_hash,
+            "losses": self.losses[-40:],
+            "log_windows": len(self.log),
+            "replay_seconds": self.replay_seconds,
+            "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
+            **dict(sorted(self.counters.items())),
+        }
+
+    def routes(self) -> list:
+        return []
+
+
+def _batch_bytes(message: Message) -> bytes:
+    return msgpack.unpackb(message.data, raw=False)["b"]

@@ -1,0 +1,162 @@
+"""Seed-based SPSA: the pure pieces (bit-exact restore and replay), and the loop across real node processes."""
+
+import asyncio
+import time
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+
+from protocols import tinylm
+from protocols.spsa import Weights, decode_grad, encode_grad, step_seed
+from swarmproc import Swarm, wait_for
+
+RUN = "t"
+
+
+def test_byte_code():
+    assert encode_grad(0.0, 10) & 0x7F == 0 and decode_grad(encode_grad(-3.0, 10)) < 0
+    for g in (1e-3, 0.37, -2.5, 99.0):
+        assert abs(decode_grad(encode_grad(g, 100)) / g - 1) < 2 ** (1 / 8)  # within half a quarter-octave
+    assert decode_grad(encode_grad(1e9, 50.0)) == pytest.approx(50.0, rel=0.1)  # clipped
+    codes = [encode_grad(x / 10, 100) for x in range(1, 200)]
+    assert codes == sorted(codes)  # monotonic
+    with pytest.raises(ValueError):
+        encode_grad(float("nan"), 1)
+
+
+def test_seeds_are_per_step_and_peer():
+    assert step_seed(RUN, 1, "A") == step_seed(RUN, 1, "A")
+    assert len({step_seed(RUN, s, p) for s in range(50) for p in "ABCD"}) == 200
+    assert 0 <= step_seed(RUN, 1, "A") < 2**63
+
+
+def small_model():
+    torch.manual_seed(0)
+    return tinylm.TinyGPT(d=16, layers=1, heads=2, ctx=16)
+
+
+def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
+    torch.set_num_threads(1)
+    data = tinylm.encode_text(tinylm.corpus(3, 5000, target=True))
+    live, replayed = Weights(small_model()), Weights(small_model())
+    before = live.hash()
+    batch = tinylm.batch_at(data, 1, 4, 16)
+    g = live.probe(batch, 123, 1e-3)
+    assert live.hash() == before and all(torch.equal(p, c) for p, c in zip(live.params, live.canonical))
+    log = []
+    for step in range(30):
+        updates = {}
+        for peer in ("A", "B", "C"):
+            batch = tinylm.batch_at(data, step * 10 + ord(peer), 4, 16)
+            updates[peer] = encode_grad(live.probe(batch, step_seed(RUN, step, peer), 1e-3), 100)
+        live.apply(RUN, step, updates, 3e-3)
+        log.append((step, updates))
+    for step, updates in log:
+        replayed.apply(RUN, step, dict(reversed(list(updates.items()))), 3e-3)  # arrival order does not matter
+    assert live.hash() == replayed.hash() != before
+    assert g != 0.0
+
+
+CONFIG = """
+[network]
+listen = ["/ip4/127.0.0.1/tcp/0"]
+reachability = "public"
+[discovery]
+poll_interval = 3.0
+backoff_initial = 0.5
+[state]
+sync_interval = 1.0
+[http]
+listen = "127.0.0.1:0"
+[loops.spsa]
+run = "{run}"
+pretrain_steps = 30
+steps = {steps}
+window = 25
+min_peers = {min_peers}
+deadline = 15.0
+hash_every = 2
+eval_every = 4
+"""
+
+
+def spsa_swarm(tmp_path: Path, run: str, steps: int, min_peers: int) -> Swarm:
+    config = tmp_path / "spsa.toml"
+    config.write_text(CONFIG.format(run=run, steps=steps, min_peers=min_peers))
+    return Swarm(tmp_path / "nodes", config=config)
+
+
+def spsa(node) -> dict:
+    return node.status()["services"]["spsa"]
+
+
+def start_line(swarm, n):
+    nodes = [swarm.start("n0")]
+    for i in range(1, n):
+        nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
+    return nodes
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path):
+    from node.services import NodeContext
+    from protocols.gossip import MSG, Gossip
+    from transport.identity import Identity
+    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+    swarm = spsa_swarm(tmp_path, "four", 200, 4)
+    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    gossip = Gossip(heartbeat=0.2)
+    try:
+        nodes = await asyncio.to_thread(start_line, swarm, 4)
+        # a hostile peer on the run's topic, linked to the first node
+        await attacker.start()
+        await attacker.connect(nodes[0].tcp_addr)
+        await gossip.start(NodeContext(attacker.identity, attacker, tmp_path, lambda: [nodes[0].peer_id], None,
+                                       lambda p: True))
+        hb = asyncio.create_task(gossip.run())
+        gossip.subscribe("spsa/four", max_size=4096)
+        await asyncio.to_thread(wait_for, lambda: spsa(nodes[0])["state"] == "running", 120, "the run to start")
+        await asyncio.to_thread(wait_for, lambda: nodes[0].peer_id in gossip.links, 20, "the attacker's link")
+        link = gossip.links[nodes[0].peer_id]
+        for junk in (b"\xc1\xc1", msgpack.packb({"w": 1, "b": b"\x7f" * 3}),
+                     msgpack.packb({"w": 999, "b": b"\x7f" * 25}), msgpack.packb({"w": 1, "join": "yes"}),
+                     msgpack.packb({"w": 1, "b": b"\x7f" * 25})):  # well-formed, but from a non-participant
+            link.send(MSG, gossip.cache[gossip.publish("spsa/four", junk)].wire())
+        final = await asyncio.to_thread(
+            wait_for, lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,
+            "4 nodes to finish 200 steps")
+        hashes = {s["final_hash"] for s in final}
+        assert len(hashes) == 1, [(s["final_hash"], s.get("deadline_missed"), s.get("diverged")) for s in final]
+        assert all(s["participants"] == 4 and s.get("diverged", 0) == 0 for s in final)
+        first = final[0]
+        assert first["losses"][-1][1] < first["losses"][0][1]  # it learned something on the target domain
+        penalties = nodes[0].status()["penalties"]
+        assert penalties.get("invalid_message", 0) >= 4  # malformed, wrong length, far-future, bad join
+        assert all(spsa(n).get("unexpected_batches", 0) <= 1 for n in nodes)  # the outsider's batch: not applied
+        hb.cancel()
+    finally:
+        await gossip.close()
+        await attacker.close()
+        await asyncio.to_thread(swarm.close)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_node_joining_at_step_100_replays_and_matches(tmp_path):
+    swarm = spsa_swarm(tmp_path, "late", 500, 3)
+    try:
+        nodes = start_line(swarm, 3)
+        wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
+        late = swarm.start("late", bootstrap=[nodes[-1].tcp_addr])
+        wait_for(lambda: spsa(late)["state"] in ("running", "done"), 120, "the late node to replay")
+        assert spsa(late)["replayed_windows"] >= 4
+        final = wait_for(lambda: all(spsa(n)["state"] == "done" for n in nodes + [late])
+                         and [spsa(n) for n in nodes + [late]], 200, "everyone to finish")
+        assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
+        assert all(s["participants"] == 4 for s in final)  # the late node contributed at the end
+    finally:
+        swarm.close()
