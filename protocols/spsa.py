@@ -125,14 +125,14 @@ class SpsaConfig(BaseModel):
     base_seed: int = 1
     pretrain_steps: int = Field(200, ge=0, le=100_000)
     steps: int = Field(200, ge=1, le=10_000_000)
-    window: int = Field(25, ge=1, le=4096)  # steps per signed message
+    window: int = Field(96, ge=1, le=4096)  # steps per signed message (and the lag of application)
     eps: float = Field(1e-3, gt=0)
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     clip: float = Field(100.0, gt=0)
     batch: int = Field(16, ge=1, le=4096)
     min_peers: int = Field(1, ge=1)  # wait for this many participants (us included) before window 0
     deadline: float = Field(10.0, gt=0)  # seconds to wait for a window's batches after ours is out
-    hash_every: int = Field(2, ge=1)  # windows between weight-hash announcements
+    hash_every: int = Field(8, ge=1)  # windows between weight-hash announcements
     eval_every: int = Field(2, ge=1)  # windows between target-domain evaluations
 
 
@@ -178,6 +178,7 @@ class SPSALoop:
         self._ctx: NodeContext | None = None
         self._arrived = asyncio.Event()
         self._initial: set[str] = set()
+        self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._base_state: dict | None = None
@@ -226,6 +227,7 @@ class SPSALoop:
             if w % self.cfg.eval_every == 0:
                 loss = await asyncio.to_thread(tinylm.evaluate, self.weights.model, self.val, 4, 32)
                 self.losses.append((w * self.cfg.window, round(loss, 5)))
+                await self._report_progress(loss)
             await self._close_window(w)
             self.window = w + 1
             if self._resync_from:
@@ -254,6 +256,18 @@ class SPSALoop:
             self.windows[body["w"]].batches[self._ctx.identity.peer_id] = self.gossip.cache[mid]
         if "join" in body:
             self.windows[body["w"]].joins.add(self._ctx.identity.peer_id)
+
+    async def _report_progress(self, loss: float) -> None:
+        """Our progress into the replicated state (the CRDT's per-peer progress register)."""
+        if self._ctx.replicator is None:
+            return
+        steps = self.window * self.cfg.window
+        try:
+            await self._ctx.replicator.write("progress", {
+                "step": steps, "samples": steps * self.cfg.batch, "loss": float(loss),
+                "bytes": int(self.counters["step_wire_bytes"]), "round": self.window})
+        except ValueError as e:
+            logger.warning("could not record spsa progress: %s", e)
 
     async def _close_window(self, w: int) -> None:
         window = self.windows[w]
@@ -420,6 +434,9 @@ class SPSALoop:
         if set(body) != {"w", "b"} or not isinstance(body["b"], bytes) or len(body["b"]) != self.cfg.window:
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT
+        if max(b & 0x7F for b in body["b"]) > self._max_code:
+            self.counters["rejected_out_of_range"] += 1
+            return Verdict.REJECT  # a projected gradient beyond the run's clip
         if w in self.applied:
             # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
             self.counters["late"] += 1

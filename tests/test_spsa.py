@@ -1,7 +1,6 @@
 """Seed-based SPSA: the pure pieces (bit-exact restore and replay), and the loop across real node processes."""
 
 import asyncio
-import time
 from pathlib import Path
 
 import msgpack
@@ -10,7 +9,7 @@ import torch
 
 from protocols import tinylm
 from protocols.spsa import Weights, decode_grad, encode_grad, step_seed
-from swarmproc import Swarm, wait_for
+from swarmproc import Swarm, http_get, wait_for
 
 RUN = "t"
 
@@ -122,7 +121,7 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         await asyncio.to_thread(wait_for, lambda: spsa(nodes[0])["state"] == "running", 120, "the run to start")
         await asyncio.to_thread(wait_for, lambda: nodes[0].peer_id in gossip.links, 20, "the attacker's link")
         link = gossip.links[nodes[0].peer_id]
-        for junk in (b"\xc1\xc1", msgpack.packb({"w": 1, "b": b"\x7f" * 3}),
+        for junk in (b"\xc1\xc1", msgpack.packb({"w": 1, "b": b"\x7f" * 3}), msgpack.packb({"w": 1, "b": b"\xff" * 25}),
                      msgpack.packb({"w": 999, "b": b"\x7f" * 25}), msgpack.packb({"w": 1, "join": "yes"}),
                      msgpack.packb({"w": 1, "b": b"\x7f" * 25})):  # well-formed, but from a non-participant
             link.send(MSG, gossip.cache[gossip.publish("spsa/four", junk)].wire())
@@ -134,8 +133,11 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         assert all(s["participants"] == 4 and s.get("diverged", 0) == 0 for s in final)
         first = final[0]
         assert first["losses"][-1][1] < first["losses"][0][1]  # it learned something on the target domain
+        # progress is in the replicated state, for every peer, as any node sees it
+        progress = await asyncio.to_thread(lambda: http_get(nodes[1].url + "/state")["objects"]["progress"])
+        assert set(progress) >= {n.peer_id for n in nodes} and all(p["step"] > 0 for p in progress.values())
         penalties = nodes[0].status()["penalties"]
-        assert penalties.get("invalid_message", 0) >= 4  # malformed, wrong length, far-future, bad join
+        assert penalties.get("invalid_message", 0) >= 5  # malformed, wrong length, out of range, far future, bad join
         assert all(spsa(n).get("unexpected_batches", 0) <= 1 for n in nodes)  # the outsider's batch: not applied
         hb.cancel()
     finally:
