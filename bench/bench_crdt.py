@@ -128,12 +128,7 @@ def convergence(n_nodes: int, n_ops: int, root: Path) -> dict:
     config.write_text(BENCH_CONFIG)
     swarm = Swarm(root / "swarm", config=config)
     try:
-        nodes = [swarm.start("n0")]
-        for i in range(1, n_nodes):
-            nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
-        ids = {n.peer_id for n in nodes}
-        wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 120, "the swarm to mesh",
-                 interval=0.5)
+        nodes = swarm.start_chain(n_nodes, members_within=120)
         wait_for(lambda: len(digests(nodes)) == 1, 60, "initial convergence", interval=0.2)
 
         # baseline: one op

@@ -184,11 +184,7 @@ def pubsub(rate: int, seconds: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-gossip-") as tmp:
         swarm = Swarm(Path(tmp))
         try:
-            nodes = [swarm.start("n0")]
-            for i in range(1, 8):
-                nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
-            ids = {n.peer_id for n in nodes}
-            wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 60, "8 members")
+            nodes = swarm.start_chain(8, members_within=60)
             for n in nodes:
                 post(n.url + "/topics/bench/subscribe?max_size=2048")
             wait_for(lambda: all(n.status()["services"]["gossip"]["topics"]["bench"]["mesh"] >= 4 for n in nodes),

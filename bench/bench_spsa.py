@@ -51,9 +51,7 @@ def run_swarm(peers: int, steps: int, window: int, root: Path) -> dict:
     config.write_text(CONFIG.format(run=f"bench{peers}", steps=steps, window=window, peers=peers))
     swarm = Swarm(root / "nodes", config=config)
     try:
-        nodes = [swarm.start("n0")]
-        for i in range(1, peers):
-            nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
+        nodes = swarm.start_chain(peers, members_within=None)
 
         def spsa(n):
             return n.status()["services"]["spsa"]

@@ -155,6 +155,18 @@ class Swarm:
             node.wait_ready()
         return node
 
+    def start_chain(self, n: int, prefix: str = "n", members_within: float | None = 30.0) -> list[NodeProc]:
+        """n nodes, each bootstrapped from the one before (B from A, C from B, ...); by default also wait until
+        every node lists every other as a member."""
+        nodes = [self.start(f"{prefix}0")]
+        for i in range(1, n):
+            nodes.append(self.start(f"{prefix}{i}", bootstrap=[nodes[-1].tcp_addr]))
+        if members_within is not None:
+            ids = {x.peer_id for x in nodes}
+            wait_for(lambda: all(x.member_ids() >= ids - {x.peer_id} for x in nodes), members_within,
+                     f"{n} nodes to list each other as members", interval=0.2)
+        return nodes
+
     def close(self) -> None:
         for node in self.nodes:
             if node.proc.poll() is None:

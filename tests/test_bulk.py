@@ -18,11 +18,8 @@ def test_100_mb_tensor_pulled_and_verified_by_four_nodes(swarm):
 
     from protocols import codecs
 
-    nodes = [swarm.start("n0")]
-    for i in range(1, 5):
-        nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
+    nodes = swarm.start_chain(5)
     ids = {n.peer_id for n in nodes}
-    wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 30, "5 members")
     wait_for(lambda: all(n.status()["services"]["gossip"]["topics"]["swarmd/bulk"]["mesh"] >= 4 for n in nodes), 20,
              "the bulk announcement topic to mesh")
     tensor = torch.randn(25 * 1024 * 1024)  # 100 MiB of fp32

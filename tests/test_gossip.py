@@ -19,11 +19,7 @@ from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 @pytest.mark.swarm
 @pytest.mark.timeout(180)
 def test_eight_nodes_receive_every_message_exactly_once_within_2_s(swarm):
-    nodes = [swarm.start("n0")]
-    for i in range(1, 8):
-        nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
-    ids = {n.peer_id for n in nodes}
-    wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 30, "8 members")
+    nodes = swarm.start_chain(8)
     for n in nodes:
         http_post(n.url + "/topics/chat/subscribe")
 

@@ -31,18 +31,9 @@ def converged(nodes):
     return states[0] if len(digests) == 1 else None
 
 
-def start_mesh(swarm, n, prefix="n"):
-    nodes = [swarm.start(f"{prefix}0")]
-    for i in range(1, n):
-        nodes.append(swarm.start(f"{prefix}{i}", bootstrap=[nodes[-1].tcp_addr]))
-    ids = {x.peer_id for x in nodes}
-    wait_for(lambda: all(x.member_ids() >= ids - {x.peer_id} for x in nodes), 30, f"{n} nodes to be members")
-    return nodes
-
-
 @pytest.mark.timeout(150)
 def test_six_nodes_writing_concurrently_converge(swarm):
-    nodes = start_mesh(swarm, 6)
+    nodes = swarm.start_chain(6)
     per_node = 60
 
     def writer(node, index):
@@ -84,7 +75,7 @@ def test_six_nodes_writing_concurrently_converge(swarm):
 
 @pytest.mark.timeout(120)
 def test_kill_9_loses_nothing_acknowledged_and_late_joiner_catches_up(swarm):
-    a, b = start_mesh(swarm, 2)
+    a, b = swarm.start_chain(2)
     acknowledged = []
     for i in range(20):
         reply = post(b, [("kv", {"k": f"{b.peer_id}/x{i}", "v": i})])

@@ -91,13 +91,6 @@ def spsa(node) -> dict:
     return node.status()["services"]["spsa"]
 
 
-def start_line(swarm, n):
-    nodes = [swarm.start("n0")]
-    for i in range(1, n):
-        nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr]))
-    return nodes
-
-
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path):
@@ -110,7 +103,7 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
     attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     gossip = Gossip(heartbeat=0.2)
     try:
-        nodes = await asyncio.to_thread(start_line, swarm, 4)
+        nodes = await asyncio.to_thread(swarm.start_chain, 4, "n", None)
         # a hostile peer on the run's topic, linked to the first node
         await attacker.start()
         await attacker.connect(nodes[0].tcp_addr)
@@ -151,7 +144,7 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
 def test_a_node_joining_at_step_100_replays_and_matches(tmp_path):
     swarm = spsa_swarm(tmp_path, "late", 500, 3)
     try:
-        nodes = start_line(swarm, 3)
+        nodes = swarm.start_chain(3, members_within=None)
         wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
         late = swarm.start("late", bootstrap=[nodes[-1].tcp_addr])
         wait_for(lambda: spsa(late)["state"] in ("running", "done"), 120, "the late node to replay")
