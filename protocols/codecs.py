@@ -18,6 +18,9 @@ Wire format (msgpack map, keys in this order; stable, with golden byte fixtures 
 | 4 | e3m0 | 4 + 16/block | sign + 3-bit exponent, x' = +-s*2^-e, e in 0..7 (Streaming DiLoCo's FP4); abs(x'-x) <= (sqrt(2)-1)*abs(x) + s*2^-7 |
 | 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
 
+``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes ``encode(x).to_wire()``
+gives), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
+
 Non-finite input (NaN, +-inf) is refused by ``encode`` (an update holding them is a bug or an attack), and a
 payload that decodes to a non-finite value is refused by ``decode``. Every payload is checked before any large
 allocation: allow-listed dtype, element count under ``max_elements``, section sizes that match the shape.
@@ -25,6 +28,7 @@ allocation: allow-listed dtype, element count under ``max_elements``, section si
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -74,6 +78,19 @@ class Encoded:
     @property
     def nbytes(self) -> int:
         return len(self.scales) + len(self.data)
+
+
+def _wire_prefix(head: Encoded, data_len: int) -> bytes:
+    """The wire bytes up to the data payload: the map with every field, "data" last, and its bin header."""
+    packed = dataclasses.replace(head, data=b"").to_wire()
+    assert packed.endswith(b"\xc4\x00")  # "data": empty bin8
+    if data_len < 1 << 8:
+        header = b"\xc4" + data_len.to_bytes(1, "big")
+    elif data_len < 1 << 16:
+        header = b"\xc5" + data_len.to_bytes(2, "big")
+    else:
+        header = b"\xc6" + data_len.to_bytes(4, "big")
+    return packed[:-2] + header
 
 
 def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
@@ -141,8 +158,31 @@ class Codec:
     id = -1
     name = "?"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
+        """The encoding without its data, and the data as a flat uint8 tensor (no copy to bytes yet)."""
         raise NotImplementedError
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        head, data = self._parts(x)
+        return dataclasses.replace(head, data=data.numpy().tobytes())
+
+    def wire_size(self, x: torch.Tensor) -> int:
+        head, data = self._parts(x)
+        return len(_wire_prefix(head, data.numel())) + data.numel()
+
+    def encode_into(self, x: torch.Tensor, out: bytearray | memoryview) -> int:
+        """Write the wire bytes of ``x`` into the preallocated ``out``; returns how many were written. The bytes are
+        identical to ``encode(x).to_wire()``, without building the intermediate bytes objects."""
+        head, data = self._parts(x)
+        prefix = _wire_prefix(head, data.numel())
+        total = len(prefix) + data.numel()
+        if len(out) < total:
+            raise ValueError(f"out holds {len(out)} B, the encoding needs {total} B")
+        view = memoryview(out)
+        view[: len(prefix)] = prefix
+        if data.numel():
+            torch.frombuffer(view, dtype=torch.uint8, count=data.numel(), offset=len(prefix)).copy_(data)
+        return total
 
     def decode_flat(self, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
@@ -159,11 +199,11 @@ class Codec:
 class NoneCodec(Codec):
     id, name = 0, "none"
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor):
         _flat32(x)
         data = x.detach().contiguous().reshape(-1)
         raw = data.view(torch.int16) if data.dtype == torch.bfloat16 else data
-        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", raw.numpy().tobytes())
+        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", b""), raw.view(torch.uint8)
 
     def decode_flat(self, enc: Encoded, out):
         n = math.prod(enc.shape)
@@ -182,14 +222,13 @@ class NoneCodec(Codec):
 class Fp16Codec(Codec):
     id, name = 1, "fp16"
     wire_dtype = torch.float16
-    view_dtype = torch.float16
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor):
         flat = _flat32(x)
         limit = torch.finfo(self.wire_dtype).max
         half = flat.clamp(-limit, limit).to(self.wire_dtype)
         raw = half.view(torch.int16) if self.wire_dtype == torch.bfloat16 else half
-        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", raw.numpy().tobytes())
+        return Encoded(self.id, x.dtype, tuple(x.shape), 0, 0, b"", b""), raw.contiguous().view(torch.uint8)
 
     def decode_flat(self, enc: Encoded, out):
         n = math.prod(enc.shape)
@@ -214,15 +253,15 @@ class Int8Codec(Codec):
     def __init__(self, block: int = 256):
         self.block = block
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor):
         flat = _flat32(x)
         n, b = flat.numel(), self.block
         view = _blocked(flat, b)
         scales = view.abs().amax(dim=1)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(view * (127.0 / safe).unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
-        return Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales.numpy().tobytes(),
-                       q.reshape(-1)[:n].numpy().tobytes())
+        return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales.numpy().tobytes(), b""),
+                q.reshape(-1)[:n].view(torch.uint8))
 
     def decode_flat(self, enc: Encoded, out):
         n, b = math.prod(enc.shape), enc.block
@@ -252,7 +291,7 @@ class E3M0Codec(Codec):
     def __init__(self, block: int = 128):
         self.block = block
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor):
         flat = _flat32(x)
         n, b = flat.numel(), self.block
         view = _blocked(flat, b)
@@ -267,8 +306,8 @@ class E3M0Codec(Codec):
             codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
         packed = codes[0::2] | (codes[1::2] << 4)
         data = packed[: (n + 1) // 2]
-        return Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(),
-                       data.numpy().tobytes())
+        return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(), b""),
+                data.contiguous())
 
     def decode_flat(self, enc: Encoded, out):
         n, b = math.prod(enc.shape), enc.block
@@ -302,7 +341,7 @@ class TopKCodec(Codec):
             raise ValueError("ratio must be in (0, 1]")
         self.ratio = ratio
 
-    def encode(self, x: torch.Tensor) -> Encoded:
+    def _parts(self, x: torch.Tensor):
         flat = _flat32(x)
         n = flat.numel()
         k = min(n, max(1, math.ceil(self.ratio * n))) if n else 0
@@ -312,8 +351,8 @@ class TopKCodec(Codec):
         else:
             idx = torch.zeros(0, dtype=torch.int64)
         values = flat[idx]
-        return Encoded(self.id, x.dtype, tuple(x.shape), 0, k, idx.to(torch.int32).numpy().tobytes(),
-                       values.numpy().tobytes())
+        return (Encoded(self.id, x.dtype, tuple(x.shape), 0, k, idx.to(torch.int32).numpy().tobytes(), b""),
+                values.contiguous().view(torch.uint8))
 
     def decode_flat(self, enc: Encoded, out):
         n, k = math.prod(enc.shape), enc.k

@@ -198,3 +198,18 @@ def test_golden_wire_bytes(name):
         values_path.write_text(json.dumps(decoded.tolist()))
     assert payload == path.read_bytes()
     assert decoded.tolist() == json.loads(values_path.read_text())
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_encode_into_a_preallocated_buffer_gives_the_same_bytes(name):
+    codec = C.get(name)
+    buf = bytearray(1 << 22)
+    for dtype in (torch.float32, torch.bfloat16):
+        for n in (0, 1, 100, 300, 70_000):
+            x = torch.randn(n).to(dtype)
+            written = codec.encode_into(x, buf)
+            assert bytes(buf[:written]) == codec.encode(x).to_wire()
+            assert written == codec.wire_size(x)
+            assert torch.equal(C.decode(bytes(buf[:written])), C.decode(codec.encode(x).to_wire()))
+    with pytest.raises(ValueError, match="needs"):
+        codec.encode_into(torch.randn(1000), bytearray(10))
