@@ -156,6 +156,9 @@ class Discovery:
             await asyncio.gather(*self._tasks, return_exceptions=True)
         if self.dht is not None:
             dht, self.dht = self.dht, None
+            if not getattr(self.transport, "alive", True):
+                dht.is_alive = False  # the daemon is gone: a graceful DHT shutdown would only time out
+                return
             try:
                 await asyncio.wait_for(dht.shutdown(), 3.0)
             except (asyncio.TimeoutError, Exception) as e:  # shutting down: log, never raise

@@ -33,6 +33,16 @@ from transport.penalties import PeerPenalties
 logger = logging.getLogger(__name__)
 
 
+class _ShutdownNoise(logging.Filter):
+    """p2pd logs 'use of closed network connection' at ERROR whenever its control socket closes at shutdown."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "use of closed network connection" not in record.getMessage()
+
+
+logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ShutdownNoise())
+
+
 @dataclass
 class P2PDaemonConfig:
     listen: list[str]
@@ -129,6 +139,12 @@ class P2PDaemonTransport:
         if self._p2p is None:
             raise TransportError("transport is not started")
         return self._p2p
+
+    @property
+    def alive(self) -> bool:
+        """False once the daemon has exited (e.g. it got the terminal's Ctrl+C before we did)."""
+        child = getattr(self._p2p, "_child", None)
+        return self._p2p is not None and (child is None or child.returncode is None)
 
     @property
     def daemon_pid(self) -> int | None:
