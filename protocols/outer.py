@@ -1,0 +1,138 @@
+"""Outer-step primitives for DiLoCo and Streaming DiLoCo (``../shared/protocols.md`` section 1): fragments, the outer
+Nesterov optimizer, robust combination of peers' pseudo-gradients, and adaptive round deadlines.
+
+Everything is deterministic given its inputs: peers are always combined in sorted peer-id order and reduced with
+``torch.stack(...).mean(0)``, so every node that combines the same set of updates gets bit-identical global weights.
+The loop that uses these (issue 6) is not written yet.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import re
+import statistics
+from collections import deque
+
+import torch
+
+_BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
+
+
+def fragments(names: list[str], count: int) -> list[list[int]]:
+    """Split parameters (given in a fixed order) into ``count`` fragments, strided by block: block i goes to
+    fragment i % count, as Streaming DiLoCo does; parameters outside the blocks (embeddings, final norm, head) go
+    to fragment 0. Every parameter is in exactly one fragment."""
+    if count < 1:
+        raise ValueError("count must be >= 1")
+    out: list[list[int]] = [[] for _ in range(count)]
+    for index, name in enumerate(names):
+        m = _BLOCK.search(name)
+        out[int(m.group(1)) % count if m else 0].append(index)
+    return out
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+
+
+def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    offset = 0
+    for t in tensors:
+        n = t.numel()
+        t.copy_(flat[offset : offset + n].view_as(t))
+        offset += n
+    if offset != flat.numel():
+        raise ValueError(f"{flat.numel()} values for {offset} parameters")
+
+
+def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.Tensor]) -> torch.Tensor:
+    """Delta = global - local, flat fp32 (what a peer sends after its inner steps)."""
+    return flatten(global_params) - flatten(local_params)
+
+
+def params_hash(tensors: list[torch.Tensor]) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().to(torch.float32).contiguous().view(-1).numpy().tobytes())
+    return h.hexdigest()
+
+
+class OuterNesterov:
+    """SGD with Nesterov momentum on flat fragments, as torch.optim.SGD(nesterov=True): buf = mu*buf + g;
+    theta -= lr * (g + mu*buf). Defaults from DiLoCo: lr 0.7, momentum 0.9."""
+
+    def __init__(self, sizes: list[int], lr: float = 0.7, momentum: float = 0.9):
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers = [torch.zeros(n) for n in sizes]
+
+    def step(self, fragment: int, params_flat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+        buf = self.buffers[fragment]
+        if grad.shape != buf.shape or params_flat.shape != buf.shape:
+            raise ValueError("fragment size mismatch")
+        buf.mul_(self.momentum).add_(grad)
+        return params_flat - self.lr * (grad + self.momentum * buf)
+
+
+def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,
+            trim: float = 0.2) -> tuple[torch.Tensor | None, dict[str, str]]:
+    """Combine peers' pseudo-gradients robustly. Returns (combined or None, {peer: rejection reason}).
+
+    Rejected before combining: wrong size, non-finite values. ``clipped_mean``: each update's L2 norm is clipped
+    to ``clip`` x the median norm, then averaged. ``trimmed_mean``: per coordinate, the ``trim`` fraction of the
+    largest and of the smallest values are dropped, the rest averaged (needs >= 3 updates to trim anything)."""
+    rejected: dict[str, str] = {}
+    good: list[torch.Tensor] = []
+    for peer in sorted(updates):
+        u = updates[peer]
+        if not isinstance(u, torch.Tensor) or u.dim() != 1 or u.numel() != size:
+            rejected[peer] = "wrong_shape"
+        elif not bool(torch.isfinite(u).all()):
+            rejected[peer] = "non_finite"
+        else:
+            good.append(u.to(torch.float32))
+    if not good:
+        return None, rejected
+    stacked = torch.stack(good)
+    if method == "clipped_mean":
+        norms = stacked.norm(dim=1)
+        limit = clip * float(norms.median())
+        if limit > 0:
+            factors = torch.clamp(limit / norms.clamp(min=1e-30), max=1.0)
+            stacked = stacked * factors.unsqueeze(1)
+        return stacked.mean(0), rejected
+    if method == "trimmed_mean":
+        k = int(math.floor(trim * len(good)))
+        if k == 0 or len(good) - 2 * k < 1:
+            return stacked.mean(0), rejected
+        ordered, _ = torch.sort(stacked, dim=0)
+        return ordered[k : len(good) - k].mean(0), rejected
+    raise ValueError(f"unknown method {method!r}")
+
+
+def mix(local: torch.Tensor, merged: torch.Tensor, alpha: float) -> torch.Tensor:
+    """Streaming DiLoCo's merge of an overlapped fragment: alpha * local + (1 - alpha) * merged global."""
+    return alpha * local + (1.0 - alpha) * merged
+
+
+class AdaptiveDeadline:
+    """How long a round waits for late peers, from observed arrival offsets (not a fixed timeout): the median plus
+    ``k`` median absolute deviations of the last ``window`` offsets, clamped to [low, high] seconds."""
+
+    def __init__(self, *, k: float = 4.0, window: int = 64, low: float = 1.0, high: float = 60.0,
+                 initial: float = 10.0):
+        self.k, self.low, self.high = k, low, high
+        self.offsets: deque[float] = deque(maxlen=window)
+        self.initial = initial
+
+    def observe(self, offset: float) -> None:
+        if math.isfinite(offset) and offset >= 0:
+            self.offsets.append(offset)
+
+    def value(self) -> float:
+        if len(self.offsets) < 3:
+            return max(self.low, min(self.high, self.initial))
+        med = statistics.median(self.offsets)
+        mad = statistics.median(abs(x - med) for x in self.offsets)
+        return max(self.low, min(self.high, med + self.k * max(mad, 0.05 * med)))

@@ -1,0 +1,73 @@
+"""Outer-step primitives for DiLoCo: fragments, outer Nesterov, robust combination, adaptive deadlines."""
+
+import torch
+
+from protocols import outer, tinylm
+
+
+def test_fragments_are_strided_by_block_and_cover_everything():
+    names = [n for n, _ in tinylm.params_in_order(tinylm.TinyGPT(layers=4))]
+    frags = outer.fragments(names, 2)
+    assert sorted(i for f in frags for i in f) == list(range(len(names)))
+    for p, frag in enumerate(frags):
+        for i in frag:
+            if ".blocks." in f".{names[i]}" or names[i].startswith("blocks."):
+                assert int(names[i].split(".")[1]) % 2 == p
+    assert outer.fragments(names, 1) == [list(range(len(names)))]
+
+
+def test_outer_nesterov_matches_torch_sgd():
+    torch.manual_seed(0)
+    theta = torch.randn(50)
+    ours = theta.clone()
+    ref = torch.nn.Parameter(theta.clone())
+    opt = torch.optim.SGD([ref], lr=0.7, momentum=0.9, nesterov=True)
+    o = outer.OuterNesterov([50])
+    for _ in range(5):
+        g = torch.randn(50)
+        ours = o.step(0, ours, g)
+        ref.grad = g.clone()
+        opt.step()
+    assert torch.allclose(ours, ref.detach(), atol=1e-6)
+
+
+def test_combine_rejects_bad_updates_and_resists_outliers():
+    good = {f"p{i}": torch.full((10,), 1.0 + 0.01 * i) for i in range(4)}
+    bad = {"nan": torch.full((10,), float("nan")), "short": torch.ones(9), "huge": torch.full((10,), 1e6)}
+    combined, rejected = outer.combine({**good, **bad}, 10, method="clipped_mean")
+    assert rejected == {"nan": "non_finite", "short": "wrong_shape"}
+    assert float(combined.max()) < 3.0  # the huge update was clipped to 2x the median norm before averaging
+    trimmed, _ = outer.combine({**good, "huge": torch.full((10,), 1e6)}, 10, method="trimmed_mean", trim=0.2)
+    assert float(trimmed.max()) < 1.1  # dropped per coordinate
+    assert outer.combine({"x": torch.ones(3)}, 10)[0] is None
+
+
+def test_combine_is_bit_identical_whatever_the_arrival_order():
+    torch.manual_seed(1)
+    updates = {f"peer{i}": torch.randn(1000) for i in range(5)}
+    a, _ = outer.combine(updates, 1000)
+    b, _ = outer.combine(dict(reversed(list(updates.items()))), 1000)
+    assert torch.equal(a, b)
+
+
+def test_flatten_unflatten_and_hash():
+    params = [torch.randn(3, 4), torch.randn(5)]
+    flat = outer.flatten(params)
+    copies = [torch.zeros(3, 4), torch.zeros(5)]
+    outer.unflatten_into(flat, copies)
+    assert all(torch.equal(a, b) for a, b in zip(params, copies))
+    assert outer.params_hash(params) == outer.params_hash(copies)
+    delta = outer.pseudo_gradient(params, [p - 1 for p in params])
+    assert torch.allclose(delta, torch.ones(17))
+
+
+def test_adaptive_deadline_follows_observed_arrivals():
+    d = outer.AdaptiveDeadline(k=4, low=1.0, high=60.0, initial=10.0)
+    assert d.value() == 10.0
+    for x in (2.0, 2.2, 1.9, 2.1, 2.0):
+        d.observe(x)
+    assert 2.0 < d.value() < 3.5
+    for x in [30.0] * 64:
+        d.observe(x)
+    assert 30.0 < d.value() <= 60.0
+    assert outer.mix(torch.ones(2), torch.zeros(2), 0.5).tolist() == [0.5, 0.5]
