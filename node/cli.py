@@ -123,7 +123,7 @@ def _run_node(config, identity, data_dir: Path) -> int:
     gossip = Gossip()
     tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
     bulk = BulkService(gossip, host=tcp_hosts[0] if tcp_hosts else "0.0.0.0", port=config.network.bulk_port)
-    services = [gossip, bulk] + _loops(config, gossip)
+    services = [gossip, bulk] + _loops(config, gossip, bulk)
     node = Node(config, identity, data_dir, services=services)
     stop_signals = 0
 
@@ -171,23 +171,27 @@ def _run_node(config, identity, data_dir: Path) -> int:
     return code
 
 
-def _loops(config, gossip) -> list:
+def _loops(config, gossip, bulk) -> list:
     """The training loops the config asks for ([loops.<name>] tables), validated here: bad settings exit 2."""
     from pydantic import ValidationError
 
     loops = []
     for name, table in config.loops.items():
-        if name == "spsa":
-            from protocols.spsa import SPSALoop, SpsaConfig
+        try:
+            if name == "spsa":
+                from protocols.spsa import SPSALoop, SpsaConfig
 
-            try:
                 loops.append(SPSALoop(gossip, SpsaConfig(**table)))
-            except ValidationError as e:
-                err = e.errors()[0]
-                field = ".".join(str(x) for x in err["loc"])
-                raise Fail(f"invalid loops.spsa.{field}: {err['msg']}", EXIT_USAGE) from None
-        else:
-            raise Fail(f"invalid loops.{name}: unknown loop (known: spsa)", EXIT_USAGE)
+            elif name == "diloco":
+                from protocols.diloco import DilocoConfig, DilocoLoop
+
+                loops.append(DilocoLoop(gossip, bulk, DilocoConfig(**table)))
+            else:
+                raise Fail(f"invalid loops.{name}: unknown loop (known: spsa, diloco)", EXIT_USAGE)
+        except ValidationError as e:
+            err = e.errors()[0]
+            field = ".".join(str(x) for x in err["loc"])
+            raise Fail(f"invalid loops.{name}.{field}: {err['msg']}", EXIT_USAGE) from None
     return loops
 
 
