@@ -104,6 +104,8 @@ class DilocoLoop:
         self._event = asyncio.Event()
         self.final_hash: str | None = None
         self.rounds_done: list[int] = []
+        self._published: dict[tuple[int, int], str] = {}
+        self._resync_from: list[str] = []
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -149,6 +151,15 @@ class DilocoLoop:
             if rounds_done[p] < self.cfg.rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
                 waiting[p] = (rounds_done[p], self.step)
         while self.step < total or waiting:
+            if self._resync_from:
+                peers, self._resync_from = self._resync_from, []
+                self.counters["resyncs"] += 1
+                await self._join_from_checkpoint(peers)
+                rounds_done, waiting = self.rounds_done, {}
+                for p in range(self.cfg.fragments):
+                    if rounds_done[p] < self.cfg.rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
+                        waiting[p] = (rounds_done[p], self.step)
+                continue
             if self.step < total:
                 t0 = time.perf_counter()
                 await asyncio.to_thread(self._inner_step)
@@ -238,11 +249,26 @@ class DilocoLoop:
         with torch.no_grad():
             outer.unflatten_into(merged, [self.params[i] for i in self.frag_index[p]])
         self.participants[p] = participants
+        self._check_previous(p, r)
         h = self.global_hash()
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish({"r": r, "p": p, "h": h})
+        self._published[(r, p)] = h
         self.pending.pop(key, None)
         self.counters["rounds"] += 1
+
+    def _check_previous(self, p: int, r: int) -> None:
+        """Compare the global hash we published for round r-1 with what the others published for it."""
+        ours = self._published.get((r - 1, p))
+        theirs = self.round_hashes.get((r - 1, p), {})
+        if ours is None or not theirs:
+            return
+        votes = collections.Counter(list(theirs.values()) + [ours])
+        majority, _ = votes.most_common(1)[0]
+        if majority != ours:
+            self.counters["diverged"] += 1
+            logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
+            self._resync_from = sorted(a for a, h in theirs.items() if h == majority)
 
     async def _pull(self, key: tuple[int, int], peer: str, blob: bytes, size: int) -> None:
         try:
