@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -106,6 +107,8 @@ class DilocoLoop:
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._resync_from: list[str] = []
+        self._corrupt_at = int(os.environ["SWARMD_TEST_DILOCO_DRIFT_AT"]) if "SWARMD_TEST_DILOCO_DRIFT_AT" in os.environ \
+            else None
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -244,6 +247,9 @@ class DilocoLoop:
         participants = set(updates) - set(rejected)
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
+        if self._corrupt_at == r and p == 0:  # fault injection for tests: a peer whose weights drift
+            self.global_flat[p] = self.global_flat[p] + 1e-3
+            self._corrupt_at = None
         local = outer.flatten([self.params[i] for i in self.frag_index[p]])
         merged = outer.mix(local, self.global_flat[p], self.cfg.alpha)
         with torch.no_grad():
@@ -369,6 +375,8 @@ class DilocoLoop:
                 for p, frag in enumerate(self.frag_index):
                     outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
             self.rounds_done = list(done)
+            self._published.clear()  # what we said before the checkpoint no longer describes our weights
+            self.pending.clear()
             self.step = ckpt["step"]
             self.participants = {int(p): set(v) for p, v in ckpt["participants"].items()}
             self._initial = set()
@@ -409,6 +417,9 @@ class DilocoLoop:
             if hasattr(self, "global_flat") and body["base"] != outer.params_hash([self.global_flat[p]]):
                 self.counters["rejected_base"] += 1
                 return Verdict.IGNORE  # computed from other global weights: that peer must resync
+            if self.rounds_done and r < self.rounds_done[p]:
+                self.counters["late_updates"] += 1
+                return Verdict.IGNORE  # that round is closed here
             pending = self.pending[(r, p)]
             if message.author in pending.announced:
                 return Verdict.IGNORE

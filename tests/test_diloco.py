@@ -94,3 +94,20 @@ def test_late_joiner_converges_to_the_same_global_weights(tmp_path):
         assert final[0]["history"][-1]["participants"] == 3  # the joiner contributes by the end
     finally:
         swarm.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_whose_weights_drift_resyncs_from_a_checkpoint(tmp_path):
+    swarm = diloco_swarm(tmp_path, run="drift", rounds=10, h=20)
+    try:
+        nodes = [swarm.start("n0")]
+        nodes.append(swarm.start("n1", bootstrap=[nodes[0].tcp_addr]))
+        # fault injection: n2's global weights drift after round 2, as after a missed or corrupted update
+        nodes.append(swarm.start("n2", bootstrap=[nodes[1].tcp_addr], env={"SWARMD_TEST_DILOCO_DRIFT_AT": "2"}))
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 200,
+                         "everyone to finish")
+        assert final[2].get("diverged", 0) >= 1 and final[2].get("resyncs", 0) >= 1
+        assert final[0].get("resyncs", 0) == 0 and final[1].get("resyncs", 0) == 0
+        assert len({s["final_hash"] for s in final}) == 1
+    finally:
+        swarm.close()
