@@ -21,17 +21,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from swarmproc import Swarm, wait_for  # noqa: E402
+from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
-[network]
-listen = ["/ip4/127.0.0.1/tcp/0"]
-reachability = "public"
-[discovery]
-poll_interval = 3.0
-backoff_initial = 0.5
-[http]
-listen = "127.0.0.1:0"
 [loops.diloco]
 run = "{run}"
 rounds = {rounds}
@@ -51,11 +43,10 @@ deadline_low = 5.0
 
 def run(name: str, peers: int, steps: int, root: Path, *, h: int, fragments: int = 1, overlap: int = 0,
         alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7, momentum: float = 0.9) -> dict:
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / "diloco.toml"
-    config.write_text(CONFIG.format(run=name, rounds=steps // h, h=h, fragments=fragments, overlap=overlap,
-                                    alpha=alpha, codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
-                                    eval_every=max(1, (steps // h) // 5)))
+    table = CONFIG.format(run=name, rounds=steps // h, h=h, fragments=fragments, overlap=overlap, alpha=alpha,
+                          codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
+                          eval_every=max(1, (steps // h) // 5))
+    config = loop_config(root / "diloco.toml", table)
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = swarm.start_chain(peers, members_within=None)

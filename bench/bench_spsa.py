@@ -22,17 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
-from swarmproc import Swarm, wait_for  # noqa: E402
+from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
-[network]
-listen = ["/ip4/127.0.0.1/tcp/0"]
-reachability = "public"
-[discovery]
-poll_interval = 3.0
-backoff_initial = 0.5
-[http]
-listen = "127.0.0.1:0"
 [loops.spsa]
 run = "{run}"
 pretrain_steps = 200
@@ -46,9 +38,8 @@ eval_every = 1
 
 
 def run_swarm(peers: int, steps: int, window: int, root: Path) -> dict:
-    root.mkdir(parents=True, exist_ok=True)
-    config = root / "spsa.toml"
-    config.write_text(CONFIG.format(run=f"bench{peers}", steps=steps, window=window, peers=peers))
+    config = loop_config(root / "spsa.toml", CONFIG.format(run=f"bench{peers}", steps=steps, window=window,
+                                                           peers=peers))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = swarm.start_chain(peers, members_within=None)

@@ -270,7 +270,8 @@ class DilocoLoop:
         if ours is None or not theirs:
             return
         votes = collections.Counter(list(theirs.values()) + [ours])
-        majority, _ = votes.most_common(1)[0]
+        # most votes wins; a tie goes to the larger hash, so every peer picks the same side
+        majority = max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0]
         if majority != ours:
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)

@@ -302,7 +302,8 @@ class SPSALoop:
         theirs = self.hashes.get(w, {})
         if theirs:
             votes = collections.Counter(list(theirs.values()) + [self.my_hashes[w]])
-            majority, _ = votes.most_common(1)[0]
+            # most votes wins; a tie goes to the larger hash, so every peer picks the same side
+            majority = max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0]
             if majority != self.my_hashes[w]:
                 self.counters["diverged"] += 1
                 logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)

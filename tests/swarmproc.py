@@ -21,6 +21,27 @@ from typing import Callable
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = REPO / "configs" / "local.toml"
 
+# the node part of the configs that training-loop tests and benches write: loopback, OS-picked ports
+LOOPBACK_NODE = """
+[network]
+listen = ["/ip4/127.0.0.1/tcp/0"]
+reachability = "public"
+[discovery]
+poll_interval = 3.0
+backoff_initial = 0.5
+[state]
+sync_interval = 1.0
+[http]
+listen = "127.0.0.1:0"
+"""
+
+
+def loop_config(path: Path, loop_table: str) -> Path:
+    """Write a loopback node config with ``loop_table`` (e.g. a [loops.spsa] table) appended; returns ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(LOOPBACK_NODE + loop_table)
+    return path
+
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float = 0.05):
     """Poll ``predicate`` until it returns something truthy; raise AssertionError naming ``what`` on timeout."""

@@ -5,19 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from swarmproc import Swarm, wait_for
+from swarmproc import Swarm, loop_config, wait_for
 
 pytestmark = pytest.mark.swarm
 
 CONFIG = """
-[network]
-listen = ["/ip4/127.0.0.1/tcp/0"]
-reachability = "public"
-[discovery]
-poll_interval = 3.0
-backoff_initial = 0.5
-[http]
-listen = "127.0.0.1:0"
 [loops.diloco]
 run = "{run}"
 rounds = {rounds}
@@ -33,8 +25,7 @@ deadline_low = 2.0
 
 def diloco_swarm(tmp_path: Path, **params) -> Swarm:
     defaults = dict(run="t", rounds=4, h=20, fragments=1, overlap=0, alpha=0.0, min_peers=3)
-    config = tmp_path / "diloco.toml"
-    config.write_text(CONFIG.format(**{**defaults, **params}))
+    config = loop_config(tmp_path / "diloco.toml", CONFIG.format(**{**defaults, **params}))
     return Swarm(tmp_path / "nodes", config=config)
 
 
@@ -71,10 +62,15 @@ def test_streaming_survives_a_node_killed_mid_run(tmp_path):
         wait_for(lambda: d(nodes[0]).get("rounds", 0) >= 3, 120, "3 rounds")
         nodes[2].kill()
         alive = nodes[:2]
-        wait_for(lambda: all(d(n)["state"] == "done" for n in alive), 150, "the survivors to finish")
-        assert rounds(alive[0]) == rounds(alive[1])
-        history = d(alive[0])["history"]
-        assert len(history) == 12 and history[-1]["participants"] == 2
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in alive) and [d(n) for n in alive], 150,
+                         "the survivors to finish")
+        # the killed node's last update may reach one survivor and not the other: they split for a round, the next
+        # round's hash check sends one side (the same one on both, ties included) to a checkpoint, and they end equal
+        assert final[0]["final_hash"] == final[1]["final_hash"]
+        history = final[0]["history"]
+        assert history[-1]["participants"] == 2 and history[-1]["round"] == 5
+        if rounds(alive[0]) != rounds(alive[1]):
+            assert sum(s.get("resyncs", 0) for s in final) >= 1
     finally:
         swarm.close()
 

@@ -9,7 +9,7 @@ import torch
 
 from protocols import tinylm
 from protocols.spsa import Weights, decode_grad, encode_grad, step_seed
-from swarmproc import Swarm, http_get, wait_for
+from swarmproc import Swarm, http_get, loop_config, wait_for
 
 RUN = "t"
 
@@ -59,16 +59,6 @@ def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
 
 
 CONFIG = """
-[network]
-listen = ["/ip4/127.0.0.1/tcp/0"]
-reachability = "public"
-[discovery]
-poll_interval = 3.0
-backoff_initial = 0.5
-[state]
-sync_interval = 1.0
-[http]
-listen = "127.0.0.1:0"
 [loops.spsa]
 run = "{run}"
 pretrain_steps = 30
@@ -82,8 +72,7 @@ eval_every = 4
 
 
 def spsa_swarm(tmp_path: Path, run: str, steps: int, min_peers: int) -> Swarm:
-    config = tmp_path / "spsa.toml"
-    config.write_text(CONFIG.format(run=run, steps=steps, min_peers=min_peers))
+    config = loop_config(tmp_path / "spsa.toml", CONFIG.format(run=run, steps=steps, min_peers=min_peers))
     return Swarm(tmp_path / "nodes", config=config)
 
 
