@@ -185,7 +185,6 @@ class BulkService:
         self.on_blob = on_blob
         self._server: asyncio.AbstractServer | None = None
         self._ctx: NodeContext | None = None
-        self._pulls: dict[bytes, asyncio.Task] = {}
         self._addrs: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
@@ -203,8 +202,6 @@ class BulkService:
         await asyncio.Event().wait()
 
     async def close(self) -> None:
-        for task in self._pulls.values():
-            task.cancel()
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()

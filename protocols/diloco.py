@@ -114,7 +114,6 @@ class DilocoLoop:
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
         self.gossip.subscribe(self.topic, max_size=1024, validator=self._validate, queue_size=0)
-        self.bulk.on_blob = None
         await ctx.transport.serve(CKPT_SPEC, self._serve_checkpoint)
 
     async def close(self) -> None:
@@ -269,9 +268,7 @@ class DilocoLoop:
         theirs = self.round_hashes.get((r - 1, p), {})
         if ours is None or not theirs:
             return
-        votes = collections.Counter(list(theirs.values()) + [ours])
-        # most votes wins; a tie goes to the larger hash, so every peer picks the same side
-        majority = max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+        majority = outer.majority(list(theirs.values()) + [ours])
         if majority != ours:
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)

@@ -35,7 +35,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from node.services import NodeContext
-from protocols import tinylm
+from protocols import outer, tinylm
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, _decode
 from transport.base import Stream
@@ -181,7 +181,6 @@ class SPSALoop:
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
-        self._base_state: dict | None = None
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -301,9 +300,7 @@ class SPSALoop:
     def _check_hashes(self, w: int) -> None:
         theirs = self.hashes.get(w, {})
         if theirs:
-            votes = collections.Counter(list(theirs.values()) + [self.my_hashes[w]])
-            # most votes wins; a tie goes to the larger hash, so every peer picks the same side
-            majority = max(votes.items(), key=lambda kv: (kv[1], kv[0]))[0]
+            majority = outer.majority(list(theirs.values()) + [self.my_hashes[w]])
             if majority != self.my_hashes[w]:
                 self.counters["diverged"] += 1
                 logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)

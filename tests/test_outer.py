@@ -71,3 +71,8 @@ def test_adaptive_deadline_follows_observed_arrivals():
         d.observe(x)
     assert 30.0 < d.value() <= 60.0
     assert outer.mix(torch.ones(2), torch.zeros(2), 0.5).tolist() == [0.5, 0.5]
+
+
+def test_majority_vote_breaks_ties_the_same_way_everywhere():
+    assert outer.majority(["a", "b", "b"]) == "b"
+    assert outer.majority(["a", "b"]) == outer.majority(["b", "a"]) == "b"

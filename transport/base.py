@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
-import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -212,10 +211,6 @@ def path_of(addrs: list[str] | tuple[str, ...]) -> tuple[PathType, str | None]:
     if "/p2p/" in head:
         relay = head.rsplit("/p2p/", 1)[1]
     return PathType.RELAYED, relay
-
-
-def monotonic_ms() -> float:
-    return time.monotonic() * 1000.0
 
 
 __all__ = [
