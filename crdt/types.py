@@ -11,7 +11,7 @@ after its parents), so any delivery order gives the same state. ``check`` says w
 | GCounter | ``{"n": int >= 0}`` | anyone (each into its own slot) | sum of all increments |
 | PNCounter | ``{"n": int}`` | anyone (own slot) | sum of increments minus decrements |
 | MaxRegister | ``{"v": int}`` | anyone | the largest value written (e.g. round numbers) |
-| ProgressRegister | ``{"step", "samples", "bytes": int >= 0, "loss": float or None, "round": int >= 0}`` | each author its own entry | per author, its latest write (by clock) |
+| ProgressRegister | ``{"step", "samples", "bytes": int >= 0, "loss": float or None, "round": int >= 0}``, optional ``"metrics"`` (<= 16 names to finite floats) | each author its own entry | per author, its latest write (by clock) |
 """
 
 from __future__ import annotations
@@ -181,6 +181,13 @@ class MaxRegister(CRDTType):
 
 
 PROGRESS_FIELDS = {"step", "samples", "loss", "bytes", "round"}
+MAX_METRICS = 16  # optional "metrics": a loop's own numbers (e.g. rewards), short names to finite floats
+
+
+def _metrics_ok(m: Any) -> bool:
+    return (isinstance(m, dict) and len(m) <= MAX_METRICS
+            and all(isinstance(k, str) and 0 < len(k) <= 32 and type(v) is float and math.isfinite(v)
+                    for k, v in m.items()))
 
 
 class ProgressRegister(CRDTType):
@@ -188,7 +195,9 @@ class ProgressRegister(CRDTType):
 
     def check(self, op: Op) -> str | None:
         p = op.payload
-        if not isinstance(p, dict) or set(p) != PROGRESS_FIELDS:
+        if not isinstance(p, dict) or set(p) - {"metrics"} != PROGRESS_FIELDS:
+            return "malformed"
+        if "metrics" in p and not _metrics_ok(p["metrics"]):
             return "malformed"
         if not all(_is_int(p[k], 0) for k in ("step", "samples", "bytes", "round")):
             return "malformed"

@@ -186,12 +186,16 @@ def _loops(config, gossip, bulk) -> list:
                 from protocols.diloco import DilocoConfig, DilocoLoop
 
                 loops.append(DilocoLoop(gossip, bulk, DilocoConfig(**table)))
+            elif name == "sapo":
+                from protocols.sapo import SapoConfig, SapoLoop
+
+                loops.append(SapoLoop(gossip, SapoConfig(**table)))
             else:
-                raise Fail(f"invalid loops.{name}: unknown loop (known: spsa, diloco)", EXIT_USAGE)
+                raise Fail(f"invalid loops.{name}: unknown loop (known: spsa, diloco, sapo)", EXIT_USAGE)
         except ValidationError as e:
             err = e.errors()[0]
-            field = ".".join(str(x) for x in err["loc"])
-            raise Fail(f"invalid loops.{name}.{field}: {err['msg']}", EXIT_USAGE) from None
+            field = "".join(f".{x}" for x in err["loc"])
+            raise Fail(f"invalid loops.{name}{field}: {err['msg']}", EXIT_USAGE) from None
     return loops
 
 

@@ -40,6 +40,13 @@ class NodeSection(_Section):
         return v
 
 
+class RelayLimitsSection(_Section):
+    data_mb: int = Field(8, ge=1, le=1 << 20)  # per relayed connection and direction, then it is reset
+    seconds: int = Field(600, ge=1)  # per relayed connection
+    max_circuits: int = Field(16, ge=1)  # open relayed connections per peer
+    max_reservations: int = Field(128, ge=1)  # peers that may hold a slot
+
+
 class NetworkSection(_Section):
     listen: list[str] = Field(min_length=1)
     announce: list[str] = []
@@ -49,6 +56,15 @@ class NetworkSection(_Section):
     dht_mode: Literal["server", "client", "auto"] = "server"
     startup_timeout: float = Field(15.0, gt=0, le=300)
     bulk_port: int = Field(0, ge=0, le=65535)  # TCP port for bulk tensor transfer (0: the OS picks)
+    relays: list[str] = []  # circuit relays to reserve slots on when private (empty: the bootstrap peers)
+    relay_service: Literal["auto", "on", "off"] = "auto"  # auto: serve as a relay unless we are behind a NAT
+    relay_limits: "RelayLimitsSection" = Field(default_factory=lambda: RelayLimitsSection())
+    probe_interval: float = Field(300.0, ge=5.0)  # seconds between AutoNAT probes once reachability is known
+
+    @field_validator("relays")
+    @classmethod
+    def _relays(cls, v: list[str]) -> list[str]:
+        return [validate_peer_addr(a) for a in v]
 
     @field_validator("listen")
     @classmethod

@@ -19,12 +19,13 @@ from dht.discovery import Discovery, DiscoveryConfig
 from node import __version__, datadir
 from node.config import Config, parse_host_port
 from node.http import StatusServer
+from node.nat import NatService, guess_private
 from node.replication import Replicator
 from node.services import NodeContext, Service
 from transport.base import ConnectedPeer, PathType
 from transport.errors import ProtocolViolation, TransportError
 from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport, RelayLimits
 from transport.ping import ping, serve_ping
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,11 @@ class Node:
         self.identity = identity
         self.data_dir = data_dir
         net = config.network
+        behind_nat = net.reachability == "private" or (
+            net.reachability == "auto" and guess_private(list(net.listen), list(net.announce)))
+        relays = list(net.relays or net.bootstrap) if behind_nat else []
+        relay_service = net.relay_service == "on" or (net.relay_service == "auto" and not behind_nat)
+        limits = net.relay_limits
         self.transport = P2PDaemonTransport(
             identity,
             P2PDaemonConfig(
@@ -56,10 +62,18 @@ class Node:
                 announce=list(net.announce),
                 port_mapping=net.port_mapping,
                 force_reachability=None if net.reachability == "auto" else net.reachability,
+                relay_client=behind_nat,
                 dht_mode=net.dht_mode,
                 startup_timeout=net.startup_timeout,
+                relay_service=relay_service,
+                relay_limits=RelayLimits(limits.data_mb << 20, limits.seconds, limits.max_circuits,
+                                         limits.max_reservations),
+                static_relays=relays,
             ),
         )
+        self.nat = NatService(self.transport, relays=relays, relay_client=behind_nat, relay_service=relay_service,
+                              probe_interval=net.probe_interval)
+        self.services.insert(0, self.nat)
         d = config.discovery
         self.discovery = Discovery(
             self.transport,

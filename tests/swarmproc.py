@@ -78,14 +78,18 @@ def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None
 
 
 class NodeProc:
-    def __init__(self, data_dir: Path, args: list[str], env: dict | None = None):
+    def __init__(self, data_dir: Path, args: list[str], env: dict | None = None, *, prefix: list[str] = (),
+                 via: Callable | None = None):
+        """``prefix`` runs the node under another command (e.g. ``ip netns exec <ns>``); ``via(fn, *args)`` runs
+        the HTTP reads where the node's loopback endpoint is reachable (e.g. a thread in that namespace)."""
         self.data_dir = data_dir
         self.args = args
+        self.via = via or (lambda fn, *a: fn(*a))
         data_dir.parent.mkdir(parents=True, exist_ok=True)
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "node", *args],
+            [*prefix, sys.executable, "-m", "node", *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -123,7 +127,10 @@ class NodeProc:
         return next(a for a in self.info["addresses"] if "/tcp/" in a)
 
     def status(self) -> dict:
-        return http_get(self.url + "/status")
+        return self.via(http_get, self.url + "/status")
+
+    def get(self, path: str):
+        return self.via(http_get, self.url + path)
 
     def member_ids(self) -> set[str]:
         return {p["peer_id"] for p in self.status()["peers"] if p["member"]}
@@ -165,12 +172,13 @@ class Swarm:
         self.config = config
         self.nodes: list[NodeProc] = []
 
-    def start(self, name: str, *extra: str, bootstrap: list[str] = (), wait: bool = True, env=None) -> NodeProc:
+    def start(self, name: str, *extra: str, bootstrap: list[str] = (), wait: bool = True, env=None,
+              config: Path | None = None, prefix: list[str] = (), via: Callable | None = None) -> NodeProc:
         data_dir = self.root / name
-        args = ["start", "--config", str(self.config), "--data-dir", str(data_dir)]
+        args = ["start", "--config", str(config or self.config), "--data-dir", str(data_dir)]
         for addr in bootstrap:
             args += ["--bootstrap", addr]
-        node = NodeProc(data_dir, args + list(extra), env)
+        node = NodeProc(data_dir, args + list(extra), env, prefix=prefix, via=via)
         self.nodes.append(node)
         if wait:
             node.wait_ready()

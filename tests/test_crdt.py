@@ -100,6 +100,10 @@ def test_or_set_add_wins_over_concurrent_remove():
         ("round", {"v": True}, "malformed"),
         ("progress", {"step": 1}, "malformed"),
         ("progress", {"step": 1, "samples": 1, "loss": float("nan"), "bytes": 1, "round": 0}, "malformed"),
+        ("progress", {"step": 1, "samples": 1, "loss": None, "bytes": 1, "round": 0, "metrics": {"r": 1}},
+         "malformed"),  # metrics are floats
+        ("progress", {"step": 1, "samples": 1, "loss": None, "bytes": 1, "round": 0,
+                      "metrics": {f"m{i}": 1.0 for i in range(17)}}, "malformed"),
         ("kv", {"k": "x" * 200, "v": 1}, "oversized"),
     ],
 )

@@ -67,9 +67,12 @@ class Stream:
         reader: asyncio.StreamReader,
         writer: asyncio.StreamWriter,
         stats: TransportStats,
+        *,
+        remote_addr: str | None = None,
     ):
         self.peer_id = peer_id
         self.spec = spec
+        self.remote_addr = remote_addr  # the connection's remote multiaddr, where the backend knows it
         self._reader = reader
         self._writer = writer
         self._stats = stats

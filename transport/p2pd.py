@@ -14,6 +14,7 @@ Decisions made here (see README, "Transport"):
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import errno
 import logging
 import os
@@ -22,8 +23,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import multiaddr
+
 from transport._compat import load_hivemind
-from transport.base import ConnectedPeer, HandlerRunner, Reachability, Stream, StreamHandler, TransportStats, path_of
+from transport.base import (ConnectedPeer, HandlerRunner, PathType, Reachability, Stream, StreamHandler,
+                            TransportStats, path_of)
 from transport.errors import DaemonStartError, PeerUnreachable, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import Identity
@@ -44,14 +48,46 @@ logging.getLogger("hivemind.p2p.p2p_daemon").addFilter(_ShutdownNoise())
 
 
 @dataclass
+class RelayLimits:
+    """What a relay grants each relayed connection and each peer (go-libp2p circuit relay v2 service)."""
+
+    data_bytes: int = 8 << 20  # per relayed connection and direction, then the relay resets it
+    seconds: int = 600  # per relayed connection
+    max_circuits: int = 16  # open relayed connections per peer
+    max_reservations: int = 128  # peers holding a slot
+
+
+@dataclass
 class P2PDaemonConfig:
     listen: list[str]
     announce: list[str] = field(default_factory=list)
     port_mapping: bool = False
-    force_reachability: str | None = None  # "public" | "private" | None (AutoNAT decides)
-    auto_relay: bool = False
+    force_reachability: str | None = None  # "public" | "private" | None (AutoNAT decides): the user's setting
+    relay_client: bool = False  # behind a NAT: p2pd is told it is private, so it keeps relay reservations
     dht_mode: str = "server"
     startup_timeout: float = 15.0
+    relay_service: bool = True  # serve as a circuit relay v2 for others
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
+    static_relays: list[str] = field(default_factory=list)  # reserve slots on these (full multiaddrs with /p2p/)
+
+
+# extra p2pd flags hivemind's P2P.create has no parameter for; set around create() (see _daemon_flags)
+_EXTRA_FLAGS: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_flags", default={})
+
+
+def _install_flag_hook(hm) -> None:
+    """hivemind builds p2pd's command line in ``P2P._make_process_args``; append our flags there, only for the
+    ``create()`` call that set them (a context variable, so concurrent creates do not mix)."""
+    original = hm.P2P._make_process_args
+    if getattr(original, "_swarmd", False):
+        return
+
+    def make_process_args(*args, **kwargs):
+        kwargs.update(_EXTRA_FLAGS.get())
+        return original(*args, **kwargs)
+
+    make_process_args._swarmd = True
+    hm.P2P._make_process_args = staticmethod(make_process_args)
 
 
 class P2PDaemonTransport:
@@ -68,6 +104,7 @@ class P2PDaemonTransport:
         self._key_dir: tempfile.TemporaryDirectory | None = None
         self._handler_tasks: set[asyncio.Task] = set()
         self._specs: dict[str, ProtocolSpec] = {}
+        self.detected_reachability = Reachability.UNKNOWN  # set by the AutoNAT client (transport.nat)
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -84,6 +121,8 @@ class P2PDaemonTransport:
         # nodes: 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins
         os.environ["LIBP2P_TCP_REUSEPORT"] = "false"
         os.environ.setdefault("GOMEMLIMIT", "48MiB")
+        _install_flag_hook(hm)
+        token = _EXTRA_FLAGS.set(self._daemon_flags())
         try:
             self._p2p = await hm.P2P.create(
                 initial_peers=None,
@@ -94,8 +133,9 @@ class P2PDaemonTransport:
                 nat_port_map=self.config.port_mapping,
                 use_ipfs=False,
                 use_relay=True,
-                use_auto_relay=self.config.auto_relay,
-                force_reachability=self.config.force_reachability,
+                use_auto_relay=bool(self.config.static_relays),
+                trusted_relays=self.config.static_relays or None,
+                force_reachability="private" if self.config.relay_client else self.config.force_reachability,
                 dht_mode=self.config.dht_mode,
                 startup_timeout=self.config.startup_timeout,
                 idle_timeout=self.config.startup_timeout + 15,
@@ -107,6 +147,7 @@ class P2PDaemonTransport:
             self._cleanup_key()
             raise DaemonStartError(str(e)) from None
         finally:
+            _EXTRA_FLAGS.reset(token)
             # the daemon has read the key; do not leave a copy on disk
             self._cleanup_key()
         if self._p2p.peer_id.to_base58() != self.peer_id:
@@ -118,6 +159,16 @@ class P2PDaemonTransport:
         if self._key_dir is not None:
             self._key_dir.cleanup()
             self._key_dir = None
+
+    def _daemon_flags(self) -> dict:
+        limits = self.config.relay_limits
+        flags = {"relayService": self.config.relay_service}
+        if self.config.relay_service:
+            flags.update(relayDataLimit=limits.data_bytes, relayTimeLimit=f"{limits.seconds}s",
+                         relayMaxCircuits=limits.max_circuits, relayMaxReservations=limits.max_reservations)
+        if self.config.static_relays:
+            flags["relayDiscovery"] = False  # only our relays: p2pd would otherwise reserve on random DHT peers
+        return flags
 
     async def close(self) -> None:
         for task in list(self._handler_tasks):
@@ -153,9 +204,10 @@ class P2PDaemonTransport:
 
     @property
     def reachability(self) -> Reachability:
+        """Forced by configuration, else what AutoNAT probes found (``transport.nat``), else unknown."""
         if self.config.force_reachability in ("public", "private"):
             return Reachability(self.config.force_reachability)
-        return Reachability.UNKNOWN
+        return self.detected_reachability
 
     # ---------------------------------------------------------------- connections
     async def connect(self, maddr: str, *, timeout: float = 10.0) -> str:
@@ -168,7 +220,10 @@ class P2PDaemonTransport:
         if peer_id == self.peer_id:
             raise PeerUnreachable("refusing to dial ourselves")
         try:
-            maddrs = [hm.Multiaddr(a) for a in addrs]
+            # hivemind's vendored Multiaddr encodes /p2p/<id> as a CIDv1, which p2pd rejects ("length greater than
+            # remaining number of bytes"); py-multiaddr encodes it as the raw multihash p2pd expects (relayed
+            # addresses name the relay this way)
+            maddrs = [multiaddr.Multiaddr(a) if "/p2p/" in a else hm.Multiaddr(a) for a in addrs]
             await asyncio.wait_for(self.hivemind_p2p._client.connect(hm.PeerID.from_base58(peer_id), maddrs), timeout)
         except asyncio.TimeoutError:
             raise PeerUnreachable(f"dialing {peer_id} timed out after {timeout:.0f} s") from None
@@ -187,7 +242,16 @@ class P2PDaemonTransport:
         return result
 
     async def addresses(self, *, refresh: bool = True) -> list[str]:
-        return [str(a) for a in await self.hivemind_p2p.get_visible_maddrs(latest=refresh)]
+        """Our addresses with /p2p/<us>; a node with relays also lists, for each relay it is connected to, the
+        relayed address ``<relay addr>/p2p-circuit/p2p/<us>`` (go-libp2p does not advertise relays it deems
+        non-public, so we build them ourselves)."""
+        addrs = [str(a) for a in await self.hivemind_p2p.get_visible_maddrs(latest=refresh)]
+        if self.config.static_relays:
+            connected = {p.peer_id for p in await self.peers() if p.path is PathType.DIRECT}
+            for relay in self.config.static_relays:
+                if split_peer_addr(relay)[0] in connected:
+                    addrs.append(f"{relay}/p2p-circuit/p2p/{self.peer_id}")
+        return addrs
 
     # ---------------------------------------------------------------- streams
     async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float = 10.0) -> Stream:
@@ -213,7 +277,7 @@ class P2PDaemonTransport:
         self._specs[spec.id] = spec
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats)
+            stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats, remote_addr=str(info.addr))
             task = asyncio.current_task()
             if task is not None:
                 self._handler_tasks.add(task)

@@ -1,0 +1,150 @@
+"""NAT traversal as a node service: reachability through AutoNAT probes, relays, and what ``swarmd doctor`` shows.
+
+- Before anyone answered, a node *guesses* (``guess_private``): listening only on RFC 1918 / CGNAT / link-local
+  addresses, with nothing announced, means it is behind a NAT. A node that guesses private starts its p2p daemon as a
+  relay client: it reserves a slot on its relays (the bootstrap peers unless ``network.relays`` names others) and
+  announces ``<relay>/p2p-circuit/p2p/<us>`` in its DHT record, so any peer can reach it through the relay. A node
+  that guesses public serves as a circuit relay v2 for others (``network.relay_service``, limits in
+  ``network.relay_limits``).
+- Then it *measures*: every ``probe_interval`` seconds (sooner while unknown) it asks up to 3 directly connected
+  peers to dial it back (``transport.nat``). One successful dial-back makes it public; dial-backs that all failed
+  make it private. ``/status`` shows the result, the observed addresses, and each probe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import psutil
+
+from transport.base import PathType, Reachability
+from transport.errors import ProtocolViolation, TransportError
+from transport.multiaddrs import split_peer_addr
+from transport.nat import AUTONAT_SPEC, REQUEST, AutoNATServer, ip_of, natted, parse_reply
+
+logger = logging.getLogger(__name__)
+
+
+def guess_private(listen: list[str], announce: list[str]) -> bool:
+    """True if every address we could be reached at is one that only exists behind a NAT."""
+    if announce:
+        return False
+    hosts = []
+    for addr in listen:
+        parts = addr.split("/")
+        if len(parts) > 2 and parts[1] in ("ip4", "ip6"):
+            hosts.append(parts[2])
+    specific = [h for h in hosts if h not in ("0.0.0.0", "::")]
+    if len(specific) < len(hosts):  # a wildcard: look at the machine's interfaces
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family.name in ("AF_INET", "AF_INET6"):
+                    specific.append(a.address.split("%")[0])
+    candidates = [h for h in specific if not h.startswith("127.") and h != "::1"]
+    if not candidates:
+        return False  # loopback only: a local swarm, nothing to traverse
+    return all(natted(h) for h in candidates)
+
+
+class NatService:
+    name = "nat"
+
+    def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
+                 probe_interval: float = 300.0):
+        self.transport = transport
+        self.relays = list(relays)
+        self.relay_client = relay_client
+        self.relay_service = relay_service
+        self.probe_interval = probe_interval
+        self.server = AutoNATServer()
+        self.observed: dict[str, float] = {}  # observed address -> when last reported
+        self.probes: list[dict] = []  # latest first
+        self.counters: dict[str, int] = {"probes": 0, "dialbacks_ok": 0, "dialbacks_failed": 0}
+        self.last_probe: float | None = None
+
+    async def start(self, ctx) -> None:
+        await self.transport.serve(AUTONAT_SPEC, self.server.handle)
+
+    async def close(self) -> None:
+        pass
+
+    async def run(self) -> None:
+        while True:
+            direct = [p.peer_id for p in await self.transport.peers() if p.path is PathType.DIRECT]
+            if direct:
+                await self.probe(direct)
+                wait = self.probe_interval if self.transport.detected_reachability != Reachability.UNKNOWN else 5.0
+            else:
+                wait = 1.0
+            await asyncio.sleep(wait)
+
+    def _ports(self, addrs: list[str]) -> list[int]:
+        ports = []
+        for a in addrs:
+            found = ip_of(a.split("/p2p/")[0])
+            if found and found[1] not in ports:
+                ports.append(found[1])
+        return ports[:4]
+
+    async def probe(self, peers: list[str]) -> Reachability:
+        """Ask up to 3 peers (relays first) to dial us back; update the transport's reachability."""
+        relay_ids = {split_peer_addr(r)[0] for r in self.relays}
+        peers = sorted(peers, key=lambda p: p not in relay_ids)[:3]
+        ports = self._ports(await self.transport.addresses(refresh=False))
+        if not ports:
+            return self.transport.detected_reachability
+        results = await asyncio.gather(*(self._ask(p, ports) for p in peers))
+        answered = [r for r in results if "ok" in r]
+        self.counters["probes"] += 1
+        self.last_probe = time.time()
+        self.probes = (results + self.probes)[:12]
+        if any(r["ok"] for r in answered):
+            found = Reachability.PUBLIC
+        elif answered:
+            found = Reachability.PRIVATE
+        else:
+            return self.transport.detected_reachability
+        if found != self.transport.detected_reachability:
+            logger.info("reachability: %s (AutoNAT: %d of %d peers dialed us back; observed %s)", found.value,
+                        sum(bool(r["ok"]) for r in answered), len(answered),
+                        ", ".join(sorted({r["observed"] for r in answered})))
+        self.transport.detected_reachability = found
+        return found
+
+    async def _ask(self, peer: str, ports: list[int]) -> dict:
+        entry = {"peer": peer, "at": time.time()}
+        try:
+            async with await self.transport.open_stream(peer, AUTONAT_SPEC, timeout=5) as stream:
+                await stream.send(REQUEST, {"ports": ports})
+                reply = await asyncio.wait_for(stream.read_required(), 10)
+            parsed = parse_reply(reply.body)
+        except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+            return {**entry, "error": str(e)[:200] or type(e).__name__}
+        if isinstance(parsed, str):
+            return {**entry, "error": parsed}
+        observed, ok = parsed
+        self.observed[observed] = time.time()
+        if len(self.observed) > 16:
+            del self.observed[min(self.observed, key=self.observed.get)]
+        self.counters["dialbacks_ok" if ok else "dialbacks_failed"] += 1
+        return {**entry, "observed": observed, "ok": ok}
+
+    def status(self) -> dict:
+        return {
+            "reachability": self.transport.reachability.value,
+            "detected": self.transport.detected_reachability.value,
+            "observed_addrs": sorted(self.observed),
+            "relay_client": self.relay_client,
+            "relay_service": self.relay_service,
+            "relays": self.relays,
+            "last_probe": self.last_probe,
+            "probes": self.probes[:6],
+            "autonat_served": self.server.served,
+            "autonat_refused": self.server.refused,
+            **self.counters,
+        }
+
+    def routes(self) -> list:
+        return []

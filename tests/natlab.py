@@ -1,0 +1,186 @@
+"""A NAT lab made of Linux network namespaces, created and removed by the tests themselves.
+
+    <p>-inet : a bridge, the lab's "internet" (L2 only)                 198.51.100.0/24 (TEST-NET-2)
+    <p>-pub  : the public host (bootstrap / relay)                        .10
+    <p>-rA   : NAT router, WAN .1, LAN 10.1.0.1/24  -- <p>-a 10.1.0.10  (default route via its router)
+    <p>-rB   : NAT router, WAN .2, LAN 10.2.0.1/24  -- <p>-b 10.2.0.10
+
+Each router masquerades its LAN behind its WAN address, forwards LAN -> WAN, lets back only established flows, and
+accepts nothing new itself (a home router). Modes: ``eim`` (plain MASQUERADE: Linux keeps the source port, so the
+mapping is endpoint-independent and hole punching is possible) and ``sym`` (MASQUERADE --random-fully: a new random
+port per destination, a symmetric-like NAT). ``pubnet="ietf"`` puts the internet on 192.0.0.128/25, outside the
+ranges go-libp2p calls unroutable. Nothing is attached to the root namespace and no lab namespace has a route out of
+the lab, so no packet leaves it. ``down()`` kills what still runs inside (by PID, via ``ip netns pids``) and deletes
+every namespace.
+
+Code runs *inside* a namespace either as a process (``lab.cmd(ns, ...)`` gives the ``ip netns exec`` prefix) or in a
+thread of this process (``lab.call(ns, fn)``: network namespaces are per thread on Linux, so sockets the thread
+opens live in the lab), which is how tests read a node's local HTTP endpoint.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import subprocess
+import threading
+import uuid
+from dataclasses import dataclass, field
+
+CLONE_NEWNET = 0x40000000
+PUBNETS = {"testnet": ("198.51.100", 0), "ietf": ("192.0.0", 128)}
+
+
+def unavailable() -> str | None:
+    """Why the lab cannot run here (None if it can). Installs iproute2/iptables with apt-get where missing."""
+    if os.geteuid() != 0:
+        return "the NAT lab needs root (network namespaces, iptables); run the tests as root, as CI does"
+    missing = [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
+    if missing and shutil.which("apt-get"):
+        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
+        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
+            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
+            subprocess.run(install, env=env, capture_output=True)
+        missing = [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
+    if missing:
+        return f"the NAT lab needs {' and '.join(missing)} (apt-get install {' '.join(missing)})"
+    probe = f"swprobe{uuid.uuid4().hex[:6]}"
+    r = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if r.returncode != 0:
+        return f"cannot create network namespaces here: {r.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return None
+
+
+def _run(*args: str) -> None:
+    r = subprocess.run(list(args), capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
+
+
+@dataclass
+class NatLab:
+    mode_a: str = "eim"
+    mode_b: str = "eim"
+    pubnet: str = "testnet"
+    prefix: str = field(default_factory=lambda: "sw" + uuid.uuid4().hex[:5])
+
+    def __post_init__(self):
+        net, base = PUBNETS[self.pubnet]
+        self.pub_ip = f"{net}.{base + 10}"
+        self.wan = {"a": f"{net}.{base + 1}", "b": f"{net}.{base + 2}"}
+        self.lan_ip = {"a": "10.1.0.10", "b": "10.2.0.10"}
+        self.ns = {k: f"{self.prefix}-{k}" for k in ("inet", "pub", "rA", "rB", "a", "b")}
+        self._made: list[str] = []
+
+    # ------------------------------------------------------------------ lifecycle
+    def up(self) -> "NatLab":
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _ns(self, key: str) -> str:
+        name = self.ns[key]
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        self._x(key, "ip", "link", "set", "lo", "up")
+        self._x(key, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+        return name
+
+    def _x(self, key: str, *args: str) -> None:
+        _run("ip", "netns", "exec", self.ns[key], *args)
+
+    def _attach(self, key: str, ifname: str) -> None:
+        peer = f"{self.prefix}{key}"  # <= 15 characters
+        _run("ip", "link", "add", ifname, "netns", self.ns[key], "type", "veth", "peer", "name", peer, "netns",
+             self.ns["inet"])
+        self._x("inet", "ip", "link", "set", peer, "master", "br0", "up")
+        self._x(key, "ip", "link", "set", ifname, "up")
+
+    def _build(self) -> None:
+        self._ns("inet")
+        self._x("inet", "ip", "link", "add", "br0", "type", "bridge")
+        self._x("inet", "ip", "link", "set", "br0", "up")
+        self._ns("pub")
+        self._attach("pub", "eth0")
+        self._x("pub", "ip", "addr", "add", f"{self.pub_ip}/24", "dev", "eth0")
+        for side, router, lan, mode in (("a", "rA", "10.1.0", self.mode_a), ("b", "rB", "10.2.0", self.mode_b)):
+            self._ns(router)
+            self._ns(side)
+            self._attach(router, "wan")
+            self._x(router, "ip", "addr", "add", f"{self.wan[side]}/24", "dev", "wan")
+            _run("ip", "link", "add", "lan", "netns", self.ns[router], "type", "veth", "peer", "name", "eth0",
+                 "netns", self.ns[side])
+            self._x(router, "ip", "addr", "add", f"{lan}.1/24", "dev", "lan")
+            self._x(router, "ip", "link", "set", "lan", "up")
+            self._x(side, "ip", "addr", "add", f"{lan}.10/24", "dev", "eth0")
+            self._x(side, "ip", "link", "set", "eth0", "up")
+            self._x(side, "ip", "route", "add", "default", "via", f"{lan}.1")
+            self._x(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            masq = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "wan", "-j", "MASQUERADE"]
+            self._x(router, *(masq + (["--random-fully"] if mode == "sym" else [])))
+            self._x(router, "iptables", "-P", "FORWARD", "DROP")
+            self._x(router, "iptables", "-A", "FORWARD", "-i", "lan", "-o", "wan", "-j", "ACCEPT")
+            self._x(router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
+                    "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate",
+                    "ESTABLISHED,RELATED", "-j", "ACCEPT")
+            self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
+
+    def down(self) -> None:
+        for name in reversed(self._made):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:  # only processes inside our own lab namespaces
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
+
+    def __enter__(self) -> "NatLab":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    # ------------------------------------------------------------------ running things inside
+    def cmd(self, key: str) -> list[str]:
+        """The command prefix that runs a process inside namespace ``key`` (a, b, pub, rA, rB)."""
+        return ["ip", "netns", "exec", self.ns[key]]
+
+    def call(self, key: str, fn, *args, timeout: float = 30.0):
+        """Run ``fn(*args)`` in a thread that lives in namespace ``key``; return its result or raise its error."""
+        result: dict = {}
+
+        def target():
+            try:
+                libc = ctypes.CDLL(None, use_errno=True)
+                fd = os.open(f"/run/netns/{self.ns[key]}", os.O_RDONLY)
+                try:
+                    if libc.setns(fd, CLONE_NEWNET) != 0:
+                        raise OSError(ctypes.get_errno(), "setns failed")
+                finally:
+                    os.close(fd)
+                result["value"] = fn(*args)
+            except BaseException as e:  # handed to the caller
+                result["error"] = e
+
+        thread = threading.Thread(target=target, daemon=True)
+        thread.start()
+        thread.join(timeout)
+        if thread.is_alive():
+            raise TimeoutError(f"{getattr(fn, '__name__', fn)} in {key} did not finish in {timeout} s")
+        if "error" in result:
+            raise result["error"]
+        return result["value"]
+
+    def conntrack_flows(self, router: str) -> str:
+        r = subprocess.run(self.cmd(router) + ["cat", "/proc/net/nf_conntrack"], capture_output=True, text=True)
+        return r.stdout

@@ -1,0 +1,88 @@
+"""NAT traversal in the lab: one public bootstrap/relay node, two nodes each behind its own NAT (real processes,
+real sockets, network namespaces this test creates and removes)."""
+
+import functools
+import time
+
+import pytest
+
+from natlab import NatLab, unavailable
+from swarmproc import Swarm, wait_for
+
+pytestmark = [pytest.mark.nat, pytest.mark.swarm]
+
+LAB_NODE = """
+[network]
+listen = ["/ip4/0.0.0.0/tcp/4001"]
+probe_interval = 30.0
+[discovery]
+poll_interval = 1.0
+backoff_initial = 0.5
+refresh_interval = 5.0
+ping_interval = 1.0
+[state]
+sync_interval = 1.0
+[http]
+listen = "127.0.0.1:8470"
+"""
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _needs_lab():
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+
+
+def start_in(lab: NatLab, swarm: Swarm, where: str, bootstrap=()):
+    return swarm.start(where, bootstrap=list(bootstrap), prefix=lab.cmd(where),
+                       via=functools.partial(lab.call, where))
+
+
+def peer(node, peer_id: str) -> dict | None:
+    return next((p for p in node.status()["peers"] if p["peer_id"] == peer_id), None)
+
+
+def relayed_call_works(src, dst, relay_id: str) -> bool:
+    """src is connected to dst through the relay, and a ping (a request/response stream) got through."""
+    p = peer(src, dst.peer_id)
+    return bool(p and p["connected"] and p["path"] == "relayed" and p["relay"] == relay_id
+                and p["latency_ms"] is not None)
+
+
+def run_lab(tmp_path, mode: str) -> dict:
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE)
+    with NatLab(mode_a=mode, mode_b=mode) as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+            a = start_in(lab, swarm, "a", [bootstrap])
+            b = start_in(lab, swarm, "b", [bootstrap])
+            ready = time.monotonic()
+            wait_for(lambda: relayed_call_works(a, b, pub.peer_id) and relayed_call_works(b, a, pub.peer_id), 10,
+                     "a and b to call each other through the relay")
+            first_call = time.monotonic() - ready
+            wait_for(lambda: all(n.status()["reachability"] == r for n, r in ((pub, "public"), (a, "private"),
+                                                                              (b, "private"))), 20,
+                     "AutoNAT: the public node public, the NATed ones private")
+            nat_a = a.status()["services"]["nat"]
+            assert nat_a["observed_addrs"] and all(f"/ip4/{lab.wan['a']}/" in o for o in nat_a["observed_addrs"])
+            assert nat_a["relay_client"] and not nat_a["relay_service"]
+            assert pub.status()["services"]["nat"]["relay_service"]
+            # b's record, as a sees it, carries b's relayed address
+            assert any("/p2p-circuit" in addr for addr in peer(a, b.peer_id)["addrs"])
+            return {"first_call_s": first_call, "a": a, "b": b, "pub": pub}
+        finally:
+            swarm.close()
+
+
+@pytest.mark.timeout(120)
+def test_two_nodes_behind_nats_reach_each_other_through_the_public_relay(tmp_path):
+    run_lab(tmp_path, "eim")
+
+
+@pytest.mark.timeout(120)
+def test_symmetric_nats_keep_the_swarm_working_over_the_relay(tmp_path):
+    run_lab(tmp_path, "sym")

@@ -1,0 +1,214 @@
+"""SAPO: the task generator and verifier, wire validation, the GRPO step, and the loop across real node processes."""
+
+import asyncio
+from pathlib import Path
+
+import msgpack
+import pytest
+import torch
+from pydantic import ValidationError
+
+from protocols import arith
+from protocols.grpo import Group, Policy
+from protocols.sapo import SapoConfig, parse_items, question_seed, score
+from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
+
+RUN, SEED, AUTHOR = "t", 1, "12D3KooWAuthor"
+
+
+def test_questions_are_regenerated_exactly_and_answers_are_right():
+    assert arith.question(7, 3) == arith.question(7, 3)
+    assert len({arith.question(7, i).prompt for i in range(50)}) > 40
+    for i in range(200):
+        q = arith.question(11, i)
+        task, a, b, c = arith.TASKS.index(q.prompt[0]), *map(int, q.prompt[1:4])
+        expected = [a + b, (a * b) % 100, abs(a - b) + c, a + b + c][task]
+        assert q.answer == f"{expected:02d}" and q.prompt.endswith("=")
+        assert arith.reward(q, q.answer) == 1.0 and arith.reward(q, "xx") == 0.0
+    for bad in (["arith", 2, 1, 0], ["other", 1, 1, 0], ["arith", 1, -1, 0], ["arith", 1, 1, 1 << 20],
+                ["arith", 1, 1.5, 0], "arith", ["arith", 1, 1]):
+        with pytest.raises(ValueError):
+            arith.check_spec(bad)
+
+
+def items(round_=3, author=AUTHOR, n=2, comps=("12", "07")):
+    q_seed = question_seed(RUN, SEED, author, round_)
+    return {"r": round_, "items": [{"spec": ["arith", 1, q_seed, k], "comps": list(comps)} for k in range(n)]}
+
+
+def test_rollout_messages_are_validated():
+    r, parsed = parse_items(items(), run=RUN, seed=SEED, author=AUTHOR)
+    assert r == 3 and [i for i, _ in parsed] == [0, 1] and parsed[0][1] == ["12", "07"]
+
+    def rejected(body, author=AUTHOR):
+        with pytest.raises(ValueError):
+            parse_items(body, run=RUN, seed=SEED, author=author)
+
+    rejected(items(), author="12D3KooWSomeoneElse")  # a spec that is not the sender's for this round
+    forged = items()
+    forged["r"] = 4  # replaying round 3's items as round 4's
+    rejected(forged)
+    dup = items()
+    dup["items"][1]["spec"][3] = 0
+    rejected(dup)
+    with_answer = items()
+    with_answer["items"][0]["answer"] = "12"  # ground truth from the sender: never accepted
+    rejected(with_answer)
+    rejected(items(comps=("12",)))  # one completion has no advantage to compute
+    rejected(items(comps=("1" * 17, "07")))  # over the length cap
+    rejected(items(comps=("1\x00", "07")))  # outside the task's alphabet
+    rejected(items(comps=(b"12", "07")))
+    rejected(items(n=65))
+    rejected({"r": -1, "items": []})
+    rejected([3, []])
+
+
+def test_rewards_come_from_our_verifier_not_the_sender():
+    q_seed = question_seed(RUN, SEED, AUTHOR, 0)
+    q = arith.question(q_seed, 5)
+    wrong = "99" if q.answer != "99" else "98"
+    group = score(q_seed, 5, [q.answer, wrong, wrong, q.answer])
+    assert group.prompt == q.prompt and group.rewards == [1.0, 0.0, 0.0, 1.0] and group.informative
+    assert not score(q_seed, 5, [wrong] * 8).informative  # all wrong: no advantage, dropped before training
+
+
+def test_grpo_step_raises_the_probability_of_rewarded_completions():
+    torch.set_num_threads(1)
+    policy = Policy(seed=3, d=32, layers=1, heads=2, lr=3e-3)
+    q = arith.question(5, 0)
+    wrong = "99" if q.answer != "99" else "98"
+
+    def p_answer():
+        with torch.no_grad():
+            idx = torch.tensor([[policy_stoi(c) for c in q.prompt + q.answer]])
+            logp = torch.log_softmax(policy.model(idx[:, :-1]), -1)
+            return float(logp[0, 4, idx[0, 5]] + logp[0, 5, idx[0, 6]])
+
+    before = p_answer()
+    flat = [p.detach().clone() for p in policy.model.parameters()]
+    assert policy.step([Group(q.prompt, [wrong] * 4, [0.0] * 4)])["groups"] == 0  # nothing to learn
+    assert all(torch.equal(a, b) for a, b in zip(flat, policy.model.parameters()))
+    for _ in range(10):
+        policy.step([Group(q.prompt, [q.answer, wrong, wrong, wrong], [1.0, 0.0, 0.0, 0.0])])
+    assert p_answer() > before + 1.0
+    completions = policy.generate([q.prompt], 64)
+    assert len(completions) == 1 and len(completions[0]) == 64 and all(len(c) == 2 for c in completions[0])
+    assert completions[0].count(q.answer) > 8
+
+
+def policy_stoi(c):
+    from protocols.grpo import STOI
+
+    return STOI[c]
+
+
+def test_config_is_checked(tmp_path):
+    with pytest.raises(ValidationError):
+        SapoConfig(local=9, questions=8)
+    with pytest.raises(ValidationError):
+        SapoConfig(d=30, heads=4)
+    path = loop_config(tmp_path / "bad.toml", "[loops.sapo]\nlocal = 0\nexternal = 0\n")
+    result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 2 and "invalid loops.sapo: " in result.stderr and "at least 1" in result.stderr
+
+
+CONFIG = """
+[loops.sapo]
+run = "{run}"
+rounds = {rounds}
+min_peers = 3
+deadline = 5.0
+d = {d}
+layers = {layers}
+heads = {heads}
+report_every = 5
+"""
+
+
+def sapo(node) -> dict:
+    return node.status()["services"]["sapo"]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path: Path):
+    from node.services import NodeContext
+    from protocols.gossip import MSG, Gossip
+    from transport.identity import Identity
+    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+    run, rounds = "four", 1_000_000  # runs until the test ends it
+    config = loop_config(tmp_path / "sapo.toml", CONFIG.format(run=run, rounds=rounds, d=64, layers=2, heads=4))
+    small = loop_config(tmp_path / "small.toml", CONFIG.format(run=run, rounds=rounds, d=32, layers=1, heads=2))
+    swarm = Swarm(tmp_path / "nodes", config=config)
+    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    gossip = Gossip(heartbeat=0.2)
+    topic = f"sapo/{run}"
+    try:
+        nodes = await asyncio.to_thread(swarm.start_chain, 3, "n", None)
+        await attacker.start()
+        await attacker.connect(nodes[0].tcp_addr)
+        await gossip.start(NodeContext(attacker.identity, attacker, tmp_path, lambda: [nodes[0].peer_id], None,
+                                       lambda p: True))
+        hb = asyncio.create_task(gossip.run())
+        gossip.subscribe(topic, max_size=64 * 1024)
+        await asyncio.to_thread(wait_for, lambda: sapo(nodes[0])["round"] >= 3, 120, "the run to pass round 3")
+        # a peer with a smaller policy joins a run in progress
+        late = await asyncio.to_thread(swarm.start, "small", bootstrap=[nodes[-1].tcp_addr], config=small)
+        nodes.append(late)
+        await asyncio.to_thread(wait_for, lambda: nodes[0].peer_id in gossip.links, 20, "the attacker's link")
+        link = gossip.links[nodes[0].peer_id]
+        me = attacker.identity.peer_id
+
+        def send(body) -> None:
+            data = body if isinstance(body, bytes) else msgpack.packb(body)
+            link.send(MSG, gossip.cache[gossip.publish(topic, data)].wire())
+
+        r = sapo(nodes[0])["round"]
+        wrong = {"r": r, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r), k], "comps": ["99"] * 8}
+                                   for k in range(8)]}
+        forged = {"r": r, "items": [{"spec": ["arith", 1, question_seed(run, 1, nodes[1].peer_id, r), 0],
+                                     "comps": ["12", "13"]}]}
+        claimed = {"r": r + 1, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 1), 0],
+                                          "comps": ["12", "13"], "answer": "12", "rewards": [1.0, 1.0]}]}
+        send(wrong)  # well-formed, all wrong: scored 0 by every receiver's own verifier, never trained on
+        future = {"r": r + 100, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 100), 0],
+                                           "comps": ["12", "13"]}]}
+        for junk in (b"\xc1\xc1", forged, claimed, future, {"r": r, "items": "x" * 40}):
+            send(junk)
+        ids = [n.peer_id for n in nodes]
+
+        def everyone_learned_from_everyone():
+            states = [sapo(n) for n in nodes]
+            for s in states:  # every node trained on items of every other honest peer, the small policy's included
+                used = {p for p, v in s["sources"].items() if p in ids and v["used"] > 0}
+                if len(used) < 3 or s["round"] < states[3]["joined_at"] + 20:
+                    return None
+            return states
+
+        final = await asyncio.to_thread(wait_for, everyone_learned_from_everyone, 150,
+                                        "every node to train on every other node's rollouts")
+        for s in final:
+            assert s["state"] == "running" and s["items_used_external"] > 0 and s["items_shared"] > 0
+            assert s["dropped_zero_advantage"] > 0
+            if me in s["sources"]:  # the poisoner's items: scored by our own verifier at 0, never used
+                assert s["sources"][me]["reward"] == 0.0 and s["sources"][me]["used"] == 0
+        assert me in final[0]["sources"]  # its direct neighbour received and scored the wrong answers
+        assert final[0]["rejected_malformed"] >= 3 and final[0]["rejected_future"] >= 1
+        assert nodes[0].status()["penalties"].get("invalid_message", 0) >= 4
+        assert final[3]["policy"] == {"d": 32, "layers": 1, "heads": 2} and final[3]["joined_at"] > 3
+        # per-round rewards and items are in the replicated state, for every peer, as any node sees it
+        def progress():
+            p = http_get(nodes[1].url + "/state")["objects"]["progress"]
+            return set(p) >= set(ids) and all(p[i]["round"] > 0 and {"reward", "cumulative_reward", "items_shared",
+                                                                      "items_used_external"} <= set(p[i]["metrics"])
+                                               for i in ids)
+
+        await asyncio.to_thread(wait_for, progress, 30, "every node's progress in the replicated state")
+        history = await asyncio.to_thread(http_get, nodes[2].url + "/sapo/history")
+        assert [h[0] for h in history["rounds"]][:10] == list(range(10))
+        hb.cancel()
+    finally:
+        await gossip.close()
+        await attacker.close()
+        await asyncio.to_thread(swarm.close)

@@ -1,0 +1,113 @@
+"""Reachability: an AutoNAT-style dial-back protocol, and the guess a node makes before anyone answered.
+
+AutoNAT (libp2p spec, v1 semantics) over our own framed streams, ``/swarmd/autonat/1.0.0``:
+
+- the client sends ``{"ports": [tcp ports it listens on]}`` (at most 4);
+- the server takes the IP it sees the client's connection come from (never an address the client names, so it
+  cannot be used to make us dial third parties), opens a fresh TCP connection to that IP on each port, from a new
+  socket (not the existing connection), and answers ``{"observed": "/ip4/<ip>/tcp/<port>", "ok": [ports that
+  accepted]}``, or ``{"error": "..."}`` (e.g. the request came through a relay, so no IP is known);
+- a port that accepts means inbound connections reach the client: it is public. A server that could not dial any
+  port is evidence of a NAT or firewall: private.
+
+Servers rate-limit per peer and bound concurrent dial-backs. Everything else (when to probe, whom to ask, how to
+combine answers) is in ``node.nat``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import logging
+import time
+
+from transport.base import Stream
+from transport.errors import MalformedMessage
+from transport.framing import ProtocolSpec
+
+logger = logging.getLogger(__name__)
+
+AUTONAT_SPEC = ProtocolSpec("autonat", "1.0.0", max_frame=1024, kinds=frozenset({1, 2}))
+REQUEST, REPLY = 1, 2
+MAX_PORTS = 4
+DIAL_TIMEOUT = 2.0
+
+# addresses that are never directly reachable from the internet: a node listening only on these is behind a NAT
+_NATTED = [ipaddress.ip_network(n) for n in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16", "100.64.0.0/10",
+                                             "169.254.0.0/16", "fc00::/7", "fe80::/10")]
+
+
+def natted(ip: str) -> bool:
+    addr = ipaddress.ip_address(ip)
+    return any(addr in net for net in _NATTED)
+
+
+def ip_of(maddr: str) -> tuple[str, int] | None:
+    """(ip, tcp port) of a direct /ip4|ip6/.../tcp/... multiaddr; None for relayed or other addresses."""
+    parts = maddr.split("/")
+    if "p2p-circuit" in parts or len(parts) < 5 or parts[1] not in ("ip4", "ip6") or parts[3] != "tcp":
+        return None
+    try:
+        return str(ipaddress.ip_address(parts[2])), int(parts[4])
+    except ValueError:
+        return None
+
+
+class AutoNATServer:
+    """Answers dial-back requests. ``per_peer_interval`` seconds between two requests of one peer."""
+
+    def __init__(self, per_peer_interval: float = 5.0, concurrency: int = 4):
+        self.per_peer_interval = per_peer_interval
+        self._last: dict[str, float] = {}
+        self._slots = asyncio.Semaphore(concurrency)
+        self.served = 0
+        self.refused = 0
+
+    async def handle(self, stream: Stream) -> None:
+        request = await asyncio.wait_for(stream.read_required(), 10)
+        body = request.body
+        if request.kind != REQUEST or not isinstance(body, dict) or set(body) != {"ports"}:
+            raise MalformedMessage("autonat: expected {ports}")
+        ports = body["ports"]
+        if not isinstance(ports, list) or not 0 < len(ports) <= MAX_PORTS \
+                or not all(type(p) is int and 0 < p < 65536 for p in ports):
+            raise MalformedMessage("autonat: ports must be 1..4 TCP ports")
+        now = time.monotonic()
+        if now - self._last.get(stream.peer_id, -1e9) < self.per_peer_interval or self._slots.locked():
+            self.refused += 1
+            await stream.send(REPLY, {"error": "rate limited"})
+            return
+        self._last[stream.peer_id] = now
+        if len(self._last) > 4096:
+            self._last = {p: t for p, t in self._last.items() if now - t < self.per_peer_interval}
+        observed = ip_of(stream.remote_addr or "")
+        if observed is None:
+            await stream.send(REPLY, {"error": "no direct connection to observe (relayed?)"})
+            return
+        ip, port = observed
+        async with self._slots:
+            results = await asyncio.gather(*(_dial(ip, p) for p in ports))
+        self.served += 1
+        family = "ip6" if ":" in ip else "ip4"
+        await stream.send(REPLY, {"observed": f"/{family}/{ip}/tcp/{port}",
+                                  "ok": [p for p, ok in zip(ports, results) if ok]})
+
+
+async def _dial(ip: str, port: int) -> bool:
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(ip, port), DIAL_TIMEOUT)
+    except (OSError, asyncio.TimeoutError):
+        return False
+    writer.close()
+    return True
+
+
+def parse_reply(body: object) -> tuple[str, list[int]] | str:
+    """A server's reply: (observed address, ports that accepted), or an error string."""
+    if isinstance(body, dict) and set(body) == {"error"} and isinstance(body["error"], str):
+        return body["error"][:200]
+    if (isinstance(body, dict) and set(body) == {"observed", "ok"} and isinstance(body["observed"], str)
+            and ip_of(body["observed"]) is not None and isinstance(body["ok"], list)
+            and len(body["ok"]) <= MAX_PORTS and all(type(p) is int for p in body["ok"])):
+        return body["observed"], body["ok"]
+    raise MalformedMessage("autonat: malformed reply")
