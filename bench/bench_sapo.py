@@ -7,7 +7,7 @@ others shared, re-scored by the receiver's verifier). Same generation compute pe
 completions. Metric (the SAPO paper's): cumulative reward, the per-round mean reward of a peer's own rollouts summed
 over rounds, averaged over the 8 peers. Sharing must win on every seed.
 
-    python bench/bench_sapo.py [--rounds 300] [--seeds 1 2] [--peers 8]
+    python bench/bench_sapo.py [--rounds 500] [--seeds 1 2] [--peers 8]
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, roun
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rounds", type=int, default=300)
+    parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--peers", type=int, default=8)
     args = parser.parse_args()

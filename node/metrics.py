@@ -80,6 +80,21 @@ class NodeCollector:
             repl.add_metric([event], count)
         yield repl
 
+        nat = node.nat
+        punch = CounterMetricFamily("swarmd_hole_punch", "Hole punches to relayed peers (we start them)",
+                                    labels=["result"])
+        punch.add_metric(["attempt"], nat.counters["punch_attempts"])
+        punch.add_metric(["success"], nat.counters["punch_successes"])
+        yield punch
+        autonat = CounterMetricFamily("swarmd_autonat_dialbacks", "AutoNAT dial-backs others made to us",
+                                      labels=["result"])
+        autonat.add_metric(["ok"], nat.counters["dialbacks_ok"])
+        autonat.add_metric(["failed"], nat.counters["dialbacks_failed"])
+        yield autonat
+        reach = GaugeMetricFamily("swarmd_reachability", "1 for the current reachability", labels=["reachability"])
+        for r in ("public", "private", "unknown"):
+            reach.add_metric([r], 1.0 if node.transport.reachability.value == r else 0.0)
+        yield reach
         boot = GaugeMetricFamily("swarmd_bootstrap_connected", "1 if the bootstrap peer is connected", labels=["peer"])
         for b in node.discovery.bootstrap:
             boot.add_metric([b.peer_id], 1.0 if b.state == "connected" else 0.0)

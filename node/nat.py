@@ -22,7 +22,8 @@ import psutil
 from transport.base import PathType, Reachability
 from transport.errors import ProtocolViolation, TransportError
 from transport.multiaddrs import split_peer_addr
-from transport.nat import AUTONAT_SPEC, REQUEST, AutoNATServer, ip_of, natted, parse_reply
+from transport.nat import (AUTONAT_SPEC, PUNCH_SPEC, REQUEST, AutoNATServer, ip_of, natted, open_nat, parse_addrs,
+                           parse_reply)
 
 logger = logging.getLogger(__name__)
 
@@ -61,16 +62,24 @@ class NatService:
         self.server = AutoNATServer()
         self.observed: dict[str, float] = {}  # observed address -> when last reported
         self.probes: list[dict] = []  # latest first
-        self.counters: dict[str, int] = {"probes": 0, "dialbacks_ok": 0, "dialbacks_failed": 0}
+        self.counters: dict[str, int] = {"probes": 0, "dialbacks_ok": 0, "dialbacks_failed": 0,
+                                         "punch_attempts": 0, "punch_successes": 0, "punch_served": 0}
         self.last_probe: float | None = None
+        self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
+        self.punches: list[dict] = []  # latest first
+        self._punch_served_at: dict[str, float] = {}
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
+        await self.transport.serve(PUNCH_SPEC, self._serve_punch)
 
     async def close(self) -> None:
         pass
 
     async def run(self) -> None:
+        await asyncio.gather(self._probe_loop(), self._punch_loop())
+
+    async def _probe_loop(self) -> None:
         while True:
             direct = [p.peer_id for p in await self.transport.peers() if p.path is PathType.DIRECT]
             if direct:
@@ -79,6 +88,98 @@ class NatService:
             else:
                 wait = 1.0
             await asyncio.sleep(wait)
+
+    # ------------------------------------------------------------------ hole punching
+    async def _punch_loop(self) -> None:
+        """Try to upgrade relayed connections to direct ones, in the background, with backoff per peer. Of two
+        peers the one with the smaller peer id starts, so they do not both punch at once."""
+        while True:
+            await asyncio.sleep(1.0)
+            if not self.relay_client or not self._predicted():
+                continue
+            now = time.monotonic()
+            for conn in await self.transport.peers():
+                if conn.path is not PathType.RELAYED or self.transport.peer_id > conn.peer_id:
+                    continue
+                due, backoff = self.punch_backoff.get(conn.peer_id, (0.0, 5.0))
+                if now < due:
+                    continue
+                ok = await self.punch(conn)
+                if ok is None:  # the peer has not learned its own address yet: not an attempt, ask again soon
+                    self.punch_backoff[conn.peer_id] = (time.monotonic() + 2.0, backoff)
+                    continue
+                backoff = 5.0 if ok else min(backoff * 2, 600.0)
+                self.punch_backoff[conn.peer_id] = (time.monotonic() + backoff, backoff)
+
+    def _listen_port(self) -> int | None:
+        ports = self._ports(self.transport.config.listen) if hasattr(self.transport, "config") else []
+        return ports[0] if ports and ports[0] else None
+
+    def _predicted(self) -> list[str]:
+        """Where peers can reach us through our NAT if it keeps ports: each observed IP, at our listen port."""
+        port = self._listen_port()
+        if port is None:
+            return []
+        ips = sorted({ip_of(o)[0] for o in self.observed})
+        return [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}" for ip in ips][:4]
+
+    async def punch(self, conn) -> bool | None:
+        """DCUtR-style: exchange predicted addresses over the relayed connection; the responder opens its NAT
+        towards ours; we drop the relayed connection and dial it directly. On failure, back through the relay."""
+        peer = conn.peer_id
+        started = time.monotonic()
+        entry = {"peer": peer, "at": time.time()}
+        try:
+            async with await self.transport.open_stream(peer, PUNCH_SPEC, timeout=5) as stream:
+                await stream.send(1, {"addrs": self._predicted()})
+                reply = await asyncio.wait_for(stream.read_required(), 10)
+            theirs = parse_addrs(reply.body)
+        except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+            logger.debug("hole punch to %s: no answer over the relay: %s", peer, e)
+            return None
+        if not theirs:
+            return None
+        self.counters["punch_attempts"] += 1
+        try:
+            await self.transport.disconnect(peer)
+            await self.transport.connect_peer(peer, [f"/ip4/{ip}/tcp/{port}" for ip, port in theirs], timeout=5)
+            now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
+            if now is None or now.path is not PathType.DIRECT:
+                raise TransportError("the new connection is not direct")
+        except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+            self.punches = [{**entry, "ok": False, "error": str(e)[:160] or type(e).__name__}] + self.punches[:11]
+            logger.info("hole punch to %s failed (%s); staying on the relay", peer, e)
+            try:
+                await self.transport.connect_peer(peer, list(conn.addrs), timeout=10)
+            except TransportError as e2:
+                logger.warning("could not reconnect to %s through the relay: %s", peer, e2)
+            return False
+        self.counters["punch_successes"] += 1
+        seconds = time.monotonic() - started
+        self.punches = [{**entry, "ok": True, "seconds": round(seconds, 3)}] + self.punches[:11]
+        logger.info("hole punch to %s succeeded in %.2f s: direct connection", peer, seconds)
+        return True
+
+    async def _serve_punch(self, stream) -> None:
+        """The responder's side. A peer can make us send at most 4 low-TTL SYNs per 5 s this way."""
+        request = await asyncio.wait_for(stream.read_required(), 10)
+        theirs = parse_addrs(request.body)
+        now = time.monotonic()
+        if now - self._punch_served_at.get(stream.peer_id, -1e9) < 5.0:
+            await stream.send(2, {"addrs": []})
+            return
+        self._punch_served_at[stream.peer_id] = now
+        if len(self._punch_served_at) > 1024:
+            self._punch_served_at = {p: t for p, t in self._punch_served_at.items() if now - t < 5.0}
+        port = self._listen_port()
+        if port is not None and self.relay_client:
+            for remote in theirs[:4]:
+                try:
+                    open_nat(port, remote)
+                except OSError as e:
+                    logger.info("could not open our NAT towards %s:%d: %s", remote[0], remote[1], e)
+        self.counters["punch_served"] += 1
+        await stream.send(2, {"addrs": self._predicted()})
 
     def _ports(self, addrs: list[str]) -> list[int]:
         ports = []
@@ -141,6 +242,7 @@ class NatService:
             "relays": self.relays,
             "last_probe": self.last_probe,
             "probes": self.probes[:6],
+            "punches": self.punches[:6],
             "autonat_served": self.server.served,
             "autonat_refused": self.server.refused,
             **self.counters,

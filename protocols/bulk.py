@@ -250,9 +250,16 @@ class BulkService:
             raise BulkError("no announcement for this hash")
         ctx = self._ctx
         errors = []
-        for peer, addr in list(self.sources[blob_hash]):
+        # bulk bytes never cross a relay: sources we reach directly first; one we only reach through a relay is
+        # tried last (its TCP address may still answer) and said so, while holders with a direct path serve it
+        sources = sorted(self.sources[blob_hash], key=lambda s: not ctx.direct(s[0]))
+        for peer, addr in sources:
             if ctx.transport.penalties.is_banned(peer):
                 continue
+            if not ctx.direct(peer):
+                self.counters["relayed_sources"] += 1
+                logger.info("bulk %s: no direct path to %s (relayed or not connected); bulk transfers never go "
+                            "through a relay, so trying its TCP address %s last", blob_hash.hex()[:16], peer, addr)
             ts = int(time.time() * 1000)
             request = msgpack.packb({"hash": blob_hash, "peer": ctx.identity.peer_id, "ts": ts,
                                      "sig": ctx.identity.sign(REQUEST_DOMAIN + blob_hash + str(ts).encode())},

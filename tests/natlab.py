@@ -66,6 +66,9 @@ class NatLab:
     mode_a: str = "eim"
     mode_b: str = "eim"
     pubnet: str = "testnet"
+    # routers that do not check TCP sequence numbers (nf_conntrack_tcp_be_liberal=1), like many NAT boxes that
+    # are not Linux; by default the lab's routers are strict Linux conntrack
+    liberal: bool = False
     prefix: str = field(default_factory=lambda: "sw" + uuid.uuid4().hex[:5])
 
     def __post_init__(self):
@@ -123,6 +126,8 @@ class NatLab:
             self._x(side, "ip", "link", "set", "eth0", "up")
             self._x(side, "ip", "route", "add", "default", "via", f"{lan}.1")
             self._x(router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+            if self.liberal:
+                self._x(router, "sysctl", "-qw", "net.netfilter.nf_conntrack_tcp_be_liberal=1")
             masq = ["iptables", "-t", "nat", "-A", "POSTROUTING", "-s", f"{lan}.0/24", "-o", "wan", "-j", "MASQUERADE"]
             self._x(router, *(masq + (["--random-fully"] if mode == "sym" else [])))
             self._x(router, "iptables", "-P", "FORWARD", "DROP")

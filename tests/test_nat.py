@@ -2,6 +2,8 @@
 real sockets, network namespaces this test creates and removes)."""
 
 import functools
+import subprocess
+import sys
 import time
 
 import pytest
@@ -73,6 +75,17 @@ def run_lab(tmp_path, mode: str) -> dict:
             assert pub.status()["services"]["nat"]["relay_service"]
             # b's record, as a sees it, carries b's relayed address
             assert any("/p2p-circuit" in addr for addr in peer(a, b.peer_id)["addrs"])
+            # the peer with the smaller id tries to upgrade the relayed connection by hole punching; whatever the
+            # outcome, the two stay connected (direct, or back on the relay)
+            first, second = sorted((a, b), key=lambda n: n.peer_id)
+            wait_for(lambda: first.status()["services"]["nat"]["punch_attempts"] >= 1, 20, "a hole punch attempt")
+            wait_for(lambda: (p := peer(first, second.peer_id)) and p["connected"] and p["latency_ms"] is not None,
+                     20, "the pair to stay connected after the punch attempt")
+            doctor = subprocess.run(lab.cmd("a") + [sys.executable, "-m", "node", "doctor", "--data-dir",
+                                                    str(a.data_dir)], capture_output=True, text=True, timeout=30)
+            assert doctor.returncode == 0, doctor.stderr
+            assert "reachability  private  (AutoNAT)" in doctor.stdout and lab.wan["a"] in doctor.stdout
+            assert "the listen port is kept" in doctor.stdout if mode == "eim" else True
             return {"first_call_s": first_call, "a": a, "b": b, "pub": pub}
         finally:
             swarm.close()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
+import socket
 import time
 
 from transport.base import Stream
@@ -111,3 +112,36 @@ def parse_reply(body: object) -> tuple[str, list[int]] | str:
             and len(body["ok"]) <= MAX_PORTS and all(type(p) is int for p in body["ok"])):
         return body["observed"], body["ok"]
     raise MalformedMessage("autonat: malformed reply")
+
+
+# ---------------------------------------------------------------------- hole punching (DCUtR-style, over a relay)
+PUNCH_SPEC = ProtocolSpec("punch", "1.0.0", max_frame=2048, kinds=frozenset({1, 2}))
+OPEN_TTL = 4  # the NAT-opening SYN only has to leave our own NAT; a small TTL keeps it from reaching far
+
+
+def open_nat(local_port: int, remote: tuple[str, int], ttl: int = OPEN_TTL) -> None:
+    """Send one TCP SYN from our listen port to ``remote`` (an address the peer will dial us *from*), then forget
+    the socket: our NAT now holds a mapping for listen port <-> remote, and lets the peer's SYN in, which our p2p
+    daemon's listener (same port, SO_REUSEPORT) accepts as an ordinary inbound connection."""
+    s = socket.socket(socket.AF_INET6 if ":" in remote[0] else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
+        s.setblocking(False)
+        s.bind(("::" if ":" in remote[0] else "0.0.0.0", local_port))
+        s.connect_ex(remote)
+    finally:
+        s.close()  # a socket closed in SYN_SENT sends nothing more; the NAT's state stays
+
+
+def parse_addrs(body: object, key: str = "addrs") -> list[tuple[str, int]]:
+    if not isinstance(body, dict) or not isinstance(body.get(key), list) or len(body[key]) > 8:
+        raise MalformedMessage("punch: expected a list of at most 8 addresses")
+    out = []
+    for a in body[key]:
+        found = ip_of(a) if isinstance(a, str) else None
+        if found is None:
+            raise MalformedMessage("punch: not a direct TCP address")
+        out.append(found)
+    return out

@@ -119,7 +119,9 @@ class P2PDaemonTransport:
         # hivemind copies os.environ for the daemon and offers no way to pass env; these only affect p2pd:
         # no SO_REUSEPORT (a taken port is an error), and a soft heap limit for the Go runtime (measured with 16
         # nodes: 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins
-        os.environ["LIBP2P_TCP_REUSEPORT"] = "false"
+        # behind a NAT, dials leave from the listen port (SO_REUSEPORT), so the NAT maps one predictable port that
+        # hole punching can aim at (``transport.nat``)
+        os.environ["LIBP2P_TCP_REUSEPORT"] = "true" if self.config.relay_client else "false"
         os.environ.setdefault("GOMEMLIMIT", "48MiB")
         _install_flag_hook(hm)
         token = _EXTRA_FLAGS.set(self._daemon_flags())
@@ -231,6 +233,15 @@ class P2PDaemonTransport:
             raise
         except Exception as e:
             raise PeerUnreachable(f"dialing {peer_id} failed: {_short(e)}") from None
+
+    async def disconnect(self, peer_id: str) -> None:
+        hm = load_hivemind()
+        try:
+            await asyncio.wait_for(self.hivemind_p2p._client.disconnect(hm.PeerID.from_base58(peer_id)), 5)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            raise TransportError(f"disconnecting {peer_id} failed: {_short(e)}") from None
 
     async def peers(self) -> list[ConnectedPeer]:
         infos = await self.hivemind_p2p.list_peers()

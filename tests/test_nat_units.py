@@ -1,0 +1,58 @@
+"""NAT pieces that need no lab: the private-address guess, AutoNAT replies, and the doctor's report."""
+
+import pytest
+
+from node.cli import diagnose
+from node.nat import guess_private
+from transport.errors import MalformedMessage
+from transport.nat import ip_of, parse_addrs, parse_reply
+
+
+def test_guess_private():
+    assert guess_private(["/ip4/10.1.0.10/tcp/4001"], [])
+    assert guess_private(["/ip4/192.168.1.5/tcp/4001", "/ip4/100.64.3.2/tcp/4001"], [])
+    assert not guess_private(["/ip4/198.51.100.10/tcp/4001"], [])
+    assert not guess_private(["/ip4/127.0.0.1/tcp/0"], [])  # a local swarm: nothing to traverse
+    assert not guess_private(["/ip4/10.1.0.10/tcp/4001"], ["/ip4/203.0.113.7/tcp/4001"])  # a forwarded port
+
+
+def test_autonat_and_punch_messages_are_checked():
+    assert ip_of("/ip4/1.2.3.4/tcp/4001") == ("1.2.3.4", 4001)
+    assert ip_of("/ip4/1.2.3.4/tcp/4001/p2p/Qm/p2p-circuit") is None and ip_of("/dns/x/tcp/1") is None
+    assert parse_reply({"observed": "/ip4/1.2.3.4/tcp/55", "ok": [4001]}) == ("/ip4/1.2.3.4/tcp/55", [4001])
+    assert parse_reply({"error": "rate limited"}) == "rate limited"
+    for bad in ({"observed": "/ip4/1.2.3.4/udp/5", "ok": []}, {"observed": "x", "ok": []}, {"ok": [1] * 9}, [1]):
+        with pytest.raises(MalformedMessage):
+            parse_reply(bad)
+    assert parse_addrs({"addrs": ["/ip4/1.2.3.4/tcp/4001"]}) == [("1.2.3.4", 4001)]
+    for bad in ({"addrs": ["/ip4/1.2.3.4/tcp/1"] * 9}, {"addrs": ["/ip4/x/tcp/1"]}, {"addrs": [5]}, {}):
+        with pytest.raises(MalformedMessage):
+            parse_addrs(bad)
+
+
+def status(**nat):
+    return {
+        "reachability": "private", "addresses": ["/ip4/10.1.0.10/tcp/4001/p2p/A"], "listen": ["/ip4/0.0.0.0/tcp/4001"],
+        "bootstrap": [{"addr": "/ip4/198.51.100.10/tcp/4001/p2p/R", "state": "connected"}],
+        "peers": [
+            {"peer_id": "R", "member": True, "connected": True, "path": "direct", "relay": None, "path_since": 1.0},
+            {"peer_id": "B", "member": True, "connected": True, "path": "relayed", "relay": "R", "path_since": 2.0},
+            {"peer_id": "C", "member": True, "connected": False, "path": "none", "relay": None, "path_since": None},
+        ],
+        "services": {"nat": {"detected": "private", "relays": ["/ip4/198.51.100.10/tcp/4001/p2p/R"],
+                             "relay_service": False, "punch_attempts": 2, "punch_successes": 0,
+                             "punches": [{"ok": False, "error": "timed out"}], **nat}},
+    }
+
+
+def test_doctor_explains_what_it_sees():
+    report = diagnose(status(observed_addrs=["/ip4/198.51.100.1/tcp/4001"]))
+    assert report["reachability_source"] == "AutoNAT" and (report["direct"], report["relayed"]) == (1, 1)
+    assert "listen port is kept" in report["nat"] and "198.51.100.1" in report["nat"]
+    hints = " ".join(report["hints"])
+    assert "through a relay" in hints and "hole punching has not succeeded" in hints and "not connected" in hints
+    assert "no connection to any relay" not in hints
+    sym = diagnose(status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"]))
+    assert "symmetric" in sym["nat"]
+    lonely = diagnose(status(observed_addrs=[], relays=[]))
+    assert "unknown" in lonely["nat"] and any("has no relay" in h for h in lonely["hints"])
