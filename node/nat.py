@@ -51,6 +51,9 @@ def guess_private(listen: list[str], announce: list[str]) -> bool:
 
 class NatService:
     name = "nat"
+    PUNCH_AFTER = 3.0  # seconds a relayed connection runs before we try to upgrade it
+    PUNCH_BACKOFF = 15.0  # after a failure, wait this long, doubling up to 10 minutes
+    PUNCH_DIAL_TIMEOUT = 2.0  # the relayed connection is down while the direct dial runs: keep it short
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0):
@@ -68,6 +71,7 @@ class NatService:
         self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
         self.punches: list[dict] = []  # latest first
         self._punch_served_at: dict[str, float] = {}
+        self._relayed_since: dict[str, float] = {}
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
@@ -98,17 +102,22 @@ class NatService:
             if not self.relay_client or not self._predicted():
                 continue
             now = time.monotonic()
-            for conn in await self.transport.peers():
+            conns = await self.transport.peers()
+            relayed = {c.peer_id for c in conns if c.path is PathType.RELAYED}
+            self._relayed_since = {p: self._relayed_since.get(p, now) for p in relayed}
+            for conn in conns:
                 if conn.path is not PathType.RELAYED or self.transport.peer_id > conn.peer_id:
                     continue
-                due, backoff = self.punch_backoff.get(conn.peer_id, (0.0, 5.0))
+                if now - self._relayed_since[conn.peer_id] < self.PUNCH_AFTER:
+                    continue  # let the relayed connection settle (and serve its first calls) first
+                due, backoff = self.punch_backoff.get(conn.peer_id, (0.0, self.PUNCH_BACKOFF))
                 if now < due:
                     continue
                 ok = await self.punch(conn)
                 if ok is None:  # the peer has not learned its own address yet: not an attempt, ask again soon
                     self.punch_backoff[conn.peer_id] = (time.monotonic() + 2.0, backoff)
                     continue
-                backoff = 5.0 if ok else min(backoff * 2, 600.0)
+                backoff = self.PUNCH_BACKOFF if ok else min(backoff * 2, 600.0)
                 self.punch_backoff[conn.peer_id] = (time.monotonic() + backoff, backoff)
 
     def _listen_port(self) -> int | None:
@@ -142,7 +151,8 @@ class NatService:
         self.counters["punch_attempts"] += 1
         try:
             await self.transport.disconnect(peer)
-            await self.transport.connect_peer(peer, [f"/ip4/{ip}/tcp/{port}" for ip, port in theirs], timeout=5)
+            await self.transport.connect_peer(peer, [f"/ip4/{ip}/tcp/{port}" for ip, port in theirs],
+                                              timeout=self.PUNCH_DIAL_TIMEOUT)
             now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
             if now is None or now.path is not PathType.DIRECT:
                 raise TransportError("the new connection is not direct")
