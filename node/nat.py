@@ -85,7 +85,11 @@ class NatService:
 
     async def _probe_loop(self) -> None:
         while True:
-            direct = [p.peer_id for p in await self.transport.peers() if p.path is PathType.DIRECT]
+            try:
+                direct = [p.peer_id for p in await self.transport.peers() if p.path is PathType.DIRECT]
+            except TransportError as e:
+                logger.debug("AutoNAT: cannot list peers: %s", e)
+                direct = []
             if direct:
                 await self.probe(direct)
                 wait = self.probe_interval if self.transport.detected_reachability != Reachability.UNKNOWN else 5.0
@@ -102,7 +106,11 @@ class NatService:
             if not self.relay_client or not self._predicted():
                 continue
             now = time.monotonic()
-            conns = await self.transport.peers()
+            try:
+                conns = await self.transport.peers()
+            except TransportError as e:
+                logger.debug("hole punching: cannot list peers: %s", e)
+                continue
             relayed = {c.peer_id for c in conns if c.path is PathType.RELAYED}
             self._relayed_since = {p: self._relayed_since.get(p, now) for p in relayed}
             for conn in conns:
