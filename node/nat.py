@@ -129,7 +129,7 @@ class NatService:
                 self.punch_backoff[conn.peer_id] = (time.monotonic() + backoff, backoff)
 
     def _listen_port(self) -> int | None:
-        ports = self._ports(self.transport.config.listen) if hasattr(self.transport, "config") else []
+        ports = self._ports(self.transport.config.listen)
         return ports[0] if ports and ports[0] else None
 
     def _predicted(self) -> list[str]:

@@ -220,19 +220,10 @@ class DilocoLoop:
         pending = self.pending[key]
         me = self._ctx.identity.peer_id
         expected = (self.participants.get(p, self._initial) | self.joins.pop(key, set())) - {me}
-        deadline = time.monotonic() + self.deadline.value()
         blocked_from = time.monotonic()
-        while not expected <= set(pending.updates):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.counters["deadline_missed"] += 1
-                logger.warning("diloco round %d/%d closed without %s", r, p, sorted(expected - set(pending.updates)))
-                break
-            self._event.clear()
-            try:
-                await asyncio.wait_for(self._event.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+        if not await outer.wait_until(lambda: expected <= set(pending.updates), self._event, self.deadline.value()):
+            self.counters["deadline_missed"] += 1
+            logger.warning("diloco round %d/%d closed without %s", r, p, sorted(expected - set(pending.updates)))
         self.blocked_seconds += time.monotonic() - blocked_from
         for peer, t in pending.arrivals.items():
             self.deadline.observe(t - pending.opened)

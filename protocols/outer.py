@@ -1,19 +1,22 @@
 """Outer-step primitives for DiLoCo and Streaming DiLoCo (``../shared/protocols.md`` section 1): fragments, the outer
-Nesterov optimizer, robust combination of peers' pseudo-gradients, and adaptive round deadlines.
+Nesterov optimizer, robust combination of peers' pseudo-gradients, adaptive round deadlines, and the wait every
+loop's round (DiLoCo, SPSA, SAPO) closes with.
 
 Everything is deterministic given its inputs: peers are always combined in sorted peer-id order and reduced with
 ``torch.stack(...).mean(0)``, so every node that combines the same set of updates gets bit-identical global weights.
-The loop that uses these (issue 6) is not written yet.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import hashlib
 import math
 import re
 import statistics
+import time
 from collections import deque
+from typing import Callable
 
 import torch
 
@@ -143,3 +146,19 @@ class AdaptiveDeadline:
         med = statistics.median(self.offsets)
         mad = statistics.median(abs(x - med) for x in self.offsets)
         return max(self.low, min(self.high, med + self.k * max(mad, 0.05 * med)))
+
+
+async def wait_until(done: Callable[[], bool], arrived: asyncio.Event, timeout: float) -> bool:
+    """Wait until ``done()`` holds, checking again each time ``arrived`` is set, for at most ``timeout`` seconds.
+    Returns whether it holds: False means the deadline passed first."""
+    deadline = time.monotonic() + timeout
+    while not done():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return False
+        arrived.clear()
+        try:
+            await asyncio.wait_for(arrived.wait(), remaining)
+        except asyncio.TimeoutError:
+            pass
+    return True

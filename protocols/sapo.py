@@ -36,7 +36,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from node.services import NodeContext
-from protocols import arith
+from protocols import arith, outer
 from protocols.gossip import Gossip, Message, Verdict
 from protocols.grpo import MAX_COMPLETION, Group, Policy, tokenizable
 
@@ -230,18 +230,9 @@ class SapoLoop:
     async def _close_round(self, r: int) -> None:
         """Wait until every peer of the last round has shared round ``r``'s items, at most ``deadline`` s."""
         expected = self._participants - {self._ctx.identity.peer_id}
-        deadline = time.monotonic() + self.cfg.deadline
-        while not expected <= set(self.inbox[r]):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.counters["deadline_missed"] += 1
-                logger.info("sapo round %d closed without %d peer(s)", r, len(expected - set(self.inbox[r])))
-                break
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+        if not await outer.wait_until(lambda: expected <= set(self.inbox[r]), self._arrived, self.cfg.deadline):
+            self.counters["deadline_missed"] += 1
+            logger.info("sapo round %d closed without %d peer(s)", r, len(expected - set(self.inbox[r])))
         self._participants = set(self.inbox[r])
         for old in [x for x in self.inbox if x < r - 1]:
             del self.inbox[old]
@@ -274,7 +265,7 @@ class SapoLoop:
                     else:
                         self.counters["dropped_zero_advantage"] += 1
                 if rr == r - 1:
-                    self.counters["late_items_used"] += len(items)
+                    self.counters["late_items_scored"] += len(items)
         pool = [(author, g) for author, groups in candidates.items() for g in groups]
         rng.shuffle(pool)
         chosen, per_source = [], collections.Counter()
@@ -346,7 +337,7 @@ class SapoLoop:
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:
-        recent = [h for h in self.history][-50:]
+        recent = list(self.history)[-50:]
         own = [h[1] for h in recent]
         ext = [h[2] for h in recent if h[2] is not None]
         return {
@@ -361,7 +352,7 @@ class SapoLoop:
             "reward_last50": round(sum(own) / len(own), 4) if own else None,
             "external_reward_last50": round(sum(ext) / len(ext), 4) if ext else None,
             "peers_in_round": len(self._participants),
-            "history": [h for h in self.history][-40:],  # [round, own reward, external reward, ext used, groups]
+            "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
             # per source peer, as scored by our verifier: items, mean reward of their completions, groups we used
             "sources": {a: {"items": s[0], "reward": round(s[2] / s[1], 4) if s[1] else None, "used": s[3]}
                         for a, s in sorted(self.sources.items(), key=lambda kv: -kv[1][0])[:32]},

@@ -271,18 +271,9 @@ class SPSALoop:
     async def _close_window(self, w: int) -> None:
         window = self.windows[w]
         expected = self._expected(w)
-        deadline = time.monotonic() + self.cfg.deadline
-        while not expected <= set(window.batches):
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                self.counters["deadline_missed"] += 1
-                logger.warning("spsa window %d closed without %s", w, sorted(expected - set(window.batches)))
-                break
-            self._arrived.clear()
-            try:
-                await asyncio.wait_for(self._arrived.wait(), remaining)
-            except asyncio.TimeoutError:
-                pass
+        if not await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, self.cfg.deadline):
+            self.counters["deadline_missed"] += 1
+            logger.warning("spsa window %d closed without %s", w, sorted(expected - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items() if a in expected}
         self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
         self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])

@@ -37,14 +37,17 @@ def unavailable() -> str | None:
     """Why the lab cannot run here (None if it can). Installs iproute2/iptables with apt-get where missing."""
     if os.geteuid() != 0:
         return "the NAT lab needs root (network namespaces, iptables); run the tests as root, as CI does"
-    missing = [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
+    def missing_packages() -> list[str]:
+        return [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
+
+    missing = missing_packages()
     if missing and shutil.which("apt-get"):
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
         install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
         if subprocess.run(install, env=env, capture_output=True).returncode != 0:
             subprocess.run(["apt-get", "update"], env=env, capture_output=True)
             subprocess.run(install, env=env, capture_output=True)
-        missing = [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
+        missing = missing_packages()
     if missing:
         return f"the NAT lab needs {' and '.join(missing)} (apt-get install {' '.join(missing)})"
     probe = f"swprobe{uuid.uuid4().hex[:6]}"

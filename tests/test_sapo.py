@@ -9,7 +9,7 @@ import torch
 from pydantic import ValidationError
 
 from protocols import arith
-from protocols.grpo import Group, Policy
+from protocols.grpo import STOI, Group, Policy
 from protocols.sapo import SapoConfig, parse_items, question_seed, score
 from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
 
@@ -80,7 +80,7 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions():
 
     def p_answer():
         with torch.no_grad():
-            idx = torch.tensor([[policy_stoi(c) for c in q.prompt + q.answer]])
+            idx = torch.tensor([[STOI[c] for c in q.prompt + q.answer]])
             logp = torch.log_softmax(policy.model(idx[:, :-1]), -1)
             return float(logp[0, 4, idx[0, 5]] + logp[0, 5, idx[0, 6]])
 
@@ -94,12 +94,6 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions():
     completions = policy.generate([q.prompt], 64)
     assert len(completions) == 1 and len(completions[0]) == 64 and all(len(c) == 2 for c in completions[0])
     assert completions[0].count(q.answer) > 8
-
-
-def policy_stoi(c):
-    from protocols.grpo import STOI
-
-    return STOI[c]
 
 
 def test_config_is_checked(tmp_path):
