@@ -4,7 +4,8 @@ call, hole-punch success rate and time to a direct connection.
 Each run builds a fresh lab (one public bootstrap/relay node, two nodes behind their own NAT), starts the three
 swarmd processes, and measures from the moment the second NATed node is ready:
 - first relayed call: until each NATed node has pinged the other through the relay (a request/response stream);
-- direct: until their connection is direct (a hole punch succeeded), at most --punch-wait seconds.
+- direct: until both show their connection as hole-punched in /status (what a user sees; /status is refreshed
+  every 2 s), at most --punch-wait seconds.
 Modes: eim (endpoint-independent mapping, strict Linux conntrack), eim-liberal (the same, with routers that do not
 track TCP sequence numbers), sym (a new random port per destination).
 
@@ -55,8 +56,8 @@ def one_run(root: Path, mode: str, punch_wait: float) -> dict:
             except AssertionError:
                 return {"relayed": None, "direct": None}
             try:
-                wait_for(lambda: (p := peer(a, b.peer_id)) and p["path"] == "direct", punch_wait, "direct",
-                         interval=0.1)
+                wait_for(lambda: all((p := peer(x, y.peer_id)) and p["path"] == "hole-punched"
+                                     for x, y in ((a, b), (b, a))), punch_wait, "direct", interval=0.1)
                 direct = time.monotonic() - t0
             except AssertionError:
                 direct = None

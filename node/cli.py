@@ -264,11 +264,12 @@ def status(data_dir, http, as_json) -> None:
         return
     connected = sum(1 for p in s["peers"] if p["connected"])
     relayed = sum(1 for p in s["peers"] if p["path"] == "relayed")
+    punched = sum(1 for p in s["peers"] if p["path"] == "hole-punched")
     lines = [
         f"peer id       {s['peer_id']}",
         f"version       {s['version']}   swarm {s['swarm']}   up {s['uptime_s']:.0f}s",
         f"reachability  {s['reachability']}",
-        f"peers         {s['members']} members, {connected} connected ({relayed} relayed)",
+        f"peers         {s['members']} members, {connected} connected ({relayed} relayed, {punched} hole-punched)",
         f"dht           {s['dht']['routing_table_size']} in routing table",
         f"traffic       {s['traffic']['bytes_in']} B in, {s['traffic']['bytes_out']} B out",
         "addresses     " + ("\n              ".join(s["addresses"]) or "-"),
@@ -423,7 +424,8 @@ def doctor(data_dir, http, as_json) -> None:
     lines.append(f"relays        {', '.join(report['relays']) or '-'}"
                  + ("   (this node serves as a relay)" if report["relay_service"] else ""))
     lines.append(f"hole punching {report['punch']}")
-    lines.append(f"peers         {report['direct']} direct, {report['relayed']} relayed, "
+    lines.append(f"peers         {report['direct']} direct ({report['punched']} hole-punched), "
+                 f"{report['relayed']} relayed, "
                  f"{report['unconnected']} members not connected")
     for p in report["peers"]:
         lines.append(f"  {p['peer_id']}  {p['path']}{' via ' + p['relay'] if p['relay'] else ''}"
@@ -437,7 +439,8 @@ def diagnose(s: dict) -> dict:
     """A doctor's report from a node's /status (pure: tested on its own)."""
     nat = s.get("services", {}).get("nat", {})
     peers = [p for p in s["peers"] if p["connected"]]
-    direct = [p for p in peers if p["path"] == "direct"]
+    direct = [p for p in peers if p["path"] in ("direct", "hole-punched")]
+    punched = [p for p in peers if p["path"] == "hole-punched"]
     relayed = [p for p in peers if p["path"] == "relayed"]
     unconnected = [p for p in s["peers"] if p["member"] and not p["connected"]]
     observed = nat.get("observed_addrs", [])
@@ -456,6 +459,8 @@ def diagnose(s: dict) -> dict:
                        if kept else "; the port changes (a symmetric NAT likely: hole punching will fail)"))
     punches = nat.get("punches", [])
     punch = (f"{nat.get('punch_successes', 0)} of {nat.get('punch_attempts', 0)} attempts succeeded"
+             + (f" (and {nat.get('punch_served_ok', 0)} of {nat.get('punch_served', 0)} that peers started)"
+                if nat.get("punch_served") else "")
              + (f"; last: {'ok' if punches[0]['ok'] else punches[0].get('error')}" if punches else ""))
     hints = []
     reach = s["reachability"]
@@ -468,7 +473,7 @@ def diagnose(s: dict) -> dict:
     if reach == "private" and not nat.get("relays"):
         hints.append("this node is behind a NAT and has no relay: set network.relays or bootstrap from a public "
                      "node, or forward a port and announce it (--announce /ip4/<public ip>/tcp/<port>)")
-    if reach == "private" and nat.get("relays") and not any(p["path"] == "direct" and p["peer_id"] in
+    if reach == "private" and nat.get("relays") and not any(p in direct and p["peer_id"] in
                                                            " ".join(nat["relays"]) for p in peers):
         hints.append("no connection to any relay: others cannot reach this node until one is connected")
     if reach == "unknown" and s["peers"]:
@@ -478,8 +483,9 @@ def diagnose(s: dict) -> dict:
                      "through peers with a direct path; forwarding a port (or port_mapping = true) makes this "
                      "node directly reachable")
     if nat.get("punch_attempts", 0) and not nat.get("punch_successes", 0):
-        hints.append("hole punching has not succeeded: a NAT that changes ports (symmetric) or tracks TCP "
-                     "sequence numbers strictly blocks it; the relay keeps working")
+        hints.append("hole punching has not succeeded: a NAT that changes the port for each destination "
+                     "(symmetric), or a firewall that drops inbound SYNs even after ours went out, blocks it; the "
+                     "relay keeps working")
     if unconnected:
         hints.append(f"{len(unconnected)} member(s) not connected: they may be offline, or behind NATs with no "
                      "relay in common")
@@ -492,6 +498,7 @@ def diagnose(s: dict) -> dict:
         "relay_service": nat.get("relay_service", False),
         "punch": punch,
         "direct": len(direct),
+        "punched": len(punched),
         "relayed": len(relayed),
         "unconnected": len(unconnected),
         "peers": [{"peer_id": p["peer_id"], "path": p["path"], "relay": p["relay"], "since": p["path_since"]}

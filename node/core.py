@@ -116,7 +116,7 @@ class Node:
 
     def is_direct(self, peer_id: str) -> bool:
         conn = self.connected.get(peer_id)
-        return conn is not None and conn.path == PathType.DIRECT
+        return conn is not None and conn.path.direct
 
     def loop_names(self) -> list[str]:
         return sorted(self.loops)

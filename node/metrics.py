@@ -31,6 +31,7 @@ class NodeCollector:
         peers.add_metric(["connected"], len(node.connected))
         peers.add_metric(["member"], len(node.discovery.members))
         peers.add_metric(["relayed"], sum(1 for c in node.connected.values() if c.path.value == "relayed"))
+        peers.add_metric(["hole_punched"], sum(1 for c in node.connected.values() if c.path.value == "hole-punched"))
         peers.add_metric(["banned"], len(node.transport.penalties.banned()))
         yield peers
 
@@ -86,6 +87,11 @@ class NodeCollector:
         punch.add_metric(["attempt"], nat.counters["punch_attempts"])
         punch.add_metric(["success"], nat.counters["punch_successes"])
         yield punch
+        answered = CounterMetricFamily("swarmd_hole_punch_answered", "Hole punches peers started with us",
+                                       labels=["result"])
+        answered.add_metric(["attempt"], nat.counters["punch_served"])
+        answered.add_metric(["success"], nat.counters["punch_served_ok"])
+        yield answered
         autonat = CounterMetricFamily("swarmd_autonat_dialbacks", "AutoNAT dial-backs others made to us",
                                       labels=["result"])
         autonat.add_metric(["ok"], nat.counters["dialbacks_ok"])

@@ -20,10 +20,11 @@ import time
 import psutil
 
 from transport.base import PathType, Reachability
-from transport.errors import ProtocolViolation, TransportError
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.multiaddrs import split_peer_addr
-from transport.nat import (AUTONAT_SPEC, PUNCH_SPEC, REQUEST, AutoNATServer, ip_of, natted, open_nat, parse_addrs,
-                           parse_reply)
+from transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
+                           parse_addrs, parse_reply)
+from transport.punch import simultaneous_open
 
 logger = logging.getLogger(__name__)
 
@@ -51,9 +52,10 @@ def guess_private(listen: list[str], announce: list[str]) -> bool:
 
 class NatService:
     name = "nat"
-    PUNCH_AFTER = 3.0  # seconds a relayed connection runs before we try to upgrade it
+    PUNCH_AFTER = 1.0  # seconds a relayed connection runs before we try to upgrade it
     PUNCH_BACKOFF = 15.0  # after a failure, wait this long, doubling up to 10 minutes
-    PUNCH_DIAL_TIMEOUT = 2.0  # the relayed connection is down while the direct dial runs: keep it short
+    PUNCH_DIAL_TIMEOUT = 4.0  # covers the kernel's SYN retransmissions at 1 s and 3 s
+    MAX_RESPONDING = 4  # punches we answer at once
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0):
@@ -66,19 +68,23 @@ class NatService:
         self.observed: dict[str, float] = {}  # observed address -> when last reported
         self.probes: list[dict] = []  # latest first
         self.counters: dict[str, int] = {"probes": 0, "dialbacks_ok": 0, "dialbacks_failed": 0,
-                                         "punch_attempts": 0, "punch_successes": 0, "punch_served": 0}
+                                         "punch_attempts": 0, "punch_successes": 0, "punch_served": 0,
+                                         "punch_served_ok": 0}
         self.last_probe: float | None = None
         self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
         self.punches: list[dict] = []  # latest first
         self._punch_served_at: dict[str, float] = {}
         self._relayed_since: dict[str, float] = {}
+        self._responding: set[asyncio.Task] = set()
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
         await self.transport.serve(PUNCH_SPEC, self._serve_punch)
 
     async def close(self) -> None:
-        pass
+        for task in list(self._responding):
+            task.cancel()
+        await asyncio.gather(*self._responding, return_exceptions=True)
 
     async def run(self) -> None:
         await asyncio.gather(self._probe_loop(), self._punch_loop())
@@ -141,63 +147,102 @@ class NatService:
         return [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}" for ip in ips][:4]
 
     async def punch(self, conn) -> bool | None:
-        """DCUtR-style: exchange predicted addresses over the relayed connection; the responder opens its NAT
-        towards ours; we drop the relayed connection and dial it directly. On failure, back through the relay."""
+        """DCUtR-style, over the relayed connection: exchange predicted addresses (measuring the round trip), SYNC,
+        then both sides connect to each other at once (``transport.punch``) and hand the socket to their daemon,
+        this side as the dialer. The relayed connection stays up until the direct one exists."""
         peer = conn.peer_id
+        port = self._listen_port()
         started = time.monotonic()
         entry = {"peer": peer, "at": time.time()}
         try:
-            async with await self.transport.open_stream(peer, PUNCH_SPEC, timeout=5) as stream:
-                await stream.send(1, {"addrs": self._predicted()})
-                reply = await asyncio.wait_for(stream.read_required(), 10)
+            stream = await self.transport.open_stream(peer, PUNCH_SPEC, timeout=5)
+        except TransportError as e:
+            logger.debug("hole punch to %s: cannot open a stream over the relay: %s", peer, e)
+            return None
+        closing = None
+        try:
+            sent = time.monotonic()
+            await stream.send(CONNECT, {"addrs": self._predicted()})
+            reply = await asyncio.wait_for(stream.read_required(), 10)
+            rtt = time.monotonic() - sent
             theirs = parse_addrs(reply.body)
+            if reply.kind != CONNECT or not theirs:
+                return None  # the peer does not know its own address yet, or is busy: ask again soon
+            await stream.send(SYNC, {})
+            closing = asyncio.ensure_future(stream.close(linger=self.PUNCH_DIAL_TIMEOUT))  # the peer closes first
         except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
             logger.debug("hole punch to %s: no answer over the relay: %s", peer, e)
             return None
-        if not theirs:
-            return None
+        finally:
+            if closing is None:
+                await stream.close()
         self.counters["punch_attempts"] += 1
         try:
-            await self.transport.disconnect(peer)
-            await self.transport.connect_peer(peer, [f"/ip4/{ip}/tcp/{port}" for ip, port in theirs],
-                                              timeout=self.PUNCH_DIAL_TIMEOUT)
+            await asyncio.sleep(rtt / 2)
+            sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
+            await self.transport.adopt(peer, sock, dialer=True, timeout=10)
             now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
-            if now is None or now.path is not PathType.DIRECT:
-                raise TransportError("the new connection is not direct")
-        except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+            if now is None or now.path is not PathType.PUNCHED:
+                raise TransportError("the new connection is not the punched one")
+        except (TransportError, ProtocolViolation, OSError) as e:  # TimeoutError is an OSError
             self.punches = [{**entry, "ok": False, "error": str(e)[:160] or type(e).__name__}] + self.punches[:11]
             logger.info("hole punch to %s failed (%s); staying on the relay", peer, e)
-            try:
-                await self.transport.connect_peer(peer, list(conn.addrs), timeout=10)
-            except TransportError as e2:
-                logger.warning("could not reconnect to %s through the relay: %s", peer, e2)
+            await self._back_to_relay(peer, conn)
             return False
+        finally:
+            await closing
         self.counters["punch_successes"] += 1
         seconds = time.monotonic() - started
         self.punches = [{**entry, "ok": True, "seconds": round(seconds, 3)}] + self.punches[:11]
-        logger.info("hole punch to %s succeeded in %.2f s: direct connection", peer, seconds)
+        logger.info("hole punch to %s succeeded in %.2f s: direct connection %s", peer, seconds, now.addrs[0])
         return True
 
+    async def _back_to_relay(self, peer: str, conn) -> None:
+        """A failed hand-over may have closed the relayed connection (the dialer's daemon drops it first)."""
+        try:
+            if any(p.peer_id == peer for p in await self.transport.peers()):
+                return
+            await self.transport.connect_peer(peer, list(conn.addrs), timeout=10)
+        except TransportError as e:
+            logger.warning("could not reconnect to %s through the relay: %s", peer, e)
+
     async def _serve_punch(self, stream) -> None:
-        """The responder's side. A peer can make us send at most 4 low-TTL SYNs per 5 s this way."""
+        """The responder's side: answer with our predicted addresses, wait for SYNC, then connect (in a task of its
+        own: the relayed connection carrying this stream may close when the direct one takes over). At most one
+        attempt per peer per 5 s and ``MAX_RESPONDING`` at once, so a peer cannot make us send many SYNs."""
         request = await asyncio.wait_for(stream.read_required(), 10)
+        if request.kind != CONNECT:
+            raise MalformedMessage("punch: expected CONNECT")
         theirs = parse_addrs(request.body)
         now = time.monotonic()
-        if now - self._punch_served_at.get(stream.peer_id, -1e9) < 5.0:
-            await stream.send(2, {"addrs": []})
+        port = self._listen_port()
+        busy = (now - self._punch_served_at.get(stream.peer_id, -1e9) < 5.0
+                or len(self._responding) >= self.MAX_RESPONDING)
+        if busy or port is None or not self.relay_client or not theirs or not self._predicted():
+            await stream.send(CONNECT, {"addrs": []})
+            await stream.close(linger=2.0)
             return
         self._punch_served_at[stream.peer_id] = now
         if len(self._punch_served_at) > 1024:
             self._punch_served_at = {p: t for p, t in self._punch_served_at.items() if now - t < 5.0}
-        port = self._listen_port()
-        if port is not None and self.relay_client:
-            for remote in theirs[:4]:
-                try:
-                    open_nat(port, remote)
-                except OSError as e:
-                    logger.info("could not open our NAT towards %s:%d: %s", remote[0], remote[1], e)
+        await stream.send(CONNECT, {"addrs": self._predicted()})
+        sync = await asyncio.wait_for(stream.read_required(), 10)
+        if sync.kind != SYNC:
+            raise MalformedMessage("punch: expected SYNC")
         self.counters["punch_served"] += 1
-        await stream.send(2, {"addrs": self._predicted()})
+        task = asyncio.ensure_future(self._respond(stream.peer_id, port, theirs[:4]))
+        self._responding.add(task)
+        task.add_done_callback(self._responding.discard)
+
+    async def _respond(self, peer: str, port: int, theirs: list[tuple[str, int]]) -> None:
+        try:
+            sock = await simultaneous_open(port, theirs, self.PUNCH_DIAL_TIMEOUT)
+            await self.transport.adopt(peer, sock, dialer=False, timeout=10)
+        except (TransportError, OSError) as e:
+            logger.info("hole punch from %s: no direct connection (%s)", peer, e)
+            return
+        self.counters["punch_served_ok"] += 1
+        logger.info("hole punch from %s: connected directly, handed to the p2p daemon", peer)
 
     def _ports(self, addrs: list[str]) -> list[int]:
         ports = []

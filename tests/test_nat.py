@@ -75,17 +75,31 @@ def run_lab(tmp_path, mode: str) -> dict:
             assert pub.status()["services"]["nat"]["relay_service"]
             # b's record, as a sees it, carries b's relayed address
             assert any("/p2p-circuit" in addr for addr in peer(a, b.peer_id)["addrs"])
-            # the peer with the smaller id tries to upgrade the relayed connection by hole punching; whatever the
-            # outcome, the two stay connected (direct, or back on the relay)
+            # the peer with the smaller id upgrades the relayed connection by hole punching: through
+            # endpoint-independent NATs (strict conntrack) the pair ends up on a direct, hole-punched connection;
+            # through symmetric NATs the attempt fails and the pair stays on the relay
             first, second = sorted((a, b), key=lambda n: n.peer_id)
-            wait_for(lambda: first.status()["services"]["nat"]["punch_attempts"] >= 1, 20, "a hole punch attempt")
-            wait_for(lambda: (p := peer(first, second.peer_id)) and p["connected"] and p["latency_ms"] is not None,
-                     20, "the pair to stay connected after the punch attempt")
+            wait_for(lambda: first.status()["services"]["nat"]["punches"], 20, "a hole punch attempt")
+            if mode == "eim":
+                wait_for(lambda: all((p := peer(x, y.peer_id)) and p["path"] == "hole-punched"
+                                     for x, y in ((a, b), (b, a))), 20, "a hole-punched connection on both sides")
+                conn = peer(first, second.peer_id)
+                assert conn["relay"] is None and conn["conn_addrs"] == [f"/ip4/{lab.wan[n]}/tcp/4001" for n in "ab"
+                                                                      if n != ("a" if first is a else "b")]
+                pinged = conn["last_seen"]
+                wait_for(lambda: peer(first, second.peer_id)["last_seen"] > pinged, 10, "a call over the punched path")
+                assert second.status()["services"]["nat"]["punch_served_ok"] >= 1
+                assert 'swarmd_hole_punch_total{result="success"} 1.0' in first.get("/metrics")
+            else:
+                wait_for(lambda: first.status()["services"]["nat"]["punch_attempts"] >= 1, 10, "an attempt")
+                assert first.status()["services"]["nat"]["punches"][0]["ok"] is False
+                wait_for(lambda: relayed_call_works(first, second, pub.peer_id), 20, "the pair still on the relay")
             doctor = subprocess.run(lab.cmd("a") + [sys.executable, "-m", "node", "doctor", "--data-dir",
                                                     str(a.data_dir)], capture_output=True, text=True, timeout=30)
             assert doctor.returncode == 0, doctor.stderr
             assert "reachability  private  (AutoNAT)" in doctor.stdout and lab.wan["a"] in doctor.stdout
-            assert "the listen port is kept" in doctor.stdout if mode == "eim" else True
+            if mode == "eim":
+                assert "the listen port is kept" in doctor.stdout and "hole-punched" in doctor.stdout
             return {"first_call_s": first_call, "a": a, "b": b, "pub": pub}
         finally:
             swarm.close()

@@ -24,8 +24,13 @@ logger = logging.getLogger(__name__)
 
 class PathType(str, enum.Enum):
     DIRECT = "direct"
+    PUNCHED = "hole-punched"  # direct, through NATs, on a connection opened by hole punching
     RELAYED = "relayed"
     NONE = "none"
+
+    @property
+    def direct(self) -> bool:
+        return self in (PathType.DIRECT, PathType.PUNCHED)
 
 
 class Reachability(str, enum.Enum):

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import ipaddress
 import logging
-import socket
 import time
 
 from transport.base import Stream
@@ -115,24 +114,11 @@ def parse_reply(body: object) -> tuple[str, list[int]] | str:
 
 
 # ---------------------------------------------------------------------- hole punching (DCUtR-style, over a relay)
-PUNCH_SPEC = ProtocolSpec("punch", "1.0.0", max_frame=2048, kinds=frozenset({1, 2}))
-OPEN_TTL = 4  # the NAT-opening SYN only has to leave our own NAT; a small TTL keeps it from reaching far
-
-
-def open_nat(local_port: int, remote: tuple[str, int], ttl: int = OPEN_TTL) -> None:
-    """Send one TCP SYN from our listen port to ``remote`` (an address the peer will dial us *from*), then forget
-    the socket: our NAT now holds a mapping for listen port <-> remote, and lets the peer's SYN in, which our p2p
-    daemon's listener (same port, SO_REUSEPORT) accepts as an ordinary inbound connection."""
-    s = socket.socket(socket.AF_INET6 if ":" in remote[0] else socket.AF_INET, socket.SOCK_STREAM)
-    try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-        s.setsockopt(socket.IPPROTO_IP, socket.IP_TTL, ttl)
-        s.setblocking(False)
-        s.bind(("::" if ":" in remote[0] else "0.0.0.0", local_port))
-        s.connect_ex(remote)
-    finally:
-        s.close()  # a socket closed in SYN_SENT sends nothing more; the NAT's state stays
+# initiator -> responder CONNECT {"addrs": [its predicted addresses]}; responder -> initiator CONNECT {"addrs": [...]}
+# (empty: not now); initiator -> responder SYNC {}. The responder dials when SYNC arrives, the initiator half a round
+# trip after sending it, so the two SYNs cross (transport.punch); then both hand the socket to their daemon.
+PUNCH_SPEC = ProtocolSpec("punch", "2.0.0", max_frame=2048, kinds=frozenset({1, 2}))
+CONNECT, SYNC = 1, 2
 
 
 def parse_addrs(body: object, key: str = "addrs") -> list[tuple[str, int]]:

@@ -33,6 +33,7 @@ from transport.framing import ProtocolSpec
 from transport.identity import Identity
 from transport.multiaddrs import parse_listen_addr, split_peer_addr
 from transport.penalties import PeerPenalties
+from transport.punch import Splice
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ class P2PDaemonTransport:
         self._handler_tasks: set[asyncio.Task] = set()
         self._specs: dict[str, ProtocolSpec] = {}
         self.detected_reachability = Reachability.UNKNOWN  # set by the AutoNAT client (transport.nat)
+        # hole-punched connections spliced into the daemon: the loopback address the daemon sees -> the real one
+        self._adopted: dict[str, str] = {}
+        self._splices: dict[str, Splice] = {}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -173,6 +177,8 @@ class P2PDaemonTransport:
         return flags
 
     async def close(self) -> None:
+        for splice in list(self._splices.values()):
+            splice.close()
         for task in list(self._handler_tasks):
             task.cancel()
         if self._handler_tasks:
@@ -248,9 +254,91 @@ class P2PDaemonTransport:
         result = []
         for info in infos:
             addrs = tuple(str(a) for a in info.addrs)
+            punched = tuple(self._adopted[a] for a in addrs if a in self._adopted)
+            if punched:
+                result.append(ConnectedPeer(info.peer_id.to_base58(), punched, PathType.PUNCHED))
+                continue
             path, relay = path_of(addrs)
             result.append(ConnectedPeer(info.peer_id.to_base58(), addrs, path, relay))
         return result
+
+    # ---------------------------------------------------------------- hole-punched connections
+    MAX_ADOPTED = 64  # each one's bytes pass through this process
+
+    async def adopt(self, peer_id: str, sock: socket.socket, *, dialer: bool, timeout: float = 10.0) -> None:
+        """Make ``sock`` (a TCP connection to the peer's machine, e.g. hole-punched by ``transport.punch``) the
+        daemon's connection to ``peer_id``. The dialer's daemon drops its other connections to the peer (p2pd
+        will not dial a connected peer) and dials a one-shot loopback port spliced to the socket; the other side
+        splices the socket to its daemon's listener. The daemons' handshake runs end to end through the splice,
+        so the dialer's daemon checks the peer id as on any dial. Both sides must call this, one as dialer."""
+        loop = asyncio.get_running_loop()
+        ip, port = sock.getpeername()[:2]
+        real = f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}"
+        if len(self._splices) >= self.MAX_ADOPTED:
+            sock.close()
+            raise TransportError(f"already {len(self._splices)} hole-punched connections")
+        local = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        local.setblocking(False)
+        key = None
+        try:
+            if dialer:
+                local.bind(("127.0.0.1", 0))
+                local.listen(1)
+                key = f"/ip4/127.0.0.1/tcp/{local.getsockname()[1]}"
+                self._adopted[key] = real
+
+                async def accept_and_splice() -> Splice:
+                    conn, _ = await loop.sock_accept(local)
+                    return await Splice.start(conn, sock)
+
+                spliced = asyncio.ensure_future(accept_and_splice())
+                try:
+                    await self.disconnect(peer_id)
+                    await self.connect_peer(peer_id, [key], timeout=timeout)
+                    if not spliced.done():
+                        raise TransportError("the daemon connected to the peer another way")
+                    splice = spliced.result()
+                except BaseException:
+                    spliced.cancel()
+                    if spliced.done() and not spliced.cancelled() and spliced.exception() is None:
+                        spliced.result().close()
+                    raise
+            else:
+                host, listen_port = self._listen_tcp()
+                local.bind((host, 0))
+                key = f"/ip4/{host}/tcp/{local.getsockname()[1]}"
+                self._adopted[key] = real
+                await asyncio.wait_for(loop.sock_connect(local, (host, listen_port)), timeout)
+                splice = await Splice.start(local, sock)
+        except BaseException:
+            self._adopted.pop(key, None)
+            local.close()
+            sock.close()
+            raise
+        if dialer:
+            local.close()  # the listening socket: one connection only
+        self._splices[key] = splice
+        task = asyncio.ensure_future(self._forget_when_closed(key, splice, peer_id))
+        self._handler_tasks.add(task)
+        task.add_done_callback(self._handler_tasks.discard)
+
+    async def _forget_when_closed(self, key: str, splice: Splice, peer_id: str) -> None:
+        try:
+            await splice.closed.wait()
+        finally:
+            splice.close()
+            self._splices.pop(key, None)
+            self._adopted.pop(key, None)
+            logger.info("hole-punched connection to %s closed (%d bytes in, %d out)", peer_id, splice.bytes["b"],
+                        splice.bytes["a"])
+
+    def _listen_tcp(self) -> tuple[str, int]:
+        """Where our daemon accepts TCP on this machine (loopback for a wildcard listen address)."""
+        for addr in self.config.listen:
+            family, host, proto, port = parse_listen_addr(addr)
+            if proto == "tcp" and port and family == socket.AF_INET:
+                return ("127.0.0.1" if host == "0.0.0.0" else host), port
+        raise TransportError("no fixed IPv4 TCP listen port to hand a hole-punched connection to")
 
     async def addresses(self, *, refresh: bool = True) -> list[str]:
         """Our addresses with /p2p/<us>; a node with relays also lists, for each relay it is connected to, the
@@ -258,7 +346,7 @@ class P2PDaemonTransport:
         non-public, so we build them ourselves)."""
         addrs = [str(a) for a in await self.hivemind_p2p.get_visible_maddrs(latest=refresh)]
         if self.config.static_relays:
-            connected = {p.peer_id for p in await self.peers() if p.path is PathType.DIRECT}
+            connected = {p.peer_id for p in await self.peers() if p.path.direct}
             for relay in self.config.static_relays:
                 if split_peer_addr(relay)[0] in connected:
                     addrs.append(f"{relay}/p2p-circuit/p2p/{self.peer_id}")
@@ -288,7 +376,9 @@ class P2PDaemonTransport:
         self._specs[spec.id] = spec
 
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats, remote_addr=str(info.addr))
+            addr = str(info.addr)
+            stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats,
+                            remote_addr=self._adopted.get(addr, addr))
             task = asyncio.current_task()
             if task is not None:
                 self._handler_tasks.add(task)
