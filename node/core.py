@@ -118,6 +118,10 @@ class Node:
         conn = self.connected.get(peer_id)
         return conn is not None and conn.path.direct
 
+    def is_punched(self, peer_id: str) -> bool:
+        conn = self.connected.get(peer_id)
+        return conn is not None and conn.path is PathType.PUNCHED
+
     def loop_names(self) -> list[str]:
         return sorted(self.loops)
 
@@ -137,6 +141,7 @@ class Node:
                     members=self._replication_peers,
                     replicator=self.replicator,
                     direct=self.is_direct,
+                    punched=self.is_punched,
                 )
                 for svc in self.services:
                     await svc.start(ctx)

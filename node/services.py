@@ -23,6 +23,7 @@ class NodeContext:
     members: Callable[[], list[str]]  # connected peers that are swarm members
     replicator: Any  # node.replication.Replicator: write_many(), store (read the merged state)
     direct: Callable[[str], bool]  # True if our connection to the peer is direct (not through a relay)
+    punched: Callable[[str], bool] = lambda peer: False  # True if that direct connection was hole-punched
 
 
 class Service(Protocol):

@@ -15,6 +15,12 @@ encryption (the same bytes are announced to the whole swarm).
 
 Wire (TCP): request ``u32 length | msgpack {"hash", "peer", "ts", "sig"}``; reply ``u8 status | u64 size | bytes``
 (status 0 ok, 1 unknown hash, 2 refused).
+
+Behind NATs a holder's TCP port is not reachable, but a hole-punched libp2p connection is (``node.nat``). So the
+same request also works as a stream, ``/swarmd/bulk/1.0.0``: REQUEST {hash, peer, ts, sig} (peer must be the
+stream's authenticated peer), HEAD {status, size}, then DATA frames of at most 1 MiB. A holder refuses it on a
+relayed connection (relays carry control traffic only). A receiver uses it for sources it reaches on a
+hole-punched connection, and for directly connected sources whose TCP address did not answer.
 """
 
 from __future__ import annotations
@@ -33,6 +39,8 @@ from aiohttp import web
 
 from node.services import NodeContext
 from protocols.gossip import Gossip, Message, Verdict
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from transport.framing import ProtocolSpec
 from transport.identity import verify
 
 logger = logging.getLogger(__name__)
@@ -43,6 +51,9 @@ HEADER = struct.Struct(">BQ")
 MAX_REQUEST = 4096
 MAX_BLOB = 4 << 30
 OK, UNKNOWN, REFUSED = 0, 1, 2
+CHUNK = 1 << 20
+STREAM_SPEC = ProtocolSpec("bulk", "1.0.0", max_frame=CHUNK + 64, kinds=frozenset({1, 2, 3}))
+REQUEST, HEAD, DATA = 1, 2, 3
 
 
 class BulkError(Exception):
@@ -168,6 +179,35 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
     return body
 
 
+async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, request: dict, *,
+                       timeout: float = 120.0) -> bytearray:
+    """Pull one blob from ``peer`` over a ``/swarmd/bulk`` stream and verify it. Raises BulkError / BadData /
+    TransportError / ProtocolViolation."""
+    async with asyncio.timeout(timeout):
+        async with await transport.open_stream(peer, STREAM_SPEC, timeout=10) as stream:
+            await stream.send(REQUEST, request)
+            head = await stream.read_required()
+            if head.kind != HEAD or not isinstance(head.body, dict) or set(head.body) != {"status", "size"}:
+                raise MalformedMessage("bulk: expected HEAD {status, size}")
+            if head.body["status"] != OK:
+                raise BulkError(f"source answered status {head.body['status']}")
+            if head.body["size"] != size:
+                raise BadData(f"source offers {head.body['size']} B, announced {size} B")
+            body = bytearray(size)
+            got = 0
+            while got < size:
+                chunk = await stream.read_required()
+                if chunk.kind != DATA or not isinstance(chunk.body, bytes) or not chunk.body \
+                        or len(chunk.body) > size - got:
+                    raise BadData(f"bulk: bad DATA frame after {got} B")
+                body[got:got + len(chunk.body)] = chunk.body
+                got += len(chunk.body)
+    digest = await asyncio.to_thread(content_hash, body)
+    if digest != blob_hash:
+        raise BadData("served bytes whose hash does not match the announcement")
+    return body
+
+
 class BulkService:
     """Holds blobs, serves them over TCP, announces them, pulls and verifies others'."""
 
@@ -197,6 +237,7 @@ class BulkService:
             hosts = sorted({a.split("/")[2] for a in await ctx.transport.addresses() if a.startswith("/ip4/")})
         self._addrs = [f"{h}:{self.port}" for h in hosts][:8]
         self.gossip.subscribe(TOPIC, max_size=2048, validator=self._validate, queue_size=0)
+        await ctx.transport.serve(STREAM_SPEC, self._serve_stream)
 
     async def run(self) -> None:
         await asyncio.Event().wait()
@@ -253,27 +294,42 @@ class BulkService:
         # bulk bytes never cross a relay: sources we reach directly first; one we only reach through a relay is
         # tried last (its TCP address may still answer) and said so, while holders with a direct path serve it
         sources = sorted(self.sources[blob_hash], key=lambda s: not ctx.direct(s[0]))
+        tried_streams = set()
         for peer, addr in sources:
             if ctx.transport.penalties.is_banned(peer):
                 continue
-            if not ctx.direct(peer):
+            # a hole-punched peer's TCP address is behind its NAT: ask over the punched connection instead
+            ways = [] if ctx.punched(peer) else [addr]
+            if ctx.direct(peer) and peer not in tried_streams:
+                ways.append("stream")
+                tried_streams.add(peer)
+            elif not ctx.direct(peer):
                 self.counters["relayed_sources"] += 1
                 logger.info("bulk %s: no direct path to %s (relayed or not connected); bulk transfers never go "
                             "through a relay, so trying its TCP address %s last", blob_hash.hex()[:16], peer, addr)
-            ts = int(time.time() * 1000)
-            request = msgpack.packb({"hash": blob_hash, "peer": ctx.identity.peer_id, "ts": ts,
-                                     "sig": ctx.identity.sign(REQUEST_DOMAIN + blob_hash + str(ts).encode())},
-                                    use_bin_type=True)
-            try:
-                body = await fetch(addr, blob_hash, a.size, request, timeout=timeout)
-            except BadData as e:
-                ctx.transport.penalties.penalize(peer, "bad_data", str(e))
-                self.counters["bad_data"] += 1
-                errors.append(f"{peer[-8:]}@{addr}: {e}")
-                continue
-            except (BulkError, OSError, asyncio.TimeoutError) as e:
-                self.counters["source_failed"] += 1
-                errors.append(f"{peer[-8:]}@{addr}: {e}")
+            body = None
+            for way in ways:
+                ts = int(time.time() * 1000)
+                request = {"hash": blob_hash, "peer": ctx.identity.peer_id, "ts": ts,
+                           "sig": ctx.identity.sign(REQUEST_DOMAIN + blob_hash + str(ts).encode())}
+                where = f"{peer[-8:]}@{'stream' if way == 'stream' else way}"
+                try:
+                    if way == "stream":
+                        body = await fetch_stream(ctx.transport, peer, blob_hash, a.size, request, timeout=timeout)
+                        self.counters["pulled_over_stream"] += 1
+                    else:
+                        body = await fetch(way, blob_hash, a.size, msgpack.packb(request, use_bin_type=True),
+                                           timeout=timeout)
+                    break
+                except (BadData, ProtocolViolation) as e:
+                    ctx.transport.penalties.penalize(peer, "bad_data", str(e))
+                    self.counters["bad_data"] += 1
+                    errors.append(f"{where}: {e}")
+                    break
+                except (BulkError, TransportError, OSError, asyncio.TimeoutError) as e:
+                    self.counters["source_failed"] += 1
+                    errors.append(f"{where}: {e}")
+            if body is None:
                 continue
             self._keep(blob_hash, body)
             self.counters["pulled"] += 1
@@ -307,6 +363,31 @@ class BulkService:
             logger.debug("bulk request refused: %s", e)
         finally:
             writer.close()
+
+    async def _serve_stream(self, stream) -> None:
+        """The stream flavour of ``_serve``, for peers that reach us on a direct or hole-punched connection."""
+        request = await asyncio.wait_for(stream.read_required(), 10)
+        if request.kind != REQUEST:
+            raise MalformedMessage("bulk: expected REQUEST")
+        if "/p2p-circuit" in (stream.remote_addr or ""):
+            self.counters["refused_relayed"] += 1
+            status, blob = REFUSED, None
+        else:
+            try:
+                status, blob = self._check(request.body)
+            except BulkError as e:
+                raise MalformedMessage(f"bulk: {e}") from None
+            if request.body["peer"] != stream.peer_id:
+                status, blob = REFUSED, None  # a request signed by someone else: replayed or relayed on
+        await stream.send(HEAD, {"status": status, "size": len(blob) if blob is not None else 0})
+        if blob is not None:
+            view = memoryview(blob)
+            for offset in range(0, len(blob), CHUNK):
+                await stream.send(DATA, view[offset:offset + CHUNK])
+            self.counters["served"] += 1
+            self.counters["served_over_stream"] += 1
+            self.counters["bytes_served"] += len(blob)
+        await stream.close(linger=10.0)
 
     def _check(self, request: Any) -> tuple[int, bytearray | None]:
         if not isinstance(request, dict) or set(request) != {"hash", "peer", "ts", "sig"}:
