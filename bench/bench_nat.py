@@ -5,7 +5,10 @@ Each run builds a fresh lab (one public bootstrap/relay node, two nodes behind t
 swarmd processes, and measures from the moment the second NATed node is ready:
 - first relayed call: until each NATed node has pinged the other through the relay (a request/response stream);
 - direct: until both show their connection as hole-punched in /status (what a user sees; /status is refreshed
-  every 2 s), at most --punch-wait seconds.
+  every 2 s), at most --punch-wait seconds;
+- bulk: b pulls a --blob-mb blob from the public node over plain TCP (through b's NAT: the baseline) and one from a
+  over the hole-punched connection (a ``/swarmd/bulk`` stream through both nodes' splices and p2p daemons); the
+  ratio is punched / TCP throughput within the run.
 Modes: eim (endpoint-independent mapping, strict Linux conntrack), eim-liberal (the same, with routers that do not
 track TCP sequence numbers), sym (a new random port per destination).
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import signal
 import statistics
 import sys
@@ -28,11 +32,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from natlab import NatLab, unavailable  # noqa: E402
-from swarmproc import Swarm, wait_for  # noqa: E402
+from swarmproc import Swarm, http_post, wait_for  # noqa: E402
 from test_nat import LAB_NODE, peer, relayed_call_works  # noqa: E402
 
 
-def one_run(root: Path, mode: str, punch_wait: float) -> dict:
+def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
     config = root / "lab.toml"
     config.write_text(LAB_NODE)
     nat = "sym" if mode == "sym" else "eim"
@@ -54,14 +58,27 @@ def one_run(root: Path, mode: str, punch_wait: float) -> dict:
                          30, "relayed calls", interval=0.1)
                 relayed = time.monotonic() - t0
             except AssertionError:
-                return {"relayed": None, "direct": None}
+                return {"relayed": None, "direct": None, "tcp": None, "punched": None}
             try:
                 wait_for(lambda: all((p := peer(x, y.peer_id)) and p["path"] == "hole-punched"
                                      for x, y in ((a, b), (b, a))), punch_wait, "direct", interval=0.1)
                 direct = time.monotonic() - t0
             except AssertionError:
                 direct = None
-            return {"relayed": relayed, "direct": direct}
+            blobs = 0
+
+            def rate(puller, holder):
+                nonlocal blobs
+                blobs += 1
+                put = holder.via(http_post, holder.url + "/bulk?codec=raw", os.urandom(blob_mb << 20), timeout=60)
+                wait_for(lambda: puller.status()["services"]["bulk"]["announcements"] >= blobs, 10, "announcement")
+                pulled = puller.via(http_post, f"{puller.url}/bulk/{put['hash']}/pull", timeout=120)
+                assert pulled["source"] == holder.peer_id, pulled
+                return blob_mb * 1.048576 / pulled["seconds"]
+
+            tcp = rate(b, pub)
+            punched = rate(b, a) if direct is not None else None
+            return {"relayed": relayed, "direct": direct, "tcp": tcp, "punched": punched}
         finally:
             swarm.close()
 
@@ -71,6 +88,7 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--modes", nargs="+", default=["eim", "eim-liberal", "sym"])
     parser.add_argument("--punch-wait", type=float, default=15.0)
+    parser.add_argument("--blob-mb", type=int, default=32)
     args = parser.parse_args()
     reason = unavailable()
     if reason:
@@ -81,21 +99,28 @@ def main() -> None:
         results[mode] = []
         for i in range(args.runs):
             with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
-                results[mode].append(one_run(Path(tmp), mode, args.punch_wait))
+                results[mode].append(one_run(Path(tmp), mode, args.punch_wait, args.blob_mb))
             print(f"{mode} run {i + 1}: {results[mode][-1]}", file=sys.stderr, flush=True)
     print(f"NAT lab, {args.runs} runs per mode: 1 public bootstrap/relay, 2 nodes behind their own NAT (swarmd "
           f"processes in network namespaces)")
     print(f"{'mode':<12} | {'relayed ok':>10} | {'first relayed call p50 / max':>28} | {'direct':>8} | "
-          f"{'time to direct p50 / max':>24}")
-    print("-" * 96)
+          f"{'time to direct p50 / max':>24} | {'bulk TCP MB/s':>13} | {'punched MB/s':>12} | {'ratio':>5}")
+    print("-" * 140)
     for mode, runs in results.items():
         relayed = [r["relayed"] for r in runs if r["relayed"] is not None]
         direct = [r["direct"] for r in runs if r["direct"] is not None]
         rel = f"{statistics.median(relayed):.2f} / {max(relayed):.2f} s" if relayed else "-"
         dire = f"{statistics.median(direct):.2f} / {max(direct):.2f} s" if direct else "-"
+        tcp = [r["tcp"] for r in runs if r["tcp"] is not None]
+        punched = [r["punched"] for r in runs if r["punched"] is not None]
+        tcp_p50 = statistics.median(tcp) if tcp else None
+        punched_p50 = statistics.median(punched) if punched else None
+        ratio = f"{punched_p50 / tcp_p50:.2f}" if tcp_p50 and punched_p50 else "-"
         print(f"{mode:<12} | {len(relayed):>5} / {len(runs):<2} | {rel:>28} | {len(direct) / len(runs):>7.0%} | "
-              f"{dire:>24}")
+              f"{dire:>24} | {tcp_p50 or 0:>13.0f} | {punched_p50 or 0:>12.0f} | {ratio:>5}")
     print("goal: >= 90% direct with endpoint-independent NATs (libp2p production: ~70%); the relay works always")
+    print(f"bulk: p50 of one {args.blob_mb} MiB pull per run; TCP = from the public node's bulk port, punched = from "
+          "the other NATed node over the hole-punched connection; ratio = punched / TCP")
 
 
 if __name__ == "__main__":
