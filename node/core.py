@@ -52,7 +52,10 @@ class Node:
         net = config.network
         behind_nat = net.reachability == "private" or (
             net.reachability == "auto" and guess_private(list(net.listen), list(net.announce)))
-        relays = list(net.relays or net.bootstrap) if behind_nat else []
+        relays = []
+        if behind_nat:  # ours first, then up to 4 found through the DHT by an earlier run (node.nat)
+            relays = list(net.relays or net.bootstrap)
+            relays += [r for r in datadir.read_relays(data_dir) if r not in relays][:4]
         relay_service = net.relay_service == "on" or (net.relay_service == "auto" and not behind_nat)
         limits = net.relay_limits
         self.transport = P2PDaemonTransport(
@@ -72,7 +75,8 @@ class Node:
             ),
         )
         self.nat = NatService(self.transport, relays=relays, relay_client=behind_nat, relay_service=relay_service,
-                              probe_interval=net.probe_interval)
+                              probe_interval=net.probe_interval, data_dir=data_dir,
+                              member_addrs=lambda: [a for m in self.discovery.members.values() for a in m.record.addrs])
         self.services.insert(0, self.nat)
         d = config.discovery
         self.discovery = Discovery(

@@ -16,9 +16,13 @@ from pathlib import Path
 
 import platformdirs
 
+from transport.multiaddrs import validate_peer_addr
+
 IDENTITY_FILE = "identity.key"
 LOCK_FILE = "swarmd.lock"
 RUNTIME_FILE = "node.json"
+RELAYS_FILE = "relays.json"  # relays found through the DHT, reserved on at the next start
+MAX_RELAYS = 8
 
 
 class DataDirError(Exception):
@@ -77,13 +81,37 @@ class DataDirLock:
                 self._fd = None
 
 
-def write_runtime(path: Path, info: dict) -> None:
-    tmp = path / (RUNTIME_FILE + ".tmp")
+def _write_json(path: Path, name: str, obj) -> None:
+    tmp = path / (name + ".tmp")
     with open(tmp, "w") as f:
-        json.dump(info, f, indent=2)
+        json.dump(obj, f, indent=2)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path / RUNTIME_FILE)
+    os.replace(tmp, path / name)
+
+
+def write_runtime(path: Path, info: dict) -> None:
+    _write_json(path, RUNTIME_FILE, info)
+
+
+def write_relays(path: Path, relays: list[str]) -> None:
+    _write_json(path, RELAYS_FILE, relays[:MAX_RELAYS])
+
+
+def read_relays(path: Path) -> list[str]:
+    """Remembered relays (full multiaddrs with /p2p/); a missing or damaged file is no relays."""
+    try:
+        with open(path / RELAYS_FILE) as f:
+            relays = json.load(f)
+    except (FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError):
+        return []
+    out = []
+    for r in relays if isinstance(relays, list) else []:
+        try:
+            out.append(validate_peer_addr(r))
+        except (ValueError, TypeError):
+            continue
+    return out[:MAX_RELAYS]
 
 
 def read_runtime(path: Path) -> dict | None:

@@ -55,7 +55,9 @@ class StatusServer:
     async def start(self) -> None:
         self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=False)
+        # SO_REUSEADDR: on Linux it only lets us bind over connections in TIME_WAIT (a quick restart after serving
+        # requests), a port another process listens on is still an error
+        site = web.TCPSite(self._runner, self.host, self.port, reuse_address=True)
         try:
             await site.start()
         except OSError as e:

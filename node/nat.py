@@ -19,14 +19,36 @@ import time
 
 import psutil
 
+from node import datadir
 from transport.base import PathType, Reachability
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.multiaddrs import split_peer_addr
+from transport.multiaddrs import split_peer_addr, validate_peer_addr
 from transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply)
 from transport.punch import simultaneous_open
 
 logger = logging.getLogger(__name__)
+
+
+def relays_in(addrs, ours: str) -> list[str]:
+    """Relays other members use, from the relayed addresses in their DHT records (``<relay addr>/p2p/<relay>/
+    p2p-circuit/...``): each relay's direct address where it is public, with /p2p/<relay>; not ourselves."""
+    found = []
+    for addr in addrs:
+        if "/p2p-circuit" not in addr:
+            continue
+        head = addr.split("/p2p-circuit")[0]
+        if "/p2p/" not in head:
+            continue
+        transport_addr, relay = head.rsplit("/p2p/", 1)
+        where = ip_of(transport_addr)
+        if where is None or relay == ours or natted(where[0]) or where[0].startswith("127.") or where[0] == "::1":
+            continue
+        try:
+            found.append(validate_peer_addr(head))
+        except ValueError:
+            continue
+    return list(dict.fromkeys(found))
 
 
 def guess_private(listen: list[str], announce: list[str]) -> bool:
@@ -58,9 +80,12 @@ class NatService:
     MAX_RESPONDING = 4  # punches we answer at once
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
-                 probe_interval: float = 300.0):
+                 probe_interval: float = 300.0, member_addrs=None, data_dir=None):
         self.transport = transport
         self.relays = list(relays)
+        self.member_addrs = member_addrs  # () -> addresses in the members' DHT records
+        self.data_dir = data_dir
+        self.relays_found: list[str] = datadir.read_relays(data_dir) if data_dir is not None else []
         self.relay_client = relay_client
         self.relay_service = relay_service
         self.probe_interval = probe_interval
@@ -87,7 +112,25 @@ class NatService:
         await asyncio.gather(*self._responding, return_exceptions=True)
 
     async def run(self) -> None:
-        await asyncio.gather(self._probe_loop(), self._punch_loop())
+        await asyncio.gather(self._probe_loop(), self._punch_loop(), self._relay_finder())
+
+    async def _relay_finder(self, interval: float = 10.0) -> None:
+        """Remember the relays other members use (from their DHT records) in the data dir: the p2p daemon takes
+        its relay list when it starts, so a relay found here is reserved on at the next start (with the
+        configured or bootstrap relays), which keeps a NATed node reachable when its bootstrap is gone."""
+        while self.member_addrs is not None and self.data_dir is not None:
+            found = relays_in(self.member_addrs(), self.transport.peer_id)
+            merged = list(dict.fromkeys(found + self.relays_found))[:datadir.MAX_RELAYS]
+            if merged != self.relays_found:
+                new = [r for r in merged if r not in self.relays_found]
+                self.relays_found = merged
+                try:
+                    datadir.write_relays(self.data_dir, merged)
+                except OSError as e:
+                    logger.warning("cannot remember relays in %s: %s", self.data_dir, e)
+                if new:
+                    logger.info("relays found through the DHT (reserved on at the next start): %s", ", ".join(new))
+            await asyncio.sleep(interval)
 
     async def _probe_loop(self) -> None:
         while True:
@@ -303,6 +346,7 @@ class NatService:
             "relay_client": self.relay_client,
             "relay_service": self.relay_service,
             "relays": self.relays,
+            "relays_found": self.relays_found,
             "last_probe": self.last_probe,
             "probes": self.probes[:6],
             "punches": self.punches[:6],

@@ -121,3 +121,31 @@ def test_two_nodes_behind_nats_reach_each_other_through_the_public_relay(tmp_pat
 @pytest.mark.timeout(120)
 def test_symmetric_nats_keep_the_swarm_working_over_the_relay(tmp_path):
     run_lab(tmp_path, "sym")
+
+
+@pytest.mark.timeout(150)
+def test_a_relay_found_through_the_dht_is_reserved_on_after_a_restart(tmp_path):
+    """a bootstraps (and relays) through pub; b through a second public node, pub2. a learns pub2 is a relay from
+    b's DHT record, remembers it, and after a restart also holds a slot there (reachable if pub goes away)."""
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE)
+    with NatLab(mode_a="eim", mode_b="eim") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            relay1 = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
+                               bootstrap=[relay1], prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+            relay2 = f"/ip4/{lab.pub_ip}/tcp/4002/p2p/{pub2.peer_id}"
+            start_in(lab, swarm, "b", [relay2])  # its relay is pub2: its record says so
+            a = start_in(lab, swarm, "a", [relay1])
+            wait_for(lambda: relay2 in a.status()["services"]["nat"]["relays_found"], 30,
+                     "a to find pub2 as a relay in b's record")
+            assert a.status()["services"]["nat"]["relays"] == [relay1]
+            assert a.stop() == 0
+            a = start_in(lab, swarm, "a", [relay1])
+            wait_for(lambda: any(x.startswith(relay2 + "/p2p-circuit") for x in a.status()["addresses"]), 30,
+                     "a to hold a slot on pub2 after the restart")
+            assert a.status()["services"]["nat"]["relays"] == [relay1, relay2]
+        finally:
+            swarm.close()

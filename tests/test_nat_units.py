@@ -2,8 +2,10 @@
 
 import pytest
 
+from node import datadir
 from node.cli import diagnose
-from node.nat import guess_private
+from node.nat import guess_private, relays_in
+from transport.identity import Identity
 from transport.errors import MalformedMessage
 from transport.nat import ip_of, parse_addrs, parse_reply
 
@@ -14,6 +16,27 @@ def test_guess_private():
     assert not guess_private(["/ip4/198.51.100.10/tcp/4001"], [])
     assert not guess_private(["/ip4/127.0.0.1/tcp/0"], [])  # a local swarm: nothing to traverse
     assert not guess_private(["/ip4/10.1.0.10/tcp/4001"], ["/ip4/203.0.113.7/tcp/4001"])  # a forwarded port
+
+
+def test_relays_found_in_member_records_are_remembered(tmp_path):
+    me, relay, other = (Identity.generate().peer_id for _ in range(3))
+    addrs = [
+        f"/ip4/198.51.100.10/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{other}",  # a member reached through a relay
+        f"/ip4/198.51.100.10/tcp/4001/p2p/{relay}/p2p-circuit/p2p/{me}",  # the same relay, again
+        f"/ip4/10.0.0.5/tcp/4001/p2p/{other}/p2p-circuit/p2p/{me}",  # a relay at a private address: useless
+        f"/ip4/127.0.0.1/tcp/4001/p2p/{other}/p2p-circuit/p2p/{me}",
+        f"/ip4/198.51.100.9/tcp/4001/p2p/{me}/p2p-circuit/p2p/{other}",  # ourselves
+        f"/ip4/198.51.100.10/tcp/4001/p2p/{other}",  # a direct address, no relay
+        "/ip4/198.51.100.10/tcp/4001/p2p/not-a-peer-id/p2p-circuit",
+    ]
+    assert relays_in(addrs, me) == [f"/ip4/198.51.100.10/tcp/4001/p2p/{relay}"]
+    assert datadir.read_relays(tmp_path) == []
+    datadir.write_relays(tmp_path, [f"/ip4/198.51.100.10/tcp/4001/p2p/{relay}"] * 12)
+    assert len(datadir.read_relays(tmp_path)) == datadir.MAX_RELAYS
+    (tmp_path / datadir.RELAYS_FILE).write_text('["junk", 5, "/ip4/1.2.3.4/tcp/1/p2p/%s"]' % relay)
+    assert datadir.read_relays(tmp_path) == [f"/ip4/1.2.3.4/tcp/1/p2p/{relay}"]
+    (tmp_path / datadir.RELAYS_FILE).write_text("{not json")
+    assert datadir.read_relays(tmp_path) == []
 
 
 def test_autonat_and_punch_messages_are_checked():

@@ -406,6 +406,10 @@ def _check_ports_free(listen: list[str]) -> None:
             continue
         kind = socket.SOCK_STREAM if proto == "tcp" else socket.SOCK_DGRAM
         with socket.socket(family, kind) as s:
+            # SO_REUSEADDR as the daemon sets it: connections in TIME_WAIT (a NATed node dials from its listen port,
+            # so a quick restart finds many) do not block the port, a listener still does
+            if kind == socket.SOCK_STREAM:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((host, port))
             except OSError as e:
