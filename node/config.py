@@ -60,6 +60,8 @@ class NetworkSection(_Section):
     relay_service: Literal["auto", "on", "off"] = "auto"  # auto: serve as a relay unless we are behind a NAT
     relay_limits: "RelayLimitsSection" = Field(default_factory=lambda: RelayLimitsSection())
     probe_interval: float = Field(300.0, ge=5.0)  # seconds between AutoNAT probes once reachability is known
+    hole_punching: bool = True  # upgrade relayed connections to direct ones when the NATs allow it
+    punch_delay: float = Field(1.0, ge=0.0, le=600.0)  # seconds a relayed connection runs before the first attempt
 
     @field_validator("relays")
     @classmethod

@@ -76,6 +76,7 @@ class Node:
         )
         self.nat = NatService(self.transport, relays=relays, relay_client=behind_nat, relay_service=relay_service,
                               probe_interval=net.probe_interval, data_dir=data_dir,
+                              hole_punching=net.hole_punching, punch_delay=net.punch_delay,
                               member_addrs=lambda: [a for m in self.discovery.members.values() for a in m.record.addrs])
         self.services.insert(0, self.nat)
         d = config.discovery

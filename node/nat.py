@@ -74,13 +74,13 @@ def guess_private(listen: list[str], announce: list[str]) -> bool:
 
 class NatService:
     name = "nat"
-    PUNCH_AFTER = 1.0  # seconds a relayed connection runs before we try to upgrade it
     PUNCH_BACKOFF = 15.0  # after a failure, wait this long, doubling up to 10 minutes
     PUNCH_DIAL_TIMEOUT = 4.0  # covers the kernel's SYN retransmissions at 1 s and 3 s
     MAX_RESPONDING = 4  # punches we answer at once
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
-                 probe_interval: float = 300.0, member_addrs=None, data_dir=None):
+                 probe_interval: float = 300.0, member_addrs=None, data_dir=None, hole_punching: bool = True,
+                 punch_delay: float = 1.0):
         self.transport = transport
         self.relays = list(relays)
         self.member_addrs = member_addrs  # () -> addresses in the members' DHT records
@@ -89,6 +89,8 @@ class NatService:
         self.relay_client = relay_client
         self.relay_service = relay_service
         self.probe_interval = probe_interval
+        self.hole_punching = hole_punching
+        self.punch_delay = punch_delay  # seconds a relayed connection runs before we try to upgrade it
         self.server = AutoNATServer()
         self.observed: dict[str, float] = {}  # observed address -> when last reported
         self.probes: list[dict] = []  # latest first
@@ -152,7 +154,7 @@ class NatService:
         peers the one with the smaller peer id starts, so they do not both punch at once."""
         while True:
             await asyncio.sleep(1.0)
-            if not self.relay_client or not self._predicted():
+            if not self.hole_punching or not self.relay_client or not self._predicted():
                 continue
             now = time.monotonic()
             try:
@@ -165,7 +167,7 @@ class NatService:
             for conn in conns:
                 if conn.path is not PathType.RELAYED or self.transport.peer_id > conn.peer_id:
                     continue
-                if now - self._relayed_since[conn.peer_id] < self.PUNCH_AFTER:
+                if now - self._relayed_since[conn.peer_id] < self.punch_delay:
                     continue  # let the relayed connection settle (and serve its first calls) first
                 due, backoff = self.punch_backoff.get(conn.peer_id, (0.0, self.PUNCH_BACKOFF))
                 if now < due:
@@ -261,7 +263,8 @@ class NatService:
         port = self._listen_port()
         busy = (now - self._punch_served_at.get(stream.peer_id, -1e9) < 5.0
                 or len(self._responding) >= self.MAX_RESPONDING)
-        if busy or port is None or not self.relay_client or not theirs or not self._predicted():
+        if busy or port is None or not self.hole_punching or not self.relay_client or not theirs \
+                or not self._predicted():
             await stream.send(CONNECT, {"addrs": []})
             await stream.close(linger=2.0)
             return

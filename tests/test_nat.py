@@ -18,6 +18,7 @@ LAB_NODE = """
 [network]
 listen = ["/ip4/0.0.0.0/tcp/4001"]
 probe_interval = 30.0
+punch_delay = 5.0  # the relayed calls are checked first, then the upgrade
 [discovery]
 poll_interval = 1.0
 backoff_initial = 0.5
