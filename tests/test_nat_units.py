@@ -48,7 +48,12 @@ def test_autonat_and_punch_messages_are_checked():
         with pytest.raises(MalformedMessage):
             parse_reply(bad)
     assert parse_addrs({"addrs": ["/ip4/1.2.3.4/tcp/4001"]}) == [("1.2.3.4", 4001)]
-    for bad in ({"addrs": ["/ip4/1.2.3.4/tcp/1"] * 9}, {"addrs": ["/ip4/x/tcp/1"]}, {"addrs": [5]}, {}):
+    # a peer cannot aim our punch into our own network
+    inside = ["/ip4/10.0.0.1/tcp/22", "/ip4/127.0.0.1/tcp/8470", "/ip4/192.168.1.1/tcp/80", "/ip4/0.0.0.0/tcp/1",
+              "/ip4/224.0.0.1/tcp/1", "/ip6/::1/tcp/1", "/ip6/fe80::1/tcp/1"]
+    assert parse_addrs({"addrs": inside + ["/ip4/198.51.100.2/tcp/4001"]}) == [("198.51.100.2", 4001)]
+    for bad in ({"addrs": ["/ip4/1.2.3.4/tcp/1"] * 9}, {"addrs": ["/ip4/x/tcp/1"]}, {"addrs": [5]}, {},
+                {"addrs": ["/ip4/1.2.3.4/tcp/0"]}):
         with pytest.raises(MalformedMessage):
             parse_addrs(bad)
 

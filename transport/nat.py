@@ -122,12 +122,17 @@ CONNECT, SYNC = 1, 2
 
 
 def parse_addrs(body: object, key: str = "addrs") -> list[tuple[str, int]]:
+    """The addresses in a punch message. Only addresses a NAT could map us to count: private, loopback, link-local,
+    multicast or unspecified ones are dropped, so a peer cannot make us connect into our own network."""
     if not isinstance(body, dict) or not isinstance(body.get(key), list) or len(body[key]) > 8:
         raise MalformedMessage("punch: expected a list of at most 8 addresses")
     out = []
     for a in body[key]:
         found = ip_of(a) if isinstance(a, str) else None
-        if found is None:
+        if found is None or found[1] == 0:
             raise MalformedMessage("punch: not a direct TCP address")
+        ip = ipaddress.ip_address(found[0])
+        if natted(found[0]) or ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local:
+            continue
         out.append(found)
     return out
