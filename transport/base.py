@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import logging
+import socket
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
@@ -193,6 +194,12 @@ class Transport(Protocol):
         """Dial a multiaddr ending in /p2p/<id>; returns the peer id. Raises PeerUnreachable."""
 
     async def connect_peer(self, peer_id: str, addrs: list[str], *, timeout: float) -> None: ...
+
+    async def disconnect(self, peer_id: str) -> None: ...
+
+    async def adopt(self, peer_id: str, sock: socket.socket, *, dialer: bool, timeout: float) -> None:
+        """Make a TCP socket already connected to the peer's machine (hole-punched) our connection to the peer;
+        both sides call it, one as dialer. The peer's identity is checked as on any dial."""
 
     async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float) -> Stream: ...
 
