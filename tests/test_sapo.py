@@ -3,7 +3,6 @@
 import asyncio
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 from pydantic import ValidationError
@@ -11,6 +10,7 @@ from pydantic import ValidationError
 from protocols import arith
 from protocols.grpo import STOI, Group, Policy
 from protocols.sapo import SapoConfig, parse_items, question_seed, score
+from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
 
 RUN, SEED, AUTHOR = "t", 1, "12D3KooWAuthor"
@@ -126,37 +126,19 @@ def sapo(node) -> dict:
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path: Path):
-    from node.services import NodeContext
-    from protocols.gossip import MSG, Gossip
-    from transport.identity import Identity
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-
     run, rounds = "four", 1_000_000  # runs until the test ends it
     config = loop_config(tmp_path / "sapo.toml", CONFIG.format(run=run, rounds=rounds, d=64, layers=2, heads=4))
     small = loop_config(tmp_path / "small.toml", CONFIG.format(run=run, rounds=rounds, d=32, layers=1, heads=2))
     swarm = Swarm(tmp_path / "nodes", config=config)
-    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
-    gossip = Gossip(heartbeat=0.2)
-    topic = f"sapo/{run}"
+    attacker = HostilePeer(tmp_path)
     try:
         nodes = await asyncio.to_thread(swarm.start_chain, 3, "n", None)
-        await attacker.start()
-        await attacker.connect(nodes[0].tcp_addr)
-        await gossip.start(NodeContext(attacker.identity, attacker, tmp_path, lambda: [nodes[0].peer_id], None,
-                                       lambda p: True))
-        hb = asyncio.create_task(gossip.run())
-        gossip.subscribe(topic, max_size=64 * 1024)
+        await attacker.start(nodes[0], f"sapo/{run}", max_size=64 * 1024)
         await asyncio.to_thread(wait_for, lambda: sapo(nodes[0])["round"] >= 3, 120, "the run to pass round 3")
         # a peer with a smaller policy joins a run in progress
         late = await asyncio.to_thread(swarm.start, "small", bootstrap=[nodes[-1].tcp_addr], config=small)
         nodes.append(late)
-        await asyncio.to_thread(wait_for, lambda: nodes[0].peer_id in gossip.links, 20, "the attacker's link")
-        link = gossip.links[nodes[0].peer_id]
-        me = attacker.identity.peer_id
-
-        def send(body) -> None:
-            data = body if isinstance(body, bytes) else msgpack.packb(body)
-            link.send(MSG, gossip.cache[gossip.publish(topic, data)].wire())
+        me = attacker.peer_id
 
         r = sapo(nodes[0])["round"]
         wrong = {"r": r, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r), k], "comps": ["99"] * 8}
@@ -165,11 +147,11 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
                                      "comps": ["12", "13"]}]}
         claimed = {"r": r + 1, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 1), 0],
                                           "comps": ["12", "13"], "answer": "12", "rewards": [1.0, 1.0]}]}
-        send(wrong)  # well-formed, all wrong: scored 0 by every receiver's own verifier, never trained on
+        await attacker.send(wrong)  # well-formed, all wrong: scored 0 by every receiver's own verifier, never trained on
         future = {"r": r + 100, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 100), 0],
                                            "comps": ["12", "13"]}]}
         for junk in (b"\xc1\xc1", forged, claimed, future, {"r": r, "items": "x" * 40}):
-            send(junk)
+            await attacker.send(junk)
         ids = [n.peer_id for n in nodes]
 
         def everyone_learned_from_everyone():
@@ -201,8 +183,6 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
         await asyncio.to_thread(wait_for, progress, 30, "every node's progress in the replicated state")
         history = await asyncio.to_thread(http_get, nodes[2].url + "/sapo/history")
         assert [h[0] for h in history["rounds"]][:10] == list(range(10))
-        hb.cancel()
     finally:
-        await gossip.close()
         await attacker.close()
         await asyncio.to_thread(swarm.close)

@@ -3,12 +3,12 @@
 import asyncio
 from pathlib import Path
 
-import msgpack
 import pytest
 import torch
 
 from protocols import tinylm
 from protocols.spsa import Weights, decode_grad, encode_grad, step_seed
+from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
 
 RUN = "t"
@@ -83,30 +83,16 @@ def spsa(node) -> dict:
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path):
-    from node.services import NodeContext
-    from protocols.gossip import MSG, Gossip
-    from transport.identity import Identity
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-
     swarm = spsa_swarm(tmp_path, "four", 200, 4)
-    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
-    gossip = Gossip(heartbeat=0.2)
+    attacker = HostilePeer(tmp_path)
     try:
         nodes = await asyncio.to_thread(swarm.start_chain, 4, "n", None)
         # a hostile peer on the run's topic, linked to the first node
-        await attacker.start()
-        await attacker.connect(nodes[0].tcp_addr)
-        await gossip.start(NodeContext(attacker.identity, attacker, tmp_path, lambda: [nodes[0].peer_id], None,
-                                       lambda p: True))
-        hb = asyncio.create_task(gossip.run())
-        gossip.subscribe("spsa/four", max_size=4096)
+        await attacker.start(nodes[0], "spsa/four", max_size=4096)
         await asyncio.to_thread(wait_for, lambda: spsa(nodes[0])["state"] == "running", 120, "the run to start")
-        await asyncio.to_thread(wait_for, lambda: nodes[0].peer_id in gossip.links, 20, "the attacker's link")
-        link = gossip.links[nodes[0].peer_id]
-        for junk in (b"\xc1\xc1", msgpack.packb({"w": 1, "b": b"\x7f" * 3}), msgpack.packb({"w": 1, "b": b"\xff" * 25}),
-                     msgpack.packb({"w": 999, "b": b"\x7f" * 25}), msgpack.packb({"w": 1, "join": "yes"}),
-                     msgpack.packb({"w": 1, "b": b"\x7f" * 25})):  # well-formed, but from a non-participant
-            link.send(MSG, gossip.cache[gossip.publish("spsa/four", junk)].wire())
+        for junk in (b"\xc1\xc1", {"w": 1, "b": b"\x7f" * 3}, {"w": 1, "b": b"\xff" * 25}, {"w": 999, "b": b"\x7f" * 25},
+                     {"w": 1, "join": "yes"}, {"w": 1, "b": b"\x7f" * 25}):  # the last: well-formed, from a non-participant
+            await attacker.send(junk)
         final = await asyncio.to_thread(
             wait_for, lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,
             "4 nodes to finish 200 steps")
@@ -121,9 +107,7 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         penalties = nodes[0].status()["penalties"]
         assert penalties.get("invalid_message", 0) >= 5  # malformed, wrong length, out of range, far future, bad join
         assert all(spsa(n).get("unexpected_batches", 0) <= 1 for n in nodes)  # the outsider's batch: not applied
-        hb.cancel()
     finally:
-        await gossip.close()
         await attacker.close()
         await asyncio.to_thread(swarm.close)
 

@@ -1,0 +1,48 @@
+"""A hostile peer for the loops' untrusted-input tests: our own transport and gossip in the test process, linked to
+one node, publishing on a loop's topic whatever the test hands it (junk, forgeries, replays)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgpack
+
+from node.services import NodeContext
+from protocols.gossip import MSG, Gossip
+from swarmproc import NodeProc, wait_for
+from transport.identity import Identity
+from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+
+class HostilePeer:
+    def __init__(self, tmp_path):
+        self.transport = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        self.peer_id = self.transport.peer_id
+        self.gossip = Gossip(heartbeat=0.2)
+        self._tmp = tmp_path
+        self._heartbeat: asyncio.Task | None = None
+        self._target: NodeProc | None = None
+        self._topic = ""
+
+    async def start(self, target: NodeProc, topic: str, max_size: int) -> None:
+        await self.transport.start()
+        await self.transport.connect(target.tcp_addr)
+        await self.gossip.start(NodeContext(self.transport.identity, self.transport, self._tmp,
+                                            lambda: [target.peer_id], None, lambda p: True))
+        self._heartbeat = asyncio.create_task(self.gossip.run())
+        self.gossip.subscribe(topic, max_size=max_size)
+        self._target, self._topic = target, topic
+
+    async def send(self, body) -> None:
+        """Sign ``body`` (bytes as they are, anything else msgpack-packed) as a message on the topic and push it down
+        the link to the target node, past the validation our own gossip would apply before forwarding."""
+        target = self._target.peer_id
+        await asyncio.to_thread(wait_for, lambda: target in self.gossip.links, 20, "the hostile peer's link")
+        data = body if isinstance(body, bytes) else msgpack.packb(body)
+        self.gossip.links[target].send(MSG, self.gossip.cache[self.gossip.publish(self._topic, data)].wire())
+
+    async def close(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+        await self.gossip.close()
+        await self.transport.close()
