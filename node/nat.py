@@ -24,7 +24,7 @@ from transport.base import PathType, Reachability
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.multiaddrs import split_peer_addr, validate_peer_addr
 from transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
-                           parse_addrs, parse_reply)
+                           parse_addrs, parse_reply, public)
 from transport.punch import simultaneous_open
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ def relays_in(addrs, ours: str) -> list[str]:
             continue
         transport_addr, relay = head.rsplit("/p2p/", 1)
         where = ip_of(transport_addr)
-        if where is None or relay == ours or natted(where[0]) or where[0].startswith("127.") or where[0] == "::1":
+        if where is None or relay == ours or not public(where[0]):
             continue
         try:
             found.append(validate_peer_addr(head))

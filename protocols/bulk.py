@@ -312,7 +312,7 @@ class BulkService:
                 ts = int(time.time() * 1000)
                 request = {"hash": blob_hash, "peer": ctx.identity.peer_id, "ts": ts,
                            "sig": ctx.identity.sign(REQUEST_DOMAIN + blob_hash + str(ts).encode())}
-                where = f"{peer[-8:]}@{'stream' if way == 'stream' else way}"
+                where = f"{peer[-8:]}@{way}"
                 try:
                     if way == "stream":
                         body = await fetch_stream(ctx.transport, peer, blob_hash, a.size, request, timeout=timeout)

@@ -42,6 +42,12 @@ def natted(ip: str) -> bool:
     return any(addr in net for net in _NATTED)
 
 
+def public(ip: str) -> bool:
+    """An address a NAT could map a peer to: not private, loopback, link-local, multicast or unspecified."""
+    addr = ipaddress.ip_address(ip)
+    return not (natted(ip) or addr.is_loopback or addr.is_multicast or addr.is_unspecified or addr.is_link_local)
+
+
 def ip_of(maddr: str) -> tuple[str, int] | None:
     """(ip, tcp port) of a direct /ip4|ip6/.../tcp/... multiaddr; None for relayed or other addresses."""
     parts = maddr.split("/")
@@ -131,8 +137,6 @@ def parse_addrs(body: object, key: str = "addrs") -> list[tuple[str, int]]:
         found = ip_of(a) if isinstance(a, str) else None
         if found is None or found[1] == 0:
             raise MalformedMessage("punch: not a direct TCP address")
-        ip = ipaddress.ip_address(found[0])
-        if natted(found[0]) or ip.is_loopback or ip.is_multicast or ip.is_unspecified or ip.is_link_local:
-            continue
-        out.append(found)
+        if public(found[0]):
+            out.append(found)
     return out
