@@ -88,6 +88,7 @@ def cli() -> None:
 def start(config_path, **flags) -> None:
     """Run a node until SIGINT/SIGTERM. Without --bootstrap it starts a new swarm."""
     config = _load(config_path, flags)
+    prepared = _prepare_loops(config, Path(config_path).resolve().parent if config_path else None)
     _setup_logging(config.node.log_level)
     data_dir = datadir.ensure(datadir.resolve(config.node.data_dir))
     lock = datadir.DataDirLock(data_dir)
@@ -98,7 +99,7 @@ def start(config_path, **flags) -> None:
         identity, created = Identity.load_or_create(data_dir / datadir.IDENTITY_FILE)
         if created:
             logging.getLogger("swarmd").info("created identity %s in %s", identity.peer_id, data_dir)
-        code = _run_node(config, identity, data_dir)
+        code = _run_node(config, identity, data_dir, prepared)
     finally:
         lock.release()
     # Everything is closed and flushed; skip interpreter finalization, which resets signal handlers to their
@@ -109,7 +110,7 @@ def start(config_path, **flags) -> None:
     os._exit(code)
 
 
-def _run_node(config, identity, data_dir: Path) -> int:
+def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
     import asyncio
 
     import uvloop
@@ -123,7 +124,7 @@ def _run_node(config, identity, data_dir: Path) -> int:
     gossip = Gossip()
     tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
     bulk = BulkService(gossip, host=tcp_hosts[0] if tcp_hosts else "0.0.0.0", port=config.network.bulk_port)
-    services = [gossip, bulk] + _loops(config, gossip, bulk)
+    services = [gossip, bulk] + _loops(prepared, gossip, bulk)
     node = Node(config, identity, data_dir, services=services)
     stop_signals = 0
 
@@ -171,32 +172,47 @@ def _run_node(config, identity, data_dir: Path) -> int:
     return code
 
 
-def _loops(config, gossip, bulk) -> list:
-    """The training loops the config asks for ([loops.<name>] tables), validated here: bad settings exit 2."""
+# The training loops a config may ask for: [loops.<name>] -> (module, config class, loop class)
+LOOPS = {
+    "diloco": ("protocols.diloco", "DilocoConfig", "DilocoLoop"),
+    "spsa": ("protocols.spsa", "SpsaConfig", "SPSALoop"),
+    "sapo": ("protocols.sapo", "SapoConfig", "SapoLoop"),
+}
+
+
+def _prepare_loops(config, base_dir: Path | None = None) -> list:
+    """The training loops the config asks for ([loops.<name>] tables), validated with their tasks loaded (imported,
+    made with their task_options, checked against the loop's contract) before anything starts: bad settings exit 2.
+    Returns [(loop class, loop config, task)]."""
+    import importlib
+
     from pydantic import ValidationError
 
-    loops = []
+    from protocols.task import TaskError, load
+
+    prepared = []
     for name, table in config.loops.items():
+        if name not in LOOPS:
+            raise Fail(f"invalid loops.{name}: unknown loop (known: {', '.join(sorted(LOOPS))})", EXIT_USAGE)
+        module_name, config_cls, loop_cls = LOOPS[name]
+        module = importlib.import_module(module_name)
         try:
-            if name == "spsa":
-                from protocols.spsa import SPSALoop, SpsaConfig
-
-                loops.append(SPSALoop(gossip, SpsaConfig(**table)))
-            elif name == "diloco":
-                from protocols.diloco import DilocoConfig, DilocoLoop
-
-                loops.append(DilocoLoop(gossip, bulk, DilocoConfig(**table)))
-            elif name == "sapo":
-                from protocols.sapo import SapoConfig, SapoLoop
-
-                loops.append(SapoLoop(gossip, SapoConfig(**table)))
-            else:
-                raise Fail(f"invalid loops.{name}: unknown loop (known: spsa, diloco, sapo)", EXIT_USAGE)
+            cfg = getattr(module, config_cls)(**table)
         except ValidationError as e:
             err = e.errors()[0]
             field = "".join(f".{x}" for x in err["loc"])
             raise Fail(f"invalid loops.{name}{field}: {err['msg']}", EXIT_USAGE) from None
-    return loops
+        try:
+            task = load(cfg.task, cfg.options(), name, base_dir)
+        except TaskError as e:
+            raise Fail(f"loops.{name}.task: {e}", EXIT_USAGE) from None
+        prepared.append((getattr(module, loop_cls), cfg, task))
+    return prepared
+
+
+def _loops(prepared: list, gossip, bulk) -> list:
+    return [cls(gossip, bulk, cfg, task) if cls.name == "diloco" else cls(gossip, cfg, task)
+            for cls, cfg, task in prepared]
 
 
 def _exit_now(*_) -> None:
@@ -281,9 +297,41 @@ def status(data_dir, http, as_json) -> None:
         lines.append(line)
     if s["errors"]:
         lines.append("errors        " + ", ".join(f"{k}={v}" for k, v in sorted(s["errors"].items())))
-    if s["loops"]:
-        lines.append("loops         " + ", ".join(sorted(s["loops"])))
+    for name in sorted(LOOPS):
+        if name in s.get("services", {}):
+            lines.append(f"{name:<13} " + loop_summary(s["services"][name]))
     click.echo("\n".join(lines))
+
+
+def _mb(n) -> str:
+    return f"{(n or 0) / 1e6:.2f} MB"
+
+
+def loop_summary(st: dict) -> str:
+    """One line for a training loop's /status entry: state, round/step, last loss or reward, bytes."""
+    state = st.get("state", "?")
+    if state == "failed":
+        return f"failed: {st.get('error')}"
+    if state == "refused":
+        return f"refused: {st.get('refused')}"
+    rounds = st.get("total_rounds") or 0
+    parts = [state, f"round {st.get('round', 0)}/{rounds if rounds else 'open-ended'}", f"step {st.get('step', 0)}"]
+    losses = st.get("losses") or []
+    if losses:
+        parts.append(f"loss {losses[-1][1]:.4f}")
+    elif st.get("train_loss") is not None:
+        parts.append(f"train loss {st['train_loss']:.4f}")
+    if st.get("reward_last50") is not None:
+        parts.append(f"reward {st['reward_last50']:.3f} (last 50 rounds)")
+    if "bytes_sent" in st or "bytes_received" in st:
+        parts.append(f"sent {_mb(st.get('bytes_sent'))}, received {_mb(st.get('bytes_received'))}")
+    elif "step_wire_bytes" in st:
+        parts.append(f"sent {st['step_wire_bytes']} B ({st.get('wire_bytes_per_step', 0)} B/step)")
+    elif "wire_bytes_published" in st:
+        parts.append(f"sent {_mb(st['wire_bytes_published'])}")
+    if st.get("checkpoint"):
+        parts.append(f"saved round {st['checkpoint'].get('round')}")
+    return "  ".join(parts)
 
 
 @cli.command()
@@ -340,6 +388,62 @@ def write(obj, payload, data_dir, http) -> None:
         raise Fail(json.loads(e.read() or b"{}").get("error", str(e))) from None
     except (urllib.error.URLError, OSError) as e:
         raise Fail(f"cannot reach {url}: {getattr(e, 'reason', e)}") from None
+
+
+@cli.command()
+@click.option("--data-dir", help="Data dir of the node (default: platform user data dir).")
+@click.option("--loop", type=click.Choice(sorted(LOOPS)), help="Which loop's weights (default: the newest saved).")
+@click.option("--out", "out", type=click.Path(dir_okay=False), help="safetensors file to write "
+              "(default: <loop>-<run>-round<N>.safetensors here).")
+@click.option("--pretrained", type=click.Path(file_okay=False), help="Also write a save_pretrained directory "
+              "(transformers models).")
+def export(data_dir, loop, out, pretrained) -> None:
+    """Write the latest saved weights of a training run to a file (works while the node runs or after it ended)."""
+    from protocols import checkpoint
+
+    folder = datadir.resolve(data_dir)
+    path = checkpoint.latest(folder, loop)
+    if path is None:
+        raise Fail(f"no saved weights in {folder / checkpoint.DIR}" + (f" for the {loop} loop" if loop else "")
+                   + " (a loop saves them every checkpoint_every rounds and at the end)")
+    try:
+        tensors, meta = checkpoint.load(path)
+    except checkpoint.CheckpointError as e:
+        raise Fail(str(e)) from None
+    state = checkpoint.model_state(tensors)
+    target = Path(out) if out else Path(f"{meta['loop']}-{meta['run']}-round{meta['round']}.safetensors")
+    info = {k: meta[k] for k in ("loop", "run", "round", "step", "hash", "task", "task_options") if k in meta}
+    checkpoint.save(target.resolve(), state, info)
+    click.echo(f"wrote {len(state)} tensors of {meta['loop']} run {meta['run']} (round {meta['round']}) to {target}")
+    if pretrained:
+        click.echo(f"wrote a save_pretrained directory to {_export_pretrained(meta, state, Path(pretrained))}")
+
+
+def _export_pretrained(meta: dict, state: dict, directory: Path) -> Path:
+    """Rebuild the task's model from the checkpoint's task spec and options, load the weights, save_pretrained."""
+    from protocols.task import TaskError, build_model, load, seeded
+
+    try:
+        task = load(meta["task"], meta.get("task_options") or {}, meta["loop"])
+        if meta["loop"] == "sapo":
+            with seeded(0):
+                model = task.call("policy", 0).model
+        else:
+            model = build_model(task, 0)
+    except TaskError as e:
+        raise Fail(f"cannot rebuild the model to export: {e}") from None
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k in dict(model.named_parameters())]:
+        raise Fail(f"the saved weights do not fit the task's model (missing {missing[:3]}, unexpected "
+                   f"{unexpected[:3]})")
+    directory.mkdir(parents=True, exist_ok=True)
+    if task.has("export_pretrained"):
+        task.call("export_pretrained", model, str(directory))
+    elif hasattr(model, "save_pretrained"):
+        model.save_pretrained(str(directory))
+    else:
+        raise Fail(f"{meta['task']} is not a transformers model: --pretrained needs a model with save_pretrained()")
+    return directory
 
 
 @cli.command("id")
@@ -489,6 +593,11 @@ def diagnose(s: dict) -> dict:
     if unconnected:
         hints.append(f"{len(unconnected)} member(s) not connected: they may be offline, or behind NATs with no "
                      "relay in common")
+    for name, svc in sorted(s.get("services", {}).items()):
+        if svc.get("state") == "refused":
+            hints.append(f"{name} refused: {svc.get('refused')}")
+        elif svc.get("state") == "failed":
+            hints.append(f"{name} failed: {svc.get('error')}")
     return {
         "reachability": reach,
         "reachability_source": "forced by config" if nat.get("detected") != reach else "AutoNAT",

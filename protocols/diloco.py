@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -34,9 +35,12 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from node.services import NodeContext
-from protocols import codecs, outer, tinylm
+from protocols import codecs, outer
+from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService
 from protocols.gossip import Gossip, Message, Verdict
+from protocols.task import Task, TaskError
+from protocols.taskloop import TaskLoop
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
@@ -49,8 +53,12 @@ CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset
 class DilocoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     run: str = Field("diloco-demo", pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    seed: int = 1
-    rounds: int = Field(8, ge=1)  # outer rounds per fragment
+    task: str = "tinygpt"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
+    task_options: dict = {}  # keyword arguments of the task's factory
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    checkpoint_every: int = Field(1, ge=0)  # rounds between checkpoints (0: only at the end)
+    seed: int = 1  # the initial weights (every peer builds the same) and the data order
+    rounds: int = Field(8, ge=0)  # outer rounds per fragment (0: until stopped)
     inner_steps: int = Field(50, ge=1)  # H
     fragments: int = Field(1, ge=1)  # P (1 = plain DiLoCo)
     overlap: int = Field(0, ge=0)  # tau: inner steps run while a fragment's update travels
@@ -60,11 +68,18 @@ class DilocoConfig(BaseModel):
     weight_decay: float = Field(0.1, ge=0)
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
-    batch: int = Field(16, ge=1)
     min_peers: int = Field(1, ge=1)
     deadline_low: float = Field(2.0, gt=0)
     deadline_high: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # rounds between validation evaluations
+
+    def options(self) -> dict:
+        return dict(self.task_options)
+
+    def shared(self) -> dict:
+        """The settings every peer of a run must share (part of the run's fingerprint)."""
+        return self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
+                                        "codec", "outer_lr", "outer_momentum"})
 
 
 @dataclass
@@ -78,11 +93,14 @@ class Pending:
     pulls: set = field(default_factory=set)
 
 
-class DilocoLoop:
+class DilocoLoop(TaskLoop):
     name = "diloco"
 
-    def __init__(self, gossip: Gossip, bulk: BulkService, config: DilocoConfig):
+    def __init__(self, gossip: Gossip, bulk: BulkService, config: DilocoConfig, task: Task):
         self.gossip, self.bulk, self.cfg = gossip, bulk, config
+        self._init_task(task)
+        self.train_loss: float | None = None
+        self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
         self.topic = f"diloco/{config.run}"
         self.codec = codecs.get(config.codec)
         self.pending: dict[tuple[int, int], Pending] = collections.defaultdict(Pending)
@@ -90,6 +108,7 @@ class DilocoLoop:
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self.history: list[dict] = []  # per closed round: fragment, round, participants, global hash
         self.losses: list[tuple[int, float]] = []
+        self._recent_losses: list[float] = []
         self.counters: collections.Counter = collections.Counter()
         self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
                                                initial=max(config.deadline_low, 10.0))
@@ -120,37 +139,55 @@ class DilocoLoop:
         pass
 
     def _build(self) -> None:
-        torch.manual_seed(self.cfg.seed)
-        self.model = tinylm.TinyGPT()
-        self.names = [n for n, _ in tinylm.params_in_order(self.model)]
-        self.params = [p for _, p in tinylm.params_in_order(self.model)]
-        self.frag_index = outer.fragments(self.names, self.cfg.fragments)
+        """The task's model on our device, its fragments, the global (CPU, fp32) copy, the optimizers, our data."""
+        self._setup_device()
+        model = tasks.build_model(self.task, self.cfg.seed)
+        named = tasks.trainable(model)
+        self.fp = tasks.fingerprint(self.task, self.cfg.shared(), named)
+        self.model = model.to(self.device)
+        named = tasks.trainable(self.model)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.frag_index = tasks.fragment_indices(self.task, self.model, self.cfg.fragments)
         self.global_flat = [outer.flatten([self.params[i] for i in f]) for f in self.frag_index]
         self.rounds_done = [0] * self.cfg.fragments
         self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,
                                              self.cfg.outer_momentum)
-        self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
-                                           weight_decay=self.cfg.weight_decay)
-        me = self._ctx.identity.peer_id
-        self.data = tinylm.encode_text(tinylm.corpus(self.cfg.seed * 7919 + int.from_bytes(me.encode()[-4:], "big"),
-                                                     200_000, target=False))
-        self.val = tinylm.encode_text(tinylm.corpus(self.cfg.seed + 424242, 40_000, target=False))
+        if self.task.has("optimizer"):
+            self.inner_opt = self.task.call("optimizer", self.model.parameters())
+            if not isinstance(self.inner_opt, torch.optim.Optimizer):
+                raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
+                                "expected a torch.optim.Optimizer")
+        else:
+            self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
+                                               weight_decay=self.cfg.weight_decay)
+        self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
         return outer.params_hash(self.global_flat)
 
+    def _rounds(self) -> float:
+        return self.cfg.rounds or math.inf
+
     async def run(self) -> None:
+        await self._guarded(self._run)
+
+    async def _run(self) -> None:
         torch.set_num_threads(1)
-        self._build()
-        await self._start_barrier()
+        self.state = "building the model"
+        await asyncio.to_thread(self._build)
+        self._resume_own()
+        if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
+            await self._start_barrier()
         self.started = time.monotonic()
         h = self.cfg.inner_steps
+        rounds = self._rounds()
         offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
-        total = self.cfg.rounds * h + max(offsets)
+        total = rounds * h + max(offsets)
         waiting: dict[int, tuple[int, int]] = {}  # fragment -> (round, step at which to close)
         rounds_done = self.rounds_done
         for p in range(self.cfg.fragments):  # a late joiner may arrive mid-round: follow that round at once
-            if rounds_done[p] < self.cfg.rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
+            if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
                 waiting[p] = (rounds_done[p], self.step)
         while self.step < total or waiting:
             if self._resync_from:
@@ -159,7 +196,7 @@ class DilocoLoop:
                 await self._join_from_checkpoint(peers)
                 rounds_done, waiting = self.rounds_done, {}
                 for p in range(self.cfg.fragments):
-                    if rounds_done[p] < self.cfg.rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
+                    if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
                         waiting[p] = (rounds_done[p], self.step)
                 continue
             if self.step < total:
@@ -168,7 +205,7 @@ class DilocoLoop:
                 self.compute_seconds += time.perf_counter() - t0
                 self.step += 1
             for p in range(self.cfg.fragments):
-                if p not in waiting and rounds_done[p] < self.cfg.rounds and self.step >= offsets[p] + h \
+                if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
                         and (self.step - offsets[p]) % h == 0:
                     r = rounds_done[p]
                     self._send_update(p, r)
@@ -178,31 +215,68 @@ class DilocoLoop:
                     await self._close_round(p, r)
                     del waiting[p]
                     rounds_done[p] += 1
-                    if p == self.cfg.fragments - 1 and rounds_done[p] % self.cfg.eval_every == 0:
-                        loss = await asyncio.to_thread(tinylm.evaluate, self.model, self.val, 4, 32)
-                        self.losses.append((self.step, round(loss, 5)))
-                        await self._report(loss)
+                    if p == self.cfg.fragments - 1:
+                        await self._after_round(rounds_done[p])
         self.final_hash = self.global_hash()
+        if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
+            await asyncio.to_thread(self._save_checkpoint)
         self.state = "done"
         logger.info("diloco run %s done: %d steps, global %s", self.cfg.run, self.step, self.final_hash)
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
             self._publish({"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
 
+    async def _after_round(self, done: int) -> None:
+        """After the last fragment's round closed (every fragment has closed ``done`` rounds): evaluate, report,
+        checkpoint."""
+        if done % self.cfg.eval_every == 0:
+            loss = await asyncio.to_thread(tasks.evaluate, self.task, self.model)
+            if loss is None:  # a task without evaluate(): the mean training loss of the round
+                loss = self._round_loss()
+            if loss is not None:
+                self.losses.append((self.step, round(loss, 5)))
+                await self._report(loss)
+        if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
+            await asyncio.to_thread(self._save_checkpoint)
+
+    def _round_loss(self) -> float | None:
+        recent = [x for x in self._recent_losses if math.isfinite(x)]
+        self._recent_losses.clear()
+        return sum(recent) / len(recent) if recent else None
+
     def _inner_step(self) -> None:
         self.model.train()
-        batch = tinylm.batch_at(self.data, self.step, self.cfg.batch, self.model.ctx)
-        loss = self.model.loss(batch)
+        batch = tasks.to_device(next(self.data), self.device)
+        loss = tasks.loss_value(self.task, self.model, batch)
         self.inner_opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            # this peer's training went wrong: no backward, no step, and our updates are withheld until a round
+            # closes and gives us the global weights back
+            self.counters["nonfinite_loss"] += 1
+            for p in range(self.cfg.fragments):
+                self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
+            if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
+                logger.warning("diloco: the loss of %s is %s at step %d (%d so far); skipping the step and "
+                               "withholding our update", self.task.spec, value, self.step,
+                               self.counters["nonfinite_loss"])
+            return
         loss.backward()
         self.inner_opt.step()
-        self.model.eval()
+        self.train_loss = value
+        self._recent_losses.append(value)
 
     # ------------------------------------------------------------------ sending and closing a round
     def _send_update(self, p: int, r: int) -> None:
         if r < self.join_round.get(p, 0):
             return  # a late joiner follows this round without contributing
         local = outer.flatten([self.params[i] for i in self.frag_index[p]])
+        if p not in self.skipped and not bool(torch.isfinite(local).all()):
+            self.skipped[p] = "our weights are not finite"
+        if p in self.skipped:
+            self.counters["updates_withheld"] += 1
+            logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
+            return
         delta = self.global_flat[p] - local
         payload = self.codec.encode(delta).to_wire()
         blob = self.bulk.put(payload, codec=self.cfg.codec, topic=self.topic, round=r, fragment=p)
@@ -213,7 +287,7 @@ class DilocoLoop:
         self.counters["updates_sent"] += 1
 
     def _publish(self, body: dict) -> None:
-        self.gossip.publish(self.topic, msgpack.packb(body, use_bin_type=True))
+        self.gossip.publish(self.topic, msgpack.packb(self._tag(body), use_bin_type=True))
 
     async def _close_round(self, p: int, r: int) -> None:
         key = (r, p)
@@ -241,7 +315,9 @@ class DilocoLoop:
             self.global_flat[p] = self.global_flat[p] + 1e-3
             self._corrupt_at = None
         local = outer.flatten([self.params[i] for i in self.frag_index[p]])
-        merged = outer.mix(local, self.global_flat[p], self.cfg.alpha)
+        # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
+        alpha = 0.0 if self.skipped.pop(p, None) or not bool(torch.isfinite(local).all()) else self.cfg.alpha
+        merged = outer.mix(local, self.global_flat[p], alpha)
         with torch.no_grad():
             outer.unflatten_into(merged, [self.params[i] for i in self.frag_index[p]])
         self.participants[p] = participants
@@ -289,19 +365,22 @@ class DilocoLoop:
 
     # ------------------------------------------------------------------ start, checkpoints
     async def _start_barrier(self) -> None:
+        """Start together with the peers that hold the same weights (the task's initial ones, or the same saved
+        round), or join a run that has moved past our weights through a peer's checkpoint."""
         me = self._ctx.identity.peer_id
         self.state = "waiting for peers"
-        base = self.global_hash()
         grace, announced = None, 0.0
         while True:
-            started = {a for hashes in self.round_hashes.values() for a in hashes}
-            if started:  # rounds have closed without us: take a checkpoint and join
-                await self._join_from_checkpoint(sorted(started))
+            ahead = {a for (r, p), hashes in self.round_hashes.items() if r >= self.rounds_done[p] for a in hashes}
+            if ahead:  # rounds we have not closed have closed without us: take a checkpoint and join
+                await self._join_from_checkpoint(sorted(ahead))
                 return
+            base = self.global_hash()
             if time.monotonic() - announced > 1.0:
                 self._publish({"r": 0, "p": 0, "ready": base})
                 announced = time.monotonic()
             ready = {p for p, h in self.ready.items() if h == base} | {me}
+            self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
                 grace = grace or time.monotonic() + 1.0
                 if time.monotonic() >= grace:
@@ -309,6 +388,61 @@ class DilocoLoop:
                     self.state = "running"
                     return
             await asyncio.sleep(0.1)
+
+    # ------------------------------------------------------------------ our own checkpoint (the data dir)
+    def _global_state(self) -> dict[str, torch.Tensor]:
+        """The model's state dict with the global weights in place of our local trainable parameters."""
+        tensors = self._model_tensors(self.model)
+        for p, frag in enumerate(self.frag_index):
+            offset = 0
+            for i in frag:
+                param = self.params[i]
+                n = param.numel()
+                tensors["model." + self.names[i]] = self.global_flat[p][offset:offset + n].view(param.shape) \
+                    .to(param.dtype).clone()
+                offset += n
+        return tensors
+
+    def _save_checkpoint(self) -> None:
+        tensors = self._global_state()
+        tensors.update({f"outer.{p}": b for p, b in enumerate(self.outer_opt.buffers)})
+        h = self.global_hash()
+        self._save(tensors, round=self.rounds_done[-1], rounds_done=list(self.rounds_done), step=self.step, hash=h,
+                   participants={str(p): sorted(v) for p, v in self.participants.items()})
+        self.counters["checkpoints_saved"] += 1
+
+    def _resume_own(self) -> None:
+        """Continue from our own checkpoint of this run (if any, of this task, and intact). The start barrier then
+        checks it against the swarm: peers at the same round start with us; a swarm that is further along (or
+        published another hash for that round) sends us to a peer's checkpoint instead."""
+        found = self._own_checkpoint()
+        if found is None:
+            return
+        tensors, meta = found
+        try:
+            global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
+                           for frag in self.frag_index]
+            momentum = [tensors[f"outer.{p}"].to(torch.float32) for p in range(self.cfg.fragments)]
+            if outer.params_hash(global_flat) != meta["hash"]:
+                raise ValueError("its weights do not match the hash it was saved with")
+            if [m.numel() for m in momentum] != [g.numel() for g in global_flat]:
+                raise ValueError("its outer momentum has the wrong size")
+        except (KeyError, ValueError, RuntimeError) as e:
+            logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
+            return
+        self.global_flat = global_flat
+        self.outer_opt.buffers = momentum
+        with torch.no_grad():
+            for p, frag in enumerate(self.frag_index):
+                outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
+        self.rounds_done = list(meta["rounds_done"])
+        self.step = int(meta["step"])
+        self.participants = {int(p): set(v) for p, v in meta.get("participants", {}).items()}
+        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"]}
+        self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
+                      "hash": meta["hash"]}
+        logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)", self.cfg.run,
+                    meta["round"], self.step, meta["hash"])
 
     def _checkpoint(self) -> bytes:
         none = codecs.get("none")
@@ -374,6 +508,8 @@ class DilocoLoop:
                 self.join_round[p] = self.rounds_done[p] + 1
                 self._publish({"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
+            self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
+                            "hash": ckpt["global_hash"]}
             self.state = "running"
             logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
                         ckpt["global_hash"])
@@ -388,8 +524,11 @@ class DilocoLoop:
             return Verdict.REJECT
         if not isinstance(body, dict) or type(body.get("r")) is not int or type(body.get("p")) is not int:
             return Verdict.REJECT
+        foreign = self._foreign(message.author, body)
+        if foreign is not None:
+            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
         r, p = body["r"], body["p"]
-        if not 0 <= p < self.cfg.fragments or not 0 <= r <= self.cfg.rounds + 1:
+        if not 0 <= p < self.cfg.fragments or not 0 <= r <= (self.cfg.rounds + 1 if self.cfg.rounds else 2**31):
             return Verdict.REJECT
         keys = set(body)
         if keys == {"r", "p", "ready"} and isinstance(body["ready"], str):
@@ -425,7 +564,8 @@ class DilocoLoop:
             return
         try:
             await self._ctx.replicator.write("progress", {
-                "step": self.step, "samples": self.step * self.cfg.batch, "loss": float(loss),
+                "step": self.step, "samples": self.step * int(getattr(self.task.obj, "batch", 1) or 1),
+                "loss": float(loss),
                 "bytes": int(self.counters["bytes_sent"]), "round": int(self.counters["rounds"])})
         except ValueError as e:
             logger.warning("could not record diloco progress: %s", e)
@@ -433,9 +573,15 @@ class DilocoLoop:
     # ------------------------------------------------------------------ views
     def status(self) -> dict:
         wall = (time.monotonic() - self.started) if self.started else 0.0
+        rounds_done = getattr(self, "rounds_done", None)
         return {
             "run": self.cfg.run,
             "state": self.state,
+            "round": rounds_done[-1] if rounds_done else 0,
+            "total_rounds": self.cfg.rounds,
+            "train_loss": None if self.train_loss is None else round(self.train_loss, 5),
+            "withheld": {str(p): why for p, why in self.skipped.items()},
+            **self._task_status(),
             "step": self.step,
             "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
             "final_hash": self.final_hash,

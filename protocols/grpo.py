@@ -43,29 +43,72 @@ def tokenizable(text: str) -> bool:
 
 
 class Policy:
+    """A tiny character-level transformer policy. By default it reads and writes the arithmetic task's alphabet
+    (prompts of ``PROMPT_LEN`` characters, completions of ``answer_len``); for other tasks: ``alphabet`` (characters
+    outside it read as ``unknown``), ``prompt_len`` (longer prompts keep their tail, shorter ones are left-padded),
+    ``answer_chars`` (the characters a completion may use: the sampling distribution is restricted to them) and
+    ``eos`` (a completion may end early: shorter completions end with an end-of-text token)."""
+
     def __init__(self, seed: int, d: int = 64, layers: int = 2, heads: int = 4, lr: float = 1e-3,
-                 eps_low: float = 0.2, eps_high: float = 0.28, epochs: int = 1):
-        torch.manual_seed(seed)
-        self.model = TinyGPT(vocab=len(ALPHABET), d=d, layers=layers, heads=heads, ctx=PROMPT_LEN + MAX_COMPLETION)
+                 eps_low: float = 0.2, eps_high: float = 0.28, epochs: int = 1, *, alphabet: str = ALPHABET,
+                 prompt_len: int = PROMPT_LEN, answer_len: int = arith.ANSWER_LEN, answer_chars: str | None = None,
+                 eos: bool = False, unknown: str | None = None, device: str | torch.device = "cpu"):
+        self.alphabet, self.prompt_len, self.answer_len, self.eos = alphabet, prompt_len, answer_len, eos
+        self.stoi = {c: i for i, c in enumerate(alphabet)}
+        self.eos_id = len(alphabet) if eos else None
+        vocab = len(alphabet) + int(eos)
+        self.unknown = self.stoi[unknown] if unknown is not None else None
+        self.device = torch.device(device)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            self.model = TinyGPT(vocab=vocab, d=d, layers=layers, heads=heads,
+                                 ctx=prompt_len + answer_len + int(eos)).to(self.device)
+        self.allowed = None
+        if answer_chars is not None:
+            # a large finite offset, not -inf: prompt positions (never sampled) keep finite log-probs and gradients
+            self.allowed = torch.full((vocab,), -1e4, device=self.device)
+            self.allowed[[self.stoi[c] for c in answer_chars] + ([self.eos_id] if eos else [])] = 0.0
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr)
         self.generator = torch.Generator().manual_seed(seed + 1)
         self.eps_low, self.eps_high, self.epochs = eps_low, eps_high, epochs
 
+    def _prompt_ids(self, prompt: str) -> list[int]:
+        ids = [self.stoi.get(c, self.unknown) for c in prompt[-self.prompt_len:]]
+        if any(i is None for i in ids):
+            raise ValueError(f"prompt {prompt!r} has characters outside the policy's alphabet")
+        pad = self.stoi.get(" ", 0)
+        return [pad] * (self.prompt_len - len(ids)) + ids
+
+    def _completion_ids(self, text: str) -> list[int]:
+        ids = [self.stoi[c] for c in text]
+        return ids + [self.eos_id] if self.eos and len(text) < self.answer_len else ids
+
+    def _logits(self, idx: torch.Tensor) -> torch.Tensor:
+        logits = self.model(idx)
+        return logits + self.allowed if self.allowed is not None else logits
+
     @torch.no_grad()
-    def generate(self, prompts: list[str], g: int, length: int = arith.ANSWER_LEN,
+    def generate(self, prompts: list[str], g: int, length: int | None = None,
                  temperature: float = 1.0) -> list[list[str]]:
-        """``g`` sampled completions of ``length`` characters for each prompt."""
+        """``g`` sampled completions of up to ``length`` characters for each prompt."""
         self.model.eval()
-        idx = torch.tensor([[STOI[c] for c in p] for p in prompts], dtype=torch.long).repeat_interleave(g, 0)
+        length = self.answer_len if length is None else length
+        idx = torch.tensor([self._prompt_ids(p) for p in prompts], dtype=torch.long).repeat_interleave(g, 0)
+        idx = idx.to(self.device)
         for _ in range(length):
-            logits = self.model(idx)[:, -1, :] / temperature
-            nxt = torch.multinomial(F.softmax(logits, -1), 1, generator=self.generator)
+            logits = self._logits(idx)[:, -1, :] / temperature
+            probs = F.softmax(logits.float(), -1).cpu()
+            nxt = torch.multinomial(probs, 1, generator=self.generator).to(self.device)
             idx = torch.cat([idx, nxt], 1)
-        texts = ["".join(ALPHABET[t] for t in row[PROMPT_LEN:].tolist()) for row in idx]
+        texts = []
+        for row in idx[:, self.prompt_len:].tolist():
+            if self.eos_id is not None and self.eos_id in row:
+                row = row[:row.index(self.eos_id)]
+            texts.append("".join(self.alphabet[t] for t in row))
         return [texts[i * g:(i + 1) * g] for i in range(len(prompts))]
 
     def _logprobs(self, idx: torch.Tensor) -> torch.Tensor:
-        logits = self.model(idx[:, :-1])
+        logits = self._logits(idx[:, :-1])
         return torch.gather(F.log_softmax(logits, -1), 2, idx[:, 1:, None])[..., 0]
 
     def step(self, groups: list[Group]) -> dict:
@@ -75,18 +118,20 @@ class Policy:
             return {"groups": 0, "loss": 0.0}
         rows, advs, lens = [], [], []
         for grp in groups:
-            r = torch.tensor(grp.rewards)
+            r = torch.tensor(grp.rewards, dtype=torch.float32)
             a = (r - r.mean()) / (r.std(unbiased=False) + 1e-8)
             for text, adv in zip(grp.completions, a.tolist()):
-                rows.append([STOI[c] for c in grp.prompt + text])
+                completion = self._completion_ids(text)
+                rows.append(self._prompt_ids(grp.prompt) + completion)
                 advs.append(adv)
-                lens.append(len(text))
+                lens.append(len(completion))
         width = max(len(r) for r in rows)
-        idx = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long)
-        # completion tokens are predicted at positions PROMPT_LEN-1 .. PROMPT_LEN+len-2 of the shifted sequence
-        pos = torch.arange(width - 1)[None, :]
-        mask = ((pos >= PROMPT_LEN - 1) & (pos < PROMPT_LEN - 1 + torch.tensor(lens)[:, None])).float()
-        adv = torch.tensor(advs)[:, None]
+        idx = torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.long, device=self.device)
+        # completion tokens are predicted at positions prompt_len-1 .. prompt_len+len-2 of the shifted sequence
+        pos = torch.arange(width - 1, device=self.device)[None, :]
+        start = self.prompt_len - 1
+        mask = ((pos >= start) & (pos < start + torch.tensor(lens, device=self.device)[:, None])).float()
+        adv = torch.tensor(advs, device=self.device)[:, None]
         self.model.eval()  # no dropout in TinyGPT; eval keeps old and new log-probs comparable
         with torch.no_grad():
             old = self._logprobs(idx)

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import hashlib
 import logging
+import math
 import random
 import time
 
@@ -36,15 +37,18 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from node.services import NodeContext
-from protocols import arith, outer
+from protocols import outer
+from protocols import task as tasks
 from protocols.gossip import Gossip, Message, Verdict
-from protocols.grpo import MAX_COMPLETION, Group, Policy, tokenizable
+from protocols.grpo import Group
+from protocols.task import Task, TaskError
+from protocols.taskloop import TaskLoop
 
 logger = logging.getLogger(__name__)
 
 MAX_ITEMS = 64  # questions per message
 MAX_COMPLETIONS = 32  # completions per question
-MAX_MESSAGE = 8 * 1024 + MAX_ITEMS * (48 + MAX_COMPLETIONS * (MAX_COMPLETION + 2))
+MAX_COMPLETION_CHARS = 1024  # the most a task may allow (its max_completion)
 HISTORY = 5000  # per-round records kept (for /sapo/history)
 
 
@@ -61,19 +65,17 @@ def policy_seed(seed: int, peer_id: str) -> int:
 class SapoConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     run: str = Field("sapo-demo", pattern=r"^[A-Za-z0-9._-]{1,64}$")
+    task: str = "arith"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
+    task_options: dict = {}  # keyword arguments of the task's factory (the built-ins': the policy's size, lr, ...)
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    checkpoint_every: int = Field(50, ge=0)  # rounds between checkpoints of the policy (0: only at the end)
     seed: int = Field(1, ge=0)
-    rounds: int = Field(300, ge=1, le=10_000_000)
+    rounds: int = Field(300, ge=0, le=10_000_000)  # 0: until stopped
     questions: int = Field(8, ge=1, le=MAX_ITEMS)  # sampled per round
     completions: int = Field(8, ge=2, le=MAX_COMPLETIONS)  # G, per question
     local: int = Field(4, ge=0)  # I: own groups per update
     external: int = Field(4, ge=0)  # J: groups from other peers per update (0: the no-sharing baseline)
     max_per_source: int = Field(2, ge=1)  # external groups from any one peer per update
-    d: int = Field(64, ge=8, le=1024)
-    layers: int = Field(2, ge=1, le=12)
-    heads: int = Field(4, ge=1, le=16)
-    lr: float = Field(1e-3, gt=0)
-    epochs: int = Field(1, ge=1, le=8)  # GRPO epochs per update (the clipping matters from the second on)
-    temperature: float = Field(1.0, gt=0)
     min_peers: int = Field(1, ge=1)  # wait for this many peers (us included) before round 0
     deadline: float = Field(5.0, gt=0)  # seconds to wait for a round's items from the last round's peers
     report_every: int = Field(5, ge=1)  # rounds between writes to the replicated progress register
@@ -85,13 +87,38 @@ class SapoConfig(BaseModel):
             raise ValueError(f"local ({self.local}) cannot exceed questions per round ({self.questions})")
         if self.local + self.external < 1:
             raise ValueError("local + external must be at least 1")
-        if self.d % self.heads:
-            raise ValueError(f"d ({self.d}) must be a multiple of heads ({self.heads})")
         return self
 
+    def options(self) -> dict:
+        return dict(self.task_options)
 
-def parse_items(body: object, *, run: str, seed: int, author: str) -> tuple[int, list[tuple[int, list[str]]]]:
-    """Check a rollout message from the wire; returns ``(round, [(index, completions), ...])``.
+    def shared(self) -> dict:
+        """The settings every peer of a run must share (part of the run's fingerprint); the policy is each
+        peer's own."""
+        return self.model_dump(include={"run", "seed", "rounds", "questions", "completions"})
+
+
+def _printable(text: str) -> bool:
+    return text.isascii() and text.isprintable()
+
+
+class Rules:
+    """What a rollout message of this run may hold: the task's datasets, completion length and alphabet."""
+
+    def __init__(self, task: Task, cfg: SapoConfig):
+        self.datasets = frozenset(task.obj.datasets)
+        self.max_completion = int(getattr(task.obj, "max_completion", None) or 64)
+        if not 1 <= self.max_completion <= MAX_COMPLETION_CHARS:
+            raise TaskError(f"task {task.spec}: max_completion must be 1..{MAX_COMPLETION_CHARS}")
+        valid = getattr(task.obj, "valid_completion", None)
+        self.valid = valid if valid is not None else _printable
+        self.questions, self.completions = cfg.questions, cfg.completions
+        self.max_message = 8 * 1024 + cfg.questions * (96 + cfg.completions * (4 * self.max_completion + 5))
+
+
+def parse_items(body: object, *, run: str, seed: int, author: str, rules: Rules
+                ) -> tuple[int, list[tuple[str, int, list[str]]]]:
+    """Check a rollout message from the wire; returns ``(round, [(dataset, index, completions), ...])``.
 
     Raises ValueError (with the reason) on anything malformed, oversized or forged."""
     if not isinstance(body, dict) or set(body) != {"r", "items"}:
@@ -99,43 +126,64 @@ def parse_items(body: object, *, run: str, seed: int, author: str) -> tuple[int,
     r, items = body["r"], body["items"]
     if type(r) is not int or r < 0:
         raise ValueError("bad round")
-    if not isinstance(items, list) or not 0 < len(items) <= MAX_ITEMS:
-        raise ValueError("items must be a list of 1..64")
+    if not isinstance(items, list) or not 0 < len(items) <= rules.questions:
+        raise ValueError(f"items must be a list of 1..{rules.questions}")
     expected_seed = question_seed(run, seed, author, r)
     out, seen = [], set()
     for item in items:
         if not isinstance(item, dict) or set(item) != {"spec", "comps"}:
             raise ValueError("an item must have exactly spec and comps")
-        q_seed, index = arith.check_spec(item["spec"])
+        spec = item["spec"]
+        if not (isinstance(spec, list) and len(spec) == 3 and spec[0] in rules.datasets and type(spec[1]) is int
+                and type(spec[2]) is int and 0 <= spec[2] < MAX_ITEMS):
+            raise ValueError("a spec must be [one of the run's datasets, seed, index < 64]")
+        dataset, q_seed, index = spec
         if q_seed != expected_seed:
             raise ValueError("a spec that is not the author's for this round")
         if index in seen:
             raise ValueError("duplicate item")
         seen.add(index)
         comps = item["comps"]
-        if not isinstance(comps, list) or not 2 <= len(comps) <= MAX_COMPLETIONS:
-            raise ValueError("comps must be a list of 2..32")
+        if not isinstance(comps, list) or not 2 <= len(comps) <= rules.completions:
+            raise ValueError(f"comps must be a list of 2..{rules.completions}")
         for c in comps:
-            if not isinstance(c, str) or not 0 < len(c) <= MAX_COMPLETION or not tokenizable(c):
+            if not isinstance(c, str) or len(c) > rules.max_completion or not rules.valid(c):
                 raise ValueError("a completion is too long or outside the task's alphabet")
-        out.append((index, comps))
+        out.append((dataset, index, comps))
     return r, out
 
 
-def score(q_seed: int, index: int, comps: list[str]) -> Group:
+def question(task: Task, dataset: str, q_seed: int, index: int):
+    q = task.call("question", dataset, q_seed, index)
+    if not isinstance(getattr(q, "prompt", None), str):
+        raise TaskError(f"{task.where('question')} returned {type(q).__name__} without a text .prompt")
+    return q
+
+
+def score(task: Task, dataset: str, q_seed: int, index: int, comps: list[str]) -> Group:
     """Regenerate the question from its spec and score the completions with our verifier."""
-    q = arith.question(q_seed, index)
-    return Group(q.prompt, comps, [arith.reward(q, c) for c in comps])
+    q = question(task, dataset, q_seed, index)
+    return Group(q.prompt, comps, [reward(task, q, c) for c in comps])
 
 
-class SapoLoop:
+def reward(task: Task, q, completion: str) -> float:
+    value = task.call("score", q, completion)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise TaskError(f"{task.where('score')} returned {value!r}, expected a float in [0, 1]")
+    return float(value)
+
+
+class SapoLoop(TaskLoop):
     """The loop as a node service (see the module docstring)."""
 
     name = "sapo"
 
-    def __init__(self, gossip: Gossip, config: SapoConfig):
+    def __init__(self, gossip: Gossip, config: SapoConfig, task: Task):
         self.gossip = gossip
         self.cfg = config
+        self._init_task(task)
+        self.rules = Rules(task, config)
+        self.fp = tasks.fingerprint(task, config.shared(), None)
         self.topic = f"sapo/{config.run}"
         self.inbox: dict[int, dict[str, list]] = collections.defaultdict(dict)  # round -> author -> items
         self.used: set[tuple[int, str]] = set()  # (round, author) whose items were drawn from already
@@ -150,55 +198,147 @@ class SapoLoop:
         self._arrived = asyncio.Event()
         self._participants: set[str] = set()
         self._ctx: NodeContext | None = None
-        self.policy: Policy | None = None
+        self.policy = None
+        self.model: torch.nn.Module | None = None
+        self.last_loss: float | None = None
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        self.gossip.subscribe(self.topic, max_size=MAX_MESSAGE, validator=self._validate, queue_size=0)
+        self.gossip.subscribe(self.topic, max_size=self.rules.max_message, validator=self._validate,
+                              queue_size=0)
 
     async def close(self) -> None:
         pass
 
     async def run(self) -> None:
+        await self._guarded(self._run)
+
+    def _build(self, seed: int) -> None:
+        self._setup_device()
+        make = self.task.obj.policy
+        kwargs = {"device": str(self.device)} if tasks.accepts(make, "device") else {}
+        with tasks.seeded(seed):
+            self.policy = self.task.call("policy", seed, **kwargs)
+        for method in ("generate", "step"):
+            if not callable(getattr(self.policy, method, None)):
+                raise TaskError(f"{self.task.where('policy')} returned an object without {method}()")
+        model = getattr(self.policy, "model", None)
+        self.model = model if isinstance(model, torch.nn.Module) else None
+
+    async def _run(self) -> None:
         torch.set_num_threads(1)
         cfg, me = self.cfg, self._ctx.identity.peer_id
         seed = cfg.policy_seed if cfg.policy_seed is not None else policy_seed(cfg.seed, me)
-        self.policy = Policy(seed, d=cfg.d, layers=cfg.layers, heads=cfg.heads, lr=cfg.lr, epochs=cfg.epochs)
+        self.state = "building the policy"
+        await asyncio.to_thread(self._build, seed)
+        self._resume_own()
         rng = random.Random(seed)
-        await self._wait_for_peers()
-        while self.round < cfg.rounds:
+        rounds = cfg.rounds or float("inf")
+        if self.round < rounds:
+            await self._wait_for_peers()
+        datasets = list(self.task.obj.datasets)
+        while self.round < rounds:
             r = self.round
             q_seed = question_seed(cfg.run, cfg.seed, me, r)
-            questions = [arith.question(q_seed, k) for k in range(cfg.questions)]
-            comps = await asyncio.to_thread(self.policy.generate, [q.prompt for q in questions], cfg.completions,
-                                            temperature=cfg.temperature)
-            own = [Group(q.prompt, c, [arith.reward(q, x) for x in c]) for q, c in zip(questions, comps)]
+            specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
+            questions = [question(self.task, d, q_seed, k) for d, k in specs]
+            comps = await asyncio.to_thread(self._generate, [q.prompt for q in questions])
+            own = [Group(q.prompt, c, [reward(self.task, q, x) for x in c]) for q, c in zip(questions, comps)]
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
-            self._publish(r, q_seed, comps)  # a silo (J = 0) shares too: others may learn from it
+            self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
             await self._close_round(r)
             external, ext_reward = self._draw_external(r, rng)
             local = rng.sample(own, cfg.local)
-            step = await asyncio.to_thread(self.policy.step, local + external)
+            step = await asyncio.to_thread(self._step, local + external)
             self.cumulative_reward += own_reward
             self.counters["items_used_local"] += sum(g.informative for g in local)
             self.counters["items_used_external"] += len(external)
             self.counters["rounds_trained"] += step["groups"] > 0
+            self.last_loss = step["loss"]
             self.history.append([r, round(own_reward, 4), None if ext_reward is None else round(ext_reward, 4),
                                  len(external), step["groups"]])
             self.round = r + 1
             if self.round % cfg.report_every == 0 or self.round == cfg.rounds:
                 await self._report_progress(step["loss"], own_reward, ext_reward)
+            if cfg.checkpoint_every and self.round % cfg.checkpoint_every == 0:
+                await asyncio.to_thread(self._save_checkpoint)
+        if self.saved is None or self.saved.get("round") != self.round:
+            await asyncio.to_thread(self._save_checkpoint)
         self.state = "done"
         logger.info("sapo run %s done after %d rounds: cumulative reward %.3f", cfg.run, cfg.rounds,
                     self.cumulative_reward)
         await asyncio.Event().wait()
 
+    def _generate(self, prompts: list[str]) -> list[list[str]]:
+        try:
+            out = self.policy.generate(prompts, self.cfg.completions)
+        except Exception as e:
+            raise TaskError(f"task {self.task.spec}: policy.generate() raised {type(e).__name__}: {e}") from e
+        if not (isinstance(out, list) and len(out) == len(prompts) and all(
+                isinstance(c, list) and len(c) == self.cfg.completions and all(isinstance(x, str) for x in c)
+                for c in out)):
+            raise TaskError(f"task {self.task.spec}: policy.generate() must return {len(prompts)} lists of "
+                            f"{self.cfg.completions} strings")
+        # what we share must pass our own wire rules (and everyone else's): clip and filter like a receiver would
+        return [[x[:self.rules.max_completion] if self.rules.valid(x[:self.rules.max_completion]) else ""
+                 for x in c] for c in out]
+
+    def _step(self, groups: list[Group]) -> dict:
+        """One policy update; a non-finite loss or weights afterwards undo it (and say so)."""
+        backup = {k: v.detach().clone() for k, v in self.model.state_dict().items()} if self.model is not None \
+            else None
+        try:
+            result = self.policy.step(groups)
+        except Exception as e:
+            raise TaskError(f"task {self.task.spec}: policy.step() raised {type(e).__name__}: {e}") from e
+        loss = float(result.get("loss", 0.0)) if isinstance(result, dict) else float("nan")
+        groups_used = int(result.get("groups", len(groups))) if isinstance(result, dict) else 0
+        broken = not math.isfinite(loss) or (self.model is not None and not all(
+            bool(torch.isfinite(p).all()) for p in self.model.parameters()))
+        if broken:
+            self.counters["nonfinite_loss"] += 1
+            if backup is not None:
+                self.model.load_state_dict(backup)
+            if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
+                logger.warning("sapo: the policy update of %s gave a non-finite loss or weights at round %d (%d "
+                               "so far); undone", self.task.spec, self.round, self.counters["nonfinite_loss"])
+            return {"groups": 0, "loss": 0.0}
+        return {"groups": groups_used, "loss": loss}
+
+    # ------------------------------------------------------------------ our own checkpoint (the data dir)
+    def _save_checkpoint(self) -> None:
+        if self.model is None:
+            return
+        self._save(self._model_tensors(self.model), round=self.round, step=self.round,
+                   cumulative_reward=self.cumulative_reward)
+        self.counters["checkpoints_saved"] += 1
+
+    def _resume_own(self) -> None:
+        if self.model is None:
+            return
+        found = self._own_checkpoint()
+        if found is None:
+            return
+        tensors, meta = found
+        from protocols.checkpoint import model_state
+
+        try:
+            self.model.load_state_dict(model_state(tensors))
+        except (RuntimeError, KeyError) as e:
+            logger.warning("sapo: ignoring our checkpoint %s: another policy (%s)", self._checkpoint_path(),
+                           str(e).splitlines()[0])
+            return
+        self.round = self.joined_at = int(meta["round"])
+        self.cumulative_reward = float(meta.get("cumulative_reward", 0.0))
+        self.resumed = {"source": "own checkpoint", "round": self.round, "step": self.round}
+        self.saved = {"path": str(self._checkpoint_path()), "round": self.round, "step": self.round}
+        logger.info("sapo: resuming run %s from our checkpoint at round %d", self.cfg.run, self.round)
+
     # ------------------------------------------------------------------ rounds
-    def _publish(self, r: int, q_seed: int, comps: list[list[str]]) -> None:
-        spec = [arith.GENERATOR, arith.VERSION, q_seed]
-        body = {"r": r, "items": [{"spec": spec + [k], "comps": c} for k, c in enumerate(comps)]}
-        mid = self.gossip.publish(self.topic, msgpack.packb(body, use_bin_type=True))
+    def _publish(self, r: int, q_seed: int, specs: list[tuple[str, int]], comps: list[list[str]]) -> None:
+        body = {"r": r, "items": [{"spec": [d, q_seed, k], "comps": c} for (d, k), c in zip(specs, comps)]}
+        mid = self.gossip.publish(self.topic, msgpack.packb(self._tag(body), use_bin_type=True))
         self.counters["items_shared"] += len(comps)
         self.counters["messages_published"] += 1
         self.counters["wire_bytes_published"] += len(msgpack.packb([3, self.gossip.cache[mid].wire()],
@@ -211,14 +351,15 @@ class SapoLoop:
         grace_until, announced = None, 0.0
         while True:
             if time.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
-                self.gossip.publish(self.topic, msgpack.packb({"r": 0, "ready": True}))
+                self.gossip.publish(self.topic, msgpack.packb(self._tag({"r": 0, "ready": True})))
                 announced = time.monotonic()
-            live = [r for r, authors in self.inbox.items() if r > 0 and authors]
+            live = [r for r, authors in self.inbox.items() if r > max(self.round, 0) and authors]
             if live:
-                self.round = self.joined_at = min(max(live), self.cfg.rounds - 1)
+                self.round = self.joined_at = min(max(live), self.cfg.rounds - 1) if self.cfg.rounds else max(live)
                 self._participants = set(self.inbox[self.round])
                 logger.info("sapo: the run began without us; joining at round %d", self.round)
                 break
+            self._check_refusal(len(self.ready))
             if len(self.ready) + 1 >= self.cfg.min_peers:
                 grace_until = grace_until or time.monotonic() + 1.0
                 if time.monotonic() >= grace_until:
@@ -251,8 +392,8 @@ class SapoLoop:
                 self.used.add((rr, author))
                 q_seed = question_seed(self.cfg.run, self.cfg.seed, author, rr)
                 source = self._source(author)
-                for index, comps in items:
-                    group = score(q_seed, index, comps)
+                for dataset, index, comps in items:
+                    group = score(self.task, dataset, q_seed, index, comps)
                     self.counters["external_items_scored"] += 1
                     source[0] += 1
                     source[1] += len(group.rewards)
@@ -309,18 +450,25 @@ class SapoLoop:
         except Exception:
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT
-        if isinstance(body, dict) and set(body) == {"r", "ready"}:
+        if not isinstance(body, dict):
+            self.counters["rejected_malformed"] += 1
+            return Verdict.REJECT
+        foreign = self._foreign(message.author, body)
+        if foreign is not None:
+            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        if set(body) == {"r", "ready"}:
             if body["ready"] is not True or body["r"] != 0:
                 return Verdict.REJECT
             self.ready.add(message.author)
             return Verdict.ACCEPT
         try:
-            r, items = parse_items(body, run=self.cfg.run, seed=self.cfg.seed, author=message.author)
+            r, items = parse_items(body, run=self.cfg.run, seed=self.cfg.seed, author=message.author,
+                                   rules=self.rules)
         except ValueError as e:
             self.counters["rejected_malformed"] += 1
             logger.debug("sapo: rejected items from %s: %s", message.author, e)
             return Verdict.REJECT
-        if r >= self.cfg.rounds or (self.state == "running" and r > self.round + 4):
+        if (self.cfg.rounds and r >= self.cfg.rounds) or (self.state == "running" and r > self.round + 4):
             self.counters["rejected_future"] += 1
             return Verdict.REJECT  # far ahead of the swarm we run with: flooding rounds
         if r < self.round - 1:
@@ -345,9 +493,12 @@ class SapoLoop:
             "state": self.state,
             "round": self.round,
             "rounds": self.cfg.rounds,
+            "total_rounds": self.cfg.rounds,
             "joined_at": self.joined_at,
             "local_external": [self.cfg.local, self.cfg.external],
-            "policy": {"d": self.cfg.d, "layers": self.cfg.layers, "heads": self.cfg.heads},
+            "last_loss": self.last_loss,
+            "policy_parameters": sum(p.numel() for p in self.model.parameters()) if self.model is not None else None,
+            **self._task_status(),
             "cumulative_reward": round(self.cumulative_reward, 4),
             "reward_last50": round(sum(own) / len(own), 4) if own else None,
             "external_reward_last50": round(sum(ext) / len(ext), 4) if ext else None,

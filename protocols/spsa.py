@@ -35,11 +35,14 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from node.services import NodeContext
-from protocols import outer, tinylm
+from protocols import outer
+from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, _decode
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from protocols.task import Task, TaskError
+from protocols.taskloop import TaskLoop
 from transport.framing import ProtocolSpec
 from transport.identity import verify
 
@@ -74,28 +77,28 @@ def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
 
 
 class Weights:
-    """Canonical fp32 weights of a model, and the model used to evaluate them."""
+    """Canonical fp32 weights of the perturbed parameters of a model, and the loss that probes them."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, params: list[torch.nn.Parameter] | None = None, loss=None):
         self.model = model
-        self.params = [p for _, p in tinylm.params_in_order(model)]
-        self.canonical = [p.detach().clone() for p in self.params]
+        self.params = params if params is not None else [p for p in model.parameters() if p.requires_grad]
+        self.canonical = [p.detach().to("cpu", torch.float32).clone() for p in self.params]
         self.shapes = [p.shape for p in self.params]
+        self.loss = loss if loss is not None else model.loss
 
     @torch.no_grad()
     def _load(self, offset: list[torch.Tensor] | None, scale: float) -> None:
         for p, c, z in zip(self.params, self.canonical, offset or [None] * len(self.params)):
-            p.copy_(c)
-            if z is not None:
-                p.add_(z, alpha=scale)
+            value = c if z is None else c + scale * z
+            p.copy_(value)  # to the parameter's device and dtype
 
     @torch.no_grad()
-    def probe(self, batch: torch.Tensor, seed: int, eps: float) -> float:
+    def probe(self, batch, seed: int, eps: float) -> float:
         z = perturbation(self.shapes, seed)
         self._load(z, eps)
-        plus = float(self.model.loss(batch))
+        plus = float(self.loss(batch))
         self._load(z, -eps)
-        minus = float(self.model.loss(batch))
+        minus = float(self.loss(batch))
         self._load(None, 0.0)  # restore by copy: bit-exact
         return (plus - minus) / (2 * eps)
 
@@ -119,21 +122,36 @@ class Weights:
 
 
 # ------------------------------------------------------------------ the loop
+# the built-in task's options when the config names none: the tiny GPT pretrained on generated text, fine-tuned on
+# a shifted domain
+DEFAULT_TASK_OPTIONS = {"domain": "target", "pretrain_steps": 200, "seed": 1}
+
+
 class SpsaConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     run: str = Field("spsa-demo", pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    base_seed: int = 1
-    pretrain_steps: int = Field(200, ge=0, le=100_000)
-    steps: int = Field(200, ge=1, le=10_000_000)
+    task: str = "tinygpt"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
+    task_options: dict | None = None  # keyword arguments of the task's factory (default: the built-in's, above)
+    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    checkpoint_every: int = Field(8, ge=0)  # windows between checkpoints (0: only at the end)
+    base_seed: int = 1  # the seed the task's model is built under (every peer builds the same base)
+    steps: int = Field(200, ge=0, le=10**12)  # 0: until stopped
     window: int = Field(96, ge=1, le=4096)  # steps per signed message (and the lag of application)
     eps: float = Field(1e-3, gt=0)
     lr: float = Field(1e-3, gt=0)
     clip: float = Field(100.0, gt=0)
-    batch: int = Field(16, ge=1, le=4096)
     min_peers: int = Field(1, ge=1)  # wait for this many participants (us included) before window 0
     deadline: float = Field(10.0, gt=0)  # seconds to wait for a window's batches after ours is out
     hash_every: int = Field(8, ge=1)  # windows between weight-hash announcements
-    eval_every: int = Field(2, ge=1)  # windows between target-domain evaluations
+    eval_every: int = Field(2, ge=1)  # windows between evaluations
+
+    def options(self) -> dict:
+        return dict(self.task_options) if self.task_options is not None else (
+            dict(DEFAULT_TASK_OPTIONS) if self.task == "tinygpt" else {})
+
+    def shared(self) -> dict:
+        """The settings every peer of a run must share (part of the run's fingerprint)."""
+        return self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip"})
 
 
 @dataclass
@@ -142,7 +160,7 @@ class Window:
     joins: set[str] = field(default_factory=set)  # peers that announced they start contributing at this window
 
 
-class SPSALoop:
+class SPSALoop(TaskLoop):
     """The loop as a node service. Timeline of window w (``window`` steps):
 
     1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
@@ -157,9 +175,10 @@ class SPSALoop:
 
     name = "spsa"
 
-    def __init__(self, gossip: Gossip, config: SpsaConfig):
+    def __init__(self, gossip: Gossip, config: SpsaConfig, task: Task):
         self.gossip = gossip
         self.cfg = config
+        self._init_task(task)
         self.topic = f"spsa/{config.run}"
         self.windows: dict[int, Window] = collections.defaultdict(Window)
         self.applied: dict[int, dict[str, Message]] = {}  # closed windows: author -> batch
@@ -172,6 +191,8 @@ class SPSALoop:
         self.losses: list[tuple[int, float]] = []
         self.weights: Weights | None = None
         self.base_hash: str | None = None
+        self.final = False  # every window applied (the run ended)
+        self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
         self.replay_seconds: float | None = None
         self.state = "starting"
@@ -185,24 +206,53 @@ class SPSALoop:
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        self.gossip.subscribe(self.topic, max_size=64 + self.cfg.window, validator=self._validate, queue_size=0)
+        self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
 
     async def close(self) -> None:
         pass
 
+    def _total(self) -> float:
+        return -(-self.cfg.steps // self.cfg.window) if self.cfg.steps else math.inf
+
+    def _build(self) -> None:
+        self._setup_device()
+        model = tasks.build_model(self.task, self.cfg.base_seed)
+        named = tasks.trainable(model)
+        names = [n for n, _ in named]
+        if self.task.has("perturbed"):
+            chosen = self.task.call("perturbed", model)
+            if not isinstance(chosen, (list, tuple)) or not chosen or any(n not in names for n in chosen):
+                raise TaskError(f"{self.task.where('perturbed')} must return a non-empty list of trainable "
+                                "parameter names")
+            names = [n for n in names if n in set(chosen)]  # the model's order, whatever order it gave
+        model = model.to(self.device).eval()
+        by_name = dict(model.named_parameters())
+        perturbed = [(n, by_name[n]) for n in names]
+        self.fp = tasks.fingerprint(self.task, self.cfg.shared(), perturbed)
+        self.names = names
+        self.weights = Weights(model, [p for _, p in perturbed],
+                               loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
+                                                                                                    self.device)))
+        self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.base_seed)
+
+    def _evaluate(self) -> float | None:
+        return tasks.evaluate(self.task, self.weights.model)
+
     async def run(self) -> None:
+        await self._guarded(self._run)
+
+    async def _run(self) -> None:
         torch.set_num_threads(1)
         self.state = "building base model"
-        model = await asyncio.to_thread(tinylm.pretrain, self.cfg.base_seed, self.cfg.pretrain_steps)
-        self.weights = Weights(model)
+        await asyncio.to_thread(self._build)
         self.base_hash = self.weights.hash()
         self._base = [c.clone() for c in self.weights.canonical]
-        self.target = tinylm.encode_text(tinylm.corpus(self.cfg.base_seed + 7, 100_000, target=True))
-        self.val = tinylm.encode_text(tinylm.corpus(self.cfg.base_seed + 99, 30_000, target=True))
-        await self._start_or_catch_up()
+        self._resume_own()
+        total = self._total()
+        if self.window < total:
+            await self._start_or_catch_up()
         me = self._ctx.identity.peer_id
-        total = -(-self.cfg.steps // self.cfg.window)
         while self.window < total:
             w = self.window
             contribute = w >= self.join_at
@@ -212,11 +262,10 @@ class SPSALoop:
                 if w > 0:
                     self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
                 if contribute:
-                    batch = tinylm.batch_at(self.target, step_seed(self.cfg.run + "/data", step, me), self.cfg.batch,
-                                            self.weights.model.ctx)
+                    batch = next(self.data)
                     g = await asyncio.to_thread(self.weights.probe, batch, step_seed(self.cfg.run, step, me),
                                                 self.cfg.eps)
-                    codes.append(encode_grad(g, self.cfg.clip))
+                    codes.append(self._code(g, step))
             self.my_hashes[w] = self.weights.hash()  # windows < w applied
             if contribute:
                 self._publish({"w": w, "b": bytes(codes)})
@@ -224,26 +273,95 @@ class SPSALoop:
                 self._publish({"w": w, "h": self.my_hashes[w]})
                 self._check_hashes(w)
             if w % self.cfg.eval_every == 0:
-                loss = await asyncio.to_thread(tinylm.evaluate, self.weights.model, self.val, 4, 32)
-                self.losses.append((w * self.cfg.window, round(loss, 5)))
-                await self._report_progress(loss)
+                loss = await asyncio.to_thread(self._evaluate)
+                if loss is not None:
+                    self.losses.append((w * self.cfg.window, round(loss, 5)))
+                    await self._report_progress(loss)
             await self._close_window(w)
             self.window = w + 1
+            if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
+                await asyncio.to_thread(self._save_checkpoint, False)
             if self._resync_from:
                 await self._resync()
-        last = total - 1
-        for i in range(self.cfg.window):
-            self.weights.apply(self.cfg.run, last * self.cfg.window + i, self._bytes_for(last, i), self.cfg.lr)
-        self.losses.append((total * self.cfg.window, round(tinylm.evaluate(self.weights.model, self.val, 4, 32), 5)))
+        if not self.final:
+            last = self.window - 1
+            for i in range(self.cfg.window):
+                self.weights.apply(self.cfg.run, last * self.cfg.window + i, self._bytes_for(last, i), self.cfg.lr)
+            self.final = True
+            loss = await asyncio.to_thread(self._evaluate)
+            if loss is not None:
+                self.losses.append((self.window * self.cfg.window, round(loss, 5)))
+            await asyncio.to_thread(self._save_checkpoint, True)
         self.final_hash = self.weights.hash()
         self.state = "done"
-        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, total * self.cfg.window,
+        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
                     self.final_hash)
         await asyncio.Event().wait()
 
+    def _code(self, g: float, step: int) -> int:
+        if math.isfinite(g):
+            return encode_grad(g, self.cfg.clip)
+        self.counters["nonfinite_loss"] += 1
+        if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
+            logger.warning("spsa: the loss of %s is not finite at step %d (%d so far); sending the smallest "
+                           "step instead of a gradient", self.task.spec, step, self.counters["nonfinite_loss"])
+        return 0
+
+    # ------------------------------------------------------------------ our own checkpoint (the data dir)
+    def _save_checkpoint(self, final: bool) -> None:
+        """The canonical weights (every window before the last closed one applied, or all of them when
+        ``final``), the log of signed batches (for late joiners, and the last window's bytes to apply next)."""
+        tensors = self._model_tensors(self.weights.model)
+        for name, c in zip(self.names, self.weights.canonical):
+            tensors["model." + name] = c.to(tensors["model." + name].dtype).clone()
+        log = msgpack.packb(self.log, use_bin_type=True)
+        tensors["state.log"] = torch.frombuffer(bytearray(log), dtype=torch.uint8) if log else torch.zeros(0,
+                                                                                                     dtype=torch.uint8)
+        h = self.weights.hash()
+        self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final)
+        self.counters["checkpoints_saved"] += 1
+
+    def _resume_own(self) -> None:
+        found = self._own_checkpoint()
+        if found is None:
+            return
+        tensors, meta = found
+        try:
+            canonical = [tensors["model." + n].to(torch.float32) for n in self.names]
+            if [c.shape for c in canonical] != list(self.weights.shapes):
+                raise ValueError("its weights have other shapes")
+            log = msgpack.unpackb(tensors["state.log"].numpy().tobytes(), raw=False) if tensors["state.log"].numel() \
+                else []
+            if not isinstance(log, list) or len(log) != meta["round"]:
+                raise ValueError("its log does not end at its window")
+            saved_hash = meta["hash"]
+        except (KeyError, ValueError, TypeError, msgpack.UnpackException) as e:
+            logger.warning("spsa: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
+            return
+        for c, v in zip(self.weights.canonical, canonical):
+            c.copy_(v)
+        self.weights._load(None, 0.0)
+        if self.weights.hash() != saved_hash:
+            logger.warning("spsa: ignoring our checkpoint %s: its weights do not match their hash",
+                           self._checkpoint_path())
+            for c, b in zip(self.weights.canonical, self._base):
+                c.copy_(b)
+            self.weights._load(None, 0.0)
+            return
+        self.log = log
+        for w, wires in log:
+            self.applied[w] = {m.author: m for m in (_decode(x) for x in wires)}
+        self.window = meta["round"]
+        self.final = bool(meta.get("final"))
+        self.resumed = {"source": "own checkpoint", "round": self.window, "step": meta["step"], "hash": saved_hash}
+        self.saved = {"path": str(self._checkpoint_path()), "round": self.window, "step": meta["step"],
+                      "hash": saved_hash}
+        logger.info("spsa: resuming run %s from our checkpoint at window %d (weights %s)", self.cfg.run,
+                    self.window, saved_hash)
+
     # ------------------------------------------------------------------ windows
     def _publish(self, body: dict) -> None:
-        payload = msgpack.packb(body, use_bin_type=True)
+        payload = msgpack.packb(self._tag(body), use_bin_type=True)
         mid = self.gossip.publish(self.topic, payload)
         # what went on the wire for it: the signed message, framed (counted once, as its author sends it);
         # the one-off start-up messages (ready, join) are counted apart from the per-step traffic
@@ -263,7 +381,8 @@ class SPSALoop:
         steps = self.window * self.cfg.window
         try:
             await self._ctx.replicator.write("progress", {
-                "step": steps, "samples": steps * self.cfg.batch, "loss": float(loss),
+                "step": steps, "samples": steps * int(getattr(self.task.obj, "batch", 1) or 1),
+                "loss": float(loss),
                 "bytes": int(self.counters["step_wire_bytes"]), "round": self.window})
         except ValueError as e:
             logger.warning("could not record spsa progress: %s", e)
@@ -302,16 +421,19 @@ class SPSALoop:
         us, replay the log and join two windows ahead."""
         me = self._ctx.identity.peer_id
         self.state = "waiting for peers"
+        self._start_hash = start = self.weights.hash()
         grace_until, announced = None, 0.0
         while True:
             if time.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
-                self._publish({"w": 0, "ready": self.base_hash})
+                self._publish({"w": self.window, "ready": start})
                 announced = time.monotonic()
             if self._run_started_without_us():
                 peers = [p for p in self._ctx.members() if self.topic in self.gossip.peer_topics.get(p, set())]
+                self._reset_to_base()
                 await self._replay_from(peers)
                 return
-            ready = {p for p, h in self.ready.items() if h == self.base_hash} | {me}
+            ready = {p for p, h in self.ready.items() if h == start} | {me}
+            self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
                 # a short grace, so peers that became ready at the same moment are in everyone's first window
                 grace_until = grace_until or time.monotonic() + 1.0
@@ -319,17 +441,24 @@ class SPSALoop:
                     self._initial = ready
                     self.state = "running"
                     return
-            if self.ready and any(h != self.base_hash for h in self.ready.values()):
-                self.counters["base_mismatch_peers"] = sum(h != self.base_hash for h in self.ready.values())
+            if self.ready and any(h != start for h in self.ready.values()):
+                self.counters["base_mismatch_peers"] = sum(h != start for h in self.ready.values())
             await asyncio.sleep(0.1)
+
+    def _reset_to_base(self) -> None:
+        """Back to the base weights with an empty log (before replaying a peer's log)."""
+        for c, b in zip(self.weights.canonical, self._base):
+            c.copy_(b)
+        self.weights._load(None, 0.0)
+        self.applied.clear()
+        self.log.clear()
+        self.window = 0
+        self.final = False
 
     async def _resync(self) -> None:
         """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
         peers, self._resync_from = self._resync_from, []
-        for c, b in zip(self.weights.canonical, self._base):
-            c.copy_(b)
-        self.applied.clear()
-        self.log.clear()
+        self._reset_to_base()
         self.counters["resyncs"] += 1
         await self._replay_from(peers)
 
@@ -372,7 +501,8 @@ class SPSALoop:
                                                              message.sig):
                     raise ValueError("spsa-log: an entry does not verify")
                 body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
-                if not isinstance(body, dict) or set(body) != {"w", "b"} or body["w"] != w \
+                if not isinstance(body, dict) or self._foreign(message.author, body) is not None \
+                        or set(body) != {"w", "b"} or body["w"] != w \
                         or len(body["b"]) != self.cfg.window:
                     raise ValueError("spsa-log: an entry is not a batch of its window")
                 batches[message.author] = message
@@ -398,6 +528,9 @@ class SPSALoop:
             return Verdict.REJECT
         if not isinstance(body, dict) or type(body.get("w")) is not int or body["w"] < 0:
             return Verdict.REJECT
+        foreign = self._foreign(message.author, body)
+        if foreign is not None:
+            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
         w = body["w"]
         if self.state == "running" and w > self.window + 4:
             self.counters["rejected_future"] += 1
@@ -443,10 +576,10 @@ class SPSALoop:
     def _run_started_without_us(self) -> bool:
         """Batches past window 0 from a peer that announced our base model, or from two different peers (one
         outsider alone cannot send us down the late path): the run began without us."""
-        ready = {p for p, h in self.ready.items() if h == self.base_hash}
+        ready = {p for p, h in self.ready.items() if h == self._start_hash}
         for w in list(self.windows):
             authors = set(self.windows[w].batches)
-            if w > 0 and (ready & authors or len(authors) >= 2):
+            if w > self.window and (ready & authors or len(authors) >= 2):
                 return True
         return False
 
@@ -456,6 +589,9 @@ class SPSALoop:
         return {
             "run": self.cfg.run,
             "state": self.state,
+            "round": self.window,
+            "total_rounds": self._total() if self.cfg.steps else 0,
+            **self._task_status(),
             "window": self.window,
             "step": self.window * self.cfg.window,
             "participants": len(self.applied.get(self.window - 1, {})),

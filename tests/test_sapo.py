@@ -9,11 +9,14 @@ from pydantic import ValidationError
 
 from protocols import arith
 from protocols.grpo import STOI, Group, Policy
-from protocols.sapo import SapoConfig, parse_items, question_seed, score
+from protocols.sapo import Rules, SapoConfig, parse_items, question_seed, score
+from protocols.task import TaskError, load
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
 
 RUN, SEED, AUTHOR = "t", 1, "12D3KooWAuthor"
+ARITH = load("arith", {}, "sapo")
+RULES = Rules(ARITH, SapoConfig(questions=64, completions=32))
 
 
 def test_questions_are_regenerated_exactly_and_answers_are_right():
@@ -33,24 +36,28 @@ def test_questions_are_regenerated_exactly_and_answers_are_right():
 
 def items(round_=3, author=AUTHOR, n=2, comps=("12", "07")):
     q_seed = question_seed(RUN, SEED, author, round_)
-    return {"r": round_, "items": [{"spec": ["arith", 1, q_seed, k], "comps": list(comps)} for k in range(n)]}
+    return {"r": round_, "items": [{"spec": ["arith", q_seed, k], "comps": list(comps)} for k in range(n)]}
 
 
 def test_rollout_messages_are_validated():
-    r, parsed = parse_items(items(), run=RUN, seed=SEED, author=AUTHOR)
-    assert r == 3 and [i for i, _ in parsed] == [0, 1] and parsed[0][1] == ["12", "07"]
+    r, parsed = parse_items(items(), run=RUN, seed=SEED, author=AUTHOR, rules=RULES)
+    assert r == 3 and [i for _, i, _ in parsed] == [0, 1] and parsed[0][2] == ["12", "07"]
 
-    def rejected(body, author=AUTHOR):
+    def rejected(body, author=AUTHOR, rules=RULES):
         with pytest.raises(ValueError):
-            parse_items(body, run=RUN, seed=SEED, author=author)
+            parse_items(body, run=RUN, seed=SEED, author=author, rules=rules)
 
     rejected(items(), author="12D3KooWSomeoneElse")  # a spec that is not the sender's for this round
     forged = items()
     forged["r"] = 4  # replaying round 3's items as round 4's
     rejected(forged)
     dup = items()
-    dup["items"][1]["spec"][3] = 0
+    dup["items"][1]["spec"][2] = 0
     rejected(dup)
+    other = items()
+    other["items"][0]["spec"][0] = "chain_sum"  # not one of this run's datasets
+    rejected(other)
+    rejected(items(n=9), rules=Rules(ARITH, SapoConfig(questions=8)))  # more items than the run's questions
     with_answer = items()
     with_answer["items"][0]["answer"] = "12"  # ground truth from the sender: never accepted
     rejected(with_answer)
@@ -67,9 +74,29 @@ def test_rewards_come_from_our_verifier_not_the_sender():
     q_seed = question_seed(RUN, SEED, AUTHOR, 0)
     q = arith.question(q_seed, 5)
     wrong = "99" if q.answer != "99" else "98"
-    group = score(q_seed, 5, [q.answer, wrong, wrong, q.answer])
+    group = score(ARITH, "arith", q_seed, 5, [q.answer, wrong, wrong, q.answer])
     assert group.prompt == q.prompt and group.rewards == [1.0, 0.0, 0.0, 1.0] and group.informative
-    assert not score(q_seed, 5, [wrong] * 8).informative  # all wrong: no advantage, dropped before training
+    assert not score(ARITH, "arith", q_seed, 5, [wrong] * 8).informative  # all wrong: dropped before training
+
+
+def test_reasoning_gym_questions_are_regenerated_and_scored_by_its_own_scorer():
+    task = load("reasoning-gym", {}, "sapo")
+    assert task.obj.datasets == ["chain_sum", "products"]
+    q_seed = question_seed(RUN, SEED, AUTHOR, 2)
+    for k in range(6):
+        dataset = task.obj.datasets[k % 2]
+        q, again = task.obj.question(dataset, q_seed, k), task.obj.question(dataset, q_seed, k)
+        assert q.prompt == again.prompt and q.entry["answer"] == again.entry["answer"]
+        group = score(task, dataset, q_seed, k, [q.entry["answer"], "x"])
+        assert group.rewards[0] == 1.0 and group.rewards[1] < 1.0
+    rules = Rules(task, SapoConfig())
+    body = {"r": 2, "items": [{"spec": ["products", q_seed, 0], "comps": ["12", "-3"]}]}
+    assert parse_items(body, run=RUN, seed=SEED, author=AUTHOR, rules=rules)[1][0][0] == "products"
+    body["items"][0]["comps"] = ["12", "abc"]  # the policy writes digits and '-' only
+    with pytest.raises(ValueError):
+        parse_items(body, run=RUN, seed=SEED, author=AUTHOR, rules=rules)
+    with pytest.raises(TaskError, match="unknown reasoning-gym datasets: nope"):
+        load("reasoning-gym", {"datasets": ["nope"]}, "sapo")
 
 
 def test_grpo_step_raises_the_probability_of_rewarded_completions():
@@ -99,8 +126,8 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions():
 def test_config_is_checked(tmp_path):
     with pytest.raises(ValidationError):
         SapoConfig(local=9, questions=8)
-    with pytest.raises(ValidationError):
-        SapoConfig(d=30, heads=4)
+    with pytest.raises(TaskError, match="multiple of heads"):
+        load("arith", {"d": 30, "heads": 4}, "sapo")
     path = loop_config(tmp_path / "bad.toml", "[loops.sapo]\nlocal = 0\nexternal = 0\n")
     result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
     assert result.returncode == 2 and "invalid loops.sapo: " in result.stderr and "at least 1" in result.stderr
@@ -112,10 +139,12 @@ run = "{run}"
 rounds = {rounds}
 min_peers = 3
 deadline = 5.0
+report_every = 5
+
+[loops.sapo.task_options]
 d = {d}
 layers = {layers}
 heads = {heads}
-report_every = 5
 """
 
 
@@ -139,18 +168,20 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
         late = await asyncio.to_thread(swarm.start, "small", bootstrap=[nodes[-1].tcp_addr], config=small)
         nodes.append(late)
         me = attacker.peer_id
+        fp = sapo(nodes[0])["fingerprint"]
+        tag = [fp["layout"], fp["config"]]  # the run's own tag: the junk below gets past the task check
 
         r = sapo(nodes[0])["round"]
-        wrong = {"r": r, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r), k], "comps": ["99"] * 8}
-                                   for k in range(8)]}
-        forged = {"r": r, "items": [{"spec": ["arith", 1, question_seed(run, 1, nodes[1].peer_id, r), 0],
-                                     "comps": ["12", "13"]}]}
-        claimed = {"r": r + 1, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 1), 0],
-                                          "comps": ["12", "13"], "answer": "12", "rewards": [1.0, 1.0]}]}
-        await attacker.send(wrong)  # well-formed, all wrong: scored 0 by every receiver's own verifier, never trained on
-        future = {"r": r + 100, "items": [{"spec": ["arith", 1, question_seed(run, 1, me, r + 100), 0],
-                                           "comps": ["12", "13"]}]}
-        for junk in (b"\xc1\xc1", forged, claimed, future, {"r": r, "items": "x" * 40}):
+        wrong = {"r": r, "items": [{"spec": ["arith", question_seed(run, 1, me, r), k], "comps": ["99"] * 8}
+                                   for k in range(8)], "t": tag}
+        forged = {"r": r, "items": [{"spec": ["arith", question_seed(run, 1, nodes[1].peer_id, r), 0],
+                                     "comps": ["12", "13"]}], "t": tag}
+        claimed = {"r": r + 1, "items": [{"spec": ["arith", question_seed(run, 1, me, r + 1), 0],
+                                          "comps": ["12", "13"], "answer": "12", "rewards": [1.0, 1.0]}], "t": tag}
+        await attacker.send(wrong)  # well-formed, all wrong: scored 0 by every receiver's verifier, never trained on
+        future = {"r": r + 100, "items": [{"spec": ["arith", question_seed(run, 1, me, r + 100), 0],
+                                           "comps": ["12", "13"]}], "t": tag}
+        for junk in (b"\xc1\xc1", forged, claimed, future, {"r": r, "items": "x" * 40, "t": tag}):
             await attacker.send(junk)
         ids = [n.peer_id for n in nodes]
 
@@ -172,7 +203,8 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
         assert me in final[0]["sources"]  # its direct neighbour received and scored the wrong answers
         assert final[0]["rejected_malformed"] >= 3 and final[0]["rejected_future"] >= 1
         assert nodes[0].status()["penalties"].get("invalid_message", 0) >= 4
-        assert final[3]["policy"] == {"d": 32, "layers": 1, "heads": 2} and final[3]["joined_at"] > 3
+        assert final[3]["policy_parameters"] < final[0]["policy_parameters"] and final[3]["joined_at"] > 3
+        assert final[3]["fingerprint"] == final[0]["fingerprint"]  # another policy, the same run
         # per-round rewards and items are in the replicated state, for every peer, as any node sees it
         def progress():
             p = http_get(nodes[1].url + "/state")["objects"]["progress"]

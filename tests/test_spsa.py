@@ -61,13 +61,16 @@ def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
 CONFIG = """
 [loops.spsa]
 run = "{run}"
-pretrain_steps = 30
 steps = {steps}
 window = 25
 min_peers = {min_peers}
 deadline = 15.0
 hash_every = 2
 eval_every = 4
+
+[loops.spsa.task_options]
+domain = "target"
+pretrain_steps = 30
 """
 
 
@@ -90,9 +93,11 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         # a hostile peer on the run's topic, linked to the first node
         await attacker.start(nodes[0], "spsa/four", max_size=4096)
         await asyncio.to_thread(wait_for, lambda: spsa(nodes[0])["state"] == "running", 120, "the run to start")
+        fp = spsa(nodes[0])["fingerprint"]
+        tag = [fp["layout"], fp["config"]]  # the run's own tag: the junk below gets past the task check
         for junk in (b"\xc1\xc1", {"w": 1, "b": b"\x7f" * 3}, {"w": 1, "b": b"\xff" * 25}, {"w": 999, "b": b"\x7f" * 25},
                      {"w": 1, "join": "yes"}, {"w": 1, "b": b"\x7f" * 25}):  # the last: well-formed, from a non-participant
-            await attacker.send(junk)
+            await attacker.send({**junk, "t": tag} if isinstance(junk, dict) else junk)
         final = await asyncio.to_thread(
             wait_for, lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,
             "4 nodes to finish 200 steps")

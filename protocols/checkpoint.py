@@ -1,0 +1,78 @@
+"""Weights that outlive the node: each loop's canonical weights in the data dir, as safetensors (never pickle).
+
+One file per loop and run, ``<data dir>/checkpoints/<loop>-<run>.safetensors``, replaced atomically (written to a
+temporary file, fsync'd, renamed, the directory fsync'd): a crash leaves the old file or the new one, never half of
+one. Tensors named ``model.<parameter name>`` are the model's weights (what ``swarmd export`` writes out); others
+(``outer.<n>``, ``state.<name>``) are the loop's own state. The metadata (strings) says which loop, run, round and
+step, the weights' hash, the run's fingerprint, and how to rebuild the task (spec and options), so a file can be
+checked before it is used and exported without the config.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+MODEL_PREFIX = "model."
+DIR = "checkpoints"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be read or does not belong to this run."""
+
+
+def path_for(data_dir: Path, loop: str, run: str) -> Path:
+    return Path(data_dir) / DIR / f"{loop}-{run}.safetensors"
+
+
+def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Write ``tensors`` and ``meta`` (JSON-able values) atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    flat = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
+    metadata = {k: json.dumps(v) for k, v in {**meta, "saved_at": time.time()}.items()}
+    save_file(flat, str(tmp), metadata=metadata)
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_meta(path: Path) -> dict:
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            raw = f.metadata() or {}
+        return {k: json.loads(v) for k, v in raw.items()}
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    try:
+        tensors = load_file(str(path))
+    except (OSError, SafetensorError, ValueError) as e:
+        raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
+    return tensors, read_meta(path)
+
+
+def model_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k[len(MODEL_PREFIX):]: v for k, v in tensors.items() if k.startswith(MODEL_PREFIX)}
+
+
+def latest(data_dir: Path, loop: str | None = None) -> Path | None:
+    """The most recently written checkpoint in a data dir (of ``loop`` if given)."""
+    folder = Path(data_dir) / DIR
+    files = [p for p in folder.glob("*.safetensors") if loop is None or p.name.startswith(f"{loop}-")]
+    return max(files, key=lambda p: p.stat().st_mtime, default=None)

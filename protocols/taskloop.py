@@ -1,0 +1,137 @@
+"""What every training loop does with its task: the device, the run's fingerprint on every message, refusing a run
+whose peers train something else, turning a task's error into a failed loop (one log line, the reason in /status,
+the node keeps running), the checkpoint file, and the summary ``swarmd status`` prints."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from pathlib import Path
+
+import torch
+
+from protocols import checkpoint
+from protocols.task import Task, TaskError, describe_mismatch, pick_device
+
+logger = logging.getLogger(__name__)
+
+MAX_MISMATCHED = 64  # peers whose mismatching fingerprint we remember
+
+
+class TaskLoop:
+    """Mixed into DiLoCo, SPSA and SAPO. The subclass sets ``name``, ``cfg`` (with ``run``, ``device``) and calls
+    :meth:`_init_task`; it tags outgoing bodies with :meth:`_tag` and checks incoming ones with :meth:`_foreign`."""
+
+    name: str
+
+    def _init_task(self, task: Task) -> None:
+        self.task = task
+        self.device: torch.device | None = None
+        self.fp: dict | None = None  # {"layout": ..., "config": ...}, set once the model is built
+        self.error: str | None = None
+        self.refused: str | None = None
+        self.mismatched: collections.OrderedDict[str, list] = collections.OrderedDict()
+        self.resumed: dict | None = None
+        self.saved: dict | None = None
+        self._last_refusal_log = 0.0
+
+    def _setup_device(self) -> None:
+        self.device = pick_device(self.cfg.device)
+
+    # ------------------------------------------------------------------ failure
+    async def _guarded(self, body) -> None:
+        """Run the loop; a TaskError (the user's task is broken) fails the loop once, clearly, without a restart."""
+        try:
+            await body()
+        except TaskError as e:
+            self.error = str(e)
+            self.state = "failed"
+            logger.error("%s loop failed: %s", self.name, e)
+            await asyncio.Event().wait()
+
+    # ------------------------------------------------------------------ fingerprint on the wire
+    def _tag(self, body: dict) -> dict:
+        body["t"] = [self.fp["layout"], self.fp["config"]]
+        return body
+
+    def _foreign(self, author: str, body: dict) -> bool | None:
+        """None: the body's tag matches ours (go on); False: malformed (reject); True: another task (ignore, and
+        remembered: a run whose peers all train something else is refused)."""
+        tag = body.pop("t", None)
+        if not (isinstance(tag, list) and len(tag) == 2 and all(isinstance(x, str) and len(x) <= 32 for x in tag)):
+            return False
+        if self.fp is None or tag == [self.fp["layout"], self.fp["config"]]:
+            self.mismatched.pop(author, None)
+            return None
+        self.counters["rejected_task_mismatch"] += 1
+        self.mismatched[author] = tag
+        self.mismatched.move_to_end(author)
+        while len(self.mismatched) > MAX_MISMATCHED:
+            self.mismatched.popitem(last=False)
+        return True
+
+    def _check_refusal(self, matching_peers: int) -> None:
+        """While waiting to start: peers are here but none trains what we train -> say why, in /status and once a
+        minute in the log."""
+        if self.mismatched and matching_peers == 0:
+            tags = collections.Counter(tuple(t) for t in self.mismatched.values())
+            theirs, n = tags.most_common(1)[0]
+            self.refused = (f"this node's task does not match run {self.cfg.run!r}: {n} peer(s) train with "
+                            f"{describe_mismatch(self.fp, list(theirs))}; check task and task_options in "
+                            "[loops." + self.name + "] (peers of one run must use the same)")
+            self.state = "refused"
+            if time.monotonic() - self._last_refusal_log > 60:
+                self._last_refusal_log = time.monotonic()
+                logger.error("%s: %s", self.name, self.refused)
+        elif self.refused:
+            self.refused = None
+            self.state = "waiting for peers"
+
+    # ------------------------------------------------------------------ checkpoints
+    def _checkpoint_path(self) -> Path:
+        return checkpoint.path_for(self._ctx.data_dir, self.name, self.cfg.run)
+
+    def _meta(self, **extra) -> dict:
+        return {"loop": self.name, "run": self.cfg.run, "fingerprint": self.fp, "task": self.task.spec,
+                "task_options": self.task.options, **extra}
+
+    def _save(self, tensors: dict[str, torch.Tensor], **meta) -> None:
+        path = self._checkpoint_path()
+        checkpoint.save(path, tensors, self._meta(**meta))
+        self.saved = {"path": str(path), **{k: meta[k] for k in ("round", "step", "hash") if k in meta}}
+
+    def _own_checkpoint(self) -> tuple[dict, dict] | None:
+        """Our checkpoint for this run, if there is one and it is of this task (else None, said why)."""
+        path = self._checkpoint_path()
+        if not path.exists():
+            return None
+        try:
+            tensors, meta = checkpoint.load(path)
+        except checkpoint.CheckpointError as e:
+            logger.warning("%s: ignoring our checkpoint: %s", self.name, e)
+            return None
+        if meta.get("fingerprint") != self.fp:
+            logger.warning("%s: ignoring our checkpoint %s: it is of another task or config (%s)", self.name, path,
+                           describe_mismatch(self.fp, [meta.get("fingerprint", {}).get(k, "?")
+                                                       for k in ("layout", "config")]))
+            return None
+        return tensors, meta
+
+    def _model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The full state dict (buffers too) as ``model.<name>``, cloned so tied weights are saved apart."""
+        return {checkpoint.MODEL_PREFIX + k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+    # ------------------------------------------------------------------ views
+    def _task_status(self) -> dict:
+        return {
+            "task": self.task.spec,
+            "device": str(self.device) if self.device else self.cfg.device,
+            "fingerprint": self.fp,
+            "error": self.error,
+            "refused": self.refused,
+            "mismatched_peers": len(self.mismatched),
+            "checkpoint": self.saved,
+            "resumed": self.resumed,
+        }

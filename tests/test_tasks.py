@@ -1,0 +1,312 @@
+"""The task seam: a user's own task file for every loop, the built-in tasks through it, clear errors for bad tasks,
+weights that outlive the node (checkpoint, kill -9, resume; export), and peers that train something else refused."""
+
+import re
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from protocols import checkpoint
+from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
+from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
+
+EXAMPLE = REPO / "examples" / "my_task.py"
+
+TINY = """
+import torch
+import torch.nn.functional as F
+
+
+class Task:
+    def __init__(self, hidden, nan_after):
+        self.hidden, self.nan_after = hidden, nan_after
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(512, 8, generator=g)
+        self.y = self.x @ torch.randn(8, 1, generator=g)
+
+    def model(self):
+        return torch.nn.Sequential(torch.nn.Linear(8, self.hidden), torch.nn.Tanh(), torch.nn.Linear(self.hidden, 1))
+
+    def data(self, shard, seed):
+        g = torch.Generator().manual_seed(seed * 1000 + shard)
+        step = 0
+        while True:
+            idx = torch.randint(0, 512, (32,), generator=g)
+            yield self.x[idx], self.y[idx], step
+            step += 1
+
+    def loss(self, model, batch):
+        x, y, step = batch
+        loss = F.mse_loss(model(x), y)
+        return loss * float("nan") if 0 <= self.nan_after <= step < self.nan_after + 3 else loss
+
+    def evaluate(self, model):
+        return float(F.mse_loss(model(self.x), self.y))
+{extra}
+
+def make_task(hidden=16, nan_after=-1):
+    return Task(hidden, nan_after)
+"""
+
+
+def write_task(folder: Path, name: str = "tiny_task.py", extra: str = "", body: str | None = None) -> Path:
+    path = folder / name
+    path.write_text(body if body is not None else TINY.format(extra=textwrap.indent(textwrap.dedent(extra), "    ")))
+    return path
+
+
+# ------------------------------------------------------------------ the seam itself (in process)
+def test_readme_shows_the_example_task_file_as_it_is():
+    readme = (REPO / "README.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
+    assert EXAMPLE.read_text() in blocks, "README's 'Train your own model' must show examples/my_task.py verbatim"
+
+
+def test_bad_task_files_give_one_line_errors_naming_the_file(tmp_path):
+    def error(spec, options=None, kind="diloco"):
+        with pytest.raises(TaskError) as e:
+            load(spec, options or {}, kind)
+        message = str(e.value)
+        assert "\n" not in message and "Traceback" not in message
+        return message
+
+    assert "does not exist" in error(str(tmp_path / "missing.py") + ":make_task")
+    broken = write_task(tmp_path, "broken.py", body="import nope_not_a_module\n")
+    assert "broken.py raised ModuleNotFoundError on import" in error(f"{broken}:make_task")
+    assert "has no function make_it()" in error(f"{write_task(tmp_path)}:make_it")
+    assert "does not take these task_options" in error(f"{write_task(tmp_path)}:make_task", {"hiden": 3})
+    raising = write_task(tmp_path, "raising.py", body="def make_task(n=1):\n    raise ValueError('n must be 2')\n")
+    assert "rejected its task_options: ValueError: n must be 2" in error(f"{raising}:make_task")
+    lacking = write_task(tmp_path, "lacking.py", body="class T:\n    def model(self): pass\n\n"
+                                                       "def make_task():\n    return T()\n")
+    assert "lacks data(), loss(), needed by the diloco loop" in error(f"{lacking}:make_task")
+    assert "lacks datasets, question(), score(), policy()" in error(f"{lacking}:make_task", kind="sapo")
+    assert "expected 'path/to/file.py:factory'" in error("no-such-builtin")
+    wrong_file = write_task(tmp_path, "wrong.py", extra="def model(self):\n    return 3\n")
+    wrong = load(f"{wrong_file}:make_task", {}, "diloco")
+    with pytest.raises(TaskError, match=r"wrong.py:make_task: model\(\) returned int, expected a torch.nn.Module"):
+        build_model(wrong, 1)
+
+
+def test_default_fragments_work_for_any_model_and_the_same_seed_builds_the_same_weights(tmp_path):
+    task = load(f"{write_task(tmp_path)}:make_task", {"hidden": 64}, "diloco")
+    model = build_model(task, 7)
+    named = trainable(model)
+    groups = balanced_fragments(named, 3)
+    assert sorted(n for g in groups for n in g) == sorted(n for n, _ in named) and all(groups)
+    assert [len(g) for g in fragment_indices(task, model, 2)] == [1, 3]  # 512 weights | 64 + 64 + 1
+    again = build_model(task, 7)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))
+    state = torch.random.get_rng_state()
+    build_model(task, 8)
+    assert torch.equal(state, torch.random.get_rng_state())  # our seeding does not leak into the process
+
+
+def test_cli_refuses_a_bad_task_before_starting(tmp_path):
+    path = loop_config(tmp_path / "c.toml", f'[loops.diloco]\ntask = "{tmp_path}/missing.py:make_task"\n')
+    result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip() == f"swarmd: error: loops.diloco.task: task file {tmp_path}/missing.py does not exist"
+    path.write_text(path.read_text().replace("missing.py", "tiny_task.py") + "[loops.diloco.task_options]\nx = 1\n")
+    write_task(tmp_path)
+    result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
+    assert result.returncode == 2 and "does not take these task_options" in result.stderr
+
+
+# ------------------------------------------------------------------ real processes
+DILOCO = """
+[loops.diloco]
+run = "{run}"
+task = "{task}"
+rounds = {rounds}
+inner_steps = {h}
+min_peers = {min_peers}
+deadline_low = 2.0
+checkpoint_every = 1
+device = "cpu"
+
+[loops.diloco.task_options]
+{options}
+"""
+
+
+def diloco(node) -> dict:
+    return node.status()["services"]["diloco"]
+
+
+def config(tmp_path: Path, name: str = "c", *, run="t", task="tinygpt", rounds=3, h=10, min_peers=2, options=""):
+    return loop_config(tmp_path / f"{name}.toml", DILOCO.format(run=run, task=task, rounds=rounds, h=h,
+                                                                min_peers=min_peers, options=options))
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_the_example_task_file_trains_across_two_nodes_and_exports(tmp_path):
+    task_file = tmp_path / "elsewhere" / "my_task.py"  # a user's file, outside the repository
+    task_file.parent.mkdir()
+    task_file.write_text(EXAMPLE.read_text())
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, task=f"{task_file}:make_task", rounds=3, h=15))
+    try:
+        nodes = swarm.start_chain(2, members_within=None)
+        final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
+                         180, "2 nodes to finish 3 rounds of the example task")
+        assert final[0]["final_hash"] == final[1]["final_hash"]
+        assert all(h["participants"] == 2 for h in final[0]["history"])
+        losses = [loss for _, loss in final[0]["losses"]]
+        assert len(losses) == 3 and losses[-1] < losses[0]
+        assert final[0]["checkpoint"]["round"] == 3 and final[0]["checkpoint"]["hash"] == final[0]["final_hash"]
+        # the human summary names the loop's state, round, loss and bytes
+        summary = run_cli("status", "--http", nodes[0].url).stdout
+        assert re.search(r"diloco +done +round 3/3 +step \d+ +loss [\d.]+ +sent [\d.]+ MB, received [\d.]+ MB",
+                         summary), summary
+        # the exported weights load into a fresh model of the task and evaluate as the run ended
+        out = tmp_path / "final.safetensors"
+        result = run_cli("export", "--data-dir", str(nodes[0].data_dir), "--out", str(out))
+        assert result.returncode == 0, result.stderr
+        task = load(f"{task_file}:make_task", {}, "diloco")
+        fresh = build_model(task, 999)
+        fresh.load_state_dict(load_file(str(out)))
+        assert abs(task.obj.evaluate(fresh) - losses[-1]) < 1e-4
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, rounds=6, h=10, min_peers=1, options="batch = 8"))
+    try:
+        node = swarm.start("solo")
+        wait_for(lambda: (diloco(node)["checkpoint"] or {}).get("round", 0) >= 2, 120, "a checkpoint at round 2")
+        node.kill()  # kill -9: no shutdown, no final save
+        path = checkpoint.latest(node.data_dir, "diloco")
+        meta = checkpoint.read_meta(path)
+        assert meta["fingerprint"] and meta["round"] >= 2
+        node = swarm.start("solo")
+        resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
+        assert resumed == {"source": "own checkpoint", "round": meta["round"], "step": meta["step"],
+                           "hash": meta["hash"]}
+        final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
+        assert [h["round"] for h in final["history"]] == list(range(meta["round"], 6))
+        assert final["checkpoint"]["round"] == 6
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffected(tmp_path):
+    task = write_task(tmp_path)
+    # an open-ended run (rounds = 0): it trains until the test stops it
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, task=f"{task}:make_task", rounds=0, h=20,
+                                                    options="hidden = 16"))
+    other = config(tmp_path, "other", task=f"{task}:make_task", rounds=0, h=20, options="hidden = 32")
+    try:
+        nodes = swarm.start_chain(2, members_within=None)
+        wait_for(lambda: diloco(nodes[0]).get("rounds", 0) >= 1, 120, "the run to close a round")
+        odd = swarm.start("odd", bootstrap=[nodes[1].tcp_addr], config=other)
+        refused = wait_for(lambda: diloco(odd)["state"] == "refused" and diloco(odd), 60, "the odd node to refuse")
+        assert "does not match run 't'" in refused["refused"] and "model parameter layout" in refused["refused"]
+        doctor = run_cli("doctor", "--http", odd.url).stdout
+        assert "diloco refused" in doctor and "model parameter layout" in doctor
+        start = diloco(nodes[0])["rounds"]
+        wait_for(lambda: diloco(nodes[0])["rounds"] >= start + 3, 120, "3 more rounds")
+        for n in nodes:
+            s = diloco(n)
+            assert s["state"] == "running" and s["total_rounds"] == 0
+            assert all(h["participants"] == 2 for h in s["history"]) and s.get("deadline_missed", 0) == 0
+            assert s.get("rejected_task_mismatch", 0) >= 1
+        assert diloco(odd)["step"] == 0
+        assert re.search(r"diloco +running +round [1-9]\d*/open-ended", run_cli("status", "--http", nodes[0].url).stdout)
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_task_that_breaks_at_run_time_fails_its_loop_clearly_and_nan_losses_are_skipped(tmp_path):
+    wrong = write_task(tmp_path, "wrong.py", extra="def model(self):\n    return 'a model'\n")
+    nan = write_task(tmp_path, "nan.py")
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, task=f"{wrong}:make_task", min_peers=1))
+    try:
+        node = swarm.start("wrong")
+        failed = wait_for(lambda: diloco(node)["state"] == "failed" and diloco(node), 60, "the loop to fail")
+        assert failed["error"] == f"task {wrong}:make_task: model() returned str, expected a torch.nn.Module"
+        assert node.get("/healthz")["ok"] is True  # the node keeps running
+        assert node.log().count("model() returned str") == 1  # said once, not restarted in a loop
+        bad = swarm.start("nan", config=config(tmp_path, "nan", task=f"{nan}:make_task", rounds=3, h=10,
+                                               min_peers=1, options="nan_after = 12"))
+        final = wait_for(lambda: diloco(bad)["state"] == "done" and diloco(bad), 120, "the NaN run to finish")
+        assert final["nonfinite_loss"] == 3 and final["updates_withheld"] == 1
+        assert "withholding our update" in bad.log() and "not sending our update for round 1/0" in bad.log()
+        assert all(torch.isfinite(torch.tensor(loss)) for _, loss in final["losses"])
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_directory(tmp_path):
+    options = ('vocab_size = 512\nseq_len = 32\nbatch = 4\neval_batches = 2\n'
+               '[loops.diloco.task_options.config]\nhidden_size = 32\nintermediate_size = 64\n'
+               'num_hidden_layers = 2\nnum_attention_heads = 2\nnum_key_value_heads = 2\n')
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, task="hf-text", rounds=2, h=8, options=options))
+    try:
+        nodes = swarm.start_chain(2, members_within=None)
+        final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
+                         180, "2 nodes to train the transformers model")
+        assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["device"] == "cpu"
+        assert final[0]["losses"][-1][1] < 6.3  # below ln(512): it learned from the text
+        out = tmp_path / "hf"
+        result = run_cli("export", "--data-dir", str(nodes[1].data_dir), "--out", str(tmp_path / "w.safetensors"),
+                         "--pretrained", str(out), timeout=120)
+        assert result.returncode == 0, result.stderr
+        from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+        model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(out)
+        ids = tokenizer("def main():", return_tensors="pt").input_ids
+        assert model(input_ids=ids).logits.shape[-1] == 512
+        task = load("hf-text", {"vocab_size": 512, "seq_len": 32, "batch": 4, "eval_batches": 2, "config": {
+            "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
+            "num_key_value_heads": 2}}, "diloco")
+        assert abs(task.obj.evaluate(model) - final[1]["losses"][-1][1]) < 1e-3
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
+    spsa = loop_config(tmp_path / "spsa.toml", '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 100\nwindow = 25\n'
+                                              'min_peers = 2\nlr = 1e-2\neps = 1e-2\ncheckpoint_every = 2\n'
+                                              '[loops.spsa.task_options]\nhidden = 32\n')
+    sapo = loop_config(tmp_path / "sapo.toml", '[loops.sapo]\nrun = "g"\ntask = "reasoning-gym"\nrounds = 8\n'
+                                              'min_peers = 2\nquestions = 4\ncompletions = 4\nlocal = 2\n'
+                                              'external = 2\ncheckpoint_every = 4\n')
+    swarm = Swarm(tmp_path / "nodes", config=spsa)
+    try:
+        a = swarm.start("a")
+        b = swarm.start("b", bootstrap=[a.tcp_addr])
+        c = swarm.start("c", config=sapo, bootstrap=[a.tcp_addr])
+        d = swarm.start("d", config=sapo, bootstrap=[c.tcp_addr])
+
+        def svc(n, name):
+            return n.status()["services"][name]
+
+        final = wait_for(lambda: all(svc(n, "spsa")["state"] == "done" for n in (a, b))
+                         and [svc(n, "spsa") for n in (a, b)], 180, "SPSA on digits to finish")
+        assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["participants"] == 2
+        assert final[0]["checkpoint"]["round"] == 4 and final[0]["checkpoint"]["hash"] == final[0]["final_hash"]
+        rg = wait_for(lambda: all(svc(n, "sapo")["state"] == "done" for n in (c, d))
+                      and [svc(n, "sapo") for n in (c, d)], 180, "SAPO on reasoning-gym to finish")
+        for s in rg:
+            assert s["round"] == 8 and s["external_items_scored"] > 0 and s.get("rejected_malformed", 0) == 0
+            assert s["checkpoint"]["round"] == 8
+        meta = checkpoint.read_meta(checkpoint.latest(c.data_dir, "sapo"))
+        assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
+    finally:
+        swarm.close()
