@@ -7,7 +7,10 @@ others shared, re-scored by the receiver's verifier). Same generation compute pe
 completions. Metric (the SAPO paper's): cumulative reward, the per-round mean reward of a peer's own rollouts summed
 over rounds, averaged over the 8 peers. Sharing must win on every seed.
 
-    python bench/bench_sapo.py [--rounds 500] [--seeds 1 2] [--peers 8]
+The task is any SAPO task of the seam: ``reasoning-gym`` by default (chain_sum and products over single digits,
+questions regenerated and scored by reasoning-gym on every receiver), ``--task arith`` for the built-in arithmetic.
+
+    python bench/bench_sapo.py [--rounds 500] [--seeds 1 2] [--peers 8] [--task reasoning-gym]
 """
 
 from __future__ import annotations
@@ -34,13 +37,17 @@ local = {local}
 external = {external}
 min_peers = {peers}
 deadline = 10.0
+task = "{task}"
+device = "cpu"
+checkpoint_every = 0
 """
 
 
-def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int) -> dict:
+def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
+              task: str) -> dict:
     run = f"bench-s{seed}-{local}-{external}"
     config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
-                                                             external=external, peers=peers))
+                                                             external=external, peers=peers, task=task))
     swarm = Swarm(root / run, config=config)
     for i in range(peers):  # the same identities in every configuration: same policy inits, same questions
         key = keys / f"n{i}.key"
@@ -82,17 +89,19 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=500)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--peers", type=int, default=8)
+    parser.add_argument("--task", default="reasoning-gym")
     args = parser.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-sapo-") as tmp:
         for seed in args.seeds:
             keys = Path(tmp) / f"keys-{seed}"
             keys.mkdir()
-            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers)
-            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers)
+            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers, args.task)
+            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers, args.task)
             rows.append((seed, base, shared))
-    print(f"SAPO, {args.peers} peer processes, {args.rounds} rounds, 8 questions x 8 completions per round, "
-          f"2-digit arithmetic (binary reward)")
+    what = {"reasoning-gym": "reasoning-gym chain_sum + products (its own scorer)",
+            "arith": "2-digit arithmetic (binary reward)"}.get(args.task, args.task)
+    print(f"SAPO, {args.peers} peer processes, {args.rounds} rounds, 8 questions x 8 completions per round, {what}")
     print(f"{'seed':>4} | {'I/J':>4} | {'cumulative':>10} | {'first 50':>8} | {'last 50':>8} | "
           f"{'per-round reward, 6 bins':<41} | {'ext/rnd':>7} | {'B/round':>7} | {'missed':>6} | {'wall':>6}")
     print("-" * 126)

@@ -7,12 +7,17 @@
 - replay: seconds a late joiner spends replaying 1,000 steps of a 4-peer log, next to the seconds a peer spends
   computing 1,000 live steps (its probes), measured in this process.
 
-    python bench/bench_spsa.py [--steps 384] [--window 96]
+The task is any of the seam (default ``hf-text``: a small Llama from a transformers config, pretrained here on one
+half of the standard library's source, then fine-tuned by SPSA on the other half, its last layer perturbed;
+``--task tinygpt`` for the tiny GPT).
+
+    python bench/bench_spsa.py [--steps 384] [--window 96] [--task hf-text] [--task-options '{...}']
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -22,24 +27,38 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bench_diloco import toml_options  # noqa: E402
 from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
+
+DEFAULT_OPTIONS = {
+    "hf-text": {"pretrain_steps": 300, "finetune": "tail", "perturb_layers": 1, "batch": 8, "seq_len": 64,
+                "eval_batches": 4, "config": {"hidden_size": 64, "intermediate_size": 192, "num_hidden_layers": 2}},
+    "tinygpt": {"domain": "target", "pretrain_steps": 200},
+}
 
 CONFIG = """
 [loops.spsa]
 run = "{run}"
-pretrain_steps = 200
+task = "{task}"
+device = "cpu"
+checkpoint_every = 0
 steps = {steps}
 window = {window}
 min_peers = {peers}
 deadline = 30.0
 hash_every = 8
 eval_every = 1
+
+[loops.spsa.task_options]
+{options}
 """
 
 
-def run_swarm(peers: int, steps: int, window: int, root: Path) -> dict:
+def run_swarm(peers: int, steps: int, window: int, root: Path, task: str, options: dict) -> dict:
     config = loop_config(root / "spsa.toml", CONFIG.format(run=f"bench{peers}", steps=steps, window=window,
-                                                           peers=peers))
+                                                           peers=peers, task=task,
+                                                           options=toml_options(options).replace(
+                                                               "loops.diloco", "loops.spsa")))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = swarm.start_chain(peers, members_within=None)
@@ -68,7 +87,7 @@ def replay_cost(window: int) -> tuple[float, float]:
     from protocols.spsa import Weights, encode_grad, step_seed
 
     torch.set_num_threads(1)
-    weights = Weights(tinylm.pretrain(1, steps=0))
+    weights = Weights(tinylm.pretrain(1, steps=0))  # the replay cost per parameter: measured on the tiny GPT
     data = tinylm.encode_text(tinylm.corpus(8, 50_000, target=True))
     steps = 100
     start = time.perf_counter()
@@ -87,12 +106,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=384)
     parser.add_argument("--window", type=int, default=96)
+    parser.add_argument("--task", default="hf-text")
+    parser.add_argument("--task-options", default=None, help="JSON object (default: this script's for the task)")
     args = parser.parse_args()
+    options = json.loads(args.task_options) if args.task_options else DEFAULT_OPTIONS.get(args.task, {})
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-spsa-") as tmp:
-        four = run_swarm(4, args.steps, args.window, Path(tmp) / "four")
-        one = run_swarm(1, args.steps, args.window, Path(tmp) / "one")
+        four = run_swarm(4, args.steps, args.window, Path(tmp) / "four", args.task, options)
+        one = run_swarm(1, args.steps, args.window, Path(tmp) / "one", args.task, options)
     replay, live = replay_cost(args.window)
-    print(f"SPSA, tiny GPT ({args.steps} steps, window {args.window}): target-domain validation loss")
+    print(f"SPSA, task {args.task} {json.dumps(options)} ({args.steps} steps, window {args.window}): validation "
+          "loss of the shared weights")
     print(f"{'step':>6} | {'4 peers':>8} | {'1 peer':>8} | {'4 - 1':>7}")
     print("-" * 38)
     for (step, l4), (_, l1) in zip(four["losses"], one["losses"]):
@@ -101,7 +124,8 @@ def main() -> None:
     print(f"wire bytes per step per peer, as published (signed, framed, hashes included): "
           f"{four['wire_per_step']:.2f} B (goal <= 4)")
     print(f"pubsub bytes sent per step per node, forwarding included (4 peers): {four['pubsub_per_step']:.1f} B")
-    print(f"late-join replay: {replay:.2f} s per 1,000 steps of a 4-peer log, vs {live:.2f} s to compute 1,000 live "
+    print(f"late-join replay (tiny GPT): {replay:.2f} s per 1,000 steps of a 4-peer log, vs {live:.2f} s to compute "
+          f"1,000 live "
           f"steps (ratio {replay / live:.2f})")
 
 
