@@ -411,6 +411,18 @@ class DilocoLoop(TaskLoop):
                    participants={str(p): sorted(v) for p, v in self.participants.items()})
         self.counters["checkpoints_saved"] += 1
 
+    def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
+               step: int, participants: dict) -> None:
+        """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
+        self.global_flat = global_flat
+        self.outer_opt.buffers = momentum
+        with torch.no_grad():
+            for p, frag in enumerate(self.frag_index):
+                outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
+        self.rounds_done = list(rounds_done)
+        self.step = step
+        self.participants = {int(p): set(v) for p, v in participants.items()}
+
     def _resume_own(self) -> None:
         """Continue from our own checkpoint of this run (if any, of this task, and intact). The start barrier then
         checks it against the swarm: peers at the same round start with us; a swarm that is further along (or
@@ -430,14 +442,7 @@ class DilocoLoop(TaskLoop):
         except (KeyError, ValueError, RuntimeError) as e:
             logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
             return
-        self.global_flat = global_flat
-        self.outer_opt.buffers = momentum
-        with torch.no_grad():
-            for p, frag in enumerate(self.frag_index):
-                outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
-        self.rounds_done = list(meta["rounds_done"])
-        self.step = int(meta["step"])
-        self.participants = {int(p): set(v) for p, v in meta.get("participants", {}).items()}
+        self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
         self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"]}
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
                       "hash": meta["hash"]}
@@ -492,16 +497,9 @@ class DilocoLoop(TaskLoop):
                     ValueError, KeyError, TypeError) as e:
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
-            self.global_flat = global_flat
-            self.outer_opt.buffers = momentum
-            with torch.no_grad():
-                for p, frag in enumerate(self.frag_index):
-                    outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
-            self.rounds_done = list(done)
+            self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
             self._published.clear()  # what we said before the checkpoint no longer describes our weights
             self.pending.clear()
-            self.step = ckpt["step"]
-            self.participants = {int(p): set(v) for p, v in ckpt["participants"].items()}
             self._initial = set()
             # follow the next round of each fragment, contribute from the one after (announced now)
             for p in range(self.cfg.fragments):

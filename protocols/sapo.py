@@ -242,13 +242,11 @@ class SapoLoop(TaskLoop):
             r = self.round
             q_seed = question_seed(cfg.run, cfg.seed, me, r)
             specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
-            questions = [question(self.task, d, q_seed, k) for d, k in specs]
-            comps = await asyncio.to_thread(self._generate, [q.prompt for q in questions])
-            own = [Group(q.prompt, c, [reward(self.task, q, x) for x in c]) for q, c in zip(questions, comps)]
+            own, comps = await asyncio.to_thread(self._rollouts, q_seed, specs)  # never on the event loop
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
             await self._close_round(r)
-            external, ext_reward = self._draw_external(r, rng)
+            external, ext_reward = await asyncio.to_thread(self._draw_external, r, rng)
             local = rng.sample(own, cfg.local)
             step = await asyncio.to_thread(self._step, local + external)
             self.cumulative_reward += own_reward
@@ -269,6 +267,12 @@ class SapoLoop(TaskLoop):
         logger.info("sapo run %s done after %d rounds: cumulative reward %.3f", cfg.run, cfg.rounds,
                     self.cumulative_reward)
         await asyncio.Event().wait()
+
+    def _rollouts(self, q_seed: int, specs: list[tuple[str, int]]) -> tuple[list[Group], list[list[str]]]:
+        """Our questions of the round, G completions each from our policy, scored by our verifier."""
+        questions = [question(self.task, d, q_seed, k) for d, k in specs]
+        comps = self._generate([q.prompt for q in questions])
+        return [Group(q.prompt, c, [reward(self.task, q, x) for x in c]) for q, c in zip(questions, comps)], comps
 
     def _generate(self, prompts: list[str]) -> list[list[str]]:
         try:
@@ -386,7 +390,7 @@ class SapoLoop(TaskLoop):
         candidates: dict[str, list[Group]] = collections.defaultdict(list)
         rewards, n = 0.0, 0
         for rr in (r - 1, r):
-            for author, items in self.inbox.get(rr, {}).items():
+            for author, items in list(self.inbox.get(rr, {}).items()):  # a snapshot: the validator adds to it
                 if author == me or (rr, author) in self.used:
                     continue
                 self.used.add((rr, author))

@@ -258,14 +258,9 @@ class SPSALoop(TaskLoop):
             contribute = w >= self.join_at
             codes = []
             for i in range(self.cfg.window):
-                step = w * self.cfg.window + i
-                if w > 0:
-                    self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
+                g = await asyncio.to_thread(self._step, w, i, contribute, me)  # never on the event loop
                 if contribute:
-                    batch = next(self.data)
-                    g = await asyncio.to_thread(self.weights.probe, batch, step_seed(self.cfg.run, step, me),
-                                                self.cfg.eps)
-                    codes.append(self._code(g, step))
+                    codes.append(self._code(g, w * self.cfg.window + i))
             self.my_hashes[w] = self.weights.hash()  # windows < w applied
             if contribute:
                 self._publish({"w": w, "b": bytes(codes)})
@@ -286,7 +281,8 @@ class SPSALoop(TaskLoop):
         if not self.final:
             last = self.window - 1
             for i in range(self.cfg.window):
-                self.weights.apply(self.cfg.run, last * self.cfg.window + i, self._bytes_for(last, i), self.cfg.lr)
+                await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
+                                        self._bytes_for(last, i), self.cfg.lr)
             self.final = True
             loss = await asyncio.to_thread(self._evaluate)
             if loss is not None:
@@ -297,6 +293,16 @@ class SPSALoop(TaskLoop):
         logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
                     self.final_hash)
         await asyncio.Event().wait()
+
+    def _step(self, w: int, i: int, contribute: bool, me: str) -> float | None:
+        """Step i of window w: apply window w-1's bytes for the step one window back, then probe (if we
+        contribute)."""
+        step = w * self.cfg.window + i
+        if w > 0:
+            self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
+        if not contribute:
+            return None
+        return self.weights.probe(next(self.data), step_seed(self.cfg.run, step, me), self.cfg.eps)
 
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):

@@ -310,3 +310,20 @@ def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
         assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path runs where one is")
+def test_diloco_on_a_cuda_gpu(tmp_path):
+    path = config(tmp_path, task=f"{EXAMPLE}:make_task", rounds=2, h=10)
+    path.write_text(path.read_text().replace('device = "cpu"', 'device = "cuda"'))
+    swarm = Swarm(tmp_path / "nodes", config=path)
+    try:
+        nodes = swarm.start_chain(2, members_within=None)
+        final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
+                         180, "2 nodes to finish on the GPU")
+        assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["device"].startswith("cuda")
+        assert final[0]["losses"][-1][1] < final[0]["losses"][0][1] + 1e-6
+    finally:
+        swarm.close()
