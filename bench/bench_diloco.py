@@ -2,7 +2,8 @@
 task of the seam (default: ``hf-text``, a small Llama from a transformers config on the standard library's source):
 
 (a) one peer alone; (b) 4 peers DiLoCo, H=50, 4-bit e3m0; (c) 4 peers Streaming DiLoCo (2 fragments, overlap 5,
-alpha 0.5, e3m0); (d) the fair data-parallel reference, in this process: one model trained synchronously on the
+alpha 0.5, e3m0); (e) 4 peers DiLoCo, H=25, with the outer step as plain averaging (outer lr 1, no momentum: the
+best of a sweep at this short horizon); (d) the fair data-parallel reference, in this process: one model trained synchronously on the
 4 peers' batches at once (4 x batch per step, the same steps, AdamW with the same settings), which is what DDP
 computes.
 
@@ -124,6 +125,8 @@ def main() -> None:
         results["(b) 4 peers DiLoCo H=50 e3m0"] = run("diloco", 4, s, root / "b", task, options, h=50)
         results["(c) 4 peers Streaming DiLoCo P=2 tau=5 e3m0"] = run("streaming", 4, s, root / "c", task, options,
                                                                        h=50, fragments=2, overlap=5, alpha=0.5)
+        results["(e) 4 peers DiLoCo H=25 e3m0, averaging"] = run("averaging", 4, s, root / "e", task, options, h=25,
+                                                                 outer_lr=1.0, momentum=0.0)
         results["(d) data-parallel reference (4 x batch)"] = data_parallel(s, 4, task, options)
     dp = results["(d) data-parallel reference (4 x batch)"]
     print(f"DiLoCo, task {task} {json.dumps(options)} ({dp['params']:,} parameters), {s} inner steps per peer, "

@@ -53,11 +53,3 @@ def question(seed: int, index: int) -> Question:
 def reward(q: Question, completion: str) -> float:
     """Binary exact match of the completion against the regenerated answer."""
     return 1.0 if completion == q.answer else 0.0
-
-
-def check_spec(spec: object) -> tuple[int, int]:
-    """Validate a spec from the wire: ``[generator, version, seed, index]``; returns ``(seed, index)``."""
-    if not (isinstance(spec, list) and len(spec) == 4 and spec[0] == GENERATOR and spec[1] == VERSION
-            and type(spec[2]) is int and type(spec[3]) is int and 0 <= spec[2] < 2**63 and 0 <= spec[3] < 2**16):
-        raise ValueError(f"not a {GENERATOR} v{VERSION} task spec")
-    return spec[2], spec[3]

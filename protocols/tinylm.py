@@ -9,7 +9,6 @@ pretrained on the source has something to learn.
 
 from __future__ import annotations
 
-import hashlib
 import random
 
 import torch
@@ -108,22 +107,3 @@ def pretrain(seed: int, steps: int = 300, lr: float = 3e-3, batch: int = 32) -> 
         opt.step()
     model.eval()
     return model
-
-
-def params_in_order(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    """Trainable parameters in a fixed order (sorted by name): the order perturbations are drawn in."""
-    return sorted(((n, p) for n, p in model.named_parameters() if p.requires_grad), key=lambda kv: kv[0])
-
-
-def weights_hash(model: nn.Module) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    for name, p in params_in_order(model):
-        h.update(name.encode())
-        h.update(p.detach().contiguous().view(-1).numpy().tobytes())
-    return h.hexdigest()
-
-
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for _, p in params_in_order(model))
-
-

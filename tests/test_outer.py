@@ -6,7 +6,7 @@ from protocols import outer, tinylm
 
 
 def test_fragments_are_strided_by_block_and_cover_everything():
-    names = [n for n, _ in tinylm.params_in_order(tinylm.TinyGPT(layers=4))]
+    names = [n for n, _ in tinylm.TinyGPT(layers=4).named_parameters()]
     frags = outer.fragments(names, 2)
     assert sorted(i for f in frags for i in f) == list(range(len(names)))
     for p, frag in enumerate(frags):
