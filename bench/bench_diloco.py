@@ -3,9 +3,9 @@ task of the seam (default: ``hf-text``, a small Llama from a transformers config
 
 (a) one peer alone; (b) 4 peers DiLoCo, H=50, 4-bit e3m0; (c) 4 peers Streaming DiLoCo (2 fragments, overlap 5,
 alpha 0.5, e3m0); (e) 4 peers DiLoCo, H=25, with the outer step as plain averaging (outer lr 1, no momentum: the
-best of a sweep at this short horizon); (d) the fair data-parallel reference, in this process: one model trained synchronously on the
-4 peers' batches at once (4 x batch per step, the same steps, AdamW with the same settings), which is what DDP
-computes.
+best of a sweep at this short horizon); (d) the fair data-parallel reference, in this process: one model trained
+synchronously on the 4 peers' batches at once (4 x batch per step, the same steps, AdamW with the same settings),
+which is what DDP computes.
 
 Reported: validation loss at the end (the task's evaluate()), bytes each peer sent (for (d): one fp32 gradient per
 step, what a data-parallel peer contributes), and the fraction of wall time a node was not blocked waiting for a
