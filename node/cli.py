@@ -368,7 +368,7 @@ def state(data_dir, http, as_json) -> None:
 @click.argument("obj", metavar="OBJECT")
 @click.argument("payload", metavar="PAYLOAD_JSON")
 @click.option("--data-dir", help="Data dir of the node to write through.")
-@click.option("--http", help="Status endpoint of the node (HOST:PORT or URL) instead of --data-dir.")
+@click.option("--http", help="Status endpoint of the node (HOST:PORT or URL); the token still comes from --data-dir.")
 def write(obj, payload, data_dir, http) -> None:
     """Write one op to a replicated object, e.g. `swarmd write kv '{"k": "<peer id>/note", "v": "hi"}'`."""
     import urllib.error
@@ -379,8 +379,13 @@ def write(obj, payload, data_dir, http) -> None:
     except json.JSONDecodeError as e:
         raise Fail(f"PAYLOAD_JSON is not JSON: {e}", EXIT_USAGE) from None
     url = _status_url(data_dir, http) + "/crdt"
+    folder = datadir.resolve(data_dir)
+    token = datadir.read_http_token(folder)
+    if token is None:
+        raise Fail(f"no {datadir.TOKEN_FILE} in {folder}: writes need the node's token (pass the node's --data-dir)")
     data = json.dumps({"ops": [{"object": obj, "payload": parsed}]}).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json",
+                                                              "Authorization": f"Bearer {token}"})
     try:
         with urllib.request.urlopen(request, timeout=10) as resp:
             click.echo(json.load(resp)["ops"][0]["id"])

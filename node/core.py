@@ -106,7 +106,8 @@ class Node:
             max_skew_ms=int(config.state.max_clock_skew * 1000),
         )
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
-                                 extra_routes=[r for svc in self.services for r in svc.routes()])
+                                 extra_routes=[r for svc in self.services for r in svc.routes()],
+                                 token=datadir.http_token(data_dir))
         self.started_at: float | None = None
         self._started_mono: float | None = None
         self.addresses: list[str] = []

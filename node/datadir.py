@@ -21,6 +21,7 @@ from transport.multiaddrs import validate_peer_addr
 IDENTITY_FILE = "identity.key"
 LOCK_FILE = "swarmd.lock"
 RUNTIME_FILE = "node.json"
+TOKEN_FILE = "http.token"  # the local HTTP endpoint's write secret (mode 0600): only who can read the data dir writes
 RELAYS_FILE = "relays.json"  # relays found through the DHT, reserved on at the next start
 MAX_RELAYS = 8
 
@@ -88,6 +89,32 @@ def _write_json(path: Path, name: str, obj) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path / name)
+
+
+def http_token(path: Path) -> str:
+    """The node's HTTP write token, created (32 random bytes, hex, mode 0600) on first use."""
+    file = path / TOKEN_FILE
+    try:
+        fd = os.open(file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        token = file.read_text().strip()
+        if len(token) == 64:
+            return token
+        file.unlink()  # damaged: make a new one
+        return http_token(path)
+    token = os.urandom(32).hex()
+    with os.fdopen(fd, "w") as f:
+        f.write(token)
+        f.flush()
+        os.fsync(f.fileno())
+    return token
+
+
+def read_http_token(path: Path) -> str | None:
+    try:
+        return (path / TOKEN_FILE).read_text().strip() or None
+    except OSError:
+        return None
 
 
 def write_runtime(path: Path, info: dict) -> None:

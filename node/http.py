@@ -1,15 +1,28 @@
 """Local HTTP status endpoint (aiohttp), served on the node's own event loop.
 
 ``GET /healthz`` 200 when up; ``/status`` JSON; ``/peers`` JSON list; ``/metrics`` Prometheus text; ``/`` a small page.
-Bound to 127.0.0.1 by default: it is for the person running the node, not for the swarm.
+Bound to 127.0.0.1 by default: it is for the person running the node, not for the swarm, nor for the web pages that
+person's browser opens. So every request passes :func:`StatusServer._guard` first:
+
+- ``Host`` must name the address we are bound to (a DNS-rebinding page reaches us under its own name): else 421;
+- a request with an ``Origin`` that is not ours (a cross-site form or fetch) is refused: 403;
+- anything but GET/HEAD needs ``Authorization: Bearer <token>``, the secret in ``<data dir>/http.token`` (mode 0600;
+  ``swarmd write`` reads it): else 401;
+- a body over the route's limit (or a body without a Content-Length) is refused before it is read: 413 / 411.
+
+Each refusal is counted in ``/metrics`` (``swarmd_errors_total{kind="http_..."}``) and logged at most once a minute
+per kind.
 """
 
 from __future__ import annotations
 
 import base64
 import errno
+import hmac
+import ipaddress
 import json
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -26,18 +39,33 @@ class HttpStartError(Exception):
     pass
 
 
+KIB, MIB = 1 << 10, 1 << 20
+# request body limits by (method, route); a POST elsewhere may carry 4 KiB
+BODY_LIMITS = {
+    "/crdt": 4 * MIB,
+    "/topics/{topic}": 4 * MIB + 64 * KIB,  # one pubsub message (gossip.MAX_MESSAGE)
+    "/bulk": 1 << 30,  # a blob to announce (the node holds it in memory)
+}
+DEFAULT_BODY_LIMIT = 4 * KIB
+MAX_OPS_PER_WRITE = 1000  # ops signed in one POST /crdt (each is an Ed25519 signature on the event loop)
+
+
 class StatusServer:
-    def __init__(self, node: Node, host: str, port: int, extra_routes: list = ()):
+    def __init__(self, node: Node, host: str, port: int, extra_routes: list = (), token: str | None = None):
         self.node = node
         self._extra_routes = list(extra_routes)
         self.host = host
         self.port = port
+        self.token = token
         self._runner: web.AppRunner | None = None
         self._registry = make_registry(node)
         self.url: str | None = None
+        self._hosts: set[str] = set()
+        self._origins: set[str] = set()
+        self._logged: dict[str, float] = {}
 
     def _app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 30)  # local only; bulk uploads
+        app = web.Application(client_max_size=max(BODY_LIMITS.values()), middlewares=[self._guard])
         app.add_routes(
             [
                 web.get("/", self._page),
@@ -70,6 +98,45 @@ class StatusServer:
         host, port = sock.getsockname()[:2]
         self.port = port
         self.url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+        names = {f"[{host}]" if ":" in host else host}
+        if _loopback(host):
+            names |= {"localhost", "127.0.0.1", "[::1]"}
+        self._hosts = {f"{n}:{port}" for n in names}
+        self._origins = {f"http://{h}" for h in self._hosts}
+
+    # ------------------------------------------------------------------ the guard
+    def _refuse(self, kind: str, status: int, message: str, request: web.Request) -> web.Response:
+        self.node.transport.stats.errors[f"http_{kind}"] += 1
+        now = time.monotonic()
+        if now - self._logged.get(kind, -1e9) > 60:
+            self._logged[kind] = now
+            logger.warning("http: refused %s %s from %s: %s (further refusals of this kind are counted in "
+                           "/metrics, logged once a minute)", request.method, request.path, request.remote, message)
+        return web.json_response({"error": message}, status=status)
+
+    @web.middleware
+    async def _guard(self, request: web.Request, handler):
+        unspecified = self.host in ("0.0.0.0", "::", "")
+        if not unspecified and request.headers.get("Host", "") not in self._hosts:
+            return self._refuse("bad_host", 421, "Host must be the address this node's endpoint is bound to",
+                                request)
+        origin = request.headers.get("Origin")
+        if origin is not None and origin not in self._origins and not unspecified:
+            return self._refuse("foreign_origin", 403, "requests from other origins are refused", request)
+        if request.method not in ("GET", "HEAD"):
+            supplied = request.headers.get("Authorization", "")
+            expected = f"Bearer {self.token}" if self.token else None
+            if expected is None or not hmac.compare_digest(supplied.encode(), expected.encode()):
+                return self._refuse("unauthorized", 401, "writes need 'Authorization: Bearer <token>' (the token "
+                                    "is in the node's data dir, http.token)", request)
+            route = request.match_info.route.resource.canonical if request.match_info.route.resource else ""
+            limit = BODY_LIMITS.get(route, DEFAULT_BODY_LIMIT)
+            if request.body_exists and request.content_length is None:
+                return self._refuse("no_length", 411, "a request body needs a Content-Length", request)
+            if (request.content_length or 0) > limit:
+                return self._refuse("too_large", 413, f"the body is over this route's limit of {limit} bytes",
+                                    request)
+        return await handler(request)
 
     async def close(self) -> None:
         if self._runner is not None:
@@ -95,6 +162,8 @@ class StatusServer:
             items = [(item["object"], item["payload"]) for item in body["ops"]]
             if not items or not all(isinstance(o, str) and isinstance(p, dict) for o, p in items):
                 raise ValueError
+            if len(items) > MAX_OPS_PER_WRITE:
+                return self._refuse("too_many_ops", 413, f"at most {MAX_OPS_PER_WRITE} ops per request", request)
         except (ValueError, KeyError, TypeError):
             return web.json_response({"error": 'expected {"ops": [{"object": str, "payload": {...}}, ...]}'},
                                      status=400)
@@ -110,6 +179,13 @@ class StatusServer:
 
     async def _page(self, request: web.Request) -> web.Response:
         return web.Response(text=PAGE, content_type="text/html")
+
+
+def _loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _json_default(obj):

@@ -67,11 +67,17 @@ def http_get(url: str, timeout: float = 5.0):
         return body.decode()
 
 
+TOKENS: dict[str, str] = {}  # a started node's endpoint -> its HTTP write token (read from its data dir)
+
+
 def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None):
-    """POST raw bytes (or ``json_body`` as JSON) and return the decoded JSON reply."""
+    """POST raw bytes (or ``json_body`` as JSON) with the node's write token, return the decoded JSON reply."""
     headers = {}
     if json_body is not None:
         data, headers = json.dumps(json_body).encode(), {"Content-Type": "application/json"}
+    token = next((t for base, t in TOKENS.items() if url.startswith(base + "/")), None)
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=data, method="POST", headers=headers)
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
@@ -112,6 +118,7 @@ class NodeProc:
             return info if info.get("pid") == self.pid else None
 
         self.info = wait_for(ready, timeout, f"node in {self.data_dir} to start")
+        TOKENS[self.info["http"]] = (self.data_dir / "http.token").read_text().strip()
         return self.info
 
     @property

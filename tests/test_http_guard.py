@@ -1,0 +1,81 @@
+"""The local HTTP endpoint serves only the person running the node (issue 14, item 1): writes need the per-node
+token from the data dir, a foreign Host (DNS rebinding) or Origin (a cross-site page) is refused, bodies over a
+route's limit are refused before they are read; every refusal is counted and logged."""
+
+import http.client
+import json
+import os
+import stat
+from urllib.parse import urlsplit
+
+import pytest
+
+from swarmproc import Swarm, http_get, http_post, run_cli, wait_for
+
+pytestmark = pytest.mark.swarm
+
+
+def request(url: str, method: str, path: str, body: bytes = b"", headers: dict | None = None):
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request(method, path, body=body, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(120)
+def test_only_the_person_running_the_node_can_write_and_foreign_pages_cannot_read(tmp_path):
+    swarm = Swarm(tmp_path / "nodes")
+    try:
+        node = swarm.start("a")
+        token_file = node.data_dir / "http.token"
+        assert stat.S_IMODE(os.stat(token_file).st_mode) == 0o600 and len(token_file.read_text()) == 64
+        host = urlsplit(node.url).netloc
+        before = http_get(node.url + "/state")["ops"]
+        op = json.dumps({"ops": [{"object": "rounds", "payload": {"v": 2**53}}]}).encode()
+
+        # a web page's form or fetch: no token (text/plain needs no preflight), with and without its Origin
+        assert request(node.url, "POST", "/crdt", op, {"Content-Type": "text/plain"})[0] == 401
+        assert request(node.url, "POST", "/crdt", op, {"Content-Type": "text/plain",
+                                                       "Origin": "http://evil.example"})[0] == 403
+        for path in ("/topics/chat", "/bulk", "/topics/chat/subscribe"):
+            assert request(node.url, "POST", path, b"x")[0] == 401
+        # the token from another place is not enough from a foreign origin either
+        auth = {"Authorization": f"Bearer {token_file.read_text()}"}
+        assert request(node.url, "POST", "/crdt", op, {**auth, "Origin": "http://evil.example"})[0] == 403
+        # DNS rebinding: our address under another name; reads refused too
+        for path in ("/status", "/state", "/"):
+            assert request(node.url, "GET", path, headers={"Host": f"evil.example:{urlsplit(node.url).port}"})[0] \
+                == 421
+        assert request(node.url, "GET", "/status", headers={"Host": host})[0] == 200
+        assert request(node.url, "GET", "/status",
+                       headers={"Host": f"localhost:{urlsplit(node.url).port}"})[0] == 200
+        # bodies over the route's limit are refused before they are read
+        status, _ = request(node.url, "POST", "/crdt", b"", {**auth, "Content-Length": str(64 << 20)})
+        assert status == 413
+        assert request(node.url, "POST", "/topics/chat/subscribe", b"x" * 10_000, auth)[0] == 413
+        too_many = {"ops": [{"object": "kv", "payload": {"k": f"{node.peer_id}/{i}", "v": i}} for i in range(1001)]}
+        assert request(node.url, "POST", "/crdt", json.dumps(too_many).encode(), auth)[0] == 413
+        assert http_get(node.url + "/state")["ops"] == before  # nothing was written
+
+        # the person running the node: the CLI reads the token from the data dir
+        result = run_cli("write", "kv", json.dumps({"k": f"{node.peer_id}/note", "v": "hi"}),
+                         "--data-dir", str(node.data_dir))
+        assert result.returncode == 0, result.stderr
+        assert http_post(node.url + "/crdt", json_body={"ops": [{"object": "kv", "payload": {
+            "k": f"{node.peer_id}/x", "v": 1}}]})["ops"]
+        wait_for(lambda: http_get(node.url + "/state")["ops"] == before + 2, 10, "both writes")
+        result = run_cli("write", "kv", "{}", "--http", node.url, "--data-dir", str(tmp_path / "elsewhere"))
+        assert result.returncode == 1 and "http.token" in result.stderr
+
+        metrics = http_get(node.url + "/metrics")
+        for kind, least in (("unauthorized", 4), ("foreign_origin", 2), ("bad_host", 3), ("too_large", 2),
+                            ("too_many_ops", 1)):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= least, line
+        assert node.log().count("http: refused") <= 5  # once a minute per kind
+    finally:
+        swarm.close()
