@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from natlab import NatLab, unavailable  # noqa: E402
-from swarmproc import Swarm, http_post, wait_for  # noqa: E402
+from swarmproc import Swarm, wait_for  # noqa: E402
 from test_nat import LAB_NODE, peer, relayed_call_works  # noqa: E402
 
 
@@ -71,9 +71,9 @@ def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
             def rate(puller, holder):
                 nonlocal blobs
                 blobs += 1
-                put = holder.via(http_post, holder.url + "/bulk?codec=raw", os.urandom(blob_mb << 20), timeout=60)
+                put = holder.post("/bulk?codec=raw", os.urandom(blob_mb << 20), timeout=60)
                 wait_for(lambda: puller.status()["services"]["bulk"]["announcements"] >= blobs, 10, "announcement")
-                pulled = puller.via(http_post, f"{puller.url}/bulk/{put['hash']}/pull", timeout=120)
+                pulled = puller.post(f"/bulk/{put['hash']}/pull", timeout=120)
                 assert pulled["source"] == holder.peer_id, pulled
                 return blob_mb * 1.048576 / pulled["seconds"]
 

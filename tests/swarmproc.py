@@ -70,12 +70,13 @@ def http_get(url: str, timeout: float = 5.0):
 TOKENS: dict[str, str] = {}  # a started node's endpoint -> its HTTP write token (read from its data dir)
 
 
-def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None):
-    """POST raw bytes (or ``json_body`` as JSON) with the node's write token, return the decoded JSON reply."""
+def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None, token: str | None = None):
+    """POST raw bytes (or ``json_body`` as JSON) with the node's write token (``token``, or the one of the node
+    started at that URL), return the decoded JSON reply."""
     headers = {}
     if json_body is not None:
         data, headers = json.dumps(json_body).encode(), {"Content-Type": "application/json"}
-    token = next((t for base, t in TOKENS.items() if url.startswith(base + "/")), None)
+    token = token or next((t for base, t in TOKENS.items() if url.startswith(base + "/")), None)
     if token is not None:
         headers["Authorization"] = f"Bearer {token}"
     req = urllib.request.Request(url, data=data, method="POST", headers=headers)
@@ -102,6 +103,7 @@ class NodeProc:
             cwd=REPO,
         )
         self.info: dict | None = None
+        self.token: str | None = None  # its HTTP write token, once it is ready
 
     @property
     def pid(self) -> int:
@@ -118,8 +120,14 @@ class NodeProc:
             return info if info.get("pid") == self.pid else None
 
         self.info = wait_for(ready, timeout, f"node in {self.data_dir} to start")
-        TOKENS[self.info["http"]] = (self.data_dir / "http.token").read_text().strip()
+        self.token = (self.data_dir / "http.token").read_text().strip()
+        TOKENS[self.info["http"]] = self.token
         return self.info
+
+    def post(self, path: str, data: bytes = b"", timeout: float = 30.0):
+        """POST to this node's endpoint with its token (where its endpoint is reachable: nodes in network
+        namespaces may share one loopback URL)."""
+        return self.via(http_post, self.url + path, data, timeout, None, self.token)
 
     @property
     def peer_id(self) -> str:

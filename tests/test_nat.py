@@ -10,7 +10,7 @@ import time
 import pytest
 
 from natlab import NatLab, unavailable
-from swarmproc import Swarm, http_post, wait_for
+from swarmproc import Swarm, wait_for
 
 pytestmark = [pytest.mark.nat, pytest.mark.swarm]
 
@@ -94,9 +94,9 @@ def run_lab(tmp_path, mode: str) -> dict:
                 assert 'swarmd_hole_punch_total{result="success"} 1.0' in first.get("/metrics")
                 # bulk bytes: a's TCP port is behind its NAT, so b pulls a's blob over the punched connection
                 blob = os.urandom(3 << 20)
-                put = a.via(http_post, a.url + "/bulk?codec=raw", blob)
+                put = a.post("/bulk?codec=raw", blob)
                 wait_for(lambda: b.status()["services"]["bulk"]["announcements"] >= 1, 10, "the announcement")
-                pulled = b.via(http_post, f"{b.url}/bulk/{put['hash']}/pull", timeout=60)
+                pulled = b.post(f"/bulk/{put['hash']}/pull", timeout=60)
                 assert pulled["size"] == len(blob) and pulled["source"] == a.peer_id
                 assert b.status()["services"]["bulk"]["pulled_over_stream"] == 1
             else:
