@@ -38,6 +38,7 @@ import torch
 
 MAX_ELEMENTS = 1 << 30  # hard limit on decoded element count (4 GiB of fp32)
 MAX_NDIM = 8
+MAX_BLOCK = 1 << 20  # elements per scale block (the encoders use 128-256)
 
 DTYPES = {0: torch.float32, 1: torch.float16, 2: torch.bfloat16}
 DTYPE_IDS = {v: k for k, v in DTYPES.items()}
@@ -110,8 +111,10 @@ def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
         raise CodecError("bad shape")
     if math.prod(shape) > max_elements:
         raise CodecError(f"{math.prod(shape)} elements exceed the limit of {max_elements}")
-    if type(block) is not int or type(k) is not int or block < 0 or k < 0:
-        raise CodecError("bad block or k")
+    if any(d > max_elements for d in shape):  # an empty tensor with an absurd dimension
+        raise CodecError("bad shape")
+    if type(block) is not int or type(k) is not int or not 0 <= block <= MAX_BLOCK or k < 0:
+        raise CodecError(f"bad block or k (block at most {MAX_BLOCK})")
     if not isinstance(obj["scales"], bytes) or not isinstance(obj["data"], bytes):
         raise CodecError("scales and data must be bytes")
     return Encoded(codec, DTYPES[dtype], tuple(shape), block, k, obj["scales"], obj["data"])
@@ -139,6 +142,11 @@ def _out(enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
     if out.dtype != torch.float32 or out.numel() != n or not out.is_contiguous():
         raise ValueError("out must be a contiguous float32 tensor with the decoded element count")
     return out.view(-1)
+
+
+def _block_index(n: int, block: int) -> torch.Tensor:
+    """The scale block of each of ``n`` elements (allocates n indices, never ``block``)."""
+    return torch.div(torch.arange(n), block, rounding_mode="floor")
 
 
 def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
@@ -275,7 +283,7 @@ class Int8Codec(Codec):
             scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
             _check_finite(scales)
             q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8)
-            per_elem = (scales / 127.0).repeat_interleave(b)[:n]
+            per_elem = (scales / 127.0)[_block_index(n, b)]  # O(n), whatever the block size claims
             torch.mul(q.to(torch.float32), per_elem, out=result)
         return result
 
@@ -324,7 +332,7 @@ class E3M0Codec(Codec):
             codes = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
             magnitude = torch.pow(2.0, -(codes & 0x07).to(torch.float32))
             sign = 1.0 - 2.0 * (codes >> 3).to(torch.float32)
-            torch.mul(magnitude * sign, scales.repeat_interleave(b)[:n], out=result)
+            torch.mul(magnitude * sign, scales[_block_index(n, b)], out=result)
         return result
 
 
@@ -409,9 +417,18 @@ def encode(x: torch.Tensor, codec: str | Codec = "e3m0") -> bytes:
 
 
 def decode(payload: bytes, *, out: torch.Tensor | None = None, max_elements: int = MAX_ELEMENTS) -> torch.Tensor:
-    """Bytes from the network -> tensor. Raises CodecError on anything malformed."""
+    """Bytes from the network -> tensor. Raises CodecError on anything malformed (and only CodecError: whatever
+    torch says about a crafted payload is the sender's fault too); ValueError for a wrong ``out`` (ours)."""
     enc = from_wire(payload, max_elements=max_elements)
-    return CODECS[enc.codec].decode(enc, out)
+    if out is not None and (out.dtype != torch.float32 or out.numel() != math.prod(enc.shape)
+                            or not out.is_contiguous()):
+        raise ValueError("out must be a contiguous float32 tensor with the decoded element count")
+    try:
+        return CODECS[enc.codec].decode(enc, out)
+    except CodecError:
+        raise
+    except (TypeError, ValueError, RuntimeError, OverflowError, IndexError) as e:
+        raise CodecError(f"undecodable tensor ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
 
 
 def report(codec: str | Codec, x: torch.Tensor) -> dict:

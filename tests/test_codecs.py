@@ -213,3 +213,45 @@ def test_encode_into_a_preallocated_buffer_gives_the_same_bytes(name):
             assert torch.equal(C.decode(bytes(buf[:written])), C.decode(codec.encode(x).to_wire()))
     with pytest.raises(ValueError, match="needs"):
         codec.encode_into(torch.randn(1000), bytearray(10))
+
+
+def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
+    """Issue 14 items 4 and 13: a ~60-byte int8/e3m0 payload claiming a huge block allocated 1-8 GiB, and crafted
+    shapes or blocks raised undeclared TypeError/ValueError/RuntimeError. Seeded, bounded mutation fuzz."""
+    import random
+
+    import msgpack
+
+    from protocols import codecs
+
+    for codec_id, scales in ((3, b"\x00\x00\x80\x3f"), (4, b"\x80\x3f")):
+        tiny = msgpack.packb({"v": 1, "codec": codec_id, "dtype": 0, "shape": [1], "block": 2**31 - 1, "k": 0,
+                              "scales": scales, "data": b"\x01"}, use_bin_type=True)
+        with pytest.raises(codecs.CodecError, match="block"):
+            codecs.decode(tiny)
+        big_block = msgpack.loads(tiny)
+        big_block["block"] = codecs.MAX_BLOCK  # allowed, and decoded in O(elements), not O(block)
+        assert codecs.decode(msgpack.packb(big_block, use_bin_type=True)).numel() == 1
+    rng = random.Random(1234)
+    x = torch.randn(3, 70, generator=torch.Generator().manual_seed(1))
+    seeds = [msgpack.loads(codecs.get(name).encode(x).to_wire()) for name in ("none", "fp16", "bf16", "int8", "e3m0",
+                                                                                 "topk")]
+    values = [0, 1, -1, 2**31, 2**63 - 1, 7, 3.5, "x", b"\x00" * 9, [], [1, 2], None, True]
+    for i in range(4000):
+        obj = dict(rng.choice(seeds))
+        for _ in range(rng.randint(1, 3)):
+            key = rng.choice(codecs.KEYS)
+            if key == "shape" and rng.random() < 0.6:
+                obj[key] = [rng.choice([0, 1, 2, 3, 70, 210, 2**20, 2**31]) for _ in range(rng.randint(0, 4))]
+            elif key in ("scales", "data") and rng.random() < 0.7 and isinstance(obj[key], bytes) and obj[key]:
+                raw = bytearray(obj[key])
+                raw[rng.randrange(len(raw))] ^= 1 << rng.randrange(8)
+                obj[key] = bytes(raw[: rng.randint(0, len(raw))]) if rng.random() < 0.3 else bytes(raw)
+            else:
+                obj[key] = rng.choice(values)
+        payload = msgpack.packb(obj, use_bin_type=True)
+        try:
+            out = codecs.decode(payload, max_elements=1 << 16)
+        except codecs.CodecError:
+            continue
+        assert out.numel() <= 1 << 16
