@@ -253,13 +253,9 @@ class DilocoLoop(TaskLoop):
         if not math.isfinite(value):
             # this peer's training went wrong: no backward, no step, and our updates are withheld until a round
             # closes and gives us the global weights back
-            self.counters["nonfinite_loss"] += 1
             for p in range(self.cfg.fragments):
                 self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
-            if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
-                logger.warning("diloco: the loss of %s is %s at step %d (%d so far); skipping the step and "
-                               "withholding our update", self.task.spec, value, self.step,
-                               self.counters["nonfinite_loss"])
+            self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
             return
         loss.backward()
         self.inner_opt.step()
@@ -562,7 +558,7 @@ class DilocoLoop(TaskLoop):
             return
         try:
             await self._ctx.replicator.write("progress", {
-                "step": self.step, "samples": self.step * int(getattr(self.task.obj, "batch", 1) or 1),
+                "step": self.step, "samples": self._samples(self.step),
                 "loss": float(loss),
                 "bytes": int(self.counters["bytes_sent"]), "round": int(self.counters["rounds"])})
         except ValueError as e:

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from node.services import NodeContext
 from protocols import outer
 from protocols import task as tasks
+from protocols.checkpoint import model_state
 from protocols.gossip import Gossip, Message, Verdict
 from protocols.grpo import Group
 from protocols.task import Task, TaskError
@@ -301,12 +302,9 @@ class SapoLoop(TaskLoop):
         broken = not math.isfinite(loss) or (self.model is not None and not all(
             bool(torch.isfinite(p).all()) for p in self.model.parameters()))
         if broken:
-            self.counters["nonfinite_loss"] += 1
             if backup is not None:
                 self.model.load_state_dict(backup)
-            if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
-                logger.warning("sapo: the policy update of %s gave a non-finite loss or weights at round %d (%d "
-                               "so far); undone", self.task.spec, self.round, self.counters["nonfinite_loss"])
+            self._nonfinite("the policy update", f"gave a non-finite loss or weights at round {self.round}; undone")
             return {"groups": 0, "loss": 0.0}
         return {"groups": groups_used, "loss": loss}
 
@@ -325,8 +323,6 @@ class SapoLoop(TaskLoop):
         if found is None:
             return
         tensors, meta = found
-        from protocols.checkpoint import model_state
-
         try:
             self.model.load_state_dict(model_state(tensors))
         except (RuntimeError, KeyError) as e:

@@ -39,10 +39,10 @@ from protocols import outer
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, _decode
-from transport.base import Stream
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
+from transport.base import Stream
+from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import verify
 
@@ -307,10 +307,7 @@ class SPSALoop(TaskLoop):
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):
             return encode_grad(g, self.cfg.clip)
-        self.counters["nonfinite_loss"] += 1
-        if self.counters["nonfinite_loss"] == 1 or self.counters["nonfinite_loss"] % 100 == 0:
-            logger.warning("spsa: the loss of %s is not finite at step %d (%d so far); sending the smallest "
-                           "step instead of a gradient", self.task.spec, step, self.counters["nonfinite_loss"])
+        self._nonfinite("the loss", f"is not finite at step {step}; sending the smallest step instead of a gradient")
         return 0
 
     # ------------------------------------------------------------------ our own checkpoint (the data dir)
@@ -350,9 +347,7 @@ class SPSALoop(TaskLoop):
         if self.weights.hash() != saved_hash:
             logger.warning("spsa: ignoring our checkpoint %s: its weights do not match their hash",
                            self._checkpoint_path())
-            for c, b in zip(self.weights.canonical, self._base):
-                c.copy_(b)
-            self.weights._load(None, 0.0)
+            self._reset_to_base()
             return
         self.log = log
         for w, wires in log:
@@ -387,7 +382,7 @@ class SPSALoop(TaskLoop):
         steps = self.window * self.cfg.window
         try:
             await self._ctx.replicator.write("progress", {
-                "step": steps, "samples": steps * int(getattr(self.task.obj, "batch", 1) or 1),
+                "step": steps, "samples": self._samples(steps),
                 "loss": float(loss),
                 "bytes": int(self.counters["step_wire_bytes"]), "round": self.window})
         except ValueError as e:

@@ -89,6 +89,17 @@ class TaskLoop:
             self.refused = None
             self.state = "waiting for peers"
 
+    def _nonfinite(self, what: str, where: str) -> None:
+        """Count a non-finite loss (or weights) and say so: the first time, then every 100th."""
+        self.counters["nonfinite_loss"] += 1
+        n = self.counters["nonfinite_loss"]
+        if n == 1 or n % 100 == 0:
+            logger.warning("%s: %s of %s %s (%d so far)", self.name, what, self.task.spec, where, n)
+
+    def _samples(self, steps: int) -> int:
+        """Samples seen after ``steps`` steps, for the progress register (the task's ``batch`` if it has one)."""
+        return steps * int(getattr(self.task.obj, "batch", 1) or 1)
+
     # ------------------------------------------------------------------ checkpoints
     def _checkpoint_path(self) -> Path:
         return checkpoint.path_for(self._ctx.data_dir, self.name, self.cfg.run)
