@@ -55,7 +55,8 @@ class HfTextTask:
         self.tokenizer = self._tokenizer([texts[p] for p in self._pretrain_files])
         self.vocab_size = self.tokenizer.get_vocab_size()
         self.train = self._encode([texts[p] for p in train])
-        self.pretrain_tokens = self._encode([texts[p] for p in self._pretrain_files])
+        self.pretrain_tokens = self.train if self._pretrain_files is train else self._encode(
+            [texts[p] for p in self._pretrain_files])
         self.val = self._encode([texts[p] for p in val])
         self.corpus_id = hashlib.blake2b("\n".join(f"{p.name}:{len(texts[p])}" for p in files).encode(),
                                          digest_size=8).hexdigest()
