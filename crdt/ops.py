@@ -83,11 +83,26 @@ def decode_wire(wire: Any, *, max_size: int) -> Op:
     return decode_body(body, sig, max_size=max_size)
 
 
+class _OverBudget(Exception):
+    pass
+
+
 def decode_body(body: bytes, sig: bytes, *, max_size: int) -> Op:
     if len(body) > max_size:
         raise OpError("oversized", f"op body of {len(body)} B exceeds {max_size} B")
+    left = [8 + len(body) // 16]  # maps and arrays: ~60 B each in memory for one byte on the wire
+
+    def count(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _OverBudget
+        return container
+
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
+        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
+                              object_hook=count, list_hook=count)
+    except _OverBudget:
+        raise OpError("oversized", f"more maps and arrays than an op body of {len(body)} B may carry") from None
     except Exception as e:
         raise OpError("malformed", f"undecodable op body ({type(e).__name__})") from None
     if not isinstance(obj, list) or len(obj) != 7 or obj[0] != 1 or type(obj[0]) is not int:

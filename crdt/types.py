@@ -6,7 +6,7 @@ after its parents), so any delivery order gives the same state. ``check`` says w
 
 | type | payload | who may write | value |
 |---|---|---|---|
-| LWWMap | ``{"k": str, "v": any or None}`` (None deletes) | namespaced: keys ``<author>/...`` only; shared: anyone | per key, the write with the greatest (clock, author, id) |
+| LWWMap | ``{"k": str, "v": JSON value or None}`` (None deletes; depth <= 8) | namespaced: keys ``<author>/...`` only; shared: anyone | per key, the write with the greatest (clock, author, id) |
 | ORSet | ``{"add": e}`` or ``{"rm": e, "tags": [add op ids]}`` | self_only: e == author | e is in the set while some add of e is not removed by a later-observed rm |
 | GCounter | ``{"n": int >= 0}`` | anyone (each into its own slot) | sum of all increments |
 | PNCounter | ``{"n": int}`` | anyone (own slot) | sum of increments minus decrements |
@@ -52,6 +52,26 @@ class CRDTType:
         raise NotImplementedError
 
 
+MAX_VALUE_DEPTH = 8
+
+
+def _json_value(v: Any, depth: int = 0) -> bool:
+    """A value every replica can store and serve as JSON: no bytes, no non-string keys, no NaN, bounded depth."""
+    if v is None or type(v) in (bool, str):
+        return True
+    if type(v) is int:
+        return -MAX_INT <= v <= MAX_INT
+    if type(v) is float:
+        return math.isfinite(v)
+    if depth >= MAX_VALUE_DEPTH:
+        return False
+    if type(v) is list:
+        return all(_json_value(x, depth + 1) for x in v)
+    if type(v) is dict:
+        return all(type(k) is str and _json_value(x, depth + 1) for k, x in v.items())
+    return False
+
+
 class LWWMap(CRDTType):
     name = "lww_map"
 
@@ -66,6 +86,8 @@ class LWWMap(CRDTType):
             return "oversized"
         if self.namespaced and not p["k"].startswith(op.author + "/"):
             return "not_allowed"
+        if not _json_value(p["v"]):
+            return "malformed"  # bytes, a non-string map key, NaN, or nested deeper than MAX_VALUE_DEPTH
         return None
 
     def initial(self) -> dict:

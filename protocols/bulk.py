@@ -40,7 +40,7 @@ from aiohttp import web
 from node.services import NodeContext
 from protocols.gossip import Gossip, Message, Verdict
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
+from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Announcement:
     @classmethod
     def parse(cls, message: Message) -> Announcement | None:
         try:
-            obj = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+            obj = unpack(message.data)
         except Exception:
             return None
         keys = {"kind", "hash", "size", "codec", "topic", "round", "fragment", "addrs"}
@@ -348,8 +348,7 @@ class BulkService:
             (length,) = struct.unpack(">I", header)
             if length > MAX_REQUEST:
                 raise BulkError("request too large")
-            request = msgpack.unpackb(await asyncio.wait_for(reader.readexactly(length), 10.0), raw=False,
-                                      strict_map_key=True, max_ext_len=0)
+            request = unpack(await asyncio.wait_for(reader.readexactly(length), 10.0))
             status, blob = self._check(request)
             writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
             if blob is not None:
@@ -358,7 +357,7 @@ class BulkService:
                 self.counters["bytes_served"] += len(blob)
             await writer.drain()
         except (BulkError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, TypeError,
-                msgpack.UnpackException, ConnectionError) as e:
+                msgpack.UnpackException, MalformedMessage, ConnectionError) as e:
             self.counters["bad_requests"] += 1
             logger.debug("bulk request refused: %s", e)
         finally:

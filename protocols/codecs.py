@@ -36,6 +36,9 @@ from typing import Any
 import msgpack
 import torch
 
+from transport.errors import MalformedMessage
+from transport.framing import unpack
+
 MAX_ELEMENTS = 1 << 30  # hard limit on decoded element count (4 GiB of fp32)
 MAX_NDIM = 8
 MAX_BLOCK = 1 << 20  # elements per scale block (the encoders use 128-256)
@@ -97,9 +100,9 @@ def _wire_prefix(head: Encoded, data_len: int) -> bytes:
 def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
     """Strictly parse the wire format. Raises CodecError."""
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0)
-    except Exception as e:
-        raise CodecError(f"undecodable tensor payload ({type(e).__name__})") from None
+        obj = unpack(payload, what="tensor payload")
+    except MalformedMessage as e:
+        raise CodecError(str(e)) from None
     if not isinstance(obj, dict) or tuple(obj) != KEYS or obj["v"] != 1:
         raise CodecError("tensor payload must be a v1 map with keys " + ", ".join(KEYS))
     codec, dtype, shape, block, k = obj["codec"], obj["dtype"], obj["shape"], obj["block"], obj["k"]

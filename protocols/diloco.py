@@ -43,7 +43,7 @@ from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
+from transport.framing import ProtocolSpec, unpack
 
 logger = logging.getLogger(__name__)
 
@@ -478,7 +478,7 @@ class DilocoLoop(TaskLoop):
                         break
                     await asyncio.sleep(0.05)
                 body, _ = await self.bulk.pull(blob)
-                ckpt = msgpack.unpackb(bytes(body), raw=False, strict_map_key=True, max_ext_len=0)
+                ckpt = unpack(body)
                 global_flat = [codecs.decode(w) for w in ckpt["global"]]
                 momentum = [codecs.decode(w) for w in ckpt["momentum"]]
                 if [g.numel() for g in global_flat] != [g.numel() for g in self.global_flat]:
@@ -513,7 +513,7 @@ class DilocoLoop(TaskLoop):
     # ------------------------------------------------------------------ validation
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+            body = unpack(message.data)
         except Exception:
             return Verdict.REJECT
         if not isinstance(body, dict) or type(body.get("r")) is not int or type(body.get("p")) is not int:

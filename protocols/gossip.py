@@ -39,7 +39,7 @@ from aiohttp import web
 from node.services import NodeContext
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
+from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
 from transport.penalties import RateLimitedLog
 
@@ -507,8 +507,8 @@ def _decode(wire: Any) -> Message:
     if not isinstance(body, bytes) or not isinstance(sig, bytes) or len(body) > MAX_MESSAGE + 1024:
         raise MalformedMessage("pubsub: bad message fields")
     try:
-        obj = msgpack.unpackb(body, raw=False, strict_map_key=True, max_ext_len=0)
-    except Exception:
+        obj = unpack(body)
+    except MalformedMessage:
         raise MalformedMessage("pubsub: undecodable message body") from None
     if (
         not isinstance(obj, list)

@@ -44,6 +44,7 @@ from protocols.gossip import Gossip, Message, Verdict
 from protocols.grpo import Group
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
+from transport.framing import unpack
 
 logger = logging.getLogger(__name__)
 
@@ -446,7 +447,7 @@ class SapoLoop(TaskLoop):
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+            body = unpack(message.data)
         except Exception:
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT

@@ -43,7 +43,7 @@ from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
+from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
 
 logger = logging.getLogger(__name__)
@@ -501,7 +501,7 @@ class SPSALoop(TaskLoop):
                 if message.topic != self.topic or not verify(message.author, PUBSUB_DOMAIN + message.body,
                                                              message.sig):
                     raise ValueError("spsa-log: an entry does not verify")
-                body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+                body = unpack(message.data)
                 if not isinstance(body, dict) or self._foreign(message.author, body) is not None \
                         or set(body) != {"w", "b"} or body["w"] != w \
                         or len(body["b"]) != self.cfg.window:
@@ -524,7 +524,7 @@ class SPSALoop(TaskLoop):
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = msgpack.unpackb(message.data, raw=False, strict_map_key=True, max_ext_len=0)
+            body = unpack(message.data)
         except Exception:
             return Verdict.REJECT
         if not isinstance(body, dict) or type(body.get("w")) is not int or body["w"] < 0:
@@ -611,4 +611,4 @@ class SPSALoop(TaskLoop):
 
 
 def _batch_bytes(message: Message) -> bytes:
-    return msgpack.unpackb(message.data, raw=False)["b"]
+    return unpack(message.data)["b"]

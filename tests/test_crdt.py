@@ -286,3 +286,31 @@ def test_a_forged_or_altered_op_never_changes_state(seed, victim, byte):
         return
     assert s.receive(resigned.wire(), NOW).status in (REJECTED, DUPLICATE)
     assert (s.heads_digest(), s.values()) == before
+
+
+def test_kv_values_are_json_every_replica_can_serve():
+    # issue 14 item 7: one kv value with a bytes map key, or nested 1,000 deep, made GET /state answer 500 everywhere
+    import json
+
+    a = IDS[0]
+    s = store()
+    key = f"{a.peer_id}/x"
+    deep = 0
+    for _ in range(9):
+        deep = [deep]
+    for bad in ({b"k": 1}, deep, float("nan"), b"raw", {"a": [b"x"]}, 2**60):
+        r = s.create(a.sign, a.peer_id, "kv", {"k": key, "v": bad}, NOW)
+        assert (r.status, r.reason) == (REJECTED, "malformed"), bad
+    fine = {"lr": 0.1, "tags": ["a", "b"], "n": None, "ok": True, "nest": [[[[[[[1]]]]]]]}
+    write(s, a, "kv", {"k": key, "v": fine})
+    assert json.loads(json.dumps(s.values()))["kv"] == {key: fine}
+
+
+def test_op_bodies_of_empty_containers_are_refused_by_budget():
+    # issue 14 item 4: 7.8 MiB of small kv ops made of empty maps cost +557 MB; a body carries one container
+    # per 16 bytes at most
+    a = IDS[0]
+    body = encode_body(a.peer_id, 1, (NOW, 0), [], "kv", {"k": f"{a.peer_id}/x", "v": [{}] * 3000})
+    op_wire = {"b": body, "s": a.sign(SIGN_DOMAIN + body)}
+    r = store().receive(op_wire, NOW)
+    assert (r.status, r.reason) == (REJECTED, "oversized")

@@ -81,3 +81,52 @@ def test_protocol_spec_validation():
         ProtocolSpec("a/b", "1.0.0", 10)
     with pytest.raises(ValueError):
         ProtocolSpec("a", "1.0.0", 0)
+
+
+BIG = ProtocolSpec("big", "1.0.0", max_frame=8 << 20, kinds=frozenset({1}))
+
+
+def _peak_bytes(fn) -> int:
+    import tracemalloc
+
+    tracemalloc.start()
+    try:
+        fn()
+    except MalformedMessage:
+        pass
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    return peak
+
+
+def test_a_frame_of_empty_maps_is_refused_within_its_budget():
+    # issue 14 item 4: one 8 MiB frame of empty maps cost +586 MB while decoded; now the container budget stops it
+    for body in ([{}] * ((8 << 20) - 16), [[{}] * 1000] * 8000):  # one long array; many short ones
+        payload = encode(1, body)
+        assert len(payload) <= BIG.max_frame
+        with pytest.raises(MalformedMessage) as e:
+            decode(payload, BIG)
+        assert e.value.kind == "oversized"
+        assert _peak_bytes(lambda: decode(payload, BIG)) < 8 * len(payload)
+
+
+def test_the_kind_is_checked_before_the_body_is_decoded():
+    payload = encode(9, [[1, 2, 3]] * 500_000)
+    assert _peak_bytes(lambda: decode(payload, BIG)) < 1 << 16
+    with pytest.raises(MalformedMessage, match="unknown message kind 9"):
+        decode(payload, BIG)
+    with pytest.raises(MalformedMessage):
+        decode(msgpack.packb([1000, None]), BIG)  # kinds are 0..127
+    with pytest.raises(ValueError):
+        frame(200, None, BIG)
+
+
+def test_honest_shapes_fit_the_budget():
+    # what our protocols send: maps of byte strings (ops, messages), version vectors, short lists of numbers
+    ops = {"ops": [{"b": bytes(150), "s": bytes(64)} for _ in range(1000)], "more": False, "vv": {"x" * 52: 3}}
+    assert decode(encode(1, ops), BIG).body == ops
+    vv = {f"12D3KooW{i:044d}": i for i in range(100_000)}
+    assert decode(encode(1, vv), BIG).body == vv
+    seeds = {"b": [1, 2, 3], "w": 7, "t": {"l": "ab", "c": "cd"}}
+    assert decode(encode(1, seeds), BIG).body == seeds
+    assert decode(encode(1, []), BIG).body == [] and decode(encode(1, {}), BIG).body == {}

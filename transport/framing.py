@@ -8,7 +8,10 @@ Wire format of one message on a stream::
 - The length prefix is checked against the protocol's ``max_frame`` *before* the body is read, so a peer cannot make
   us allocate more than that.
 - Decoding is strict: no msgpack ext types (so no timestamps or custom objects), string map keys only, no trailing
-  bytes, and the kind must be one the protocol declares.
+  bytes, and the kind must be one the protocol declares, checked before the body is decoded.
+- Decoding is budgeted by the input's size (:func:`unpack`): a container costs ~60 B in Python but one byte on the
+  wire, so containers are capped at one per ``CONTAINER_BYTES`` bytes of input and one container's announced length
+  at half the input; a frame of a million empty maps is refused after its budget, not unpacked whole.
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ class ProtocolSpec:
             raise ValueError(f"bad protocol name {self.name!r}")
         if self.max_frame <= 0 or self.max_frame > 2**32 - 1:
             raise ValueError("max_frame must be in (0, 2**32)")
+        if any(not 0 <= k <= 0x7F for k in self.kinds):
+            raise ValueError("message kinds are 0..127 (one msgpack byte)")
 
     @property
     def id(self) -> str:
@@ -59,24 +64,60 @@ def encode(kind: int, body: Any) -> bytes:
 
 def frame(kind: int, body: Any, spec: ProtocolSpec) -> bytes:
     """Length prefix + payload. Raises FrameTooLarge if the message exceeds the protocol's limit."""
+    if not 0 <= kind <= 0x7F:
+        raise ValueError(f"message kind {kind} is not 0..127")
     payload = encode(kind, body)
     if len(payload) > spec.max_frame:
         raise FrameTooLarge(f"{spec.id}: outgoing message of {len(payload)} B exceeds limit {spec.max_frame} B")
     return HEADER.pack(len(payload)) + payload
 
 
-def decode(payload: bytes, spec: ProtocolSpec) -> Message:
-    """Strictly decode one payload. Raises MalformedMessage on anything unexpected."""
+CONTAINER_BYTES = 16  # at most one map or array per this many bytes of input (plus a small floor)
+CONTAINER_FLOOR = 64
+
+
+class _OverBudget(Exception):
+    pass
+
+
+def unpack(payload: bytes, *, what: str = "msgpack") -> Any:
+    """Strictly decode one msgpack value under a budget proportional to ``len(payload)``. Raises MalformedMessage.
+
+    The budget (containers, each container's length) is checked by the C unpacker as it goes, before the
+    allocation it would cost, so the peak memory of any input is a small multiple of its size."""
+    left = [CONTAINER_FLOOR + len(payload) // CONTAINER_BYTES]
+
+    def count(container):
+        left[0] -= 1
+        if left[0] < 0:
+            raise _OverBudget
+        return container
+
+    longest = len(payload) // 2 + 16
     try:
-        obj = msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
-    except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError) as e:
-        raise MalformedMessage(f"{spec.id}: undecodable msgpack ({type(e).__name__})") from None
-    if not isinstance(obj, list) or len(obj) != 2 or type(obj[0]) is not int:
+        return msgpack.unpackb(
+            payload, raw=False, strict_map_key=True, use_list=True, max_ext_len=0, object_hook=count,
+            list_hook=count, max_array_len=longest, max_map_len=longest,
+        )
+    except _OverBudget:
+        raise MalformedMessage(f"{what}: more containers than {len(payload)} B may carry", kind="oversized") from None
+    except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError, RecursionError) as e:
+        if "exceeds max" in str(e):
+            raise MalformedMessage(f"{what}: a container longer than {len(payload)} B may carry",
+                                   kind="oversized") from None
+        raise MalformedMessage(f"{what}: undecodable msgpack ({type(e).__name__})") from None
+
+
+def decode(payload: bytes, spec: ProtocolSpec) -> Message:
+    """Strictly decode one payload, its kind checked before its body. Raises MalformedMessage."""
+    if len(payload) < 2 or payload[0] != 0x92:  # a fixarray of two: [kind, body]
         raise MalformedMessage(f"{spec.id}: a message must be [kind:int, body]")
-    kind = obj[0]
+    kind = payload[1]
+    if kind > 0x7F:  # kinds are positive fixints (0..127)
+        raise MalformedMessage(f"{spec.id}: a message kind must be a small int")
     if spec.kinds and kind not in spec.kinds:
         raise MalformedMessage(f"{spec.id}: unknown message kind {kind}")
-    return Message(kind, obj[1])
+    return Message(kind, unpack(memoryview(payload)[2:], what=spec.id))
 
 
 async def read_frame(reader: asyncio.StreamReader, spec: ProtocolSpec) -> bytes | None:
@@ -105,10 +146,7 @@ def unpack_record(payload: bytes, *, max_size: int) -> Any:
     """Strictly decode a standalone msgpack blob (e.g. a signed record body)."""
     if len(payload) > max_size:
         raise FrameTooLarge(f"record of {len(payload)} B exceeds limit {max_size} B")
-    try:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=True, use_list=True, max_ext_len=0)
-    except (ValueError, msgpack.UnpackException, TypeError, UnicodeDecodeError) as e:
-        raise MalformedMessage(f"undecodable record ({type(e).__name__})") from None
+    return unpack(payload, what="record")
 
 
 def pack_record(obj: Any) -> bytes:
