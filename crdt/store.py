@@ -25,7 +25,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from crdt.hlc import HLC
-from crdt.ops import MAX_PARENTS, Op, OpError, Signer, Verifier, decode_wire, make_op, verify_op
+from crdt.ops import (
+    MAX_PARENTS, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, make_op, verify_op,
+)
 from crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
@@ -142,6 +144,47 @@ class OpStore:
         return Result(REJECTED, reason=reason, op=op)
 
     # ------------------------------------------------------------------ writing
+    def draft(self, author: str, items: list[tuple[str, Any]], now_ms: int) -> tuple[list[bytes], str | None]:
+        """Unsigned bodies for a batch of local ops, each checked as ``receive`` would check it, none applied.
+
+        Returns (bodies, None), or ([], "<object>: <reason>") if any op of the batch would be refused: a batch is
+        applied whole or not at all. Sign the bodies (off the event loop), persist them, then ``commit`` them."""
+        chain = self.chains.get(author, [])
+        parents = set(sorted(self.heads, key=lambda i: self.ops[i].clock, reverse=True)[: MAX_PARENTS - 1])
+        if chain:
+            parents.add(chain[-1])
+        seq, hlc, bodies = len(chain), HLC(self.clock.last), []
+        for obj, payload in items:
+            ctype = self.schema.get(obj)
+            if ctype is None:
+                return [], f"{obj}: unknown_object"
+            seq += 1
+            body = encode_body(author, seq, hlc.tick(now_ms), parents, obj, payload)
+            try:
+                op = decode_body(body, b"", max_size=self.max_op_size)
+            except OpError as e:
+                return [], f"{obj}: {e.reason}"
+            reason = ctype.check(op)
+            if reason is not None:
+                return [], f"{obj}: {reason}"
+            bodies.append(body)
+            parents = {op.id}
+        return bodies, None
+
+    def commit(self, bodies: list[bytes], sigs: list[bytes], now_ms: int) -> list[Op]:
+        """Apply a drafted, signed (and persisted) batch. Raises OpError if it no longer applies (a caller bug:
+        drafts must not interleave with other local writes of the same author)."""
+        ops = []
+        for body, sig in zip(bodies, sigs, strict=True):
+            op = decode_body(body, sig, max_size=self.max_op_size)  # ours, just signed: not verified again
+            if op.id in self.ops or any(p not in self.ops for p in op.parents):
+                raise OpError("bad_causality", "a drafted op is already known or lost a parent")
+            result = self._apply_ready(op)
+            if result.status != APPLIED:
+                raise OpError(result.reason or result.status, f"a drafted op did not apply: {result.status}")
+            ops.append(op)
+        return ops
+
     def create(self, sign: Signer, author: str, obj: str, payload: Any, now_ms: int) -> Result:
         """Write a local op: next seq, current heads as parents, a clock after everything seen."""
         chain = self.chains.get(author, [])

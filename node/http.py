@@ -171,6 +171,8 @@ class StatusServer:
             ops = await self.node.replicator.write_many(items)
         except ValueError as e:
             return web.json_response({"error": f"rejected: {e}"}, status=422)
+        except OSError as e:  # the log cannot persist them (disk full): nothing was applied
+            return web.json_response({"error": f"not written: {e}"}, status=503)
         return web.json_response({"ops": [{"id": op.id.hex(), "seq": op.seq} for op in ops],
                                   "heads_digest": self.node.replicator.store.heads_digest()})
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from crdt import APPLIED, REJECTED, LWWMap, MaxRegister, Op, OpStore, ORSet, ProgressRegister, GCounter
+from crdt.ops import SIGN_DOMAIN
 from node.oplog import OpLog
 from transport.base import Stream, Transport
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
@@ -135,17 +136,25 @@ class Replicator:
         return (await self.write_many([(obj, payload)], push=push))[0]
 
     async def write_many(self, items: list[tuple[str, Any]], *, push: bool = True) -> list[Op]:
-        """Create, fsync and (by default) push ops. Raises ValueError naming the rejection reason."""
+        """Create, fsync and (by default) push a batch of ops, whole or not at all.
+
+        Raises ValueError naming the first refusal (nothing of the batch is applied) and OSError if the log cannot
+        persist it (nothing applied either). Signing runs in a worker thread; the ops become visible to readers and
+        to anti-entropy only once they are on disk, so no peer ever holds an op of ours that a restart forgets."""
         async with self._write_lock:
-            ops = []
+            resolved = []
             for obj, payload in items:
-                if obj in self.store.schema and isinstance(self.store.schema[obj], ORSet) and set(payload) == {"rm"}:
+                if obj in self.store.schema and isinstance(self.store.schema[obj], ORSet) \
+                        and isinstance(payload, dict) and set(payload) == {"rm"}:
                     payload = {"rm": payload["rm"], "tags": ORSet.live_tags(self.store.states[obj], payload["rm"])}
-                result = self.store.create(self.identity.sign, self.identity.peer_id, obj, payload, now_ms())
-                if result.status != APPLIED:
-                    raise ValueError(f"{obj}: {result.reason}")
-                ops.append(result.op)
-            await asyncio.to_thread(self.log.append, [op.wire() for op in ops])
+                resolved.append((obj, payload))
+            bodies, refusal = self.store.draft(self.identity.peer_id, resolved, now_ms())
+            if refusal is not None:
+                raise ValueError(refusal)
+            sign = self.identity.sign
+            sigs = await asyncio.to_thread(lambda: [sign(SIGN_DOMAIN + body) for body in bodies])
+            await asyncio.to_thread(self.log.append, [{"b": b, "s": s} for b, s in zip(bodies, sigs)])
+            ops = self.store.commit(bodies, sigs, now_ms())
         self.counters["ops_written"] += len(ops)
         if push:
             self._outbox.extend(ops)
