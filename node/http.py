@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 
 from node.metrics import CONTENT_TYPE, make_registry, render
+from node.replication import WritesPaused
 
 if TYPE_CHECKING:
     from node.core import Node
@@ -169,6 +170,8 @@ class StatusServer:
                                      status=400)
         try:
             ops = await self.node.replicator.write_many(items)
+        except WritesPaused as e:
+            return web.json_response({"error": str(e)}, status=503)
         except ValueError as e:
             return web.json_response({"error": f"rejected: {e}"}, status=422)
         except OSError as e:  # the log cannot persist them (disk full): nothing was applied

@@ -2,8 +2,12 @@
 
 Record: ``uint32 length | uint32 crc32(payload) | payload`` where payload is the op's msgpack wire form. ``append``
 writes a batch and fsyncs before it returns, so an op is on disk before we acknowledge it. On open, records are
-read back in order; a torn or corrupt tail (short header, short body, bad checksum, absurd length) is cut off with a
-warning, never a crash. Blocking file I/O: call it through ``asyncio.to_thread``.
+read back in order. A damaged record (bad checksum, absurd length, undecodable) is skipped: the reader finds the
+next intact record and goes on, so one flipped byte costs one record, not everything after it. Damaged bytes are
+kept aside in ``<log>.damaged`` (appended, never lost), and the log is rewritten without them (atomically); a torn
+tail (a crash inside an append: no intact record after it) is cut the same way. ``damaged_mid`` counts damaged
+stretches followed by intact records: acknowledged ops may be gone, and the caller must re-fetch the node's own
+ops from peers before writing again. Never a crash. Blocking file I/O: call it through ``asyncio.to_thread``.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import struct
 import threading
 import zlib
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import msgpack
 
@@ -32,29 +36,55 @@ class OpLog:
         self.records = 0
         self.size = 0
         self.truncated_bytes = 0
+        self.damaged_mid = 0  # damaged stretches with intact records after them (acknowledged ops may be lost)
+        self.damaged_bytes = 0
 
     def open(self) -> list[Any]:
-        """Read every intact record (cutting a corrupt tail) and open the log for appending."""
+        """Read every intact record (setting damaged stretches aside) and open the log for appending."""
         wires, good_end = [], 0
+        self.damaged_mid = self.damaged_bytes = 0
         if self.path.exists():
             with open(self.path, "rb") as f:
                 data = f.read()
-            for wire, end in _records(data):
-                wires.append(wire)
-                good_end = end
-            if good_end < len(data):
-                self.truncated_bytes = len(data) - good_end
-                logger.warning(
-                    "op log %s: cut %d bytes of corrupt or torn tail after %d intact records",
-                    self.path, self.truncated_bytes, len(wires),
-                )
-                with open(self.path, "r+b") as f:
-                    f.truncate(good_end)
-                    f.flush()
-                    os.fsync(f.fileno())
+            spans, damaged = _scan(data)
+            wires = [wire for wire, _, _ in spans]
+            if damaged:
+                self._set_aside(data, spans, damaged)
+            good_end = sum(end - start for _, start, end in spans)
         self._file = open(self.path, "ab")
         self.records, self.size = len(wires), good_end
         return wires
+
+    def _set_aside(self, data: bytes, spans: list, damaged: list[tuple[int, int]]) -> None:
+        last_good = spans[-1][2] if spans else 0
+        self.damaged_mid = sum(1 for start, _ in damaged if start < last_good)
+        self.damaged_bytes = sum(end - start for start, end in damaged)
+        self.truncated_bytes = sum(end - start for start, end in damaged if start >= last_good)
+        with open(self.path.with_name(self.path.name + ".damaged"), "ab") as f:
+            for start, end in damaged:
+                f.write(data[start:end])
+            f.flush()
+            os.fsync(f.fileno())
+        if self.damaged_mid:
+            logger.warning(
+                "op log %s: %d damaged stretch(es) (%d B) skipped and kept in %s.damaged; %d intact records kept. "
+                "Ops written before the damage may be lost: this node re-fetches its own ops from a peer before its "
+                "next write", self.path, self.damaged_mid, self.damaged_bytes, self.path.name, len(spans))
+        else:
+            logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records (kept in %s.damaged)",
+                           self.path, self.truncated_bytes, len(spans), self.path.name)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "wb") as f:
+            for _, start, end in spans:
+                f.write(data[start:end])
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        dir_fd = os.open(self.path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
     def append(self, wires: list[Any]) -> None:
         if not wires:
@@ -80,19 +110,34 @@ class OpLog:
                 self._file = None
 
 
-def _records(data: bytes) -> Iterator[tuple[Any, int]]:
-    offset = 0
-    while offset + HEADER.size <= len(data):
-        length, crc = HEADER.unpack_from(data, offset)
-        start, end = offset + HEADER.size, offset + HEADER.size + length
-        if length > MAX_RECORD or end > len(data):
-            return
-        payload = data[start:end]
-        if zlib.crc32(payload) != crc:
-            return
-        try:
-            wire = msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0)
-        except Exception:
-            return
-        yield wire, end
-        offset = end
+def _record_at(data: bytes, offset: int) -> tuple[Any, int] | None:
+    """The intact record starting at ``offset`` and where it ends, or None."""
+    if offset + HEADER.size > len(data):
+        return None
+    length, crc = HEADER.unpack_from(data, offset)
+    start, end = offset + HEADER.size, offset + HEADER.size + length
+    if length > MAX_RECORD or end > len(data):
+        return None
+    payload = data[start:end]
+    if zlib.crc32(payload) != crc:
+        return None
+    try:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=True, max_ext_len=0), end
+    except Exception:
+        return None
+
+
+def _scan(data: bytes) -> tuple[list[tuple[Any, int, int]], list[tuple[int, int]]]:
+    """(intact records as (wire, start, end), damaged stretches as (start, end)), in file order. After a damaged
+    record the next intact one is found by trying each later offset (a false match needs a CRC-32 collision)."""
+    spans, damaged, offset = [], [], 0
+    while offset < len(data):
+        found = _record_at(data, offset)
+        if found is not None:
+            spans.append((found[0], offset, found[1]))
+            offset = found[1]
+            continue
+        resume = next((o for o in range(offset + 1, len(data) - HEADER.size + 1) if _record_at(data, o)), len(data))
+        damaged.append((offset, resume))
+        offset = resume
+    return spans, damaged

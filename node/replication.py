@@ -66,6 +66,13 @@ BASE_SCHEMA = {
 }
 
 
+RECOVERY_ALONE_S = 120.0  # with no peer at all for this long, a node whose log was damaged writes again anyway
+
+
+class WritesPaused(ValueError):
+    """Local writes wait: the op log was damaged and this node has not yet re-fetched its own ops from a peer."""
+
+
 def now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -96,6 +103,7 @@ class Replicator:
         self._sync_soon: set[str] = set()
         self._sync_event = asyncio.Event()
         self._log = RateLimitedLog(logger, interval=30.0)
+        self._recovered = asyncio.Event()  # set once writes are safe (at once unless the op log was damaged)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
@@ -109,6 +117,12 @@ class Replicator:
             logger.warning("op log: %d records did not verify and were skipped", bad)
         logger.info("CRDT state: %d ops from the log", len(self.store.ops))
         await self.transport.serve(CRDT_SPEC, self._on_stream)
+        if self.log.damaged_mid:
+            return  # writes (our member op included) wait for _recover
+        self._recovered.set()
+        await self._join_members()
+
+    async def _join_members(self) -> None:
         if self.identity.peer_id not in self.store.value("members"):
             await self.write("members", {"add": self.identity.peer_id})
 
@@ -116,6 +130,43 @@ class Replicator:
         async with asyncio.TaskGroup() as tg:
             tg.create_task(self._push_loop())
             tg.create_task(self._anti_entropy_loop())
+            if not self._recovered.is_set():
+                tg.create_task(self._recover())
+
+    async def _recover(self) -> None:
+        """After log damage: sync with peers until our own chain has no gap, then write again.
+
+        A new op of ours must follow the last one any peer holds, or it would equivocate (same seq, different op)
+        and every later write of ours would be refused wherever the old one is known."""
+        me, synced, started = self.identity.peer_id, set(), time.monotonic()
+        while True:
+            peers = self._peers()
+            for peer_id in [p for p in peers if p not in synced]:
+                try:
+                    await self.sync_with(peer_id)
+                    synced.add(peer_id)
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
+                    logger.debug("recovery sync with %s failed: %s", peer_id, e)
+            gap = sorted(op.seq for op in self.store.pending.values() if op.author == me)
+            if synced and not gap:
+                logger.warning("op log recovery: own ops re-fetched from %d peer(s) (chain at #%d); writing again",
+                               len(synced), len(self.store.chains.get(me, [])))
+                break
+            if synced and synced >= set(peers):
+                logger.error("op log recovery: no peer has own op #%d (held after it: %s); writing again",
+                             len(self.store.chains.get(me, [])) + 1, gap[:8])
+                break
+            if not synced and time.monotonic() - started > RECOVERY_ALONE_S:
+                logger.error("op log recovery: no peer reachable for %.0f s; writing again without re-fetching "
+                             "(ops lost with the damaged records may be re-used)", RECOVERY_ALONE_S)
+                break
+            await asyncio.sleep(0.5)
+        self.counters["log_recoveries"] += 1
+        self._recovered.set()
+        try:
+            await self._join_members()
+        except ValueError as e:
+            logger.warning("could not re-add ourselves to the member set: %s", e)
 
     async def leave(self, timeout: float = 1.0) -> None:
         """Remove ourselves from the member set and tell connected peers (best effort)."""
@@ -141,6 +192,8 @@ class Replicator:
         Raises ValueError naming the first refusal (nothing of the batch is applied) and OSError if the log cannot
         persist it (nothing applied either). Signing runs in a worker thread; the ops become visible to readers and
         to anti-entropy only once they are on disk, so no peer ever holds an op of ours that a restart forgets."""
+        if not self._recovered.is_set():
+            raise WritesPaused("the op log was damaged: re-fetching this node's own ops from a peer before writing")
         async with self._write_lock:
             resolved = []
             for obj, payload in items:
@@ -295,6 +348,9 @@ class Replicator:
                 "log_records": self.log.records,
                 "log_bytes": self.log.size,
                 "log_truncated_bytes": self.log.truncated_bytes,
+                "log_damaged_bytes": self.log.damaged_bytes,
+                "log_damaged_stretches": self.log.damaged_mid,
+                "writes_paused": not self._recovered.is_set(),
                 "last_sync": {p: t for p, t in sorted(self.last_sync.items())},
                 **{k: v for k, v in sorted(self.counters.items())},
             }
