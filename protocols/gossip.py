@@ -14,7 +14,10 @@ gossipsub would need the py-libp2p backend (NAT issue). So this module implement
   freshness window and the topic's validator (registered by a loop: ACCEPT, REJECT or IGNORE) all pass. REJECT and
   bad signatures count against the peer that sent it (penalties, then a ban); banned peers drop out of every mesh
   and their streams are closed.
-- **Dedup** by message id (a seen cache of ``seen_ttl``), so each subscriber gets each message exactly once.
+- **Dedup** by message id: an id stays in the seen cache until its timestamp leaves the freshness window (so a
+  verbatim replay is either a duplicate or stale, never delivered twice), and only messages we accepted are cached,
+  advertised (IHAVE) and served (IWANT): a relay never hands out what its own validator refused. IWANT ids are
+  de-duplicated per peer and heartbeat.
 - **Backpressure**: each peer has a bounded send queue and each subscription a bounded receive queue; overflow
   drops the oldest (send) or the newest (receive) message *and counts it* in status and metrics.
 """
@@ -157,21 +160,20 @@ class Gossip:
         d_hi: int = 12,
         d_lazy: int = 6,
         heartbeat: float = 1.0,
-        seen_ttl: float = 120.0,
         max_age: float = 120.0,
         max_skew: float = 30.0,
         send_queue: int = 4096,
     ):
         self.d, self.d_lo, self.d_hi, self.d_lazy = d, d_lo, d_hi, d_lazy
         self.heartbeat = heartbeat
-        self.seen_ttl = seen_ttl
         self.max_age_ms = int(max_age * 1000)
         self.max_skew_ms = int(max_skew * 1000)
         self.send_queue = send_queue
         self.topics: dict[str, Topic] = {}
         self.peer_topics: dict[str, set[str]] = {}
         self.links: dict[str, PeerLink] = {}
-        self.seen: dict[bytes, float] = {}
+        self.seen: dict[bytes, int] = {}  # id -> wall ms after which the freshness window refuses it anyway
+        self._served: dict[str, set[bytes]] = {}  # per peer: ids served on IWANT since the last heartbeat
         self.cache: dict[bytes, Message] = {}  # recent messages, for IWANT
         self.history: collections.deque = collections.deque(maxlen=3)  # ids per heartbeat, for IHAVE
         self.history.append([])
@@ -285,10 +287,11 @@ class Gossip:
                 for p in random.sample(others, min(self.d_lazy, len(others))):
                     self.links[p].send(IHAVE, {"topic": t.name, "ids": ids[-MAX_IDS:]})
         self.history.append([])
-        now = time.monotonic()
-        for mid in [m for m, t0 in self.seen.items() if now - t0 > self.seen_ttl]:
+        now = int(time.time() * 1000)
+        for mid in [m for m, until in self.seen.items() if until < now]:
             del self.seen[mid]
             self.cache.pop(mid, None)
+        self._served.clear()
         live = {i for batch in self.history for i in batch}
         for mid in [m for m in self.cache if m not in live]:
             del self.cache[mid]
@@ -352,7 +355,8 @@ class Gossip:
             if not isinstance(body, dict) or not isinstance(body.get("ids"), list) or len(body["ids"]) > MAX_IDS:
                 raise MalformedMessage("pubsub: bad IHAVE")
             if body.get("topic") in self.topics:
-                want = [i for i in body["ids"] if isinstance(i, bytes) and len(i) == 16 and i not in self.seen]
+                want = list(dict.fromkeys(i for i in body["ids"]
+                                          if isinstance(i, bytes) and len(i) == 16 and i not in self.seen))
                 if want and peer in self.links:
                     self.links[peer].send(IWANT, want)
                     self.counters["iwant_sent"] += len(want)
@@ -360,11 +364,17 @@ class Gossip:
             if not isinstance(body, list) or len(body) > MAX_IDS:
                 raise MalformedMessage("pubsub: bad IWANT")
             link = self.links.get(peer)
+            served = self._served.setdefault(peer, set())
             for mid in body:
                 message = self.cache.get(mid) if isinstance(mid, bytes) else None
-                if message is not None and link is not None:
-                    link.send(MSG, message.wire())
-                    self.counters["iwant_served"] += 1
+                if message is None or link is None:
+                    continue
+                if mid in served:
+                    self.counters["iwant_duplicates"] += 1
+                    continue
+                served.add(mid)
+                link.send(MSG, message.wire())
+                self.counters["iwant_served"] += 1
 
     async def _on_message(self, peer: str, wire: Any) -> None:
         penalties = self._ctx.transport.penalties
@@ -387,7 +397,7 @@ class Gossip:
             self.counters["stale"] += 1
             penalties.penalize(peer, "stale", "pubsub message outside the freshness window")
             return
-        self._remember(message)  # seen from here on, whatever the verdict: no re-validation of replays
+        self._remember(message, cache=False)  # seen from here on, whatever the verdict: no re-validation of replays
         verdict = Verdict.ACCEPT
         if t.validator is not None:
             try:
@@ -405,16 +415,18 @@ class Gossip:
         if verdict is Verdict.IGNORE:
             t.ignored += 1
             return
+        self._remember(message)  # accepted: cached, advertised and served on IWANT
         delivered = Message(message.id, message.topic, message.author, message.seq, message.ts_ms, message.data,
                             message.body, message.sig, received_from=peer)
         self._deliver(t, delivered)
         self._forward(message, exclude=peer)
 
     # ------------------------------------------------------------------ internals
-    def _remember(self, message: Message) -> None:
-        self.seen[message.id] = time.monotonic()
-        self.cache[message.id] = message
-        self.history[-1].append(message.id)
+    def _remember(self, message: Message, *, cache: bool = True) -> None:
+        self.seen[message.id] = message.ts_ms + self.max_age_ms + 1000
+        if cache:
+            self.cache[message.id] = message
+            self.history[-1].append(message.id)
 
     def _deliver(self, t: Topic, message: Message) -> None:
         try:
