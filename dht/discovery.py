@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from dht.records import Ed25519RecordValidator, NodeRecord, open_envelope, owner_tag, seal
+from dht.records import Ed25519RecordValidator, NodeRecord, member_value_ok, open_envelope, owner_tag, seal
 from transport.framing import unpack_record
 from transport._compat import load_hivemind
 from transport.base import Stream
@@ -54,6 +54,7 @@ class DiscoveryConfig:
     dial_timeout: float = 10.0
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
+    dht_timeout: float = 15.0  # every DHT call (get, store, ping, walk) gives up after this long
 
 
 @dataclass
@@ -115,6 +116,7 @@ class Discovery:
         self.members: dict[str, Member] = {}
         self.bootstrap: list[BootstrapState] = [BootstrapState(a, split_peer_addr(a)[0]) for a in config.bootstrap]
         self.dht = None
+        self.validator: Ed25519RecordValidator | None = None
         self.counters = {"hello_in": 0, "hello_out": 0, "introduced_in": 0, "introduced_out": 0, "records_rejected": 0,
                          "dht_polls": 0, "dht_stores": 0}
         self._joined = asyncio.Event()
@@ -128,7 +130,8 @@ class Discovery:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         hm = load_hivemind()
-        validator = Ed25519RecordValidator(self.identity, protected_keys=[self.members_key])
+        self.validator = validator = Ed25519RecordValidator(
+            self.identity, {self.members_key: member_value_ok}, max_ttl=max(600.0, 4 * self.config.record_ttl))
         self.dht = await hm.DHTNode.create(
             p2p=self.transport.hivemind_p2p,
             record_validator=validator,
@@ -164,6 +167,17 @@ class Discovery:
             except (asyncio.TimeoutError, Exception) as e:  # shutting down: log, never raise
                 logger.debug("DHT shutdown: %r", e)
 
+    async def _dht_call(self, what: str, call):
+        """Await one DHT call under ``dht_timeout``: a peer that never answers (or an entry that makes hivemind's
+        search fail) must not hang discovery. Raises TransportError on a timeout (counted, logged rate-limited)."""
+        try:
+            return await asyncio.wait_for(call, self.config.dht_timeout)
+        except asyncio.TimeoutError:
+            self.counters["dht_timeouts"] = self.counters.get("dht_timeouts", 0) + 1
+            self._log.log(logging.WARNING, ("dht_timeout", what), "DHT %s gave no answer within %.0f s",
+                          what, self.config.dht_timeout)
+            raise TransportError(f"DHT {what} timed out after {self.config.dht_timeout:.0f} s") from None
+
     # ------------------------------------------------------------------ our record
     async def my_record(self) -> NodeRecord:
         addrs = tuple(a.rsplit("/p2p/", 1)[0] for a in await self.transport.addresses())
@@ -182,12 +196,12 @@ class Discovery:
     async def announce(self) -> bool:
         hm = load_hivemind()
         record = await self.my_record()
-        ok = await self.dht.store(
+        ok = await self._dht_call("store", self.dht.store(
             self.members_key,
             record.to_wire(),
             expiration_time=hm.get_dht_time() + self.config.record_ttl,
             subkey=owner_tag(self.identity.peer_id),
-        )
+        ))
         self.counters["dht_stores"] += 1
         return bool(ok)
 
@@ -236,7 +250,8 @@ class Discovery:
         started = time.perf_counter()
         peer_id = await self.transport.connect(addr, timeout=self.config.dial_timeout)
         dialed = time.perf_counter()
-        node_id = await self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False)
+        node_id = await self._dht_call(
+            "ping", self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False))
         if node_id is None:
             raise PeerUnreachable(f"{addr} answered the dial but not the DHT ping")
         pinged = time.perf_counter()
@@ -251,7 +266,8 @@ class Discovery:
         # greet every member at once (that is what makes us visible within ~1 s), while we store our record and
         # fill our routing table
         started = time.perf_counter()
-        await asyncio.gather(self.poll(), self.announce(), self.dht.find_nearest_nodes([self.dht.node_id]))
+        await asyncio.gather(self.poll(), self.announce(),
+                             self._dht_call("walk", self.dht.find_nearest_nodes([self.dht.node_id])))
         logger.info("first member sync: %d members in %.0f ms", len(self.members), (time.perf_counter() - started) * 1e3)
 
     # ------------------------------------------------------------------ members
@@ -270,7 +286,7 @@ class Discovery:
                 self._log.log(logging.WARNING, "poll", "member poll failed: %s", e)
 
     async def poll(self) -> None:
-        result = await self.dht.get(self.members_key, latest=True)
+        result = await self._dht_call("get", self.dht.get(self.members_key, latest=True))
         self.counters["dht_polls"] += 1
         now = self._clock()
         entries = result.value if result is not None and isinstance(result.value, dict) else {}

@@ -4,8 +4,10 @@ DHT records (hivemind ``DHTNode``)
     A protected record names its owner in the *subkey* (``[owner:ed25519:<peer id>]``): validators only see the main
     key as its DHTID hash, so an owner tag there would protect nothing. The value gets a fixed-size suffix
     ``[ed25519sig:<base64 of 64 bytes>]`` holding the owner's signature over msgpack((key id, subkey, value,
-    expiration)). The owner's public key comes from the peer id itself (identity multihash). Keys listed as
-    ``protected_keys`` accept *only* owner-signed entries, so nobody can write unsigned junk into the member list.
+    expiration)). The owner's public key comes from the peer id itself (identity multihash). Only our own keys are
+    accepted (``protected_keys``), each entry only owner-signed, with an expiration at most ``max_ttl`` ahead, and
+    with a value that decodes and passes the key's check (for the members key: one node record about its owner):
+    nobody can write unsigned junk, store 31-year records, or plant a value that breaks a reader.
     hivemind ships only an RSA validator; this one is written for Ed25519 and strips the signature by its fixed
     length, not by a regex over the payload.
 
@@ -21,8 +23,9 @@ import binascii
 import dataclasses
 import re
 import time
+from collections import Counter
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -43,6 +46,21 @@ _SIG_SUFFIX_LEN = len(_SIG_PREFIX) + _SIG_B64_LEN + 1
 MAX_RECORD_VALUE = 8 * 1024
 
 
+ValueCheck = Callable[[str, Any], bool]
+
+
+def _any_value(owner: str, value: Any) -> bool:
+    return True
+
+
+def member_value_ok(owner: str, value: Any) -> bool:
+    """The members key's check: the value is one node record, about the peer that signed it."""
+    try:
+        return NodeRecord.from_wire(value).peer_id == owner
+    except MalformedMessage:
+        return False
+
+
 def owner_tag(peer_id: str) -> bytes:
     return OWNER_PREFIX + peer_id.encode() + b"]"
 
@@ -57,30 +75,49 @@ def dht_key_id(key: str) -> bytes:
 class Ed25519RecordValidator(_hm.RecordValidatorBase):
     """hivemind record validator for Ed25519-owned records. Never raises on bad input: it answers False."""
 
-    def __init__(self, identity: Identity, protected_keys: list[str] = ()):
+    def __init__(self, identity: Identity, protected_keys: dict[str, ValueCheck] | list[str] = (),
+                 *, max_ttl: float = 600.0):
+        """``protected_keys``: our keys, each with a check of (owner peer id, decoded value) -> bool (a list: any
+        value that decodes). Records on any other key are refused."""
         self._identity = identity
         self.local_owner_tag = owner_tag(identity.peer_id)
-        self._protected = {dht_key_id(k) for k in protected_keys}
+        checks = protected_keys if isinstance(protected_keys, dict) else {k: _any_value for k in protected_keys}
+        self._protected = {dht_key_id(k): check for k, check in checks.items()}
+        self.max_ttl = max_ttl
+        self.refused: Counter = Counter()  # by reason, for /status
 
     def validate(self, record) -> bool:
         try:
-            return self._validate(record)
+            reason = self._refusal(record)
         except Exception:
-            return False
+            reason = "malformed"
+        if reason is not None:
+            self.refused[reason] += 1
+        return reason is None
 
-    def _validate(self, record) -> bool:
+    def _refusal(self, record) -> str | None:
+        check = self._protected.get(record.key)
+        if check is None:
+            return "foreign_key"
         if len(record.value) > MAX_RECORD_VALUE + _SIG_SUFFIX_LEN:
-            return False
+            return "oversized"
+        if record.expiration_time > _hm.get_dht_time() + self.max_ttl:
+            return "expiry_too_far"
         owners = set(_OWNER_RE.findall(record.subkey or b""))
-        if not owners:
-            return record.key not in self._protected  # unprotected records are allowed on unprotected keys
         if len(owners) != 1:
-            return False
+            return "unsigned"
         signature = self._signature_of(record.value)
         if signature is None:
-            return False
+            return "unsigned"
+        owner = owners.pop().decode()
         stripped = dataclasses.replace(record, value=record.value[:-_SIG_SUFFIX_LEN])
-        return ident.verify(owners.pop().decode(), self._signed_bytes(stripped), signature)
+        if not ident.verify(owner, self._signed_bytes(stripped), signature):
+            return "bad_signature"
+        try:
+            value = unpack_record(stripped.value, max_size=MAX_RECORD_VALUE)
+        except (MalformedMessage, FrameTooLarge):
+            return "malformed"
+        return None if check(owner, value) else "malformed"
 
     def sign_value(self, record) -> bytes:
         if self.local_owner_tag not in (record.subkey or b""):

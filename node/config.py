@@ -100,6 +100,7 @@ class DiscoverySection(_Section):
     max_peers: int = Field(64, ge=1, le=10_000)
     backoff_initial: float = Field(1.0, ge=0.05, le=60)
     backoff_max: float = Field(60.0, ge=1, le=3600)
+    dht_timeout: float = Field(15.0, ge=1, le=600)  # every DHT call gives up after this long
 
 
 class StateSection(_Section):

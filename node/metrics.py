@@ -41,6 +41,12 @@ class NodeCollector:
         for op, count in node.discovery.counters.items():
             dht_ops.add_metric([op], count)
         yield dht_ops
+        if node.discovery.validator is not None:
+            refused = CounterMetricFamily("swarmd_dht_records_refused", "DHT records our validator refused, by reason",
+                                          labels=["reason"])
+            for reason, count in node.discovery.validator.refused.items():
+                refused.add_metric([reason], count)
+            yield refused
 
         traffic = CounterMetricFamily("swarmd_bytes", "Bytes on swarmd protocol streams",
                                       labels=["protocol", "direction"])

@@ -114,3 +114,44 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
         assert mallory.peer_id not in peers or peers[mallory.peer_id]["discovered"] is False
     finally:
         await attacker.close()
+
+
+@pytest.mark.timeout(150)
+async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
+    # issue 14 item 2: one 103-byte entry under the members key, validly signed by a fresh key but whose value is not
+    # one record, made hivemind's search callback raise; every node that read it stopped polling, for good, silently
+    from dht.records import Ed25519RecordValidator, dht_key_id, owner_tag
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils.serializer import MSGPackSerializer
+    from transport._compat import load_hivemind
+
+    hm = load_hivemind()
+    a, b = swarm.start_chain(2)
+    key = a.status()["dht"]["members_key"]
+    mallory = Identity.generate()
+    attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    try:
+        await attacker.connect(a.tcp_addr)
+        await attacker.connect(b.tcp_addr)
+        lax = Ed25519RecordValidator(mallory, [key])
+        node = await hm.DHTNode.create(p2p=attacker.hivemind_p2p, record_validator=lax)
+        subkey = MSGPackSerializer.dumps(owner_tag(mallory.peer_id))
+        junk = hm.DHTRecord(dht_key_id(key), subkey, b"\xc1" * 16, hm.get_dht_time() + 300)
+        signed = lax.sign_value(junk)
+        assert Ed25519RecordValidator(mallory, [key])._signature_of(signed) is not None
+        stored = []
+        for victim in (a, b):
+            peer = hm.PeerID.from_base58(victim.peer_id)
+            stored.append(await node.protocol.call_store(peer, [DHTID.from_bytes(junk.key)], [signed],
+                                                         junk.expiration_time, subkeys=[owner_tag(mallory.peer_id)]))
+        assert stored == [[False], [False]]  # refused by the storing node itself
+        polls = [n.status()["dht"]["dht_polls"] for n in (a, b)]
+        wait_for(lambda: all(n.status()["dht"]["dht_polls"] >= p + 3 for n, p in zip((a, b), polls)), 30,
+                 "both nodes to keep polling the member list")
+        for n in (a, b):
+            assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1
+        assert "swarmd_dht_records_refused" in http_get(a.url + "/metrics")
+        await node.shutdown()
+    finally:
+        await attacker.close()

@@ -2,12 +2,15 @@
 
 import dataclasses
 
+import msgpack
+
 import pytest
 
 from dht.records import (
     Ed25519RecordValidator,
     NodeRecord,
     dht_key_id,
+    member_value_ok,
     open_envelope,
     owner_tag,
     seal,
@@ -20,9 +23,10 @@ hm = load_hivemind()
 KEY = "swarmd/test/members"
 
 
-def record(identity, value=b"\x81\xa1a\x01", subkey=None, key=KEY, expiration=1e10):
+def record(identity, value=b"\x81\xa1a\x01", subkey=None, key=KEY, expiration=None):
     from hivemind.utils.serializer import MSGPackSerializer
 
+    expiration = hm.get_dht_time() + 60 if expiration is None else expiration
     sub = MSGPackSerializer.dumps(subkey if subkey is not None else owner_tag(identity.peer_id))
     return hm.DHTRecord(dht_key_id(key), sub, value, expiration)
 
@@ -59,18 +63,52 @@ def test_forged_altered_unsigned_and_replayed_records_are_rejected():
     # two owners in one subkey
     both = record(alice, subkey=owner_tag(alice.peer_id) + owner_tag(mallory.peer_id))
     assert not checker.validate(dataclasses.replace(both, value=v_alice.sign_value(both)))
-    # unprotected keys still accept unsigned records; the protected key does not
-    assert checker.validate(record(alice, subkey=b"plain", key="somewhere/else"))
+    # keys that are not ours are refused (issue 14 item 2: 8,000 records with a 31-year expiry: +69 MB), and the
+    # protected key refuses unsigned records
+    assert not checker.validate(record(alice, subkey=b"plain", key="somewhere/else"))
+    other = record(alice, key="somewhere/else")
+    assert not checker.validate(dataclasses.replace(other, value=v_alice.sign_value(other)))
     assert not checker.validate(record(alice, subkey=b"plain"))
+    assert checker.refused["foreign_key"] == 3 and checker.refused["unsigned"] >= 1
     # oversized
     big = record(alice, value=b"x" * 20000)
     assert not checker.validate(dataclasses.replace(big, value=v_alice.sign_value(big)))
 
 
+def test_member_entries_must_be_one_record_about_their_signer_with_a_bounded_expiry():
+    # issue 14 item 2: one signed entry whose value was not a record made hivemind's search raise and every
+    # member poll hang
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    alice, bob = Identity.generate(), Identity.generate()
+    own = Ed25519RecordValidator(alice, {KEY: member_value_ok})
+    checker = Ed25519RecordValidator(Identity.generate(), {KEY: member_value_ok}, max_ttl=600)
+    now = hm.get_dht_time()
+
+    def signed(value_bytes, expiration=now + 60, who=alice):
+        rec = record(who, value=value_bytes, expiration=expiration)
+        return dataclasses.replace(rec, value=Ed25519RecordValidator(who, [KEY]).sign_value(rec))
+
+    mine = NodeRecord(alice.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), 1.0)
+    about_bob = NodeRecord(bob.peer_id, (), "0.1", (), 1.0)
+    assert checker.validate(signed(MSGPackSerializer.dumps(mine.to_wire())))
+    assert own.validate(signed(MSGPackSerializer.dumps(mine.to_wire())))
+    for bad, reason in [
+        (signed(b"\xc1"), "malformed"),  # not msgpack at all
+        (signed(MSGPackSerializer.dumps(12345)), "malformed"),  # not a record
+        (signed(MSGPackSerializer.dumps(about_bob.to_wire())), "malformed"),  # a record about someone else
+        (signed(MSGPackSerializer.dumps([{}] * 3000)), "malformed"),  # a container bomb
+        (signed(MSGPackSerializer.dumps(mine.to_wire()), expiration=now + 31 * 365 * 86400), "expiry_too_far"),
+    ]:
+        before = checker.refused[reason]
+        assert not checker.validate(bad)
+        assert checker.refused[reason] == before + 1, reason
+
+
 def test_strip_value_does_not_mangle_payloads_that_look_like_signatures():
     alice = Identity.generate()
-    v = Ed25519RecordValidator(alice)
-    payload = b"[ed25519sig:" + b"A" * 88 + b"] and more"
+    v = Ed25519RecordValidator(alice, [KEY])
+    payload = msgpack.packb("[ed25519sig:" + "A" * 88 + "] and more")
     rec = record(alice, value=payload)
     signed = dataclasses.replace(rec, value=v.sign_value(rec))
     assert v.validate(signed) and v.strip_value(signed) == payload
