@@ -4,11 +4,15 @@
 
 - ``applied``: verified and merged (with any held ops it unblocked);
 - ``duplicate``: already known (idempotent);
-- ``pending``: verified, but a parent is unknown; held (at most ``max_pending`` ops) until the parent arrives;
+- ``pending``: verified, but a parent is unknown; held until the parent arrives, within a budget: at most
+  ``max_pending`` ops and ``max_pending_bytes`` of bodies in all, at most ``max_pending_share`` (a tenth) of either per author, each for at
+  most ``pending_ttl_ms``. When the budget is full the oldest held op gives way (anti-entropy delivers it again in
+  causal order later), so a flood of orphans can neither grow memory nor lock honest out-of-order ops out;
 - ``rejected`` with a reason code: ``malformed``, ``oversized``, ``bad_signature``, ``unknown_object``,
   ``not_allowed`` (the author wrote outside what the type allows), ``future_clock`` (more than ``max_skew_ms``
   ahead of our clock), ``bad_causality`` (clock not after its parents', or seq not following the author's previous
-  op), ``equivocation`` (a second, different op for an author's seq), ``pending_full``.
+  op), ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds
+  its share of the pending budget).
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
 replica's content is summarized exactly by its version vector ``{author: last seq}``: anti-entropy sends that and
@@ -49,18 +53,29 @@ class OpStore:
         *,
         max_skew_ms: int = 30_000,
         max_pending: int = 10_000,
+        max_pending_bytes: int = 8 << 20,
+        pending_ttl_ms: int = 300_000,
+        max_pending_share: float = 0.1,
         max_op_size: int = 4096,
     ):
         self.schema = dict(schema)
         self._verify = verify
         self.max_skew_ms = max_skew_ms
         self.max_pending = max_pending
+        self.max_pending_bytes = max_pending_bytes
+        self.pending_ttl_ms = pending_ttl_ms
+        self.max_pending_share = max_pending_share
         self.max_op_size = max_op_size
         self.ops: dict[bytes, Op] = {}
         self.chains: dict[str, list[bytes]] = {}  # author -> op ids by seq
         self.heads: set[bytes] = set()
-        self.pending: dict[bytes, Op] = {}
-        self._waiting: dict[bytes, set[bytes]] = {}  # missing parent id -> held op ids
+        self.pending: dict[bytes, Op] = {}  # in arrival order
+        self._held: dict[bytes, tuple[int, bytes]] = {}  # held op id -> (arrival ms, the missing parent it waits on)
+        self._waiting: dict[bytes, set[bytes]] = {}  # missing parent id -> held op ids (each op waits on one)
+        self._pending_bytes = 0
+        self._pending_by_author: Counter = Counter()
+        self._author_bytes: Counter = Counter()
+        self.pending_dropped: Counter = Counter()  # "evicted" (budget full), "expired"
         self.states: dict[str, Any] = {name: t.initial() for name, t in self.schema.items()}
         self.rejected: Counter = Counter()
         self.clock = HLC()
@@ -86,15 +101,61 @@ class OpStore:
             return self._reject("future_clock", op)
         if not verify_op(op, self._verify):
             return self._reject("bad_signature", op)
-        missing = [p for p in op.parents if p not in self.ops]
-        if missing:
-            if len(self.pending) >= self.max_pending:
-                return self._reject("pending_full", op)
-            self.pending[op.id] = op
-            for parent in missing:
-                self._waiting.setdefault(parent, set()).add(op.id)
-            return Result(PENDING, op=op)
+        missing = next((p for p in op.parents if p not in self.ops), None)
+        if missing is not None:
+            return self._hold(op, missing, now_ms)
         return self._apply_ready(op)
+
+    def _hold(self, op: Op, missing: bytes, now_ms: int) -> Result:
+        share = self.max_pending_share
+        if self._pending_by_author[op.author] >= max(1, int(self.max_pending * share)) \
+                or self._author_bytes[op.author] + len(op.body) > self.max_pending_bytes * share:
+            return self._reject("pending_full", op)
+        while self.pending and (len(self.pending) >= self.max_pending
+                                or self._pending_bytes + len(op.body) > self.max_pending_bytes):
+            self._drop_held(next(iter(self.pending)), "evicted")
+        self._register(op, now_ms, missing)
+        return Result(PENDING, op=op)
+
+    def _register(self, op: Op, since_ms: int, missing: bytes) -> None:
+        self.pending[op.id] = op
+        self._held[op.id] = (since_ms, missing)
+        self._waiting.setdefault(missing, set()).add(op.id)
+        self._pending_bytes += len(op.body)
+        self._pending_by_author[op.author] += 1
+        self._author_bytes[op.author] += len(op.body)
+
+    def _release(self, held_id: bytes) -> Op | None:
+        op = self.pending.pop(held_id, None)
+        if op is None:
+            return None
+        _, parent = self._held.pop(held_id)
+        waiting = self._waiting.get(parent)
+        if waiting is not None:
+            waiting.discard(held_id)
+            if not waiting:
+                del self._waiting[parent]
+        self._pending_bytes -= len(op.body)
+        self._pending_by_author[op.author] -= 1
+        self._author_bytes[op.author] -= len(op.body)
+        if not self._pending_by_author[op.author]:
+            del self._pending_by_author[op.author], self._author_bytes[op.author]
+        return op
+
+    def _drop_held(self, held_id: bytes, why: str) -> None:
+        if self._release(held_id) is not None:
+            self.pending_dropped[why] += 1
+
+    def expire_pending(self, now_ms: int) -> int:
+        """Drop held ops older than ``pending_ttl_ms`` (oldest first); returns how many."""
+        expired = 0
+        while self.pending:
+            oldest = next(iter(self.pending))
+            if self._held[oldest][0] > now_ms - self.pending_ttl_ms:
+                break
+            self._drop_held(oldest, "expired")
+            expired += 1
+        return expired
 
     def _apply_ready(self, op: Op) -> Result:
         reason = self._causality(op)
@@ -105,11 +166,13 @@ class OpStore:
         ready = [op.id]
         while ready:
             parent = ready.pop()
-            for held_id in sorted(self._waiting.pop(parent, ())):
-                held = self.pending.get(held_id)
-                if held is None or any(p not in self.ops for p in held.parents):
+            for held_id in sorted(self._waiting.get(parent, ())):
+                since = self._held[held_id][0]
+                held = self._release(held_id)
+                missing = next((p for p in held.parents if p not in self.ops), None)
+                if missing is not None:  # wait on the next missing parent
+                    self._register(held, since, missing)
                     continue
-                del self.pending[held_id]
                 reason = self._causality(held)
                 if reason is not None:
                     self.rejected[reason] += 1
@@ -226,5 +289,7 @@ class OpStore:
             "heads": len(self.heads),
             "heads_digest": self.heads_digest(),
             "pending": len(self.pending),
+            "pending_bytes": self._pending_bytes,
+            **{f"pending_{why}": n for why, n in sorted(self.pending_dropped.items())},
             "rejected": dict(self.rejected),
         }

@@ -239,7 +239,9 @@ class Replicator:
             if kind is not None:
                 for _ in range(count):
                     self.transport.penalties.penalize(peer_id, kind, f"crdt op rejected: {reason}")
-                self.transport.stats.errors[f"crdt_{reason}"] += count
+            self.transport.stats.errors[f"crdt_{reason}"] += count
+            self._log.log(logging.WARNING, ("rejected", reason), "crdt: %d op(s) from %s refused: %s",
+                          count, peer_id, reason)
         return len(applied), sum(rejected.values())
 
     # ------------------------------------------------------------------ protocol: server side
@@ -326,6 +328,11 @@ class Replicator:
             except asyncio.TimeoutError:
                 pass
             self._sync_event.clear()
+            dropped = dict(self.store.pending_dropped)
+            self.store.expire_pending(now_ms())
+            if dict(self.store.pending_dropped) != dropped:
+                self._log.log(logging.WARNING, "pending", "crdt: held ops waiting for unknown parents dropped so "
+                              "far: %s (anti-entropy re-delivers honest ones)", dict(self.store.pending_dropped))
             peers = self._peers()
             targets = [p for p in self._sync_soon if p in peers]
             self._sync_soon.clear()

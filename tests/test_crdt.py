@@ -143,14 +143,42 @@ def test_unknown_parents_are_held_then_applied_and_bounded():
     a = IDS[0]
     src = store()
     ops = [write(src, a, "count", {"n": 1}) for _ in range(5)]
-    s = OpStore(schema(), verify, max_pending=3)
+    s = OpStore(schema(), verify, max_pending=3, max_pending_share=1.0)
     for op in reversed(ops[1:4]):
         assert s.receive(op.wire(), NOW).status == PENDING
-    assert s.receive(ops[4].wire(), NOW).reason == "pending_full"
+    assert s.receive(ops[4].wire(), NOW).reason == "pending_full"  # its author holds its whole share
     r = s.receive(ops[0].wire(), NOW)
     assert r.status == APPLIED and [o.id for o in r.applied] == [o.id for o in ops[:4]]
-    assert s.value("count")["total"] == 4 and not s.pending
+    assert s.value("count")["total"] == 4 and not s.pending and not s._waiting
+    assert s.receive(ops[4].wire(), NOW).status == APPLIED  # anti-entropy delivers it again
     assert s.receive(ops[0].wire(), NOW).status == DUPLICATE
+
+
+def test_an_orphan_flood_neither_grows_the_store_nor_locks_out_honest_ops():
+    # issue 14 item 4: 10,000 pending ops with 64 unknown parents each: +1.4 GB, never expired, after which every
+    # honest out-of-order op was refused (not logged, not penalised)
+    import os
+
+    s = OpStore(schema(), verify, max_pending=100)
+    mallory = IDS[3]
+    orphans = [make_op(mallory.sign, mallory.peer_id, 2 + i, (NOW, 0), [os.urandom(32) for _ in range(64)], "count",
+                       {"n": 1}) for i in range(300)]
+    results = [s.receive(o.wire(), NOW) for o in orphans]
+    assert sum(r.status == PENDING for r in results) == 10  # one author holds at most a tenth of the budget
+    assert {r.reason for r in results if r.status == REJECTED} == {"pending_full"}
+    for i in range(150):  # fresh identities: each holds one, the oldest give way
+        fresh = Identity.generate()
+        s.receive(make_op(fresh.sign, fresh.peer_id, 2, (NOW + i, 0), [os.urandom(32)], "count", {"n": 1}).wire(),
+                  NOW + i)
+    assert len(s.pending) == 100 and s.pending_dropped["evicted"] == 60
+    assert len(s._waiting) == 100  # one entry per held op, not one per missing parent
+    honest = store()
+    first, second = write(honest, IDS[0], "count", {"n": 1}), write(honest, IDS[0], "count", {"n": 2})
+    assert s.receive(second.wire(), NOW + 200).status == PENDING
+    r = s.receive(first.wire(), NOW + 200)
+    assert r.status == APPLIED and len(r.applied) == 2
+    assert s.expire_pending(NOW + 200 + s.pending_ttl_ms) == 99 and not s.pending and not s._waiting
+    assert s.summary()["pending_expired"] == 99
 
 
 def test_equivocation_and_broken_chains_are_rejected():
