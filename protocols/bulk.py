@@ -42,10 +42,16 @@ from protocols.gossip import Gossip, Message, Verdict
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
+from transport.penalties import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
 TOPIC = "swarmd/bulk"
+MAX_ANNOUNCEMENTS = 20_000  # live announcements held, in all
+MAX_PER_AUTHOR = 256  # ... and per announcing peer
+ANNOUNCEMENT_TTL = 900.0  # seconds an announcement (and its sources) is kept
+SERVE_RATE, SERVE_BURST = 20.0, 40.0  # requests per second a peer may make of us
+MAX_SERVING_PER_PEER = 4  # transfers to one peer at once
 REQUEST_DOMAIN = b"swarmd/bulk/request/v1\x00"
 HEADER = struct.Struct(">BQ")
 MAX_REQUEST = 4096
@@ -103,8 +109,13 @@ class Announcement:
                    tuple(addrs), message.author)
 
 
+GROW = 16 << 20  # the receive buffer starts at this (or the size) and doubles as bytes arrive
+IDLE_TIMEOUT = 30.0  # a source that sends nothing for this long is dropped
+
+
 class _Receiver(asyncio.BufferedProtocol):
-    """Reads the reply header, then the body straight into one preallocated buffer."""
+    """Reads the reply header, then the body straight into a buffer that grows with what actually arrived (a source
+    announcing 4 GiB and sending nothing costs 16 MiB, not 4 GiB), doubling so the copies stay amortised."""
 
     def __init__(self, max_size: int):
         self.max_size = max_size
@@ -116,6 +127,8 @@ class _Receiver(asyncio.BufferedProtocol):
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.transport = None
         self.status = None
+        self.size = 0
+        self.last_progress = time.monotonic()
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -123,6 +136,10 @@ class _Receiver(asyncio.BufferedProtocol):
     def get_buffer(self, sizehint: int):
         if self.body is None:
             return memoryview(self.header)[self.got_header:]
+        if self.got == len(self.body):  # a new, larger buffer (the loop may still hold a view of the old one)
+            grown = bytearray(min(self.size, 2 * len(self.body)))
+            grown[:self.got] = self.view[:self.got]
+            self.body, self.view = grown, memoryview(grown)
         return self.view[self.got:]
 
     def buffer_updated(self, nbytes: int) -> None:
@@ -137,13 +154,15 @@ class _Receiver(asyncio.BufferedProtocol):
             if size > self.max_size:
                 self._finish(BulkError(f"source offers {size} B, more than announced"))
                 return
-            self.body = bytearray(size)
+            self.size = size
+            self.body = bytearray(min(size, GROW))
             self.view = memoryview(self.body)
             if size == 0:
                 self._finish(None)
             return
         self.got += nbytes
-        if self.got == len(self.body):
+        self.last_progress = time.monotonic()
+        if self.got == self.size:
             self._finish(None)
 
     def _finish(self, error: Exception | None) -> None:
@@ -159,18 +178,31 @@ class _Receiver(asyncio.BufferedProtocol):
             self.done.set_exception(BulkError(f"connection closed after {self.got} B ({exc})"))
 
 
-async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeout: float = 120.0) -> bytearray:
+async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeout: float = 120.0,
+                idle_timeout: float = IDLE_TIMEOUT) -> bytearray:
     """Pull one blob from ``addr`` ("host:port") and verify it. Raises BulkError / BadData / OSError."""
     host, port = addr.rsplit(":", 1)
     loop = asyncio.get_running_loop()
     transport, protocol = await asyncio.wait_for(
         loop.create_connection(lambda: _Receiver(size), host.strip("[]"), int(port)), 10.0
     )
+    deadline = time.monotonic() + timeout
     try:
         transport.write(struct.pack(">I", len(request)) + request)
-        body = await asyncio.wait_for(protocol.done, timeout)
+        while True:
+            try:
+                body = await asyncio.wait_for(asyncio.shield(protocol.done), min(1.0, idle_timeout))
+                break
+            except asyncio.TimeoutError:
+                now = time.monotonic()
+                if now > deadline:
+                    raise BulkError(f"{addr}: not done after {timeout:.0f} s ({protocol.got} B)") from None
+                if now - protocol.last_progress > idle_timeout:
+                    raise BulkError(f"{addr}: no bytes for {idle_timeout:.0f} s ({protocol.got} B)") from None
     finally:
         transport.close()
+        if not protocol.done.done():
+            protocol.done.cancel()
     if len(body) != size:
         raise BadData(f"{addr} served {len(body)} B, announced {size} B")
     digest = await asyncio.to_thread(content_hash, body)
@@ -193,15 +225,13 @@ async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, reques
                 raise BulkError(f"source answered status {head.body['status']}")
             if head.body["size"] != size:
                 raise BadData(f"source offers {head.body['size']} B, announced {size} B")
-            body = bytearray(size)
-            got = 0
-            while got < size:
-                chunk = await stream.read_required()
+            body = bytearray()  # grows with what arrives, not with what was announced
+            while len(body) < size:
+                chunk = await asyncio.wait_for(stream.read_required(), IDLE_TIMEOUT)
                 if chunk.kind != DATA or not isinstance(chunk.body, bytes) or not chunk.body \
-                        or len(chunk.body) > size - got:
-                    raise BadData(f"bulk: bad DATA frame after {got} B")
-                body[got:got + len(chunk.body)] = chunk.body
-                got += len(chunk.body)
+                        or len(chunk.body) > size - len(body):
+                    raise BadData(f"bulk: bad DATA frame after {len(body)} B")
+                body += chunk.body
     digest = await asyncio.to_thread(content_hash, body)
     if digest != blob_hash:
         raise BadData("served bytes whose hash does not match the announcement")
@@ -219,8 +249,13 @@ class BulkService:
         self.host, self.port = host, port
         self.max_bytes = max_bytes
         self.blobs: collections.OrderedDict[bytes, bytearray] = collections.OrderedDict()
-        self.announcements: dict[bytes, Announcement] = {}
+        self.announcements: dict[bytes, Announcement] = {}  # in arrival order
         self.sources: dict[bytes, list[tuple[str, str]]] = collections.defaultdict(list)  # hash -> (peer, addr)
+        self._announced_at: dict[bytes, float] = {}
+        self._by_author: collections.Counter = collections.Counter()  # live announcements per author
+        self._buckets: dict[str, tuple[float, float]] = {}  # requester -> (tokens, updated)
+        self._serving: collections.Counter = collections.Counter()
+        self._log = RateLimitedLog(logger, interval=30.0)
         self.counters: collections.Counter = collections.Counter()
         self.on_blob = on_blob
         self._server: asyncio.AbstractServer | None = None
@@ -240,7 +275,24 @@ class BulkService:
         await ctx.transport.serve(STREAM_SPEC, self._serve_stream)
 
     async def run(self) -> None:
-        await asyncio.Event().wait()
+        while True:
+            await asyncio.sleep(10.0)
+            self._expire(time.monotonic())
+
+    def _expire(self, now: float) -> None:
+        for blob_hash in [h for h, t in self._announced_at.items() if now - t > ANNOUNCEMENT_TTL]:
+            self._forget(blob_hash)
+        for peer in [p for p, (_, t) in self._buckets.items() if now - t > 60.0]:
+            del self._buckets[peer]
+
+    def _forget(self, blob_hash: bytes) -> None:
+        a = self.announcements.pop(blob_hash, None)
+        self._announced_at.pop(blob_hash, None)
+        self.sources.pop(blob_hash, None)
+        if a is not None:
+            self._by_author[a.author] -= 1
+            if self._by_author[a.author] <= 0:
+                del self._by_author[a.author]
 
     async def close(self) -> None:
         if self._server is not None:
@@ -275,10 +327,22 @@ class BulkService:
         a = Announcement.parse(message)
         if a is None:
             return Verdict.REJECT
-        self.announcements.setdefault(a.hash, a)
+        if a.hash not in self.announcements:
+            if self._by_author[a.author] >= MAX_PER_AUTHOR:
+                self.counters["announcements_over_cap"] += 1
+                self._log.log(logging.WARNING, ("cap", a.author), "bulk: %s holds %d live announcements; ignoring "
+                              "more until they expire", a.author, MAX_PER_AUTHOR)
+                return Verdict.IGNORE
+            while len(self.announcements) >= MAX_ANNOUNCEMENTS:
+                self._forget(next(iter(self.announcements)))
+                self.counters["announcements_evicted"] += 1
+            self.announcements[a.hash] = a
+            self._announced_at[a.hash] = time.monotonic()
+            self._by_author[a.author] += 1
+        sources = self.sources[a.hash]
         for addr in a.addrs:
-            if (a.author, addr) not in self.sources[a.hash]:
-                self.sources[a.hash].append((a.author, addr))
+            if (a.author, addr) not in sources and len(sources) < 64:
+                sources.append((a.author, addr))
         return Verdict.ACCEPT
 
     # ------------------------------------------------------------------ pulling
@@ -291,6 +355,7 @@ class BulkService:
             raise BulkError("no announcement for this hash")
         ctx = self._ctx
         errors = []
+        hosts = await self._peer_hosts()
         # bulk bytes never cross a relay: sources we reach directly first; one we only reach through a relay is
         # tried last (its TCP address may still answer) and said so, while holders with a direct path serve it
         sources = sorted(self.sources[blob_hash], key=lambda s: not ctx.direct(s[0]))
@@ -298,8 +363,17 @@ class BulkService:
         for peer, addr in sources:
             if ctx.transport.penalties.is_banned(peer):
                 continue
-            # a hole-punched peer's TCP address is behind its NAT: ask over the punched connection instead
-            ways = [] if ctx.punched(peer) else [addr]
+            # a hole-punched peer's TCP address is behind its NAT: ask over the punched connection instead; and we
+            # dial a TCP address only on a host we already reach that peer on (an announcement cannot make us
+            # connect to any other host: loopback, the LAN, a third party)
+            ways = []
+            if not ctx.punched(peer):
+                if addr.rsplit(":", 1)[0].strip("[]") in hosts.get(peer, ()):
+                    ways.append(addr)
+                else:
+                    self.counters["refused_addr"] += 1
+                    self._log.log(logging.INFO, ("addr", peer), "bulk: not dialing %s announced by %s: not a host "
+                                  "we reach that peer on", addr, peer)
             if ctx.direct(peer) and peer not in tried_streams:
                 ways.append("stream")
                 tried_streams.add(peer)
@@ -341,6 +415,19 @@ class BulkService:
             return body, peer
         raise BulkError("no source served the blob: " + "; ".join(errors or ["no sources"]))
 
+    async def _peer_hosts(self) -> dict[str, set[str]]:
+        """For each connected peer, the IP hosts of its direct connections."""
+        hosts: dict[str, set[str]] = {}
+        try:
+            for p in await self._ctx.transport.peers():
+                for addr in p.addrs:
+                    parts = addr.split("/")
+                    if len(parts) > 2 and parts[1] in ("ip4", "ip6") and "/p2p-circuit" not in addr:
+                        hosts.setdefault(p.peer_id, set()).add(parts[2])
+        except (TransportError, OSError) as e:
+            logger.debug("bulk: cannot list peers: %s", e)
+        return hosts
+
     # ------------------------------------------------------------------ serving
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
@@ -352,7 +439,13 @@ class BulkService:
             status, blob = self._check(request)
             writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
             if blob is not None:
-                writer.write(memoryview(blob))
+                peer = request["peer"]
+                self._serving[peer] += 1
+                try:
+                    writer.write(memoryview(blob))
+                    await writer.drain()
+                finally:
+                    self._serving[peer] -= 1
                 self.counters["served"] += 1
                 self.counters["bytes_served"] += len(blob)
             await writer.drain()
@@ -381,8 +474,12 @@ class BulkService:
         await stream.send(HEAD, {"status": status, "size": len(blob) if blob is not None else 0})
         if blob is not None:
             view = memoryview(blob)
-            for offset in range(0, len(blob), CHUNK):
-                await stream.send(DATA, view[offset:offset + CHUNK])
+            self._serving[stream.peer_id] += 1
+            try:
+                for offset in range(0, len(blob), CHUNK):
+                    await stream.send(DATA, view[offset:offset + CHUNK])
+            finally:
+                self._serving[stream.peer_id] -= 1
             self.counters["served"] += 1
             self.counters["served_over_stream"] += 1
             self.counters["bytes_served"] += len(blob)
@@ -400,8 +497,27 @@ class BulkService:
             return REFUSED, None
         if self._ctx.transport.penalties.is_banned(peer):
             return REFUSED, None
+        if peer not in self._ctx.members():
+            return self._refuse("refused_not_member", peer)
+        if self._serving[peer] >= MAX_SERVING_PER_PEER or not self._allow(peer):
+            return self._refuse("refused_rate", peer)
         blob = self.blobs.get(blob_hash)
         return (OK, blob) if blob is not None else (UNKNOWN, None)
+
+    def _refuse(self, why: str, peer: str) -> tuple[int, None]:
+        self.counters[why] += 1
+        self._log.log(logging.INFO, (why, peer), "bulk: request from %s refused (%s)", peer, why)
+        return REFUSED, None
+
+    def _allow(self, peer: str) -> bool:
+        """A token bucket per requester (bounded: idle buckets are dropped by ``_expire``)."""
+        now = time.monotonic()
+        tokens, updated = self._buckets.get(peer, (SERVE_BURST, now))
+        tokens = min(SERVE_BURST, tokens + (now - updated) * SERVE_RATE)
+        if tokens < 1 or (peer not in self._buckets and len(self._buckets) >= 4096):
+            return False
+        self._buckets[peer] = (tokens - 1, now)
+        return True
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:

@@ -84,7 +84,8 @@ async def test_a_blob_pulled_over_a_libp2p_stream_is_checked_like_one_over_tcp(t
     await puller.start()
     try:
         service = BulkService(gossip=None)
-        service._ctx = NodeContext(holder.identity, holder, tmp_path, list, None, lambda p: True)
+        members = [puller.identity.peer_id]
+        service._ctx = NodeContext(holder.identity, holder, tmp_path, lambda: members, None, lambda p: True)
         data = os.urandom(3 * (1 << 20) + 17)  # several DATA frames and a short last one
         service.blobs[content_hash(data)] = bytearray(data)
         await holder.serve(STREAM_SPEC, service._serve_stream)
@@ -105,9 +106,95 @@ async def test_a_blob_pulled_over_a_libp2p_stream_is_checked_like_one_over_tcp(t
         other = Identity.generate()  # a request signed by someone else, replayed by the puller: refused
         with pytest.raises(BulkError, match="status 2"):
             await fetch_stream(puller, holder.peer_id, h, len(data), request(h, other))
+        members.clear()  # issue 14 item 14: bulk served any key; now members only
+        with pytest.raises(BulkError, match="status 2"):
+            await fetch_stream(puller, holder.peer_id, h, len(data), request(h))
+        assert service.counters["refused_not_member"] == 2  # the replayed request of a non-member too
+        members.append(puller.identity.peer_id)
+        for _ in range(50):  # and at a bounded rate: 40 at once, then 20 per second
+            try:
+                await fetch_stream(puller, holder.peer_id, b"\0" * 32, 10, request(b"\0" * 32))
+            except BulkError:
+                pass
+        assert service.counters["refused_rate"] >= 5
+        service._buckets.clear()
         service.blobs[h][12345] ^= 1  # the holder serves other bytes: caught by the hash
         with pytest.raises(BadData):
             await fetch_stream(puller, holder.peer_id, h, len(data), request(h))
     finally:
+        await holder.close()
+        await puller.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_source_announcing_4_gib_costs_what_it_sends_not_what_it_announces():
+    # issue 14 item 4: a bulk pull allocated the announced size (up to 4 GiB) when the header arrived and held it
+    # for 300 s
+    import tracemalloc
+
+    async def staller(reader, writer):
+        await reader.read(100)
+        writer.write(HEADER.pack(OK, 4 << 30) + os.urandom(1 << 20))
+        await writer.drain()
+        await asyncio.sleep(30)  # then nothing
+
+    server = await asyncio.start_server(staller, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    tracemalloc.start()
+    try:
+        started = time.monotonic()
+        with pytest.raises(BulkError, match="no bytes for 1 s"):
+            await fetch(f"127.0.0.1:{port}", b"\0" * 32, 4 << 30, b"req", idle_timeout=1.0)
+        assert time.monotonic() - started < 10
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+        server.close()
+
+
+@pytest.mark.timeout(60)
+async def test_announcements_cannot_make_a_node_dial_other_hosts_or_grow_without_bound(tmp_path):
+    # issue 14 items 14 and 10: bulk dialed any host:port an announcement named (loopback and private addresses
+    # included), and kept every announcement (20k in 2 s: +50 MB, no log, no penalty)
+    import msgpack
+
+    from protocols.gossip import Message
+
+    holder = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    puller = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await holder.start()
+    await puller.start()
+    dialed = []
+
+    async def bystander(reader, writer):  # a service on another loopback address that no announcement may reach
+        dialed.append(1)
+        writer.close()
+
+    server = await asyncio.start_server(bystander, "127.0.0.2", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        await puller.connect((await holder.addresses())[0])
+        service = BulkService(gossip=None)
+        service._ctx = NodeContext(puller.identity, puller, tmp_path, lambda: [holder.peer_id], None,
+                                   lambda p: False)
+
+        def announce(blob_hash, addrs, author=holder.peer_id):
+            data = msgpack.packb({"kind": "announce", "hash": blob_hash, "size": 10, "codec": "raw", "topic": "",
+                                  "round": 0, "fragment": 0, "addrs": addrs})
+            return service._validate(Message(b"i" * 16, "swarmd/bulk", author, 1, 0, data, b"", b""))
+
+        h = os.urandom(32)
+        announce(h, [f"127.0.0.2:{port}", f"10.11.12.13:{port}"])
+        with pytest.raises(BulkError):
+            await service.pull(h)
+        assert dialed == [] and service.counters["refused_addr"] == 2
+
+        verdicts = [announce(os.urandom(32), ["127.0.0.1:1"]) for _ in range(300)]
+        assert len(service.announcements) == 256 and service.counters["announcements_over_cap"] == 45
+        assert verdicts.count(verdicts[-1]) == 45 and verdicts[-1].name == "IGNORE"
+        service._expire(time.monotonic() + 3600)
+        assert not service.announcements and not service.sources and not service._by_author
+    finally:
+        server.close()
         await holder.close()
         await puller.close()
