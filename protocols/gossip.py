@@ -51,7 +51,8 @@ logger = logging.getLogger(__name__)
 SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE = range(1, 8)
 MAX_MESSAGE = 4 << 20
 PUBSUB_SPEC = ProtocolSpec("pubsub", "1.0.0", max_frame=MAX_MESSAGE + 65536,
-                           kinds=frozenset({SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE}))
+                           kinds=frozenset({SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE}), idle_timeout=120.0)
+KEEPALIVE = 30.0  # a link with nothing to send says SUB [] this often, so the peer's idle timeout never closes it
 SIGN_DOMAIN = b"swarmd/pubsub/v1\x00"
 MAX_TOPIC = 128
 MAX_TOPICS_PER_PEER = 256
@@ -137,7 +138,10 @@ class PeerLink:
     async def run(self) -> None:
         try:
             while True:
-                await self.event.wait()
+                try:
+                    await asyncio.wait_for(self.event.wait(), KEEPALIVE)
+                except asyncio.TimeoutError:
+                    self.queue.append((SUB, []))
                 self.event.clear()
                 while self.queue:
                     kind, body = self.queue.popleft()

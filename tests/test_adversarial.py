@@ -155,3 +155,75 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         await node.shutdown()
     finally:
         await attacker.close()
+
+
+@pytest.mark.timeout(150)
+async def test_a_flood_of_idle_streams_is_capped_per_peer(swarm):
+    # issue 14 item 9: no cap on inbound streams: 1,000 idle streams from one peer held 1,018 file descriptors, and
+    # under the common 1,024 limit 78 of 107 health probes failed
+    import os
+    import time
+
+    from protocols.gossip import PUBSUB_SPEC
+
+    victim = swarm.start("victim")
+    fds_before = len(os.listdir(f"/proc/{victim.pid}/fd"))
+    mallory = Identity.generate()
+    attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    streams = []
+    try:
+        await attacker.connect(victim.tcp_addr)
+        for _ in range(300):
+            try:
+                streams.append(await attacker.open_stream(victim.peer_id, PUBSUB_SPEC, timeout=10))
+            except Exception:
+                pass
+        def refused(s):
+            return s["errors"].get("stream_limit", 0) + s["errors"].get("banned_peer", 0)
+
+        s = wait_for(lambda: (s := http_get(victim.url + "/status")) and refused(s) >= 200 and s, 30,
+                     "the streams over the per-peer cap to be refused")
+        assert s["errors"]["stream_limit"] >= 1 and s["penalties"].get("rate_limited", 0) >= 1
+        fds = len(os.listdir(f"/proc/{victim.pid}/fd"))
+        assert fds - fds_before < 120, (fds_before, fds)
+        started = time.monotonic()
+        for _ in range(20):
+            assert http_get(victim.url + "/healthz")["ok"]
+        assert time.monotonic() - started < 5
+    finally:
+        for st in streams:
+            await st.close()
+        await attacker.close()
+
+
+@pytest.mark.timeout(60)
+async def test_an_idle_inbound_stream_is_closed_after_its_protocols_idle_timeout():
+    from transport.framing import ProtocolSpec
+
+    spec = ProtocolSpec("idle-test", "1.0.0", max_frame=1024, kinds=frozenset({1}), idle_timeout=0.5)
+    a = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    b = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await a.start()
+    await b.start()
+    ended = asyncio.Event()
+
+    async def handler(stream):
+        try:
+            while await stream.read() is not None:
+                pass
+        finally:
+            ended.set()
+
+    try:
+        await a.serve(spec, handler)
+        await b.connect((await a.addresses())[0])
+        stream = await b.open_stream(a.peer_id, spec, timeout=10)
+        await stream.send(1, "hello")
+        await asyncio.wait_for(ended.wait(), 10)  # the server gave up on the silent stream
+        assert a.stats.errors["stream_failed"] == 1
+        assert await asyncio.wait_for(stream._reader.read(), 10) == b""  # and closed it
+        await stream.close()
+    finally:
+        await a.close()
+        await b.close()

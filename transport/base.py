@@ -84,8 +84,10 @@ class Stream:
         self._stats = stats
 
     async def read(self):
-        """The next message, or None at a clean end of stream. Raises ProtocolViolation / StreamClosed."""
-        payload = await read_frame(self._reader, self.spec)
+        """The next message, or None at a clean end of stream. Raises ProtocolViolation / StreamClosed, and
+        asyncio.TimeoutError if the peer sends nothing for the protocol's ``idle_timeout``."""
+        async with asyncio.timeout(self.spec.idle_timeout):
+            payload = await read_frame(self._reader, self.spec)
         if payload is None:
             return None
         self._stats.bytes_in += HEADER.size + len(payload)
@@ -149,19 +151,37 @@ class HandlerRunner:
     limited, and the stream is closed. Nothing propagates to the caller.
     """
 
-    def __init__(self, penalties: PeerPenalties, stats: TransportStats, linger: float = 5.0):
+    def __init__(self, penalties: PeerPenalties, stats: TransportStats, linger: float = 5.0, *,
+                 max_streams: int = 512, max_streams_per_peer: int = 64):
         self.linger = linger
         self.penalties = penalties
         self.stats = stats
+        self.max_streams = max_streams
+        self.max_streams_per_peer = max_streams_per_peer
+        self.open: Counter = Counter()  # inbound streams being handled, per peer
+        self.total_open = 0
         self._bug_log = RateLimitedLog(logger, interval=30.0)
+        self._limit_log = RateLimitedLog(logger, interval=30.0)
 
     async def run(self, handler: StreamHandler, stream: Stream) -> None:
         self.stats.streams_in += 1
         linger = 0.0  # an offender or a failed stream is closed at once; a served one lingers for the reply
+        peer = stream.peer_id
+        counted = False
         try:
-            if self.penalties.is_banned(stream.peer_id):
+            if self.penalties.is_banned(peer):
                 self.stats.errors["banned_peer"] += 1
                 return
+            if self.open[peer] >= self.max_streams_per_peer or self.total_open >= self.max_streams:
+                self.stats.errors["stream_limit"] += 1
+                if self.open[peer] >= self.max_streams_per_peer:
+                    self.penalties.penalize(peer, "rate_limited", "too many inbound streams at once")
+                self._limit_log.log(logging.WARNING, ("limit", peer), "refused a %s stream from %s: %d open from "
+                                    "it, %d in all", stream.spec.id, peer, self.open[peer], self.total_open)
+                return
+            self.open[peer] += 1
+            self.total_open += 1
+            counted = True
             await handler(stream)
             linger = self.linger
         except ProtocolViolation as e:
@@ -176,6 +196,11 @@ class HandlerRunner:
             self.stats.errors["handler_bug"] += 1
             self._bug_log.log(logging.ERROR, stream.spec.id, "handler for %s crashed", stream.spec.id, exc_info=True)
         finally:
+            if counted:
+                self.total_open -= 1
+                self.open[peer] -= 1
+                if self.open[peer] <= 0:
+                    del self.open[peer]
             await stream.close(linger=linger)
 
 

@@ -37,6 +37,7 @@ class ProtocolSpec:
     version: str
     max_frame: int
     kinds: frozenset[int] = field(default_factory=frozenset)
+    idle_timeout: float = 60.0  # an inbound stream that sends nothing for this long is closed
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
