@@ -50,7 +50,7 @@ TOPIC = "swarmd/bulk"
 MAX_ANNOUNCEMENTS = 20_000  # live announcements held, in all
 MAX_PER_AUTHOR = 256  # ... and per announcing peer
 ANNOUNCEMENT_TTL = 900.0  # seconds an announcement (and its sources) is kept
-SERVE_RATE, SERVE_BURST = 20.0, 40.0  # requests per second a peer may make of us
+SERVE_RATE, SERVE_BURST = 200.0, 400.0  # requests per second a peer may make of us (fast runs pull often)
 MAX_SERVING_PER_PEER = 4  # transfers to one peer at once
 REQUEST_DOMAIN = b"swarmd/bulk/request/v1\x00"
 HEADER = struct.Struct(">BQ")
@@ -252,7 +252,7 @@ class BulkService:
         self.announcements: dict[bytes, Announcement] = {}  # in arrival order
         self.sources: dict[bytes, list[tuple[str, str]]] = collections.defaultdict(list)  # hash -> (peer, addr)
         self._announced_at: dict[bytes, float] = {}
-        self._by_author: collections.Counter = collections.Counter()  # live announcements per author
+        self._by_author_hashes: dict[str, collections.deque] = {}  # author -> its live announcements, oldest first
         self._buckets: dict[str, tuple[float, float]] = {}  # requester -> (tokens, updated)
         self._serving: collections.Counter = collections.Counter()
         self._log = RateLimitedLog(logger, interval=30.0)
@@ -290,9 +290,14 @@ class BulkService:
         self._announced_at.pop(blob_hash, None)
         self.sources.pop(blob_hash, None)
         if a is not None:
-            self._by_author[a.author] -= 1
-            if self._by_author[a.author] <= 0:
-                del self._by_author[a.author]
+            mine = self._by_author_hashes.get(a.author)
+            if mine is not None:
+                try:
+                    mine.remove(blob_hash)
+                except ValueError:
+                    pass
+                if not mine:
+                    del self._by_author_hashes[a.author]
 
     async def close(self) -> None:
         if self._server is not None:
@@ -328,17 +333,16 @@ class BulkService:
         if a is None:
             return Verdict.REJECT
         if a.hash not in self.announcements:
-            if self._by_author[a.author] >= MAX_PER_AUTHOR:
+            mine = self._by_author_hashes.setdefault(a.author, collections.deque())
+            if len(mine) >= MAX_PER_AUTHOR:  # the author's oldest announcement gives way to its newest
                 self.counters["announcements_over_cap"] += 1
-                self._log.log(logging.WARNING, ("cap", a.author), "bulk: %s holds %d live announcements; ignoring "
-                              "more until they expire", a.author, MAX_PER_AUTHOR)
-                return Verdict.IGNORE
+                self._forget(mine[0])
             while len(self.announcements) >= MAX_ANNOUNCEMENTS:
                 self._forget(next(iter(self.announcements)))
                 self.counters["announcements_evicted"] += 1
             self.announcements[a.hash] = a
             self._announced_at[a.hash] = time.monotonic()
-            self._by_author[a.author] += 1
+            self._by_author_hashes.setdefault(a.author, collections.deque()).append(a.hash)
         sources = self.sources[a.hash]
         for addr in a.addrs:
             if (a.author, addr) not in sources and len(sources) < 64:
