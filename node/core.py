@@ -149,6 +149,7 @@ class Node:
                     replicator=self.replicator,
                     direct=self.is_direct,
                     punched=self.is_punched,
+                    anchors=lambda: {b.peer_id for b in self.discovery.bootstrap},
                 )
                 for svc in self.services:
                     await svc.start(ctx)

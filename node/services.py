@@ -24,6 +24,7 @@ class NodeContext:
     replicator: Any  # node.replication.Replicator: write_many(), store (read the merged state)
     direct: Callable[[str], bool]  # True if our connection to the peer is direct (not through a relay)
     punched: Callable[[str], bool] = lambda peer: False  # True if that direct connection was hole-punched
+    anchors: Callable[[], set[str]] = set  # peers the user chose to trust (the bootstrap peers' ids)
 
 
 class Service(Protocol):

@@ -256,6 +256,7 @@ class BulkService:
         self._buckets: dict[str, tuple[float, float]] = {}  # requester -> (tokens, updated)
         self._serving: collections.Counter = collections.Counter()
         self._log = RateLimitedLog(logger, interval=30.0)
+        self._hosts_cache: tuple[float, dict[str, set[str]]] | None = None
         self.counters: collections.Counter = collections.Counter()
         self.on_blob = on_blob
         self._server: asyncio.AbstractServer | None = None
@@ -420,7 +421,10 @@ class BulkService:
         raise BulkError("no source served the blob: " + "; ".join(errors or ["no sources"]))
 
     async def _peer_hosts(self) -> dict[str, set[str]]:
-        """For each connected peer, the IP hosts of its direct connections."""
+        """For each connected peer, the IP hosts of its direct connections (cached for a second)."""
+        now = time.monotonic()
+        if self._hosts_cache is not None and now - self._hosts_cache[0] < 1.0:
+            return self._hosts_cache[1]
         hosts: dict[str, set[str]] = {}
         try:
             for p in await self._ctx.transport.peers():
@@ -430,6 +434,7 @@ class BulkService:
                         hosts.setdefault(p.peer_id, set()).add(parts[2])
         except (TransportError, OSError) as e:
             logger.debug("bulk: cannot list peers: %s", e)
+        self._hosts_cache = (now, hosts)
         return hosts
 
     # ------------------------------------------------------------------ serving

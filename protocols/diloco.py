@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 
 import msgpack
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
 from protocols import codecs, outer
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService
 from protocols.gossip import Gossip, Message, Verdict
+from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.base import Stream
@@ -48,6 +49,8 @@ from transport.framing import ProtocolSpec, unpack
 logger = logging.getLogger(__name__)
 
 CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset({1, 2}))
+MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
+MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 
 
 class DilocoConfig(BaseModel):
@@ -72,6 +75,9 @@ class DilocoConfig(BaseModel):
     deadline_low: float = Field(2.0, gt=0)
     deadline_high: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # rounds between validation evaluations
+    peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
+
+    _peers = field_validator("peers")(check_peer_ids)
 
     def options(self) -> dict:
         return dict(self.task_options)
@@ -79,7 +85,7 @@ class DilocoConfig(BaseModel):
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint)."""
         return self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
-                                        "codec", "outer_lr", "outer_momentum"})
+                                        "codec", "outer_lr", "outer_momentum", "peers"})
 
 
 @dataclass
@@ -118,6 +124,12 @@ class DilocoLoop(TaskLoop):
         self.blocked_seconds = 0.0  # waiting for a round to close, not computing
         self.joins: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
+        self._initial: set[str] = set()  # who we started with (round 0 waits for them)
+        self._contributed: dict[tuple[int, int], set[str]] = {}  # (round, fragment) -> who we combined
+        self._included = 0  # rounds in a row in which the majority's weights contained our update
+        self._counted_before_resync = False
+        self._founder = False  # we started the run with the others: they count us from the start
+        self._rejoined_at = -EARN - 1  # the round of our last resync
         self.started = None
         self.ready: dict[str, str] = {}
         self._ctx: NodeContext | None = None
@@ -132,6 +144,7 @@ class DilocoLoop(TaskLoop):
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
+        self._init_standing(ctx)
         self.gossip.subscribe(self.topic, max_size=1024, validator=self._validate, queue_size=0)
         await ctx.transport.serve(CKPT_SPEC, self._serve_checkpoint)
 
@@ -193,7 +206,8 @@ class DilocoLoop(TaskLoop):
             if self._resync_from:
                 peers, self._resync_from = self._resync_from, []
                 self.counters["resyncs"] += 1
-                await self._join_from_checkpoint(peers)
+                if not await self._join_from_checkpoint(peers, rejoin=self._counted_before_resync):
+                    self.state = "running"  # keep our weights; the next round's hashes tell again
                 rounds_done, waiting = self.rounds_done, {}
                 for p in range(self.cfg.fragments):
                     if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
@@ -289,22 +303,38 @@ class DilocoLoop(TaskLoop):
         key = (r, p)
         pending = self.pending[key]
         me = self._ctx.identity.peer_id
-        expected = (self.participants.get(p, self._initial) | self.joins.pop(key, set())) - {me}
+        # the peers whose word counts are waited for, and a few newcomers (peers that announced a join, or
+        # contributed last round without standing yet; brand-new ones only in fresh rounds), picked the same way
+        # everywhere: a fresh key can neither add itself to the set every round waits for nor stall many rounds
+        base = self.participants.get(p, self._initial) | self.joins.get(key, set())  # popped once closed
+        expected = self.standing.counting(base) - {me}
+        slots = set(self.standing.newcomers(base - expected - {me}, f"{self.cfg.run}/{r}/{p}",
+                                            max(1, len(expected) // 4), fresh_ok=fresh_round(r)))
+        waited = expected | slots
         blocked_from = time.monotonic()
-        if not await outer.wait_until(lambda: expected <= set(pending.updates), self._event, self.deadline.value()):
+        if not await outer.wait_until(lambda: waited <= set(pending.updates), self._event, self.deadline.value()):
             self.counters["deadline_missed"] += 1
-            logger.warning("diloco round %d/%d closed without %s", r, p, sorted(expected - set(pending.updates)))
+            logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - set(pending.updates)))
         self.blocked_seconds += time.monotonic() - blocked_from
         for peer, t in pending.arrivals.items():
             self.deadline.observe(t - pending.opened)
+        base_now = outer.params_hash([self.global_flat[p]])
+        for peer in [a for a, (_, base, _) in pending.announced.items() if base != base_now and a in pending.updates]:
+            del pending.updates[peer]  # announced ahead of us, from other weights than the ones we close with
+            self.counters["rejected_base"] += 1
         contributing = r >= self.join_round.get(p, 0)
-        updates = {peer: u for peer, u in pending.updates.items() if peer in expected or
+        self.counters["newcomer_updates"] += len(slots & set(pending.updates))
+        updates = {peer: u for peer, u in pending.updates.items() if peer in expected or peer in slots or
                    (peer == me and contributing)}
         combined, rejected = outer.combine(updates, self.global_flat[p].numel())
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco update {reason}")
         participants = set(updates) - set(rejected)
+        self.standing.record(participants)
+        self._contributed[key] = participants
+        for old in [k for k in self._contributed if k[1] == p and k[0] < r - 1]:
+            del self._contributed[old]
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
         if self._corrupt_at == r and p == 0:  # fault injection for tests: a peer whose weights drift
@@ -323,16 +353,27 @@ class DilocoLoop(TaskLoop):
         self._publish({"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
         self.pending.pop(key, None)
+        for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
+            del self.round_hashes[old]
+        for old in [k for k in self.joins if k[1] == p and k[0] <= r]:
+            del self.joins[old]
         self.counters["rounds"] += 1
 
     def _check_previous(self, p: int, r: int) -> None:
         """Compare the global hash we published for round r-1 with what the others published for it."""
         ours = self._published.get((r - 1, p))
-        theirs = self.round_hashes.get((r - 1, p), {})
+        theirs = {a: h for a, h in self.round_hashes.get((r - 1, p), {}).items() if self.standing.counts(a)}
         if ours is None or not theirs:
             return
         majority = outer.majority(list(theirs.values()) + [ours])
+        if majority == ours and self._ctx.identity.peer_id in self._contributed.pop((r - 1, p), ()):
+            self._included += 1  # the others combined our update too: our word counts there
         if majority != ours:
+            # do the others still count us? yes if we started the run with them (unless a rejoin just failed to
+            # take), or if the majority's weights contained our update in EARN rounds since
+            self._counted_before_resync = (self._founder and r - self._rejoined_at > EARN) or self._included >= EARN
+            self._rejoined_at = r
+            self._included = 0
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
             self._resync_from = sorted(a for a, h in theirs.items() if h == majority)
@@ -367,23 +408,45 @@ class DilocoLoop(TaskLoop):
         self.state = "waiting for peers"
         grace, announced = None, 0.0
         while True:
-            ahead = {a for (r, p), hashes in self.round_hashes.items() if r >= self.rounds_done[p] for a in hashes}
+            claims = {a: h for (r, p), hashes in self.round_hashes.items() if r >= self.rounds_done[p]
+                      for a, h in hashes.items()}
+            ahead = self._trusted_claimers(claims)
             if ahead:  # rounds we have not closed have closed without us: take a checkpoint and join
-                await self._join_from_checkpoint(sorted(ahead))
-                return
+                if await self._join_from_checkpoint(ahead):
+                    return
+                for hashes in self.round_hashes.values():  # none served: do not ask them again at once
+                    for a in ahead:
+                        hashes.pop(a, None)
+                self.state = "waiting for peers"
             base = self.global_hash()
             if time.monotonic() - announced > 1.0:
                 self._publish({"r": 0, "p": 0, "ready": base})
                 announced = time.monotonic()
-            ready = {p for p, h in self.ready.items() if h == base} | {me}
+            ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
                 grace = grace or time.monotonic() + 1.0
                 if time.monotonic() >= grace:
                     self._initial = ready
+                    self.standing.found(ready)
+                    self._founder = len(ready) > 1
+                    self.ready.clear()
                     self.state = "running"
                     return
             await asyncio.sleep(0.1)
+
+    def _trusted_claimers(self, claims: dict[str, str]) -> list[str]:
+        """Whom to follow when peers say the run is ahead of us: the peers whose word counts (closed run: the
+        listed ones; open run: our bootstrap peers and peers with standing), holding their majority hash. With none
+        of those (an open run whose founders we have never met), the directly connected peers holding their
+        majority hash; a fresh key that is not connected to us is never followed."""
+        trusted = {a: h for a, h in claims.items() if self.standing.counts(a)}
+        if not trusted and not self.standing.closed:
+            trusted = {a: h for a, h in claims.items() if self._ctx.direct(a)}
+        if not trusted:
+            return []
+        majority = outer.majority(list(trusted.values()))
+        return sorted(a for a, h in trusted.items() if h == majority)
 
     # ------------------------------------------------------------------ our own checkpoint (the data dir)
     def _global_state(self) -> dict[str, torch.Tensor]:
@@ -439,6 +502,7 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
+        self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
         self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"]}
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
                       "hash": meta["hash"]}
@@ -464,8 +528,10 @@ class DilocoLoop(TaskLoop):
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(2, {"blob": blob, "size": len(payload)})
 
-    async def _join_from_checkpoint(self, peers: list[str]) -> None:
-        """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join."""
+    async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
+        """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
+        peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
+        try, never a crash)."""
         self.state = "joining"
         for peer in peers:
             try:
@@ -487,6 +553,8 @@ class DilocoLoop(TaskLoop):
                     raise ValueError("checkpoint weights do not match their hash")
                 done = ckpt["rounds_done"]
                 published = self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
+                published = {a: h for a, h in published.items() if self.standing.counts(a)} or \
+                    {a: h for a, h in published.items() if a in peers}
                 if published and ckpt["global_hash"] not in published.values():
                     raise ValueError("checkpoint does not match any published global hash")
             except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
@@ -494,12 +562,19 @@ class DilocoLoop(TaskLoop):
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
             self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
+            # the peers that vouched for this state (they hold its hash) and the ones it was made with
+            self.standing.found(set(peers) | {a for v in self.participants.values() for a in v})
             self._published.clear()  # what we said before the checkpoint no longer describes our weights
-            self.pending.clear()
+            # updates already here for rounds we have yet to close stay: their base is checked when we close them
+            self.pending = collections.defaultdict(Pending, {k: v for k, v in self.pending.items()
+                                                             if k[0] >= self.rounds_done[k[1]]})
             self._initial = set()
             # follow the next round of each fragment, contribute from the one after (announced now)
             for p in range(self.cfg.fragments):
-                self.join_round[p] = self.rounds_done[p] + 1
+                # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
+                # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
+                # our checkpoint must still hear the join in time)
+                self.join_round[p] = self.rounds_done[p] + 1 if rejoin else next_fresh_round(self.rounds_done[p] + 2)
                 self._publish({"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
@@ -507,8 +582,10 @@ class DilocoLoop(TaskLoop):
             self.state = "running"
             logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
                         ckpt["global_hash"])
-            return
-        raise RuntimeError("no peer served a usable checkpoint")
+            return True
+        self.counters["checkpoint_join_failed"] += 1
+        logger.warning("diloco: none of %d peer(s) served a usable checkpoint", len(peers))
+        return False
 
     # ------------------------------------------------------------------ validation
     def _validate(self, message: Message) -> Verdict:
@@ -521,35 +598,63 @@ class DilocoLoop(TaskLoop):
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        if not self.standing.admitted(message.author):
+            self.counters["not_admitted"] += 1
+            return Verdict.IGNORE  # a closed run: not one of its peers
         r, p = body["r"], body["p"]
         if not 0 <= p < self.cfg.fragments or not 0 <= r <= (self.cfg.rounds + 1 if self.cfg.rounds else 2**31):
             return Verdict.REJECT
         keys = set(body)
-        if keys == {"r", "p", "ready"} and isinstance(body["ready"], str):
-            self.ready[message.author] = body["ready"]
+        author = message.author
+        if keys == {"r", "p", "ready"} and isinstance(body["ready"], str) and len(body["ready"]) <= 64:
+            if self.state != "running" and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
+                self.ready[author] = body["ready"]
             return Verdict.ACCEPT
+        done = self.rounds_done[p] if self.rounds_done else 0
         if keys == {"r", "p", "join"} and body["join"] is True:
-            self.joins[(r, p)].add(message.author)
+            horizon = done + 2 + FRESH_EVERY
+            joins = self.joins[(r, p)] if done <= r <= horizon else set()
+            if done <= r <= horizon and (len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author)):
+                joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_round)
+            else:
+                self.counters["joins_ignored"] += 1
             return Verdict.ACCEPT
-        if keys == {"r", "p", "h"} and isinstance(body["h"], str):
-            self.round_hashes[(r, p)][message.author] = body["h"]
+        if keys == {"r", "p", "h"} and isinstance(body["h"], str) and len(body["h"]) <= 64:
+            hashes = self.round_hashes[(r, p)]
+            if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
+                hashes[author] = body["h"]
             return Verdict.ACCEPT
         if keys == {"r", "p", "blob", "base", "size"} and isinstance(body["blob"], bytes) \
                 and isinstance(body["base"], str) and type(body["size"]) is int:
-            if hasattr(self, "global_flat") and body["base"] != outer.params_hash([self.global_flat[p]]):
-                self.counters["rejected_base"] += 1
-                return Verdict.IGNORE  # computed from other global weights: that peer must resync
+            # an update computed from other global weights than ours is kept (we may be the one that drifted and
+            # resync before we close that round) but not forwarded; every update's base is checked when we close
+            # its round
+            other_base = bool(self.rounds_done) and r == done \
+                and body["base"] != outer.params_hash([self.global_flat[p]])
             if self.rounds_done and r < self.rounds_done[p]:
                 self.counters["late_updates"] += 1
                 return Verdict.IGNORE  # that round is closed here
+            if r > done + 2:
+                self.counters["early_updates"] += 1
+                return Verdict.IGNORE  # rounds we are nowhere near: not held, not pulled
             pending = self.pending[(r, p)]
             if message.author in pending.announced:
                 return Verdict.IGNORE
+            if not self.standing.counts(author) and self.state == "running":
+                # a newcomer: pulled only if it can hold a slot this round
+                candidates = self.participants.get(p, self._initial) | self.joins.get((r, p), set())
+                if author not in candidates or \
+                        sum(not self.standing.counts(a) for a in pending.announced) >= MAX_NEWCOMER_PULLS:
+                    self.counters["newcomer_updates_not_pulled"] += 1
+                    return Verdict.IGNORE
             pending.announced[message.author] = (body["blob"], body["base"], body["size"])
             task = asyncio.get_running_loop().create_task(self._pull((r, p), message.author, body["blob"],
                                                                       body["size"]))
             pending.pulls.add(task)
             task.add_done_callback(pending.pulls.discard)
+            if other_base:
+                self.counters["other_base_held"] += 1
+                return Verdict.IGNORE
             return Verdict.ACCEPT
         return Verdict.REJECT
 

@@ -7,16 +7,19 @@ Each round r, every peer (``../shared/protocols.md`` 2.1, with the reference imp
 2. samples ``completions`` (G) answers per question from its own policy and scores them with its own verifier;
 3. publishes ``{"r": r, "items": [{"spec": [gen, ver, seed, idx], "comps": [str] * G}, ...]}``, a signed pubsub
    message: task specs instead of questions and answers, so no peer is trusted with ground truth;
-4. waits (at most ``deadline`` seconds) for the items of the peers that took part in the last round;
-5. builds its training set: ``local`` (I) of its own groups, and ``external`` (J) groups drawn uniformly from what
-   others shared this round and late items of the round before, after regenerating each question from its spec and
+4. waits (at most ``deadline`` seconds) for new items from the peers of its last round whose word counts
+   (``protocols.standing``: a fresh key is never waited for);
+5. builds its training set: ``local`` (I) of its own groups, and ``external`` (J) groups drawn uniformly from the
+   newest items each peer shared since we last drew from it, after regenerating each question from its spec and
    re-scoring every completion with its own verifier; groups whose completions all scored the same carry no
    advantage and are dropped, and at most ``max_per_source`` groups come from any one peer;
 6. takes one GRPO step (``protocols.grpo``: clipped ratio, no KL).
 
-Validation runs before anything is forwarded: malformed, oversized (message, item count, completion count and
-length, alphabet), forged (a spec that is not the author's for that round), duplicate and far-future items are
-rejected, which penalises the peer that sent them. Completions are text, re-tokenized by each receiver, so peers may
+Rounds are each peer's own: r in a message is its author's round (its seeds), and no peer's message moves
+another's round; a peer that arrives late starts at its own round 0. Validation runs before anything is forwarded:
+malformed, oversized (message, item count, completion count and length, alphabet), forged (a spec that is not the
+author's for that round), equivocating (two item sets for one round) and out-of-run items are rejected, which
+penalises the peer that sent them; an author's older rounds and messages faster than 2 per second are ignored. Completions are text, re-tokenized by each receiver, so peers may
 run policies of any size. Rewards (own and external), items shared and used, and bytes go to ``/status`` and, every
 ``report_every`` rounds, into the replicated progress register.
 """
@@ -34,7 +37,7 @@ import time
 import msgpack
 import torch
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from node.services import NodeContext
 from protocols import outer
@@ -42,6 +45,7 @@ from protocols import task as tasks
 from protocols.checkpoint import model_state
 from protocols.gossip import Gossip, Message, Verdict
 from protocols.grpo import Group
+from protocols.standing import check_peer_ids
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.framing import unpack
@@ -52,6 +56,8 @@ MAX_ITEMS = 64  # questions per message
 MAX_COMPLETIONS = 32  # completions per question
 MAX_COMPLETION_CHARS = 1024  # the most a task may allow (its max_completion)
 HISTORY = 5000  # per-round records kept (for /sapo/history)
+MAX_AUTHORS = 1024  # peers whose newest items we hold
+ITEM_RATE, ITEM_BURST = 2.0, 8.0  # messages with new items per second one peer may send (a round takes seconds)
 
 
 def question_seed(run: str, seed: int, peer_id: str, round_: int) -> int:
@@ -82,6 +88,9 @@ class SapoConfig(BaseModel):
     deadline: float = Field(5.0, gt=0)  # seconds to wait for a round's items from the last round's peers
     report_every: int = Field(5, ge=1)  # rounds between writes to the replicated progress register
     policy_seed: int | None = Field(None, ge=0)  # default: derived from seed and our peer id
+    peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
+
+    _peers = field_validator("peers")(check_peer_ids)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -97,7 +106,7 @@ class SapoConfig(BaseModel):
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint); the policy is each
         peer's own."""
-        return self.model_dump(include={"run", "seed", "rounds", "questions", "completions"})
+        return self.model_dump(include={"run", "seed", "rounds", "questions", "completions", "peers"})
 
 
 def _printable(text: str) -> bool:
@@ -187,14 +196,16 @@ class SapoLoop(TaskLoop):
         self.rules = Rules(task, config)
         self.fp = tasks.fingerprint(task, config.shared(), None)
         self.topic = f"sapo/{config.run}"
-        self.inbox: dict[int, dict[str, list]] = collections.defaultdict(dict)  # round -> author -> items
-        self.used: set[tuple[int, str]] = set()  # (round, author) whose items were drawn from already
+        # rounds are each peer's own: per author, the items of its newest round (its round number, its seeds)
+        self.inbox: collections.OrderedDict[str, tuple[int, list]] = collections.OrderedDict()
+        self.used: dict[str, int] = {}  # author -> the newest of its rounds we drew from
+        self._buckets: dict[str, tuple[float, float]] = {}  # author -> (tokens, updated): item messages per second
         self.ready: set[str] = set()
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.counters: collections.Counter = collections.Counter()
         self.sources: dict[str, list] = {}  # peer -> [items scored, completions, reward sum, groups used]
         self.round = 0
-        self.joined_at = 0  # the round we started at (> 0: we joined a run in progress)
+        self.joined_at = 0  # the round we started at (> 0: resumed from our checkpoint); nobody moves our round
         self.cumulative_reward = 0.0
         self.state = "starting"
         self._arrived = asyncio.Event()
@@ -207,6 +218,7 @@ class SapoLoop(TaskLoop):
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
+        self._init_standing(ctx)
         self.gossip.subscribe(self.topic, max_size=self.rules.max_message, validator=self._validate,
                               queue_size=0)
 
@@ -346,39 +358,42 @@ class SapoLoop(TaskLoop):
                                                                    use_bin_type=True)) + 4
 
     async def _wait_for_peers(self) -> None:
-        """Round 0 starts once ``min_peers`` (us included) said they are ready; a peer that arrives after the run
-        began joins at the round the others are in."""
+        """Our first round starts once ``min_peers`` (us included) are here: directly connected peers that said
+        they are ready or already share items (a run in progress). Rounds are each peer's own: a peer that arrives
+        late starts at its own round 0 (or its checkpoint's), and no message moves our round."""
         self.state = "waiting for peers"
         grace_until, announced = None, 0.0
         while True:
             if time.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
                 self.gossip.publish(self.topic, msgpack.packb(self._tag({"r": 0, "ready": True})))
                 announced = time.monotonic()
-            live = [r for r, authors in self.inbox.items() if r > max(self.round, 0) and authors]
-            if live:
-                self.round = self.joined_at = min(max(live), self.cfg.rounds - 1) if self.cfg.rounds else max(live)
-                self._participants = set(self.inbox[self.round])
-                logger.info("sapo: the run began without us; joining at round %d", self.round)
-                break
-            self._check_refusal(len(self.ready))
-            if len(self.ready) + 1 >= self.cfg.min_peers:
+            here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
+            self._check_refusal(len(here))
+            if len(here) + 1 >= self.cfg.min_peers:
                 grace_until = grace_until or time.monotonic() + 1.0
                 if time.monotonic() >= grace_until:
-                    self._participants = set(self.ready)
+                    self._participants = here
+                    self.standing.found(here)
                     break
             await asyncio.sleep(0.1)
+        self.ready.clear()
         self.state = "running"
 
+    def _fresh(self) -> set[str]:
+        """Authors with items we have not drawn from yet."""
+        return {a for a, (rr, _) in self.inbox.items() if rr > self.used.get(a, -1)}
+
     async def _close_round(self, r: int) -> None:
-        """Wait until every peer of the last round has shared round ``r``'s items, at most ``deadline`` s."""
-        expected = self._participants - {self._ctx.identity.peer_id}
-        if not await outer.wait_until(lambda: expected <= set(self.inbox[r]), self._arrived, self.cfg.deadline):
+        """Wait, at most ``deadline`` s, until every peer of our last round whose word counts has shared new items
+        (of its own next round: rounds are each peer's own). A fresh key is never waited for."""
+        expected = self.standing.counting(self._participants) - {self._ctx.identity.peer_id}
+        if not await outer.wait_until(lambda: expected <= self._fresh(), self._arrived, self.cfg.deadline):
             self.counters["deadline_missed"] += 1
-            logger.info("sapo round %d closed without %d peer(s)", r, len(expected - set(self.inbox[r])))
-        self._participants = set(self.inbox[r])
-        for old in [x for x in self.inbox if x < r - 1]:
-            del self.inbox[old]
-        self.used = {(x, a) for x, a in self.used if x >= r - 1}
+            logger.info("sapo round %d closed without %d peer(s)", r, len(expected - self._fresh()))
+        self._participants = self._fresh()
+        self.standing.record(self._participants)
+        now = time.monotonic()
+        self._buckets = {a: b for a, b in self._buckets.items() if now - b[1] < 60}
 
     def _draw_external(self, r: int, rng: random.Random) -> tuple[list[Group], float | None]:
         """Re-score the items of round r (and late ones of r - 1) with our verifier; draw J informative groups,
@@ -386,28 +401,24 @@ class SapoLoop(TaskLoop):
         me = self._ctx.identity.peer_id
         candidates: dict[str, list[Group]] = collections.defaultdict(list)
         rewards, n = 0.0, 0
-        for rr in (r - 1, r):
-            for author, items in list(self.inbox.get(rr, {}).items()):  # a snapshot: the validator adds to it
-                if author == me or (rr, author) in self.used:
-                    continue
-                self.used.add((rr, author))
-                q_seed = question_seed(self.cfg.run, self.cfg.seed, author, rr)
-                source = self._source(author)
-                for dataset, index, comps in items:
-                    group = score(self.task, dataset, q_seed, index, comps)
-                    self.counters["external_items_scored"] += 1
-                    source[0] += 1
-                    source[1] += len(group.rewards)
-                    source[2] += sum(group.rewards)
-                    if rr == r:
-                        rewards += sum(group.rewards)
-                        n += len(group.rewards)
-                    if group.informative:
-                        candidates[author].append(group)
-                    else:
-                        self.counters["dropped_zero_advantage"] += 1
-                if rr == r - 1:
-                    self.counters["late_items_scored"] += len(items)
+        for author, (rr, items) in list(self.inbox.items()):  # a snapshot: the validator adds to it
+            if author == me or rr <= self.used.get(author, -1):
+                continue
+            self.used[author] = rr
+            q_seed = question_seed(self.cfg.run, self.cfg.seed, author, rr)
+            source = self._source(author)
+            for dataset, index, comps in items:
+                group = score(self.task, dataset, q_seed, index, comps)
+                self.counters["external_items_scored"] += 1
+                source[0] += 1
+                source[1] += len(group.rewards)
+                source[2] += sum(group.rewards)
+                rewards += sum(group.rewards)
+                n += len(group.rewards)
+                if group.informative:
+                    candidates[author].append(group)
+                else:
+                    self.counters["dropped_zero_advantage"] += 1
         pool = [(author, g) for author, groups in candidates.items() for g in groups]
         rng.shuffle(pool)
         chosen, per_source = [], collections.Counter()
@@ -444,6 +455,15 @@ class SapoLoop(TaskLoop):
         except ValueError as e:
             logger.warning("could not record sapo progress: %s", e)
 
+    def _allow(self, author: str) -> bool:
+        now = time.monotonic()
+        tokens, updated = self._buckets.get(author, (ITEM_BURST, now))
+        tokens = min(ITEM_BURST, tokens + (now - updated) * ITEM_RATE)
+        if tokens < 1:
+            return False
+        self._buckets[author] = (tokens - 1, now)
+        return True
+
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
@@ -457,10 +477,15 @@ class SapoLoop(TaskLoop):
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        author = message.author
+        if not self.standing.admitted(author):
+            self.counters["not_admitted"] += 1
+            return Verdict.IGNORE  # a closed run: not one of its peers
         if set(body) == {"r", "ready"}:
             if body["ready"] is not True or body["r"] != 0:
                 return Verdict.REJECT
-            self.ready.add(message.author)
+            if self.state != "running" and len(self.ready) < MAX_AUTHORS:
+                self.ready.add(author)
             return Verdict.ACCEPT
         try:
             r, items = parse_items(body, run=self.cfg.run, seed=self.cfg.seed, author=message.author,
@@ -469,18 +494,28 @@ class SapoLoop(TaskLoop):
             self.counters["rejected_malformed"] += 1
             logger.debug("sapo: rejected items from %s: %s", message.author, e)
             return Verdict.REJECT
-        if (self.cfg.rounds and r >= self.cfg.rounds) or (self.state == "running" and r > self.round + 4):
+        if self.cfg.rounds and r >= self.cfg.rounds:
             self.counters["rejected_future"] += 1
-            return Verdict.REJECT  # far ahead of the swarm we run with: flooding rounds
-        if r < self.round - 1:
+            return Verdict.REJECT  # a round the run does not have
+        held = self.inbox.get(author)
+        if held is not None and r <= held[0]:
+            if r == held[0]:
+                self.counters["equivocation"] += 1
+                return Verdict.REJECT  # a second, different set of items for one round
             self.counters["stale"] += 1
-            return Verdict.IGNORE  # too late to be used by anyone in step with us: not forwarded
-        if message.author in self.inbox[r]:
-            self.counters["equivocation"] += 1
-            return Verdict.REJECT  # a second, different set of items for one round
-        if len(self.inbox[r]) >= 1024:
-            return Verdict.IGNORE
-        self.inbox[r][message.author] = items
+            return Verdict.IGNORE  # older than what we hold from that peer: not forwarded
+        if not self._allow(author):
+            self.counters["ignored_rate"] += 1
+            return Verdict.IGNORE  # rounds faster than anyone computes them: not used, not forwarded
+        if held is None and len(self.inbox) >= MAX_AUTHORS:  # make room: the oldest entry of a peer without standing
+            victim = next((a for a in self.inbox if not self.standing.counts(a)), None)
+            if victim is None:
+                return Verdict.IGNORE
+            del self.inbox[victim]
+            self.used.pop(victim, None)
+            self.counters["inbox_evicted"] += 1
+        self.inbox[author] = (r, items)
+        self.inbox.move_to_end(author)
         self._arrived.set()
         return Verdict.ACCEPT
 

@@ -32,13 +32,14 @@ from dataclasses import dataclass, field
 
 import msgpack
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
 from protocols import outer
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, _decode
+from protocols.standing import FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.base import Stream
@@ -49,6 +50,7 @@ from transport.identity import verify
 logger = logging.getLogger(__name__)
 
 G0 = 1e-4
+MAX_PEER_ENTRIES = 256  # per window: batches, joins, hashes and ready messages kept from peers without standing
 LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}))
 
 
@@ -144,6 +146,9 @@ class SpsaConfig(BaseModel):
     deadline: float = Field(10.0, gt=0)  # seconds to wait for a window's batches after ours is out
     hash_every: int = Field(8, ge=1)  # windows between weight-hash announcements
     eval_every: int = Field(2, ge=1)  # windows between evaluations
+    peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
+
+    _peers = field_validator("peers")(check_peer_ids)
 
     def options(self) -> dict:
         return dict(self.task_options) if self.task_options is not None else (
@@ -151,7 +156,7 @@ class SpsaConfig(BaseModel):
 
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint)."""
-        return self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip"})
+        return self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip", "peers"})
 
 
 @dataclass
@@ -206,6 +211,7 @@ class SPSALoop(TaskLoop):
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
+        self._init_standing(ctx)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
 
@@ -389,12 +395,21 @@ class SPSALoop(TaskLoop):
             logger.warning("could not record spsa progress: %s", e)
 
     async def _close_window(self, w: int) -> None:
+        """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
+        everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
         window = self.windows[w]
-        expected = self._expected(w)
-        if not await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, self.cfg.deadline):
+        base = self._expected(w)
+        expected = self.standing.counting(base)
+        slots = set(self.standing.newcomers(base - expected, f"{self.cfg.run}/{w}", max(1, len(expected) // 4),
+                                            fresh_ok=fresh_round(w)))
+        waited = expected | slots
+        if not await outer.wait_until(lambda: waited <= set(window.batches), self._arrived, self.cfg.deadline):
             self.counters["deadline_missed"] += 1
-            logger.warning("spsa window %d closed without %s", w, sorted(expected - set(window.batches)))
-        self.applied[w] = {a: m for a, m in window.batches.items() if a in expected}
+            logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
+        self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
+        self.standing.record(self.applied[w])
+        for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
+            del self.hashes[old]
         self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
         self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
         self.windows.pop(w, None)
@@ -409,7 +424,7 @@ class SPSALoop(TaskLoop):
         return {author: _batch_bytes(m)[i] for author, m in self.applied.get(w, {}).items()}
 
     def _check_hashes(self, w: int) -> None:
-        theirs = self.hashes.get(w, {})
+        theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.counts(a)}
         if theirs:
             majority = outer.majority(list(theirs.values()) + [self.my_hashes[w]])
             if majority != self.my_hashes[w]:
@@ -428,18 +443,24 @@ class SPSALoop(TaskLoop):
             if time.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
                 self._publish({"w": self.window, "ready": start})
                 announced = time.monotonic()
-            if self._run_started_without_us():
-                peers = [p for p in self._ctx.members() if self.topic in self.gossip.peer_topics.get(p, set())]
+            ahead = self._run_started_without_us()
+            if ahead:
                 self._reset_to_base()
-                await self._replay_from(peers)
-                return
-            ready = {p for p, h in self.ready.items() if h == start} | {me}
+                if await self._replay_from(ahead):
+                    return
+                for window in self.windows.values():  # none served: do not follow them again at once
+                    for a in ahead:
+                        window.batches.pop(a, None)
+                self.state = "waiting for peers"
+            ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
                 # a short grace, so peers that became ready at the same moment are in everyone's first window
                 grace_until = grace_until or time.monotonic() + 1.0
                 if time.monotonic() >= grace_until:
                     self._initial = ready
+                    self.standing.found(ready)
+                    self.ready.clear()
                     self.state = "running"
                     return
             if self.ready and any(h != start for h in self.ready.values()):
@@ -461,9 +482,11 @@ class SPSALoop(TaskLoop):
         peers, self._resync_from = self._resync_from, []
         self._reset_to_base()
         self.counters["resyncs"] += 1
-        await self._replay_from(peers)
+        if not await self._replay_from(peers):
+            raise RuntimeError("spsa: no majority peer served a usable log to resync from")  # restart: from base
 
-    async def _replay_from(self, peers: list[str]) -> None:
+    async def _replay_from(self, peers: list[str]) -> bool:
+        """Replay the first usable log the peers serve; False if none did."""
         self.state = "replaying"
         started = time.perf_counter()
         for peer_id in peers:
@@ -477,16 +500,20 @@ class SPSALoop(TaskLoop):
                 break
             except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                 logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
+                self._reset_to_base()
         else:
-            raise RuntimeError("no peer served a usable spsa log")
+            self.counters["replay_failed"] += 1
+            return False
         self.replay_seconds = time.perf_counter() - started
         self.counters["replayed_windows"] = replayed
         # contribute two windows after the live one, and say so now, so everyone expects us from then on
-        self.join_at = max(self.window, max(self.windows, default=self.window)) + 2
+        self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
         self._publish({"w": self.join_at, "join": True})
         self.state = "running"
+        self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
                     replayed, self.replay_seconds, self.window, self.join_at)
+        return True
 
     def _replay(self, entries: list) -> int:
         """Verify and apply the closed windows of a log; leave the last one to the live loop (one-window lag)."""
@@ -532,8 +559,12 @@ class SPSALoop(TaskLoop):
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        author = message.author
+        if not self.standing.admitted(author):
+            self.counters["not_admitted"] += 1
+            return Verdict.IGNORE  # a closed run: not one of its peers
         w = body["w"]
-        if self.state == "running" and w > self.window + 4:
+        if self.state == "running" and w > self.window + 4 + FRESH_EVERY:
             self.counters["rejected_future"] += 1
             return Verdict.REJECT  # far ahead of the swarm we run with: flooding steps
         if len(self.windows) > 256 and w not in self.windows:
@@ -542,17 +573,22 @@ class SPSALoop(TaskLoop):
         if set(body) == {"w", "h"}:
             if not isinstance(body["h"], str) or len(body["h"]) != 32:
                 return Verdict.REJECT
-            self.hashes[w][message.author] = body["h"]
+            hashes = self.hashes[w]
+            if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
+                hashes[author] = body["h"]
             return Verdict.ACCEPT
         if set(body) == {"w", "ready"}:
             if not isinstance(body["ready"], str) or len(body["ready"]) != 32:
                 return Verdict.REJECT
-            self.ready[message.author] = body["ready"]
+            if self.state != "running" and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
+                self.ready[author] = body["ready"]
             return Verdict.ACCEPT
         if set(body) == {"w", "join"}:
             if body["join"] is not True:
                 return Verdict.REJECT
-            self.windows[w].joins.add(message.author)
+            joins = self.windows[w].joins
+            if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
+                joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_window)
             return Verdict.ACCEPT
         if set(body) != {"w", "b"} or not isinstance(body["b"], bytes) or len(body["b"]) != self.cfg.window:
             self.counters["rejected_malformed"] += 1
@@ -566,23 +602,31 @@ class SPSALoop(TaskLoop):
             self._ctx.transport.penalties.penalize(message.received_from or message.author, "stale",
                                                    "spsa batch for a closed window")
             return Verdict.IGNORE
-        existing = self.windows[w].batches.get(message.author)
+        batches = self.windows[w].batches
+        existing = batches.get(author)
         if existing is not None and existing.data != message.data:
             self.counters["equivocation"] += 1
             return Verdict.REJECT
-        self.windows[w].batches[message.author] = message
+        if existing is None and len(batches) >= MAX_PEER_ENTRIES and not self.standing.counts(author):
+            self.counters["ignored_batches"] += 1
+            return Verdict.IGNORE
+        batches[author] = message
         self._arrived.set()
         return Verdict.ACCEPT
 
-    def _run_started_without_us(self) -> bool:
-        """Batches past window 0 from a peer that announced our base model, or from two different peers (one
-        outsider alone cannot send us down the late path): the run began without us."""
-        ready = {p for p, h in self.ready.items() if h == self._start_hash}
+    def _run_started_without_us(self) -> list[str]:
+        """The peers to replay the run's log from, if it began without us: batches past our window from peers
+        whose word counts, or else from two directly connected peers (a key that is not connected to us, or one
+        connected outsider alone, cannot send us down the late path). Empty: it has not."""
+        counting, direct = set(), set()
         for w in list(self.windows):
-            authors = set(self.windows[w].batches)
-            if w > self.window and (ready & authors or len(authors) >= 2):
-                return True
-        return False
+            if w > self.window:
+                authors = set(self.windows[w].batches) - {self._ctx.identity.peer_id}
+                counting |= self.standing.counting(authors)
+                direct |= {a for a in authors if self._ctx.direct(a)}
+        if counting:
+            return sorted(counting)
+        return sorted(direct) if len(direct) >= 2 and not self.standing.closed else []
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from protocols import checkpoint
+from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
 
 logger = logging.getLogger(__name__)
@@ -36,6 +37,11 @@ class TaskLoop:
         self.resumed: dict | None = None
         self.saved: dict | None = None
         self._last_refusal_log = 0.0
+
+    def _init_standing(self, ctx) -> None:
+        """Who counts in this run's decisions (``protocols.standing``): the config's ``peers`` (a closed run) or,
+        in an open run, our bootstrap peers, the run's founders and peers that earned it."""
+        self.standing = Standing(ctx.identity.peer_id, self.cfg.peers, ctx.anchors)
 
     def _setup_device(self) -> None:
         self.device = pick_device(self.cfg.device)

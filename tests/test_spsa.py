@@ -120,7 +120,9 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_node_joining_at_step_100_replays_and_matches(tmp_path):
-    swarm = spsa_swarm(tmp_path, "late", 500, 3)
+    # 800 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
+    # ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute
+    swarm = spsa_swarm(tmp_path, "late", 800, 3)
     try:
         nodes = swarm.start_chain(3, members_within=None)
         wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
