@@ -539,6 +539,8 @@ class SapoLoop(TaskLoop):
             "reward_last50": round(sum(own) / len(own), 4) if own else None,
             "external_reward_last50": round(sum(ext) / len(ext), 4) if ext else None,
             "peers_in_round": len(self._participants),
+            "peers_with_items": len(self.inbox),
+            "standing": self.standing.status() if hasattr(self, "standing") else None,
             "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
             # per source peer, as scored by our verifier: items, mean reward of their completions, groups we used
             "sources": {a: {"items": s[0], "reward": round(s[2] / s[1], 4) if s[1] else None, "used": s[3]}

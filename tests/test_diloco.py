@@ -107,3 +107,46 @@ def test_a_peer_whose_weights_drift_resyncs_from_a_checkpoint(tmp_path):
         assert len({s["final_hash"] for s in final}) == 1
     finally:
         swarm.close()
+
+
+@pytest.mark.timeout(240)
+async def test_fresh_keys_can_neither_outvote_nor_stall_nor_send_a_run_to_resync(tmp_path):
+    # issue 14 item 6: three fresh keys outvoted the real peers on a round hash and sent them to resync from the
+    # fresh keys; a join from any key added it to the set every round waits for; a "ready" from a fresh key counted
+    import asyncio
+
+    from hostile import HostilePeer
+
+    swarm = diloco_swarm(tmp_path, run="sybil", rounds=0, h=20, min_peers=2)  # open-ended: runs until stopped
+    keys = [HostilePeer(tmp_path / f"k{i}") for i in range(3)]
+    try:
+        nodes = await asyncio.to_thread(swarm.start_chain, 2, "n", None)
+        await asyncio.to_thread(wait_for, lambda: d(nodes[0]).get("rounds", 0) >= 2, 120, "2 rounds")
+        for k in keys:
+            await k.start(nodes[0], "diloco/sybil", max_size=1024)
+        fp = d(nodes[0])["fingerprint"]
+        tag = [fp["layout"], fp["config"]]
+        start = d(nodes[0])["rounds"]
+        for burst in range(8):  # for the next rounds: a bogus hash from every key, joins, and "ready"
+            r = d(nodes[0])["rounds"]
+            for k in keys:
+                for rr in range(r - 1, r + 3):
+                    await k.send({"r": rr, "p": 0, "h": "f" * 32, "t": tag})
+                    await k.send({"r": rr, "p": 0, "join": True, "t": tag})
+                await k.send({"r": 0, "p": 0, "ready": "0" * 32, "t": tag})
+            await asyncio.to_thread(wait_for, lambda: d(nodes[0])["rounds"] > r, 60, "the next round")
+        final = [d(n) for n in nodes]
+        assert final[0]["rounds"] >= start + 8
+        for s in final:
+            assert s.get("resyncs", 0) == 0 and s.get("diverged", 0) == 0  # never outvoted
+            assert s["state"] == "running"
+            # a brand-new key is waited for only in every 4th round (a newcomer slot), so at most those stall
+            assert s.get("deadline_missed", 0) <= (s["rounds"] - start) // 4 + 1
+            assert all(h["participants"] == 2 for h in s["history"] if h["round"] >= start)
+        ours, theirs = ({r: h for r, _, h in rounds(n)} for n in nodes)
+        common = ours.keys() & theirs.keys()
+        assert len(common) >= 6 and all(ours[r] == theirs[r] for r in common)  # one run, never forked
+    finally:
+        for k in keys:
+            await k.close()
+        await asyncio.to_thread(swarm.close)

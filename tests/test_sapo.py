@@ -219,3 +219,28 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
     finally:
         await attacker.close()
         await asyncio.to_thread(swarm.close)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(120)
+async def test_a_fresh_keys_round_number_moves_no_ones_round(tmp_path: Path):
+    # issue 14 item 6: one SAPO rollout message for round 299 made a waiting node jump to round 299 and finish
+    run = "jump"
+    config = loop_config(tmp_path / "sapo.toml", CONFIG.format(run=run, rounds=300, d=32, layers=1, heads=2))
+    swarm = Swarm(tmp_path / "nodes", config=config)
+    attacker = HostilePeer(tmp_path)
+    try:
+        node = await asyncio.to_thread(swarm.start, "lonely")  # min_peers = 3: it waits for two more
+        await attacker.start(node, f"sapo/{run}", max_size=64 * 1024)
+        await asyncio.to_thread(wait_for, lambda: sapo(node)["state"] == "waiting for peers", 30, "the policy")
+        fp = sapo(node)["fingerprint"]
+        me = attacker.peer_id
+        items = {"r": 299, "items": [{"spec": ["arith", question_seed(run, 1, me, 299), k], "comps": ["1", "2"]}
+                                     for k in range(2)], "t": [fp["layout"], fp["config"]]}
+        await attacker.send(items)
+        await asyncio.to_thread(wait_for, lambda: sapo(node)["peers_with_items"] == 1, 20, "the items to be held")
+        s = sapo(node)
+        assert s["round"] == 0 and s["state"] == "waiting for peers" and s["joined_at"] == 0
+    finally:
+        await attacker.close()
+        await asyncio.to_thread(swarm.close)
