@@ -43,7 +43,8 @@ def seeds() -> dict[str, tuple[list[bytes], callable, tuple]]:
     op = make_op(ident.sign, ident.peer_id, 1, (1, 0), [], "kv", {"k": f"{ident.peer_id}/x", "v": [1, {"a": 2}]})
     record = NodeRecord(ident.peer_id, ("/ip4/127.0.0.1/tcp/4001",), "0.1", ("diloco",), 1.0).to_wire()
     body = msgpack.packb([1, "t", ident.peer_id, 1, 0, b"data"], use_bin_type=True)
-    tensor = codecs.encode(torch.randn(300), "int8")
+    torch.manual_seed(0)
+    tensors = [codecs.encode(torch.randn(300), name) for name in sorted({c.name for c in codecs.CODECS.values()})]
     return {
         "frame": ([encode(1, {"ops": [op.wire()] * 3, "more": False, "vv": {ident.peer_id: 1}}),
                    encode(2, [{}] * 50_000)],
@@ -55,7 +56,7 @@ def seeds() -> dict[str, tuple[list[bytes], callable, tuple]]:
                        lambda b: NodeRecord.from_wire(unpack_record(b, max_size=8192)), (ProtocolViolation,)),
         "gossip message": ([msgpack.packb({"b": body, "s": bytes(64)})],
                            lambda b: gossip_decode(unpack_record(b, max_size=8 << 20)), (ProtocolViolation,)),
-        "tensor codec": ([tensor], lambda b: codecs.decode(b, max_elements=1 << 20), (codecs.CodecError,)),
+        "tensor codec": (tensors, lambda b: codecs.decode(b, max_elements=1 << 20), (codecs.CodecError,)),
     }
 
 
@@ -78,6 +79,21 @@ def mutate(rng: random.Random, data: bytes) -> bytes:
     return bytes(b)
 
 
+def _peak(call, declared) -> tuple[int, float, str | None]:
+    """(bytes allocated at the peak of ``call`` above what was live before it, seconds, undeclared error name)."""
+    before = tracemalloc.get_traced_memory()[0]
+    tracemalloc.reset_peak()
+    t0 = time.perf_counter()
+    error = None
+    try:
+        call()
+    except declared:
+        pass
+    except Exception as e:  # noqa: BLE001 - counting exactly these is the point
+        error = type(e).__name__
+    return tracemalloc.get_traced_memory()[1] - before, time.perf_counter() - t0, error
+
+
 def run(name, inputs, fn, declared, n, rng):
     undeclared, worst_ratio, worst_time, worst_base = {}, 0.0, 0.0, 0.0
     for data in inputs:  # warm up: first-call caches (regexes, imports) are not the input's doing
@@ -89,25 +105,14 @@ def run(name, inputs, fn, declared, n, rng):
     try:
         for i in range(n):
             data = inputs[i % len(inputs)] if i < len(inputs) else mutate(rng, rng.choice(inputs))
-            tracemalloc.reset_peak()
-            t0 = time.perf_counter()
-            try:
-                fn(data)
-            except declared:
-                pass
-            except Exception as e:  # noqa: BLE001 - counting exactly these is the point
-                undeclared[type(e).__name__] = undeclared.get(type(e).__name__, 0) + 1
-            dt = time.perf_counter() - t0
-            peak = tracemalloc.get_traced_memory()[1]
+            if i % 50 == 0 or i < len(inputs):  # the baseline on a sample: what plain unpackb allocates
+                worst_base = max(worst_base, _peak(lambda: msgpack.unpackb(data, raw=False), Exception)[0]
+                                 / max(len(data), FLOOR))
+            peak, dt, error = _peak(lambda: fn(data), declared)
+            if error is not None:
+                undeclared[error] = undeclared.get(error, 0) + 1
             worst_ratio = max(worst_ratio, peak / max(len(data), FLOOR))
             worst_time = max(worst_time, dt)
-            if i % 50 == 0 or i < len(inputs):  # the baseline on a sample: what plain unpackb allocates
-                tracemalloc.reset_peak()
-                try:
-                    msgpack.unpackb(data, raw=False)
-                except Exception:  # noqa: BLE001
-                    pass
-                worst_base = max(worst_base, tracemalloc.get_traced_memory()[1] / max(len(data), FLOOR))
     finally:
         tracemalloc.stop()
     return {"decoder": name, "inputs": n, "undeclared": sum(undeclared.values()), "kinds": undeclared,
