@@ -27,7 +27,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from crdt import APPLIED, REJECTED, LWWMap, MaxRegister, Op, OpStore, ORSet, ProgressRegister, GCounter
+from crdt import REJECTED, LWWMap, MaxRegister, Op, OpStore, ORSet, ProgressRegister, GCounter
 from crdt.ops import SIGN_DOMAIN
 from node.oplog import OpLog
 from transport.base import Stream, Transport
