@@ -33,7 +33,7 @@ from transport.framing import ProtocolSpec
 from transport.identity import Identity
 from transport.multiaddrs import split_peer_addr
 from transport.p2pd import P2PDaemonTransport
-from transport.penalties import RateLimitedLog
+from transport.penalties import RateLimitedLog, TokenBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -87,12 +87,6 @@ class BootstrapState:
         }
 
 
-@dataclass
-class _Bucket:
-    tokens: float
-    updated: float
-
-
 class Discovery:
     def __init__(
         self,
@@ -121,7 +115,8 @@ class Discovery:
                          "dht_polls": 0, "dht_stores": 0}
         self._joined = asyncio.Event()
         self._poll_now = asyncio.Event()
-        self._hello_buckets: dict[tuple, _Bucket] = {}
+        self._hello_rate = TokenBuckets(1.0, 5.0, max_keys=2 * MAX_MEMBERS)  # per peer
+        self._introduce_rate = TokenBuckets(20.0, 100.0, max_keys=2 * MAX_MEMBERS)
         self._dialing: set[str] = set()
         self._greeted: set[str] = set()  # peers that hold our record from a hello
         self._tasks: set[asyncio.Task] = set()
@@ -390,12 +385,12 @@ class Discovery:
         message = await asyncio.wait_for(stream.read_required(), 10.0)
         if message.kind == INTRODUCE:
             # honest members introduce every newcomer they meet: a generous allowance, and no penalty past it
-            if self._allow(("introduce", stream.peer_id), rate=20.0, burst=100.0):
+            if self._introduce_rate.allow(stream.peer_id):
                 await self._on_introduce(stream, message.body)
             else:
                 self.counters["introduced_dropped"] = self.counters.get("introduced_dropped", 0) + 1
             return
-        if not self._allow(("hello", stream.peer_id), rate=1.0, burst=5.0):
+        if not self._hello_rate.allow(stream.peer_id):
             raise ProtocolViolation("hello: too many hellos", kind="rate_limited")
         if message.kind != HELLO:
             raise MalformedMessage("hello: expected HELLO")
@@ -442,21 +437,6 @@ class Discovery:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-
-    def _allow(self, key: tuple, rate: float, burst: float) -> bool:
-        """Token bucket per (message kind, peer)."""
-        now = time.monotonic()
-        bucket = self._hello_buckets.get(key)
-        if bucket is None:
-            if len(self._hello_buckets) > 2 * MAX_MEMBERS:
-                self._hello_buckets.clear()
-            bucket = self._hello_buckets[key] = _Bucket(burst, now)
-        bucket.tokens = min(burst, bucket.tokens + (now - bucket.updated) * rate)
-        bucket.updated = now
-        if bucket.tokens < 1.0:
-            return False
-        bucket.tokens -= 1.0
-        return True
 
     # ------------------------------------------------------------------ introspection
     @property

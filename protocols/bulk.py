@@ -42,7 +42,7 @@ from protocols.gossip import Gossip, Message, Verdict
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
-from transport.penalties import RateLimitedLog
+from transport.penalties import RateLimitedLog, TokenBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ class BulkService:
         self.sources: dict[bytes, list[tuple[str, str]]] = collections.defaultdict(list)  # hash -> (peer, addr)
         self._announced_at: dict[bytes, float] = {}
         self._by_author_hashes: dict[str, collections.deque] = {}  # author -> its live announcements, oldest first
-        self._buckets: dict[str, tuple[float, float]] = {}  # requester -> (tokens, updated)
+        self._rate = TokenBuckets(SERVE_RATE, SERVE_BURST)  # requests per requester
         self._serving: collections.Counter = collections.Counter()
         self._log = RateLimitedLog(logger, interval=30.0)
         self._hosts_cache: tuple[float, dict[str, set[str]]] | None = None
@@ -283,8 +283,7 @@ class BulkService:
     def _expire(self, now: float) -> None:
         for blob_hash in [h for h, t in self._announced_at.items() if now - t > ANNOUNCEMENT_TTL]:
             self._forget(blob_hash)
-        for peer in [p for p, (_, t) in self._buckets.items() if now - t > 60.0]:
-            del self._buckets[peer]
+        self._rate.prune()
 
     def _forget(self, blob_hash: bytes) -> None:
         a = self.announcements.pop(blob_hash, None)
@@ -508,7 +507,7 @@ class BulkService:
             return REFUSED, None
         if peer not in self._ctx.members():
             return self._refuse("refused_not_member", peer)
-        if self._serving[peer] >= MAX_SERVING_PER_PEER or not self._allow(peer):
+        if self._serving[peer] >= MAX_SERVING_PER_PEER or not self._rate.allow(peer):
             return self._refuse("refused_rate", peer)
         blob = self.blobs.get(blob_hash)
         return (OK, blob) if blob is not None else (UNKNOWN, None)
@@ -517,16 +516,6 @@ class BulkService:
         self.counters[why] += 1
         self._log.log(logging.INFO, (why, peer), "bulk: request from %s refused (%s)", peer, why)
         return REFUSED, None
-
-    def _allow(self, peer: str) -> bool:
-        """A token bucket per requester (bounded: idle buckets are dropped by ``_expire``)."""
-        now = time.monotonic()
-        tokens, updated = self._buckets.get(peer, (SERVE_BURST, now))
-        tokens = min(SERVE_BURST, tokens + (now - updated) * SERVE_RATE)
-        if tokens < 1 or (peer not in self._buckets and len(self._buckets) >= 4096):
-            return False
-        self._buckets[peer] = (tokens - 1, now)
-        return True
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:

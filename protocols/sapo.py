@@ -49,6 +49,7 @@ from protocols.standing import check_peer_ids
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
 from transport.framing import unpack
+from transport.penalties import TokenBuckets
 
 logger = logging.getLogger(__name__)
 
@@ -199,7 +200,7 @@ class SapoLoop(TaskLoop):
         # rounds are each peer's own: per author, the items of its newest round (its round number, its seeds)
         self.inbox: collections.OrderedDict[str, tuple[int, list]] = collections.OrderedDict()
         self.used: dict[str, int] = {}  # author -> the newest of its rounds we drew from
-        self._buckets: dict[str, tuple[float, float]] = {}  # author -> (tokens, updated): item messages per second
+        self._rate = TokenBuckets(ITEM_RATE, ITEM_BURST, max_keys=4 * MAX_AUTHORS)  # item messages per author
         self.ready: set[str] = set()
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.counters: collections.Counter = collections.Counter()
@@ -392,8 +393,7 @@ class SapoLoop(TaskLoop):
             logger.info("sapo round %d closed without %d peer(s)", r, len(expected - self._fresh()))
         self._participants = self._fresh()
         self.standing.record(self._participants)
-        now = time.monotonic()
-        self._buckets = {a: b for a, b in self._buckets.items() if now - b[1] < 60}
+        self._rate.prune()
 
     def _draw_external(self, r: int, rng: random.Random) -> tuple[list[Group], float | None]:
         """Re-score the items of round r (and late ones of r - 1) with our verifier; draw J informative groups,
@@ -455,15 +455,6 @@ class SapoLoop(TaskLoop):
         except ValueError as e:
             logger.warning("could not record sapo progress: %s", e)
 
-    def _allow(self, author: str) -> bool:
-        now = time.monotonic()
-        tokens, updated = self._buckets.get(author, (ITEM_BURST, now))
-        tokens = min(ITEM_BURST, tokens + (now - updated) * ITEM_RATE)
-        if tokens < 1:
-            return False
-        self._buckets[author] = (tokens - 1, now)
-        return True
-
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
@@ -504,7 +495,7 @@ class SapoLoop(TaskLoop):
                 return Verdict.REJECT  # a second, different set of items for one round
             self.counters["stale"] += 1
             return Verdict.IGNORE  # older than what we hold from that peer: not forwarded
-        if not self._allow(author):
+        if not self._rate.allow(author):
             self.counters["ignored_rate"] += 1
             return Verdict.IGNORE  # rounds faster than anyone computes them: not used, not forwarded
         if held is None and len(self.inbox) >= MAX_AUTHORS:  # make room: the oldest entry of a peer without standing

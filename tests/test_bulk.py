@@ -12,6 +12,7 @@ from protocols.bulk import (HEADER, OK, REQUEST_DOMAIN, STREAM_SPEC, BadData, Bu
 from swarmproc import http_get, http_post as post, wait_for
 from test_punch import free_port
 from transport.identity import Identity
+from transport.penalties import TokenBuckets
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
 
@@ -111,18 +112,13 @@ async def test_a_blob_pulled_over_a_libp2p_stream_is_checked_like_one_over_tcp(t
             await fetch_stream(puller, holder.peer_id, h, len(data), request(h))
         assert service.counters["refused_not_member"] == 2  # the replayed request of a non-member too
         members.append(puller.identity.peer_id)
-        import protocols.bulk as bulk_module
-
-        rate, bulk_module.SERVE_RATE = bulk_module.SERVE_RATE, 0.0  # and at a bounded rate: 3 tokens left, no refill
-        service._buckets[puller.identity.peer_id] = (3.0, time.monotonic())
-        try:
-            for _ in range(5):
-                with pytest.raises(BulkError):
-                    await fetch_stream(puller, holder.peer_id, b"\0" * 32, 10, request(b"\0" * 32))
-        finally:
-            bulk_module.SERVE_RATE = rate
+        rate = service._rate
+        service._rate = TokenBuckets(rate=0.0, burst=3.0)  # and at a bounded rate: 3 requests, no refill
+        for _ in range(5):
+            with pytest.raises(BulkError):
+                await fetch_stream(puller, holder.peer_id, b"\0" * 32, 10, request(b"\0" * 32))
         assert service.counters["refused_rate"] == 2
-        service._buckets.clear()
+        service._rate = rate
         service.blobs[h][12345] ^= 1  # the holder serves other bytes: caught by the hash
         with pytest.raises(BadData):
             await fetch_stream(puller, holder.peer_id, h, len(data), request(h))

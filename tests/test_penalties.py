@@ -56,3 +56,16 @@ def test_peer_table_is_bounded():
     for i in range(1000):
         p.penalize(f"P{i}", "malformed")
     assert len(p._peers) <= 100
+
+
+def test_token_buckets_refill_bound_their_keys_and_refuse_new_ones_when_full():
+    from transport.penalties import TokenBuckets
+
+    now = [0.0]
+    b = TokenBuckets(rate=1.0, burst=2.0, max_keys=2, clock=lambda: now[0])
+    assert [b.allow("a") for _ in range(3)] == [True, True, False]
+    now[0] += 1.0
+    assert b.allow("a") and not b.allow("a")  # one token back per second
+    assert b.allow("b") and not b.allow("c")  # two keys at most: a third is refused while both are in use
+    now[0] += 10.0  # both refilled: pruned to make room
+    assert b.allow("c") and len(b) == 1

@@ -32,6 +32,40 @@ WEIGHTS = {
 DEFAULT_WEIGHT = 10.0
 
 
+class TokenBuckets:
+    """A token bucket per key (a peer, or (kind, peer)): ``allow(key)`` takes a token if one is left, refilling at
+    ``rate`` per second up to ``burst``. Bounded: at most ``max_keys`` buckets; when full, buckets that have refilled
+    (idle long enough to be full again) are dropped, and a new key that still finds no room is refused."""
+
+    def __init__(self, rate: float, burst: float, *, max_keys: int = 4096, clock: Clock = time.monotonic):
+        self.rate, self.burst, self.max_keys = rate, burst, max_keys
+        self._clock = clock
+        self._buckets: dict = {}  # key -> (tokens, updated)
+
+    def allow(self, key) -> bool:
+        now = self._clock()
+        tokens, updated = self._buckets.get(key, (self.burst, now))
+        tokens = min(self.burst, tokens + (now - updated) * self.rate)
+        if key not in self._buckets and len(self._buckets) >= self.max_keys:
+            self.prune()
+            if len(self._buckets) >= self.max_keys:
+                return False
+        if tokens < 1.0:
+            self._buckets[key] = (tokens, now)
+            return False
+        self._buckets[key] = (tokens - 1.0, now)
+        return True
+
+    def prune(self) -> None:
+        """Drop the buckets that have refilled: they hold nothing a new bucket would not."""
+        now = self._clock()
+        self._buckets = {k: (t, u) for k, (t, u) in self._buckets.items()
+                         if t + (now - u) * self.rate < self.burst}
+
+    def __len__(self) -> int:
+        return len(self._buckets)
+
+
 class RateLimitedLog:
     """Log a line at most once per ``interval`` seconds per key, then say how many were suppressed."""
 
