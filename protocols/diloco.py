@@ -607,7 +607,9 @@ class DilocoLoop(TaskLoop):
         keys = set(body)
         author = message.author
         if keys == {"r", "p", "ready"} and isinstance(body["ready"], str) and len(body["ready"]) <= 64:
-            if self.state != "running" and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
+            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
+            if self.state != "running" and self._ctx.direct(author) \
+                    and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
                 self.ready[author] = body["ready"]
             return Verdict.ACCEPT
         done = self.rounds_done[p] if self.rounds_done else 0

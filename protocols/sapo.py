@@ -475,7 +475,7 @@ class SapoLoop(TaskLoop):
         if set(body) == {"r", "ready"}:
             if body["ready"] is not True or body["r"] != 0:
                 return Verdict.REJECT
-            if self.state != "running" and len(self.ready) < MAX_AUTHORS:
+            if self.state != "running" and self._ctx.direct(author) and len(self.ready) < MAX_AUTHORS:
                 self.ready.add(author)
             return Verdict.ACCEPT
         try:

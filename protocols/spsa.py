@@ -580,7 +580,9 @@ class SPSALoop(TaskLoop):
         if set(body) == {"w", "ready"}:
             if not isinstance(body["ready"], str) or len(body["ready"]) != 32:
                 return Verdict.REJECT
-            if self.state != "running" and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
+            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
+            if self.state != "running" and self._ctx.direct(author) \
+                    and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
                 self.ready[author] = body["ready"]
             return Verdict.ACCEPT
         if set(body) == {"w", "join"}:
