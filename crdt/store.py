@@ -207,15 +207,20 @@ class OpStore:
         return Result(REJECTED, reason=reason, op=op)
 
     # ------------------------------------------------------------------ writing
+    def _next_parents(self, chain: list[bytes]) -> set[bytes]:
+        """A new local op's parents: the newest heads, and the author's own previous op."""
+        parents = set(sorted(self.heads, key=lambda i: self.ops[i].clock, reverse=True)[: MAX_PARENTS - 1])
+        if chain:
+            parents.add(chain[-1])
+        return parents
+
     def draft(self, author: str, items: list[tuple[str, Any]], now_ms: int) -> tuple[list[bytes], str | None]:
         """Unsigned bodies for a batch of local ops, each checked as ``receive`` would check it, none applied.
 
         Returns (bodies, None), or ([], "<object>: <reason>") if any op of the batch would be refused: a batch is
         applied whole or not at all. Sign the bodies (off the event loop), persist them, then ``commit`` them."""
         chain = self.chains.get(author, [])
-        parents = set(sorted(self.heads, key=lambda i: self.ops[i].clock, reverse=True)[: MAX_PARENTS - 1])
-        if chain:
-            parents.add(chain[-1])
+        parents = self._next_parents(chain)
         seq, hlc, bodies = len(chain), HLC(self.clock.last), []
         for obj, payload in items:
             ctype = self.schema.get(obj)
@@ -251,9 +256,7 @@ class OpStore:
     def create(self, sign: Signer, author: str, obj: str, payload: Any, now_ms: int) -> Result:
         """Write a local op: next seq, current heads as parents, a clock after everything seen."""
         chain = self.chains.get(author, [])
-        parents = set(sorted(self.heads, key=lambda i: self.ops[i].clock, reverse=True)[: MAX_PARENTS - 1])
-        if chain:
-            parents.add(chain[-1])
+        parents = self._next_parents(chain)
         clock = self.clock.tick(now_ms)
         op = make_op(sign, author, len(chain) + 1, clock, parents, obj, payload)
         return self.receive_op(op, now_ms)
