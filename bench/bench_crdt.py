@@ -42,6 +42,7 @@ reachability = "public"
 backoff_initial = 0.5
 [state]
 sync_interval = 2.0
+admission_bits = 12
 [http]
 listen = "127.0.0.1:0"
 """

@@ -12,11 +12,17 @@
   ``not_allowed`` (the author wrote outside what the type allows), ``future_clock`` (more than ``max_skew_ms``
   ahead of our clock), ``bad_causality`` (clock not after its parents', or seq not following the author's previous
   op), ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds
-  its share of the pending budget).
+  its share of the pending budget), ``not_admitted`` (an author's op #1 without its admission, see
+  ``crdt.admission``), ``authors_full`` (a new author while we hold ``max_authors``: our limit, not the sender's
+  fault).
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
-replica's content is summarized exactly by its version vector ``{author: last seq}``: anti-entropy sends that and
-gets back what it lacks. Convergence is checked by the heads digest (hash of the sorted DAG heads).
+replica's content is summarized exactly by its version vector ``{author: last seq}``. That vector grows with the
+number of authors, so anti-entropy never sends it whole: authors fall into ``BUCKETS`` buckets by hash, each with a
+16-byte digest (the XOR of a hash of each ``(author, seq)`` entry, updated as ops merge), and replicas compare the
+digests (at most 4 KiB, whatever the number of authors), then page through the entries of the buckets that differ
+(``entries``) and exchange the ops one side lacks (``ops_after``). Convergence is checked by the heads digest (hash
+of the sorted DAG heads).
 
 Pure: no I/O, no clock, no keys; the caller passes ``now_ms`` and a signature verifier.
 """
@@ -28,6 +34,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from crdt.admission import Admission
 from crdt.hlc import HLC
 from crdt.ops import (
     MAX_PARENTS, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, make_op, verify_op,
@@ -35,6 +42,19 @@ from crdt.ops import (
 from crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
+BUCKETS = 256
+DIGEST_SIZE = 16
+
+
+def bucket_of(author: str) -> int:
+    return hashlib.blake2b(author.encode(), digest_size=1).digest()[0]
+
+
+def _entry_hash(author: str, seq: int) -> int:
+    if seq == 0:
+        return 0  # an author we hold nothing of counts as absent
+    h = hashlib.blake2b(author.encode() + b"\x00" + seq.to_bytes(8, "big"), digest_size=DIGEST_SIZE)
+    return int.from_bytes(h.digest(), "big")
 
 
 @dataclass
@@ -57,9 +77,15 @@ class OpStore:
         pending_ttl_ms: int = 300_000,
         max_pending_share: float = 0.1,
         max_op_size: int = 4096,
+        admission: Admission | None = None,
+        max_authors: int = 20_000,
     ):
         self.schema = dict(schema)
         self._verify = verify
+        self.admission = admission  # None: every author is admitted (tests of the types alone)
+        self.max_authors = max_authors
+        self._digests = [0] * BUCKETS  # per bucket: XOR of _entry_hash(author, seq) over its authors
+        self._bucket_authors: list[set[str]] = [set() for _ in range(BUCKETS)]
         self.max_skew_ms = max_skew_ms
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
@@ -99,6 +125,13 @@ class OpStore:
             return self._reject(reason, op)
         if op.clock[0] > now_ms + self.max_skew_ms:
             return self._reject("future_clock", op)
+        if op.seq == 1:
+            if self.admission is not None:
+                reason = self.admission.admits(op.author, op.object, op.payload)
+                if reason is not None:
+                    return self._reject(reason, op)
+            if op.author not in self.chains and len(self.chains) >= self.max_authors:
+                return self._reject("authors_full", op)
         if not verify_op(op, self._verify):
             return self._reject("bad_signature", op)
         missing = next((p for p in op.parents if p not in self.ops), None)
@@ -195,7 +228,11 @@ class OpStore:
 
     def _merge(self, op: Op) -> Op:
         self.ops[op.id] = op
-        self.chains.setdefault(op.author, []).append(op.id)
+        chain = self.chains.setdefault(op.author, [])
+        chain.append(op.id)
+        b = bucket_of(op.author)
+        self._bucket_authors[b].add(op.author)
+        self._digests[b] ^= _entry_hash(op.author, len(chain) - 1) ^ _entry_hash(op.author, len(chain))
         self.heads.difference_update(op.parents)
         self.heads.add(op.id)
         self.states[op.object] = self.schema[op.object].apply(self.states[op.object], op)
@@ -227,6 +264,10 @@ class OpStore:
             if ctype is None:
                 return [], f"{obj}: unknown_object"
             seq += 1
+            if seq == 1 and self.admission is not None:
+                reason = self.admission.admits(author, obj, payload)
+                if reason is not None:
+                    return [], f"{obj}: {reason}"
             body = encode_body(author, seq, hlc.tick(now_ms), parents, obj, payload)
             try:
                 op = decode_body(body, b"", max_size=self.max_op_size)
@@ -265,15 +306,71 @@ class OpStore:
     def version_vector(self) -> dict[str, int]:
         return {author: len(chain) for author, chain in self.chains.items()}
 
-    def missing_for(self, vv: dict[str, int], limit: int) -> tuple[list[Op], bool]:
-        """Ops a replica with version vector ``vv`` lacks, in causal order (by clock); (ops, truncated)."""
+    def digests(self) -> dict[int, bytes]:
+        """The digest of every non-empty bucket: at most ``BUCKETS`` entries of ``DIGEST_SIZE`` bytes, whatever the
+        number of authors (a small swarm sends a few)."""
+        return {b: d.to_bytes(DIGEST_SIZE, "big") for b, d in enumerate(self._digests) if d}
+
+    def differing(self, digests: dict[int, bytes]) -> list[int]:
+        """The buckets whose digest differs from ours (``digests`` as ``digests()`` makes them)."""
+        if not isinstance(digests, dict) or len(digests) > BUCKETS or not all(
+                type(b) is int and 0 <= b < BUCKETS and isinstance(d, bytes) and len(d) == DIGEST_SIZE
+                for b, d in digests.items()):
+            raise ValueError(f"digests are at most {BUCKETS} entries {{bucket: {DIGEST_SIZE} bytes}}")
+        return [b for b in range(BUCKETS)
+                if (int.from_bytes(digests[b], "big") if b in digests else 0) != self._digests[b]]
+
+    def entries(self, buckets: list[int], after: tuple[int, str] | None, limit: int
+                ) -> tuple[dict[str, int], tuple[int, str] | None]:
+        """One page of our version vector: the entries of ``buckets`` in (bucket, author) order, from just after
+        ``after``, at most ``limit`` (>= 1) of them. Returns (entries, the last key of this page if more follow,
+        else None)."""
+        out: dict[str, int] = {}
+        last: tuple[int, str] | None = None
+        for b in sorted(set(buckets)):
+            if after is not None and b < after[0]:
+                continue
+            for a in sorted(a for a in self._bucket_authors[b] if after is None or (b, a) > after):
+                if len(out) == limit:
+                    return out, last
+                out[a] = len(self.chains[a])
+                last = (b, a)
+        return out, None
+
+    def authors_in(self, buckets: list[int], start: tuple[int, str] | None, end: tuple[int, str] | None
+                   ) -> dict[str, int]:
+        """Our entries of ``buckets`` whose key (bucket, author) is in (start, end]: what one page of a peer's
+        entries covered (``end`` None: to the end)."""
+        out = {}
+        for b in set(buckets):
+            for a in self._bucket_authors[b]:
+                if (start is None or (b, a) > start) and (end is None or (b, a) <= end):
+                    out[a] = len(self.chains[a])
+        return out
+
+    def page_diff(self, theirs: dict[str, int], buckets: list[int], start: tuple[int, str] | None,
+                  end: tuple[int, str] | None) -> tuple[dict[str, int], dict[str, int]]:
+        """Compare one page of a peer's entries (``entries(buckets, start, ...)`` ending at ``end``) with ours:
+        (what to ask it for: {author: our seq} where it is ahead, what it lacks: {author: its seq} where we are)."""
+        want = {a: len(self.chains.get(a, ())) for a, seq in theirs.items() if seq > len(self.chains.get(a, ()))}
+        lacking = {a: theirs.get(a, 0) for a, seq in self.authors_in(buckets, start, end).items()
+                   if seq > theirs.get(a, 0)}
+        return want, lacking
+
+    def ops_after(self, have: dict[str, int], limit: int) -> tuple[list[Op], bool]:
+        """Our ops of the authors in ``have`` past the seq given for each, in causal order (by clock), at most
+        ``limit``; (ops, truncated)."""
         out = []
-        for author, chain in self.chains.items():
-            have = vv.get(author, 0)
-            if have < len(chain):
-                out.extend(self.ops[i] for i in chain[have:])
+        for author, seq in have.items():
+            chain = self.chains.get(author)
+            if chain is not None and seq < len(chain):
+                out.extend(self.ops[i] for i in chain[max(seq, 0):])
         out.sort(key=lambda o: (o.clock, o.id))
         return out[:limit], len(out) > limit
+
+    def missing_for(self, vv: dict[str, int], limit: int) -> tuple[list[Op], bool]:
+        """Ops a replica with (whole) version vector ``vv`` lacks, in causal order (by clock); (ops, truncated)."""
+        return self.ops_after({a: vv.get(a, 0) for a in self.chains}, limit)
 
     # ------------------------------------------------------------------ views
     def heads_digest(self) -> str:

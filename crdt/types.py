@@ -7,7 +7,7 @@ after its parents), so any delivery order gives the same state. ``check`` says w
 | type | payload | who may write | value |
 |---|---|---|---|
 | LWWMap | ``{"k": str, "v": JSON value or None}`` (None deletes; depth <= 8) | namespaced: keys ``<author>/...`` only; shared: anyone | per key, the write with the greatest (clock, author, id) |
-| ORSet | ``{"add": e}`` or ``{"rm": e, "tags": [add op ids]}`` | self_only: e == author | e is in the set while some add of e is not removed by a later-observed rm |
+| ORSet | ``{"add": e}`` (optionally ``"ticket": int``, see crdt.admission) or ``{"rm": e, "tags": [add op ids]}`` | self_only: e == author | e is in the set while some add of e is not removed by a later-observed rm |
 | GCounter | ``{"n": int >= 0}`` | anyone (each into its own slot) | sum of all increments |
 | PNCounter | ``{"n": int}`` | anyone (own slot) | sum of increments minus decrements |
 | MaxRegister | ``{"v": int}`` | anyone | the largest value written (e.g. round numbers) |
@@ -114,8 +114,10 @@ class ORSet(CRDTType):
         p = op.payload
         if not isinstance(p, dict):
             return "malformed"
-        if set(p) == {"add"}:
+        if set(p) == {"add"} or set(p) == {"add", "ticket"}:  # a ticket admits its author (crdt.admission)
             element = p["add"]
+            if "ticket" in p and not _is_int(p["ticket"], 0, 2**64 - 1):
+                return "malformed"
         elif set(p) == {"rm", "tags"}:
             element, tags = p["rm"], p["tags"]
             if not isinstance(tags, list) or not all(isinstance(t, bytes) and len(t) == ID_SIZE for t in tags):

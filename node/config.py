@@ -106,6 +106,12 @@ class DiscoverySection(_Section):
 class StateSection(_Section):
     sync_interval: float = Field(5.0, ge=0.2, le=600)  # anti-entropy with a random peer this often
     max_clock_skew: float = Field(30.0, ge=1, le=3600)  # ops stamped further ahead than this are rejected
+    # Who may write the replicated state (crdt.admission); every node of a swarm must use the same values.
+    # Open swarm: each identity pays a work ticket of this many bits once (22: about 2 s of one core).
+    admission_bits: int = Field(22, ge=0, le=40)
+    # Closed swarm: only these peer ids may write (no ticket needed). Empty: open.
+    allow: list[str] = []
+    max_authors: int = Field(20_000, ge=1, le=10_000_000)  # authors a replica holds at most (our limit)
 
 
 class HttpSection(_Section):

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
+from crdt.admission import Admission
 from dht.discovery import Discovery, DiscoveryConfig
 from node import __version__, datadir
 from node.config import Config, parse_host_port
@@ -29,6 +30,8 @@ from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport, RelayLimits
 from transport.ping import ping, serve_ping
 
 logger = logging.getLogger(__name__)
+
+MAX_PEERS_VIEW = 512  # peers /status lists one by one (the counts cover all)
 
 
 @dataclass
@@ -105,6 +108,8 @@ class Node:
             peers=self._replication_peers,
             sync_interval=config.state.sync_interval,
             max_skew_ms=int(config.state.max_clock_skew * 1000),
+            admission=Admission(config.node.swarm, config.state.admission_bits, config.state.allow),
+            max_authors=config.state.max_authors,
         )
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
@@ -259,9 +264,11 @@ class Node:
         return 0.0 if self._started_mono is None else time.monotonic() - self._started_mono
 
     def peers_view(self) -> list[dict]:
+        """Connected and discovered peers first, then members of the replicated set, at most MAX_PEERS_VIEW."""
         crdt_members = set(self.replicator.store.value("members"))
-        ids = set(self.discovery.members) | set(self.connected) | crdt_members
-        ids.discard(self.identity.peer_id)
+        near = (set(self.discovery.members) | set(self.connected)) - {self.identity.peer_id}
+        ids = sorted(near)[:MAX_PEERS_VIEW]
+        ids += sorted(crdt_members - near - {self.identity.peer_id})[: MAX_PEERS_VIEW - len(ids)]
         out = []
         for peer_id in sorted(ids):
             member = self.discovery.members.get(peer_id)
@@ -310,7 +317,10 @@ class Node:
                 **self.discovery.counters,
                 "records_refused": dict(self.discovery.validator.refused) if self.discovery.validator else {},
             },
-            "members": sum(1 for p in peers if p["member"]),
+            "members": len(set(self.replicator.store.value("members")) - {self.identity.peer_id}),  # others
+            "peers_omitted": max(0, len((set(self.discovery.members) | set(self.connected)
+                                         | set(self.replicator.store.value("members"))) - {self.identity.peer_id})
+                                 - len(peers)),
             "connected": len(self.connected),
             "peers": peers,
             "crdt": self.replicator.summary(),

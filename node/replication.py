@@ -1,12 +1,19 @@
 """Replication of the swarm's CRDT state: push on write, anti-entropy by version vectors, a durable op log.
 
-``/swarmd/crdt/1.0.0`` on one stream, requester first:
+``/swarmd/crdt/2.0.0`` on one stream, requester first:
 
 - ``PUSH {"ops": [op, ...]}`` -> ``ACK {"applied": n, "rejected": n}``: new ops, sent at once to every connected
   member when we write them;
-- ``SYNC {"vv": {author: seq}}`` -> ``OPS {"ops": [...], "more": bool, "vv": {...}}``: the responder sends what our
-  version vector says we lack (in causal order, at most ``SYNC_BATCH`` per reply; we ask again while ``more``),
-  with its own version vector, from which we compute what *it* lacks and PUSH that on the same stream.
+- ``SYNC {"d": [[bucket, digest], ...], "after": key | None}`` -> ``ENTRIES {"b": [bucket, ...], "vv": {author: seq}, "next": key |
+  None}``: we send our bucket digests (at most 256 of 16 bytes, whatever the number of authors, see ``crdt.store``); the responder
+  names the buckets that differ and sends one page (at most ``PAGE`` entries) of its version vector for them, in
+  (bucket, author) order from just after ``after``; ``next`` is where the following page starts.
+- ``WANT {"have": {author: seq}}`` -> ``OPS {"ops": [...], "more": bool}``: for the authors of the page where the
+  responder is ahead, the ops past our seq (in causal order, at most ``SYNC_BATCH`` per reply; we ask again while
+  ``more``). Then we PUSH on the same stream what the page shows the responder lacks, and ask for the next page.
+
+So a sync costs what differs, never the whole version vector: with a million authors a message is still at most
+``PAGE`` entries, and no honest peer ever exceeds a limit of ours.
 
 Anti-entropy runs every ``sync_interval`` with a random connected member, and at once with a peer we have just
 greeted, so a node that was offline or just joined catches up from any peer.
@@ -20,6 +27,7 @@ ACKed), so a restart, even after kill -9, rebuilds the same state and loses noth
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import random
 import time
@@ -27,8 +35,11 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
-from crdt import REJECTED, LWWMap, MaxRegister, Op, OpStore, ORSet, ProgressRegister, GCounter
+from crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
+from crdt.admission import Admission
 from crdt.ops import SIGN_DOMAIN
+from crdt.store import BUCKETS
+from crdt.types import MAX_KEY
 from node.oplog import OpLog
 from transport.base import Stream, Transport
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
@@ -38,11 +49,14 @@ from transport.penalties import RateLimitedLog
 
 logger = logging.getLogger(__name__)
 
-PUSH, ACK, SYNC, OPS = 1, 2, 3, 4
-CRDT_SPEC = ProtocolSpec("crdt", "1.0.0", max_frame=8 << 20, kinds=frozenset({PUSH, ACK, SYNC, OPS}))
+PUSH, ACK, SYNC, OPS, ENTRIES, WANT = 1, 2, 3, 4, 5, 6
+CRDT_SPEC = ProtocolSpec("crdt", "2.0.0", max_frame=8 << 20, kinds=frozenset({PUSH, ACK, SYNC, OPS, ENTRIES, WANT}))
 MAX_PUSH_OPS = 1000
 SYNC_BATCH = 1000
-MAX_VV_AUTHORS = 100_000
+PAGE = 2048  # version-vector entries per ENTRIES / WANT message
+MAX_PAGES = 64  # pages per sync (the next anti-entropy round goes on)
+MAX_WANTS = 64  # WANT round trips per page
+PREVERIFY_AT = 16  # batches of at least this many ops have their signatures checked in a worker thread
 
 # how a rejected op counts against the peer that sent it (see transport.penalties.WEIGHTS)
 PENALTY = {
@@ -52,6 +66,8 @@ PENALTY = {
     "oversized": "oversized",
     "unknown_object": "malformed",
     "bad_causality": "malformed",
+    "not_admitted": "forged",  # an honest peer applies (and so relays) only admitted authors' ops
+    # "authors_full" and "pending_full" are our limits, never the sender's fault: counted and logged, no penalty
     "future_clock": "stale",  # may be clock skew between honest nodes: a light penalty
     "equivocation": "stale",  # an honest relay may carry the other fork first
 }
@@ -88,10 +104,16 @@ class Replicator:
         schema: dict | None = None,
         sync_interval: float = 5.0,
         max_skew_ms: int = 30_000,
+        admission: Admission | None = None,
+        max_authors: int = 20_000,
     ):
         self.identity = identity
         self.transport = transport
-        self.store = OpStore(schema or BASE_SCHEMA, verify, max_skew_ms=max_skew_ms)
+        self.admission = admission or Admission()
+        self._verified: dict[tuple, bool] = {}  # (author, signed data, sig) checked off the event loop, used once
+        self.store = OpStore(schema or BASE_SCHEMA, self._verify, max_skew_ms=max_skew_ms, admission=self.admission,
+                             max_authors=max_authors)
+        self.ticket_file = data_dir / "admission.ticket"
         self.log = OpLog(data_dir / "crdt.log")
         self._peers = peers
         self.sync_interval = sync_interval
@@ -123,8 +145,32 @@ class Replicator:
         await self._join_members()
 
     async def _join_members(self) -> None:
-        if self.identity.peer_id not in self.store.value("members"):
-            await self.write("members", {"add": self.identity.peer_id})
+        me = self.identity.peer_id
+        if me in self.store.value("members"):
+            return
+        ticket = None
+        if me not in self.store.chains and not self.admission.closed:
+            ticket = await asyncio.to_thread(self._ticket)
+        await self.write("members", self.admission.payload(me, ticket))
+
+    def _ticket(self) -> int:
+        """Our admission ticket (crdt.admission): minted once per identity and swarm, kept in the data dir."""
+        me = self.identity.peer_id
+        try:
+            kept = json.loads(self.ticket_file.read_text())
+            if kept.get("swarm") == self.admission.swarm and self.admission.ticket_ok(me, kept.get("ticket")):
+                return kept["ticket"]
+        except (OSError, ValueError, AttributeError):
+            pass
+        started = time.monotonic()
+        ticket = self.admission.mint(me)
+        logger.info("admission ticket for swarm %r minted in %.1f s (%d bits of work)", self.admission.swarm,
+                    time.monotonic() - started, self.admission.bits)
+        try:
+            self.ticket_file.write_text(json.dumps({"swarm": self.admission.swarm, "ticket": ticket}))
+        except OSError as e:
+            logger.warning("could not keep the admission ticket in %s: %s", self.ticket_file, e)
+        return ticket
 
     async def run(self) -> None:
         async with asyncio.TaskGroup() as tg:
@@ -215,9 +261,38 @@ class Replicator:
         return ops
 
     # ------------------------------------------------------------------ ingest
-    async def _ingest(self, peer_id: str, wires: Any) -> tuple[int, int]:
+    def _verify(self, author: str, data: bytes, sig: bytes) -> bool:
+        ok = self._verified.pop((author, data, sig), None)
+        return verify(author, data, sig) if ok is None else ok
+
+    def _preverify(self, wires: list) -> list[tuple]:
+        """Check the signatures of a batch in a worker thread (the store then finds the answers): a thousand ops
+        would otherwise hold the event loop for about 0.1 s. Returns the keys it added."""
+        keys = []
+        for wire in wires:
+            try:
+                op = decode_wire(wire, max_size=self.store.max_op_size)
+            except OpError:
+                continue  # the store refuses it with its reason
+            if op.id not in self.store.ops:
+                key = (op.author, SIGN_DOMAIN + op.body, op.sig)
+                self._verified[key] = verify(*key)
+                keys.append(key)
+        return keys
+
+    async def _ingest(self, peer_id: str, wires: Any, seen: dict[str, int] | None = None) -> tuple[int, int]:
+        """Verify and apply ops from ``peer_id``; returns (applied, rejected). ``seen`` collects the highest seq
+        received per author (applied, held or already known)."""
         if not isinstance(wires, list) or len(wires) > max(MAX_PUSH_OPS, SYNC_BATCH):
             raise MalformedMessage("crdt: ops must be a list of at most 1000")
+        keys = await asyncio.to_thread(self._preverify, wires) if len(wires) >= PREVERIFY_AT else []
+        try:
+            return await self._apply_wires(peer_id, wires, seen)
+        finally:
+            for key in keys:
+                self._verified.pop(key, None)
+
+    async def _apply_wires(self, peer_id: str, wires: list, seen: dict[str, int] | None) -> tuple[int, int]:
         now = now_ms()
         applied: list[Op] = []
         rejected = Counter()
@@ -227,6 +302,8 @@ class Replicator:
                 rejected[result.reason] += 1
             else:
                 applied.extend(result.applied)
+                if seen is not None and result.op is not None:
+                    seen[result.op.author] = max(seen.get(result.op.author, 0), result.op.seq)
         if applied:
             try:
                 await asyncio.to_thread(self.log.append, [op.wire() for op in applied])
@@ -252,11 +329,21 @@ class Replicator:
                 return
             body = message.body
             if message.kind == SYNC:
-                vv = _parse_vv(body)
-                ops, more = self.store.missing_for(vv, SYNC_BATCH)
-                await stream.send(OPS, {"ops": [o.wire() for o in ops], "more": more, "vv": self.store.version_vector()})
-                self.counters["ops_sent"] += len(ops)
+                if not isinstance(body, dict) or set(body) != {"d", "after"}:
+                    raise MalformedMessage("crdt: SYNC body must be {d: digests, after}")
+                try:
+                    buckets = self.store.differing(_parse_digests(body["d"]))
+                except ValueError as e:
+                    raise MalformedMessage(f"crdt: {e}") from None
+                entries, nxt = self.store.entries(buckets, _parse_key(body["after"]), PAGE)
+                await stream.send(ENTRIES, {"b": buckets, "vv": entries, "next": None if nxt is None else list(nxt)})
                 self.last_sync[stream.peer_id] = time.time()
+            elif message.kind == WANT:
+                if not isinstance(body, dict) or set(body) != {"have"}:
+                    raise MalformedMessage("crdt: WANT body must be {have: {author: seq}}")
+                ops, more = self.store.ops_after(_parse_vv(body["have"]), SYNC_BATCH)
+                await stream.send(OPS, {"ops": [o.wire() for o in ops], "more": more})
+                self.counters["ops_sent"] += len(ops)
             elif message.kind == PUSH:
                 if not isinstance(body, dict) or set(body) != {"ops"}:
                     raise MalformedMessage("crdt: PUSH body must be {ops: [...]}")
@@ -280,22 +367,54 @@ class Replicator:
             self.counters["ops_sent"] += len(batch)
 
     async def sync_with(self, peer_id: str) -> None:
-        """Pull what we lack from ``peer_id``, then push what it lacks."""
+        """Page through the buckets where ``peer_id``'s state differs from ours: pull what we lack, push what it
+        lacks."""
         async with await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0) as stream:
-            while True:
-                await stream.send(SYNC, self.store.version_vector())
+            after = None
+            for _ in range(MAX_PAGES):
+                digests = [[b, d] for b, d in self.store.digests().items()]
+                await stream.send(SYNC, {"d": digests, "after": None if after is None else list(after)})
                 reply = await asyncio.wait_for(stream.read_required(), 30.0)
                 body = reply.body
-                if reply.kind != OPS or not isinstance(body, dict) or set(body) != {"ops", "more", "vv"}:
-                    raise MalformedMessage("crdt: expected OPS {ops, more, vv}")
-                await self._ingest(peer_id, body["ops"])
-                if body["more"] is not True or not body["ops"]:
+                if reply.kind != ENTRIES or not isinstance(body, dict) or set(body) != {"b", "vv", "next"}:
+                    raise MalformedMessage("crdt: expected ENTRIES {b, vv, next}")
+                buckets, theirs, nxt = _parse_buckets(body["b"]), _parse_vv(body["vv"]), _parse_key(body["next"])
+                if nxt is not None and after is not None and nxt <= after:
+                    raise MalformedMessage("crdt: ENTRIES paging went backwards")
+                if not buckets:
                     break
-            theirs, _ = self.store.missing_for(_parse_vv(body["vv"]), 10 * SYNC_BATCH)
-            if theirs:
-                await self._push_on(stream, theirs)
+                want, lacking = self.store.page_diff(theirs, buckets, after, nxt)
+                if want:
+                    await self._pull_page(stream, peer_id, theirs)
+                ops, _ = self.store.ops_after(lacking, 10 * SYNC_BATCH)
+                if ops:
+                    await self._push_on(stream, ops)
+                if nxt is None:
+                    break
+                after = nxt
         self.last_sync[peer_id] = time.time()
         self.counters["syncs"] += 1
+
+    async def _pull_page(self, stream: Stream, peer_id: str, theirs: dict[str, int]) -> None:
+        """WANT the ops of the authors where the peer is ahead, until it has sent everything up to its page."""
+        def known(author: str) -> int:
+            chain = self.store.chains.get(author)
+            return max(len(chain) if chain else 0, seen.get(author, 0))
+
+        seen: dict[str, int] = {}
+        for _ in range(MAX_WANTS):
+            want = {a: known(a) for a, seq in theirs.items() if seq > known(a)}
+            if not want:
+                return
+            await stream.send(WANT, {"have": want})
+            reply = await asyncio.wait_for(stream.read_required(), 30.0)
+            body = reply.body
+            if reply.kind != OPS or not isinstance(body, dict) or set(body) != {"ops", "more"}:
+                raise MalformedMessage("crdt: expected OPS {ops, more}")
+            before = dict(seen)
+            await self._ingest(peer_id, body["ops"], seen)
+            if body["more"] is not True or seen == before:
+                return
 
     def sync_soon(self, peer_id: str) -> None:
         self._sync_soon.add(peer_id)
@@ -369,10 +488,37 @@ class Replicator:
 
 
 def _parse_vv(vv: Any) -> dict[str, int]:
+    """One page of a version vector: at most ``PAGE`` entries {author: seq} (the protocol's limit for every
+    honest peer, so more is the sender's fault)."""
     if (
         not isinstance(vv, dict)
-        or len(vv) > MAX_VV_AUTHORS
-        or not all(isinstance(k, str) and type(v) is int and v >= 0 for k, v in vv.items())
+        or len(vv) > PAGE
+        or not all(isinstance(k, str) and len(k) <= MAX_KEY and type(v) is int and v >= 0 for k, v in vv.items())
     ):
-        raise MalformedMessage("crdt: a version vector is {author: seq}")
+        raise MalformedMessage(f"crdt: a version-vector page is at most {PAGE} entries {{author: seq}}")
     return vv
+
+
+def _parse_digests(d: Any) -> dict:
+    """[[bucket, digest], ...] -> {bucket: digest} (the store checks the entries)."""
+    if not isinstance(d, list) or len(d) > BUCKETS or not all(isinstance(x, list) and len(x) == 2 for x in d):
+        raise MalformedMessage("crdt: digests are at most 256 [bucket, digest] pairs")
+    out = {x[0]: x[1] for x in d if isinstance(x[0], int)}
+    if len(out) != len(d):
+        raise MalformedMessage("crdt: digests name each bucket once, by number")
+    return out
+
+
+def _parse_buckets(b: Any) -> list[int]:
+    if not isinstance(b, list) or len(b) > BUCKETS or not all(type(x) is int and 0 <= x < BUCKETS for x in b):
+        raise MalformedMessage("crdt: buckets are a list of bucket numbers")
+    return b
+
+
+def _parse_key(key: Any) -> tuple[int, str] | None:
+    if key is None:
+        return None
+    if not (isinstance(key, list) and len(key) == 2 and type(key[0]) is int and 0 <= key[0] < BUCKETS
+            and isinstance(key[1], str) and len(key[1]) <= MAX_KEY):
+        raise MalformedMessage("crdt: a page key is [bucket, author]")
+    return key[0], key[1]

@@ -31,6 +31,7 @@ poll_interval = 3.0
 backoff_initial = 0.5
 [state]
 sync_interval = 1.0
+admission_bits = 12
 [http]
 listen = "127.0.0.1:0"
 """

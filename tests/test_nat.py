@@ -26,6 +26,7 @@ refresh_interval = 5.0
 ping_interval = 1.0
 [state]
 sync_interval = 1.0
+admission_bits = 12
 [http]
 listen = "127.0.0.1:8470"
 """

@@ -146,9 +146,10 @@ async def test_forged_altered_future_and_oversized_ops_are_rejected_and_counted(
         await attacker.close()
 
     rejected = a.status()["crdt"]["rejected"]
-    assert rejected == {"bad_signature": 2, "future_clock": 1, "not_allowed": 1, "oversized": 1}
+    # the altered op is mallory's op #1 with no admission ticket: refused by the cheap check before its signature
+    assert rejected == {"bad_signature": 1, "not_admitted": 1, "future_clock": 1, "not_allowed": 1, "oversized": 1}
     penalties = a.status()["penalties"]
-    assert penalties["bad_signature"] == 2 and penalties["forged"] == 1
+    assert penalties["bad_signature"] == 1 and penalties["forged"] == 2
     assert mallory.peer_id in a.status()["banned"]
     # after another anti-entropy round between a and b, nothing changed anywhere
     syncs = a.status()["crdt"].get("syncs", 0) + b.status()["crdt"].get("syncs", 0)
@@ -210,3 +211,93 @@ def test_a_flipped_byte_mid_log_costs_one_record_and_the_node_refetches_its_own_
     wait_for(lambda: state(b)["objects"]["kv"].get(f"{a.peer_id}/after") == 1, 20, "b to get a's next write")
     assert b.status()["crdt"]["rejected"].get("equivocation", 0) == 0
     wait_for(lambda: converged([a2, b]), 20, "a and b to converge")
+
+
+def _admitted_authors(n: int, swarm: str, bits: int) -> list:
+    """n fresh identities, each with its ticketed op #1 (what a patient attacker can buy: about 2^bits hashes each)."""
+    from crdt.admission import Admission
+
+    adm, now, ops = Admission(swarm, bits), int(time.time() * 1000), []
+    for _ in range(n):
+        who = Identity.generate()
+        ops.append(make_op(who.sign, who.peer_id, 1, (now, 0), [], "members",
+                           {"add": who.peer_id, "ticket": adm.mint(who.peer_id)}))
+    return ops
+
+
+@pytest.mark.timeout(180)
+async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(swarm):
+    # issue 14 item 3: any key could add itself to `members`; after 100,000 single-op authors the version vector
+    # exceeded our own limit, honest nodes called each other's syncs malformed and banned each other, and /status took
+    # 2.5 s and 31 MB. Now an author's op #1 needs an admission ticket, and anti-entropy pages through digests.
+    import asyncio
+
+    from node.replication import PAGE
+
+    a, b = swarm.start_chain(2)
+    now = int(time.time() * 1000)
+    fresh = [Identity.generate() for _ in range(1000)]
+    free = [make_op(w.sign, w.peer_id, 1, (now, 0), [], "members", {"add": w.peer_id}).wire() for w in fresh]
+    bought = await asyncio.to_thread(_admitted_authors, PAGE + 300, a.status()["swarm"], 12)
+
+    async def push(ops) -> list[dict]:
+        attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        await attacker.start()
+        acks = []
+        try:
+            await attacker.connect(a.tcp_addr)
+            async with await attacker.open_stream(a.peer_id, CRDT_SPEC) as stream:
+                for start in range(0, len(ops), 1000):
+                    await stream.send(PUSH, {"ops": ops[start:start + 1000]})
+                    acks.append((await stream.read_required()).body)
+        finally:
+            await attacker.close()
+        return acks
+
+    assert await push(free) == [{"applied": 0, "rejected": 1000}]
+    s = a.status()
+    assert s["crdt"]["rejected"]["not_admitted"] == 1000 and s["members"] == 1
+    assert s["penalties"]["forged"] >= 1
+
+    acks = await push([op.wire() for op in bought])
+    assert sum(ack["applied"] for ack in acks) == PAGE + 300
+    # b catches up through more than one page of entries; nobody is called malformed or penalised for it
+    wait_for(lambda: b.status()["members"] == PAGE + 301, 60, "b to sync every admitted author")
+    post(a, [("kv", {"k": f"{a.peer_id}/after", "v": 1})])
+    wait_for(lambda: state(b)["objects"]["kv"].get(f"{a.peer_id}/after") == 1, 30, "an honest write to propagate")
+    for node, other in ((a, b), (b, a)):
+        s = node.status()
+        assert other.peer_id not in s["banned"] and s["penalties"].get("malformed", 0) == 0
+        assert s["crdt"]["authors"] == PAGE + 302
+        # /status lists at most 512 peers and counts the rest (attackers may still be listed as connected)
+        assert len(s["peers"]) == 512 and s["peers_omitted"] >= PAGE + 301 - 512
+    wait_for(lambda: converged([a, b]), 30, "a and b to converge")
+
+
+@pytest.mark.timeout(120)
+async def test_a_batch_verified_off_the_event_loop_binds_each_signature_to_its_body(swarm):
+    # batches of >= PREVERIFY_AT ops have their signatures checked in a worker thread; a copy of an op with its body
+    # altered but the same signature, sent next to the genuine op, must still be refused as a bad signature
+    from node.replication import PREVERIFY_AT
+
+    a = swarm.start("a")
+    mallory = Identity.generate()
+    now = int(time.time() * 1000)
+    genuine = [make_op(mallory.sign, mallory.peer_id, 2, (now, 0), [os.urandom(32)], "kv",
+                       {"k": f"{mallory.peer_id}/k{i}", "v": 1}) for i in range(PREVERIFY_AT)]
+    assert all(op.body[-1:] == b"\x01" for op in genuine)  # the value 1 ends the body
+    altered = [{"b": op.body[:-1] + b"\x02", "s": op.sig} for op in genuine]  # v: 1 -> 2, same signature
+    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    try:
+        await attacker.connect(a.tcp_addr)
+        batch = [w for pair in zip(altered, [op.wire() for op in genuine]) for w in pair]
+        async with await attacker.open_stream(a.peer_id, CRDT_SPEC) as stream:
+            await stream.send(PUSH, {"ops": batch})
+            ack = (await stream.read_required()).body
+    finally:
+        await attacker.close()
+    # the genuine ops are held (their parent is unknown); every altered copy is refused
+    assert ack == {"applied": 0, "rejected": PREVERIFY_AT}
+    s = a.status()["crdt"]
+    assert s["rejected"] == {"bad_signature": PREVERIFY_AT} and s["pending"] == PREVERIFY_AT
