@@ -85,7 +85,7 @@ class OpStore:
         self.admission = admission  # None: every author is admitted (tests of the types alone)
         self.max_authors = max_authors
         self._digests = [0] * BUCKETS  # per bucket: XOR of _entry_hash(author, seq) over its authors
-        self._bucket_authors: list[set[str]] = [set() for _ in range(BUCKETS)]
+        self._bucket_authors: dict[int, set[str]] = {}  # bucket -> its authors (made when the first one merges)
         self.max_skew_ms = max_skew_ms
         self.max_pending = max_pending
         self.max_pending_bytes = max_pending_bytes
@@ -231,7 +231,7 @@ class OpStore:
         chain = self.chains.setdefault(op.author, [])
         chain.append(op.id)
         b = bucket_of(op.author)
-        self._bucket_authors[b].add(op.author)
+        self._bucket_authors.setdefault(b, set()).add(op.author)
         self._digests[b] ^= _entry_hash(op.author, len(chain) - 1) ^ _entry_hash(op.author, len(chain))
         self.heads.difference_update(op.parents)
         self.heads.add(op.id)
@@ -330,7 +330,7 @@ class OpStore:
         for b in sorted(set(buckets)):
             if after is not None and b < after[0]:
                 continue
-            for a in sorted(a for a in self._bucket_authors[b] if after is None or (b, a) > after):
+            for a in sorted(a for a in self._bucket_authors.get(b, ()) if after is None or (b, a) > after):
                 if len(out) == limit:
                     return out, last
                 out[a] = len(self.chains[a])
@@ -343,7 +343,7 @@ class OpStore:
         entries covered (``end`` None: to the end)."""
         out = {}
         for b in set(buckets):
-            for a in self._bucket_authors[b]:
+            for a in self._bucket_authors.get(b, ()):
                 if (start is None or (b, a) > start) and (end is None or (b, a) <= end):
                     out[a] = len(self.chains[a])
         return out

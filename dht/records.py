@@ -144,7 +144,10 @@ class Ed25519RecordValidator(_hm.RecordValidatorBase):
 
     @staticmethod
     def _signed_bytes(record) -> bytes:
-        return msgpack.packb((record.key, record.subkey, record.value, record.expiration_time), use_bin_type=True)
+        # a packer sized to the record: packb's default 256 KiB buffer would cost every check 64x a small record
+        size = len(record.key) + len(record.subkey or b"") + len(record.value) + 64
+        return msgpack.Packer(use_bin_type=True, buf_size=size).pack(
+            (record.key, record.subkey, record.value, record.expiration_time))
 
     @property
     def priority(self) -> int:

@@ -329,21 +329,12 @@ class Replicator:
                 return
             body = message.body
             if message.kind == SYNC:
-                if not isinstance(body, dict) or set(body) != {"d", "after"}:
-                    raise MalformedMessage("crdt: SYNC body must be {d: digests, after}")
-                try:
-                    buckets = self.store.differing(_parse_digests(body["d"]))
-                except ValueError as e:
-                    raise MalformedMessage(f"crdt: {e}") from None
-                entries, nxt = self.store.entries(buckets, _parse_key(body["after"]), PAGE)
-                await stream.send(ENTRIES, {"b": buckets, "vv": entries, "next": None if nxt is None else list(nxt)})
+                await stream.send(ENTRIES, answer_sync(self.store, body))
                 self.last_sync[stream.peer_id] = time.time()
             elif message.kind == WANT:
-                if not isinstance(body, dict) or set(body) != {"have"}:
-                    raise MalformedMessage("crdt: WANT body must be {have: {author: seq}}")
-                ops, more = self.store.ops_after(_parse_vv(body["have"]), SYNC_BATCH)
-                await stream.send(OPS, {"ops": [o.wire() for o in ops], "more": more})
-                self.counters["ops_sent"] += len(ops)
+                reply = answer_want(self.store, body)
+                await stream.send(OPS, reply)
+                self.counters["ops_sent"] += len(reply["ops"])
             elif message.kind == PUSH:
                 if not isinstance(body, dict) or set(body) != {"ops"}:
                     raise MalformedMessage("crdt: PUSH body must be {ops: [...]}")
@@ -376,9 +367,9 @@ class Replicator:
                 await stream.send(SYNC, {"d": digests, "after": None if after is None else list(after)})
                 reply = await asyncio.wait_for(stream.read_required(), 30.0)
                 body = reply.body
-                if reply.kind != ENTRIES or not isinstance(body, dict) or set(body) != {"b", "vv", "next"}:
-                    raise MalformedMessage("crdt: expected ENTRIES {b, vv, next}")
-                buckets, theirs, nxt = _parse_buckets(body["b"]), _parse_vv(body["vv"]), _parse_key(body["next"])
+                if reply.kind != ENTRIES:
+                    raise MalformedMessage("crdt: expected ENTRIES")
+                buckets, theirs, nxt = parse_entries(body)
                 if nxt is not None and after is not None and nxt <= after:
                     raise MalformedMessage("crdt: ENTRIES paging went backwards")
                 if not buckets:
@@ -485,6 +476,33 @@ class Replicator:
 
     def state(self) -> dict:
         return {"heads_digest": self.store.heads_digest(), "ops": len(self.store.ops), "objects": self.store.values()}
+
+
+def answer_sync(store: OpStore, body: Any) -> dict:
+    """A SYNC request's ENTRIES reply: the buckets that differ and one page of our entries for them."""
+    if not isinstance(body, dict) or set(body) != {"d", "after"}:
+        raise MalformedMessage("crdt: SYNC body must be {d: digests, after}")
+    try:
+        buckets = store.differing(_parse_digests(body["d"]))
+    except ValueError as e:
+        raise MalformedMessage(f"crdt: {e}") from None
+    entries, nxt = store.entries(buckets, _parse_key(body["after"]), PAGE)
+    return {"b": buckets, "vv": entries, "next": None if nxt is None else list(nxt)}
+
+
+def answer_want(store: OpStore, body: Any) -> dict:
+    """A WANT request's OPS reply: our ops past the seqs it names, in causal order, at most ``SYNC_BATCH``."""
+    if not isinstance(body, dict) or set(body) != {"have"}:
+        raise MalformedMessage("crdt: WANT body must be {have: {author: seq}}")
+    ops, more = store.ops_after(_parse_vv(body["have"]), SYNC_BATCH)
+    return {"ops": [o.wire() for o in ops], "more": more}
+
+
+def parse_entries(body: Any) -> tuple[list[int], dict[str, int], tuple[int, str] | None]:
+    """An ENTRIES reply: (differing buckets, the page of entries, where the next page starts)."""
+    if not isinstance(body, dict) or set(body) != {"b", "vv", "next"}:
+        raise MalformedMessage("crdt: expected ENTRIES {b, vv, next}")
+    return _parse_buckets(body["b"]), _parse_vv(body["vv"]), _parse_key(body["next"])
 
 
 def _parse_vv(vv: Any) -> dict[str, int]:
