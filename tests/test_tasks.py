@@ -223,7 +223,8 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
             assert s["state"] == "running" and s["total_rounds"] == 0
             assert all(h["participants"] == 2 for h in s["history"]) and s.get("deadline_missed", 0) == 0
         # the nodes it linked to saw its messages and ignored them (ignored messages are not forwarded)
-        assert sum(diloco(n).get("rejected_task_mismatch", 0) for n in nodes) >= 1
+        wait_for(lambda: sum(diloco(n).get("rejected_task_mismatch", 0) for n in nodes) >= 1, 60,
+                 "the odd node's messages to reach a linked node and be ignored")
         assert diloco(odd)["step"] == 0
         assert re.search(r"diloco +running +round [1-9]\d*/open-ended", run_cli("status", "--http", nodes[0].url).stdout)
     finally:
