@@ -90,20 +90,25 @@ class _OverBudget(Exception):
 def decode_body(body: bytes, sig: bytes, *, max_size: int) -> Op:
     if len(body) > max_size:
         raise OpError("oversized", f"op body of {len(body)} B exceeds {max_size} B")
-    left = [8 + len(body) // 16]  # maps and arrays: ~60 B each in memory for one byte on the wire
+    # at most one decoded object (a container, an element, a key or a value) per 8 bytes of body, plus a floor:
+    # an object costs 30-60 B in memory, so an op held in memory stays under about 8x its body
+    budget = 64 + len(body) // 8
+    left = [budget]
 
     def count(container):
-        left[0] -= 1
+        left[0] -= 1 + (2 * len(container) if type(container) is dict else len(container))
         if left[0] < 0:
             raise _OverBudget
         return container
 
     try:
         obj = msgpack.unpackb(body, raw=False, strict_map_key=True, use_list=True, max_ext_len=0,
-                              object_hook=count, list_hook=count)
+                              object_hook=count, list_hook=count, max_array_len=budget, max_map_len=budget)
     except _OverBudget:
-        raise OpError("oversized", f"more maps and arrays than an op body of {len(body)} B may carry") from None
+        raise OpError("oversized", f"more objects than an op body of {len(body)} B may carry") from None
     except Exception as e:
+        if "exceeds max" in str(e):  # a map or array longer than the budget: refused before it was allocated
+            raise OpError("oversized", f"a map or array longer than an op body of {len(body)} B may carry") from None
         raise OpError("malformed", f"undecodable op body ({type(e).__name__})") from None
     if not isinstance(obj, list) or len(obj) != 7 or obj[0] != 1 or type(obj[0]) is not int:
         raise OpError("malformed", "op body must be [1, author, seq, clock, parents, object, payload]")

@@ -335,13 +335,18 @@ def test_kv_values_are_json_every_replica_can_serve():
 
 
 def test_op_bodies_of_empty_containers_are_refused_by_budget():
-    # issue 14 item 4: 7.8 MiB of small kv ops made of empty maps cost +557 MB; a body carries one container
-    # per 16 bytes at most
+    # issue 14 item 4: 7.8 MiB of small kv ops made of empty maps cost +557 MB; a body carries one decoded object
+    # per 8 bytes at most (containers, elements, keys and values)
     a = IDS[0]
     body = encode_body(a.peer_id, 1, (NOW, 0), [], "kv", {"k": f"{a.peer_id}/x", "v": [{}] * 3000})
     op_wire = {"b": body, "s": a.sign(SIGN_DOMAIN + body)}
     r = store().receive(op_wire, NOW)
     assert (r.status, r.reason) == (REJECTED, "oversized")
+    # nested, so that no one list is over the limit, and scalars (two-letter strings cost 20x their bytes)
+    for value in ([[{}] * 20] * 60, ["ab"] * 700):
+        body = encode_body(a.peer_id, 1, (NOW, 0), [], "kv", {"k": f"{a.peer_id}/x", "v": value})
+        r = store().receive({"b": body, "s": a.sign(SIGN_DOMAIN + body)}, NOW)
+        assert (r.status, r.reason) == (REJECTED, "oversized"), value[:1]
 
 
 # ------------------------------------------------------------------ admission and the author set (issue 14 item 3)

@@ -107,7 +107,24 @@ def test_a_frame_of_empty_maps_is_refused_within_its_budget():
         with pytest.raises(MalformedMessage) as e:
             decode(payload, BIG)
         assert e.value.kind == "oversized"
-        assert _peak_bytes(lambda: decode(payload, BIG)) < 8 * len(payload)
+        assert _peak_bytes(lambda: decode(payload, BIG)) < 5 * len(payload)
+
+
+def test_scalars_count_against_the_budget_too():
+    # a bare unpackb lets a list of two-letter strings cost 20x its bytes, and of 16-bit ints 13x
+    for item in ("ab", 257):
+        long = encode(1, [item] * (2 << 20))
+        with pytest.raises(MalformedMessage) as e:  # one long list: refused before it is allocated
+            decode(long, BIG)
+        assert e.value.kind == "oversized" and _peak_bytes(lambda: decode(long, BIG)) < 1 << 16
+        chunks = encode(1, [[item] * 1000] * 2000)  # many short lists: the total is counted as they complete
+        with pytest.raises(MalformedMessage):
+            decode(chunks, BIG)
+        assert _peak_bytes(lambda: decode(chunks, BIG)) < 5 * len(chunks)
+    # the most objects a payload may carry, padded out with bytes: still a small multiple of its size
+    worst = encode(1, [["ab"] * 20_000, bytes(900_000)])  # ~22,000 objects: what 900 KB may carry
+    assert decode(worst, BIG).body[0][0] == "ab"
+    assert _peak_bytes(lambda: decode(worst, BIG)) < 5 * len(worst)
 
 
 def test_the_kind_is_checked_before_the_body_is_decoded():
@@ -125,8 +142,12 @@ def test_honest_shapes_fit_the_budget():
     # what our protocols send: maps of byte strings (ops, messages), version vectors, short lists of numbers
     ops = {"ops": [{"b": bytes(150), "s": bytes(64)} for _ in range(1000)], "more": False, "vv": {"x" * 52: 3}}
     assert decode(encode(1, ops), BIG).body == ops
-    vv = {f"12D3KooW{i:044d}": i for i in range(100_000)}
-    assert decode(encode(1, vv), BIG).body == vv
+    vv = {f"12D3KooW{i:044d}": i for i in range(2048)}  # a version-vector page
+    assert decode(encode(1, {"b": list(range(256)), "vv": vv, "next": None}), BIG).body["vv"] == vv
+    digests = {"d": [[b, bytes(16)] for b in range(256)], "after": None}
+    assert decode(encode(1, digests), BIG).body == digests
+    ihave = {"topic": "diloco/run", "ids": [bytes(16)] * 5000}
+    assert decode(encode(1, ihave), BIG).body == ihave
     seeds = {"b": [1, 2, 3], "w": 7, "t": {"l": "ab", "c": "cd"}}
     assert decode(encode(1, seeds), BIG).body == seeds
     assert decode(encode(1, []), BIG).body == [] and decode(encode(1, {}), BIG).body == {}
