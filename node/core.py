@@ -8,6 +8,8 @@ whatever happened. Cancellation is the only way to stop it (the CLI cancels it o
 from __future__ import annotations
 
 import asyncio
+import collections
+import gc
 import logging
 import os
 import time
@@ -32,6 +34,48 @@ from transport.ping import ping, serve_ping
 logger = logging.getLogger(__name__)
 
 MAX_PEERS_VIEW = 512  # peers /status lists one by one (the counts cover all)
+
+
+class LoopLag:
+    """How late the event loop runs a timer: a 100 ms sleep measured against the clock, kept for a minute. What
+    a peer's burst, a big decode or a slow handler costs everyone else on the node shows here (``/status`` ->
+    ``event_loop``, ``swarmd_event_loop_lag_seconds``)."""
+
+    INTERVAL = 0.1
+    WINDOW = 60.0
+    STALL = 0.1  # a lag over this is counted as a stall
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self.samples: collections.deque = collections.deque()  # (when, lag seconds)
+        self.stalls = 0
+
+    def record(self, when: float, lag: float) -> None:
+        self.samples.append((when, lag))
+        if lag > self.STALL:
+            self.stalls += 1
+        while self.samples and self.samples[0][0] < when - self.WINDOW:
+            self.samples.popleft()
+
+    async def run(self) -> None:
+        while True:
+            start = self._clock()
+            await asyncio.sleep(self.INTERVAL)
+            now = self._clock()
+            self.record(now, max(0.0, now - start - self.INTERVAL))
+
+    def view(self) -> dict:
+        lags = sorted(lag for _, lag in self.samples) or [0.0]
+        now = self._clock()
+        by_second = [0.0] * int(self.WINDOW)  # the largest lag in each of the last 60 seconds, oldest first
+        for when, lag in self.samples:
+            i = int(self.WINDOW) - 1 - int(now - when)
+            if 0 <= i < len(by_second):
+                by_second[i] = max(by_second[i], round(lag * 1e3, 1))
+        return {"lag_ms_p50": round(lags[len(lags) // 2] * 1e3, 2),
+                "lag_ms_p99": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1e3, 2),
+                "lag_ms_max": round(lags[-1] * 1e3, 2), "window_s": self.WINDOW, "stalls": self.stalls,
+                "lag_ms_by_second": by_second}
 
 
 @dataclass
@@ -116,6 +160,7 @@ class Node:
                                  token=datadir.http_token(data_dir))
         self.started_at: float | None = None
         self._started_mono: float | None = None
+        self.loop_lag = LoopLag()
         self.addresses: list[str] = []
         self.connected: dict[str, ConnectedPeer] = {}
         self.peer_state: dict[str, PeerState] = {}
@@ -162,6 +207,11 @@ class Node:
                 try:
                     self.addresses = await self.transport.addresses()
                     datadir.write_runtime(self.data_dir, self.runtime_info())
+                    # what start-up made (modules, torch, the config, ~200k objects) lives as long as the node: a
+                    # full collection that scans it holds the event loop ~130 ms, and a peer's burst of objects
+                    # triggers one. Frozen, later collections scan only what came after.
+                    gc.collect()
+                    gc.freeze()
                     try:
                         if on_ready is not None:
                             on_ready(self)
@@ -169,6 +219,7 @@ class Node:
                             tg.create_task(supervise("discovery", self.discovery.run))
                             tg.create_task(supervise("connection monitor", self._connection_monitor))
                             tg.create_task(supervise("ping", self._ping_loop))
+                            tg.create_task(supervise("event loop lag", self.loop_lag.run))
                             tg.create_task(supervise("replication", self.replicator.run))
                             for svc in self.services:
                                 tg.create_task(supervise(svc.name, svc.run))
@@ -336,6 +387,7 @@ class Node:
                 "note": "swarmd protocol streams; DHT RPCs are counted under dht",
             },
             "errors": dict(stats.errors),
+            "event_loop": {**self.loop_lag.view(), "inbound_frames_waited": self.transport.inbound.waits},
             "penalties": dict(self.transport.penalties.totals),
             "banned": self.transport.penalties.banned(),
             "http": self.http.url,

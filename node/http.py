@@ -20,6 +20,7 @@ import base64
 import errno
 import hmac
 import ipaddress
+import asyncio
 import json
 import logging
 import time
@@ -154,7 +155,10 @@ class StatusServer:
         return web.json_response(self.node.peers_view())
 
     async def _state(self, request: web.Request) -> web.Response:
-        return web.json_response(self.node.replicator.state(), dumps=_dumps)
+        # the values are gathered on the loop (a consistent snapshot of fresh containers around payloads that are
+        # never mutated) and serialised in a worker thread: a large state must not hold the event loop
+        body = await asyncio.to_thread(_dumps, self.node.replicator.state())
+        return web.Response(text=body, content_type="application/json")
 
     async def _write(self, request: web.Request) -> web.Response:
         """Local writes: ``{"ops": [{"object": name, "payload": {...}}, ...]}``; answers once they are fsync'd."""

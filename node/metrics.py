@@ -27,6 +27,11 @@ class NodeCollector:
                                       "swarm": node.config.node.swarm})
         yield GaugeMetricFamily("swarmd_uptime_seconds", "Seconds since the node started", value=node.uptime())
 
+        lag = node.loop_lag.view()
+        yield GaugeMetricFamily("swarmd_event_loop_lag_seconds", "The event loop's largest timer lag over the last "
+                                "minute", value=lag["lag_ms_max"] / 1e3)
+        yield CounterMetricFamily("swarmd_event_loop_stalls", "Timer lags over 100 ms since start",
+                                  value=lag["stalls"])
         peers = GaugeMetricFamily("swarmd_peers", "Peers by state", labels=["state"])
         peers.add_metric(["connected"], len(node.connected))
         peers.add_metric(["member"], len(node.discovery.members))

@@ -296,7 +296,9 @@ class Replicator:
         now = now_ms()
         applied: list[Op] = []
         rejected = Counter()
-        for wire in wires:
+        for i, wire in enumerate(wires):
+            if i and i % 64 == 0:
+                await asyncio.sleep(0)  # a batch of a thousand ops must not hold the event loop
             result = self.store.receive(wire, now)
             if result.status == REJECTED:
                 rejected[result.reason] += 1

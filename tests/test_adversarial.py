@@ -227,3 +227,52 @@ async def test_an_idle_inbound_stream_is_closed_after_its_protocols_idle_timeout
     finally:
         await a.close()
         await b.close()
+
+
+@pytest.mark.timeout(120)
+async def test_big_frames_at_once_share_one_inbound_budget(swarm):
+    # issue 14 item 4: four 8 MiB frames of empty maps at once cost 1.25 GB; the decode budget bounds one frame,
+    # and the transport's inbound budget makes large frames wait their turn, so eight at once cost about one
+    import psutil
+
+    from node.replication import CRDT_SPEC, PUSH
+    from transport.framing import HEADER, encode
+
+    victim = swarm.start("victim")
+    proc = psutil.Process(victim.pid)
+    before = proc.memory_info().rss
+    payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})  # as many maps as the decode budget lets through
+    bomb = HEADER.pack(len(payload)) + payload
+    mallory = Identity.generate()
+    attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await attacker.start()
+    peak = [before]
+    done = asyncio.Event()
+
+    async def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            await asyncio.sleep(0.02)
+
+    async def one():
+        try:
+            stream = await attacker.open_stream(victim.peer_id, CRDT_SPEC, timeout=10)
+            stream._writer.write(bomb)
+            await stream._writer.drain()
+            await asyncio.wait_for(stream._reader.read(), 60)
+        except Exception:  # noqa: BLE001 - the node resets the stream: refused
+            pass
+
+    try:
+        await attacker.connect(victim.tcp_addr)
+        sampler = asyncio.create_task(sample())
+        await asyncio.gather(*(one() for _ in range(24)))
+        done.set()
+        await sampler
+    finally:
+        await attacker.close()
+    s = http_get(victim.url + "/status")
+    assert s["errors"].get("malformed", 0) + s["penalties"].get("oversized", 0) >= 1
+    assert s["event_loop"]["inbound_frames_waited"] >= 1  # the frames took turns
+    assert peak[0] - before < 64 << 20, f"+{(peak[0] - before) >> 20} MB"
+    assert http_get(victim.url + "/healthz")["ok"]

@@ -26,8 +26,8 @@ from pathlib import Path
 import multiaddr
 
 from transport._compat import load_hivemind
-from transport.base import (ConnectedPeer, HandlerRunner, PathType, Reachability, Stream, StreamHandler,
-                            TransportStats, path_of)
+from transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
+                            StreamHandler, TransportStats, path_of)
 from transport.errors import DaemonStartError, PeerUnreachable, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import Identity
@@ -99,6 +99,7 @@ class P2PDaemonTransport:
         self.peer_id = identity.peer_id
         self.config = config
         self.stats = TransportStats()
+        self.inbound = InboundBudget()  # large inbound frames being read and decoded, all streams together
         self.penalties = penalties or PeerPenalties()
         self._runner = HandlerRunner(self.penalties, self.stats)
         self._p2p = None
@@ -368,7 +369,7 @@ class P2PDaemonTransport:
         except Exception as e:
             raise PeerUnreachable(f"opening {spec.id} to {peer_id} failed: {_short(e)}") from None
         self.stats.streams_out += 1
-        return Stream(peer_id, spec, reader, writer, self.stats)
+        return Stream(peer_id, spec, reader, writer, self.stats, budget=self.inbound)
 
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
         if spec.id in self._specs:
@@ -378,7 +379,7 @@ class P2PDaemonTransport:
         async def on_stream(info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             addr = str(info.addr)
             stream = Stream(info.peer_id.to_base58(), spec, reader, writer, self.stats,
-                            remote_addr=self._adopted.get(addr, addr))
+                            remote_addr=self._adopted.get(addr, addr), budget=self.inbound)
             task = asyncio.current_task()
             if task is not None:
                 self._handler_tasks.add(task)
