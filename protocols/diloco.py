@@ -231,6 +231,7 @@ class DilocoLoop(TaskLoop):
                     rounds_done[p] += 1
                     if p == self.cfg.fragments - 1:
                         await self._after_round(rounds_done[p])
+        await self._settle_final()
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
@@ -239,6 +240,40 @@ class DilocoLoop(TaskLoop):
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
             self._publish({"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
+
+    async def _settle_final(self) -> None:
+        """The last round has no next round whose close compares global hashes, so a peer that closed it with
+        other updates than the rest (its deadline passed first) would end on its own weights. Wait, up to one
+        round deadline, for the hashes of the last round from the peers that count and published one for the
+        round before; in the minority, take the majority's final weights from one of them."""
+        p = self.cfg.fragments - 1
+        r = self.rounds_done[p] - 1
+        ours = self._published.get((r, p))
+        if ours is None or r < 0:
+            return  # the run ended before we closed a round (or we joined at its very end): nothing to compare
+        self.state = "settling the last round"
+        me = self._ctx.identity.peer_id
+
+        def theirs(round_: int) -> dict[str, str]:
+            return {a: h for a, h in self.round_hashes.get((round_, p), {}).items()
+                    if a != me and self.standing.counts(a)}
+
+        expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}
+        expected = {a for a in expected if self.standing.counts(a)}
+        until = time.monotonic() + self.deadline.value()
+        while time.monotonic() < until and not expected <= set(theirs(r)):
+            await asyncio.sleep(0.2)
+        last = theirs(r)
+        if not last:
+            return
+        majority = outer.majority(list(last.values()) + [ours])
+        if majority == ours:
+            return
+        self.counters["diverged"] += 1
+        self.counters["resyncs"] += 1
+        logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
+        if not await self._join_from_checkpoint(sorted(a for a, h in last.items() if h == majority), rejoin=True):
+            logger.error("diloco: no peer of the majority served its final weights; ending on ours")
 
     async def _after_round(self, done: int) -> None:
         """After the last fragment's round closed (every fragment has closed ``done`` rounds): evaluate, report,

@@ -150,3 +150,27 @@ async def test_fresh_keys_can_neither_outvote_nor_stall_nor_send_a_run_to_resync
         for k in keys:
             await k.close()
         await asyncio.to_thread(swarm.close)
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_that_closed_the_last_round_differently_takes_the_majoritys_final_weights(tmp_path):
+    # found by bench_hostile: a peer whose last round closed with other updates than the rest (its deadline passed
+    # first, or it was away) ended on its own weights: no later round compared the hashes. Paused (SIGSTOP) through
+    # the last round, the others close it without its update; resumed, it closes it with all four: the minority.
+    import signal
+
+    swarm = diloco_swarm(tmp_path, run="last", rounds=3, h=20, min_peers=4)
+    try:
+        nodes = swarm.start_chain(4)
+        late = nodes[3]
+        wait_for(lambda: d(late).get("rounds", 0) >= 2, 150, "two rounds closed")
+        late.signal(signal.SIGSTOP)
+        try:
+            wait_for(lambda: all(d(n)["state"] == "done" for n in nodes[:3]), 120, "the others to finish")
+        finally:
+            late.signal(signal.SIGCONT)
+        final = wait_for(lambda: d(late)["state"] == "done" and [d(n) for n in nodes], 120, "the late one to finish")
+        assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
+        assert final[3].get("resyncs", 0) >= 1 and all(s.get("resyncs", 0) == 0 for s in final[:3])
+    finally:
+        swarm.close()
