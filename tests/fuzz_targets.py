@@ -22,7 +22,7 @@ import msgpack
 
 from crdt import OpStore
 from crdt.admission import Admission
-from crdt.ops import OpError, decode_body, decode_wire, make_op
+from crdt.ops import OpError, decode_body, make_op
 from dht.records import Ed25519RecordValidator, NodeRecord
 from transport.errors import ProtocolViolation
 from transport.framing import ProtocolSpec, decode, encode, unpack, unpack_record
