@@ -347,7 +347,21 @@ class DilocoLoop(TaskLoop):
                                             max(1, len(expected) // 4), fresh_ok=fresh_round(r)))
         waited = expected | slots
         blocked_from = time.monotonic()
-        if not await outer.wait_until(lambda: waited <= set(pending.updates), self._event, self.deadline.value()):
+        end = blocked_from + self.deadline.value()
+        await outer.wait_until(lambda: expected <= set(pending.updates), self._event, end - time.monotonic())
+        if expected <= set(pending.updates) and not slots <= set(pending.updates):
+            # every counting peer is in; a newcomer holding a slot is waited for to the deadline only if it has
+            # announced its update by then (it is on its way): one that never announces (a fresh key that
+            # joined and went quiet) costs deadline_low more, not the whole adaptive deadline
+            grace = min(end - time.monotonic(), self.cfg.deadline_low)
+            if grace > 0:
+                await outer.wait_until(lambda: slots <= set(pending.updates), self._event, grace)
+            on_the_way = (slots - set(pending.updates)) & set(pending.announced)
+            if on_the_way and end > time.monotonic():
+                await outer.wait_until(lambda: on_the_way <= set(pending.updates), self._event,
+                                       end - time.monotonic())
+            self.counters["newcomers_not_waited"] += len(slots - set(pending.updates) - on_the_way)
+        if not waited <= set(pending.updates):
             self.counters["deadline_missed"] += 1
             logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - set(pending.updates)))
         self.blocked_seconds += time.monotonic() - blocked_from
