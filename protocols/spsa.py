@@ -159,6 +159,9 @@ class SpsaConfig(BaseModel):
         return self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip", "peers"})
 
 
+NEWCOMER_GRACE = 2.0  # seconds a window waits for a newcomer's batch once every counting peer's is in
+
+
 @dataclass
 class Window:
     batches: dict[str, Message] = field(default_factory=dict)  # author -> signed batch
@@ -403,7 +406,15 @@ class SPSALoop(TaskLoop):
         slots = set(self.standing.newcomers(base - expected, f"{self.cfg.run}/{w}", max(1, len(expected) // 4),
                                             fresh_ok=fresh_round(w)))
         waited = expected | slots
-        if not await outer.wait_until(lambda: waited <= set(window.batches), self._arrived, self.cfg.deadline):
+        end = time.monotonic() + self.cfg.deadline
+        await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, end - time.monotonic())
+        if expected <= set(window.batches) and not slots <= set(window.batches):
+            # every counting peer is in: a newcomer holding a slot gets NEWCOMER_GRACE more, not the whole
+            # deadline (a fresh key that joined and went quiet stalled every fresh window by the deadline)
+            await outer.wait_until(lambda: slots <= set(window.batches), self._arrived,
+                                   min(end - time.monotonic(), NEWCOMER_GRACE))
+            self.counters["newcomers_not_waited"] += len(slots - set(window.batches))
+        if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
