@@ -47,7 +47,7 @@ def _peak(call, declared) -> tuple[int, float, str | None]:
 
 def run(target, n, rng):
     name, inputs, fn, declared = target.name, target.seeds, target.call, target.declared
-    undeclared, worst_ratio, worst_time, worst_base = {}, 0.0, 0.0, 0.0
+    undeclared, worst_ratio, worst_time, worst_base, worst_input = {}, 0.0, 0.0, 0.0, (None, b"")
     for data in inputs:  # warm up: first-call caches (regexes, imports) are not the input's doing
         try:
             fn(data)
@@ -63,18 +63,21 @@ def run(target, n, rng):
             peak, dt, error = _peak(lambda: fn(data), declared)
             if error is not None:
                 undeclared[error] = undeclared.get(error, 0) + 1
-            worst_ratio = max(worst_ratio, peak / max(len(data), FLOOR))
+            if peak / max(len(data), FLOOR) > worst_ratio:
+                worst_ratio, worst_input = peak / max(len(data), FLOOR), (i, data)
             worst_time = max(worst_time, dt)
     finally:
         tracemalloc.stop()
     return {"decoder": name, "inputs": n, "undeclared": sum(undeclared.values()), "kinds": undeclared,
-            "peak_x_input": worst_ratio, "baseline_x_input": worst_base, "worst_ms": worst_time * 1e3}
+            "peak_x_input": worst_ratio, "worst_input": worst_input, "baseline_x_input": worst_base, "worst_ms": worst_time * 1e3}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--n", type=int, default=100_000)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--only", help="run one decoder (its name), e.g. 'sapo message'")
+    parser.add_argument("--show-worst", action="store_true", help="print the input that allocated most, per decoder")
     args = parser.parse_args()
     rng = random.Random(args.seed)
     import tempfile
@@ -82,7 +85,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         targets = all_targets(Path(tmp))
         try:
-            rows = [run(target, args.n, rng) for target in targets]
+            rows = [run(target, args.n, rng) for target in targets if args.only in (None, target.name)]
         finally:
             for target in targets:
                 target.close()
@@ -91,6 +94,8 @@ def main() -> None:
     for r in rows:
         print(f"{r['decoder']:18} | {r['inputs']:>7} | {r['undeclared']:>10} | {r['peak_x_input']:>11.1f}x | "
               f"{r['baseline_x_input']:>25.1f}x | {r['worst_ms']:>8.1f}")
+        if args.show_worst:
+            print(f"    worst: input #{r['worst_input'][0]}: {r['worst_input'][1][:96].hex()}")
         if r["kinds"]:
             print(f"    undeclared: {r['kinds']}")
     print("peak / input: the largest traced allocation one input caused, over max(input size, 4 KiB); the baseline "
