@@ -151,3 +151,24 @@ def test_honest_shapes_fit_the_budget():
     seeds = {"b": [1, 2, 3], "w": 7, "t": {"l": "ab", "c": "cd"}}
     assert decode(encode(1, seeds), BIG).body == seeds
     assert decode(encode(1, []), BIG).body == [] and decode(encode(1, {}), BIG).body == {}
+
+
+async def test_the_inbound_budget_holds_frames_back_and_a_cancelled_reader_gives_its_share_back():
+    import asyncio
+
+    from transport.base import InboundBudget
+
+    budget = InboundBudget(capacity=100)
+    assert await budget.acquire(60) == 60
+    second = asyncio.create_task(budget.acquire(60))  # does not fit beside the first: waits
+    third = asyncio.create_task(budget.acquire(30))
+    await asyncio.sleep(0)
+    assert not second.done() and third.done() and budget.used == 90
+    second.cancel()  # a reader whose stream went away while it waited
+    await asyncio.gather(second, return_exceptions=True)
+    budget.release(60)
+    budget.release(30)
+    assert budget.used == 0 and budget.waits == 1
+    assert await budget.acquire(500) == 100  # larger than the whole budget: runs alone
+    budget.release(100)
+    assert budget.used == 0

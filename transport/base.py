@@ -9,6 +9,7 @@ serve a protocol receive a :class:`Stream`; whatever they raise is contained by 
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import enum
 import logging
@@ -60,21 +61,30 @@ class InboundBudget:
         self.capacity = capacity
         self.used = 0
         self.waits = 0  # frames that had to wait their turn
-        self._cond = asyncio.Condition()
+        self._waiters: collections.deque[asyncio.Future] = collections.deque()
 
     async def acquire(self, n: int) -> int:
         n = min(n, self.capacity)
-        async with self._cond:
-            if self.used + n > self.capacity:
-                self.waits += 1
-                await self._cond.wait_for(lambda: self.used + n <= self.capacity)
-            self.used += n
+        if self.used + n > self.capacity:
+            self.waits += 1
+        while self.used + n > self.capacity:
+            waiter = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        self.used += n
         return n
 
-    async def release(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
+    def release(self, n: int) -> None:
+        """Synchronous, so a cancelled reader's ``finally`` always gives its share back."""
+        self.used -= n
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)  # every waiter checks again; those that still do not fit wait again
 
 
 class PathType(str, enum.Enum):
@@ -174,7 +184,7 @@ class Stream:
             return message
         finally:
             if reserved:
-                await self._budget.release(reserved)
+                self._budget.release(reserved)
 
     async def read_required(self):
         message = await self.read()
