@@ -43,7 +43,6 @@ from swarmproc import Swarm, http_get, http_post, loop_config, wait_for  # noqa:
 from crdt.admission import Admission  # noqa: E402
 from crdt.ops import make_op  # noqa: E402
 from node.replication import CRDT_SPEC, PUSH  # noqa: E402
-from transport.framing import HEADER, encode  # noqa: E402
 from transport.identity import Identity  # noqa: E402
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
 
@@ -208,19 +207,11 @@ async def attack_orphans(a, b) -> None:
 async def attack_frame_bombs(a, b) -> None:
     """Eight 8 MiB frames of empty maps at once on the CRDT protocol (each as many containers as the decode budget
     lets through before it refuses)."""
-    payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})
-    frame = HEADER.pack(len(payload)) + payload
+    from hostile import empty_map_bomb, send_raw_frames
+
     t = await attacker(a)
     try:
-        async def one():
-            try:
-                stream = await t.open_stream(a.peer_id, CRDT_SPEC, timeout=10)
-                stream._writer.write(frame)
-                await stream._writer.drain()
-                await asyncio.wait_for(stream._reader.read(), 20)
-            except Exception:  # noqa: BLE001 - reset by the node: refused
-                pass
-        await asyncio.gather(*(one() for _ in range(8)))
+        await send_raw_frames(t, a.peer_id, CRDT_SPEC, empty_map_bomb(), 8, timeout=20)
     finally:
         await t.close()
 
@@ -295,37 +286,36 @@ async def attack_dht(a, b) -> None:
         await t.close()
 
 
-async def attack_gossip(a, b, tmp: Path) -> None:
-    """2,000 junk messages on the bulk announcement topic from one linked peer."""
+async def flood_bulk_topic(a, tmp: Path, messages) -> None:
+    """Messages on the bulk announcement topic from one linked peer, until they run out or it is banned."""
     from hostile import HostilePeer
 
-    h = HostilePeer(tmp / "gossip")
+    h = HostilePeer(tmp)
     try:
         await h.start(a, "swarmd/bulk", max_size=4096)
-        for i in range(2000):
-            await h.send({"kind": "announce", "junk": i})
-    except Exception:  # noqa: BLE001 - banned mid-way
+        for i, m in enumerate(messages):
+            await h.send(m)
+            if i % 500 == 0:
+                await asyncio.sleep(0)
+    except Exception:  # noqa: BLE001 - banned mid-way: the attack is over
         pass
     finally:
-        await h.close()
+        try:
+            await h.close()
+        except Exception:  # noqa: BLE001 - a link the node dropped may not close cleanly
+            pass
+
+
+async def attack_gossip(a, b, tmp: Path) -> None:
+    """2,000 junk messages on the bulk announcement topic from one linked peer."""
+    await flood_bulk_topic(a, tmp / "gossip", ({"kind": "announce", "junk": i} for i in range(2000)))
 
 
 async def attack_announcements(a, b, tmp: Path) -> None:
     """20,000 well-formed bulk announcements from one key (capped per author)."""
-    from hostile import HostilePeer
-
-    h = HostilePeer(tmp / "ann")
-    try:
-        await h.start(a, "swarmd/bulk", max_size=4096)
-        for i in range(20_000):
-            await h.send({"kind": "announce", "hash": os.urandom(32), "size": 1000, "codec": "raw",
-                          "topic": "diloco/x", "round": i, "fragment": 0, "addrs": ["127.0.0.1:9"]})
-            if i % 500 == 0:
-                await asyncio.sleep(0)
-    except Exception:  # noqa: BLE001
-        pass
-    finally:
-        await h.close()
+    await flood_bulk_topic(a, tmp / "ann", ({"kind": "announce", "hash": os.urandom(32), "size": 1000, "codec": "raw",
+                                             "topic": "diloco/x", "round": i, "fragment": 0,
+                                             "addrs": ["127.0.0.1:9"]} for i in range(20_000)))
 
 
 async def part_node(tmp: Path) -> list[dict]:
@@ -396,29 +386,15 @@ def print_node(rows: list[dict]) -> None:
 
 
 # ------------------------------------------------------------------ part 2: 100 fresh keys against the loops
-DILOCO = """
-[loops.diloco]
-run = "{run}"
-rounds = 6
-inner_steps = 20
-min_peers = 4
-inner_lr = 1e-3
-deadline_low = 2.0
-"""
-SPSA = """
-[loops.spsa]
-run = "{run}"
-steps = 150
-window = 25
-min_peers = 4
-deadline = 15.0
-hash_every = 2
-eval_every = 4
+def _loop_configs() -> dict[str, str]:
+    """The loop tables of the tests' own runs (tests/test_diloco.py, test_spsa.py), at bench sizes."""
+    from test_diloco import CONFIG as DILOCO
+    from test_spsa import CONFIG as SPSA
 
-[loops.spsa.task_options]
-domain = "target"
-pretrain_steps = 30
-"""
+    return {"diloco": DILOCO.format(run="{run}", rounds=6, h=20, fragments=1, overlap=0, alpha=0.0, min_peers=4),
+            "spsa": SPSA.format(run="{run}", steps=150, min_peers=4), "sapo": SAPO}
+
+
 SAPO = """
 [loops.sapo]
 run = "{run}"
@@ -461,7 +437,7 @@ async def one_run(loop: str, tmp: Path, attacked: bool) -> dict:
     from hostile import HostilePeer
 
     run = f"{loop}-{'attacked' if attacked else 'alone'}"
-    template = {"diloco": DILOCO, "spsa": SPSA, "sapo": SAPO}[loop]
+    template = _loop_configs()[loop]
     config = loop_config(tmp / f"{run}.toml", template.format(run=run))
     swarm = Swarm(tmp / run, config=config)
     hostile = HostilePeer(tmp / f"{run}-hostile") if attacked else None

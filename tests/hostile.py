@@ -67,3 +67,28 @@ class HostilePeer:
             self._heartbeat.cancel()
         await self.gossip.close()
         await self.transport.close()
+
+
+def empty_map_bomb() -> bytes:
+    """One CRDT frame just under 8 MiB of nested empty maps: as many as the decode budget lets through before it
+    refuses the frame."""
+    from node.replication import PUSH
+    from transport.framing import HEADER, encode
+
+    payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})
+    return HEADER.pack(len(payload)) + payload
+
+
+async def send_raw_frames(transport, peer_id: str, spec, frame: bytes, n: int, timeout: float = 60) -> None:
+    """Write ``frame`` as it is on ``n`` streams at once and wait for the node to answer or reset each."""
+    async def one() -> None:
+        try:
+            stream = await transport.open_stream(peer_id, spec, timeout=10)
+            stream._writer.write(frame)
+            await stream._writer.drain()
+            await asyncio.wait_for(stream._reader.read(), timeout)
+        except Exception:  # noqa: BLE001 - the node resets the stream: refused
+            pass
+
+    await asyncio.gather(*(one() for _ in range(n)))
+

@@ -235,14 +235,13 @@ async def test_big_frames_at_once_share_one_inbound_budget(swarm):
     # and the transport's inbound budget makes large frames wait their turn, so eight at once cost about one
     import psutil
 
-    from node.replication import CRDT_SPEC, PUSH
-    from transport.framing import HEADER, encode
+    from hostile import empty_map_bomb, send_raw_frames
+    from node.replication import CRDT_SPEC
 
     victim = swarm.start("victim")
     proc = psutil.Process(victim.pid)
     before = proc.memory_info().rss
-    payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})  # as many maps as the decode budget lets through
-    bomb = HEADER.pack(len(payload)) + payload
+    bomb = empty_map_bomb()
     mallory = Identity.generate()
     attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     await attacker.start()
@@ -254,19 +253,10 @@ async def test_big_frames_at_once_share_one_inbound_budget(swarm):
             peak[0] = max(peak[0], proc.memory_info().rss)
             await asyncio.sleep(0.02)
 
-    async def one():
-        try:
-            stream = await attacker.open_stream(victim.peer_id, CRDT_SPEC, timeout=10)
-            stream._writer.write(bomb)
-            await stream._writer.drain()
-            await asyncio.wait_for(stream._reader.read(), 60)
-        except Exception:  # noqa: BLE001 - the node resets the stream: refused
-            pass
-
     try:
         await attacker.connect(victim.tcp_addr)
         sampler = asyncio.create_task(sample())
-        await asyncio.gather(*(one() for _ in range(24)))
+        await send_raw_frames(attacker, victim.peer_id, CRDT_SPEC, bomb, 24)
         done.set()
         await sampler
     finally:
