@@ -184,6 +184,8 @@ def _prepare_loops(config, base_dir: Path | None = None) -> list:
     """The training loops the config asks for ([loops.<name>] tables), validated with their tasks loaded (imported,
     made with their task_options, checked against the loop's contract) before anything starts: bad settings exit 2.
     Returns [(loop class, loop config, task)]."""
+    if not config.loops:
+        return []  # a node without loops never imports the task machinery (and so torch: ~200 MB of RSS)
     import importlib
 
     from pydantic import ValidationError

@@ -93,3 +93,12 @@ def test_help_and_version():
     assert run_cli("--help").returncode == 0
     v = run_cli("--version")
     assert v.returncode == 0 and "0.1.0" in v.stdout
+
+
+@pytest.mark.timeout(60)
+def test_a_node_without_loops_does_not_load_torch(swarm):
+    # the README says the node itself never imports torch; the loops' task machinery did, for every node
+    node = swarm.start("bare")
+    with open(f"/proc/{node.pid}/maps") as maps:
+        libraries = maps.read()
+    assert "libtorch" not in libraries
