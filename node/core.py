@@ -233,8 +233,6 @@ class Node:
             finally:
                 await self.discovery.close()
         finally:
-            if delay := float(os.environ.get("SWARMD_TEST_SHUTDOWN_DELAY", "0")):
-                await asyncio.sleep(delay)  # fault injection for tests: a shutdown that hangs
             await self.transport.close()  # ends inbound handlers, which may still be writing to the op log
             self.replicator.close()
 

@@ -26,7 +26,6 @@ import asyncio
 import collections
 import logging
 import math
-import os
 import time
 from dataclasses import dataclass, field
 
@@ -138,8 +137,6 @@ class DilocoLoop(TaskLoop):
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._resync_from: list[str] = []
-        self._corrupt_at = int(os.environ["SWARMD_TEST_DILOCO_DRIFT_AT"]) if "SWARMD_TEST_DILOCO_DRIFT_AT" in os.environ \
-            else None
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -386,9 +383,6 @@ class DilocoLoop(TaskLoop):
             del self._contributed[old]
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
-        if self._corrupt_at == r and p == 0:  # fault injection for tests: a peer whose weights drift
-            self.global_flat[p] = self.global_flat[p] + 1e-3
-            self._corrupt_at = None
         local = outer.flatten([self.params[i] for i in self.frag_index[p]])
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
         alpha = 0.0 if self.skipped.pop(p, None) or not bool(torch.isfinite(local).all()) else self.cfg.alpha

@@ -94,12 +94,21 @@ def test_late_joiner_converges_to_the_same_global_weights(tmp_path):
 
 @pytest.mark.timeout(240)
 def test_a_peer_whose_weights_drift_resyncs_from_a_checkpoint(tmp_path):
+    # fault injected from outside: n2 is paused (SIGSTOP) while the others close two rounds without it; resumed, it
+    # closes the round it was in with all three updates, so its global weights are no longer the majority's
+    import signal
+
     swarm = diloco_swarm(tmp_path, run="drift", rounds=10, h=20)
     try:
-        nodes = [swarm.start("n0")]
-        nodes.append(swarm.start("n1", bootstrap=[nodes[0].tcp_addr]))
-        # fault injection: n2's global weights drift after round 2, as after a missed or corrupted update
-        nodes.append(swarm.start("n2", bootstrap=[nodes[1].tcp_addr], env={"SWARMD_TEST_DILOCO_DRIFT_AT": "2"}))
+        nodes = swarm.start_chain(3)
+        n2 = nodes[2]
+        wait_for(lambda: d(n2).get("rounds", 0) >= 2, 150, "n2 to close two rounds")
+        n2.signal(signal.SIGSTOP)
+        try:
+            at = d(nodes[0])["rounds"]
+            wait_for(lambda: d(nodes[0])["rounds"] >= at + 2, 120, "the others to close two rounds without n2")
+        finally:
+            n2.signal(signal.SIGCONT)
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 200,
                          "everyone to finish")
         assert final[2].get("diverged", 0) >= 1 and final[2].get("resyncs", 0) >= 1

@@ -95,14 +95,21 @@ def test_sigterm_and_sigint_shut_down_cleanly(swarm):
 
 @pytest.mark.timeout(60)
 def test_second_sigint_exits_at_once(swarm):
-    # a shutdown that hangs (fault injected), as when the daemon or a peer does not answer
-    n = swarm.start("impatient", env={"SWARMD_TEST_SHUTDOWN_DELAY": "60"})
+    # a shutdown that hangs, as when the p2p daemon does not answer: injected from outside, the daemon suspended
+    import psutil
+
+    n = swarm.start("impatient")
+    daemon = next(c for c in psutil.Process(n.pid).children(recursive=True) if "p2pd" in c.name())
+    daemon.suspend()
     n.signal(signal.SIGINT)
     # two signals sent back to back can merge into one; send the second once the first was seen
     wait_for(lambda: "shutting down" in n.log(), 5, "the node to start shutting down", interval=0.01)
     assert n.proc.poll() is None, "shutdown finished before the second signal; cannot test it"
     n.signal(signal.SIGINT)
     assert n.proc.wait(5) == 130
+    daemon.resume()  # a stopped process would not see its parent's end
+    gone, alive = psutil.wait_procs([daemon], timeout=10)
+    assert not alive, "p2p daemon outlived the node"
 
 
 @pytest.mark.timeout(90)
