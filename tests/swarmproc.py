@@ -7,6 +7,7 @@ ended by its PID when the test ends.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -156,6 +157,15 @@ class NodeProc:
             return self.log_path.read_text(errors="replace")[-4000:]
         except FileNotFoundError:
             return ""
+
+    @contextlib.contextmanager
+    def paused(self):
+        """The process stopped (SIGSTOP) for the block, resumed after: a peer that is away, injected from outside."""
+        self.signal(signal.SIGSTOP)
+        try:
+            yield self
+        finally:
+            self.signal(signal.SIGCONT)
 
     def signal(self, sig: int) -> None:
         if self.proc.poll() is None:

@@ -96,19 +96,14 @@ def test_late_joiner_converges_to_the_same_global_weights(tmp_path):
 def test_a_peer_whose_weights_drift_resyncs_from_a_checkpoint(tmp_path):
     # fault injected from outside: n2 is paused (SIGSTOP) while the others close two rounds without it; resumed, it
     # closes the round it was in with all three updates, so its global weights are no longer the majority's
-    import signal
-
     swarm = diloco_swarm(tmp_path, run="drift", rounds=10, h=20)
     try:
         nodes = swarm.start_chain(3)
         n2 = nodes[2]
         wait_for(lambda: d(n2).get("rounds", 0) >= 2, 150, "n2 to close two rounds")
-        n2.signal(signal.SIGSTOP)
-        try:
+        with n2.paused():
             at = d(nodes[0])["rounds"]
             wait_for(lambda: d(nodes[0])["rounds"] >= at + 2, 120, "the others to close two rounds without n2")
-        finally:
-            n2.signal(signal.SIGCONT)
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 200,
                          "everyone to finish")
         assert final[2].get("diverged", 0) >= 1 and final[2].get("resyncs", 0) >= 1
@@ -166,18 +161,13 @@ def test_a_peer_that_closed_the_last_round_differently_takes_the_majoritys_final
     # found by bench_hostile: a peer whose last round closed with other updates than the rest (its deadline passed
     # first, or it was away) ended on its own weights: no later round compared the hashes. Paused (SIGSTOP) through
     # the last round, the others close it without its update; resumed, it closes it with all four: the minority.
-    import signal
-
     swarm = diloco_swarm(tmp_path, run="last", rounds=3, h=20, min_peers=4)
     try:
         nodes = swarm.start_chain(4)
         late = nodes[3]
         wait_for(lambda: d(late).get("rounds", 0) >= 2, 150, "two rounds closed")
-        late.signal(signal.SIGSTOP)
-        try:
+        with late.paused():
             wait_for(lambda: all(d(n)["state"] == "done" for n in nodes[:3]), 120, "the others to finish")
-        finally:
-            late.signal(signal.SIGCONT)
         final = wait_for(lambda: d(late)["state"] == "done" and [d(n) for n in nodes], 120, "the late one to finish")
         assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
         assert final[3].get("resyncs", 0) >= 1 and all(s.get("resyncs", 0) == 0 for s in final[:3])
