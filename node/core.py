@@ -312,12 +312,17 @@ class Node:
     def uptime(self) -> float:
         return 0.0 if self._started_mono is None else time.monotonic() - self._started_mono
 
-    def peers_view(self) -> list[dict]:
+    def _known_peers(self) -> tuple[set[str], set[str]]:
+        """(the other members of the replicated set, the peers discovered or connected), ourselves excluded."""
+        me = self.identity.peer_id
+        return (set(self.replicator.store.value("members")) - {me},
+                (set(self.discovery.members) | set(self.connected)) - {me})
+
+    def peers_view(self, known: tuple[set[str], set[str]] | None = None) -> list[dict]:
         """Connected and discovered peers first, then members of the replicated set, at most MAX_PEERS_VIEW."""
-        crdt_members = set(self.replicator.store.value("members"))
-        near = (set(self.discovery.members) | set(self.connected)) - {self.identity.peer_id}
+        crdt_members, near = known or self._known_peers()
         ids = sorted(near)[:MAX_PEERS_VIEW]
-        ids += sorted(crdt_members - near - {self.identity.peer_id})[: MAX_PEERS_VIEW - len(ids)]
+        ids += sorted(crdt_members - near)[: MAX_PEERS_VIEW - len(ids)]
         out = []
         for peer_id in sorted(ids):
             member = self.discovery.members.get(peer_id)
@@ -347,7 +352,8 @@ class Node:
 
     def status(self) -> dict:
         stats = self.transport.stats
-        peers = self.peers_view()
+        known = self._known_peers()  # the member set is sorted once per status, not three times
+        peers = self.peers_view(known)
         return {
             "peer_id": self.identity.peer_id,
             "version": __version__,
@@ -366,10 +372,8 @@ class Node:
                 **self.discovery.counters,
                 "records_refused": dict(self.discovery.validator.refused) if self.discovery.validator else {},
             },
-            "members": len(set(self.replicator.store.value("members")) - {self.identity.peer_id}),  # others
-            "peers_omitted": max(0, len((set(self.discovery.members) | set(self.connected)
-                                         | set(self.replicator.store.value("members"))) - {self.identity.peer_id})
-                                 - len(peers)),
+            "members": len(known[0]),  # others
+            "peers_omitted": len(known[0] | known[1]) - len(peers),
             "connected": len(self.connected),
             "peers": peers,
             "crdt": self.replicator.summary(),
