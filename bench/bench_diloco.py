@@ -33,7 +33,7 @@ CONFIG = """
 [loops.diloco]
 run = "{run}"
 task = "{task}"
-device = "cpu"
+device = "{device}"
 rounds = {rounds}
 inner_steps = {h}
 fragments = {fragments}
@@ -61,8 +61,8 @@ def toml_options(options: dict) -> str:
 
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
-        momentum: float = 0.9) -> dict:
-    table = CONFIG.format(run=name, rounds=steps // h, h=h, fragments=fragments, overlap=overlap, alpha=alpha,
+        momentum: float = 0.9, device: str = "cpu") -> dict:
+    table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap, alpha=alpha,
                           codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
@@ -88,7 +88,8 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
         swarm.close()
 
 
-def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3) -> dict:
+def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
+                  device: str = "cpu") -> dict:
     """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW."""
     import torch
 
@@ -97,14 +98,15 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     started = time.monotonic()
     torch.set_num_threads(2)
     task = tasks.load(task_spec, options, "diloco")
-    model = tasks.build_model(task, 1)
+    device = torch.device(device)
+    model = tasks.build_model(task, 1).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
     streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
     model.train()
     for _ in range(steps):
         opt.zero_grad(set_to_none=True)
         for stream in streams:  # the mean of the peers' losses: the gradient of the 4 x batch
-            (tasks.loss_value(task, model, next(stream)) / peers).backward()
+            (tasks.loss_value(task, model, tasks.to_device(next(stream), device)) / peers).backward()
         opt.step()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     return {"loss": tasks.evaluate(task, model), "bytes": steps * n_params * 4, "compute": 1.0, "identical": True,
@@ -116,21 +118,33 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--task", default="hf-text")
     parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
+    parser.add_argument("--device", default="cpu", help="every peer's and the reference's device: cpu, cuda, ...")
+    parser.add_argument("--only", default="abced", help="which runs, by letter (default: all)")
     args = parser.parse_args()
-    s, task, options = args.steps, args.task, json.loads(args.task_options)
+    s, task, options, dev = args.steps, args.task, json.loads(args.task_options), args.device
     results = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-diloco-") as tmp:
         root = Path(tmp)
-        results["(a) 1 peer alone"] = run("alone", 1, s, root / "a", task, options, h=50)
-        results["(b) 4 peers DiLoCo H=50 e3m0"] = run("diloco", 4, s, root / "b", task, options, h=50)
-        results["(c) 4 peers Streaming DiLoCo P=2 tau=5 e3m0"] = run("streaming", 4, s, root / "c", task, options,
-                                                                       h=50, fragments=2, overlap=5, alpha=0.5)
-        results["(e) 4 peers DiLoCo H=25 e3m0, averaging"] = run("averaging", 4, s, root / "e", task, options, h=25,
-                                                                 outer_lr=1.0, momentum=0.0)
-        results["(d) data-parallel reference (4 x batch)"] = data_parallel(s, 4, task, options)
+        runs = {
+            "a": ("(a) 1 peer alone", lambda: run("alone", 1, s, root / "a", task, options, h=50, device=dev)),
+            "b": ("(b) 4 peers DiLoCo H=50 e3m0", lambda: run("diloco", 4, s, root / "b", task, options, h=50,
+                                                             device=dev)),
+            "c": ("(c) 4 peers Streaming DiLoCo P=2 tau=5 e3m0",
+                  lambda: run("streaming", 4, s, root / "c", task, options, h=50, fragments=2, overlap=5, alpha=0.5,
+                              device=dev)),
+            "e": ("(e) 4 peers DiLoCo H=25 e3m0, averaging",
+                  lambda: run("averaging", 4, s, root / "e", task, options, h=25, outer_lr=1.0, momentum=0.0,
+                              device=dev)),
+            "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(s, 4, task, options, device=dev)),
+        }
+        for letter in "abced":
+            if letter in args.only or letter == "d":
+                name, go = runs[letter]
+                results[name] = go()
+                print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     dp = results["(d) data-parallel reference (4 x batch)"]
     print(f"DiLoCo, task {task} {json.dumps(options)} ({dp['params']:,} parameters), {s} inner steps per peer, "
-          "validation loss at the end")
+          f"device {dev}, validation loss at the end")
     print(f"{'run':<46} | {'val loss':>8} | {'vs DP':>7} | {'MB sent/peer':>12} | {'DP bytes / bytes':>16} | "
           f"{'not blocked':>11} | {'same weights':>18} | {'wall':>6}")
     print("-" * 148)

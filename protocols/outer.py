@@ -37,7 +37,9 @@ def fragments(names: list[str], count: int) -> list[list[int]]:
 
 
 def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
-    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors]) if tensors else torch.zeros(0)
+    """One flat fp32 tensor on the CPU, wherever the parameters live: the global weights, the outer momentum and
+    every combination stay on the CPU (bit-identical across peers whatever their device, and off the GPU's memory)."""
+    return torch.cat([t.detach().reshape(-1).to("cpu", torch.float32) for t in tensors]) if tensors else torch.zeros(0)
 
 
 def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
@@ -64,7 +66,7 @@ def majority(votes: list[str]) -> str:
 def params_hash(tensors: list[torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=16)
     for t in tensors:
-        h.update(t.detach().to(torch.float32).contiguous().view(-1).numpy().tobytes())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy().tobytes())
     return h.hexdigest()
 
 

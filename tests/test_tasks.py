@@ -333,3 +333,34 @@ def test_diloco_on_a_cuda_gpu(tmp_path):
         assert final[0]["losses"][-1][1] < final[0]["losses"][0][1] + 1e-6
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path runs where one is")
+def test_spsa_and_sapo_on_a_cuda_gpu(tmp_path):
+    spsa = loop_config(tmp_path / "spsa.toml", '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 50\nwindow = 25\n'
+                                              'min_peers = 2\nlr = 1e-2\neps = 1e-2\ndevice = "cuda"\n'
+                                              '[loops.spsa.task_options]\nhidden = 32\n')
+    sapo = loop_config(tmp_path / "sapo.toml", '[loops.sapo]\nrun = "g"\ntask = "arith"\nrounds = 4\n'
+                                              'min_peers = 2\nquestions = 4\ncompletions = 4\nlocal = 2\n'
+                                              'external = 2\ndevice = "cuda"\n')
+    swarm = Swarm(tmp_path / "nodes", config=spsa)
+    try:
+        a = swarm.start("a")
+        b = swarm.start("b", bootstrap=[a.tcp_addr])
+        c = swarm.start("c", config=sapo, bootstrap=[a.tcp_addr])
+        d = swarm.start("d", config=sapo, bootstrap=[c.tcp_addr])
+
+        def svc(n, name):
+            return n.status()["services"][name]
+
+        final = wait_for(lambda: all(svc(n, "spsa")["state"] == "done" for n in (a, b))
+                         and [svc(n, "spsa") for n in (a, b)], 180, "SPSA on the GPU to finish")
+        assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["device"].startswith("cuda")
+        rg = wait_for(lambda: all(svc(n, "sapo")["state"] == "done" for n in (c, d))
+                      and [svc(n, "sapo") for n in (c, d)], 180, "SAPO on the GPU to finish")
+        for s in rg:
+            assert s["round"] == 4 and s["external_items_scored"] > 0 and s["device"].startswith("cuda")
+    finally:
+        swarm.close()
