@@ -11,7 +11,7 @@ Reported: validation loss at the end (the task's evaluate()), bytes each peer se
 step, what a data-parallel peer contributes), and the fraction of wall time a node was not blocked waiting for a
 round to close.
 
-    python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}']
+    python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}'] [--device cuda]
 """
 
 from __future__ import annotations

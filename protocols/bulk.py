@@ -317,6 +317,13 @@ class BulkService:
         self._announce("announce", blob_hash, len(data), codec, topic, round, fragment)
         return blob_hash
 
+    def keep(self, data: bytes | bytearray) -> bytes:
+        """Store ``data`` to serve without announcing it (a protocol that names the hash in its own signed message,
+        as the DiLoCo exchange's parts do); returns its hash."""
+        blob_hash = content_hash(data)
+        self._keep(blob_hash, bytearray(data))
+        return blob_hash
+
     def _announce(self, kind, blob_hash, size, codec, topic, round, fragment) -> None:
         body = msgpack.packb({"kind": kind, "hash": blob_hash, "size": size, "codec": codec, "topic": topic,
                               "round": round, "fragment": fragment, "addrs": self.addrs}, use_bin_type=True)
@@ -357,12 +364,32 @@ class BulkService:
         a = self.announcements.get(blob_hash)
         if a is None:
             raise BulkError("no announcement for this hash")
+        body, peer = await self._fetch(blob_hash, a.size, self.sources[blob_hash], timeout)
+        self._announce("have", blob_hash, a.size, a.codec, a.topic, a.round, a.fragment)
+        if self.on_blob is not None:
+            self.on_blob(a, body)
+        return body, peer
+
+    async def pull_from(self, blob_hash: bytes, size: int, peer: str, addrs: list[str], *,
+                        timeout: float = 300.0) -> bytearray:
+        """The verified bytes of a blob that ``peer`` named (hash and size) in a message it signed, from that peer:
+        over its TCP address on a host we already reach it on, or over a direct libp2p stream; never a relay."""
+        if blob_hash in self.blobs:
+            return self.blobs[blob_hash]
+        if not 0 < size <= MAX_BLOB:
+            raise BulkError(f"size {size} out of range")
+        body, _ = await self._fetch(blob_hash, size, [(peer, a) for a in addrs[:8]] or [(peer, "")], timeout)
+        self._keep(blob_hash, body)  # others of the round may ask us for it (its first holder may be gone)
+        return body
+
+    async def _fetch(self, blob_hash: bytes, size: int, sources: list[tuple[str, str]],
+                     timeout: float) -> tuple[bytearray, str]:
         ctx = self._ctx
         errors = []
         hosts = await self._peer_hosts()
         # bulk bytes never cross a relay: sources we reach directly first; one we only reach through a relay is
         # tried last (its TCP address may still answer) and said so, while holders with a direct path serve it
-        sources = sorted(self.sources[blob_hash], key=lambda s: not ctx.direct(s[0]))
+        sources = sorted(sources, key=lambda s: not ctx.direct(s[0]))
         tried_streams = set()
         for peer, addr in sources:
             if ctx.transport.penalties.is_banned(peer):
@@ -371,7 +398,7 @@ class BulkService:
             # dial a TCP address only on a host we already reach that peer on (an announcement cannot make us
             # connect to any other host: loopback, the LAN, a third party)
             ways = []
-            if not ctx.punched(peer):
+            if not ctx.punched(peer) and addr:
                 if addr.rsplit(":", 1)[0].strip("[]") in hosts.get(peer, ()):
                     ways.append(addr)
                 else:
@@ -393,10 +420,10 @@ class BulkService:
                 where = f"{peer[-8:]}@{way}"
                 try:
                     if way == "stream":
-                        body = await fetch_stream(ctx.transport, peer, blob_hash, a.size, request, timeout=timeout)
+                        body = await fetch_stream(ctx.transport, peer, blob_hash, size, request, timeout=timeout)
                         self.counters["pulled_over_stream"] += 1
                     else:
-                        body = await fetch(way, blob_hash, a.size, msgpack.packb(request, use_bin_type=True),
+                        body = await fetch(way, blob_hash, size, msgpack.packb(request, use_bin_type=True),
                                            timeout=timeout)
                     break
                 except (BadData, ProtocolViolation) as e:
@@ -412,10 +439,7 @@ class BulkService:
             self._keep(blob_hash, body)
             self.counters["pulled"] += 1
             self.counters["bytes_pulled"] += len(body)
-            logger.info("pulled %s (%d B) from %s", blob_hash.hex()[:16], len(body), peer)
-            self._announce("have", blob_hash, a.size, a.codec, a.topic, a.round, a.fragment)
-            if self.on_blob is not None:
-                self.on_blob(a, body)
+            logger.debug("pulled %s (%d B) from %s", blob_hash.hex()[:16], len(body), peer)
             return body, peer
         raise BulkError("no source served the blob: " + "; ".join(errors or ["no sources"]))
 

@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import codecs, outer
+from protocols import codecs, exchange, outer
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService
 from protocols.gossip import Gossip, Message, Verdict
@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset({1, 2}))
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
+MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
+MAX_PART_BYTES = 1 << 30  # one encoded part
+MAX_PARTS = exchange.MAX_PARTS
+CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
 
 
 class DilocoConfig(BaseModel):
@@ -75,6 +79,15 @@ class DilocoConfig(BaseModel):
     deadline_high: float = Field(60.0, gt=0)
     eval_every: int = Field(1, ge=1)  # rounds between validation evaluations
     peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
+    # the update exchange: "all-to-all" (every peer pulls every update), "scatter" (reduce-scatter + all-gather:
+    # each peer moves about 2x its update whatever the number of peers), or "auto": scatter from
+    # scatter_min_peers participants and scatter_min_bytes per encoded update (measured by bench/bench_exchange.py)
+    exchange: str = Field("auto", pattern=r"^(auto|all-to-all|scatter)$")
+    parts: int = Field(64, ge=1, le=MAX_PARTS)  # parts an update is cut into (fewer for small fragments)
+    scatter_min_peers: int = Field(4, ge=2)
+    scatter_min_bytes: int = Field(8 << 20, ge=0)
+    audit: float = Field(0.25, ge=0, le=1)  # fraction of reduced parts re-computed by a second peer
+    min_bandwidth: float = Field(10e6, gt=0)  # bytes/s assumed at worst when a round's transfers are given time
 
     _peers = field_validator("peers")(check_peer_ids)
 
@@ -84,18 +97,34 @@ class DilocoConfig(BaseModel):
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint)."""
         return self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
-                                        "codec", "outer_lr", "outer_momentum", "peers"})
+                                        "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
+                                        "scatter_min_peers", "scatter_min_bytes", "audit"})
+
+
+@dataclass(frozen=True)
+class Announced:
+    """A peer's update for a (round, fragment), as its signed announcement describes it."""
+
+    parts: tuple[bytes, ...]  # the content hashes of its encoded parts
+    sizes: tuple[int, ...]
+    base: str  # the hash of the global fragment it was computed from
+    norm: float  # the L2 norm of the whole (decoded) update: every reducer clips with the same factors
+    addrs: tuple[str, ...]  # its bulk TCP addresses
 
 
 @dataclass
 class Pending:
     """One (round, fragment) being gathered."""
 
-    announced: dict[str, tuple[bytes, str, int]] = field(default_factory=dict)  # peer -> (blob hash, base, size)
-    updates: dict[str, torch.Tensor] = field(default_factory=dict)
+    announced: dict[str, Announced] = field(default_factory=dict)
+    updates: dict[str, torch.Tensor] = field(default_factory=dict)  # whole updates pulled (all-to-all)
     opened: float = field(default_factory=time.monotonic)
     arrivals: dict[str, float] = field(default_factory=dict)
     pulls: set = field(default_factory=set)
+    pulling: set = field(default_factory=set)  # peers whose whole update is being pulled
+    reduced: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
+    audits: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
+    entries: int = 0  # reduced + audit messages held
 
 
 class DilocoLoop(TaskLoop):
@@ -137,6 +166,10 @@ class DilocoLoop(TaskLoop):
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._resync_from: list[str] = []
+        self._encoded_size: dict[int, int] = {}  # fragment -> bytes of one encoded update
+        self._sources: dict[str, asyncio.Semaphore] = {}
+        self._missing_logged: dict[str, float] = {}
+        self.exchange_view: dict = {}
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -161,6 +194,8 @@ class DilocoLoop(TaskLoop):
         self.frag_index = tasks.fragment_indices(self.task, self.model, self.cfg.fragments)
         self.global_flat = [outer.flatten([self.params[i] for i in f]) for f in self.frag_index]
         self.rounds_done = [0] * self.cfg.fragments
+        for p in range(self.cfg.fragments):
+            self._update_bytes(p)  # once, here in the worker thread: the exchange mode depends on it
         self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,
                                              self.cfg.outer_momentum)
         if self.task.has("optimizer"):
@@ -320,12 +355,20 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
             return
         delta = self.global_flat[p] - local
-        payload = self.codec.encode(delta).to_wire()
-        blob = self.bulk.put(payload, codec=self.cfg.codec, topic=self.topic, round=r, fragment=p)
+        n = delta.numel()
+        payloads = [self.codec.encode(delta[a:b]).to_wire()
+                    for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))]
+        hashes = [self.bulk.keep(x) for x in payloads]  # served to whoever the round makes pull them
+        mine = torch.cat([codecs.decode(x) for x in payloads])  # what the others will see of our update
         base = outer.params_hash([self.global_flat[p]])
-        self._publish({"r": r, "p": p, "blob": blob, "base": base, "size": len(payload)})
-        self.pending[(r, p)].updates[self._ctx.identity.peer_id] = codecs.decode(payload)
-        self.counters["bytes_sent"] += len(payload)
+        ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, float(mine.norm()),
+                        tuple(self.bulk.addrs))
+        self._publish({"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
+                       "addrs": list(ann.addrs)})
+        pending = self.pending[(r, p)]
+        pending.announced[self._ctx.identity.peer_id] = ann
+        pending.updates[self._ctx.identity.peer_id] = mine
+        self.counters["bytes_sent"] += sum(ann.sizes)  # our update's size (each peer serves it as the mode asks)
         self.counters["updates_sent"] += 1
 
     def _publish(self, body: dict) -> None:
@@ -343,40 +386,55 @@ class DilocoLoop(TaskLoop):
         slots = set(self.standing.newcomers(base - expected - {me}, f"{self.cfg.run}/{r}/{p}",
                                             max(1, len(expected) // 4), fresh_ok=fresh_round(r)))
         waited = expected | slots
+        mode = self._mode(p)
+        if mode == "scatter":  # an announcement is all a round waits for: the bytes move after the close
+            def have() -> set[str]:
+                return set(pending.announced)
+        else:
+            def have() -> set[str]:
+                return set(pending.updates)
+            for peer in set(pending.announced) - pending.pulling - set(pending.updates):
+                self._start_pull(key, pending, peer)  # announced while we were in the other mode
         blocked_from = time.monotonic()
         end = blocked_from + self.deadline.value()
-        await outer.wait_until(lambda: expected <= set(pending.updates), self._event, end - time.monotonic())
-        if expected <= set(pending.updates) and not slots <= set(pending.updates):
+        await outer.wait_until(lambda: expected <= have(), self._event, end - time.monotonic())
+        if expected <= have() and not slots <= have():
             # every counting peer is in; a newcomer holding a slot is waited for to the deadline only if it has
             # announced its update by then (it is on its way): one that never announces (a fresh key that
             # joined and went quiet) costs deadline_low more, not the whole adaptive deadline
             grace = min(end - time.monotonic(), self.cfg.deadline_low)
             if grace > 0:
-                await outer.wait_until(lambda: slots <= set(pending.updates), self._event, grace)
-            on_the_way = (slots - set(pending.updates)) & set(pending.announced)
+                await outer.wait_until(lambda: slots <= have(), self._event, grace)
+            on_the_way = (slots - have()) & set(pending.announced)
             if on_the_way and end > time.monotonic():
-                await outer.wait_until(lambda: on_the_way <= set(pending.updates), self._event,
-                                       end - time.monotonic())
-            self.counters["newcomers_not_waited"] += len(slots - set(pending.updates) - on_the_way)
-        if not waited <= set(pending.updates):
+                await outer.wait_until(lambda: on_the_way <= have(), self._event, end - time.monotonic())
+            self.counters["newcomers_not_waited"] += len(slots - have() - on_the_way)
+        if not waited <= have():
             self.counters["deadline_missed"] += 1
-            logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - set(pending.updates)))
-        self.blocked_seconds += time.monotonic() - blocked_from
+            logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - have()))
         for peer, t in pending.arrivals.items():
             self.deadline.observe(t - pending.opened)
         base_now = outer.params_hash([self.global_flat[p]])
-        for peer in [a for a, (_, base, _) in pending.announced.items() if base != base_now and a in pending.updates]:
-            del pending.updates[peer]  # announced ahead of us, from other weights than the ones we close with
+        for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
+            # announced ahead of us, from other weights than the ones we close with
+            pending.updates.pop(peer, None)
+            del pending.announced[peer]
             self.counters["rejected_base"] += 1
         contributing = r >= self.join_round.get(p, 0)
-        self.counters["newcomer_updates"] += len(slots & set(pending.updates))
-        updates = {peer: u for peer, u in pending.updates.items() if peer in expected or peer in slots or
-                   (peer == me and contributing)}
-        combined, rejected = outer.combine(updates, self.global_flat[p].numel())
+        self.counters["newcomer_updates"] += len(slots & have())
+        members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
+        started = time.monotonic()
+        if mode == "scatter":
+            combined, rejected = await self._scatter(key, pending, members)
+        else:
+            combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
+        self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
+                              "seconds": round(time.monotonic() - started, 3)}
+        self.blocked_seconds += time.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco update {reason}")
-        participants = set(updates) - set(rejected)
+        participants = members - set(rejected)
         self.standing.record(participants)
         self._contributed[key] = participants
         for old in [k for k in self._contributed if k[1] == p and k[0] < r - 1]:
@@ -421,17 +479,60 @@ class DilocoLoop(TaskLoop):
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
             self._resync_from = sorted(a for a, h in theirs.items() if h == majority)
 
-    async def _pull(self, key: tuple[int, int], peer: str, blob: bytes, size: int) -> None:
+    def _mode(self, p: int) -> str:
+        """How this round's updates move: the same answer at every peer that closed the last round with us (it
+        depends on that round's participants and on the encoded update's size, which the codec fixes)."""
+        if self.cfg.exchange != "auto":
+            return self.cfg.exchange
+        peers = len(self.participants.get(p, self._initial))
+        return "scatter" if peers >= self.cfg.scatter_min_peers and self._update_bytes(p) >= \
+            self.cfg.scatter_min_bytes else "all-to-all"
+
+    def _update_bytes(self, p: int) -> int:
+        if p not in self._encoded_size:
+            n = self.global_flat[p].numel()
+            self._encoded_size[p] = sum(len(self.codec.encode(torch.zeros(b - a)).to_wire())
+                                        for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts)))
+        return self._encoded_size[p]
+
+    def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
+        pending.pulling.add(peer)
+        task = asyncio.get_running_loop().create_task(self._pull(key, peer, pending.announced[peer]))
+        pending.pulls.add(task)
+        task.add_done_callback(pending.pulls.discard)
+
+    def _source(self, peer: str) -> asyncio.Semaphore:
+        """At most two transfers from one peer at once (a peer serves four to one requester at most)."""
+        sem = self._sources.get(peer)
+        if sem is None:
+            if len(self._sources) > 4096:
+                self._sources.clear()
+            sem = self._sources[peer] = asyncio.Semaphore(2)
+        return sem
+
+    async def _fetch_part(self, peer: str, blob: bytes, size: int, addrs, elements: int,
+                          timeout: float) -> torch.Tensor:
+        """One encoded part that ``peer`` named, pulled from it and decoded (off the event loop when large)."""
+        async with self._source(peer):
+            body = await asyncio.wait_for(self.bulk.pull_from(blob, size, peer, list(addrs)), max(0.05, timeout))
+        self.counters["bytes_received"] += size
+        if size > 1 << 18:
+            return await asyncio.to_thread(codecs.decode, bytes(body), max_elements=elements)
+        return codecs.decode(bytes(body), max_elements=elements)
+
+    async def _pull(self, key: tuple[int, int], peer: str, ann: Announced) -> None:
+        """All-to-all: the whole update of ``peer``, every part."""
+        n = self.global_flat[key[1]].numel()
+        bounds = exchange.part_bounds(n, len(ann.parts))
         try:
-            for _ in range(100):  # the bulk announcement travels on its own topic and may trail ours a little
-                if blob in self.bulk.announcements:
-                    break
-                await asyncio.sleep(0.05)
-            body, _ = await self.bulk.pull(blob)
-            update = codecs.decode(bytes(body), max_elements=self.global_flat[key[1]].numel())
+            if len(ann.parts) != exchange.part_count(n, self.cfg.parts):
+                raise codecs.CodecError(f"{len(ann.parts)} parts for {n} values")
+            chunks = await asyncio.gather(*(self._fetch_part(peer, h, size, ann.addrs, b - a, 300.0)
+                                            for h, size, (a, b) in zip(ann.parts, ann.sizes, bounds)))
+            update = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
             if update.dim() != 1:
                 raise codecs.CodecError("an update must be a flat vector")
-        except (BulkError, codecs.CodecError) as e:
+        except (BulkError, codecs.CodecError, asyncio.TimeoutError) as e:
             self.counters["pull_failed"] += 1
             logger.warning("diloco update from %s unusable: %s", peer, e)
             return
@@ -440,8 +541,158 @@ class DilocoLoop(TaskLoop):
             return
         pending.updates[peer] = update
         pending.arrivals[peer] = time.monotonic()
-        self.counters["bytes_received"] += size
         self._event.set()
+
+    # ------------------------------------------------------------------ the reduce-scatter + all-gather exchange
+    async def _scatter(self, key: tuple[int, int], pending: Pending,
+                       members: set[str]) -> tuple[torch.Tensor | None, dict[str, str]]:
+        """Combine the members' updates by reduce-scatter + all-gather (``protocols/exchange.py``): we reduce the
+        parts the round's order gives us and publish them, audit a part when the round draws it for us, and take
+        every other part from its reducer; a part whose reducer fails us by the deadline, or that its auditor
+        disputes, we reduce ourselves from the members' chunks."""
+        r, p = key
+        me = self._ctx.identity.peer_id
+        n = self.global_flat[p].numel()
+        bounds = exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+        rejected: dict[str, str] = {}
+        for a in sorted(members):
+            ann = pending.announced[a]
+            if len(ann.parts) != len(bounds) or not math.isfinite(ann.norm) or ann.norm < 0:
+                rejected[a] = "wrong_shape"
+        members = members - set(rejected)
+        if not members:
+            return None, rejected
+        ordered = exchange.order(self.cfg.run, r, p, members)
+        digest = exchange.members_digest(members)
+        factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
+        # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
+        span = self.deadline.value() + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
+        end = time.monotonic() + span
+        parts: dict[int, torch.Tensor] = {}
+        computed: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # parts we reduced: (blob hash, decoded, size)
+
+        async def compute(k: int, until: float) -> None:
+            a, b = bounds[k]
+            chunks: dict[str, torch.Tensor] = {}
+
+            async def one(peer: str) -> None:
+                ann = pending.announced[peer]
+                whole = pending.updates.get(peer)
+                if whole is not None:  # ours, or an update pulled whole already
+                    chunk = whole[a:b]
+                else:
+                    try:
+                        chunk = await self._fetch_part(peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
+                                                       until - time.monotonic())
+                    except codecs.CodecError:
+                        rejected[peer] = "undecodable"
+                        return
+                    except (BulkError, asyncio.TimeoutError) as e:
+                        self.counters["chunks_missing"] += 1
+                        self._log_missing(peer, f"part {k} of its update for round {r}/{p} did not arrive: {e}")
+                        return
+                why = exchange.chunk_ok(chunk, b - a, ann.norm)
+                if why is not None:
+                    rejected[peer] = why
+                else:
+                    chunks[peer] = chunk
+
+            await asyncio.gather(*(one(peer) for peer in sorted(members)))
+            chunks = {peer: c for peer, c in chunks.items() if peer not in rejected}
+
+            def reduce_and_encode() -> tuple[bytes, torch.Tensor]:
+                payload = self.codec.encode(exchange.reduce_part(chunks, factors, b - a)).to_wire()
+                return payload, codecs.decode(payload)
+
+            payload, decoded = await asyncio.to_thread(reduce_and_encode)
+            computed[k] = (self.bulk.keep(payload), decoded, len(payload))
+
+        mine = [k for k in range(len(bounds)) if exchange.reducer_of(ordered, k) == me]
+        auditing = [k for k in range(len(bounds)) if k not in mine and exchange.auditor_of(ordered, k) == me
+                    and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit)]
+
+        async def reduce_mine(k: int) -> None:
+            await compute(k, end)
+            blob, decoded, size = computed[k]
+            parts[k] = decoded
+            self._publish({"r": r, "p": p, "red": k, "blob": blob, "size": size, "m": digest,
+                           "addrs": list(self.bulk.addrs)})
+            self.counters["parts_reduced"] += 1
+
+        async def take(k: int) -> None:
+            reducer = exchange.reducer_of(ordered, k)
+            a, b = bounds[k]
+            audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
+            got = None
+            if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - time.monotonic()):
+                blob, size, m, addrs = pending.reduced[k][reducer]
+                # from its reducer, else from a member that pulled it already (the reducer may have died after
+                # serving some of us: the others must end with the same bytes)
+                holders = [(reducer, addrs)] + [(x, pending.announced[x].addrs) for x in ordered
+                                                if x not in (me, reducer)]
+                for holder, where in holders:
+                    try:
+                        part = await self._fetch_part(holder, blob, size, where, b - a, end - time.monotonic())
+                        if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
+                            raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
+                        got = (blob, m, part)
+                        break
+                    except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
+                        self._ctx.transport.penalties.penalize(reducer, "invalid_message",
+                                                               f"diloco reduced part: {e}")
+                        self.counters["reduced_parts_rejected"] += 1
+                        break
+                    except (BulkError, asyncio.TimeoutError):
+                        if time.monotonic() >= end:
+                            break
+                if got is not None and holder != reducer:
+                    self.counters["parts_from_other_holders"] += 1
+            if audit is not None:
+                await audit
+                if got is not None:
+                    ok = got[1] != digest or computed[k][0] == got[0]  # other members: nothing to compare
+                    self._publish({"r": r, "p": p, "aud": k, "ok": ok})
+                    self.counters["parts_audited"] += 1
+                    if not ok:
+                        self._liar(reducer, k, r, p)
+                        got = None
+                if got is None:
+                    parts[k] = computed[k][1]
+                    return
+            elif got is not None and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit):
+                auditor = exchange.auditor_of(ordered, k)
+                await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - time.monotonic())
+                if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
+                    await compute(k, time.monotonic() + span)
+                    self.counters["parts_disputed"] += 1
+                    if computed[k][0] == got[0]:
+                        self._liar(auditor, k, r, p, role="auditor")
+                    else:
+                        self._liar(reducer, k, r, p)
+                    got = None
+            if got is None:
+                if k not in computed:  # its reducer failed us: reduce it ourselves (we pull its chunks)
+                    self.counters["parts_fallback"] += 1
+                    await compute(k, time.monotonic() + span)
+                parts[k] = computed[k][1]
+            else:
+                parts[k] = got[2]
+
+        await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
+        combined = torch.cat([parts[k] for k in range(len(bounds))])
+        return combined, rejected
+
+    def _liar(self, peer: str, k: int, r: int, p: int, role: str = "reducer") -> None:
+        self.counters[f"lying_{role}s"] += 1
+        self._ctx.transport.penalties.penalize(peer, "bad_data", f"diloco: a wrong {role} result for part {k}")
+        logger.warning("diloco: %s %s gave a wrong result for part %d of round %d/%d; we use our own", role, peer,
+                       k, r, p)
+
+    def _log_missing(self, peer: str, what: str) -> None:
+        now = time.monotonic()
+        if now - self._missing_logged.get(peer, 0.0) > 30.0:
+            self._missing_logged[peer] = now
+            logger.warning("diloco: %s: %s", peer, what)
 
     # ------------------------------------------------------------------ start, checkpoints
     async def _start_barrier(self) -> None:
@@ -669,13 +920,15 @@ class DilocoLoop(TaskLoop):
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
             return Verdict.ACCEPT
-        if keys == {"r", "p", "blob", "base", "size"} and isinstance(body["blob"], bytes) \
-                and isinstance(body["base"], str) and type(body["size"]) is int:
+        if keys == {"r", "p", "parts", "sizes", "base", "norm", "addrs"}:
+            ann = self._announced(body)
+            if ann is None:
+                return Verdict.REJECT
             # an update computed from other global weights than ours is kept (we may be the one that drifted and
             # resync before we close that round) but not forwarded; every update's base is checked when we close
             # its round
             other_base = bool(self.rounds_done) and r == done \
-                and body["base"] != outer.params_hash([self.global_flat[p]])
+                and ann.base != outer.params_hash([self.global_flat[p]])
             if self.rounds_done and r < self.rounds_done[p]:
                 self.counters["late_updates"] += 1
                 return Verdict.IGNORE  # that round is closed here
@@ -686,22 +939,63 @@ class DilocoLoop(TaskLoop):
             if message.author in pending.announced:
                 return Verdict.IGNORE
             if not self.standing.counts(author) and self.state == "running":
-                # a newcomer: pulled only if it can hold a slot this round
+                # a newcomer: taken only if it can hold a slot this round
                 candidates = self.participants.get(p, self._initial) | self.joins.get((r, p), set())
                 if author not in candidates or \
                         sum(not self.standing.counts(a) for a in pending.announced) >= MAX_NEWCOMER_PULLS:
                     self.counters["newcomer_updates_not_pulled"] += 1
                     return Verdict.IGNORE
-            pending.announced[message.author] = (body["blob"], body["base"], body["size"])
-            task = asyncio.get_running_loop().create_task(self._pull((r, p), message.author, body["blob"],
-                                                                      body["size"]))
-            pending.pulls.add(task)
-            task.add_done_callback(pending.pulls.discard)
+            pending.announced[author] = ann
+            if not self.rounds_done or self._mode(p) == "all-to-all":
+                self._start_pull((r, p), pending, author)
+            else:
+                pending.arrivals[author] = time.monotonic()
+                self._event.set()
             if other_base:
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE
             return Verdict.ACCEPT
+        if keys == {"r", "p", "red", "blob", "size", "m", "addrs"} or keys == {"r", "p", "aud", "ok"}:
+            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
+                return Verdict.IGNORE
+            k = body.get("red", body.get("aud"))
+            if type(k) is not int or not 0 <= k < exchange.MAX_PARTS:
+                return Verdict.REJECT
+            pending = self.pending[(r, p)]
+            if "red" in body:
+                if not (isinstance(body["blob"], bytes) and len(body["blob"]) == 32 and type(body["size"]) is int
+                        and 0 < body["size"] <= MAX_PART_BYTES and isinstance(body["m"], str)
+                        and len(body["m"]) <= 32 and self._addrs_ok(body["addrs"])):
+                    return Verdict.REJECT
+                held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]))
+            else:
+                if type(body["ok"]) is not bool:
+                    return Verdict.REJECT
+                held, value = pending.audits[k], body["ok"]
+            if author in held:
+                return Verdict.IGNORE
+            if pending.entries >= MAX_REDUCED_ENTRIES:
+                self.counters["exchange_messages_over_cap"] += 1
+                return Verdict.IGNORE
+            held[author] = value
+            pending.entries += 1
+            self._event.set()
+            return Verdict.ACCEPT
         return Verdict.REJECT
+
+    @staticmethod
+    def _addrs_ok(addrs) -> bool:
+        return isinstance(addrs, list) and len(addrs) <= 8 and all(isinstance(a, str) and len(a) <= 64 for a in addrs)
+
+    def _announced(self, body: dict) -> Announced | None:
+        parts, sizes, norm = body["parts"], body["sizes"], body["norm"]
+        if not (isinstance(parts, list) and isinstance(sizes, list) and 1 <= len(parts) == len(sizes)
+                <= exchange.MAX_PARTS and all(isinstance(h, bytes) and len(h) == 32 for h in parts)
+                and all(type(x) is int and 0 < x <= MAX_PART_BYTES for x in sizes)
+                and isinstance(norm, float) and math.isfinite(norm) and norm >= 0
+                and isinstance(body["base"], str) and len(body["base"]) <= 64 and self._addrs_ok(body["addrs"])):
+            return None
+        return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]))
 
     async def _report(self, loss: float) -> None:
         if self._ctx.replicator is None:
@@ -733,6 +1027,7 @@ class DilocoLoop(TaskLoop):
             "losses": self.losses[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
             "deadline_s": round(self.deadline.value(), 2),
+            "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
             **dict(sorted(self.counters.items())),
         }
 

@@ -88,9 +88,10 @@ def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None
 
 class NodeProc:
     def __init__(self, data_dir: Path, args: list[str], env: dict | None = None, *, prefix: list[str] = (),
-                 via: Callable | None = None):
+                 via: Callable | None = None, entry: list[str] = ("-m", "node")):
         """``prefix`` runs the node under another command (e.g. ``ip netns exec <ns>``); ``via(fn, *args)`` runs
-        the HTTP reads where the node's loopback endpoint is reachable (e.g. a thread in that namespace)."""
+        the HTTP reads where the node's loopback endpoint is reachable (e.g. a thread in that namespace);
+        ``entry`` is what python runs (a test's own script that alters a node before starting it: a test seam)."""
         self.data_dir = data_dir
         self.args = args
         self.via = via or (lambda fn, *a: fn(*a))
@@ -98,7 +99,7 @@ class NodeProc:
         self.log_path = data_dir.parent / f"{data_dir.name}.log"
         self._log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [*prefix, sys.executable, "-m", "node", *args],
+            [*prefix, sys.executable, *entry, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
@@ -199,12 +200,13 @@ class Swarm:
         self.nodes: list[NodeProc] = []
 
     def start(self, name: str, *extra: str, bootstrap: list[str] = (), wait: bool = True, env=None,
-              config: Path | None = None, prefix: list[str] = (), via: Callable | None = None) -> NodeProc:
+              config: Path | None = None, prefix: list[str] = (), via: Callable | None = None,
+              entry: list[str] = ("-m", "node")) -> NodeProc:
         data_dir = self.root / name
         args = ["start", "--config", str(config or self.config), "--data-dir", str(data_dir)]
         for addr in bootstrap:
             args += ["--bootstrap", addr]
-        node = NodeProc(data_dir, args + list(extra), env, prefix=prefix, via=via)
+        node = NodeProc(data_dir, args + list(extra), env, prefix=prefix, via=via, entry=entry)
         self.nodes.append(node)
         if wait:
             node.wait_ready()

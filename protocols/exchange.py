@@ -1,0 +1,89 @@
+"""The arithmetic of a round's reduce-scatter + all-gather (issue 15), pure and deterministic (no I/O).
+
+An update of ``n`` values is cut into ``part_count(n)`` parts of fixed element ranges (the same for every peer and
+round), each encoded on its own. At a round's close the participants are put in an order drawn from the round
+(``order``); part k is reduced by the k-th peer of that order (round robin) and audited, in a fraction of rounds,
+by the next one. A reducer combines the participants' chunks of its part with the same rule as the all-to-all path
+(each update scaled by its clip factor, from the norms every participant announced with its update, then the mean
+in sorted peer order), encodes the result with the run's codec and everyone adopts those bytes: every peer ends
+with the same combined update, bit for bit, whoever reduced what.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import statistics
+
+import torch
+
+PART_MIN = 16_384  # values: a fragment smaller than this many values per part is cut into fewer parts
+MAX_PARTS = 256
+
+
+def part_count(n: int, want: int) -> int:
+    """How many parts an update of ``n`` values is cut into (``want`` at most, each at least PART_MIN values)."""
+    return max(1, min(want, MAX_PARTS, n // PART_MIN))
+
+
+def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
+    return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
+
+
+def order(run: str, r: int, p: int, members) -> list[str]:
+    """The round's order of its participants: who reduces which part (k -> order[k % len]) changes every round,
+    so no peer reduces the same part of every round, and no peer can choose its place (its key is fixed first)."""
+    return sorted(members, key=lambda a: (hashlib.blake2b(f"{run}/{r}/{p}/{a}".encode(), digest_size=8).digest(), a))
+
+
+def reducer_of(ordered: list[str], k: int) -> str:
+    return ordered[k % len(ordered)]
+
+
+def auditor_of(ordered: list[str], k: int) -> str | None:
+    return ordered[(k + 1) % len(ordered)] if len(ordered) > 1 else None
+
+
+def audited(run: str, r: int, p: int, k: int, fraction: float) -> bool:
+    """Whether part k of this round is audited: drawn from the round, so every peer agrees, and no reducer knows
+    before the round closes which of its parts will be checked."""
+    if fraction >= 1.0:
+        return True
+    h = int.from_bytes(hashlib.blake2b(f"audit/{run}/{r}/{p}/{k}".encode(), digest_size=8).digest(), "big")
+    return h < fraction * 2**64
+
+
+def members_digest(members) -> str:
+    return hashlib.blake2b("\n".join(sorted(members)).encode(), digest_size=8).hexdigest()
+
+
+def clip_factors(norms: dict[str, float], clip: float = 2.0) -> dict[str, float]:
+    """Each update's scale: its announced L2 norm clipped to ``clip`` x the median norm (the lower median, as
+    torch.median takes), as ``outer.combine``'s clipped mean does."""
+    if not norms:
+        return {}
+    limit = clip * statistics.median_low(norms.values())
+    if limit <= 0:
+        return {a: 1.0 for a in norms}
+    return {a: min(1.0, limit / max(v, 1e-30)) for a, v in norms.items()}
+
+
+def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:
+    """The combined part: the clip-scaled chunks averaged in sorted peer order (zeros if none arrived)."""
+    if not chunks:
+        return torch.zeros(size)
+    peers = sorted(chunks)
+    stacked = torch.stack([chunks[a].to(torch.float32) for a in peers])
+    scale = torch.tensor([factors[a] for a in peers], dtype=torch.float32)
+    return (stacked * scale.unsqueeze(1)).mean(0)
+
+
+def chunk_ok(chunk: torch.Tensor, size: int, norm: float) -> str | None:
+    """Why a participant's chunk cannot be used (None: it can): wrong shape, non-finite values, or a part whose
+    own norm exceeds the whole update's announced norm (a peer that understated its norm to dodge clipping)."""
+    if chunk.dim() != 1 or chunk.numel() != size:
+        return "wrong_shape"
+    if not bool(torch.isfinite(chunk).all()):
+        return "non_finite"
+    if float(chunk.norm()) > norm * (1 + 1e-3) + 1e-6:
+        return "norm_understated"
+    return None

@@ -1,0 +1,166 @@
+"""The reduce-scatter + all-gather update exchange (issue 15): its pure arithmetic, and real node processes that
+exchange by it: the same weights everywhere, about 2x an update moved per peer, a lying reducer caught, a peer
+killed in the middle of the exchange costs one deadline."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from protocols import exchange, outer
+from swarmproc import REPO, Swarm, loop_config, wait_for
+
+CONFIG = """
+[loops.diloco]
+run = "{run}"
+task = "{task}"
+rounds = {rounds}
+inner_steps = {h}
+min_peers = {peers}
+inner_lr = 1e-3
+deadline_low = 2.0
+exchange = "{mode}"
+parts = 8
+audit = {audit}
+checkpoint_every = 0
+[loops.diloco.task_options]
+d = 128
+layers = 2
+"""
+
+
+# ------------------------------------------------------------------ the arithmetic
+def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
+    n = 1_000_003
+    k = exchange.part_count(n, 64)
+    bounds = exchange.part_bounds(n, k)
+    assert k == 61 and bounds[0][0] == 0 and bounds[-1][1] == n
+    assert all(a < b and b == c for (a, b), (c, _) in zip(bounds, bounds[1:]))
+    assert exchange.part_count(100, 64) == 1
+    members = [f"peer{i}" for i in range(5)]
+    ordered = exchange.order("run", 3, 0, members)
+    assert ordered == exchange.order("run", 3, 0, list(reversed(members)))  # not the order we hold them in
+    assert ordered != exchange.order("run", 4, 0, members)  # a new order every round
+    owners = [exchange.reducer_of(ordered, k) for k in range(10)]
+    assert all(owners.count(m) == 2 for m in members)
+    assert all(exchange.auditor_of(ordered, k) != exchange.reducer_of(ordered, k) for k in range(10))
+    drawn = sum(exchange.audited("run", r, 0, 0, 0.25) for r in range(2000))
+    assert 400 < drawn < 600 and all(exchange.audited("run", r, 0, 0, 1.0) for r in range(10))
+
+
+def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
+    g = torch.Generator().manual_seed(0)
+    updates = {f"p{i}": torch.randn(10_000, generator=g) * (1 + 4 * (i == 3)) for i in range(5)}
+    norms = {a: float(u.norm()) for a, u in updates.items()}
+    factors = exchange.clip_factors(norms)
+    assert factors["p3"] < 1 and all(factors[a] == 1 for a in norms if a != "p3")
+    whole, rejected = outer.combine(updates, 10_000)
+    bounds = exchange.part_bounds(10_000, 4)
+    parts = torch.cat([exchange.reduce_part({a: u[a0:b0] for a, u in updates.items()}, factors, b0 - a0)
+                       for a0, b0 in bounds])
+    assert not rejected and torch.allclose(parts, whole, atol=1e-6)
+    assert exchange.reduce_part({}, factors, 7).equal(torch.zeros(7))
+
+
+def test_a_chunk_larger_than_its_announced_norm_is_refused():
+    chunk = torch.ones(100)
+    assert exchange.chunk_ok(chunk, 100, 10.0) is None
+    assert exchange.chunk_ok(chunk, 100, 5.0) == "norm_understated"
+    assert exchange.chunk_ok(chunk, 99, 10.0) == "wrong_shape"
+    assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
+
+
+# ------------------------------------------------------------------ real nodes
+def swarm_of(tmp_path: Path, **params) -> Swarm:
+    defaults = dict(run="x", rounds=3, h=10, peers=4, mode="scatter", audit=0.0,
+                    task=f"{REPO / 'examples' / 'my_task.py'}:make_task")
+    config = loop_config(tmp_path / "diloco.toml", CONFIG.format(**{**defaults, **params}))
+    return Swarm(tmp_path / "nodes", config=config)
+
+
+def d(node) -> dict:
+    return node.status()["services"]["diloco"]
+
+
+def history(node) -> list[tuple]:
+    return [(h["round"], h["global_hash"], h["participants"]) for h in d(node)["history"]]
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(200)
+def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_update(tmp_path):
+    swarm = swarm_of(tmp_path)
+    try:
+        nodes = swarm.start_chain(4, members_within=None)
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 170,
+                         "4 nodes to finish 3 rounds")
+        assert history(nodes[0]) == history(nodes[1]) == history(nodes[2]) == history(nodes[3])
+        assert [p for _, _, p in history(nodes[0])] == [4, 4, 4]
+        for s in final:
+            assert s["exchange"]["mode"] == "scatter" and s["exchange"]["members"] == 4
+            assert s.get("parts_fallback", 0) == 0 and s.get("rejected_wrong_shape", 0) == 0
+        bulk = [n.status()["services"]["bulk"] for n in nodes]
+        update = final[0]["bytes_sent"] / 3  # one encoded update
+        for b in bulk:
+            # reduce-scatter: 3 of 4 chunks of our 2 parts in; all-gather: 6 reduced parts in (1.5 x in all), and
+            # as much out; the all-to-all would pull 3 whole updates
+            assert b["bytes_pulled"] <= 2.2 * 3 * update, (b["bytes_pulled"], update)
+            assert b["bytes_served"] <= 2.2 * 3 * update
+        assert sum(b["bytes_pulled"] for b in bulk) >= 4 * 1.2 * 3 * update
+        losses = [loss for _, loss in final[0]["losses"]]
+        assert losses[-1] < losses[0]
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(200)
+def test_a_lying_reducer_is_caught_and_the_round_closes_with_the_honest_weights(tmp_path):
+    swarm = swarm_of(tmp_path, run="liar", audit=1.0)
+    try:
+        honest = swarm.start_chain(3, members_within=None)
+        liar = swarm.start("liar", bootstrap=[honest[-1].tcp_addr], entry=[str(REPO / "tests" / "lying_reducer.py")])
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in honest) and [d(n) for n in honest], 170,
+                         "the honest nodes to finish")
+        assert history(honest[0]) == history(honest[1]) == history(honest[2])
+        assert sum(s.get("lying_reducers", 0) for s in final) >= 1
+        # every part the liar reduced was audited and replaced by the auditor's, and the liar penalised for it
+        assert all(s.get("parts_audited", 0) > 0 for s in final)
+        scores = [{p["peer_id"]: p["penalty_score"] for p in n.status()["peers"]} for n in honest]
+        assert any(score.get(liar.peer_id, 0) > 0 for score in scores)
+        assert sum(n.status()["penalties"].get("bad_data", 0) for n in honest) >= 1
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("phase", ["before_announcing", "reducing", "published"])
+def test_a_peer_killed_during_the_exchange_costs_the_others_a_deadline_not_the_run(tmp_path, phase):
+    """kill -9 before the victim announces its update (from outside), while it reduces its parts (after its
+    announcement: its chunks were served, its reduced parts never come), and after it published a reduced part
+    (the others are told where the part is and cannot pull it)."""
+    swarm = swarm_of(tmp_path, run="kill", rounds=5)
+    try:
+        nodes = swarm.start_chain(3, members_within=None)
+        entry = ("-m", "node") if phase == "before_announcing" else (str(REPO / "tests" / "dying_peer.py"), phase)
+        victim = swarm.start("victim", bootstrap=[nodes[-1].tcp_addr], entry=list(entry))
+        if phase == "before_announcing":
+            wait_for(lambda: d(victim).get("rounds", 0) >= 2, 120, "the victim to close 2 rounds")
+            victim.kill()
+        else:
+            wait_for(lambda: victim.proc.poll() is not None, 120, "the victim to die")
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 160,
+                         "the survivors to finish")
+        assert final[0]["final_hash"] == final[1]["final_hash"] == final[2]["final_hash"]
+        assert final[0]["history"][-1]["participants"] == 3 and final[0]["history"][-1]["round"] == 4
+        assert max(h["participants"] for h in final[0]["history"]) == 4
+        if phase == "before_announcing":
+            assert sum(s.get("deadline_missed", 0) for s in final) >= 1
+        else:  # the victim's parts of the round it died in were reduced by each survivor itself, all alike
+            assert all(s.get("parts_fallback", 0) >= 1 for s in final)
+            assert sum(s.get("resyncs", 0) for s in final) == 0
+        # the deadline was spent once, not every round
+        assert sum(s.get("deadline_missed", 0) for s in final) <= 3
+    finally:
+        swarm.close()
