@@ -417,7 +417,8 @@ def junk_for(loop: str, s: dict, key: Identity, tag: list) -> list[dict]:
         out = [{"r": 0, "p": 0, "ready": "0" * 32}]
         for rr in range(r, r + 3):
             out += [{"r": rr, "p": 0, "h": "f" * 32}, {"r": rr, "p": 0, "join": True},
-                    {"r": rr, "p": 0, "blob": os.urandom(32), "base": "0" * 32, "size": 1000}]
+                    {"r": rr, "p": 0, "parts": [os.urandom(32)], "sizes": [1000], "base": "0" * 32,
+                     "norm": 1.0, "addrs": []}]
     elif loop == "spsa":
         w = s.get("window", 0)
         out = [{"w": 0, "ready": "0" * 32}]

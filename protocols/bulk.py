@@ -249,6 +249,7 @@ class BulkService:
         self.host, self.port = host, port
         self.max_bytes = max_bytes
         self.blobs: collections.OrderedDict[bytes, bytearray] = collections.OrderedDict()
+        self._held = 0  # bytes in blobs
         self.announcements: dict[bytes, Announcement] = {}  # in arrival order
         self.sources: dict[bytes, list[tuple[str, str]]] = collections.defaultdict(list)  # hash -> (peer, addr)
         self._announced_at: dict[bytes, float] = {}
@@ -324,16 +325,25 @@ class BulkService:
         self._keep(blob_hash, bytearray(data))
         return blob_hash
 
+    def drop(self, hashes) -> None:
+        """Stop holding (and serving) these blobs."""
+        for blob_hash in hashes:
+            blob = self.blobs.pop(blob_hash, None)
+            if blob is not None:
+                self._held -= len(blob)
+
     def _announce(self, kind, blob_hash, size, codec, topic, round, fragment) -> None:
         body = msgpack.packb({"kind": kind, "hash": blob_hash, "size": size, "codec": codec, "topic": topic,
                               "round": round, "fragment": fragment, "addrs": self.addrs}, use_bin_type=True)
         self.gossip.publish(TOPIC, body)
 
     def _keep(self, blob_hash: bytes, data: bytearray) -> None:
+        old = self.blobs.get(blob_hash)
+        self._held += len(data) - (len(old) if old is not None else 0)
         self.blobs[blob_hash] = data
         self.blobs.move_to_end(blob_hash)
-        while sum(len(b) for b in self.blobs.values()) > self.max_bytes and len(self.blobs) > 1:
-            self.blobs.popitem(last=False)
+        while self._held > self.max_bytes and len(self.blobs) > 1:
+            self._held -= len(self.blobs.popitem(last=False)[1])
 
     def _validate(self, message: Message) -> Verdict:
         a = Announcement.parse(message)
@@ -546,7 +556,7 @@ class BulkService:
         return {
             "addrs": self.addrs,
             "blobs": len(self.blobs),
-            "bytes": sum(len(b) for b in self.blobs.values()),
+            "bytes": self._held,
             "announcements": len(self.announcements),
             **dict(sorted(self.counters.items())),
         }

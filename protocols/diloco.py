@@ -26,6 +26,7 @@ import asyncio
 import collections
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,7 @@ MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not wait
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
 MAX_PARTS = exchange.MAX_PARTS
+MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
 
 
@@ -83,9 +85,9 @@ class DilocoConfig(BaseModel):
     # each peer moves about 2x its update whatever the number of peers), or "auto": scatter from
     # scatter_min_peers participants and scatter_min_bytes per encoded update (measured by bench/bench_exchange.py)
     exchange: str = Field("auto", pattern=r"^(auto|all-to-all|scatter)$")
-    parts: int = Field(64, ge=1, le=MAX_PARTS)  # parts an update is cut into (fewer for small fragments)
+    parts: int = Field(16, ge=1, le=MAX_PARTS)  # parts an update is cut into (fewer for small fragments)
     scatter_min_peers: int = Field(4, ge=2)
-    scatter_min_bytes: int = Field(8 << 20, ge=0)
+    scatter_min_bytes: int = Field(1 << 20, ge=0)
     audit: float = Field(0.25, ge=0, le=1)  # fraction of reduced parts re-computed by a second peer
     min_bandwidth: float = Field(10e6, gt=0)  # bytes/s assumed at worst when a round's transfers are given time
 
@@ -125,6 +127,7 @@ class Pending:
     reduced: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     audits: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     entries: int = 0  # reduced + audit messages held
+    sent_at: float | None = None  # when we announced our update
 
 
 class DilocoLoop(TaskLoop):
@@ -170,12 +173,16 @@ class DilocoLoop(TaskLoop):
         self._sources: dict[str, asyncio.Semaphore] = {}
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
+        self._exchange_times: collections.deque[float] = collections.deque(maxlen=32)
+        # (round, fragment) -> the blobs of its exchange we hold: served while the round may still need them (a
+        # peer's fallback pulls come up to a deadline after its close), dropped two rounds on
+        self._round_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
         self._init_standing(ctx)
-        self.gossip.subscribe(self.topic, max_size=1024, validator=self._validate, queue_size=0)
+        self.gossip.subscribe(self.topic, max_size=MAX_MESSAGE, validator=self._validate, queue_size=0)
         await ctx.transport.serve(CKPT_SPEC, self._serve_checkpoint)
 
     async def close(self) -> None:
@@ -359,6 +366,7 @@ class DilocoLoop(TaskLoop):
         payloads = [self.codec.encode(delta[a:b]).to_wire()
                     for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))]
         hashes = [self.bulk.keep(x) for x in payloads]  # served to whoever the round makes pull them
+        self._round_blobs[(r, p)].update(hashes)
         mine = torch.cat([codecs.decode(x) for x in payloads])  # what the others will see of our update
         base = outer.params_hash([self.global_flat[p]])
         ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, float(mine.norm()),
@@ -366,6 +374,7 @@ class DilocoLoop(TaskLoop):
         self._publish({"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
                        "addrs": list(ann.addrs)})
         pending = self.pending[(r, p)]
+        pending.sent_at = time.monotonic()
         pending.announced[self._ctx.identity.peer_id] = ann
         pending.updates[self._ctx.identity.peer_id] = mine
         self.counters["bytes_sent"] += sum(ann.sizes)  # our update's size (each peer serves it as the mode asks)
@@ -428,8 +437,12 @@ class DilocoLoop(TaskLoop):
             combined, rejected = await self._scatter(key, pending, members)
         else:
             combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
+        if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
+            self._exchange_times.append(time.monotonic() - pending.sent_at)
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
-                              "seconds": round(time.monotonic() - started, 3)}
+                              "close_seconds": round(time.monotonic() - started, 3),
+                              "round_seconds_median": round(statistics.median(self._exchange_times), 3)
+                              if self._exchange_times else None}
         self.blocked_seconds += time.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
@@ -456,6 +469,8 @@ class DilocoLoop(TaskLoop):
         self.pending.pop(key, None)
         for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
             del self.round_hashes[old]
+        for old in [k for k in self._round_blobs if k[1] == p and k[0] < r - 1]:
+            self.bulk.drop(self._round_blobs.pop(old))
         for old in [k for k in self.joins if k[1] == p and k[0] <= r]:
             del self.joins[old]
         self.counters["rounds"] += 1
@@ -510,11 +525,12 @@ class DilocoLoop(TaskLoop):
             sem = self._sources[peer] = asyncio.Semaphore(2)
         return sem
 
-    async def _fetch_part(self, peer: str, blob: bytes, size: int, addrs, elements: int,
+    async def _fetch_part(self, key: tuple[int, int], peer: str, blob: bytes, size: int, addrs, elements: int,
                           timeout: float) -> torch.Tensor:
         """One encoded part that ``peer`` named, pulled from it and decoded (off the event loop when large)."""
         async with self._source(peer):
             body = await asyncio.wait_for(self.bulk.pull_from(blob, size, peer, list(addrs)), max(0.05, timeout))
+        self._round_blobs[key].add(blob)
         self.counters["bytes_received"] += size
         if size > 1 << 18:
             return await asyncio.to_thread(codecs.decode, bytes(body), max_elements=elements)
@@ -527,7 +543,7 @@ class DilocoLoop(TaskLoop):
         try:
             if len(ann.parts) != exchange.part_count(n, self.cfg.parts):
                 raise codecs.CodecError(f"{len(ann.parts)} parts for {n} values")
-            chunks = await asyncio.gather(*(self._fetch_part(peer, h, size, ann.addrs, b - a, 300.0)
+            chunks = await asyncio.gather(*(self._fetch_part(key, peer, h, size, ann.addrs, b - a, 300.0)
                                             for h, size, (a, b) in zip(ann.parts, ann.sizes, bounds)))
             update = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
             if update.dim() != 1:
@@ -582,7 +598,7 @@ class DilocoLoop(TaskLoop):
                     chunk = whole[a:b]
                 else:
                     try:
-                        chunk = await self._fetch_part(peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
+                        chunk = await self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
                                                        until - time.monotonic())
                     except codecs.CodecError:
                         rejected[peer] = "undecodable"
@@ -606,6 +622,7 @@ class DilocoLoop(TaskLoop):
 
             payload, decoded = await asyncio.to_thread(reduce_and_encode)
             computed[k] = (self.bulk.keep(payload), decoded, len(payload))
+            self._round_blobs[key].add(computed[k][0])
 
         mine = [k for k in range(len(bounds)) if exchange.reducer_of(ordered, k) == me]
         auditing = [k for k in range(len(bounds)) if k not in mine and exchange.auditor_of(ordered, k) == me
@@ -632,7 +649,8 @@ class DilocoLoop(TaskLoop):
                                                 if x not in (me, reducer)]
                 for holder, where in holders:
                     try:
-                        part = await self._fetch_part(holder, blob, size, where, b - a, end - time.monotonic())
+                        part = await self._fetch_part(key, holder, blob, size, where, b - a,
+                                                      end - time.monotonic())
                         if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
                             raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
                         got = (blob, m, part)

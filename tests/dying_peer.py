@@ -32,7 +32,7 @@ def reduce_part(chunks, factors, size):
 
 def publish(self, body):
     if point == "published" and "red" in body and body["r"] >= 1:
-        self.bulk.blobs.pop(body["blob"], None)  # nobody gets it from us
+        self.bulk.drop([body["blob"]])  # nobody gets it from us
         threading.Timer(0.5, os._exit, (137,)).start()
     honest_publish(self, body)
 

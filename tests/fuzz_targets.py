@@ -221,7 +221,11 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     base = diloco.outer.params_hash([d.global_flat[1]])
     d_seeds = [_pack({"r": 1, "p": 0, "ready": "h" * 32, "t": tag}), _pack({"r": 2, "p": 1, "join": True, "t": tag}),
                _pack({"r": 1, "p": 0, "h": "h" * 32, "t": tag}),
-               _pack({"r": 1, "p": 1, "blob": bytes(32), "base": base, "size": 100, "t": tag})]
+               _pack({"r": 1, "p": 1, "parts": [bytes(32), bytes(range(32))], "sizes": [100, 90], "base": base,
+                      "norm": 1.5, "addrs": ["127.0.0.1:4001"], "t": tag}),
+               _pack({"r": 1, "p": 1, "red": 3, "blob": bytes(32), "size": 100, "m": "ab" * 8, "addrs": [],
+                      "t": tag}),
+               _pack({"r": 1, "p": 0, "aud": 0, "ok": False, "t": tag})]
 
     s_cfg = spsa.SpsaConfig(run="fuzz", task="tinygpt", task_options={"pretrain_steps": 0})
     s = spsa.SPSALoop(None, s_cfg, load(s_cfg.task, s_cfg.options(), "spsa"))

@@ -1,0 +1,184 @@
+"""One S-byte update exchanged among N peers (separate processes, loopback), per round: swarmd's DiLoCo exchange
+all-to-all and by reduce-scatter + all-gather, next to hivemind's DecentralizedAverager (butterfly all-reduce) of
+the same bytes, in the same run.
+
+swarmd: N nodes run DiLoCo on ``bench/vector_task.py`` (one parameter vector of S/4 values, codec ``none``: an
+update is S bytes), one inner step per round, so a round's time is its exchange; time per round = the span from
+every node running to every node done, over the rounds; bytes = what each node's bulk service pulled and served,
+per round, in units of S; time = a node's median span from announcing its update to holding the round's combined
+update (the slowest node's), and the wall time per round beside it. hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
+timed from the trigger after matchmaking to the all-reduce's end (median of the rounds).
+
+    python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT))
+
+from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
+
+CONFIG = """
+[loops.diloco]
+run = "x{peers}{mode_short}"
+task = "{task}"
+device = "cpu"
+codec = "none"
+rounds = {rounds}
+inner_steps = 1
+min_peers = {peers}
+deadline_low = 2.0
+deadline_high = 120.0
+exchange = "{mode}"
+audit = {audit}
+parts = {parts}
+checkpoint_every = 0
+min_bandwidth = 5e6
+[loops.diloco.task_options]
+size = {size}
+"""
+
+
+def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
+           parts: int = 16) -> dict:
+    config = loop_config(root / "diloco.toml", CONFIG.format(
+        peers=peers, mode=mode, mode_short=mode[0], task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
+        rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts))
+    swarm = Swarm(root / "nodes", config=config)
+    try:
+        nodes = swarm.start_chain(peers, members_within=None)
+
+        def d(n):
+            return n.status()["services"]["diloco"]
+
+        wait_for(lambda: all(d(n)["state"] in ("running", "done") for n in nodes), 600, "every node running",
+                 interval=0.1)
+        t0 = time.monotonic()
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 1800,
+                         f"{mode} x{peers} to finish", interval=0.1)
+        wall = time.monotonic() - t0
+        bulk = [n.status()["services"]["bulk"] for n in nodes]
+        return {
+            "round_s": max(s["exchange"]["round_seconds_median"] for s in final),
+            "wall_s": wall / rounds,
+            "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
+            "out": max(b.get("bytes_served", 0) for b in bulk) / rounds / size_bytes,
+            "same": len({s["final_hash"] for s in final}) == 1,
+            "mode": final[0]["exchange"].get("mode"),
+            "fallback": sum(s.get("parts_fallback", 0) for s in final),
+        }
+    finally:
+        swarm.close()
+
+
+def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out) -> None:
+    mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are processes forked from this one
+    import hivemind
+    import torch
+    from hivemind.averaging.control import AveragingStage
+
+    torch.set_num_threads(1)
+    if index == 0:
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        addrs.extend([str(a) for a in dht.get_visible_maddrs()])
+    else:
+        while not addrs:
+            time.sleep(0.05)
+        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(addrs))
+    averager = hivemind.averaging.DecentralizedAverager(
+        [torch.randn(size)], dht, prefix="bench", target_group_size=peers, min_group_size=peers,
+        min_matchmaking_time=2.0, request_timeout=10.0, start=True)
+    times = []
+    for _ in range(rounds):
+        barrier.wait()
+        control = averager.step(wait=False, require_trigger=True, timeout=300)
+        while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
+            time.sleep(0.01)
+        barrier.wait()
+        t0 = time.monotonic()
+        control.allow_allreduce()
+        control.result()
+        times.append(time.monotonic() - t0)
+    out.put(times)
+    barrier.wait()
+    averager.shutdown()
+    dht.shutdown()
+
+
+def hivemind_averager(peers: int, size_bytes: int, rounds: int) -> dict:
+    ctx = mp.get_context("spawn")
+    manager = ctx.Manager()
+    addrs, barrier, out = manager.list(), ctx.Barrier(peers), ctx.Queue()
+    procs = [ctx.Process(target=_averager_peer, args=(i, peers, size_bytes // 4, rounds, addrs, barrier, out))
+             for i in range(peers)]
+    for p in procs:
+        p.start()
+    try:
+        times = []
+        while len(times) < peers:
+            try:
+                times.append(out.get(timeout=1.0))
+            except Exception:  # queue.Empty: check that no averager died
+                if any(p.exitcode not in (None, 0) for p in procs):
+                    raise RuntimeError("an averager process failed (see its traceback above)")
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+        manager.shutdown()
+    per_round = [max(t[r] for t in times) for r in range(rounds)]
+    return {"round_s": statistics.median(per_round), "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
+            "same": True, "mode": "butterfly", "fallback": 0}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--peers", default="4,8")
+    parser.add_argument("--mb", type=float, default=25.0, help="S, one update, in MB")
+    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--only", default="", help="swarmd or hivemind (default: both)")
+    parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run")
+    parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
+    parser.add_argument("--audit", type=float, default=0.0, help="the fraction of parts audited")
+    args = parser.parse_args()
+    size = int(args.mb * 1e6) // 4 * 4
+    rows = []
+    for n in [int(x) for x in args.peers.split(",")]:
+        with tempfile.TemporaryDirectory(prefix="swarmd-bench-exchange-") as tmp:
+            result = {}
+            if args.only != "hivemind":
+                for mode in args.modes.split(","):
+                    result[mode] = swarmd(mode, n, size, args.rounds, Path(tmp) / mode, args.audit, args.parts)
+                    print(f"N={n} {mode}: {result[mode]}", file=sys.stderr, flush=True)
+            if args.only != "swarmd":
+                result["hivemind"] = hivemind_averager(n, size, args.rounds)
+                print(f"N={n} hivemind: {result['hivemind']}", file=sys.stderr, flush=True)
+            rows.append((n, result))
+    print(f"One update of S = {size / 1e6:.0f} MB among N peers, loopback, {args.rounds} rounds; bytes per peer per "
+          "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
+    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'in (xS)':>7} | {'out (xS)':>8} | {'vs hivemind':>11} | "
+          f"{'same weights':>12} | {'fallback parts':>14}")
+    print("-" * 104)
+    for n, result in rows:
+        base = result.get("hivemind", {}).get("round_s")
+        for name, r in result.items():
+            ratio = f"{r['round_s'] / base:.2f}" if base else "-"
+            print(f"{n:>3} | {name + ('' if name == 'hivemind' else ' (swarmd)'):<22} | {r['round_s']:>8.2f} | "
+                  f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
+                  f"{r['fallback']:>14}")
+    print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
+
+
+if __name__ == "__main__":
+    main()

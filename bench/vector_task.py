@@ -1,0 +1,27 @@
+"""A task whose model is one parameter vector of ``size`` values, for the exchange benchmark: with the ``none``
+codec an update is exactly 4 x size bytes (plus a few bytes of header per part), and an inner step costs O(size),
+so a round's time is the exchange's."""
+
+import torch
+
+
+class VectorTask:
+    def __init__(self, size: int):
+        self.size = size
+
+    def model(self) -> torch.nn.Module:
+        model = torch.nn.Module()
+        model.w = torch.nn.Parameter(torch.zeros(self.size))
+        return model
+
+    def data(self, shard: int, seed: int):
+        g = torch.Generator().manual_seed(seed * 1000 + shard)
+        while True:  # a different direction per peer and step: every part of every update has its own bytes
+            yield torch.randn(self.size, generator=g)
+
+    def loss(self, model: torch.nn.Module, batch: torch.Tensor) -> torch.Tensor:
+        return (model.w * batch).mean()
+
+
+def make_task(size: int = 1_000_000) -> VectorTask:
+    return VectorTask(size)
