@@ -6,7 +6,9 @@ swarmd: N nodes run DiLoCo on ``bench/vector_task.py`` (one parameter vector of 
 update is S bytes), one inner step per round, so a round's time is its exchange; time per round = the span from
 every node running to every node done, over the rounds; bytes = what each node's bulk service pulled and served,
 per round, in units of S; time = a node's median span from announcing its update to holding the round's combined
-update (the slowest node's), and the wall time per round beside it. hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
+update (the slowest node's; it includes waiting for the slowest peer's update), and "after all in": from the
+round's close (every update announced) to the combined update (for all-to-all, the pulls run before the close).
+hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
 timed from the trigger after matchmaking to the all-reduce's end (median of the rounds).
 
     python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind]
@@ -70,6 +72,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         bulk = [n.status()["services"]["bulk"] for n in nodes]
         return {
             "round_s": max(s["exchange"]["round_seconds_median"] for s in final),
+            "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
             "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
             "out": max(b.get("bytes_served", 0) for b in bulk) / rounds / size_bytes,
@@ -138,7 +141,7 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int) -> dict:
                 p.kill()
         manager.shutdown()
     per_round = [max(t[r] for t in times) for r in range(rounds)]
-    return {"round_s": statistics.median(per_round), "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
+    return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round), "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
             "same": True, "mode": "butterfly", "fallback": 0}
 
 
@@ -167,14 +170,15 @@ def main() -> None:
             rows.append((n, result))
     print(f"One update of S = {size / 1e6:.0f} MB among N peers, loopback, {args.rounds} rounds; bytes per peer per "
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
-    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'in (xS)':>7} | {'out (xS)':>8} | {'vs hivemind':>11} | "
+    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | {'vs hivemind':>11} | "
           f"{'same weights':>12} | {'fallback parts':>14}")
-    print("-" * 104)
+    print("-" * 119)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
             print(f"{n:>3} | {name + ('' if name == 'hivemind' else ' (swarmd)'):<22} | {r['round_s']:>8.2f} | "
+                  f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
                   f"{r['fallback']:>14}")
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")

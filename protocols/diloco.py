@@ -174,6 +174,7 @@ class DilocoLoop(TaskLoop):
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
         self._exchange_times: collections.deque[float] = collections.deque(maxlen=32)
+        self._close_times: collections.deque[float] = collections.deque(maxlen=32)
         # (round, fragment) -> the blobs of its exchange we hold: served while the round may still need them (a
         # peer's fallback pulls come up to a deadline after its close), dropped two rounds on
         self._round_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
@@ -439,8 +440,10 @@ class DilocoLoop(TaskLoop):
             combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
             self._exchange_times.append(time.monotonic() - pending.sent_at)
+        self._close_times.append(time.monotonic() - started)  # every update announced -> combined update in hand
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
-                              "close_seconds": round(time.monotonic() - started, 3),
+                              "close_seconds": round(self._close_times[-1], 3),
+                              "close_seconds_median": round(statistics.median(self._close_times), 3),
                               "round_seconds_median": round(statistics.median(self._exchange_times), 3)
                               if self._exchange_times else None}
         self.blocked_seconds += time.monotonic() - blocked_from
