@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--only", default="", help="swarmd or hivemind (default: both)")
     parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run")
     parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
-    parser.add_argument("--audit", type=float, default=0.0, help="the fraction of parts audited")
+    parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     args = parser.parse_args()
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
