@@ -12,6 +12,11 @@ hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tens
 timed from the trigger after matchmaking to the all-reduce's end (median of the rounds).
 
     python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind]
+    python bench/bench_exchange.py --e2e [--layers 15]     # DiLoCo end to end, 4 peers, a ~109M-parameter Llama
+
+--e2e: 4 peers run DiLoCo (default settings: e3m0, exchange auto) on the hf-text task with a Llama of hidden 768,
+15 layers (random init), batch 1 x 64 tokens, H = 4, 3 rounds; reported: round time, the fraction of time a node was
+not blocked on the exchange, each node's peak RSS, the exchange chosen.
 """
 
 from __future__ import annotations
@@ -84,6 +89,69 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         swarm.close()
 
 
+E2E = """
+[loops.diloco]
+run = "e2e"
+task = "hf-text"
+device = "cpu"
+rounds = {rounds}
+inner_steps = {h}
+min_peers = {peers}
+deadline_low = 5.0
+deadline_high = 600.0
+checkpoint_every = 0
+eval_every = 100
+[loops.diloco.task_options]
+seq_len = 64
+batch = 1
+eval_batches = 1
+[loops.diloco.task_options.config]
+hidden_size = 768
+intermediate_size = 2048
+num_hidden_layers = {layers}
+num_attention_heads = 12
+num_key_value_heads = 12
+"""
+
+
+def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
+    import psutil
+
+    config = loop_config(root / "diloco.toml", E2E.format(peers=peers, layers=layers, rounds=rounds, h=h))
+    swarm = Swarm(root / "nodes", config=config)
+    try:
+        nodes = swarm.start_chain(peers, members_within=None)
+        procs = [psutil.Process(n.pid) for n in nodes]
+        peak = [0] * peers
+
+        def d(n):
+            return n.status()["services"]["diloco"]
+
+        def done():
+            for i, p in enumerate(procs):
+                peak[i] = max(peak[i], p.memory_info().rss)
+            return all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes]
+
+        started = time.monotonic()
+        final = wait_for(done, 3600, "the end-to-end run to finish", interval=0.5)
+        wall = time.monotonic() - started
+        s0 = final[0]
+        print(f"DiLoCo end to end: {peers} peers, Llama hidden 768 x {layers} layers, {s0['parameters']:,} parameters, "
+              f"H = {h}, {rounds} rounds, codec e3m0 ({s0['bytes_sent'] / rounds / 1e6:.1f} MB per update)")
+        print(f"exchange: {s0['exchange']}")
+        print(f"same final weights: {len({s['final_hash'] for s in final}) == 1}; participants per round: "
+              f"{[x['participants'] for x in s0['history']]}; wall {wall:.0f} s from start to done")
+        print(f"{'node':>4} | {'not blocked':>11} | {'round s (median)':>16} | {'after all in s':>14} | "
+              f"{'peak RSS GB':>11} | {'MB in':>7} | {'MB out':>7}")
+        for i, (n, s) in enumerate(zip(nodes, final)):
+            b = n.status()["services"]["bulk"]
+            print(f"{i:>4} | {s['compute_fraction'] * 100:>10.1f}% | {s['exchange']['round_seconds_median']:>16.2f} | "
+                  f"{s['exchange']['close_seconds_median']:>14.2f} | {peak[i] / 1e9:>11.2f} | "
+                  f"{b.get('bytes_pulled', 0) / 1e6:>7.1f} | {b.get('bytes_served', 0) / 1e6:>7.1f}")
+    finally:
+        swarm.close()
+
+
 def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out) -> None:
     mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are processes forked from this one
     import hivemind
@@ -151,10 +219,16 @@ def main() -> None:
     parser.add_argument("--mb", type=float, default=25.0, help="S, one update, in MB")
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--only", default="", help="swarmd or hivemind (default: both)")
+    parser.add_argument("--e2e", action="store_true", help="DiLoCo end to end on a ~100M-parameter model")
+    parser.add_argument("--layers", type=int, default=15)
     parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run")
     parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     args = parser.parse_args()
+    if args.e2e:
+        with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
+            e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp))
+        return
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
     for n in [int(x) for x in args.peers.split(",")]:

@@ -1044,6 +1044,7 @@ class DilocoLoop(TaskLoop):
             "step": self.step,
             "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
             "final_hash": self.final_hash,
+            "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
             "history": self.history[-64:],
             "losses": self.losses[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,

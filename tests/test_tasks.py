@@ -1,6 +1,7 @@
 """The task seam: a user's own task file for every loop, the built-in tasks through it, clear errors for bad tasks,
 weights that outlive the node (checkpoint, kill -9, resume; export), and peers that train something else refused."""
 
+import contextlib
 import re
 import textwrap
 from pathlib import Path
@@ -284,38 +285,46 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         swarm.close()
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(240)
-def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
-    spsa = loop_config(tmp_path / "spsa.toml", '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 100\nwindow = 25\n'
-                                              'min_peers = 2\nlr = 1e-2\neps = 1e-2\ncheckpoint_every = 2\n'
-                                              '[loops.spsa.task_options]\nhidden = 32\n')
-    sapo = loop_config(tmp_path / "sapo.toml", '[loops.sapo]\nrun = "g"\ntask = "reasoning-gym"\nrounds = 8\n'
-                                              'min_peers = 2\nquestions = 4\ncompletions = 4\nlocal = 2\n'
-                                              'external = 2\ncheckpoint_every = 4\n')
+@contextlib.contextmanager
+def spsa_and_sapo(tmp_path: Path, spsa_table: str, sapo_table: str):
+    """Two SPSA nodes and two SAPO nodes in one swarm; yields the pairs."""
+    spsa = loop_config(tmp_path / "spsa.toml", spsa_table)
+    sapo = loop_config(tmp_path / "sapo.toml", sapo_table)
     swarm = Swarm(tmp_path / "nodes", config=spsa)
     try:
         a = swarm.start("a")
         b = swarm.start("b", bootstrap=[a.tcp_addr])
         c = swarm.start("c", config=sapo, bootstrap=[a.tcp_addr])
         d = swarm.start("d", config=sapo, bootstrap=[c.tcp_addr])
+        yield (a, b), (c, d)
+    finally:
+        swarm.close()
 
-        def svc(n, name):
-            return n.status()["services"][name]
 
-        final = wait_for(lambda: all(svc(n, "spsa")["state"] == "done" for n in (a, b))
-                         and [svc(n, "spsa") for n in (a, b)], 180, "SPSA on digits to finish")
+def finished(nodes, loop: str, what: str) -> list[dict]:
+    def svc(n):
+        return n.status()["services"][loop]
+
+    return wait_for(lambda: all(svc(n)["state"] == "done" for n in nodes) and [svc(n) for n in nodes], 180, what)
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
+    with spsa_and_sapo(tmp_path, '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 100\nwindow = 25\n'
+                                 'min_peers = 2\nlr = 1e-2\neps = 1e-2\ncheckpoint_every = 2\n'
+                                 '[loops.spsa.task_options]\nhidden = 32\n',
+                       '[loops.sapo]\nrun = "g"\ntask = "reasoning-gym"\nrounds = 8\n'
+                       'min_peers = 2\nquestions = 4\ncompletions = 4\nlocal = 2\n'
+                       'external = 2\ncheckpoint_every = 4\n') as (spsa_nodes, (c, d)):
+        final = finished(spsa_nodes, "spsa", "SPSA on digits to finish")
         assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["participants"] == 2
         assert final[0]["checkpoint"]["round"] == 4 and final[0]["checkpoint"]["hash"] == final[0]["final_hash"]
-        rg = wait_for(lambda: all(svc(n, "sapo")["state"] == "done" for n in (c, d))
-                      and [svc(n, "sapo") for n in (c, d)], 180, "SAPO on reasoning-gym to finish")
-        for s in rg:
+        for s in finished((c, d), "sapo", "SAPO on reasoning-gym to finish"):
             assert s["round"] == 8 and s["external_items_scored"] > 0 and s.get("rejected_malformed", 0) == 0
             assert s["checkpoint"]["round"] == 8
         meta = checkpoint.read_meta(checkpoint.latest(c.data_dir, "sapo"))
         assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
-    finally:
-        swarm.close()
 
 
 @pytest.mark.swarm
@@ -339,28 +348,12 @@ def test_diloco_on_a_cuda_gpu(tmp_path):
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path runs where one is")
 def test_spsa_and_sapo_on_a_cuda_gpu(tmp_path):
-    spsa = loop_config(tmp_path / "spsa.toml", '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 50\nwindow = 25\n'
-                                              'min_peers = 2\nlr = 1e-2\neps = 1e-2\ndevice = "cuda"\n'
-                                              '[loops.spsa.task_options]\nhidden = 32\n')
-    sapo = loop_config(tmp_path / "sapo.toml", '[loops.sapo]\nrun = "g"\ntask = "arith"\nrounds = 4\n'
-                                              'min_peers = 2\nquestions = 4\ncompletions = 4\nlocal = 2\n'
-                                              'external = 2\ndevice = "cuda"\n')
-    swarm = Swarm(tmp_path / "nodes", config=spsa)
-    try:
-        a = swarm.start("a")
-        b = swarm.start("b", bootstrap=[a.tcp_addr])
-        c = swarm.start("c", config=sapo, bootstrap=[a.tcp_addr])
-        d = swarm.start("d", config=sapo, bootstrap=[c.tcp_addr])
-
-        def svc(n, name):
-            return n.status()["services"][name]
-
-        final = wait_for(lambda: all(svc(n, "spsa")["state"] == "done" for n in (a, b))
-                         and [svc(n, "spsa") for n in (a, b)], 180, "SPSA on the GPU to finish")
+    with spsa_and_sapo(tmp_path, '[loops.spsa]\nrun = "d"\ntask = "digits"\nsteps = 50\nwindow = 25\n'
+                                 'min_peers = 2\nlr = 1e-2\neps = 1e-2\ndevice = "cuda"\n'
+                                 '[loops.spsa.task_options]\nhidden = 32\n',
+                       '[loops.sapo]\nrun = "g"\ntask = "arith"\nrounds = 4\nmin_peers = 2\nquestions = 4\n'
+                       'completions = 4\nlocal = 2\nexternal = 2\ndevice = "cuda"\n') as (spsa_nodes, sapo_nodes):
+        final = finished(spsa_nodes, "spsa", "SPSA on the GPU to finish")
         assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["device"].startswith("cuda")
-        rg = wait_for(lambda: all(svc(n, "sapo")["state"] == "done" for n in (c, d))
-                      and [svc(n, "sapo") for n in (c, d)], 180, "SAPO on the GPU to finish")
-        for s in rg:
+        for s in finished(sapo_nodes, "sapo", "SAPO on the GPU to finish"):
             assert s["round"] == 4 and s["external_items_scored"] > 0 and s["device"].startswith("cuda")
-    finally:
-        swarm.close()
