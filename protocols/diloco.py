@@ -128,6 +128,7 @@ class Pending:
     audits: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     entries: int = 0  # reduced + audit messages held
     sent_at: float | None = None  # when we announced our update
+    prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk
 
 
 class DilocoLoop(TaskLoop):
@@ -469,6 +470,8 @@ class DilocoLoop(TaskLoop):
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish({"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
+        for task in pending.prefetched.values():
+            task.cancel()
         self.pending.pop(key, None)
         for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
             del self.round_hashes[old]
@@ -597,8 +600,21 @@ class DilocoLoop(TaskLoop):
             async def one(peer: str) -> None:
                 ann = pending.announced[peer]
                 whole = pending.updates.get(peer)
+                early = pending.prefetched.get((peer, k))
+                if early is not None and early.done() and (early.cancelled() or early.exception() is not None):
+                    early = None  # that pull failed: try again now
                 if whole is not None:  # ours, or an update pulled whole already
                     chunk = whole[a:b]
+                elif early is not None:
+                    try:
+                        chunk = await asyncio.wait_for(asyncio.shield(early), max(0.05, until - time.monotonic()))
+                    except codecs.CodecError:
+                        rejected[peer] = "undecodable"
+                        return
+                    except (BulkError, asyncio.TimeoutError) as e:
+                        self.counters["chunks_missing"] += 1
+                        self._log_missing(peer, f"part {k} of its update for round {r}/{p} did not arrive: {e}")
+                        return
                 else:
                     try:
                         chunk = await self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
@@ -702,6 +718,29 @@ class DilocoLoop(TaskLoop):
         await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
         combined = torch.cat([parts[k] for k in range(len(bounds))])
         return combined, rejected
+
+    def _prefetch(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
+        """Scatter: pull at once the chunks of the parts we will likely reduce (our place in the round's order over
+        the last round's participants, which a round usually keeps), so the transfer overlaps the wait for the
+        others and Streaming DiLoCo's overlap steps; a wrong guess costs those chunks' bytes, never the result."""
+        r, p = key
+        me = self._ctx.identity.peer_id
+        likely = self.participants.get(p, self._initial) | {me}
+        if peer == me or peer not in likely or len(likely) < 2:
+            return
+        ann = pending.announced[peer]
+        n = self.global_flat[p].numel()
+        bounds = exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+        if len(ann.parts) != len(bounds):
+            return
+        ordered = exchange.order(self.cfg.run, r, p, likely)
+        for k, (a, b) in enumerate(bounds):
+            if exchange.reducer_of(ordered, k) == me and (peer, k) not in pending.prefetched:
+                task = asyncio.get_running_loop().create_task(
+                    self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a, 300.0))
+                task.add_done_callback(lambda t: t.cancelled() or t.exception())  # a failure is seen at the close
+                pending.prefetched[(peer, k)] = task
+                self.counters["chunks_prefetched"] += 1
 
     def _liar(self, peer: str, k: int, r: int, p: int, role: str = "reducer") -> None:
         self.counters[f"lying_{role}s"] += 1
@@ -972,6 +1011,8 @@ class DilocoLoop(TaskLoop):
             else:
                 pending.arrivals[author] = time.monotonic()
                 self._event.set()
+                if not other_base:
+                    self._prefetch((r, p), pending, author)
             if other_base:
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE

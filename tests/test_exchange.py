@@ -99,6 +99,7 @@ def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_up
         for s in final:
             assert s["exchange"]["mode"] == "scatter" and s["exchange"]["members"] == 4
             assert s.get("parts_fallback", 0) == 0 and s.get("rejected_wrong_shape", 0) == 0
+            assert s.get("chunks_prefetched", 0) > 0  # chunks of the parts we reduce move before the close
         bulk = [n.status()["services"]["bulk"] for n in nodes]
         update = final[0]["bytes_sent"] / 3  # one encoded update
         for b in bulk:
