@@ -458,12 +458,15 @@ class DilocoLoop(TaskLoop):
             del self._contributed[old]
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
-        local = outer.flatten([self.params[i] for i in self.frag_index[p]])
+        mine = [self.params[i] for i in self.frag_index[p]]
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
-        alpha = 0.0 if self.skipped.pop(p, None) or not bool(torch.isfinite(local).all()) else self.cfg.alpha
-        merged = outer.mix(local, self.global_flat[p], alpha)
+        broken = self.skipped.pop(p, None) or not all(bool(torch.isfinite(t).all()) for t in mine)
+        alpha = 0.0 if broken else self.cfg.alpha
+        # alpha 0: the global weights as they are (0 x a non-finite local value would be NaN, not 0)
+        merged = self.global_flat[p] if alpha == 0.0 else outer.mix(outer.flatten(mine), self.global_flat[p], alpha)
         with torch.no_grad():
-            outer.unflatten_into(merged, [self.params[i] for i in self.frag_index[p]])
+            outer.unflatten_into(merged, mine)
+        del merged
         self.participants[p] = participants
         self._check_previous(p, r)
         h = self.global_hash()
@@ -716,7 +719,9 @@ class DilocoLoop(TaskLoop):
                 parts[k] = got[2]
 
         await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
-        combined = torch.cat([parts[k] for k in range(len(bounds))])
+        combined = torch.empty(n)
+        for k, (a, b) in enumerate(bounds):
+            combined[a:b] = parts.pop(k)  # each part freed as it is copied in
         return combined, rejected
 
     def _prefetch(self, key: tuple[int, int], pending: Pending, peer: str) -> None:

@@ -84,7 +84,8 @@ class OuterNesterov:
         if grad.shape != buf.shape or params_flat.shape != buf.shape:
             raise ValueError("fragment size mismatch")
         buf.mul_(self.momentum).add_(grad)
-        return params_flat - self.lr * (grad + self.momentum * buf)
+        step = grad.add(buf, alpha=self.momentum)  # one temporary the size of the fragment, not three
+        return step.mul_(-self.lr).add_(params_flat)
 
 
 def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,
