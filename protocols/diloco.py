@@ -458,15 +458,9 @@ class DilocoLoop(TaskLoop):
             del self._contributed[old]
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
-        mine = [self.params[i] for i in self.frag_index[p]]
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
-        broken = self.skipped.pop(p, None) or not all(bool(torch.isfinite(t).all()) for t in mine)
-        alpha = 0.0 if broken else self.cfg.alpha
-        # alpha 0: the global weights as they are (0 x a non-finite local value would be NaN, not 0)
-        merged = self.global_flat[p] if alpha == 0.0 else outer.mix(outer.flatten(mine), self.global_flat[p], alpha)
-        with torch.no_grad():
-            outer.unflatten_into(merged, mine)
-        del merged
+        outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
+                         broken=bool(self.skipped.pop(p, None)))
         self.participants[p] = participants
         self._check_previous(p, r)
         h = self.global_hash()

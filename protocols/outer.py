@@ -124,6 +124,17 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
     raise ValueError(f"unknown method {method!r}")
 
 
+def merge_into(params: list[torch.Tensor], global_flat: torch.Tensor, alpha: float, broken: bool = False) -> None:
+    """Set a fragment's parameters after its round: alpha * local + (1 - alpha) * global, or the global weights as
+    they are when alpha is 0, when ``broken`` (our training went wrong) or when a local value is not finite (0 x a
+    non-finite value is NaN, not 0: a peer whose weights blew up would never get them back)."""
+    if broken or not all(bool(torch.isfinite(t).all()) for t in params):
+        alpha = 0.0
+    merged = global_flat if alpha == 0.0 else mix(flatten(params), global_flat, alpha)
+    with torch.no_grad():
+        unflatten_into(merged, params)
+
+
 def mix(local: torch.Tensor, merged: torch.Tensor, alpha: float) -> torch.Tensor:
     """Streaming DiLoCo's merge of an overlapped fragment: alpha * local + (1 - alpha) * merged global."""
     return alpha * local + (1.0 - alpha) * merged

@@ -76,3 +76,16 @@ def test_adaptive_deadline_follows_observed_arrivals():
 def test_majority_vote_breaks_ties_the_same_way_everywhere():
     assert outer.majority(["a", "b", "b"]) == "b"
     assert outer.majority(["a", "b"]) == outer.majority(["b", "a"]) == "b"
+
+
+def test_merge_gives_a_peer_whose_weights_blew_up_the_global_weights_back():
+    global_flat = torch.arange(6, dtype=torch.float32)
+    params = [torch.zeros(2, 2), torch.zeros(2)]
+    outer.merge_into(params, global_flat, alpha=0.5)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in params]), global_flat * 0.5)
+    params[1][0] = float("inf")  # overlap steps that diverged: alpha x inf would stay non-finite
+    outer.merge_into(params, global_flat, alpha=0.5)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in params]), global_flat)
+    params[0][0, 0] = float("nan")  # plain DiLoCo (alpha 0): 0 x NaN is NaN, the global weights must come back
+    outer.merge_into(params, global_flat, alpha=0.0)
+    assert torch.equal(torch.cat([p.reshape(-1) for p in params]), global_flat)
