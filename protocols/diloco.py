@@ -53,6 +53,7 @@ MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from p
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
+PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
@@ -170,7 +171,7 @@ class DilocoLoop(TaskLoop):
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._resync_from: list[str] = []
-        self._encoded_size: dict[int, int] = {}  # fragment -> bytes of one encoded update
+        self._encoded_size: dict[int, list[int]] = {}  # fragment -> bytes of each encoded part of an update
         self._sources: dict[str, asyncio.Semaphore] = {}
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
@@ -507,10 +508,14 @@ class DilocoLoop(TaskLoop):
             self.cfg.scatter_min_bytes else "all-to-all"
 
     def _update_bytes(self, p: int) -> int:
+        return sum(self._part_bytes(p))
+
+    def _part_bytes(self, p: int) -> list[int]:
+        """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most."""
         if p not in self._encoded_size:
             n = self.global_flat[p].numel()
-            self._encoded_size[p] = sum(len(self.codec.encode(torch.zeros(b - a)).to_wire())
-                                        for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts)))
+            self._encoded_size[p] = [len(self.codec.encode(torch.zeros(b - a)).to_wire())
+                                     for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))]
         return self._encoded_size[p]
 
     def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
@@ -602,20 +607,14 @@ class DilocoLoop(TaskLoop):
                     early = None  # that pull failed: try again now
                 if whole is not None:  # ours, or an update pulled whole already
                     chunk = whole[a:b]
-                elif early is not None:
-                    try:
-                        chunk = await asyncio.wait_for(asyncio.shield(early), max(0.05, until - time.monotonic()))
-                    except codecs.CodecError:
-                        rejected[peer] = "undecodable"
-                        return
-                    except (BulkError, asyncio.TimeoutError) as e:
-                        self.counters["chunks_missing"] += 1
-                        self._log_missing(peer, f"part {k} of its update for round {r}/{p} did not arrive: {e}")
-                        return
                 else:
+                    if early is not None:  # pulled as its announcement came (see _prefetch)
+                        pull = asyncio.wait_for(asyncio.shield(early), max(0.05, until - time.monotonic()))
+                    else:
+                        pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
+                                                until - time.monotonic())
                     try:
-                        chunk = await self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
-                                                       until - time.monotonic())
+                        chunk = await pull
                     except codecs.CodecError:
                         rejected[peer] = "undecodable"
                         return
@@ -750,6 +749,8 @@ class DilocoLoop(TaskLoop):
     def _log_missing(self, peer: str, what: str) -> None:
         now = time.monotonic()
         if now - self._missing_logged.get(peer, 0.0) > 30.0:
+            if len(self._missing_logged) > 4096:
+                self._missing_logged.clear()
             self._missing_logged[peer] = now
             logger.warning("diloco: %s: %s", peer, what)
 
@@ -980,7 +981,7 @@ class DilocoLoop(TaskLoop):
                 hashes[author] = body["h"]
             return Verdict.ACCEPT
         if keys == {"r", "p", "parts", "sizes", "base", "norm", "addrs"}:
-            ann = self._announced(body)
+            ann = self._announced(body, p)
             if ann is None:
                 return Verdict.REJECT
             # an update computed from other global weights than ours is kept (we may be the one that drifted and
@@ -1025,7 +1026,7 @@ class DilocoLoop(TaskLoop):
             pending = self.pending[(r, p)]
             if "red" in body:
                 if not (isinstance(body["blob"], bytes) and len(body["blob"]) == 32 and type(body["size"]) is int
-                        and 0 < body["size"] <= MAX_PART_BYTES and isinstance(body["m"], str)
+                        and 0 < body["size"] <= self._max_part(p, k) and isinstance(body["m"], str)
                         and len(body["m"]) <= 32 and self._addrs_ok(body["addrs"])):
                     return Verdict.REJECT
                 held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]))
@@ -1048,11 +1049,19 @@ class DilocoLoop(TaskLoop):
     def _addrs_ok(addrs) -> bool:
         return isinstance(addrs, list) and len(addrs) <= 8 and all(isinstance(a, str) and len(a) <= 64 for a in addrs)
 
-    def _announced(self, body: dict) -> Announced | None:
+    def _max_part(self, p: int, k: int) -> int:
+        """The most bytes part k of fragment p may claim (checked before anything is pulled, so a peer cannot make
+        us allocate for a size it made up)."""
+        if not self.rounds_done:  # not built yet: only the absolute cap
+            return MAX_PART_BYTES
+        sizes = self._part_bytes(p)
+        return sizes[k] + PART_SLACK if k < len(sizes) else 0
+
+    def _announced(self, body: dict, p: int) -> Announced | None:
         parts, sizes, norm = body["parts"], body["sizes"], body["norm"]
         if not (isinstance(parts, list) and isinstance(sizes, list) and 1 <= len(parts) == len(sizes)
                 <= exchange.MAX_PARTS and all(isinstance(h, bytes) and len(h) == 32 for h in parts)
-                and all(type(x) is int and 0 < x <= MAX_PART_BYTES for x in sizes)
+                and all(type(x) is int and 0 < x <= self._max_part(p, k) for k, x in enumerate(sizes))
                 and isinstance(norm, float) and math.isfinite(norm) and norm >= 0
                 and isinstance(body["base"], str) and len(body["base"]) <= 64 and self._addrs_ok(body["addrs"])):
             return None

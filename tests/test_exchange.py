@@ -70,6 +70,25 @@ def test_a_chunk_larger_than_its_announced_norm_is_refused():
     assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
 
 
+def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_any_pull():
+    from types import SimpleNamespace
+
+    from protocols import diloco
+    from protocols.task import load
+    from transport.identity import Identity
+
+    cfg = diloco.DilocoConfig(run="t", task="tinygpt", parts=4)
+    loop = diloco.DilocoLoop(None, None, cfg, load(cfg.task, cfg.options(), "diloco"))
+    loop._ctx = SimpleNamespace(identity=Identity.generate())
+    loop._build()
+    sizes = loop._part_bytes(0)
+    body = {"parts": [bytes(32)] * len(sizes), "sizes": list(sizes), "base": "b", "norm": 1.0, "addrs": []}
+    assert loop._announced(body, 0) is not None
+    assert loop._announced({**body, "sizes": [sizes[0] + 10**6, *sizes[1:]]}, 0) is None  # we would allocate it
+    assert loop._announced({**body, "parts": body["parts"] + [bytes(32)], "sizes": sizes + [8]}, 0) is None
+    assert loop._announced({**body, "norm": float("nan")}, 0) is None
+
+
 # ------------------------------------------------------------------ real nodes
 def swarm_of(tmp_path: Path, **params) -> Swarm:
     defaults = dict(run="x", rounds=3, h=10, peers=4, mode="scatter", audit=0.0,
