@@ -365,9 +365,7 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
             return
         delta = self.global_flat[p] - local
-        n = delta.numel()
-        payloads = [self.codec.encode(delta[a:b]).to_wire()
-                    for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))]
+        payloads = [self.codec.encode(delta[a:b]).to_wire() for a, b in self._bounds(p)]
         hashes = [self.bulk.keep(x) for x in payloads]  # served to whoever the round makes pull them
         self._round_blobs[(r, p)].update(hashes)
         mine = torch.cat([codecs.decode(x) for x in payloads])  # what the others will see of our update
@@ -510,12 +508,15 @@ class DilocoLoop(TaskLoop):
     def _update_bytes(self, p: int) -> int:
         return sum(self._part_bytes(p))
 
+    def _bounds(self, p: int) -> list[tuple[int, int]]:
+        """The value ranges fragment p's update is cut into (the same for every peer and round)."""
+        n = self.global_flat[p].numel()
+        return exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+
     def _part_bytes(self, p: int) -> list[int]:
         """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most."""
         if p not in self._encoded_size:
-            n = self.global_flat[p].numel()
-            self._encoded_size[p] = [len(self.codec.encode(torch.zeros(b - a)).to_wire())
-                                     for a, b in exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))]
+            self._encoded_size[p] = [len(self.codec.encode(torch.zeros(b - a)).to_wire()) for a, b in self._bounds(p)]
         return self._encoded_size[p]
 
     def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
@@ -546,11 +547,10 @@ class DilocoLoop(TaskLoop):
 
     async def _pull(self, key: tuple[int, int], peer: str, ann: Announced) -> None:
         """All-to-all: the whole update of ``peer``, every part."""
-        n = self.global_flat[key[1]].numel()
-        bounds = exchange.part_bounds(n, len(ann.parts))
+        bounds = self._bounds(key[1])
         try:
-            if len(ann.parts) != exchange.part_count(n, self.cfg.parts):
-                raise codecs.CodecError(f"{len(ann.parts)} parts for {n} values")
+            if len(ann.parts) != len(bounds):
+                raise codecs.CodecError(f"{len(ann.parts)} parts, not {len(bounds)}")
             chunks = await asyncio.gather(*(self._fetch_part(key, peer, h, size, ann.addrs, b - a, 300.0)
                                             for h, size, (a, b) in zip(ann.parts, ann.sizes, bounds)))
             update = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
@@ -577,7 +577,7 @@ class DilocoLoop(TaskLoop):
         r, p = key
         me = self._ctx.identity.peer_id
         n = self.global_flat[p].numel()
-        bounds = exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+        bounds = self._bounds(p)
         rejected: dict[str, str] = {}
         for a in sorted(members):
             ann = pending.announced[a]
@@ -727,8 +727,7 @@ class DilocoLoop(TaskLoop):
         if peer == me or peer not in likely or len(likely) < 2:
             return
         ann = pending.announced[peer]
-        n = self.global_flat[p].numel()
-        bounds = exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+        bounds = self._bounds(p)
         if len(ann.parts) != len(bounds):
             return
         ordered = exchange.order(self.cfg.run, r, p, likely)
