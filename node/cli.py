@@ -18,6 +18,7 @@ import click
 
 from node import __version__, datadir
 from node.config import ConfigError, load_config, parse_host_port
+from node.doctor import diagnose
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -544,80 +545,3 @@ def doctor(data_dir, http, as_json) -> None:
     lines.append("")
     lines += [f"hint: {h}" for h in report["hints"]] or ["no problems found"]
     click.echo("\n".join(lines))
-
-
-def diagnose(s: dict) -> dict:
-    """A doctor's report from a node's /status (pure: tested on its own)."""
-    nat = s.get("services", {}).get("nat", {})
-    peers = [p for p in s["peers"] if p["connected"]]
-    direct = [p for p in peers if p["path"] in ("direct", "hole-punched")]
-    punched = [p for p in peers if p["path"] == "hole-punched"]
-    relayed = [p for p in peers if p["path"] == "relayed"]
-    unconnected = [p for p in s["peers"] if p["member"] and not p["connected"]]
-    observed = nat.get("observed_addrs", [])
-    local_ips = {a.split("/")[2] for a in s.get("addresses", []) if a.startswith(("/ip4/", "/ip6/"))}
-    observed_ips = {a.split("/")[2] for a in observed}
-    listen_ports = {a.split("/")[4] for a in s.get("listen", []) if "/tcp/" in a}
-    if not observed:
-        nat_text = "unknown (no peer has answered an AutoNAT probe yet)"
-    elif observed_ips <= local_ips:
-        nat_text = "none seen: peers see this node at one of its own addresses"
-    else:
-        kept = {a.split("/")[4] for a in observed} & listen_ports
-        nat_text = (f"translated: this node's addresses are {', '.join(sorted(local_ips - {'127.0.0.1'})) or '-'}, "
-                    f"peers see {', '.join(sorted(observed_ips))}"
-                    + ("; the listen port is kept (endpoint-independent mapping likely: hole punching can work)"
-                       if kept else "; the port changes (a symmetric NAT likely: hole punching will fail)"))
-    punches = nat.get("punches", [])
-    punch = (f"{nat.get('punch_successes', 0)} of {nat.get('punch_attempts', 0)} attempts succeeded"
-             + (f" (and {nat.get('punch_served_ok', 0)} of {nat.get('punch_served', 0)} that peers started)"
-                if nat.get("punch_served") else "")
-             + (f"; last: {'ok' if punches[0]['ok'] else punches[0].get('error')}" if punches else ""))
-    hints = []
-    reach = s["reachability"]
-    if not s["peers"] and not s.get("bootstrap"):
-        hints.append("no peers and no bootstrap: start with --bootstrap <address of a running node> to join a swarm")
-    for b in s.get("bootstrap", []):
-        if b["state"] != "connected":
-            hints.append(f"bootstrap {b['addr']} is not connected ({b.get('last_error') or 'retrying'}): check the "
-                         "address, that the node runs, and that its port is open to you")
-    if reach == "private" and not nat.get("relays"):
-        hints.append("this node is behind a NAT and has no relay: set network.relays or bootstrap from a public "
-                     "node, or forward a port and announce it (--announce /ip4/<public ip>/tcp/<port>)")
-    if reach == "private" and nat.get("relays") and not any(p in direct and p["peer_id"] in
-                                                           " ".join(nat["relays"]) for p in peers):
-        hints.append("no connection to any relay: others cannot reach this node until one is connected")
-    if reach == "unknown" and s["peers"]:
-        hints.append("reachability unknown: no directly connected peer has answered an AutoNAT probe yet")
-    if relayed:
-        hints.append(f"{len(relayed)} peer(s) only through a relay: control traffic works, bulk transfers go "
-                     "through peers with a direct path; forwarding a port (or port_mapping = true) makes this "
-                     "node directly reachable")
-    if nat.get("punch_attempts", 0) and not nat.get("punch_successes", 0):
-        hints.append("hole punching has not succeeded: a NAT that changes the port for each destination "
-                     "(symmetric), or a firewall that drops inbound SYNs even after ours went out, blocks it; the "
-                     "relay keeps working")
-    if unconnected:
-        hints.append(f"{len(unconnected)} member(s) not connected: they may be offline, or behind NATs with no "
-                     "relay in common")
-    for name, svc in sorted(s.get("services", {}).items()):
-        if svc.get("state") == "refused":
-            hints.append(f"{name} refused: {svc.get('refused')}")
-        elif svc.get("state") == "failed":
-            hints.append(f"{name} failed: {svc.get('error')}")
-    return {
-        "reachability": reach,
-        "reachability_source": "forced by config" if nat.get("detected") != reach else "AutoNAT",
-        "observed_addrs": observed,
-        "nat": nat_text,
-        "relays": nat.get("relays", []),
-        "relay_service": nat.get("relay_service", False),
-        "punch": punch,
-        "direct": len(direct),
-        "punched": len(punched),
-        "relayed": len(relayed),
-        "unconnected": len(unconnected),
-        "peers": [{"peer_id": p["peer_id"], "path": p["path"], "relay": p["relay"], "since": p["path_since"]}
-                  for p in peers],
-        "hints": hints,
-    }

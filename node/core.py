@@ -21,6 +21,7 @@ from crdt.admission import Admission
 from dht.discovery import Discovery, DiscoveryConfig
 from node import __version__, datadir
 from node.config import Config, parse_host_port
+from node.dashboard import Recorder
 from node.http import StatusServer
 from node.nat import NatService, guess_private
 from node.replication import Replicator
@@ -158,13 +159,13 @@ class Node:
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
                                  token=datadir.http_token(data_dir))
+        self.recorder = Recorder(self)
         self.started_at: float | None = None
         self._started_mono: float | None = None
         self.loop_lag = LoopLag()
         self.addresses: list[str] = []
         self.connected: dict[str, ConnectedPeer] = {}
         self.peer_state: dict[str, PeerState] = {}
-        self.loops: dict[str, dict] = {}  # name -> progress, filled by training loops (later issues)
 
     def _replication_peers(self) -> list[str]:
         """Connected peers that are swarm members (discovered or in the CRDT member set)."""
@@ -179,8 +180,12 @@ class Node:
         conn = self.connected.get(peer_id)
         return conn is not None and conn.path is PathType.PUNCHED
 
+    def training_loops(self) -> list[Service]:
+        """The services that are training loops (they name themselves with a ``loop_key``: ``<loop>/<run>``)."""
+        return [svc for svc in self.services if getattr(svc, "loop_key", None)]
+
     def loop_names(self) -> list[str]:
-        return sorted(self.loops)
+        return sorted(svc.loop_key for svc in self.training_loops())
 
     # ------------------------------------------------------------------ lifecycle
     async def run(self, on_ready: Callable[[Node], None] | None = None) -> None:
@@ -220,6 +225,7 @@ class Node:
                             tg.create_task(supervise("connection monitor", self._connection_monitor))
                             tg.create_task(supervise("ping", self._ping_loop))
                             tg.create_task(supervise("event loop lag", self.loop_lag.run))
+                            tg.create_task(supervise("dashboard recorder", self.recorder.run))
                             tg.create_task(supervise("replication", self.replicator.run))
                             for svc in self.services:
                                 tg.create_task(supervise(svc.name, svc.run))
@@ -354,6 +360,7 @@ class Node:
         stats = self.transport.stats
         known = self._known_peers()  # the member set is sorted once per status, not three times
         peers = self.peers_view(known)
+        services = {svc.name: svc.status() for svc in self.services}
         return {
             "peer_id": self.identity.peer_id,
             "version": __version__,
@@ -377,8 +384,9 @@ class Node:
             "connected": len(self.connected),
             "peers": peers,
             "crdt": self.replicator.summary(),
-            "services": {svc.name: svc.status() for svc in self.services},
-            "loops": dict(self.loops),
+            "services": services,
+            "loops": {svc.loop_key: {"service": svc.name, **{k: st.get(k) for k in ("state", "round", "step")}}
+                      for svc in self.training_loops() for st in [services[svc.name]]},
             "traffic": {
                 "bytes_in": stats.bytes_in,
                 "bytes_out": stats.bytes_out,

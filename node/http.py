@@ -1,6 +1,8 @@
 """Local HTTP status endpoint (aiohttp), served on the node's own event loop.
 
-``GET /healthz`` 200 when up; ``/status`` JSON; ``/peers`` JSON list; ``/metrics`` Prometheus text; ``/`` a small page.
+``GET /healthz`` 200 when up; ``/status`` JSON; ``/peers`` JSON list; ``/metrics`` Prometheus text; ``/`` the
+dashboard (``node/static/dashboard.html``, drawing ``/dashboard`` JSON with uPlot, which ships in ``node/static``:
+the page loads nothing from elsewhere).
 Bound to 127.0.0.1 by default: it is for the person running the node, not for the swarm, nor for the web pages that
 person's browser opens. So every request passes :func:`StatusServer._guard` first:
 
@@ -24,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -35,6 +38,17 @@ if TYPE_CHECKING:
     from node.core import Node
 
 logger = logging.getLogger(__name__)
+
+
+# the dashboard and what it loads, read once: a fixed set of names, never a path from the request
+_STATIC_DIR = Path(__file__).parent / "static"
+STATIC = {name: ((_STATIC_DIR / name).read_bytes(), kind) for name, kind in (
+    ("dashboard.html", "text/html"), ("dashboard.js", "application/javascript"),
+    ("uPlot.iife.min.js", "application/javascript"), ("uPlot.min.css", "text/css"))}
+# the page runs only its own scripts and talks only to this node; no other site may frame it
+PAGE_HEADERS = {"Content-Security-Policy": "default-src 'self'; script-src 'self'; "
+                "style-src 'self' 'unsafe-inline'; img-src 'self' data:; frame-ancestors 'none'",
+                "X-Content-Type-Options": "nosniff"}
 
 
 class HttpStartError(Exception):
@@ -71,6 +85,8 @@ class StatusServer:
         app.add_routes(
             [
                 web.get("/", self._page),
+                web.get("/dashboard", self._dashboard),
+                web.get("/static/{name}", self._static),
                 web.get("/healthz", self._healthz),
                 web.get("/status", self._status),
                 web.get("/peers", self._peers),
@@ -187,7 +203,19 @@ class StatusServer:
         return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})
 
     async def _page(self, request: web.Request) -> web.Response:
-        return web.Response(text=PAGE, content_type="text/html")
+        return web.Response(body=STATIC["dashboard.html"][0], content_type="text/html", charset="utf-8",
+                            headers=PAGE_HEADERS)
+
+    async def _dashboard(self, request: web.Request) -> web.Response:
+        return web.json_response(self.node.recorder.view(), dumps=_dumps)
+
+    async def _static(self, request: web.Request) -> web.Response:
+        item = STATIC.get(request.match_info["name"])
+        if item is None:
+            return web.json_response({"error": "no such file"}, status=404)
+        body, content_type = item
+        return web.Response(body=body, content_type=content_type, charset="utf-8",
+                            headers={"Cache-Control": "max-age=3600", **PAGE_HEADERS})
 
 
 def _loopback(host: str) -> bool:
@@ -207,46 +235,3 @@ def _json_default(obj):
 
 def _dumps(obj) -> str:
     return json.dumps(obj, default=_json_default)
-
-
-PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>swarmd</title>
-<style>
-body{font:14px system-ui,sans-serif;margin:2em;color:#222}h1{font-size:1.3em}
-table{border-collapse:collapse}td,th{padding:.25em .8em;border-bottom:1px solid #ddd;text-align:left}
-code{font-size:12px}.k{color:#666}.bad{color:#b00}
-</style></head><body>
-<h1>swarmd <span id="ver"></span></h1>
-<p><span class="k">peer</span> <code id="pid"></code><br>
-<span class="k">swarm</span> <span id="swarm"></span> &middot; <span class="k">uptime</span> <span id="up"></span> &middot;
-<span class="k">reachability</span> <span id="reach"></span> &middot; <span class="k">DHT</span> <span id="dht"></span> &middot;
-<span class="k">traffic</span> <span id="traffic"></span></p>
-<p><span class="k">share one of</span><br><code id="addrs"></code></p>
-<div id="boot"></div>
-<h2>Peers (<span id="n"></span>)</h2>
-<table><thead><tr><th>peer</th><th>path</th><th>latency</th><th>last seen</th><th>version</th><th>loops</th></tr></thead>
-<tbody id="peers"></tbody></table>
-<p class="k"><a href="/status">/status</a> &middot; <a href="/peers">/peers</a> &middot; <a href="/metrics">/metrics</a></p>
-<script>
-const $=id=>document.getElementById(id);
-const esc=s=>String(s??'').replace(/[&<>"]/g,c=>({'&':'&amp;','<':'&lt;','>':'&gt;','"':'&quot;'}[c]));
-const ago=t=>t?Math.max(0,(Date.now()/1000-t)).toFixed(1)+' s ago':'-';
-async function tick(){
-  try{
-    const s=await (await fetch('/status')).json();
-    $('ver').textContent=s.version;$('pid').textContent=s.peer_id;$('swarm').textContent=s.swarm;
-    $('up').textContent=s.uptime_s.toFixed(0)+' s';$('reach').textContent=s.reachability;
-    $('dht').textContent=s.dht.routing_table_size+' in routing table, '+s.members+' members';
-    $('traffic').textContent=s.traffic.bytes_in+' B in / '+s.traffic.bytes_out+' B out';
-    $('addrs').innerHTML=s.addresses.map(esc).join('<br>');
-    $('boot').innerHTML=s.bootstrap.filter(b=>b.state!=='connected').map(b=>
-      '<p class="bad">bootstrap '+esc(b.addr)+': '+esc(b.state)+' (attempt '+b.attempts+') '+esc(b.last_error)+'</p>').join('');
-    $('n').textContent=s.peers.length;
-    $('peers').innerHTML=s.peers.map(p=>'<tr><td><code>'+esc(p.peer_id)+'</code></td><td>'+esc(p.path)+
-      (p.relay?' via '+esc(p.relay.slice(-8)):'')+'</td><td>'+(p.latency_ms==null?'-':p.latency_ms.toFixed(2)+' ms')+
-      '</td><td>'+ago(p.last_seen)+'</td><td>'+esc(p.version)+'</td><td>'+esc(p.loops.join(', '))+'</td></tr>').join('');
-  }catch(e){$('pid').textContent='node not answering';}
-}
-tick();setInterval(tick,2000);
-</script></body></html>
-"""

@@ -118,6 +118,36 @@ class NodeCollector:
         yield boot
 
 
+        yield from loop_families(node)
+
+
+# per training loop (labels loop, run), from each loop's loop_metrics(): (key, family name, help, counter?)
+LOOP_SERIES = [
+    ("round", "swarmd_loop_round", "The loop's current round (window for SPSA)", False),
+    ("step", "swarmd_loop_step", "Inner steps this peer has taken", False),
+    ("loss", "swarmd_loop_loss", "The loop's last loss (training or validation, as its status reports)", False),
+    ("reward", "swarmd_loop_reward", "SAPO: mean reward of our own rollouts over the last 50 rounds", False),
+    ("deadline_seconds", "swarmd_loop_deadline_seconds", "How long a round waits for its peers now", False),
+    ("peers_in_last_round", "swarmd_loop_round_participants", "Peers whose contribution the last round used",
+     False),
+    ("running", "swarmd_loop_running", "1 while the loop trains (0 waiting, refused, failed or done)", False),
+    ("bytes_sent", "swarmd_loop_bytes_sent", "Bytes of updates this loop sent", True),
+    ("deadlines_missed", "swarmd_loop_deadlines_missed", "Rounds that closed at the deadline without a peer "
+     "they waited for", True),
+    ("peers_missed", "swarmd_loop_peers_missed", "Peers a round waited for and closed without, summed", True),
+]
+
+
+def loop_families(node: Node):
+    loops = [(svc, svc.loop_metrics()) for svc in node.training_loops() if hasattr(svc, "loop_metrics")]
+    for key, name, help_text, counter in LOOP_SERIES:
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, help_text, labels=["loop", "run"])
+        for svc, values in loops:
+            if values.get(key) is not None:
+                family.add_metric(svc.loop_key.split("/", 1), float(values[key]))
+        yield family
+
+
 def make_registry(node: Node) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(NodeCollector(node))

@@ -424,12 +424,16 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - have()))
         for peer, t in pending.arrivals.items():
             self.deadline.observe(t - pending.opened)
+        missing = waited - have()
+        waited_s = time.monotonic() - blocked_from
         base_now = outer.params_hash([self.global_flat[p]])
+        other_base = {}
         for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
             # announced ahead of us, from other weights than the ones we close with
             pending.updates.pop(peer, None)
             del pending.announced[peer]
             self.counters["rejected_base"] += 1
+            other_base[peer] = "base"
         contributing = r >= self.join_round.get(p, 0)
         self.counters["newcomer_updates"] += len(slots & have())
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
@@ -451,6 +455,8 @@ class DilocoLoop(TaskLoop):
             self.counters[f"rejected_{reason}"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco update {reason}")
         participants = members - set(rejected)
+        self._record_round(r, fragment=p, waited_s=waited_s, deadline_s=self.deadline.value(),
+                           participants=participants, missing=missing, rejected={**other_base, **rejected})
         self.standing.record(participants)
         self._contributed[key] = participants
         for old in [k for k in self._contributed if k[1] == p and k[0] < r - 1]:
@@ -990,6 +996,7 @@ class DilocoLoop(TaskLoop):
                 and ann.base != outer.params_hash([self.global_flat[p]])
             if self.rounds_done and r < self.rounds_done[p]:
                 self.counters["late_updates"] += 1
+                self._record_late(r, message.author, p)
                 return Verdict.IGNORE  # that round is closed here
             if r > done + 2:
                 self.counters["early_updates"] += 1

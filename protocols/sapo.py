@@ -388,10 +388,13 @@ class SapoLoop(TaskLoop):
         """Wait, at most ``deadline`` s, until every peer of our last round whose word counts has shared new items
         (of its own next round: rounds are each peer's own). A fresh key is never waited for."""
         expected = self.standing.counting(self._participants) - {self._ctx.identity.peer_id}
+        opened = time.monotonic()
         if not await outer.wait_until(lambda: expected <= self._fresh(), self._arrived, self.cfg.deadline):
             self.counters["deadline_missed"] += 1
             logger.info("sapo round %d closed without %d peer(s)", r, len(expected - self._fresh()))
         self._participants = self._fresh()
+        self._record_round(r, waited_s=time.monotonic() - opened, deadline_s=self.cfg.deadline,
+                           participants=self._participants, missing=expected - self._participants)
         self.standing.record(self._participants)
         self._rate.prune()
 
@@ -538,6 +541,9 @@ class SapoLoop(TaskLoop):
                         for a, s in sorted(self.sources.items(), key=lambda kv: -kv[1][0])[:32]},
             **dict(sorted(self.counters.items())),
         }
+
+    def bytes_sent(self) -> int:
+        return int(self.counters["wire_bytes_published"])
 
     def routes(self) -> list:
         return [web.get("/sapo/history", self._http_history)]

@@ -406,7 +406,8 @@ class SPSALoop(TaskLoop):
         slots = set(self.standing.newcomers(base - expected, f"{self.cfg.run}/{w}", max(1, len(expected) // 4),
                                             fresh_ok=fresh_round(w)))
         waited = expected | slots
-        end = time.monotonic() + self.cfg.deadline
+        opened = time.monotonic()
+        end = opened + self.cfg.deadline
         await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, end - time.monotonic())
         if expected <= set(window.batches) and not slots <= set(window.batches):
             # every counting peer is in: a newcomer holding a slot gets NEWCOMER_GRACE more, not the whole
@@ -418,6 +419,8 @@ class SPSALoop(TaskLoop):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
+        self._record_round(w, waited_s=time.monotonic() - opened, deadline_s=self.cfg.deadline,
+                           participants=set(self.applied[w]), missing=waited - set(window.batches))
         self.standing.record(self.applied[w])
         for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
             del self.hashes[old]
@@ -612,6 +615,7 @@ class SPSALoop(TaskLoop):
         if w in self.applied:
             # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
             self.counters["late"] += 1
+            self._record_late(w, author)
             self._ctx.transport.penalties.penalize(message.received_from or message.author, "stale",
                                                    "spsa batch for a closed window")
             return Verdict.IGNORE
@@ -662,6 +666,9 @@ class SPSALoop(TaskLoop):
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
             **dict(sorted(self.counters.items())),
         }
+
+    def bytes_sent(self) -> int:
+        return int(self.counters["step_wire_bytes"])
 
     def routes(self) -> list:
         return []

@@ -19,6 +19,8 @@ from protocols.task import Task, TaskError, describe_mismatch, pick_device
 logger = logging.getLogger(__name__)
 
 MAX_MISMATCHED = 64  # peers whose mismatching fingerprint we remember
+TIMELINE_ROUNDS = 64  # closed rounds kept for the dashboard's round timeline
+TIMELINE_PEERS = 64  # peer ids kept per list in one round's record (the counts are always whole)
 
 
 class TaskLoop:
@@ -37,6 +39,8 @@ class TaskLoop:
         self.resumed: dict | None = None
         self.saved: dict | None = None
         self._last_refusal_log = 0.0
+        self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_ROUNDS)
+        self._timeline_bytes = 0  # bytes_sent() when the last round was recorded
 
     def _init_standing(self, ctx) -> None:
         """Who counts in this run's decisions (``protocols.standing``): the config's ``peers`` (a closed run) or,
@@ -139,6 +143,58 @@ class TaskLoop:
     def _model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict (buffers too) as ``model.<name>``, cloned so tied weights are saved apart."""
         return {checkpoint.MODEL_PREFIX + k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+    # ------------------------------------------------------------------ the round timeline
+    def _record_round(self, r: int, *, fragment: int | None = None, waited_s: float, deadline_s: float,
+                      participants, missing, rejected: dict | None = None) -> None:
+        """One closed round for the dashboard: who took part, who was waited for and missing, whose update was
+        refused and why, and the bytes this loop sent since the previous record."""
+        sent = self.bytes_sent()
+        rejected = rejected or {}
+        self.timeline.append({
+            "round": r, "fragment": fragment, "closed_at": round(time.time(), 3),
+            "waited_s": round(waited_s, 3), "deadline_s": round(deadline_s, 3),
+            "participants": len(participants), "missing": len(missing), "late": 0, "rejected": len(rejected),
+            "peers": {"participants": sorted(participants)[:TIMELINE_PEERS], "missing": sorted(missing)[:TIMELINE_PEERS],
+                      "late": [], "rejected": dict(sorted(rejected.items())[:TIMELINE_PEERS])},
+            "bytes_sent": sent - self._timeline_bytes,
+        })
+        self._timeline_bytes = sent
+        self.counters["peers_missed"] += len(missing)
+
+    def _record_late(self, r: int, peer: str, fragment: int | None = None) -> None:
+        """A peer's contribution to round r came after we had closed it."""
+        for entry in reversed(self.timeline):
+            if entry["round"] == r and entry["fragment"] == fragment:
+                if peer not in entry["peers"]["late"]:
+                    entry["late"] += 1
+                    if len(entry["peers"]["late"]) < TIMELINE_PEERS:
+                        entry["peers"]["late"].append(peer)
+                return
+
+    @property
+    def loop_key(self) -> str:
+        """How this loop is named to others (the node's DHT record, ``/status`` -> ``loops``): ``<loop>/<run>``."""
+        return f"{self.name}/{self.cfg.run}"[:64]
+
+    def bytes_sent(self) -> int:
+        """Bytes this loop has put on the wire for its updates (each loop counts its own way)."""
+        return int(self.counters.get("bytes_sent", 0))
+
+    def loop_metrics(self) -> dict[str, float | None]:
+        """The numbers ``/metrics`` exports per loop (``swarmd_loop_<name>{loop=..., run=...}``)."""
+        st = self.status()
+        losses = st.get("losses") or []
+        loss = losses[-1][1] if losses else st.get("train_loss", st.get("last_loss"))
+        return {
+            "round": st.get("round"), "step": st.get("step", st.get("round")), "loss": loss,
+            "reward": st.get("reward_last50"),
+            "bytes_sent": self.bytes_sent(), "deadline_seconds": st.get("deadline_s", getattr(self.cfg, "deadline", None)),
+            "deadlines_missed": self.counters.get("deadline_missed", 0),
+            "peers_missed": self.counters.get("peers_missed", 0),
+            "peers_in_last_round": self.timeline[-1]["participants"] if self.timeline else None,
+            "running": 1.0 if st.get("state") == "running" else 0.0,
+        }
 
     # ------------------------------------------------------------------ views
     def _task_status(self) -> dict:

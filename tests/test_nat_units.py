@@ -3,7 +3,7 @@
 import pytest
 
 from node import datadir
-from node.cli import diagnose
+from node.doctor import diagnose
 from node.nat import guess_private, relays_in
 from transport.identity import Identity
 from transport.errors import MalformedMessage
