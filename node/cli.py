@@ -86,9 +86,11 @@ def cli() -> None:
 @click.option("--reachability", type=click.Choice(["auto", "public", "private"]), help="Force reachability.")
 @click.option("--port-mapping/--no-port-mapping", default=None, help="UPnP/NAT-PMP on the router (default off).")
 @click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]))
-def start(config_path, **flags) -> None:
+@click.option("--set", "settings", multiple=True, metavar="KEY=VALUE",
+              help="Any config setting, dotted, value in TOML (repeatable): --set loops.diloco.rounds=20")
+def start(config_path, settings, **flags) -> None:
     """Run a node until SIGINT/SIGTERM. Without --bootstrap it starts a new swarm."""
-    config = _load(config_path, flags)
+    config = _load(config_path, flags, settings)
     prepared = _prepare_loops(config, Path(config_path).resolve().parent if config_path else None)
     _setup_logging(config.node.log_level)
     data_dir = datadir.ensure(datadir.resolve(config.node.data_dir))
@@ -222,9 +224,9 @@ def _exit_now(*_) -> None:
     os._exit(130)
 
 
-def _load(config_path, flags):
+def _load(config_path, flags, settings=()):
     try:
-        return load_config(config_path, _overrides(**flags))
+        return load_config(config_path, _overrides(**flags), settings)
     except ConfigError as e:
         raise Fail(str(e), EXIT_USAGE) from None
 
@@ -452,6 +454,21 @@ def _export_pretrained(meta: dict, state: dict, directory: Path) -> Path:
     else:
         raise Fail(f"{meta['task']} is not a transformers model: --pretrained needs a model with save_pretrained()")
     return directory
+
+
+@cli.command()
+@click.option("--loop", type=click.Choice(["diloco", "streaming-diloco", "spsa", "sapo"]), default="diloco",
+              show_default=True, help="Which training loop the swarm runs (on its built-in task).")
+@click.option("--nodes", type=click.IntRange(2, 16), default=4, show_default=True, help="How many nodes to start.")
+@click.option("--rounds", type=click.IntRange(1), help="Rounds to train (default: the loop's config in configs/).")
+@click.option("--dir", "directory", type=click.Path(file_okay=False), help="Keep the nodes' data dirs and logs "
+              "here (default: a temporary dir, removed at the end).")
+@click.option("--until-done", is_flag=True, help="Stop the swarm and exit once every node's loop is done.")
+def demo(loop, nodes, rounds, directory, until_done) -> None:
+    """Start a local training swarm (loopback), show its progress, stop it all on Ctrl+C."""
+    from node import demo as demo_module
+
+    sys.exit(demo_module.run(loop, nodes, rounds, directory, until_done))
 
 
 @cli.command("id")

@@ -161,6 +161,37 @@ FLAGS = {
 }
 
 
+def parse_settings(items) -> dict:
+    """``["loops.diloco.rounds=20", 'node.swarm="x"']`` -> nested overrides. The value is read as a TOML value
+    (numbers, booleans, quoted strings, [lists], {inline tables}); a bare word that is not one is taken as a string."""
+    out: dict = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        parts = key.strip().split(".")
+        if not sep or not all(p and p.replace("_", "").replace("-", "").isalnum() for p in parts):
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value (e.g. loops.diloco.rounds=20)")
+        try:
+            value = tomllib.loads(f"v = {raw.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw.strip()
+        node = out
+        for p in parts[:-1]:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {item!r}: {key} is inside a value set by another --set")
+        node[parts[-1]] = value
+    return out
+
+
+def _given(settings: dict, loc: tuple) -> bool:
+    node = settings
+    for part in loc:
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def default_config_text() -> str:
     return importlib.resources.files("configs").joinpath("default.toml").read_text()
 
@@ -189,8 +220,10 @@ def _format_loc(loc: tuple) -> str:
     return text
 
 
-def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None) -> Config:
-    """Build the effective config. Raises ConfigError (one line, names the field)."""
+def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, Any]] | None = None,
+                settings: list[str] = ()) -> Config:
+    """Build the effective config: the embedded defaults, the file at ``path``, the CLI flags (``overrides``),
+    then ``settings``: ``--set`` items, ``dotted.key=<TOML value>``. Raises ConfigError (one line, names the field)."""
     data = _read_toml(default_config_text(), "embedded configs/default.toml")
     source = "configs/default.toml"
     if path is not None:
@@ -205,6 +238,8 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         source = str(path)
     overrides = overrides or {}
     data = _merge(data, overrides)
+    settings = parse_settings(settings)
+    data = _merge(data, settings)
     try:
         return Config.model_validate(data)
     except ValidationError as e:
@@ -214,5 +249,10 @@ def load_config(path: str | Path | None = None, overrides: dict[str, dict[str, A
         if err["type"] == "extra_forbidden":
             msg = "unknown setting (check the spelling; see configs/default.toml)"
         flag = FLAGS.get(loc[:2])
-        origin = f" (from {flag})" if flag and loc[1] in overrides.get(loc[0], {}) else f" (in {source})"
+        if _given(settings or {}, loc):
+            origin = " (from --set)"
+        elif flag and loc[1] in overrides.get(loc[0], {}):
+            origin = f" (from {flag})"
+        else:
+            origin = f" (in {source})"
         raise ConfigError(f"invalid {_format_loc(loc)}{origin}: {msg}") from None

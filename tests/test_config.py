@@ -61,3 +61,18 @@ def test_example_configs_load():
 
     for path in sorted((Path(__file__).parent.parent / "configs").glob("*.toml")):
         load_config(path)
+
+
+def test_set_overrides_any_setting_with_a_toml_value(tmp_path):
+    cfg = load_config(None, {"node": {"swarm": "from-flag"}},
+                      ["state.admission_bits=12", 'node.swarm="from-set"', "discovery.poll_interval=0.5",
+                       "network.listen=['/ip4/127.0.0.1/tcp/0']", "node.log_level=debug"])
+    assert cfg.state.admission_bits == 12 and cfg.node.swarm == "from-set" and cfg.discovery.poll_interval == 0.5
+    assert list(cfg.network.listen) == ["/ip4/127.0.0.1/tcp/0"] and cfg.node.log_level == "debug"  # bare word: a str
+    with pytest.raises(ConfigError, match=r"invalid state.admission_bits \(from --set\)"):
+        load_config(None, None, ["state.admission_bits=-1"])
+    with pytest.raises(ConfigError, match="unknown setting"):
+        load_config(None, None, ["state.no_such_thing=1"])
+    for bad in ("no_equals_sign", "a..b=1", "=1", "a.b c=1"):
+        with pytest.raises(ConfigError, match="expected dotted.key=value"):
+            load_config(None, None, [bad])
