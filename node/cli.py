@@ -19,6 +19,7 @@ import click
 from node import __version__, datadir
 from node.config import ConfigError, load_config, parse_host_port
 from node.doctor import diagnose
+from node.services import work_text
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -336,7 +337,9 @@ def loop_summary(st: dict) -> str:
         parts.append(f"sent {_mb(st['wire_bytes_published'])}")
     if st.get("checkpoint"):
         parts.append(f"saved round {st['checkpoint'].get('round')}")
+    parts += [work_text(w) for w in st.get("work") or []]
     return "  ".join(parts)
+
 
 
 @cli.command()
@@ -416,16 +419,23 @@ def export(data_dir, loop, out, pretrained) -> None:
     if path is None:
         raise Fail(f"no saved weights in {folder / checkpoint.DIR}" + (f" for the {loop} loop" if loop else "")
                    + " (a loop saves them every checkpoint_every rounds and at the end)")
+    started = time.monotonic()
     try:
-        tensors, meta = checkpoint.load(path)
+        with click.progressbar(length=path.stat().st_size, label=f"reading {path.name}", file=sys.stderr,
+                               show_pos=False, show_percent=True) as bar:
+            tensors, meta = checkpoint.load(path, progress=bar.update)
     except checkpoint.CheckpointError as e:
         raise Fail(str(e)) from None
     state = checkpoint.model_state(tensors)
     target = Path(out) if out else Path(f"{meta['loop']}-{meta['run']}-round{meta['round']}.safetensors")
     info = {k: meta[k] for k in ("loop", "run", "round", "step", "hash", "task", "task_options") if k in meta}
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    click.echo(f"writing {nbytes / 1e6:.1f} MB to {target} ...", err=True)
     checkpoint.save(target.resolve(), state, info)
-    click.echo(f"wrote {len(state)} tensors of {meta['loop']} run {meta['run']} (round {meta['round']}) to {target}")
+    click.echo(f"wrote {len(state)} tensors of {meta['loop']} run {meta['run']} (round {meta['round']}) to {target} "
+               f"in {time.monotonic() - started:.1f} s")
     if pretrained:
+        click.echo("rebuilding the task's model to save it with save_pretrained ...", err=True)
         click.echo(f"wrote a save_pretrained directory to {_export_pretrained(meta, state, Path(pretrained))}")
 
 

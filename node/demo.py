@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from node import datadir
+from node.services import work_text
 
 # --loop -> (config file in configs/, its [loops.<section>])
 LOOPS = {
@@ -172,7 +173,8 @@ class Demo:
                                peers=st["connected"], metric="reward" if "reward_last50" in loop else "loss",
                                value=reward if "reward_last50" in loop else
                                (losses[-1][1] if losses else loop.get("train_loss", loop.get("last_loss"))),
-                               error=loop.get("error") or loop.get("refused"))
+                               error=loop.get("error") or loop.get("refused"),
+                               work=", ".join(work_text(w) for w in loop.get("work") or []))
             node.last = row
             rows.append(row)
         return rows
@@ -186,10 +188,11 @@ def line(row: dict) -> str:
     total = f"/{row['total']}" if row["total"] else ""
     text = (f"{row['node']:<6} {row['peer']:<8} {row['state']:<17} round {row['round']}{total}  step {row['step']}  "
             f"{row['metric']} {value}  peers {row['peers']}")
-    return text + (f"  ({row['error']})" if row.get("error") else "")
+    return text + (f"  [{row['work']}]" if row.get("work") else "") + (f"  ({row['error']})" if row.get("error") else "")
 
 
 def _table(rows: list[dict]):
+    from rich.markup import escape
     from rich.progress_bar import ProgressBar
     from rich.table import Table
 
@@ -200,7 +203,8 @@ def _table(rows: list[dict]):
         total = r["total"] or max(r["round"], 1)
         style = "red" if r["state"].startswith(("exited", "failed", "refused", "not")) else \
             "green" if r["state"] in ("running", "done") else "yellow"
-        table.add_row(r["node"], r["peer"], f"[{style}]{r['state']}[/]", ProgressBar(total=total, completed=r["round"],
+        state = r["state"] + (f" ({r['work']})" if r.get("work") else "")
+        table.add_row(r["node"], r["peer"], f"[{style}]{escape(state)}[/]", ProgressBar(total=total, completed=r["round"],
                       width=24), f"{r['round']}/{r['total'] or '-'}", str(r["step"]),
                       "-" if r["value"] is None else f"{r['value']:.4f}", str(r["peers"]))
     return table

@@ -179,8 +179,9 @@ class _Receiver(asyncio.BufferedProtocol):
 
 
 async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeout: float = 120.0,
-                idle_timeout: float = IDLE_TIMEOUT) -> bytearray:
-    """Pull one blob from ``addr`` ("host:port") and verify it. Raises BulkError / BadData / OSError."""
+                idle_timeout: float = IDLE_TIMEOUT, progress: Callable[[int], None] | None = None) -> bytearray:
+    """Pull one blob from ``addr`` ("host:port") and verify it; ``progress(bytes so far)`` is called about once a
+    second. Raises BulkError / BadData / OSError."""
     host, port = addr.rsplit(":", 1)
     loop = asyncio.get_running_loop()
     transport, protocol = await asyncio.wait_for(
@@ -194,6 +195,8 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
                 body = await asyncio.wait_for(asyncio.shield(protocol.done), min(1.0, idle_timeout))
                 break
             except asyncio.TimeoutError:
+                if progress is not None:
+                    progress(protocol.got)
                 now = time.monotonic()
                 if now > deadline:
                     raise BulkError(f"{addr}: not done after {timeout:.0f} s ({protocol.got} B)") from None
@@ -212,7 +215,7 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
 
 
 async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, request: dict, *,
-                       timeout: float = 120.0) -> bytearray:
+                       timeout: float = 120.0, progress: Callable[[int], None] | None = None) -> bytearray:
     """Pull one blob from ``peer`` over a ``/swarmd/bulk`` stream and verify it. Raises BulkError / BadData /
     TransportError / ProtocolViolation."""
     async with asyncio.timeout(timeout):
@@ -232,6 +235,8 @@ async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, reques
                         or len(chunk.body) > size - len(body):
                     raise BadData(f"bulk: bad DATA frame after {len(body)} B")
                 body += chunk.body
+                if progress is not None:
+                    progress(len(body))
     digest = await asyncio.to_thread(content_hash, body)
     if digest != blob_hash:
         raise BadData("served bytes whose hash does not match the announcement")
@@ -367,14 +372,16 @@ class BulkService:
         return Verdict.ACCEPT
 
     # ------------------------------------------------------------------ pulling
-    async def pull(self, blob_hash: bytes, *, timeout: float = 300.0) -> tuple[bytearray, str]:
-        """The verified bytes of an announced blob, from the first source that serves them right."""
+    async def pull(self, blob_hash: bytes, *, timeout: float = 300.0,
+                   progress: Callable[[int], None] | None = None) -> tuple[bytearray, str]:
+        """The verified bytes of an announced blob, from the first source that serves them right (``progress``:
+        called with the bytes received so far, as they come)."""
         if blob_hash in self.blobs:
             return self.blobs[blob_hash], "local"
         a = self.announcements.get(blob_hash)
         if a is None:
             raise BulkError("no announcement for this hash")
-        body, peer = await self._fetch(blob_hash, a.size, self.sources[blob_hash], timeout)
+        body, peer = await self._fetch(blob_hash, a.size, self.sources[blob_hash], timeout, progress)
         self._announce("have", blob_hash, a.size, a.codec, a.topic, a.round, a.fragment)
         if self.on_blob is not None:
             self.on_blob(a, body)
@@ -393,7 +400,7 @@ class BulkService:
         return body
 
     async def _fetch(self, blob_hash: bytes, size: int, sources: list[tuple[str, str]],
-                     timeout: float) -> tuple[bytearray, str]:
+                     timeout: float, progress: Callable[[int], None] | None = None) -> tuple[bytearray, str]:
         ctx = self._ctx
         errors = []
         hosts = await self._peer_hosts()
@@ -430,11 +437,12 @@ class BulkService:
                 where = f"{peer[-8:]}@{way}"
                 try:
                     if way == "stream":
-                        body = await fetch_stream(ctx.transport, peer, blob_hash, size, request, timeout=timeout)
+                        body = await fetch_stream(ctx.transport, peer, blob_hash, size, request, timeout=timeout,
+                                                  progress=progress)
                         self.counters["pulled_over_stream"] += 1
                     else:
                         body = await fetch(way, blob_hash, size, msgpack.packb(request, use_bin_type=True),
-                                           timeout=timeout)
+                                           timeout=timeout, progress=progress)
                     break
                 except (BadData, ProtocolViolation) as e:
                     ctx.transport.penalties.penalize(peer, "bad_data", str(e))

@@ -59,9 +59,19 @@ def read_meta(path: Path) -> dict:
         raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
 
 
-def load(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+def load(path: Path, progress=None) -> tuple[dict[str, torch.Tensor], dict]:
+    """The tensors and meta of a checkpoint; ``progress(bytes)`` is called after each tensor read, if given."""
     try:
-        tensors = load_file(str(path))
+        if progress is None:
+            tensors = load_file(str(path))
+        else:
+            from safetensors import safe_open
+
+            tensors = {}
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():
+                    tensors[key] = f.get_tensor(key)
+                    progress(tensors[key].numel() * tensors[key].element_size())
     except (OSError, SafetensorError, ValueError) as e:
         raise CheckpointError(f"{path}: not a readable checkpoint ({e})") from None
     return tensors, read_meta(path)

@@ -230,7 +230,8 @@ class DilocoLoop(TaskLoop):
     async def _run(self) -> None:
         torch.set_num_threads(1)
         self.state = "building the model"
-        await asyncio.to_thread(self._build)
+        with self.work.track("model build"):
+            await asyncio.to_thread(self._build)
         self._resume_own()
         if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
             await self._start_barrier()
@@ -902,7 +903,9 @@ class DilocoLoop(TaskLoop):
                     if blob in self.bulk.announcements:
                         break
                     await asyncio.sleep(0.05)
-                body, _ = await self.bulk.pull(blob)
+                size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
+                with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
+                    body, _ = await self.bulk.pull(blob, progress=work.update)
                 ckpt = unpack(body)
                 global_flat = [codecs.decode(w) for w in ckpt["global"]]
                 momentum = [codecs.decode(w) for w in ckpt["momentum"]]

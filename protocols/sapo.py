@@ -246,7 +246,8 @@ class SapoLoop(TaskLoop):
         cfg, me = self.cfg, self._ctx.identity.peer_id
         seed = cfg.policy_seed if cfg.policy_seed is not None else policy_seed(cfg.seed, me)
         self.state = "building the policy"
-        await asyncio.to_thread(self._build, seed)
+        with self.work.track("policy build"):
+            await asyncio.to_thread(self._build, seed)
         self._resume_own()
         rng = random.Random(seed)
         rounds = cfg.rounds or float("inf")

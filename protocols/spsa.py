@@ -254,7 +254,8 @@ class SPSALoop(TaskLoop):
     async def _run(self) -> None:
         torch.set_num_threads(1)
         self.state = "building base model"
-        await asyncio.to_thread(self._build)
+        with self.work.track("base model build"):
+            await asyncio.to_thread(self._build)
         self.base_hash = self.weights.hash()
         self._base = [c.clone() for c in self.weights.canonical]
         self._resume_own()
@@ -510,7 +511,7 @@ class SPSALoop(TaskLoop):
                     reply = await asyncio.wait_for(stream.read_required(), 60)
                 if not isinstance(reply.body, list):
                     raise MalformedMessage("spsa-log: a list of signed batches expected")
-                replayed = self._replay(reply.body)
+                replayed = await self._replay(reply.body)
                 break
             except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                 logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
@@ -529,10 +530,29 @@ class SPSALoop(TaskLoop):
                     replayed, self.replay_seconds, self.window, self.join_at)
         return True
 
-    def _replay(self, entries: list) -> int:
-        """Verify and apply the closed windows of a log; leave the last one to the live loop (one-window lag)."""
+    async def _replay(self, entries: list) -> int:
+        """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply
+        their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
+        the last window is left to the live loop (one-window lag)."""
+        verified = self._verify_log(entries)
+        for w, batches in verified:
+            self.applied[w] = batches
+            self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
+        self.window = len(entries)
+        todo = max(0, len(entries) - 1)
+        with self.work.track("log replay", total=todo, unit="windows") as work:
+            def apply() -> None:
+                for w in range(todo):
+                    for i in range(self.cfg.window):
+                        self.weights.apply(self.cfg.run, w * self.cfg.window + i, self._bytes_for(w, i), self.cfg.lr)
+                    work.update(w + 1)
+            await asyncio.to_thread(apply)
+        return len(entries)
+
+    def _verify_log(self, entries: list) -> list[tuple[int, dict[str, Message]]]:
         if [e[0] if isinstance(e, list) and len(e) == 2 else None for e in entries] != list(range(len(entries))):
             raise ValueError("spsa-log: windows must be [w, batches] contiguous from 0")
+        out = []
         for w, wires in entries:
             if not isinstance(wires, list):
                 raise ValueError("spsa-log: batches must be a list")
@@ -548,13 +568,8 @@ class SPSALoop(TaskLoop):
                         or len(body["b"]) != self.cfg.window:
                     raise ValueError("spsa-log: an entry is not a batch of its window")
                 batches[message.author] = message
-            self.applied[w] = batches
-            self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
-            if w < len(entries) - 1:
-                for i in range(self.cfg.window):
-                    self.weights.apply(self.cfg.run, w * self.cfg.window + i, self._bytes_for(w, i), self.cfg.lr)
-        self.window = len(entries)
-        return len(entries)
+            out.append((w, batches))
+        return out
 
     async def _serve_log(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)

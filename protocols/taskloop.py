@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from node.services import WorkBoard
 from protocols import checkpoint
 from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
@@ -39,6 +40,7 @@ class TaskLoop:
         self.resumed: dict | None = None
         self.saved: dict | None = None
         self._last_refusal_log = 0.0
+        self.work = WorkBoard(logging.getLogger(f"protocols.{self.name}"))  # long work, in /status as it goes
         self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_ROUNDS)
         self._timeline_bytes = 0  # bytes_sent() when the last round was recorded
 
@@ -207,4 +209,5 @@ class TaskLoop:
             "mismatched_peers": len(self.mismatched),
             "checkpoint": self.saved,
             "resumed": self.resumed,
+            "work": self.work.view(),
         }

@@ -201,3 +201,34 @@ async def test_announcements_cannot_make_a_node_dial_other_hosts_or_grow_without
         server.close()
         await holder.close()
         await puller.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_pull_reports_its_progress_as_bytes_arrive():
+    data = os.urandom(1 << 20)
+    half_seen = asyncio.Event()
+    seen: list[int] = []
+
+    async def slow(reader, writer):
+        await reader.read(100)
+        writer.write(HEADER.pack(OK, len(data)) + data[: len(data) // 2])
+        await writer.drain()
+        await half_seen.wait()  # the rest only once the puller has said it holds the first half
+        writer.write(data[len(data) // 2:])
+        await writer.drain()
+        writer.close()
+
+    def progress(got: int) -> None:
+        seen.append(got)
+        if got >= len(data) // 2:
+            half_seen.set()
+
+    server = await asyncio.start_server(slow, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        body = await fetch(f"127.0.0.1:{port}", content_hash(data), len(data), b"req", progress=progress)
+        assert bytes(body) == data
+        assert seen and seen == sorted(seen) and len(data) // 2 <= seen[0] < len(data)
+    finally:
+        server.close()
+        await server.wait_closed()

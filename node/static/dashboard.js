@@ -77,6 +77,9 @@ function renderLoops(d) {
       esc(l.round) + (l.total_rounds ? " / " + esc(l.total_rounds) : "") + " &middot; step " + esc(l.step) +
       " &middot; task <code>" + esc(l.task) + "</code>" +
       (last ? " &middot; last round: " + last.participants + " peers, " + last.waited_s + " s of " + last.deadline_s + " s" : "") +
+      (l.work || []).map(w => '<br><span class="warn">' + esc(w.what) + ": " + (w.percent == null ? "" : w.percent.toFixed(0) +
+        "% of " + (w.unit === "B" ? fmtBytes(w.total) : w.total + " " + esc(w.unit)) + ", ") + w.elapsed_s.toFixed(0) +
+        " s</span>").join("") +
       (l.error ? '<br><span class="bad">' + esc(l.error) + "</span>" : "") + "</div>";
   }).join("");
 }
