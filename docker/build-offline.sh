@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build the swarmd image where no container registry can be reached: the base image from Debian's packages
+# (debootstrap + docker import), the Python packages from a wheelhouse made here (pip download; sdists built into
+# wheels here), nothing pulled by the build itself.
+#
+#   docker/build-offline.sh [image tag, default swarmd:latest]
+#
+# Needs root, a running dockerd, debootstrap and a Debian mirror (SWARMD_DEBIAN_MIRROR, default deb.debian.org).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+TAG="${1:-swarmd:latest}"
+BASE="${SWARMD_BASE_IMAGE:-swarmd-base:bookworm}"
+MIRROR="${SWARMD_DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+PY="${PYTHON:-python3}"
+
+if ! docker image inspect "$BASE" >/dev/null 2>&1; then
+    echo "building the base image $BASE from Debian's packages (debootstrap) ..." >&2
+    rootfs="$(mktemp -d)"
+    trap 'rm -rf "$rootfs"' EXIT
+    debootstrap --variant=minbase --include=python3,python3-venv,iproute2,ca-certificates,libgmp10 \
+        bookworm "$rootfs" "$MIRROR" >&2
+    tar -C "$rootfs" -c . | docker import - "$BASE" >/dev/null
+fi
+
+echo "filling docker/wheelhouse ..." >&2
+mkdir -p docker/wheelhouse
+"$PY" -m pip download -q . -d docker/wheelhouse
+# packages published only as source: built into wheels here, so the image needs no compiler
+for sdist in docker/wheelhouse/*.tar.gz; do
+    [ -e "$sdist" ] || continue
+    "$PY" -m pip wheel -q --no-deps -w docker/wheelhouse "$sdist" && rm -f "$sdist"
+done
+
+echo "building $TAG from $BASE ..." >&2
+DOCKER_BUILDKIT=0 docker build -q -f docker/Dockerfile --build-arg BASE="$BASE" -t "$TAG" . >&2
+echo "$TAG"
