@@ -62,7 +62,8 @@ def toml_options(options: dict) -> str:
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
         momentum: float = 0.9, device: str = "cpu") -> dict:
-    table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap, alpha=alpha,
+    table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap,
+                          alpha=alpha,
                           codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)

@@ -209,7 +209,8 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int) -> dict:
                 p.kill()
         manager.shutdown()
     per_round = [max(t[r] for t in times) for r in range(rounds)]
-    return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round), "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
+    return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round),
+            "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
             "same": True, "mode": "butterfly", "fallback": 0}
 
 
@@ -244,7 +245,8 @@ def main() -> None:
             rows.append((n, result))
     print(f"One update of S = {size / 1e6:.0f} MB among N peers, loopback, {args.rounds} rounds; bytes per peer per "
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
-    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | {'vs hivemind':>11} | "
+    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | "
+          f"{'vs hivemind':>11} | "
           f"{'same weights':>12} | {'fallback parts':>14}")
     print("-" * 119)
     for n, result in rows:

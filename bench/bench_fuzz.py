@@ -69,7 +69,8 @@ def run(target, n, rng):
     finally:
         tracemalloc.stop()
     return {"decoder": name, "inputs": n, "undeclared": sum(undeclared.values()), "kinds": undeclared,
-            "peak_x_input": worst_ratio, "worst_input": worst_input, "baseline_x_input": worst_base, "worst_ms": worst_time * 1e3}
+            "peak_x_input": worst_ratio, "worst_input": worst_input, "baseline_x_input": worst_base,
+            "worst_ms": worst_time * 1e3}
 
 
 def main() -> None:

@@ -38,7 +38,10 @@ async def main():
         from protocols.bulk import HEADER, OK
         async def serve(reader, writer):
             n = struct.unpack(">I", await reader.readexactly(4))[0]; await reader.readexactly(n)
-            writer.write(HEADER.pack(OK, len(data))); writer.write(memoryview(data)); await writer.drain(); writer.close()
+            writer.write(HEADER.pack(OK, len(data)))
+            writer.write(memoryview(data))
+            await writer.drain()
+            writer.close()
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         print(server.sockets[0].getsockname()[1], flush=True)
     elif mode == "tcp":

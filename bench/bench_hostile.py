@@ -378,7 +378,8 @@ def print_node(rows: list[dict]) -> None:
         hz = f"{r['p50']:.1f}/{r['p99']:.1f}/{r['max']:.1f}"
         write = "LOST" if r["write"] is None else f"{r['write'] * 1e3:.0f} ms"
         print(f"{r['attack']:48} | {rss:>24} | {r['rss_peak'] - r['rss_before']:>5.0f}M | {hz:>22} | "
-              f"{r['lag']:>6.0f}ms | {r['failed']:>4} | {r['refused']:>7} | {write:>12}" + (f"  ({r['error']})" if r["error"] else ""))
+              f"{r['lag']:>6.0f}ms | {r['failed']:>4} | {r['refused']:>7} | {write:>12}"
+              + (f"  ({r['error']})" if r["error"] else ""))
     print("growth: the peak RSS while attacked over the RSS before (the node's Python process; its p2p daemon is "
           "a separate process). healthz: as a client on the same 2 cores sees it (the attacker's processes compete "
           "for them); loop lag: the node's own largest event-loop timer lag over the last minute (/status). "

@@ -113,7 +113,8 @@ def main() -> None:
     print(f"NAT lab, {args.runs} runs per mode: 1 public bootstrap/relay, 2 nodes behind their own NAT (swarmd "
           f"processes in network namespaces)")
     print(f"{'mode':<12} | {'relayed ok':>10} | {'first relayed call p50 / max':>28} | {'direct':>8} | "
-          f"{'time to direct p50 / max':>24} | {'punch p50':>9} | {'bulk TCP MB/s':>13} | {'punched MB/s':>12} | {'ratio':>5}")
+          f"{'time to direct p50 / max':>24} | {'punch p50':>9} | {'bulk TCP MB/s':>13} | {'punched MB/s':>12} | "
+          f"{'ratio':>5}")
     print("-" * 152)
     for mode, runs in results.items():
         relayed = [r["relayed"] for r in runs if r["relayed"] is not None]

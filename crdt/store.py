@@ -5,9 +5,10 @@
 - ``applied``: verified and merged (with any held ops it unblocked);
 - ``duplicate``: already known (idempotent);
 - ``pending``: verified, but a parent is unknown; held until the parent arrives, within a budget: at most
-  ``max_pending`` ops and ``max_pending_bytes`` of bodies in all, at most ``max_pending_share`` (a tenth) of either per author, each for at
-  most ``pending_ttl_ms``. When the budget is full the oldest held op gives way (anti-entropy delivers it again in
-  causal order later), so a flood of orphans can neither grow memory nor lock honest out-of-order ops out;
+  ``max_pending`` ops and ``max_pending_bytes`` of bodies in all, at most ``max_pending_share`` (a tenth) of either per
+  author, each for at most ``pending_ttl_ms``. When the budget is full the oldest held op gives way (anti-entropy
+  delivers it again in causal order later), so a flood of orphans can neither grow memory nor lock honest out-of-order
+  ops out;
 - ``rejected`` with a reason code: ``malformed``, ``oversized``, ``bad_signature``, ``unknown_object``,
   ``not_allowed`` (the author wrote outside what the type allows), ``future_clock`` (more than ``max_skew_ms``
   ahead of our clock), ``bad_causality`` (clock not after its parents', or seq not following the author's previous

@@ -263,7 +263,8 @@ class Discovery:
         started = time.perf_counter()
         await asyncio.gather(self.poll(), self.announce(),
                              self._dht_call("walk", self.dht.find_nearest_nodes([self.dht.node_id])))
-        logger.info("first member sync: %d members in %.0f ms", len(self.members), (time.perf_counter() - started) * 1e3)
+        logger.info("first member sync: %d members in %.0f ms", len(self.members),
+                    (time.perf_counter() - started) * 1e3)
 
     # ------------------------------------------------------------------ members
     async def _poll_loop(self) -> None:

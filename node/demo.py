@@ -188,7 +188,9 @@ def line(row: dict) -> str:
     total = f"/{row['total']}" if row["total"] else ""
     text = (f"{row['node']:<6} {row['peer']:<8} {row['state']:<17} round {row['round']}{total}  step {row['step']}  "
             f"{row['metric']} {value}  peers {row['peers']}")
-    return text + (f"  [{row['work']}]" if row.get("work") else "") + (f"  ({row['error']})" if row.get("error") else "")
+    if row.get("work"):
+        text += f"  [{row['work']}]"
+    return text + (f"  ({row['error']})" if row.get("error") else "")
 
 
 def _table(rows: list[dict]):
@@ -204,9 +206,9 @@ def _table(rows: list[dict]):
         style = "red" if r["state"].startswith(("exited", "failed", "refused", "not")) else \
             "green" if r["state"] in ("running", "done") else "yellow"
         state = r["state"] + (f" ({r['work']})" if r.get("work") else "")
-        table.add_row(r["node"], r["peer"], f"[{style}]{escape(state)}[/]", ProgressBar(total=total, completed=r["round"],
-                      width=24), f"{r['round']}/{r['total'] or '-'}", str(r["step"]),
-                      "-" if r["value"] is None else f"{r['value']:.4f}", str(r["peers"]))
+        table.add_row(r["node"], r["peer"], f"[{style}]{escape(state)}[/]",
+                      ProgressBar(total=total, completed=r["round"], width=24), f"{r['round']}/{r['total'] or '-'}",
+                      str(r["step"]), "-" if r["value"] is None else f"{r['value']:.4f}", str(r["peers"]))
     return table
 
 

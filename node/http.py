@@ -110,7 +110,8 @@ class StatusServer:
             await self._runner.cleanup()
             self._runner = None
             if e.errno == errno.EADDRINUSE:
-                raise HttpStartError(f"http address {self.host}:{self.port} is already in use (choose --http)") from None
+                raise HttpStartError(f"http address {self.host}:{self.port} is already in use "
+                                     "(choose --http)") from None
             raise HttpStartError(f"cannot serve http on {self.host}:{self.port}: {e.strerror}") from None
         sock = site._server.sockets[0]  # the real port when 0 was asked for
         host, port = sock.getsockname()[:2]

@@ -71,7 +71,8 @@ class OpLog:
                 "Ops written before the damage may be lost: this node re-fetches its own ops from a peer before its "
                 "next write", self.path, self.damaged_mid, self.damaged_bytes, self.path.name, len(spans))
         else:
-            logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records (kept in %s.damaged)",
+            logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records "
+                           "(kept in %s.damaged)",
                            self.path, self.truncated_bytes, len(spans), self.path.name)
         tmp = self.path.with_name(self.path.name + ".tmp")
         with open(tmp, "wb") as f:

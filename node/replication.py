@@ -4,10 +4,11 @@
 
 - ``PUSH {"ops": [op, ...]}`` -> ``ACK {"applied": n, "rejected": n}``: new ops, sent at once to every connected
   member when we write them;
-- ``SYNC {"d": [[bucket, digest], ...], "after": key | None}`` -> ``ENTRIES {"b": [bucket, ...], "vv": {author: seq}, "next": key |
-  None}``: we send our bucket digests (at most 256 of 16 bytes, whatever the number of authors, see ``crdt.store``); the responder
-  names the buckets that differ and sends one page (at most ``PAGE`` entries) of its version vector for them, in
-  (bucket, author) order from just after ``after``; ``next`` is where the following page starts.
+- ``SYNC {"d": [[bucket, digest], ...], "after": key | None}`` -> ``ENTRIES {"b": [bucket, ...], "vv": {author: seq},
+  "next": key | None}``: we send our bucket digests (at most 256 of 16 bytes, whatever the number of authors, see
+  ``crdt.store``); the responder names the buckets that differ and sends one page (at most ``PAGE`` entries) of its
+  version vector for them, in (bucket, author) order from just after ``after``; ``next`` is where the following page
+  starts.
 - ``WANT {"have": {author: seq}}`` -> ``OPS {"ops": [...], "more": bool}``: for the authors of the page where the
   responder is ahead, the ops past our seq (in causal order, at most ``SYNC_BATCH`` per reply; we ask again while
   ``more``). Then we PUSH on the same stream what the page shows the responder lacks, and ask for the next page.

@@ -18,8 +18,8 @@ Wire format (msgpack map, keys in this order; stable, with golden byte fixtures 
 | 4 | e3m0 | 4 + 16/block | sign + 3-bit exponent, x' = +-s*2^-e, e in 0..7 (Streaming DiLoCo's FP4); abs(x'-x) <= (sqrt(2)-1)*abs(x) + s*2^-7 |
 | 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
 
-``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes ``encode(x).to_wire()``
-gives), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
+``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes
+``encode(x).to_wire()`` gives), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
 
 Non-finite input (NaN, +-inf) is refused by ``encode`` (an update holding them is a bug or an attack), and a
 payload that decodes to a non-finite value is refused by ``decode``. Every payload is checked before any large

@@ -275,7 +275,8 @@ class Gossip:
                            and not penalties.is_banned(p)}
             t.mesh &= subscribers
             if len(t.mesh) < self.d_lo:
-                extra = random.sample(sorted(subscribers - t.mesh), min(self.d - len(t.mesh), len(subscribers - t.mesh)))
+                candidates = sorted(subscribers - t.mesh)
+                extra = random.sample(candidates, min(self.d - len(t.mesh), len(candidates)))
                 for p in extra:
                     t.mesh.add(p)
                     self.links[p].send(GRAFT, [t.name])

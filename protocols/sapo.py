@@ -18,10 +18,10 @@ Each round r, every peer (``../shared/protocols.md`` 2.1, with the reference imp
 Rounds are each peer's own: r in a message is its author's round (its seeds), and no peer's message moves
 another's round; a peer that arrives late starts at its own round 0. Validation runs before anything is forwarded:
 malformed, oversized (message, item count, completion count and length, alphabet), forged (a spec that is not the
-author's for that round), equivocating (two item sets for one round) and out-of-run items are rejected, which
-penalises the peer that sent them; an author's older rounds and messages faster than 2 per second are ignored. Completions are text, re-tokenized by each receiver, so peers may
-run policies of any size. Rewards (own and external), items shared and used, and bytes go to ``/status`` and, every
-``report_every`` rounds, into the replicated progress register.
+author's for that round), equivocating (two item sets for one round) and out-of-run items are rejected, which penalises
+the peer that sent them; an author's older rounds and messages faster than 2 per second are ignored. Completions are
+text, re-tokenized by each receiver, so peers may run policies of any size. Rewards (own and external), items shared and
+used, and bytes go to ``/status`` and, every ``report_every`` rounds, into the replicated progress register.
 """
 
 from __future__ import annotations

@@ -157,8 +157,9 @@ class TaskLoop:
             "round": r, "fragment": fragment, "closed_at": round(time.time(), 3),
             "waited_s": round(waited_s, 3), "deadline_s": round(deadline_s, 3),
             "participants": len(participants), "missing": len(missing), "late": 0, "rejected": len(rejected),
-            "peers": {"participants": sorted(participants)[:TIMELINE_PEERS], "missing": sorted(missing)[:TIMELINE_PEERS],
-                      "late": [], "rejected": dict(sorted(rejected.items())[:TIMELINE_PEERS])},
+            "peers": {"participants": sorted(participants)[:TIMELINE_PEERS],
+                      "missing": sorted(missing)[:TIMELINE_PEERS], "late": [],
+                      "rejected": dict(sorted(rejected.items())[:TIMELINE_PEERS])},
             "bytes_sent": sent - self._timeline_bytes,
         })
         self._timeline_bytes = sent
@@ -191,7 +192,8 @@ class TaskLoop:
         return {
             "round": st.get("round"), "step": st.get("step", st.get("round")), "loss": loss,
             "reward": st.get("reward_last50"),
-            "bytes_sent": self.bytes_sent(), "deadline_seconds": st.get("deadline_s", getattr(self.cfg, "deadline", None)),
+            "bytes_sent": self.bytes_sent(),
+            "deadline_seconds": st.get("deadline_s", getattr(self.cfg, "deadline", None)),
             "deadlines_missed": self.counters.get("deadline_missed", 0),
             "peers_missed": self.counters.get("peers_missed", 0),
             "peers_in_last_round": self.timeline[-1]["participants"] if self.timeline else None,

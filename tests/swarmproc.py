@@ -57,7 +57,8 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         except Exception as e:  # the state may not be readable yet
             last_exc = e
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}" + (f" ({last_exc!r})" if last_exc else ""))
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}"
+                                 + (f" ({last_exc!r})" if last_exc else ""))
         time.sleep(interval)
 
 

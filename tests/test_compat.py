@@ -79,9 +79,11 @@ async def test_p2pd_needs_the_64_byte_ed25519_key(tmp_path):
     identity = Identity.generate()
     seed_only = tmp_path / "seed.key"
     seed_only.write_bytes(
-        crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=identity.to_p2pd_bytes()[4:36]).SerializeToString()
+        crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519,
+                              data=identity.to_p2pd_bytes()[4:36]).SerializeToString()
     )
-    common = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, use_ipfs=False, check_if_identity_free=False)
+    common = dict(host_maddrs=["/ip4/127.0.0.1/tcp/0"], nat_port_map=False, use_ipfs=False,
+                  check_if_identity_free=False)
     with pytest.raises(hm.P2PDaemonError, match="ed25519"):
         p2p = await hm.P2P.create(identity_path=str(seed_only), **common)
         await p2p.shutdown()

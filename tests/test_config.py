@@ -12,7 +12,8 @@ def test_embedded_default():
 
 def test_file_then_flags(tmp_path):
     path = tmp_path / "c.toml"
-    path.write_text('[node]\nswarm = "lab"\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n[discovery]\npoll_interval = 2.0\n')
+    path.write_text('[node]\nswarm = "lab"\n[network]\nlisten = ["/ip4/127.0.0.1/tcp/0"]\n'
+                    '[discovery]\npoll_interval = 2.0\n')
     c = load_config(path, {"network": {"listen": ["/ip4/127.0.0.1/tcp/5000"]}})
     assert c.node.swarm == "lab" and c.discovery.poll_interval == 2.0
     assert c.network.listen == ["/ip4/127.0.0.1/tcp/5000"]
@@ -29,7 +30,8 @@ def test_file_then_flags(tmp_path):
         ("[discovery]\npoll_interval = -1\n", {}, "discovery.poll_interval"),
         ("[discovery]\nmax_peers = 'many'\n", {}, "discovery.max_peers"),
         ("[network]\nannounce = ['/ip4/1.2.3.4/tcp/0']\n", {}, "explicit port"),
-        ("", {"network": {"bootstrap": ["/ip4/1.2.3.4/tcp/1"]}}, "(from --bootstrap): '/ip4/1.2.3.4/tcp/1' has no /p2p/"),
+        ("", {"network": {"bootstrap": ["/ip4/1.2.3.4/tcp/1"]}},
+         "(from --bootstrap): '/ip4/1.2.3.4/tcp/1' has no /p2p/"),
         ("", {"http": {"listen": "localhost"}}, "http.listen (from --http)"),
         ("[network\n", {}, "not valid TOML"),
     ],

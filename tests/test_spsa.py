@@ -95,8 +95,9 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         await asyncio.to_thread(wait_for, lambda: spsa(nodes[0])["state"] == "running", 120, "the run to start")
         fp = spsa(nodes[0])["fingerprint"]
         tag = [fp["layout"], fp["config"]]  # the run's own tag: the junk below gets past the task check
-        for junk in (b"\xc1\xc1", {"w": 1, "b": b"\x7f" * 3}, {"w": 1, "b": b"\xff" * 25}, {"w": 999, "b": b"\x7f" * 25},
-                     {"w": 1, "join": "yes"}, {"w": 1, "b": b"\x7f" * 25}):  # the last: well-formed, from a non-participant
+        # the last: well-formed, from a non-participant
+        for junk in (b"\xc1\xc1", {"w": 1, "b": b"\x7f" * 3}, {"w": 1, "b": b"\xff" * 25},
+                     {"w": 999, "b": b"\x7f" * 25}, {"w": 1, "join": "yes"}, {"w": 1, "b": b"\x7f" * 25}):
             await attacker.send({**junk, "t": tag} if isinstance(junk, dict) else junk)
         final = await asyncio.to_thread(
             wait_for, lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,

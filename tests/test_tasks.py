@@ -227,7 +227,8 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
         wait_for(lambda: sum(diloco(n).get("rejected_task_mismatch", 0) for n in nodes) >= 1, 60,
                  "the odd node's messages to reach a linked node and be ignored")
         assert diloco(odd)["step"] == 0
-        assert re.search(r"diloco +running +round [1-9]\d*/open-ended", run_cli("status", "--http", nodes[0].url).stdout)
+        summary = run_cli("status", "--http", nodes[0].url).stdout
+        assert re.search(r"diloco +running +round [1-9]\d*/open-ended", summary)
     finally:
         swarm.close()
 

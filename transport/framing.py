@@ -87,11 +87,11 @@ def unpack(payload: bytes, *, what: str = "msgpack") -> Any:
     """Strictly decode one msgpack value under a budget proportional to ``len(payload)``. Raises MalformedMessage.
 
     The budget counts decoded objects: each map or array, each of its elements, each key and value, at most
-    ``ITEM_FLOOR`` plus one per ``ITEM_BYTES`` of the first 64 KiB and one per ``ITEM_BYTES_LARGE`` beyond. No single map or array may be longer than that (the C unpacker checks
-    before it allocates one), and the total is checked as each container completes. A Python object costs 30-60
-    bytes, so the peak memory of any input stays under about 4x its size (a bare ``msgpack.unpackb`` lets a list of
-    two-letter strings cost 20x, and nested empty maps 70x). The densest honest messages (gossip's IHAVE ids, one
-    per 18 bytes; CRDT version-vector pages, one per ~28) fit."""
+    ``ITEM_FLOOR`` plus one per ``ITEM_BYTES`` of the first 64 KiB and one per ``ITEM_BYTES_LARGE`` beyond. No single
+    map or array may be longer than that (the C unpacker checks before it allocates one), and the total is checked as
+    each container completes. A Python object costs 30-60 bytes, so the peak memory of any input stays under about 4x
+    its size (a bare ``msgpack.unpackb`` lets a list of two-letter strings cost 20x, and nested empty maps 70x). The
+    densest honest messages (gossip's IHAVE ids, one per 18 bytes; CRDT version-vector pages, one per ~28) fit."""
     n = len(payload)
     budget = ITEM_FLOOR + min(n, ITEM_TIER) // ITEM_BYTES + max(0, n - ITEM_TIER) // ITEM_BYTES_LARGE
     left = [budget]

@@ -50,7 +50,8 @@ def parse_listen_addr(text: str) -> tuple[int, str, str, int]:
     """(address family, host, 'tcp'|'udp', port) of a listen multiaddr. Raises ValueError."""
     parts = validate_multiaddr(text).strip("/").split("/")
     if len(parts) < 4 or parts[0] not in ("ip4", "ip6") or parts[2] not in ("tcp", "udp"):
-        raise ValueError(f"{text!r}: a listen address looks like /ip4/0.0.0.0/tcp/4001 or /ip4/0.0.0.0/udp/4001/quic-v1")
+        raise ValueError(f"{text!r}: a listen address looks like /ip4/0.0.0.0/tcp/4001 or "
+                         "/ip4/0.0.0.0/udp/4001/quic-v1")
     if "/p2p/" in text:
         raise ValueError(f"{text!r}: a listen address must not contain /p2p/")
     if parts[2] == "udp" and parts[4:5] != ["quic-v1"]:
