@@ -4,7 +4,8 @@ The swarm's ``progress`` register holds each peer's latest step, loss and metric
 :class:`Recorder` samples it (and the traffic counters) every second and keeps a bounded history, so curves
 start when the node does and cost a fixed amount of memory however long it runs: at most ``MAX_PEERS`` peers,
 each with at most ``MAX_POINTS`` points (when full, every other point is dropped and the curve keeps its shape
-at half the resolution), and ``TRAFFIC_SAMPLES`` traffic samples.
+at half the resolution), and ``TRAFFIC_SAMPLES`` traffic samples. One answer carries at most ``VIEW_PEERS`` curves
+of at most ``VIEW_POINTS`` points: it stays small (under about 1 MB) however large the swarm.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ MAX_PEERS = 256
 MAX_POINTS = 512
 TRAFFIC_SAMPLES = 600  # 10 minutes at the default interval
 TIMELINE_ROUNDS = 32  # per loop, in the JSON (the loops keep 64)
+STILL = 60.0  # seconds without a change after which a curve may give its place to a new peer's
+VIEW_PEERS = 64  # curves in one /dashboard answer: this node and the peers heard from most recently
+VIEW_POINTS = 256  # points per curve in one answer (evenly thinned, the latest always in)
 
 
 class Series:
@@ -58,6 +62,7 @@ class Recorder:
         self.clock = clock
         self.series: collections.OrderedDict[str, Series] = collections.OrderedDict()
         self.traffic: collections.deque[tuple[float, dict, dict]] = collections.deque(maxlen=TRAFFIC_SAMPLES)
+        self._seen: dict[str, tuple] = {}  # every peer of the register: (step, round) at the last sample
 
     async def run(self) -> None:
         while True:
@@ -70,12 +75,19 @@ class Recorder:
         self.traffic.append((now, dict(stats.bytes_in_by_protocol), dict(stats.bytes_out_by_protocol)))
         progress = self.node.replicator.store.value("progress")
         me = self.node.identity.peer_id
+        seen = {}
         for peer, payload in progress.items():
+            seen[peer] = key = (payload.get("step"), payload.get("round"))
             series = self.series.get(peer)
             if series is None:
-                if len(self.series) >= MAX_PEERS:  # the peer heard from longest ago makes room (never us)
+                if len(self.series) >= MAX_PEERS:
+                    # more peers than places: a peer that moved since the last sample takes the place of the curve
+                    # still for longest, if that one has been still for a minute (ours always gets a place), so the
+                    # curves shown are the moving ones and do not cycle
+                    moved = peer in self._seen and self._seen[peer] != key
                     victim = next((p for p in self.series if p != me), None)
-                    if victim is None:
+                    if victim is None or (peer != me and not (
+                            moved and now - self.series[victim].points[-1][0] >= STILL)):
                         continue
                     del self.series[victim]
                 series = self.series[peer] = Series()
@@ -83,6 +95,13 @@ class Recorder:
             series.add(now, payload)
             if (len(series.points), series.points[-1]) != before:
                 self.series.move_to_end(peer)
+        self._seen = seen
+
+    def _shown(self, me: str) -> list[str]:
+        """The peers whose curves one answer carries: us, then the most recently updated (a chart of hundreds of
+        lines says nothing, and the answer stays small however large the swarm)."""
+        recent = [p for p in reversed(self.series) if p != me][:VIEW_PEERS - 1]
+        return ([me] if me in self.series else []) + recent
 
     def traffic_view(self) -> dict:
         """Bytes per second by protocol and direction between consecutive samples."""
@@ -122,14 +141,23 @@ class Recorder:
             "members": status["members"],
             "connected": status["connected"],
             "loops": loops,
-            "progress": {peer: {"points": s.points, "last": _finite(progress.get(peer))}
-                         for peer, s in self.series.items()},
+            "progress": {peer: {"points": _thin(self.series[peer].points, VIEW_POINTS),
+                                "last": _finite(progress.get(peer))} for peer in self._shown(status["peer_id"])},
+            "progress_peers": len(self.series),
             "traffic": self.traffic_view(),
             "totals": status["traffic"],
             "peers": status["peers"],
             "penalties": status["penalties"],
             "doctor": diagnose(status),
         }
+
+
+def _thin(points: list, n: int) -> list:
+    """At most n of the points, evenly spaced, the first and the last always kept."""
+    if len(points) <= n:
+        return points
+    step = (len(points) - 1) / (n - 1)
+    return [points[round(i * step)] for i in range(n)]
 
 
 def _finite(payload: dict | None) -> dict | None:

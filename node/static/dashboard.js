@@ -177,7 +177,7 @@ async function tick() {
         "its last answer, from " + new Date(lastOk).toLocaleTimeString() + "." : ".") + " Retrying every few seconds.";
     }
   }
-  timer = setTimeout(tick, Math.max(1000, ((last && last.interval) || 2) * 1000));
+  timer = setTimeout(tick, Math.max(2000, ((last && last.interval) || 2) * 1000));
 }
 window.swarmd = {get data() { return last; }, charts, plotted};
 tick();
