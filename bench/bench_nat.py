@@ -37,9 +37,17 @@ from swarmproc import Swarm, wait_for  # noqa: E402
 from test_nat import LAB_NODE, peer, relayed_call_works  # noqa: E402
 
 
-def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
+# what a new user runs: `swarmd start --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>`, the embedded
+# defaults for everything else
+DEFAULTS_NODE = """
+[network]
+listen = ["/ip4/0.0.0.0/tcp/4001"]
+"""
+
+
+def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int, defaults: bool = False) -> dict:
     config = root / "lab.toml"
-    config.write_text(LAB_NODE)
+    config.write_text(DEFAULTS_NODE if defaults else LAB_NODE)
     nat = "sym" if mode == "sym" else "eim"
     with NatLab(mode_a=nat, mode_b=nat, liberal=mode.endswith("liberal")) as lab:
         swarm = Swarm(root / "nodes", config=config)
@@ -55,8 +63,12 @@ def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
             b = start("b", [bootstrap])
             t0 = time.monotonic()
             try:
-                wait_for(lambda: relayed_call_works(a, b, pub.peer_id) and relayed_call_works(b, a, pub.peer_id),
-                         30, "relayed calls", interval=0.1)
+                if defaults:  # the upgrade may come before a relayed ping: time from connected, by any path
+                    wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))),
+                             60, "a and b connected", interval=0.1)
+                else:
+                    wait_for(lambda: relayed_call_works(a, b, pub.peer_id) and relayed_call_works(b, a, pub.peer_id),
+                             30, "relayed calls", interval=0.1)
                 relayed = time.monotonic() - t0
             except AssertionError:
                 return {"relayed": None, "direct": None, "punch_s": None, "tcp": None, "punched": None}
@@ -66,6 +78,9 @@ def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
                 direct = time.monotonic() - t0
             except AssertionError:
                 direct = None
+            if defaults:
+                return {"relayed": relayed, "direct": direct, "punch_s": None, "tcp": None, "punched": None,
+                        "after_seen": None if direct is None else direct - relayed}
             blobs = 0
 
             def rate(puller, holder):
@@ -93,7 +108,11 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eim", "eim-liberal", "sym"])
     parser.add_argument("--punch-wait", type=float, default=15.0)
     parser.add_argument("--blob-mb", type=int, default=32)
+    parser.add_argument("--defaults", action="store_true", help="run the nodes on the embedded default config "
+                        "(only --listen /ip4/0.0.0.0/tcp/4001 given), as a new user does; no bulk rows")
     args = parser.parse_args()
+    if args.defaults:
+        return main_defaults(args)
     reason = unavailable()
     if reason:
         sys.exit(f"bench_nat: {reason}")
@@ -135,6 +154,39 @@ def main() -> None:
           "default is 1 s); punch = the attempt itself, from the first punch message to the adopted connection")
     print(f"bulk: p50 of one {args.blob_mb} MiB pull per run; TCP = from the public node's bulk port, punched = from "
           "the other NATed node over the hole-punched connection; ratio = punched / TCP")
+
+
+def main_defaults(args) -> None:
+    """Hole punching with the shipped defaults: per mode, how many pairs went direct within 10 s of seeing each
+    other (goal >= 95% with endpoint-independent NATs)."""
+    results = {}
+    for mode in args.modes:
+        results[mode] = []
+        for i in range(args.runs):
+            with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
+                r = one_run(Path(tmp), mode, args.punch_wait, args.blob_mb, defaults=True)
+                results[mode].append(r)
+                if r["relayed"] is None or (r["after_seen"] is None and mode != "sym") or \
+                        (r["after_seen"] or 0) > 10:
+                    kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-defaults-{mode}-{i + 1}"
+                    shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+                    print(f"{mode} run {i + 1}: logs kept in {kept}", file=sys.stderr)
+            print(f"{mode} run {i + 1}: {r}", file=sys.stderr, flush=True)
+    print(f"NAT lab with the embedded default config, {args.runs} fresh labs per mode: 1 public node, 2 nodes "
+          "behind their own NAT, each started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>")
+    print(f"{'mode':<12} | {'connected':>9} | {'seen p50 / max':>15} | {'direct <= 10 s':>14} | {'direct at all':>13} "
+          f"| {'direct after seen p50 / max':>27}")
+    print("-" * 106)
+    for mode, runs in results.items():
+        seen = [r["relayed"] for r in runs if r["relayed"] is not None]
+        after = [r["after_seen"] for r in runs if r["after_seen"] is not None]
+        fast = sum(1 for x in after if x <= 10)
+        print(f"{mode:<12} | {len(seen):>4} / {len(runs):<2} | "
+              f"{(f'{statistics.median(seen):.1f} / {max(seen):.1f} s' if seen else '-'):>15} | "
+              f"{fast / len(runs):>14.0%} | {len(after) / len(runs):>13.0%} | "
+              f"{(f'{statistics.median(after):.1f} / {max(after):.1f} s' if after else '-'):>27}")
+    print("goal: >= 95% of pairs hole-punched within 10 s of seeing each other with endpoint-independent NATs, "
+          "on the defaults; seen = both list the other as connected (relayed or direct) after the second starts")
 
 
 if __name__ == "__main__":
