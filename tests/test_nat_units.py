@@ -84,3 +84,38 @@ def test_doctor_explains_what_it_sees():
     assert "symmetric" in sym["nat"]
     lonely = diagnose(status(observed_addrs=[], relays=[]))
     assert "unknown" in lonely["nat"] and any("has no relay" in h for h in lonely["hints"])
+
+
+async def test_a_peer_with_a_relayed_and_a_direct_connection_is_listed_once_on_its_best_path():
+    """The daemon lists connections, not peers: during a hole punch's hand-over (or when a stream is opened over
+    the relay meanwhile) a peer has two. It was listed twice, and whichever came last won: a punch that had worked
+    was called failed ('the new connection is not the punched one') and the pair stayed on the relay."""
+    from types import SimpleNamespace
+
+    from transport.base import PathType
+    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+    me, other, relay = Identity.generate(), Identity.generate().peer_id, Identity.generate().peer_id
+    transport = P2PDaemonTransport(me, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    spliced = "/ip4/127.0.0.1/tcp/40123"
+    transport._adopted[spliced] = "/ip4/198.51.100.7/tcp/4001"
+    circuit = f"/ip4/192.0.0.1/tcp/4001/p2p/{relay}/p2p-circuit"
+
+    def info(peer_id: str, addr: str):
+        return SimpleNamespace(peer_id=SimpleNamespace(to_base58=lambda: peer_id), addrs=[addr])
+
+    for order in ([circuit, spliced], [spliced, circuit]):
+        listed = [info(other, a) for a in order] + [info(relay, "/ip4/192.0.0.1/tcp/4001")]
+        transport._p2p = SimpleNamespace(list_peers=lambda listed=listed: _done(listed))
+        peers = {p.peer_id: p for p in await transport.peers()}
+        assert len(peers) == 2 and len(await transport.peers()) == 2
+        assert peers[other].path is PathType.PUNCHED and peers[other].addrs == ("/ip4/198.51.100.7/tcp/4001",)
+        assert peers[relay].path is PathType.DIRECT
+    listed = [info(other, circuit), info(other, "/ip4/10.0.0.2/tcp/4001")]
+    transport._p2p = SimpleNamespace(list_peers=lambda: _done(listed))
+    (only,) = await transport.peers()
+    assert only.path is PathType.DIRECT  # direct beats relayed too
+
+
+async def _done(value):
+    return value

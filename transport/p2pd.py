@@ -36,6 +36,7 @@ from transport.penalties import PeerPenalties
 from transport.punch import Splice
 
 logger = logging.getLogger(__name__)
+_PATH_RANK = {PathType.PUNCHED: 0, PathType.DIRECT: 1, PathType.RELAYED: 2, PathType.NONE: 3}
 
 
 class _ShutdownNoise(logging.Filter):
@@ -251,17 +252,25 @@ class P2PDaemonTransport:
             raise TransportError(f"disconnecting {peer_id} failed: {_short(e)}") from None
 
     async def peers(self) -> list[ConnectedPeer]:
+        """One entry per connected peer, with its best path (hole-punched, then direct, then relayed). The daemon
+        lists each connection apart: a peer holds two while a relayed connection and a direct one overlap (a
+        hole punch's hand-over, or a stream opened over the relay meanwhile), and the direct one is the one new
+        streams use."""
         infos = await self.hivemind_p2p.list_peers()
-        result = []
+        best: dict[str, ConnectedPeer] = {}
         for info in infos:
+            peer_id = info.peer_id.to_base58()
             addrs = tuple(str(a) for a in info.addrs)
             punched = tuple(self._adopted[a] for a in addrs if a in self._adopted)
             if punched:
-                result.append(ConnectedPeer(info.peer_id.to_base58(), punched, PathType.PUNCHED))
-                continue
-            path, relay = path_of(addrs)
-            result.append(ConnectedPeer(info.peer_id.to_base58(), addrs, path, relay))
-        return result
+                conn = ConnectedPeer(peer_id, punched, PathType.PUNCHED)
+            else:
+                path, relay = path_of(addrs)
+                conn = ConnectedPeer(peer_id, addrs, path, relay)
+            held = best.get(peer_id)
+            if held is None or _PATH_RANK[conn.path] < _PATH_RANK[held.path]:
+                best[peer_id] = conn
+        return list(best.values())
 
     # ---------------------------------------------------------------- hole-punched connections
     MAX_ADOPTED = 64  # each one's bytes pass through this process
