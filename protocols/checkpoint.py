@@ -86,3 +86,50 @@ def latest(data_dir: Path, loop: str | None = None) -> Path | None:
     folder = Path(data_dir) / DIR
     files = [p for p in folder.glob("*.safetensors") if loop is None or p.name.startswith(f"{loop}-")]
     return max(files, key=lambda p: p.stat().st_mtime, default=None)
+
+
+OPT_PREFIX = "optimizer."  # an optimizer's per-parameter state: optimizer.<param index>.<name>
+
+
+def optimizer_entries(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
+    """An optimizer's state as tensors (``optimizer.<i>.<name>``, on the CPU) and JSON-able meta (its class, the
+    param groups' settings, non-tensor state), for :func:`save`; :func:`restore_optimizer` takes them back."""
+    sd = opt.state_dict()
+    tensors, scalars = {}, {}
+    for idx, state in sd["state"].items():
+        for name, value in state.items():
+            if torch.is_tensor(value):
+                tensors[f"{OPT_PREFIX}{idx}.{name}"] = value.detach().to("cpu").clone()
+            else:
+                scalars[f"{idx}.{name}"] = value
+    groups = [{k: (float(v) if torch.is_tensor(v) else list(v) if isinstance(v, tuple) else v) for k, v in g.items()}
+              for g in sd["param_groups"]]
+    return tensors, {"class": type(opt).__name__, "param_groups": groups, "scalars": scalars}
+
+
+def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    """Load what :func:`optimizer_entries` saved into ``opt`` (an optimizer of the same class over the same
+    parameters). Raises ValueError when it does not fit; ``opt`` is then unchanged."""
+    if not isinstance(meta, dict) or meta.get("class") != type(opt).__name__:
+        raise ValueError(f"saved for {meta.get('class') if isinstance(meta, dict) else '?'}, "
+                         f"not {type(opt).__name__}")
+    params = [p for group in opt.param_groups for p in group["params"]]
+    state: dict[int, dict] = {}
+    for key, value in tensors.items():
+        if key.startswith(OPT_PREFIX):
+            idx, _, name = key[len(OPT_PREFIX):].partition(".")
+            state.setdefault(int(idx), {})[name] = value
+    for key, value in (meta.get("scalars") or {}).items():
+        idx, _, name = key.partition(".")
+        state.setdefault(int(idx), {})[name] = value
+    for idx, entries in state.items():
+        if not 0 <= idx < len(params):
+            raise ValueError(f"state for parameter {idx}, the optimizer has {len(params)}")
+        for name, value in entries.items():
+            if torch.is_tensor(value) and value.dim() > 0 and value.shape != params[idx].shape:
+                raise ValueError(f"parameter {idx}'s {name} has shape {tuple(value.shape)}, the parameter "
+                                 f"{tuple(params[idx].shape)}")
+    try:
+        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(str(e)) from None

@@ -825,9 +825,10 @@ class DilocoLoop(TaskLoop):
     def _save_checkpoint(self) -> None:
         tensors = self._global_state()
         tensors.update({f"outer.{p}": b for p, b in enumerate(self.outer_opt.buffers)})
+        tensors, opt_meta = self._with_optimizer(tensors, self.inner_opt)  # the inner optimizer's moments too
         h = self.global_hash()
         self._save(tensors, round=self.rounds_done[-1], rounds_done=list(self.rounds_done), step=self.step, hash=h,
-                   participants={str(p): sorted(v) for p, v in self.participants.items()})
+                   participants={str(p): sorted(v) for p, v in self.participants.items()}, **opt_meta)
         self.counters["checkpoints_saved"] += 1
 
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
@@ -862,8 +863,10 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
+        inner = self._restore_optimizer(self.inner_opt, tensors, meta)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
-        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"]}
+        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"],
+                        "optimizer_state": inner}
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
                       "hash": meta["hash"]}
         logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)", self.cfg.run,

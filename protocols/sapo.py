@@ -327,8 +327,8 @@ class SapoLoop(TaskLoop):
     def _save_checkpoint(self) -> None:
         if self.model is None:
             return
-        self._save(self._model_tensors(self.model), round=self.round, step=self.round,
-                   cumulative_reward=self.cumulative_reward)
+        tensors, opt_meta = self._with_optimizer(self._model_tensors(self.model), getattr(self.policy, "opt", None))
+        self._save(tensors, round=self.round, step=self.round, cumulative_reward=self.cumulative_reward, **opt_meta)
         self.counters["checkpoints_saved"] += 1
 
     def _resume_own(self) -> None:
@@ -346,7 +346,8 @@ class SapoLoop(TaskLoop):
             return
         self.round = self.joined_at = int(meta["round"])
         self.cumulative_reward = float(meta.get("cumulative_reward", 0.0))
-        self.resumed = {"source": "own checkpoint", "round": self.round, "step": self.round}
+        inner = self._restore_optimizer(getattr(self.policy, "opt", None), tensors, meta)
+        self.resumed = {"source": "own checkpoint", "round": self.round, "step": self.round, "optimizer_state": inner}
         self.saved = {"path": str(self._checkpoint_path()), "round": self.round, "step": self.round}
         logger.info("sapo: resuming run %s from our checkpoint at round %d", self.cfg.run, self.round)
 

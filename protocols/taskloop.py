@@ -142,6 +142,26 @@ class TaskLoop:
             return None
         return tensors, meta
 
+    def _with_optimizer(self, tensors: dict[str, torch.Tensor], opt) -> tuple[dict[str, torch.Tensor], dict]:
+        """``tensors`` plus ``opt``'s state (if it is a torch optimizer), and the meta that goes with it."""
+        if not isinstance(opt, torch.optim.Optimizer):
+            return tensors, {}
+        opt_tensors, opt_meta = checkpoint.optimizer_entries(opt)
+        return {**tensors, **opt_tensors}, {"optimizer": opt_meta}
+
+    def _restore_optimizer(self, opt, tensors: dict[str, torch.Tensor], meta: dict) -> bool | None:
+        """Our checkpoint's optimizer state back into ``opt``: True if restored, False if it did not fit (the
+        optimizer starts afresh, said once), None if the checkpoint has none (an older one)."""
+        if not isinstance(opt, torch.optim.Optimizer) or "optimizer" not in meta:
+            return None
+        try:
+            checkpoint.restore_optimizer(opt, tensors, meta["optimizer"])
+        except ValueError as e:
+            logger.warning("%s: our checkpoint's optimizer state does not fit (%s); the optimizer starts afresh",
+                           self.name, e)
+            return False
+        return True
+
     def _model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict (buffers too) as ``model.<name>``, cloned so tied weights are saved apart."""
         return {checkpoint.MODEL_PREFIX + k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
