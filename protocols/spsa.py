@@ -203,6 +203,7 @@ class SPSALoop(TaskLoop):
         self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
         self.replay_seconds: float | None = None
+        self._sent_up_to = -1  # the last window we published a batch for
         self.state = "starting"
         self._ctx: NodeContext | None = None
         self._arrived = asyncio.Event()
@@ -382,6 +383,7 @@ class SPSALoop(TaskLoop):
         self.counters[f"{kind}_wire_bytes"] += wire
         if "b" in body:
             self.windows[body["w"]].batches[self._ctx.identity.peer_id] = self.gossip.cache[mid]
+            self._sent_up_to = max(self._sent_up_to, body["w"])
         if "join" in body:
             self.windows[body["w"]].joins.add(self._ctx.identity.peer_id)
 
@@ -445,7 +447,10 @@ class SPSALoop(TaskLoop):
             if majority != self.my_hashes[w]:
                 self.counters["diverged"] += 1
                 logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
-                self._resync_from = [a for a, h in theirs.items() if h == majority]
+                # every counting peer that holds the majority's weights, the directly connected ones first (a log
+                # is pulled over a stream: one we only know through others may be unreachable)
+                holders = [a for a, h in theirs.items() if h == majority]
+                self._resync_from = sorted(holders, key=lambda a: not self._ctx.direct(a))
 
     async def _start_or_catch_up(self) -> None:
         """Start at window 0 with the peers that are ready (same base model), or, if the run has begun without
@@ -461,7 +466,9 @@ class SPSALoop(TaskLoop):
             ahead = self._run_started_without_us()
             if ahead:
                 self._reset_to_base()
-                if await self._replay_from(ahead):
+                # a restart of this loop (it crashed) while the others still count us: back at once, from the
+                # first window we have not sent a batch for
+                if await self._replay_from(ahead, rejoin=self._sent_up_to >= 0):
                     return
                 for window in self.windows.values():  # none served: do not follow them again at once
                     for a in ahead:
@@ -495,35 +502,59 @@ class SPSALoop(TaskLoop):
     async def _resync(self) -> None:
         """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
         peers, self._resync_from = self._resync_from, []
+        # then the other counting peers we reach directly: the majority's holders may be out of our reach, and a
+        # log that is not the majority's is found out at the next hash check
+        me = self._ctx.identity.peer_id
+        peers += sorted(p for p in self.standing.counting(set(self.applied.get(self.window - 1, {})) - {me})
+                        if self._ctx.direct(p) and p not in peers)
+        closed = self.window  # windows 0 .. closed - 1: a log that stops short of them would lose the last ones
         self._reset_to_base()
         self.counters["resyncs"] += 1
-        if not await self._replay_from(peers):
+        if not await self._replay_from(peers, rejoin=True, at_least=closed):
             raise RuntimeError("spsa: no majority peer served a usable log to resync from")  # restart: from base
 
-    async def _replay_from(self, peers: list[str]) -> bool:
-        """Replay the first usable log the peers serve; False if none did."""
+    async def _replay_from(self, peers: list[str], rejoin: bool = False, at_least: int = 0) -> bool:
+        """Replay the first usable log the peers serve; False if none did. A late joiner contributes from two
+        windows on (announced with a join, so everyone expects it from then); a peer that resyncs (``rejoin``:
+        the others still wait for its batches) contributes again at once, from the first window it has not sent a
+        batch for (a second, different batch for a window would be equivocation). ``at_least``: a log with fewer
+        windows is waited on (a peer a moment behind), at most ``deadline`` seconds."""
         self.state = "replaying"
         started = time.perf_counter()
-        for peer_id in peers:
-            try:
-                async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
-                    await stream.send(1, None)
-                    reply = await asyncio.wait_for(stream.read_required(), 60)
-                if not isinstance(reply.body, list):
-                    raise MalformedMessage("spsa-log: a list of signed batches expected")
-                replayed = await self._replay(reply.body)
-                break
-            except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
-                logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
-                self._reset_to_base()
-        else:
-            self.counters["replay_failed"] += 1
-            return False
+        until = time.monotonic() + self.cfg.deadline
+        replayed = None
+        peers = list(peers)
+        while replayed is None:
+            behind = 0
+            for peer_id in list(peers):
+                try:
+                    async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
+                        await stream.send(1, None)
+                        reply = await asyncio.wait_for(stream.read_required(), 60)
+                    if not isinstance(reply.body, list):
+                        raise MalformedMessage("spsa-log: a list of signed batches expected")
+                    if len(reply.body) < at_least:  # it has not closed every window we had: ours would be lost
+                        behind += 1
+                        continue
+                    replayed = await self._replay(reply.body)
+                    break
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
+                    logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
+                    peers.remove(peer_id)  # not asked again while we wait for a peer that is behind
+                    self._reset_to_base()
+            if replayed is None and not (behind and time.monotonic() < until):
+                self.counters["replay_failed"] += 1
+                return False
+            if replayed is None:
+                await asyncio.sleep(0.2)  # a peer a few moments behind us closes the window soon
         self.replay_seconds = time.perf_counter() - started
         self.counters["replayed_windows"] = replayed
-        # contribute two windows after the live one, and say so now, so everyone expects us from then on
-        self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
-        self._publish({"w": self.join_at, "join": True})
+        if rejoin:
+            self.join_at = max(self.window, self._sent_up_to + 1)
+        else:
+            # contribute two windows after the live one, and say so now, so everyone expects us from then on
+            self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
+            self._publish({"w": self.join_at, "join": True})
         self.state = "running"
         self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
@@ -657,7 +688,7 @@ class SPSALoop(TaskLoop):
                 counting |= self.standing.counting(authors)
                 direct |= {a for a in authors if self._ctx.direct(a)}
         if counting:
-            return sorted(counting)
+            return sorted(counting, key=lambda a: (not self._ctx.direct(a), a))  # reachable ones first
         return sorted(direct) if len(direct) >= 2 and not self.standing.closed else []
 
     # ------------------------------------------------------------------ views
