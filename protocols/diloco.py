@@ -130,6 +130,7 @@ class Pending:
     entries: int = 0  # reduced + audit messages held
     sent_at: float | None = None  # when we announced our update
     prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk
+    failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
 
 
 class DilocoLoop(TaskLoop):
@@ -412,13 +413,16 @@ class DilocoLoop(TaskLoop):
         if expected <= have() and not slots <= have():
             # every counting peer is in; a newcomer holding a slot is waited for to the deadline only if it has
             # announced its update by then (it is on its way): one that never announces (a fresh key that
-            # joined and went quiet) costs deadline_low more, not the whole adaptive deadline
-            grace = min(end - time.monotonic(), self.cfg.deadline_low)
+            # joined and went quiet) costs half of deadline_low more, not the whole adaptive deadline. Half: a
+            # peer that did not see the join (gossip is not instant) goes on at once and is that much ahead in
+            # the next round, whose deadline is deadline_low at least: the others still make it in time
+            grace = min(end - time.monotonic(), self.cfg.deadline_low / 2)
             if grace > 0:
                 await outer.wait_until(lambda: slots <= have(), self._event, grace)
-            on_the_way = (slots - have()) & set(pending.announced)
+            on_the_way = (slots - have()) & (set(pending.announced) - pending.failed)
             if on_the_way and end > time.monotonic():
-                await outer.wait_until(lambda: on_the_way <= have(), self._event, end - time.monotonic())
+                await outer.wait_until(lambda: on_the_way - pending.failed <= have(), self._event,
+                                       end - time.monotonic())
             self.counters["newcomers_not_waited"] += len(slots - have() - on_the_way)
         if not waited <= have():
             self.counters["deadline_missed"] += 1
@@ -566,6 +570,9 @@ class DilocoLoop(TaskLoop):
         except (BulkError, codecs.CodecError, asyncio.TimeoutError) as e:
             self.counters["pull_failed"] += 1
             logger.warning("diloco update from %s unusable: %s", peer, e)
+            if key in self.pending:  # not 'on its way' any more: its round stops waiting for it
+                self.pending[key].failed.add(peer)
+                self._event.set()
             return
         pending = self.pending.get(key)
         if pending is None:
@@ -1071,8 +1078,9 @@ class DilocoLoop(TaskLoop):
 
     def _announced(self, body: dict, p: int) -> Announced | None:
         parts, sizes, norm = body["parts"], body["sizes"], body["norm"]
-        if not (isinstance(parts, list) and isinstance(sizes, list) and 1 <= len(parts) == len(sizes)
-                <= exchange.MAX_PARTS and all(isinstance(h, bytes) and len(h) == 32 for h in parts)
+        if not (isinstance(parts, list) and isinstance(sizes, list)
+                and len(parts) == len(sizes) == len(self._bounds(p))  # every peer cuts an update the same way
+                and all(isinstance(h, bytes) and len(h) == 32 for h in parts)
                 and all(type(x) is int and 0 < x <= self._max_part(p, k) for k, x in enumerate(sizes))
                 and isinstance(norm, float) and math.isfinite(norm) and norm >= 0
                 and isinstance(body["base"], str) and len(body["base"]) <= 64 and self._addrs_ok(body["addrs"])):
