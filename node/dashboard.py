@@ -125,7 +125,8 @@ class Recorder:
             st = status["services"][svc.name]
             loops.append({
                 "key": svc.loop_key, "service": svc.name, "state": st.get("state"), "round": st.get("round"),
-                "step": st.get("step"), "total_rounds": st.get("total_rounds"), "task": st.get("task"),
+                "step": st.get("step", st.get("round")), "total_rounds": st.get("total_rounds"),
+                "task": st.get("task"),
                 "error": st.get("error") or st.get("refused"), "work": st.get("work") or [],
                 "metric": "reward" if "reward_last50" in st else "loss",
                 "timeline": list(getattr(svc, "timeline", ()))[-TIMELINE_ROUNDS:],

@@ -6,6 +6,14 @@ const short = id => id ? String(id).slice(-8) : "-";
 const fmtBytes = n => n == null ? "-" : n >= 1e9 ? (n / 1e9).toFixed(2) + " GB" : n >= 1e6 ? (n / 1e6).toFixed(2) + " MB"
   : n >= 1e3 ? (n / 1e3).toFixed(1) + " kB" : Math.round(n) + " B";
 const fmtNum = v => v == null ? "-" : Math.abs(v) >= 100 ? v.toFixed(1) : v.toPrecision(4);
+// axis ticks: as many digits as the spacing between ticks needs (uPlot's default rounds 0.001 steps to "0")
+function fmtTicks(vals) {
+  const finite = vals.filter(v => v != null);
+  const step = finite.length > 1 ? Math.abs(finite[1] - finite[0]) : Math.abs(finite[0] || 1);
+  const digits = step > 0 ? Math.max(0, -Math.floor(Math.log10(step))) : 2;
+  if (digits > 4) return vals.map(v => v == null ? "" : Math.abs(v) < step / 1e6 ? "0" : v.toExponential(1));
+  return vals.map(v => v == null ? "" : (Math.abs(v) < 1e-12 ? 0 : v).toFixed(digits));
+}
 const ago = t => t ? Math.max(0, Date.now() / 1000 - t).toFixed(0) + " s ago" : "-";
 function hue(id) { let h = 0; for (const c of String(id)) h = (h * 31 + c.charCodeAt(0)) >>> 0; return h % 360; }
 const color = (id, me) => id === me ? "#1d4ed8" : `hsl(${hue(id)},55%,${id === me ? 40 : 55}%)`;
@@ -30,11 +38,11 @@ function draw(name, series, data, opts = {}) {
     width: chartWidth(el), height: 220,
     scales: {x: {time: !!opts.time}, y: {distr: opts.log ? 3 : 1}},
     axes: [{label: opts.xlabel || ""}, {label: opts.ylabel || "", size: 60,
-      values: opts.bytes ? (u, vals) => vals.map(fmtBytes) : undefined}],
+      values: opts.bytes ? (u, vals) => vals.map(fmtBytes) : (u, vals) => fmtTicks(vals)}],
     legend: {live: true},
     series: [{label: opts.xlabel || "x"}, ...series.map(s => ({label: s.label, stroke: s.color, width: s.width || 1.5,
       spanGaps: true, points: {show: data[0].length < 40},
-      value: opts.bytes ? (u, v) => v == null ? "-" : fmtBytes(v) : undefined}))],
+      value: opts.bytes ? (u, v) => v == null ? "-" : fmtBytes(v) : (u, v) => fmtNum(v)}))],
   }, data, el);
   charts[name] = {u, key, ids: series.map(s => s.id)};
 }
