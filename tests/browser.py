@@ -21,6 +21,8 @@ from pathlib import Path
 
 import aiohttp
 
+import debian
+
 NAMES = ("chromium", "chromium-browser", "google-chrome")
 
 
@@ -30,12 +32,8 @@ def executable() -> str | None:
 
 def unavailable() -> str | None:
     """Why the browser test cannot run here (None if it can). Installs chromium with apt-get where missing."""
-    if executable() is None and shutil.which("apt-get") and os.geteuid() == 0:
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
-        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-            subprocess.run(install, env=env, capture_output=True)
+    if executable() is None:
+        debian.ensure({"chromium": "chromium"})
     if executable() is None:
         return "no Chromium here, and it could not be installed (apt-get install chromium, as root)"
     return None

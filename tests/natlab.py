@@ -22,12 +22,13 @@ from __future__ import annotations
 
 import ctypes
 import os
-import shutil
 import signal
 import subprocess
 import threading
 import uuid
 from dataclasses import dataclass, field
+
+import debian
 
 CLONE_NEWNET = 0x40000000
 PUBNETS = {"testnet": ("198.51.100", 0), "ietf": ("192.0.0", 128)}
@@ -37,17 +38,7 @@ def unavailable() -> str | None:
     """Why the lab cannot run here (None if it can). Installs iproute2/iptables with apt-get where missing."""
     if os.geteuid() != 0:
         return "the NAT lab needs root (network namespaces, iptables); run the tests as root, as CI does"
-    def missing_packages() -> list[str]:
-        return [pkg for tool, pkg in (("ip", "iproute2"), ("iptables", "iptables")) if shutil.which(tool) is None]
-
-    missing = missing_packages()
-    if missing and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
-        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-            subprocess.run(install, env=env, capture_output=True)
-        missing = missing_packages()
+    missing = debian.ensure({"ip": "iproute2", "iptables": "iptables"})
     if missing:
         return f"the NAT lab needs {' and '.join(missing)} (apt-get install {' '.join(missing)})"
     probe = f"swprobe{uuid.uuid4().hex[:6]}"

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import socket
 import subprocess
 import time
@@ -19,24 +18,14 @@ from pathlib import Path
 
 import pytest
 
+import debian
 from swarmproc import http_get, wait_for
 
 pytestmark = pytest.mark.swarm
 
 ROOT = Path(__file__).resolve().parents[1]
 TAG = "swarmd:compose-test"
-TOOLS = (("dockerd", "docker.io"), ("docker-compose", "docker-compose"), ("debootstrap", "debootstrap"))
-
-
-def _install_missing() -> list[str]:
-    missing = [pkg for tool, pkg in TOOLS if shutil.which(tool) is None]
-    if missing and shutil.which("apt-get"):
-        env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        install = ["apt-get", "install", "-y", "--no-install-recommends", *missing]
-        if subprocess.run(install, env=env, capture_output=True).returncode != 0:
-            subprocess.run(["apt-get", "update"], env=env, capture_output=True)
-            subprocess.run(install, env=env, capture_output=True)
-    return [pkg for tool, pkg in TOOLS if shutil.which(tool) is None]
+TOOLS = {"dockerd": "docker.io", "docker-compose": "docker-compose", "debootstrap": "debootstrap"}
 
 
 def _docker_ok() -> bool:
@@ -48,7 +37,7 @@ def docker(tmp_path_factory):
     """A running dockerd (ours if none ran), or a skip saying why there cannot be one."""
     if os.geteuid() != 0:
         pytest.skip("the container swarm test needs root (dockerd, debootstrap), as CI runs it")
-    missing = _install_missing()
+    missing = debian.ensure(TOOLS)
     if missing:
         pytest.skip(f"Docker cannot run here: {' and '.join(missing)} missing and not installable with apt-get")
     started = None
