@@ -51,7 +51,10 @@ class Series:
             return
         self.points.append(point)
         if len(self.points) > self.max_points:
-            self.points = self.points[::2]
+            kept = self.points[::2]
+            if kept[-1] is not point:
+                kept.append(point)  # the latest always stays
+            self.points = kept
             self.stride *= 2
 
 

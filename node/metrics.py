@@ -116,8 +116,6 @@ class NodeCollector:
         for b in node.discovery.bootstrap:
             boot.add_metric([b.peer_id], 1.0 if b.state == "connected" else 0.0)
         yield boot
-
-
         yield from loop_families(node)
 
 

@@ -13,8 +13,11 @@ def test_a_long_curve_keeps_its_whole_shape_in_a_bounded_number_of_points():
         s.add(float(step), {"step": step, "round": step // 10, "loss": 1.0 / step})
     assert 32 <= len(s.points) <= 64
     assert s.points[0][1] == 1 and s.points[-1][1] == 10_000  # the start and the latest are both there
+    for step in range(10_001, 30_001):  # and the latest stays the last point through every thinning
+        s.add(float(step), {"step": step, "round": step // 10, "loss": 1.0 / step})
+        assert s.points[-1][1] == step and len(s.points) <= 65
     steps = [p[1] for p in s.points]
-    assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:])) <= 2 * 10_000 / 32
+    assert steps == sorted(steps) and max(b - a for a, b in zip(steps, steps[1:])) <= 10_000 / 8  # no hole
     s.add(10_001.0, {"step": 10_000, "round": 1000, "loss": 0.5})  # same step and round: not a new point
     assert s.points[-1][1] == 10_000 and len({tuple(p[1:3]) for p in s.points}) == len(s.points)
 
