@@ -146,6 +146,8 @@ class DilocoLoop(TaskLoop):
         self.pending: dict[tuple[int, int], Pending] = collections.defaultdict(Pending)
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
+        self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
+        self._hash_shown: tuple[int, str] = (-1, "")
         self.history: list[dict] = []  # per closed round: fragment, round, participants, global hash
         self.losses: list[tuple[int, float]] = []
         self._recent_losses: list[float] = []
@@ -204,6 +206,7 @@ class DilocoLoop(TaskLoop):
         self.params = [p for _, p in named]
         self.frag_index = tasks.fragment_indices(self.task, self.model, self.cfg.fragments)
         self.global_flat = [outer.flatten([self.params[i] for i in f]) for f in self.frag_index]
+        self._global_version += 1
         self.rounds_done = [0] * self.cfg.fragments
         for p in range(self.cfg.fragments):
             self._update_bytes(p)  # once, here in the worker thread: the exchange mode depends on it
@@ -221,6 +224,14 @@ class DilocoLoop(TaskLoop):
 
     def global_hash(self) -> str:
         return outer.params_hash(self.global_flat)
+
+    def _shown_hash(self) -> str:
+        """The global hash for views (/status, /metrics, the dashboard poll it every few seconds): computed once per
+        change of the global weights (``_global_version``), not per request: hashing a large model's weights on
+        every request held the event loop. Decisions use :meth:`global_hash`."""
+        if self._hash_shown[0] != self._global_version:
+            self._hash_shown = (self._global_version, self.global_hash())
+        return self._hash_shown[1]
 
     def _rounds(self) -> float:
         return self.cfg.rounds or math.inf
@@ -468,6 +479,7 @@ class DilocoLoop(TaskLoop):
             del self._contributed[old]
         if combined is not None:
             self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
+            self._global_version += 1
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
         outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
                          broken=bool(self.skipped.pop(p, None)))
@@ -842,6 +854,7 @@ class DilocoLoop(TaskLoop):
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
         self.global_flat = global_flat
+        self._global_version += 1
         self.outer_opt.buffers = momentum
         with torch.no_grad():
             for p, frag in enumerate(self.frag_index):
@@ -1111,7 +1124,7 @@ class DilocoLoop(TaskLoop):
             "withheld": {str(p): why for p, why in self.skipped.items()},
             **self._task_status(),
             "step": self.step,
-            "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
+            "global_hash": self.final_hash or (self._shown_hash() if hasattr(self, "global_flat") else None),
             "final_hash": self.final_hash,
             "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
             "history": self.history[-64:],
