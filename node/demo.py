@@ -19,7 +19,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from node import datadir
@@ -46,7 +46,6 @@ class DemoNode:
     proc: subprocess.Popen
     log_path: Path
     info: dict | None = None
-    last: dict = field(default_factory=dict)  # the row shown for it
 
     @property
     def url(self) -> str | None:
@@ -175,7 +174,6 @@ class Demo:
                                (losses[-1][1] if losses else loop.get("train_loss", loop.get("last_loss"))),
                                error=loop.get("error") or loop.get("refused"),
                                work=", ".join(work_text(w) for w in loop.get("work") or []))
-            node.last = row
             rows.append(row)
         return rows
 
