@@ -55,6 +55,7 @@ MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audi
 MAX_PART_BYTES = 1 << 30  # one encoded part
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
+MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
 
@@ -162,6 +163,7 @@ class DilocoLoop(TaskLoop):
         self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
         self._initial: set[str] = set()  # who we started with (round 0 waits for them)
         self._contributed: dict[tuple[int, int], set[str]] = {}  # (round, fragment) -> who we combined
+        self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self._included = 0  # rounds in a row in which the majority's weights contained our update
         self._counted_before_resync = False
         self._founder = False  # we started the run with the others: they count us from the start
@@ -377,7 +379,7 @@ class DilocoLoop(TaskLoop):
             self.counters["updates_withheld"] += 1
             logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
             return
-        delta = self.global_flat[p] - local
+        delta = self._pseudo_gradient(p, local)
         payloads = [self.codec.encode(delta[a:b]).to_wire() for a, b in self._bounds(p)]
         hashes = [self.bulk.keep(x) for x in payloads]  # served to whoever the round makes pull them
         self._round_blobs[(r, p)].update(hashes)
@@ -393,6 +395,10 @@ class DilocoLoop(TaskLoop):
         pending.updates[self._ctx.identity.peer_id] = mine
         self.counters["bytes_sent"] += sum(ann.sizes)  # our update's size (each peer serves it as the mode asks)
         self.counters["updates_sent"] += 1
+
+    def _pseudo_gradient(self, p: int, local: torch.Tensor) -> torch.Tensor:
+        """Our update for fragment p: the global weights minus our local ones."""
+        return self.global_flat[p] - local
 
     def _publish(self, body: dict) -> None:
         self.gossip.publish(self.topic, msgpack.packb(self._tag(body), use_bin_type=True))
@@ -453,11 +459,14 @@ class DilocoLoop(TaskLoop):
         contributing = r >= self.join_round.get(p, 0)
         self.counters["newcomer_updates"] += len(slots & have())
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
+        replayed = self._replays(p, pending, members)
+        members -= set(replayed)
         started = time.monotonic()
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
             combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
+        rejected.update(replayed)
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
             self._exchange_times.append(time.monotonic() - pending.sent_at)
         self._close_times.append(time.monotonic() - started)  # every update announced -> combined update in hand
@@ -518,6 +527,23 @@ class DilocoLoop(TaskLoop):
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
             self._resync_from = sorted(a for a, h in theirs.items() if h == majority)
+
+    def _replays(self, p: int, pending: Pending, members: set[str]) -> dict[str, str]:
+        """Members whose update for this round is the very one they sent for an earlier round of the fragment (the
+        same encoded parts: an honest peer's next update always differs): refused as "replayed". Remembers the
+        members' parts for the next round (at most MAX_REMEMBERED_UPDATES peers x fragments)."""
+        out = {}
+        for a in sorted(members):
+            ann = pending.announced.get(a)
+            if ann is None:
+                continue
+            if a != self._ctx.identity.peer_id and self._last_parts.get((a, p)) == ann.parts:
+                out[a] = "replayed"
+            self._last_parts[(a, p)] = ann.parts
+            self._last_parts.move_to_end((a, p))
+        while len(self._last_parts) > MAX_REMEMBERED_UPDATES:
+            self._last_parts.popitem(last=False)
+        return out
 
     def _mode(self, p: int) -> str:
         """How this round's updates move: the same answer at every peer that closed the last round with us (it
@@ -610,6 +636,9 @@ class DilocoLoop(TaskLoop):
             if len(ann.parts) != len(bounds) or not math.isfinite(ann.norm) or ann.norm < 0:
                 rejected[a] = "wrong_shape"
         members = members - set(rejected)
+        for a in exchange.norm_outliers({a: pending.announced[a].norm for a in members}):
+            rejected[a] = "norm_outlier"  # before the digest: every peer refuses it from the same announcements
+        members = members - set(rejected)
         if not members:
             return None, rejected
         ordered = exchange.order(self.cfg.run, r, p, members)
@@ -619,6 +648,7 @@ class DilocoLoop(TaskLoop):
         span = self.deadline.value() + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
         end = time.monotonic() + span
         parts: dict[int, torch.Tensor] = {}
+        screened: dict[str, str] = {}
         computed: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # parts we reduced: (blob hash, decoded, size)
 
         async def compute(k: int, until: float) -> None:
@@ -656,6 +686,11 @@ class DilocoLoop(TaskLoop):
 
             await asyncio.gather(*(one(peer) for peer in sorted(members)))
             chunks = {peer: c for peer, c in chunks.items() if peer not in rejected}
+            # the same rule wherever this part is reduced (its reducer, its auditor, a fallback): its chunks only
+            noise = await asyncio.to_thread(exchange.uncorrelated, chunks)
+            for peer in noise:
+                screened[peer] = "uncorrelated"  # from this part only: each part is judged on its own chunks
+                del chunks[peer]
 
             def reduce_and_encode() -> tuple[bytes, torch.Tensor]:
                 payload = self.codec.encode(exchange.reduce_part(chunks, factors, b - a)).to_wire()
@@ -741,7 +776,7 @@ class DilocoLoop(TaskLoop):
         combined = torch.empty(n)
         for k, (a, b) in enumerate(bounds):
             combined[a:b] = parts.pop(k)  # each part freed as it is copied in
-        return combined, rejected
+        return combined, {**screened, **rejected}
 
     def _prefetch(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
         """Scatter: pull at once the chunks of the parts we will likely reduce (our place in the round's order over

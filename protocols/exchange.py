@@ -12,10 +12,17 @@ with the same combined update, bit for bit, whoever reduced what.
 from __future__ import annotations
 
 import hashlib
+import math
 import statistics
 
 import torch
 
+# screening a round's updates (the same rule at every peer, from the round's own data only, so every peer that
+# combines the same members refuses the same ones): an update whose announced norm is more than OUTLIER_NORM x the
+# median is refused, not only clipped; one whose direction is no closer to the others' than random noise of its size
+# would be (cosine below NOISE_SIGMAS / sqrt(n)) is refused as noise
+OUTLIER_NORM = 10.0
+NOISE_SIGMAS = 5.0
 PART_MIN = 16_384  # values: a fragment smaller than this many values per part is cut into fewer parts
 MAX_PARTS = 256
 
@@ -65,6 +72,50 @@ def clip_factors(norms: dict[str, float], clip: float = 2.0) -> dict[str, float]
     if limit <= 0:
         return {a: 1.0 for a in norms}
     return {a: min(1.0, limit / max(v, 1e-30)) for a, v in norms.items()}
+
+
+def norm_outliers(norms: dict[str, float], limit: float = OUTLIER_NORM) -> set[str]:
+    """The peers whose announced norm is more than ``limit`` x the median norm (the lower median; needs 3 peers:
+    with 2, which of them is the outlier is a guess)."""
+    if len(norms) < 3:
+        return set()
+    med = statistics.median_low(norms.values())
+    if not med > 0:
+        return set()
+    return {a for a, v in norms.items() if v > limit * med}
+
+
+def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS) -> dict[str, float]:
+    """The peers whose vector is no closer in direction to the others' than noise: the upper median of its cosines
+    with each other peer is below ``sigmas`` / sqrt(n) (random noise of n values has a cosine of about
+    +-1 / sqrt(n) with anything), so an update must point the same way as at least half of the others. Pairwise,
+    not against the sum of the others: one large update pointing the wrong way would turn that sum against every
+    honest peer. Returns {peer: that median}. Needs 3 peers (with 2, neither is more suspect than the other) and
+    enough values for noise to be told apart (n >= 100); one dot product per pair, no stacked copy."""
+    if len(vectors) < 3:
+        return {}
+    peers = sorted(vectors)
+    n = vectors[peers[0]].numel()
+    limit = sigmas / math.sqrt(max(n, 1))
+    if limit > 0.5:
+        return {}  # too few values to tell noise from an update
+    v = [vectors[a].to(torch.float32) for a in peers]
+    sq = [float(torch.dot(x, x)) for x in v]
+    cos: dict[int, list[float]] = {i: [] for i in range(len(peers))}
+    for i in range(len(peers)):
+        for j in range(i + 1, len(peers)):
+            if sq[i] > 0 and sq[j] > 0:
+                c = float(torch.dot(v[i], v[j])) / math.sqrt(sq[i] * sq[j])
+                cos[i].append(c)
+                cos[j].append(c)
+    out = {}
+    for i, a in enumerate(peers):
+        if sq[i] <= 0 or not cos[i]:
+            continue  # a zero update moves nothing
+        m = statistics.median_high(cos[i])
+        if m < limit:
+            out[a] = round(m, 5)
+    return out
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

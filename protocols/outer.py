@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from protocols import exchange
+
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
 
 
@@ -89,14 +91,16 @@ class OuterNesterov:
 
 
 def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,
-            trim: float = 0.2) -> tuple[torch.Tensor | None, dict[str, str]]:
+            trim: float = 0.2, screen: bool = True) -> tuple[torch.Tensor | None, dict[str, str]]:
     """Combine peers' pseudo-gradients robustly. Returns (combined or None, {peer: rejection reason}).
 
-    Rejected before combining: wrong size, non-finite values. ``clipped_mean``: each update's L2 norm is clipped
-    to ``clip`` x the median norm, then averaged. ``trimmed_mean``: per coordinate, the ``trim`` fraction of the
+    Rejected before combining: wrong size, non-finite values; with ``screen`` (3 updates or more, the rules of
+    ``protocols.exchange``) an update whose norm is more than 10x the median ("norm_outlier") and one no closer in
+    direction to the others than noise ("uncorrelated"). ``clipped_mean``: each update's L2 norm is clipped to
+    ``clip`` x the median norm, then averaged. ``trimmed_mean``: per coordinate, the ``trim`` fraction of the
     largest and of the smallest values are dropped, the rest averaged (needs >= 3 updates to trim anything)."""
     rejected: dict[str, str] = {}
-    good: list[torch.Tensor] = []
+    good: dict[str, torch.Tensor] = {}
     for peer in sorted(updates):
         u = updates[peer]
         if not isinstance(u, torch.Tensor) or u.dim() != 1 or u.numel() != size:
@@ -104,10 +108,18 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
         elif not bool(torch.isfinite(u).all()):
             rejected[peer] = "non_finite"
         else:
-            good.append(u.to(torch.float32))
+            good[peer] = u.to(torch.float32)
+    if screen and method == "clipped_mean":
+        norms = {peer: float(u.norm()) for peer, u in good.items()}
+        for peer in exchange.norm_outliers(norms):
+            rejected[peer] = "norm_outlier"
+            del good[peer], norms[peer]
+        for peer in exchange.uncorrelated(good):
+            rejected[peer] = "uncorrelated"
+            del good[peer]
     if not good:
         return None, rejected
-    stacked = torch.stack(good)
+    stacked = torch.stack([good[peer] for peer in sorted(good)])
     if method == "clipped_mean":
         norms = stacked.norm(dim=1)
         limit = clip * float(norms.median())

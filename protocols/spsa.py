@@ -27,6 +27,7 @@ import collections
 import hashlib
 import logging
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -71,6 +72,22 @@ def encode_grad(g: float, clip: float) -> int:
 def decode_grad(b: int) -> float:
     magnitude = G0 * 2.0 ** ((b & 0x7F) / 4)
     return -magnitude if b & 0x80 else magnitude
+
+
+EXTREME = 10.0  # a peer whose median |g| in a window is this many times the window's (median over peers): refused
+
+
+def extreme_peers(batches: dict[str, bytes], limit: float = EXTREME) -> set[str]:
+    """The peers of a window whose bytes are out of scale with the others': their median |g| exceeds ``limit`` x
+    the lower median of every peer's median (needs 3 peers). A function of the window's signed bytes only, so live
+    peers and a replaying joiner refuse the same ones, and the weights stay bit-identical."""
+    if len(batches) < 3:
+        return set()
+    medians = {a: statistics.median(decode_grad(x & 0x7F) for x in b) for a, b in batches.items() if len(b)}
+    if len(medians) < 3:
+        return set()
+    typical = statistics.median_low(medians.values())
+    return {a for a, m in medians.items() if m > limit * typical}
 
 
 def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
@@ -211,6 +228,7 @@ class SPSALoop(TaskLoop):
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
+        self._screened: dict[int, set[str]] = {}  # window -> peers whose bytes are refused as out of scale
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -422,9 +440,15 @@ class SPSALoop(TaskLoop):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
+        extreme = self._extreme(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})
+        for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
+            self.counters["rejected_extreme"] += 1
+            self._ctx.transport.penalties.penalize(peer, "invalid_message",
+                                                   f"spsa window {w}: gradients out of scale with the others'")
         self._record_round(w, waited_s=time.monotonic() - opened, deadline_s=self.cfg.deadline,
-                           participants=set(self.applied[w]), missing=waited - set(window.batches))
-        self.standing.record(self.applied[w])
+                           participants=set(self.applied[w]) - extreme, missing=waited - set(window.batches),
+                           rejected={a: "extreme" for a in extreme})
+        self.standing.record(set(self.applied[w]) - extreme)
         for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
             del self.hashes[old]
         self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
@@ -438,7 +462,17 @@ class SPSALoop(TaskLoop):
         return set(self.applied.get(w - 1, {})) | joins
 
     def _bytes_for(self, w: int, i: int) -> dict[str, int]:
-        return {author: _batch_bytes(m)[i] for author, m in self.applied.get(w, {}).items()}
+        """Step i of window w: every applied peer's byte, less the peers whose bytes are out of scale."""
+        batches = {author: _batch_bytes(m) for author, m in self.applied.get(w, {}).items()}
+        out = self._extreme(w, batches)
+        return {author: b[i] for author, b in batches.items() if author not in out}
+
+    def _extreme(self, w: int, batches: dict[str, bytes]) -> set[str]:
+        if w not in self._screened:
+            self._screened[w] = extreme_peers(batches)
+            for old in [x for x in self._screened if x < w - 2]:
+                del self._screened[old]
+        return self._screened[w]
 
     def _check_hashes(self, w: int) -> None:
         theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.counts(a)}

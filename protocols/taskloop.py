@@ -22,6 +22,8 @@ logger = logging.getLogger(__name__)
 MAX_MISMATCHED = 64  # peers whose mismatching fingerprint we remember
 TIMELINE_ROUNDS = 64  # closed rounds kept for the dashboard's round timeline
 TIMELINE_PEERS = 64  # peer ids kept per list in one round's record (the counts are always whole)
+MAX_OFFENDERS = 64  # peers whose refused contributions /status lists (the most recent offenders are kept)
+NOT_OFFENCES = frozenset({"base"})  # refusals that are no one's fault (an update from weights we just left)
 
 
 class TaskLoop:
@@ -43,6 +45,9 @@ class TaskLoop:
         self.work = WorkBoard(logging.getLogger(f"protocols.{self.name}"))  # long work, in /status as it goes
         self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_ROUNDS)
         self._timeline_bytes = 0  # bytes_sent() when the last round was recorded
+        # peer -> {reason: count} of its refused contributions, and the last round it offended in: /status shows
+        # who is sending bad updates (the transport's penalties ban them; this says what they did to this run)
+        self.offenders: collections.OrderedDict[str, dict] = collections.OrderedDict()
 
     def _init_standing(self, ctx) -> None:
         """Who counts in this run's decisions (``protocols.standing``): the config's ``peers`` (a closed run) or,
@@ -184,6 +189,17 @@ class TaskLoop:
         })
         self._timeline_bytes = sent
         self.counters["peers_missed"] += len(missing)
+        for peer, reason in rejected.items():
+            if reason not in NOT_OFFENCES:
+                self._offended(peer, reason, r)
+
+    def _offended(self, peer: str, reason: str, r: int) -> None:
+        entry = self.offenders.pop(peer, None) or {"refused": {}, "last_round": r}
+        entry["refused"][reason] = entry["refused"].get(reason, 0) + 1
+        entry["last_round"] = r
+        self.offenders[peer] = entry  # the most recent offender last
+        while len(self.offenders) > MAX_OFFENDERS:
+            self.offenders.popitem(last=False)
 
     def _record_late(self, r: int, peer: str, fragment: int | None = None) -> None:
         """A peer's contribution to round r came after we had closed it."""
@@ -232,4 +248,5 @@ class TaskLoop:
             "checkpoint": self.saved,
             "resumed": self.resumed,
             "work": self.work.view(),
+            "offenders": {peer: {**e, "refused": dict(e["refused"])} for peer, e in reversed(self.offenders.items())},
         }

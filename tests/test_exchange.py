@@ -50,7 +50,8 @@ def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
 
 def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     g = torch.Generator().manual_seed(0)
-    updates = {f"p{i}": torch.randn(10_000, generator=g) * (1 + 4 * (i == 3)) for i in range(5)}
+    signal = torch.randn(10_000, generator=g)
+    updates = {f"p{i}": (signal + torch.randn(10_000, generator=g)) * (1 + 4 * (i == 3)) for i in range(5)}
     norms = {a: float(u.norm()) for a, u in updates.items()}
     factors = exchange.clip_factors(norms)
     assert factors["p3"] < 1 and all(factors[a] == 1 for a in norms if a != "p3")
@@ -184,5 +185,35 @@ def test_a_peer_killed_during_the_exchange_costs_the_others_a_deadline_not_the_r
             assert sum(s.get("resyncs", 0) for s in final) == 0
         # the deadline was spent once, not every round
         assert sum(s.get("deadline_missed", 0) for s in final) <= 3
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(200)
+@pytest.mark.parametrize("behaviour,mode,reason", [("noise", "scatter", "uncorrelated"),
+                                                   ("same", "all-to-all", "replayed")])
+def test_a_byzantine_update_is_refused_penalised_and_shown_and_the_honest_peers_agree(tmp_path, behaviour, mode,
+                                                                                      reason):
+    swarm = swarm_of(tmp_path, run=f"byz-{behaviour}", mode=mode, audit=1.0, rounds=4)
+    try:
+        honest = swarm.start_chain(3, members_within=None)
+        byz = swarm.start("byz", bootstrap=[honest[-1].tcp_addr],
+                          entry=[str(REPO / "tests" / "byzantine_peer.py"), f"diloco:{behaviour}"])
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in honest) and [d(n) for n in honest], 170,
+                         "the honest nodes to finish")
+        assert history(honest[0]) == history(honest[1]) == history(honest[2])
+        # refused (a replay from its second round on), after which it has lost its standing and is no longer
+        # waited for; no honest peer was ever refused
+        for s in final:
+            assert set(s["offenders"]) == {byz.peer_id}, s["offenders"]
+            assert s["offenders"][byz.peer_id]["refused"].get(reason, 0) >= 1
+            assert s.get("lying_reducers", 0) == 0 and s.get("lying_auditors", 0) == 0
+            assert all(h["participants"] == 3 for h in s["history"][1:])
+        scores = [{p["peer_id"]: p["penalty_score"] for p in n.status()["peers"]} for n in honest]
+        assert all(score.get(byz.peer_id, 0) > 0 for score in scores)
+        assert all(score.get(n.peer_id, 0) == 0 for score in scores for n in honest)
+        losses = [loss for _, loss in final[0]["losses"]]
+        assert losses[-1] < losses[0]
     finally:
         swarm.close()

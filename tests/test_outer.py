@@ -35,8 +35,11 @@ def test_combine_rejects_bad_updates_and_resists_outliers():
     good = {f"p{i}": torch.full((10,), 1.0 + 0.01 * i) for i in range(4)}
     bad = {"nan": torch.full((10,), float("nan")), "short": torch.ones(9), "huge": torch.full((10,), 1e6)}
     combined, rejected = outer.combine({**good, **bad}, 10, method="clipped_mean")
-    assert rejected == {"nan": "non_finite", "short": "wrong_shape"}
-    assert float(combined.max()) < 3.0  # the huge update was clipped to 2x the median norm before averaging
+    assert rejected == {"nan": "non_finite", "short": "wrong_shape", "huge": "norm_outlier"}
+    assert float(combined.max()) < 1.1
+    big, rejected = outer.combine({**good, "big": torch.full((10,), 5.0)}, 10, method="clipped_mean")
+    assert rejected == {}  # 5x the median: not refused, but clipped to 2x the median norm before averaging
+    assert float(big.max()) < (4 * 1.03 + 2 * 1.03) / 5 + 1e-3
     trimmed, _ = outer.combine({**good, "huge": torch.full((10,), 1e6)}, 10, method="trimmed_mean", trim=0.2)
     assert float(trimmed.max()) < 1.1  # dropped per coordinate
     assert outer.combine({"x": torch.ones(3)}, 10)[0] is None
@@ -44,10 +47,11 @@ def test_combine_rejects_bad_updates_and_resists_outliers():
 
 def test_combine_is_bit_identical_whatever_the_arrival_order():
     torch.manual_seed(1)
-    updates = {f"peer{i}": torch.randn(1000) for i in range(5)}
-    a, _ = outer.combine(updates, 1000)
+    signal = torch.randn(1000)
+    updates = {f"peer{i}": signal + torch.randn(1000) for i in range(5)}
+    a, rejected = outer.combine(updates, 1000)
     b, _ = outer.combine(dict(reversed(list(updates.items()))), 1000)
-    assert torch.equal(a, b)
+    assert rejected == {} and torch.equal(a, b)
 
 
 def test_flatten_unflatten_and_hash():
@@ -89,3 +93,20 @@ def test_merge_gives_a_peer_whose_weights_blew_up_the_global_weights_back():
     params[0][0, 0] = float("nan")  # plain DiLoCo (alpha 0): 0 x NaN is NaN, the global weights must come back
     outer.merge_into(params, global_flat, alpha=0.0)
     assert torch.equal(torch.cat([p.reshape(-1) for p in params]), global_flat)
+
+
+def test_noise_of_the_right_norm_is_refused_and_honest_updates_are_not():
+    torch.manual_seed(0)
+    signal = torch.randn(100_000)
+    honest = {f"p{i}": signal + 2.0 * torch.randn(100_000) for i in range(3)}  # cosine ~0.2 with each other
+    noise = torch.randn(100_000)
+    noise *= honest["p0"].norm() / noise.norm()
+    combined, rejected = outer.combine({**honest, "noise": noise}, 100_000)
+    assert rejected == {"noise": "uncorrelated"}
+    assert outer.combine(honest, 100_000)[1] == {}
+    assert torch.equal(combined, outer.combine(honest, 100_000)[0])
+    # an update pointing against the others is no better than noise
+    _, rejected = outer.combine({**honest, "anti": -signal * 3}, 100_000)
+    assert rejected == {"anti": "uncorrelated"}
+    # two updates: neither is more suspect than the other
+    assert outer.combine({"p0": honest["p0"], "noise": noise}, 100_000)[1] == {}

@@ -1,0 +1,90 @@
+"""A swarmd node that trains like the others but sends Byzantine contributions to its loops. Run as a script in place
+of ``python -m node`` with the behaviour as its first argument (a test seam from outside production code):
+
+    python tests/byzantine_peer.py diloco:scale100 start --config ...
+
+DiLoCo (its pseudo-gradient, before it is encoded and announced with the current base's hash):
+  ``scale100`` x100; ``nan`` NaN and Inf values; ``noise`` Gaussian noise of the honest update's norm; ``stale`` the
+  update it computed 3 rounds before (from an old base); ``same`` the update of its first round, every round.
+SPSA (its bytes): ``extreme`` the largest allowed |g| with a random sign at every step; ``random`` a random allowed
+  byte at every step.
+SAPO (the completions it shares): ``garbage`` random strings of the task's alphabet; ``wrong`` every completion
+  replaced by one wrong answer.
+"""
+
+import random
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import torch  # noqa: E402
+
+from protocols import diloco, sapo, spsa  # noqa: E402
+
+MODE = sys.argv.pop(1)
+loop, behaviour = MODE.split(":")
+rng = random.Random(7)
+
+if loop == "diloco":
+    honest_update = diloco.DilocoLoop._pseudo_gradient
+    sent: dict[int, list[torch.Tensor]] = {}
+
+    def byzantine_update(self, p, local):
+        u = honest_update(self, p, local)
+        history = sent.setdefault(p, [])
+        history.append(u.clone())
+        del history[:-4]
+        if behaviour == "scale100":
+            return u * 100
+        if behaviour == "nan":
+            u = u.clone()
+            u[::7] = float("nan")
+            u[1::7] = float("inf")
+            return u
+        if behaviour == "noise":
+            g = torch.Generator().manual_seed(rng.randrange(2**31))
+            z = torch.randn(u.numel(), generator=g)
+            return z * (u.norm() / z.norm().clamp(min=1e-30))
+        if behaviour == "stale":
+            return history[0] if len(history) == 4 else u
+        if behaviour == "same":
+            first = sent.setdefault(-1 - p, [u.clone()])
+            return first[0]
+        raise SystemExit(f"unknown diloco behaviour {behaviour!r}")
+
+    diloco.DilocoLoop._pseudo_gradient = byzantine_update
+
+elif loop == "spsa":
+    def byzantine_code(self, g, step):
+        if behaviour == "extreme":
+            return (0x80 if rng.random() < 0.5 else 0) | self._max_code
+        if behaviour == "random":
+            return (0x80 if rng.random() < 0.5 else 0) | rng.randrange(self._max_code + 1)
+        raise SystemExit(f"unknown spsa behaviour {behaviour!r}")
+
+    spsa.SPSALoop._code = byzantine_code
+
+elif loop == "sapo":
+    honest_publish = sapo.SapoLoop._publish
+
+    def byzantine_publish(self, r, q_seed, specs, comps):
+        if behaviour == "garbage":
+            alphabet = "0123456789-+ abcdefghijklmnopqrstuvwxyz"
+            comps = [["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in c]
+                     for c in comps]
+            comps = [[x if self.rules.valid(x) else "0" for x in c] for c in comps]
+        elif behaviour == "wrong":
+            comps = [["-999999"] * len(c) for c in comps]
+        else:
+            raise SystemExit(f"unknown sapo behaviour {behaviour!r}")
+        honest_publish(self, r, q_seed, specs, comps)
+
+    sapo.SapoLoop._publish = byzantine_publish
+
+else:
+    raise SystemExit(f"unknown loop {loop!r}")
+
+from node.cli import main  # noqa: E402
+
+main()
