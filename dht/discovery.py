@@ -257,6 +257,20 @@ class Discovery:
             peer_id, (dialed - started) * 1e3, (pinged - dialed) * 1e3, (time.perf_counter() - pinged) * 1e3,
         )
 
+    async def rejoin_through(self, peer_id: str) -> None:
+        """Re-bootstrap through a member we just reached again (after a split, or from the address book): ping its
+        DHT so each routing table holds the other, greet it (records swapped, CRDT sync started) and read the
+        members key at once. Raises TransportError/ProtocolViolation."""
+        hm = load_hivemind()
+        node_id = await self._dht_call(
+            "ping", self.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False, strict=False))
+        if node_id is None:
+            raise PeerUnreachable(f"{peer_id} answered the dial but not the DHT ping")
+        await self._hello(peer_id)
+        self._joined.set()
+        self.counters["rejoins"] = self.counters.get("rejoins", 0) + 1
+        self._poll_now.set()
+
     async def _after_join(self) -> None:
         # greet every member at once (that is what makes us visible within ~1 s), while we store our record and
         # fill our routing table

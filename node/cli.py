@@ -569,6 +569,12 @@ def doctor(data_dir, http, as_json) -> None:
     for p in report["peers"]:
         lines.append(f"  {p['peer_id']}  {p['path']}{' via ' + p['relay'] if p['relay'] else ''}"
                      f"  since {_ago(p['since'])}")
+    split = report["split"]
+    last = split.get("last_split")
+    lines.append("split         " + (f"SUSPECTED for {split['seconds']} s: {split['lost']} of {split['known']} known "
+                                     "members reached by no one near" if split.get("suspected") else
+                                     f"none ({split.get('known') or 0} known members reached)")
+                 + (f"; the last one lasted {last['seconds']} s, healed {_ago(last['healed_at'])}" if last else ""))
     lines.append("")
     lines += [f"hint: {h}" for h in report["hints"]] or ["no problems found"]
     click.echo("\n".join(lines))

@@ -24,6 +24,7 @@ from node.config import Config, parse_host_port
 from node.dashboard import Recorder
 from node.http import StatusServer
 from node.nat import NatService, guess_private
+from node.reach import AddressBook, Reach
 from node.replication import Replicator
 from node.services import NodeContext, Service
 from transport.base import ConnectedPeer, PathType
@@ -156,6 +157,12 @@ class Node:
             admission=Admission(config.node.swarm, config.state.admission_bits, config.state.allow),
             max_authors=config.state.max_authors,
         )
+        self.book = AddressBook(data_dir)
+        self.reach = Reach(self.transport, identity.peer_id,
+                           members=lambda: set(self.replicator.store.value("members")) | set(self.discovery.members),
+                           connected=lambda: set(self.connected), book=self.book,
+                           rejoin=self.discovery.rejoin_through, interval=d.reach_interval,
+                           window=d.split_window)
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
                                  token=datadir.http_token(data_dir))
@@ -193,6 +200,7 @@ class Node:
         await self.transport.start()
         try:
             await serve_ping(self.transport)
+            await self.reach.start()
             await self.discovery.start()
             try:
                 await self.replicator.start()
@@ -224,6 +232,7 @@ class Node:
                             tg.create_task(supervise("discovery", self.discovery.run))
                             tg.create_task(supervise("connection monitor", self._connection_monitor))
                             tg.create_task(supervise("ping", self._ping_loop))
+                            tg.create_task(supervise("split detection", self.reach.run))
                             tg.create_task(supervise("event loop lag", self.loop_lag.run))
                             tg.create_task(supervise("dashboard recorder", self.recorder.run))
                             tg.create_task(supervise("replication", self.replicator.run))
@@ -241,6 +250,7 @@ class Node:
         finally:
             await self.transport.close()  # ends inbound handlers, which may still be writing to the op log
             self.replicator.close()
+            self.reach.close()
 
     def runtime_info(self) -> dict:
         return {
@@ -272,6 +282,8 @@ class Node:
                 if state is not None:
                     state.path, state.path_since, state.relay = PathType.NONE.value, now, None
             self.connected = peers
+            for peer_id, member in self.discovery.members.items():  # remembered for re-dialling after a split
+                self.book.note(peer_id, member.record.addrs)
             # forget state of peers that are neither connected nor members
             for peer_id in [p for p in self.peer_state if p not in peers and p not in self.discovery.members]:
                 del self.peer_state[peer_id]
@@ -382,6 +394,7 @@ class Node:
             "members": len(known[0]),  # others
             "peers_omitted": len(known[0] | known[1]) - len(peers),
             "connected": len(self.connected),
+            "split": self.reach.view(),
             "peers": peers,
             "crdt": self.replicator.summary(),
             "services": services,

@@ -55,6 +55,12 @@ def diagnose(s: dict) -> dict:
         hints.append("hole punching has not succeeded: a NAT that changes the port for each destination "
                      "(symmetric), or a firewall that drops inbound SYNs even after ours went out, blocks it; the "
                      "relay keeps working")
+    split = s.get("split") or {}
+    if split.get("suspected"):
+        hints.append(f"split: {split['lost']} of the {split['known']} members this node knows are reached neither "
+                     f"by it nor by its neighbours (for {split.get('seconds')} s); it re-dials them at their "
+                     "remembered addresses. A partition or a firewall between groups of peers does this; check "
+                     "the links between them")
     if unconnected:
         hints.append(f"{len(unconnected)} member(s) not connected: they may be offline, or behind NATs with no "
                      "relay in common")
@@ -77,5 +83,6 @@ def diagnose(s: dict) -> dict:
         "unconnected": len(unconnected),
         "peers": [{"peer_id": p["peer_id"], "path": p["path"], "relay": p["relay"], "since": p["path_since"]}
                   for p in peers],
+        "split": {k: split.get(k) for k in ("suspected", "lost", "known", "seconds", "last_split")},
         "hints": hints,
     }

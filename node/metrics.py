@@ -40,6 +40,19 @@ class NodeCollector:
         peers.add_metric(["banned"], len(node.transport.penalties.banned()))
         yield peers
 
+        reach = node.reach.view()
+        yield GaugeMetricFamily("swarmd_split_suspected", "1 while this node reaches neither directly nor through "
+                                "a neighbour at least 2 and a quarter of the members it knows",
+                                value=int(reach["suspected"]))
+        yield GaugeMetricFamily("swarmd_split_lost_members", "Known members reached neither by this node nor by "
+                                "its neighbours", value=reach["lost"])
+        yield CounterMetricFamily("swarmd_splits", "Splits detected", value=reach.get("splits", 0))
+        yield CounterMetricFamily("swarmd_split_heals", "Splits healed", value=reach.get("heals", 0))
+        redials = CounterMetricFamily("swarmd_split_redials", "Lost or remembered members re-dialled, by outcome",
+                                      labels=["outcome"])
+        redials.add_metric(["reached"], reach.get("redials_ok", 0))
+        redials.add_metric(["failed"], reach.get("redials", 0) - reach.get("redials_ok", 0))
+        yield redials
         yield GaugeMetricFamily("swarmd_dht_routing_table_size", "Peers in the DHT routing table",
                                 value=node.discovery.routing_table_size())
         dht_ops = CounterMetricFamily("swarmd_dht_operations", "DHT and discovery operations", labels=["op"])

@@ -1,0 +1,88 @@
+"""A partition lab: ``n`` hosts, each a network namespace on one bridge (a LAN of the lab's own), that the test can
+split into groups with ``iptables`` and heal again. Created and removed by the tests themselves; nothing is attached
+to the root namespace and no lab namespace has a route out of the lab.
+
+    <p>-br          : the bridge (L2 only)
+    <p>-h0 .. h<n-1>: host i at 10.77.0.(10 + i)/24
+
+``partition(groups)`` makes every host drop every packet to and from the hosts of the other groups (INPUT and
+OUTPUT, so established connections stall exactly as through a cut link); ``heal()`` flushes those rules. Code runs in
+a host as a process (``cmd(i)``) or in a thread of this process (``call(i, fn)``), as in ``natlab``.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+
+from natlab import NatLab, _run, unavailable  # noqa: F401  (unavailable: the same requirements)
+
+
+@dataclass
+class SplitLab:
+    n: int
+    prefix: str = field(default_factory=lambda: "sp" + uuid.uuid4().hex[:5])
+
+    def __post_init__(self):
+        self.ns = {"br": f"{self.prefix}-br", **{f"h{i}": f"{self.prefix}-h{i}" for i in range(self.n)}}
+        self.ip = [f"10.77.0.{10 + i}" for i in range(self.n)]
+        self._made: list[str] = []
+        self.partitioned = False
+
+    def up(self) -> "SplitLab":
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _x(self, key: str, *args: str) -> None:
+        _run("ip", "netns", "exec", self.ns[key], *args)
+
+    def _build(self) -> None:
+        for key, name in self.ns.items():
+            _run("ip", "netns", "add", name)
+            self._made.append(name)
+            self._x(key, "ip", "link", "set", "lo", "up")
+            self._x(key, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1")
+        self._x("br", "ip", "link", "add", "br0", "type", "bridge")
+        self._x("br", "ip", "link", "set", "br0", "up")
+        for i in range(self.n):
+            peer = f"{self.prefix}v{i}"[:15]
+            _run("ip", "link", "add", "eth0", "netns", self.ns[f"h{i}"], "type", "veth", "peer", "name", peer,
+                 "netns", self.ns["br"])
+            self._x("br", "ip", "link", "set", peer, "master", "br0", "up")
+            self._x(f"h{i}", "ip", "addr", "add", f"{self.ip[i]}/24", "dev", "eth0")
+            self._x(f"h{i}", "ip", "link", "set", "eth0", "up")
+
+    def partition(self, groups: list[list[int]]) -> None:
+        """Cut every link between hosts of different groups."""
+        where = {h: g for g, hosts in enumerate(groups) for h in hosts}
+        for i in range(self.n):
+            for j in range(self.n):
+                if i != j and i in where and j in where and where[i] != where[j]:
+                    self._x(f"h{i}", "iptables", "-A", "INPUT", "-s", self.ip[j], "-j", "DROP")
+                    self._x(f"h{i}", "iptables", "-A", "OUTPUT", "-d", self.ip[j], "-j", "DROP")
+        self.partitioned = True
+
+    def heal(self) -> None:
+        for i in range(self.n):
+            self._x(f"h{i}", "iptables", "-F", "INPUT")
+            self._x(f"h{i}", "iptables", "-F", "OUTPUT")
+        self.partitioned = False
+
+    def down(self) -> None:
+        NatLab.down(self)  # kills what still runs in our namespaces (by PID), deletes them
+
+    def __enter__(self) -> "SplitLab":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def cmd(self, i: int) -> list[str]:
+        return ["ip", "netns", "exec", self.ns[f"h{i}"]]
+
+    def call(self, i: int, fn, *args, timeout: float = 30.0):
+        return NatLab.call(self, f"h{i}", fn, *args, timeout=timeout)

@@ -1,0 +1,162 @@
+"""Split detection and healing (issue 17): six nodes, each in its own network namespace on one bridge, cut into two
+halves with iptables for a while, then healed: each half says so (/status, /metrics, swarmd doctor), writes on
+each side, and after the heal members and CRDT state converge without a restart. Plus the verdict's own rules on a
+fake clock."""
+
+import functools
+import subprocess
+import sys
+import time
+
+import pytest
+
+from node.reach import AddressBook, Reach, short
+from splitlab import SplitLab, unavailable
+from swarmproc import Swarm, http_get, http_post, wait_for
+
+LAB_NODE = """
+[network]
+listen = ["/ip4/0.0.0.0/tcp/4001"]
+reachability = "public"
+probe_interval = 30.0
+[discovery]
+poll_interval = 1.0
+backoff_initial = 0.5
+refresh_interval = 5.0
+ping_interval = 1.0
+reach_interval = 1.0
+split_window = 4.0
+[state]
+sync_interval = 1.0
+admission_bits = 12
+[http]
+listen = "127.0.0.1:8470"
+"""
+
+
+# ------------------------------------------------------------------ the verdict, on a fake clock
+class FakeTransport:
+    penalties = None
+
+
+def reach_on(clock, members):
+    return Reach(FakeTransport(), "me", members=lambda: set(members), connected=lambda: set(members),
+                 book=AddressBook(None), rejoin=None, interval=1.0, window=4.0, clock=lambda: clock[0])
+
+
+def test_a_split_is_many_members_reached_by_no_one_near_and_a_few_dead_peers_are_not():
+    clock = [0.0]
+    members = [f"p{i}" for i in range(8)]
+    r = reach_on(clock, members)
+    clock[0] = 5.0
+    for p in members:
+        r.confirmed[p] = clock[0]
+    r.evaluate()
+    assert not r.view()["suspected"] and r.view()["known"] == 8
+    # p7 dies: it stops answering; one lost member is not a split
+    clock[0] = 10.0
+    for p in members[:7]:
+        r.confirmed[p] = clock[0]
+    r.evaluate()
+    assert r.lost == {"p7"} and not r.view()["suspected"]
+    # p4..p6 are cut off from us but p3 still reaches them: reached through a neighbour, not lost
+    clock[0] = 15.0
+    for p in members[:4]:
+        r.confirmed[p] = clock[0]
+    r.reports["p3"] = (clock[0], frozenset(short(p) for p in ("p4", "p5", "p6")))
+    r.evaluate()
+    assert r.lost == {"p7"} and not r.view()["suspected"]
+    # p3's view goes stale too: p4..p7 are reached by no one near -> a split
+    clock[0] = 20.0
+    for p in members[:4]:
+        r.confirmed[p] = clock[0]
+    r.evaluate()
+    view = r.view()
+    assert r.lost == {"p4", "p5", "p6", "p7"} and view["suspected"] and view["splits"] == 1
+    # they answer again (p7 is still dead): healed
+    clock[0] = 25.0
+    for p in members[:7]:
+        r.confirmed[p] = clock[0]
+    r.evaluate()
+    view = r.view()
+    assert not view["suspected"] and view["heals"] == 1 and view["last_split"]["seconds"] == 5.0
+
+
+def test_the_address_book_is_bounded_skips_relayed_addresses_and_survives_a_restart(tmp_path):
+    book = AddressBook(tmp_path)
+    for i in range(600):
+        book.note(f"p{i}", [f"/ip4/10.0.0.{i % 250}/tcp/4001", "/ip4/1.2.3.4/tcp/1/p2p/x/p2p-circuit"])
+    book.save()
+    again = AddressBook(tmp_path)
+    assert len(again.book) == 512 and "p599" in again.book and "p0" not in again.book
+    assert again.get("p599") == ["/ip4/10.0.0.99/tcp/4001"]
+    (tmp_path / "addrbook.json").write_text("{not json")
+    assert AddressBook(tmp_path).book == {}  # unreadable: a warning and an empty book, never a crash
+
+
+# ------------------------------------------------------------------ six nodes, two halves
+def start_in(lab: SplitLab, swarm: Swarm, i: int, bootstrap=()):
+    return swarm.start(f"h{i}", bootstrap=list(bootstrap), prefix=lab.cmd(i), via=functools.partial(lab.call, i))
+
+
+def post(node, key: str, value) -> None:
+    node.via(lambda: http_post(node.url + "/crdt", json_body={"ops": [
+        {"object": "kv", "payload": {"k": f"{node.peer_id}/{key}", "v": value}}]}, token=node.token))
+
+
+def digest(node) -> str:
+    return node.via(lambda: http_get(node.url + "/state"))["heads_digest"]
+
+
+@pytest.mark.nat
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_two_halves_say_they_are_split_and_converge_after_the_heal_without_a_restart(tmp_path):
+    reason = unavailable()
+    if reason:
+        pytest.skip(reason)
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE)
+    with SplitLab(6) as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            first = start_in(lab, swarm, 0)
+            boot = f"/ip4/{lab.ip[0]}/tcp/4001/p2p/{first.peer_id}"
+            nodes = [first] + [start_in(lab, swarm, i, [boot]) for i in range(1, 6)]
+            ids = {n.peer_id for n in nodes}
+            wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 60,
+                     "6 nodes to list each other as members", interval=0.5)
+            wait_for(lambda: all(n.status()["split"]["known"] == 5 for n in nodes), 30,
+                     "every node to have reached the 5 others")
+            assert not any(n.status()["split"]["suspected"] for n in nodes)
+
+            cut = time.monotonic()
+            lab.partition([[0, 1, 2], [3, 4, 5]])
+            wait_for(lambda: all(n.status()["split"]["suspected"] for n in nodes), 30, "both halves to see the split")
+            detected = time.monotonic() - cut
+            s = nodes[0].status()["split"]
+            assert s["lost"] == 3 and s["known"] == 5
+            assert set(s["lost_peers"]) == {n.peer_id for n in nodes[3:]}
+            assert "swarmd_split_suspected 1.0" in nodes[4].get("/metrics")
+            doctor = subprocess.run(lab.cmd(4) + [sys.executable, "-m", "node", "doctor", "--data-dir",
+                                                  str(nodes[4].data_dir)], capture_output=True, text=True, timeout=30)
+            assert "split         SUSPECTED" in doctor.stdout and "hint: split: 3 of the 5" in doctor.stdout
+            # each half goes on writing its own state
+            post(nodes[0], "left", 1)
+            post(nodes[5], "right", 2)
+            wait_for(lambda: len({digest(n) for n in nodes[:3]}) == 1 and len({digest(n) for n in nodes[3:]}) == 1,
+                     20, "each half to converge on its own")
+            assert digest(nodes[0]) != digest(nodes[5])
+
+            healed = time.monotonic()
+            lab.heal()
+            wait_for(lambda: len({digest(n) for n in nodes}) == 1, 60, "the CRDT state to converge after the heal")
+            converged = time.monotonic() - healed
+            wait_for(lambda: not any(n.status()["split"]["suspected"] for n in nodes), 30, "the split to clear")
+            assert all(n.member_ids() >= ids - {n.peer_id} for n in nodes)
+            for n in nodes:
+                s = n.status()["split"]
+                assert s["splits"] == 1 and s["heals"] == 1 and s["last_split"]["seconds"] > 0
+            print(f"split detected after {detected:.1f} s; state converged {converged:.1f} s after the heal")
+        finally:
+            swarm.close()
