@@ -98,7 +98,7 @@ class DiscoverySection(_Section):
     poll_interval: float = Field(5.0, ge=0.2, le=600)
     ping_interval: float = Field(5.0, ge=0.5, le=600)
     reach_interval: float = Field(2.0, ge=0.2, le=600)  # ask connected members whom they reach this often
-    split_window: float = Field(6.0, ge=0.5, le=3600)  # a member no one near reached this long is lost
+    split_window: float = Field(5.0, ge=0.5, le=3600)  # a member no one near reached this long is lost
     max_peers: int = Field(64, ge=1, le=10_000)
     backoff_initial: float = Field(1.0, ge=0.05, le=60)
     backoff_max: float = Field(60.0, ge=1, le=3600)

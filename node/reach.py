@@ -6,12 +6,14 @@ each half's routing tables drop the other half, and its records expire.
 
 How a node knows
 - every ``interval`` it asks up to ``per_round`` connected members (the least recently confirmed first) over
-  ``/swarmd/reach/1.0.0`` which peers *they* reached lately (a list of 8-byte hashes of peer ids, at most
-  ``MAX_REPORTED``). A member that answered is *reached* by us; a peer listed by a neighbour that we reached lately
-  is reached *through* it;
+  ``/swarmd/reach/1.0.0`` which peers *they* reached within half the window (a list of 8-byte hashes of peer ids, at
+  most ``MAX_REPORTED``). A member that answered, or asked us, is *reached* by us; a peer listed in an answer less
+  than half a window old is reached *through* that neighbour (so a peer only a neighbour reached is lost within one
+  window too, as one we stopped reaching ourselves);
+- the window is ``window``, or twice the time it takes to ask every connected member once if that is longer;
 - the swarm it knows is the replicated member set (``members``), less the peers never seen alive (not by us, not by
   a neighbour) in the last ``KNOWN_HORIZON``: a member that crashed long ago is not part of a split;
-- a member is *lost* when neither we nor any neighbour reached it within ``window``. The node calls it a **split**
+- a member is *lost* when neither we nor any neighbour reached it within the window. The node calls it a **split**
   when at least 2 members and at least ``SPLIT_FRACTION`` of the known swarm are lost at once; a few dead peers are
   not a split.
 
@@ -110,8 +112,8 @@ class AddressBook:
 class Reach:
     def __init__(self, transport, me: str, *, members: Callable[[], set[str]],
                  connected: Callable[[], set[str]], book: AddressBook,
-                 rejoin: Callable[[str], Awaitable[None]], interval: float = 2.0, window: float = 6.0,
-                 per_round: int = 16, dial_timeout: float = 5.0, clock: Callable[[], float] = time.monotonic):
+                 rejoin: Callable[[str], Awaitable[None]], interval: float = 2.0, window: float = 5.0,
+                 per_round: int = 16, dial_timeout: float = 2.5, clock: Callable[[], float] = time.monotonic):
         self.transport = transport
         self.me = me
         self.members = members
@@ -130,19 +132,29 @@ class Reach:
         self.last_split: dict | None = None  # the last split that healed: when, how long, how many were lost
         self._redial: dict[str, tuple[float, float]] = {}  # lost peer -> (next attempt, backoff)
         self._isolated_since: float | None = None
+        self._dialing: dict[str, asyncio.Task] = {}
         self.counters: collections.Counter = collections.Counter()
         self._started = clock()
         self._asks = TokenBuckets(rate=2.0, burst=10.0)
         self._log = RateLimitedLog(logger, interval=30.0)
+
+    def span(self) -> float:
+        """The window in effect: ``window``, or twice the time it takes to ask every connected member once, if
+        longer (each round asks ``per_round`` of them: in a large swarm a member is asked every few rounds)."""
+        n = len(self.connected())
+        return max(self.window, 2 * self.interval * -(-n // self.per_round))
 
     # ------------------------------------------------------------------ the protocol
     async def start(self) -> None:
         await self.transport.serve(REACH_SPEC, self._on_ask)
 
     def reached(self) -> list[bytes]:
-        """The peers we reached within the window, most recent first (at most MAX_REPORTED)."""
+        """The peers we reached within half the window, most recent first (at most MAX_REPORTED): the asker keeps
+        our answer for the other half, so a peer reached only through us is lost within one window, as one we
+        stopped reaching ourselves."""
         now = self._clock()
-        fresh = sorted(((t, p) for p, t in self.confirmed.items() if now - t <= self.window), reverse=True)
+        half = self.span() / 2
+        fresh = sorted(((t, p) for p, t in self.confirmed.items() if now - t <= half), reverse=True)
         return [short(p) for _, p in fresh[:MAX_REPORTED]]
 
     async def _on_ask(self, stream: Stream) -> None:
@@ -156,7 +168,7 @@ class Reach:
 
     async def _ask(self, peer_id: str) -> None:
         try:
-            async with asyncio.timeout(self.interval * 1.5):
+            async with asyncio.timeout(self.interval):
                 async with await self.transport.open_stream(peer_id, REACH_SPEC, timeout=self.interval) as stream:
                     await stream.send(ASK, None)
                     reply = await stream.read_required()
@@ -177,25 +189,26 @@ class Reach:
     # ------------------------------------------------------------------ the verdict
     def evaluate(self) -> None:
         now = self._clock()
+        span = self.span()
         members = self.members() - {self.me}
-        for p in [p for p in self.confirmed if p not in members and now - self.confirmed[p] > self.window]:
+        for p in [p for p in self.confirmed if p not in members and now - self.confirmed[p] > span]:
             del self.confirmed[p]
         for p in [p for p in self.reports if p not in self.confirmed]:
             del self.reports[p]
         through: set[bytes] = set()
         for neighbour, (t, peers) in self.reports.items():
-            if now - t <= self.window:
+            if now - t <= span / 2:
                 through |= peers
         reached = set()
         for p in members:
-            if now - self.confirmed.get(p, -1e18) <= self.window or short(p) in through:
+            if now - self.confirmed.get(p, -1e18) <= span or short(p) in through:
                 reached.add(p)
                 self.alive[p] = now
         for p in [p for p in self.alive if p not in members or now - self.alive[p] > KNOWN_HORIZON]:
             del self.alive[p]
         known = set(self.alive)
         self.lost = known - reached
-        split = (now - self._started > self.window and len(self.lost) >= 2
+        split = (now - self._started > span and len(self.lost) >= 2
                  and len(self.lost) >= SPLIT_FRACTION * len(known))
         if split and self.split_since is None:
             self.split_since, self.split_wall = now, time.time()
@@ -224,12 +237,21 @@ class Reach:
                 todo.append(p)
         for p in [p for p in self._redial if p not in self.lost]:
             del self._redial[p]
-        await asyncio.gather(*(self._redial_one(p) for p in todo[:self.per_round]))
+        for p in todo[:self.per_round]:
+            self._spawn_redial(p)
+
+    def _spawn_redial(self, peer_id: str) -> None:
+        """Dial in the background: the asking goes on while a dial into a partition waits for its timeout, and a
+        dial still in flight when the partition heals connects on its next SYN."""
+        if peer_id in self._dialing:
+            return
+        self._dialing[peer_id] = asyncio.get_running_loop().create_task(self._redial_one(peer_id))
+        self._dialing[peer_id].add_done_callback(lambda t: self._dialing.pop(peer_id, None))
 
     async def _redial_one(self, peer_id: str) -> None:
         self.counters["redials"] += 1
         try:
-            if peer_id in self.connected():
+            if peer_id in self.connected() and self._clock() - self.confirmed.get(peer_id, -1e18) > self.span():
                 await self.transport.disconnect(peer_id)  # a connection through the partition: start afresh
             await self.transport.connect_peer(peer_id, self.book.get(peer_id), timeout=self.dial_timeout)
             await self.rejoin(peer_id)
@@ -281,9 +303,12 @@ class Reach:
             if len(todo) >= 4:
                 break
         self.counters["rebootstraps"] += 1
-        await asyncio.gather(*(self._redial_one(p) for p in todo))
+        for p in todo:
+            self._spawn_redial(p)
 
     def close(self) -> None:
+        for task in list(self._dialing.values()):
+            task.cancel()
         self.book.save()
 
     # ------------------------------------------------------------------ views
@@ -296,7 +321,8 @@ class Reach:
             "lost": len(self.lost),
             "known": len(self.alive),
             "lost_peers": sorted(self.lost)[:16],
-            "reached_directly": sum(1 for t in self.confirmed.values() if now - t <= self.window),
+            "reached_directly": sum(1 for t in self.confirmed.values() if now - t <= self.span()),
+            "window_s": self.span(),
             "last_split": self.last_split,
             "address_book": len(self.book.book),
             **dict(self.counters),

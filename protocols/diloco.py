@@ -132,6 +132,7 @@ class Pending:
     sent_at: float | None = None  # when we announced our update
     prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk
     failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
+    refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
 
 
 class DilocoLoop(TaskLoop):
@@ -467,6 +468,7 @@ class DilocoLoop(TaskLoop):
         else:
             combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
         rejected.update(replayed)
+        rejected.update({a: why for a, why in pending.refused.items() if a not in rejected})
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
             self._exchange_times.append(time.monotonic() - pending.sent_at)
         self._close_times.append(time.monotonic() - started)  # every update announced -> combined update in hand
@@ -610,6 +612,8 @@ class DilocoLoop(TaskLoop):
             logger.warning("diloco update from %s unusable: %s", peer, e)
             if key in self.pending:  # not 'on its way' any more: its round stops waiting for it
                 self.pending[key].failed.add(peer)
+                if isinstance(e, codecs.CodecError):  # the bytes it announced, hash-checked: the sender's fault
+                    self.pending[key].refused[peer] = "undecodable"
                 self._event.set()
             return
         pending = self.pending.get(key)

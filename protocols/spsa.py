@@ -74,20 +74,27 @@ def decode_grad(b: int) -> float:
     return -magnitude if b & 0x80 else magnitude
 
 
-EXTREME = 10.0  # a peer whose median |g| in a window is this many times the window's (median over peers): refused
+EXTREME_Q = 13  # quarter-octaves (~9.5x): a peer whose median |g| in a window is this far above the window's: refused
+CAP_Q = 8  # quarter-octaves (4x): every |g| of a window is capped at this far above the window's median |g|
 
 
-def extreme_peers(batches: dict[str, bytes], limit: float = EXTREME) -> set[str]:
-    """The peers of a window whose bytes are out of scale with the others': their median |g| exceeds ``limit`` x
-    the lower median of every peer's median (needs 3 peers). A function of the window's signed bytes only, so live
-    peers and a replaying joiner refuse the same ones, and the weights stay bit-identical."""
-    if len(batches) < 3:
-        return set()
-    medians = {a: statistics.median(decode_grad(x & 0x7F) for x in b) for a, b in batches.items() if len(b)}
-    if len(medians) < 3:
-        return set()
+def screen_window(batches: dict[str, bytes]) -> tuple[set[str], int]:
+    """What a window's bytes may move (needs 3 peers; with fewer, nothing is screened): the peers whose median |g|
+    exceeds the lower median of every peer's median by EXTREME_Q quarter-octaves (refused for the window), and the
+    cap on any one |g| code: the lower median of the other peers' codes + CAP_Q. Integer arithmetic on the window's
+    signed bytes only, so live peers and a replaying joiner refuse and cap the same bytes, bit-exactly."""
+    if len(batches) < 3 or not all(batches.values()):
+        return set(), 0x7F
+    medians = {a: statistics.median_low(x & 0x7F for x in b) for a, b in batches.items()}
     typical = statistics.median_low(medians.values())
-    return {a for a, m in medians.items() if m > limit * typical}
+    out = {a for a, m in medians.items() if m > typical + EXTREME_Q}
+    pooled = statistics.median_low(x & 0x7F for a, b in batches.items() if a not in out for x in b)
+    return out, min(0x7F, pooled + CAP_Q)
+
+
+def capped(b: int, cap: int) -> int:
+    """A byte with its magnitude code capped (its sign kept)."""
+    return (b & 0x80) | min(b & 0x7F, cap)
 
 
 def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
@@ -228,7 +235,7 @@ class SPSALoop(TaskLoop):
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
-        self._screened: dict[int, set[str]] = {}  # window -> peers whose bytes are refused as out of scale
+        self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -440,7 +447,7 @@ class SPSALoop(TaskLoop):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
-        extreme = self._extreme(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})
+        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})
         for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
             self.counters["rejected_extreme"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message",
@@ -462,17 +469,20 @@ class SPSALoop(TaskLoop):
         return set(self.applied.get(w - 1, {})) | joins
 
     def _bytes_for(self, w: int, i: int) -> dict[str, int]:
-        """Step i of window w: every applied peer's byte, less the peers whose bytes are out of scale."""
+        """Step i of window w: every applied peer's byte, capped, less the peers whose bytes are out of scale."""
         batches = {author: _batch_bytes(m) for author, m in self.applied.get(w, {}).items()}
-        out = self._extreme(w, batches)
-        return {author: b[i] for author, b in batches.items() if author not in out}
+        out, cap = self._screen(w, batches)
+        return {author: capped(b[i], cap) for author, b in batches.items() if author not in out}
 
-    def _extreme(self, w: int, batches: dict[str, bytes]) -> set[str]:
-        if w not in self._screened:
-            self._screened[w] = extreme_peers(batches)
-            for old in [x for x in self._screened if x < w - 2]:
+    def _screen(self, w: int, batches: dict[str, bytes]) -> tuple[set[str], int]:
+        """screen_window, computed once per window's set of batches (a resync may replace a window's batches)."""
+        key = tuple(sorted(batches.items()))
+        hit = self._screened.get(w)
+        if hit is None or hit[0] != key:
+            self._screened[w] = (key, screen_window(batches))
+            for old in [x for x in self._screened if x < w - 2 or x > w + 2]:
                 del self._screened[old]
-        return self._screened[w]
+        return self._screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
         theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.counts(a)}

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from protocols import diloco, sapo, spsa  # noqa: E402
+from protocols import codecs, diloco, sapo, spsa  # noqa: E402
 
 MODE = sys.argv.pop(1)
 loop, behaviour = MODE.split(":")
@@ -54,6 +54,12 @@ if loop == "diloco":
         raise SystemExit(f"unknown diloco behaviour {behaviour!r}")
 
     diloco.DilocoLoop._pseudo_gradient = byzantine_update
+    if behaviour == "nan":
+        # our own codec refuses to encode NaN: this peer's lets them through to the wire, and reads its own update
+        # back as finite, so it announces a finite norm and serves bytes that decode to NaN and infinity
+        honest_decode = codecs.decode
+        codecs._check_finite = lambda x: None
+        codecs.decode = lambda *a, **k: torch.nan_to_num(honest_decode(*a, **k), nan=0.0, posinf=0.0, neginf=0.0)
 
 elif loop == "spsa":
     def byzantine_code(self, g, step):

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from protocols import tinylm
-from protocols.spsa import Weights, decode_grad, encode_grad, step_seed
+from protocols.spsa import Weights, capped, decode_grad, encode_grad, screen_window, step_seed
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
 
@@ -23,6 +23,20 @@ def test_byte_code():
     assert codes == sorted(codes)  # monotonic
     with pytest.raises(ValueError):
         encode_grad(float("nan"), 1)
+
+
+def test_a_window_screen_refuses_bytes_out_of_scale_and_caps_the_rest():
+    honest = {f"p{i}": bytes(encode_grad(g * (1 + i / 10), 100) for g in (0.01, -0.02, 0.015, -0.01, 0.03, 0.02))
+              for i in range(3)}
+    assert screen_window(honest)[0] == set()
+    loud = bytes(encode_grad(g, 100) for g in (100, -100, 100, -100, 100, -100))
+    out, cap = screen_window({**honest, "loud": loud})
+    assert out == {"loud"} and decode_grad(cap) == pytest.approx(4 * decode_grad(encode_grad(0.015, 100)), rel=0.2)
+    # a single large byte among honest ones is capped, not refused; its sign is kept
+    spiky = bytes([encode_grad(-50.0, 100)]) + honest["p0"][1:]
+    out, cap = screen_window({**honest, "spiky": spiky})
+    assert out == set() and capped(spiky[0], cap) == 0x80 | cap and capped(honest["p0"][0], cap) == honest["p0"][0]
+    assert screen_window({"a": loud, "b": honest["p0"]}) == (set(), 0x7F)  # 2 peers: nothing to compare with
 
 
 def test_seeds_are_per_step_and_peer():
