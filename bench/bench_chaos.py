@@ -177,13 +177,13 @@ def print_byzantine(rows: list[tuple], args) -> None:
           f"{args.diloco_exchange}); SPSA {args.spsa_steps} steps (tinygpt fine-tune); SAPO {args.sapo_rounds} rounds "
           "(arith). Honest metric: final validation loss (lower is better) or mean reward per round (the cumulative "
           "reward / rounds; higher is better); vs baseline = the same honest identities alone (honest only).")
-    print(f"{'loop':<10} | {'offender':<16} | {'honest metric':>13} | {'vs baseline':>11} | {'refused by':>10} | "
+    print(f"{'loop':<10} | {'offender':<20} | {'honest metric':>13} | {'vs baseline':>11} | {'refused by':>10} | "
           f"{'reasons':<24} | {'penalised by':>12} | {'honest refused':>14} | {'same weights':>12} | {'wall':>6}")
     print("-" * 150)
     for loop, b, r, base in rows:
         ratio = r["metric"] / base["metric"] if base["metric"] else float("nan")
         same = "-" if r["identical"] is None else ("yes" if r["identical"] else "NO")
-        print(f"{loop:<10} | {b:<16} | {r['metric']:>13.4f} | {ratio:>11.3f} | "
+        print(f"{loop:<10} | {b:<20} | {r['metric']:>13.4f} | {ratio:>11.3f} | "
               f"{r['refused_by']:>4}/{r['honest']:<5} | {','.join(r['reasons']) or '-':<24} | "
               f"{r['penalised_by']:>6}/{r['honest']:<5} | {r['honest_refused']:>14} | {same:>12} | "
               f"{r['wall']:>5.0f}s")
@@ -191,7 +191,7 @@ def print_byzantine(rows: list[tuple], args) -> None:
     if sapo:
         print("SAPO: the last peer as a source, at the honest receivers (its completions' mean reward by their own "
               "verifiers, and the groups of it they trained on): " + "; ".join(
-                  f"{b}: reward {r['source_reward'] if r['source_reward'] is not None else '-'}, "
+                  f"{b}: reward {'-' if r['source_reward'] is None else round(r['source_reward'], 4)}, "
                   f"{r['source_used']} groups used" for b, r in sapo))
     print("goal: every row within 5% of its baseline (loss ratio <= 1.05, reward ratio >= 0.95), the offender "
           "penalised and shown by the honest peers; 'honest refused' counts honest peers refused (goal 0)")
