@@ -31,12 +31,7 @@ class SplitLab:
         self.partitioned = False
 
     def up(self) -> "SplitLab":
-        try:
-            self._build()
-        except BaseException:
-            self.down()
-            raise
-        return self
+        return NatLab.up(self)  # builds, and removes what it made if building fails
 
     def _x(self, key: str, *args: str) -> None:
         _run("ip", "netns", "exec", self.ns[key], *args)
