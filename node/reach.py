@@ -163,7 +163,8 @@ class Reach:
             raise MalformedMessage("reach: expected ASK")
         if not self._asks.allow(stream.peer_id):
             raise ProtocolViolation("reach: asked too often", kind="rate_limited")
-        self.confirmed[stream.peer_id] = self._clock()  # it asked: it reaches us
+        if stream.peer_id in self.members():  # it asked: it reaches us (strangers are answered, not remembered)
+            self.confirmed[stream.peer_id] = self._clock()
         await stream.send(ANSWER, self.reached())
 
     async def _ask(self, peer_id: str) -> None:
