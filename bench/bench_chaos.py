@@ -8,7 +8,8 @@ Byzantine contributions; a test seam outside production code):
 - DiLoCo, 1 of 4 peers: its update x100, NaN/Inf, Gaussian noise of the honest update's norm, stale (the update it
   computed 3 rounds before, sent as if fresh), the same update every round; the default exchange for this model size
   (``--diloco-exchange`` picks one);
-- SPSA, 1 of 4 peers: the largest allowed |g| with a random sign at every step, or a random allowed byte;
+- SPSA, 1 of 4 peers: the largest allowed |g| with a random sign at every step, a random allowed byte, its honest |g|
+  with a random sign (honest-sized noise), or with the opposite sign (ascent);
 - SAPO, 1 of 8 peers: garbage completions, or every completion a wrong answer.
 
 Partitions and a dead bootstrap (``--part split``; root: it builds network namespaces): 16 nodes, each in its own
@@ -165,7 +166,7 @@ def byzantine(args, tmp: Path) -> list[tuple]:
             ["scale100", "nan", "noise", "stale", "same"], tmp)
     if "spsa" in args.only:
         rows += loop_rows("SPSA 1/4", "spsa", lambda n: SPSA.format(run="byz", steps=args.spsa_steps, peers=n), 4,
-                          ["extreme", "random"], tmp)
+                          ["extreme", "random", "noise", "inverted"], tmp)
     if "sapo" in args.only:
         rows += loop_rows("SAPO 1/8", "sapo", lambda n: SAPO.format(run="byz", rounds=args.sapo_rounds, peers=n), 8,
                           ["garbage", "wrong"], tmp)
@@ -321,6 +322,408 @@ def split_part(args, tmp: Path) -> list[tuple]:
     return rows
 
 
+# ------------------------------------------------------------------ kill -9 at every phase
+KILL = """
+[loops.diloco]
+run = "kill"
+rounds = 0
+inner_steps = 20
+min_peers = 3
+inner_lr = 1e-3
+deadline_low = 3.0
+eval_every = 5
+checkpoint_every = 2
+exchange = "scatter"
+"""
+DYING = ROOT / "tests" / "dying_peer.py"
+PHASES = ["inner", "travel", "reduce", "checkpoint", "crdt"]
+
+
+def kill_part(args, tmp: Path) -> dict:
+    """3 survivors and a victim run DiLoCo (tinygpt, scatter, a checkpoint every 2 rounds) while a writer posts CRDT
+    writes to the victim and the survivors in turn. Baseline: the survivors' round times with the victim alive. Then
+    per phase the victim is restarted ``--kills`` times, each time with the same data dir as
+    ``tests/dying_peer.py kill:<phase>`` (it sends itself SIGKILL at that phase once it closed a round with the swarm
+    in that life), and finally as a plain node that must rejoin; after each phase the CRDT state must converge with
+    every acknowledged write in it."""
+    import random
+    import threading
+
+    from protocols import checkpoint
+    from swarmproc import http_post
+
+    config = loop_config(tmp / "kill.toml", KILL)
+    swarm = Swarm(tmp / "kill", config=config)
+    rng = random.Random(9)
+    acked: list[str] = []
+    write_failures: dict[str, int] = {}
+    stop = threading.Event()
+    ticks: list[list[tuple[float, int]]] = [[], [], []]  # per survivor: (when first seen, round)
+    victim_view: dict = {}
+    here: dict = {}
+
+    def d(x) -> dict:
+        return x.status()["services"]["diloco"]
+
+    def poller():
+        while not stop.wait(0.25):
+            for i, x in enumerate(here["survivors"]):
+                try:
+                    r = d(x)["round"]
+                except Exception:  # noqa: BLE001 - a survivor too busy to answer this time: polled again
+                    continue
+                if not ticks[i] or ticks[i][-1][1] != r:
+                    ticks[i].append((time.monotonic(), r))
+            v = here.get("victim")
+            if v is not None and v.proc.poll() is None and v.info:
+                try:
+                    saved = d(v).get("checkpoint") or {}
+                    if saved.get("round") is not None:
+                        victim_view["saved"] = max(victim_view.get("saved", 0), saved["round"])
+                except Exception:  # noqa: BLE001 - dying or starting: polled again
+                    pass
+
+    def writer():
+        i = 0
+        while not stop.wait(0.4):
+            v = here.get("victim")
+            target = v if i % 2 == 0 and v is not None and v.info and v.proc.poll() is None \
+                else rng.choice(here["survivors"])
+            key = f"{target.peer_id}/kill/{i}"
+            try:
+                http_post(target.url + "/crdt", json_body={"ops": [{"object": "kv", "payload": {"k": key, "v": i}}]},
+                          token=target.token, timeout=10)
+                acked.append(key)
+            except Exception:  # noqa: BLE001 - a write to a node being killed: not acknowledged, counted
+                kind = "to the victim" if target is v else "to a survivor"
+                write_failures[kind] = write_failures.get(kind, 0) + 1
+            i += 1
+
+    def rounds_between(t0: float, t1: float) -> tuple[int, list[float]]:
+        """Rounds the survivors closed in [t0, t1] (the median over survivors) and every round's duration."""
+        closed, durations = [], []
+        for seen in ticks:
+            inside = [(t, r) for t, r in seen if t0 <= t <= t1]
+            closed.append(len(inside))
+            durations += [b[0] - a[0] for a, b in zip(seen, seen[1:]) if t0 <= a[0] and b[0] <= t1]
+        return int(statistics.median(closed)), durations
+
+    def converged() -> int:
+        """Waits for one CRDT state everywhere; returns how many acknowledged writes some node lacks."""
+        everyone = [*here["survivors"], here["victim"]]
+        wait_for(lambda: len({x.get("/state")["heads_digest"] for x in everyone}) == 1, 120,
+                 "the CRDT state to converge", interval=0.5)
+        want = set(acked)
+        return max(len(want - {k for k in x.get("/state")["objects"].get("kv", {})}) for x in everyone)
+
+    def start_victim(entry: list[str]):
+        log = tmp / "kill" / "victim.log"
+        log_from = log.stat().st_size if log.exists() else 0
+        v = swarm.start("victim", bootstrap=[here["survivors"][0].tcp_addr], entry=entry, wait=False)
+        v.log_from = log_from
+        v.wait_ready(120)
+        here["victim"] = v
+        return v
+
+    def rejoined_plain(v) -> bool:
+        """A plain restart rejoined: it is at the survivors' round and some survivor closed a round with 4."""
+        mine = d(v)["round"]
+        theirs = [d(x) for x in here["survivors"]]
+        return mine >= max(t["round"] for t in theirs) - 1 and any(
+            h["participants"] == 4 and h["round"] > here["restart_round"] for t in theirs for h in t["history"])
+
+    out = {"phases": {}}
+    threads = []
+    try:
+        survivors = swarm.start_chain(3, members_within=120)
+        here["survivors"] = survivors
+        victim = start_victim(["-m", "node"])
+        identity = victim.peer_id
+        threads = [threading.Thread(target=poller, daemon=True), threading.Thread(target=writer, daemon=True)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: all(d(x)["round"] >= 2 for x in [*survivors, victim]), 600, "4 nodes to close 2 rounds",
+                 interval=1.0)
+        t0 = time.monotonic()
+        start_round = d(survivors[0])["round"]
+        wait_for(lambda: d(survivors[0])["round"] >= start_round + args.kill_baseline_rounds, 900,
+                 "the baseline rounds", interval=0.5)
+        base_closed, base_durations = rounds_between(t0, time.monotonic())
+        out["baseline"] = {"round_s": statistics.median(base_durations), "max_s": max(base_durations),
+                           "rounds": base_closed, "deadline_s": d(survivors[0])["deadline_s"]}
+        print(f"kill bench: baseline round {out['baseline']['round_s']:.2f} s", file=sys.stderr, flush=True)
+        victim.stop()
+        for phase in args.kill_phases:
+            t_phase = time.monotonic()
+            res = {"kills": 0, "armed": 0, "hows": {}, "same_identity": 0, "weights_lost": 0,
+                   "checkpoint_unreadable": 0, "deaths_timed_out": 0, "ignored_own_checkpoint": 0}
+            for k in range(args.kills):
+                victim_view.clear()
+                v = start_victim([str(DYING), f"kill:{phase}"])
+                res["same_identity"] += v.peer_id == identity
+                try:
+                    wait_for(lambda: v.proc.poll() is not None, 300, f"the victim to die at {phase}", interval=0.2)
+                except AssertionError:
+                    res["deaths_timed_out"] += 1
+                    v.kill()
+                v._log.close()
+                text = v.log_path.read_text(errors="replace")[v.log_from:]
+                res["kills"] += v.proc.returncode == -9 and "dying_peer: kill at" in text
+                res["armed"] += "dying_peer: armed" in text
+                res["ignored_own_checkpoint"] += "ignoring our checkpoint" in text
+                for line in text.splitlines():
+                    if line.startswith("dying_peer: kill at"):
+                        how = line.rsplit(":", 1)[1].split()[0] if phase in ("checkpoint", "crdt") else "-"
+                        res["hows"][how] = res["hows"].get(how, 0) + 1
+                # the weights it saved: the file on disk must load and be at least as new as the last save it said
+                path = checkpoint.path_for(v.data_dir, "diloco", "kill")
+                try:
+                    meta = checkpoint.load(path)[1] if path.exists() else {"round": 0}
+                    if meta["round"] < victim_view.get("saved", 0):
+                        res["weights_lost"] += 1
+                except checkpoint.CheckpointError:
+                    res["checkpoint_unreadable"] += 1
+                print(f"kill bench: {phase} {k + 1}/{args.kills}: {text.strip().splitlines()[-1][:100]}",
+                      file=sys.stderr, flush=True)
+            here["restart_round"] = d(survivors[0])["round"]
+            t_restart = time.monotonic()
+            v = start_victim(["-m", "node"])
+            res["same_identity"] += v.peer_id == identity
+            try:
+                wait_for(lambda: rejoined_plain(v), 300, "the plain restart to rejoin", interval=0.5)
+                res["final_rejoined"] = True
+                res["final_rejoin_s"] = time.monotonic() - t_restart
+            except AssertionError:
+                res["final_rejoined"] = False
+            t_end = time.monotonic()
+            closed, durations = rounds_between(t_phase, t_end)
+            res.update({"wall": t_end - t_phase, "closed": closed, "round_s": statistics.mean(durations),
+                        "max_s": max(durations), "deadline_s": d(survivors[0])["deadline_s"],
+                        "ops_missing": converged(), "acked": len(acked)})
+            out["phases"][phase] = res
+            print(f"kill bench: {phase}: {res}", file=sys.stderr, flush=True)
+            v.stop()
+        out["write_failures"] = write_failures
+        out["survivor_counters"] = [{k: c for k, c in d(x).items() if k in (
+            "deadline_missed", "pull_failed", "chunks_missing", "resyncs", "diverged", "parts_fallback",
+            "parts_from_other_holders", "late_updates", "joins_ignored")} for x in survivors]
+        return out
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(5)
+        swarm.close()
+
+
+def print_kill(r: dict, args) -> None:
+    b = r["baseline"]
+    print(f"kill -9 at each DiLoCo phase: 3 survivors + 1 victim (tinygpt, scatter exchange, 20 inner steps, a "
+          f"checkpoint every 2 rounds) and CRDT writes every 0.4 s alternately to the victim and a survivor; per "
+          f"phase the victim is killed {args.kills} times (SIGKILL it sends itself at the phase, once it rejoined), "
+          f"each time restarted at once with the same data dir, then restarted plain. Same-run baseline: the "
+          f"survivors' median round {b['round_s']:.2f} s (max {b['max_s']:.2f} s) with the victim alive, over "
+          f"{b['rounds']} rounds.")
+    print(f"{'phase':<11} | {'kills':>5} | {'how':<26} | {'rejoined':>9} | {'same id':>7} | {'rounds closed':>13} | "
+          f"{'round s (vs base)':>17} | {'lost/kill':>9} | {'longest':>8} | {'ops lost':>8} | {'weights lost':>12} | "
+          f"{'wall':>6}")
+    print("-" * 150)
+    for phase, x in r["phases"].items():
+        hows = ",".join(f"{h} {c}" for h, c in sorted(x["hows"].items())) if set(x["hows"]) != {"-"} else "-"
+        rejoined = x["armed"] + bool(x.get("final_rejoined"))
+        print(f"{phase:<11} | {x['kills']:>2}/{args.kills:<2} | {hows:<26} | "
+              f"{rejoined:>4}/{args.kills + 1:<4} | {x['same_identity']:>3}/{args.kills + 1:<3} | {x['closed']:>13} | "
+              f"{x['round_s']:>6.2f} ({x['round_s'] / b['round_s']:>5.2f}x) | "
+              f"{x['closed'] * (x['round_s'] - b['round_s']) / max(1, x['kills']):>8.1f}s | {x['max_s']:>7.1f}s | "
+              f"{x['ops_missing']:>8} | {x['weights_lost'] + x['checkpoint_unreadable']:>12} | {x['wall']:>5.0f}s")
+    print("rejoined: restarts that closed a round with the swarm (each killed life did before it died; the last, "
+          "plain restart too); rounds closed: by the survivors while the phase ran; lost/kill: the survivors' time "
+          "lost per kill, (their mean round - the baseline's) x rounds closed / kills; longest: the survivors' longest "
+          f"round (their adaptive deadline: {b['deadline_s']:.1f} s); ops lost: acknowledged CRDT writes missing "
+          "anywhere once the state converged (goal 0); weights "
+          "lost: the victim's checkpoint on disk unreadable or older than its last reported save (goal 0)")
+    print(f"write failures (not acknowledged, so not counted as lost): {r['write_failures'] or 'none'}; "
+          f"survivors' fault counters: {r['survivor_counters']}")
+
+
+# ------------------------------------------------------------------ the soak
+SOAK = """
+[loops.diloco]
+run = "soak"
+rounds = 0
+inner_steps = {inner}
+min_peers = {peers}
+inner_lr = 1e-3
+deadline_low = 3.0
+eval_every = 10
+checkpoint_every = 10
+exchange = "{exchange}"
+"""
+
+
+def usage(pid: int) -> dict:
+    """RSS (MB) and open file descriptors of a node's process and of its children (the p2p daemon)."""
+    import psutil
+
+    proc = psutil.Process(pid)
+    kids = proc.children(recursive=True)
+    return {"rss": proc.memory_info().rss / 1e6, "fds": proc.num_fds(),
+            "kid_rss": sum(k.memory_info().rss for k in kids) / 1e6, "kid_fds": sum(k.num_fds() for k in kids)}
+
+
+def log_kinds(text: str) -> dict[str, int]:
+    """WARNING/ERROR lines and tracebacks in a node's log, by kind: the logger and the message's first words with
+    numbers, ids and addresses blanked (one kind per distinct complaint, not per peer)."""
+    import re
+
+    kinds: dict[str, int] = {}
+    for line in text.splitlines():
+        m = re.search(r"\b(WARNING|ERROR|CRITICAL)\b\s+(.*)", line)
+        if line.startswith("Traceback"):
+            key = "Traceback"
+        elif m:
+            words = re.sub(r"(/ip[46]/\S+|12D3Koo\w+|\b[0-9a-f]{8,}\b|\d+(\.\d+)?)", "#", m.group(2)).split()
+            key = f"{m.group(1)} {' '.join(words[:7])}"
+        else:
+            continue
+        kinds[key] = kinds.get(key, 0) + 1
+    return kinds
+
+
+def soak_part(args, tmp: Path) -> dict:
+    """n nodes on loopback run DiLoCo (tinygpt, until stopped) while a writer posts CRDT writes to random nodes; the
+    clock starts once every node closed ``--soak-warmup`` rounds (imports, the model, the first exchanges and the
+    first checkpoint done: the steady state's start) and runs ``--soak-minutes``."""
+    import random
+    import threading
+
+    from swarmproc import http_post
+
+    n, seconds = args.soak_nodes, args.soak_minutes * 60
+    config = loop_config(tmp / "soak.toml", SOAK.format(inner=args.soak_inner_steps, peers=n,
+                                                         exchange=args.soak_exchange))
+    swarm = Swarm(tmp / "soak", config=config)
+    rng = random.Random(17)
+    acked, failed, stop = [], {}, threading.Event()
+    rounds: list[dict[int, int]] = [dict() for _ in range(n)]  # per node: round -> participants
+
+    def writer(nodes):
+        i = 0
+        while not stop.wait(1.0 / args.soak_writes):
+            node = rng.choice(nodes)
+            key = f"{node.peer_id}/soak/{i}"  # kv is namespaced: a node writes under its own id
+            try:
+                http_post(node.url + "/crdt", json_body={"ops": [{"object": "kv", "payload": {"k": key, "v": i}}]},
+                          token=node.token)
+                acked.append(key)
+            except Exception as e:  # noqa: BLE001 - counted by kind, shown in the table
+                failed[type(e).__name__] = failed.get(type(e).__name__, 0) + 1
+            i += 1
+
+    def poll(nodes) -> list[dict]:
+        views = [x.status()["services"]["diloco"] for x in nodes]
+        for seen, v in zip(rounds, views):
+            for h in v["history"]:
+                seen[h["round"]] = h["participants"]
+        return views
+
+    try:
+        nodes = swarm.start_chain(n, members_within=120)
+        wait_for(lambda: all(v["round"] >= 1 for v in poll(nodes)), 900, f"{n} nodes to close a first round",
+                 interval=2.0)
+        first_round = [usage(x.pid) for x in nodes]
+        wait_for(lambda: all(v["round"] >= args.soak_warmup for v in poll(nodes)), 1800,
+                 f"{n} nodes to close {args.soak_warmup} rounds", interval=2.0)
+        start = [usage(x.pid) for x in nodes]
+        first = [v["round"] for v in poll(nodes)]
+        writes = threading.Thread(target=writer, args=(nodes,), daemon=True)
+        writes.start()
+        t0, samples = time.monotonic(), []
+        while time.monotonic() - t0 < seconds:
+            time.sleep(min(30.0, max(0.0, seconds - (time.monotonic() - t0))))  # the soak's length, not a wait
+            views = poll(nodes)
+            now = [usage(x.pid) for x in nodes]
+            samples.append((time.monotonic() - t0, now))
+            print(f"soak {time.monotonic() - t0:6.0f} s: rounds {min(v['round'] for v in views)}-"
+                  f"{max(v['round'] for v in views)}, rss {statistics.median(u['rss'] for u in now):.0f} MB "
+                  f"(max {max(u['rss'] for u in now):.0f}), fds {max(u['fds'] for u in now)}, "
+                  f"writes {len(acked)}", file=sys.stderr, flush=True)
+        stop.set()
+        writes.join()
+        end = [usage(x.pid) for x in nodes]
+        views = poll(nodes)
+
+        def kv_keys(x) -> int:
+            kv = x.get("/state")["objects"].get("kv", {})
+            return sum(1 for k in kv if "/soak/" in str(k))
+        wait_for(lambda: len({x.get("/state")["heads_digest"] for x in nodes}) == 1, 120,
+                 "the CRDT state to be equal everywhere", interval=0.5)
+        kept = [kv_keys(x) for x in nodes]
+        statuses = [x.status() for x in nodes]
+        last = [v["round"] for v in views]
+        closed = max(last)
+        short = sorted({r for seen in rounds for r, p in seen.items() if p < n})
+        kinds: dict[str, int] = {}
+        for x in nodes:
+            for k, c in log_kinds(x.log_path.read_text(errors="replace")).items():
+                kinds[k] = kinds.get(k, 0) + c
+        errors: dict[str, int] = {}
+        for st in statuses:
+            for k, c in {**st.get("errors", {}), **{f"penalty:{p}": c for p, c in st.get("penalties", {}).items()},
+                         **{f"diloco:{c}": v for c, v in st["services"]["diloco"].items() if isinstance(v, int) and
+                            c in ("deadline_missed", "pull_failed", "chunks_missing", "resyncs", "diverged",
+                                  "late_updates", "parts_disputed", "parts_fallback", "reduced_parts_rejected",
+                                  "rejected_base", "updates_withheld")}}.items():
+                if c:
+                    errors[k] = errors.get(k, 0) + c
+        return {"n": n, "minutes": args.soak_minutes, "first_round": first_round, "start": start, "end": end,
+                "samples": samples,
+                "rounds_first": first, "rounds_last": last, "closed": closed, "short_rounds": short,
+                "acked": len(acked), "failed": failed, "kept": kept, "log_kinds": kinds, "errors": errors,
+                "alive": sum(x.proc.poll() is None for x in nodes),
+                "rounds_seen": [len(seen) for seen in rounds]}
+    finally:
+        stop.set()
+        swarm.close()
+
+
+def print_soak(r: dict, args) -> None:
+    def growth(key: str) -> list[float]:
+        return [(e[key] - s[key]) / s[key] * 100 if s[key] else 0.0 for s, e in zip(r["start"], r["end"])]
+
+    print(f"Soak: {r['n']} nodes on loopback, DiLoCo (tinygpt, {args.soak_inner_steps} inner steps, exchange "
+          f"{args.soak_exchange}, min_peers {r['n']}, checkpoint every 10 rounds) and {args.soak_writes} CRDT "
+          f"writes/s to random nodes, for {r['minutes']:.0f} min from the moment every node closed round "
+          f"{args.soak_warmup} (start: warm, past the first checkpoint with the defaults) to the end; per node, "
+          f"median [max] over the {r['n']} nodes:")
+    print(f"{'measure':<34} | {'start':>16} | {'end':>16} | {'growth':>22} | goal")
+    print("-" * 110)
+    for key, label, unit in (("rss", "RSS, node process", "MB"), ("kid_rss", "RSS, its p2p daemon", "MB"),
+                             ("fds", "open fds, node process", ""), ("kid_fds", "open fds, its p2p daemon", "")):
+        s = [u[key] for u in r["start"]]
+        e = [u[key] for u in r["end"]]
+        g = growth(key)
+        print(f"{label:<34} | {statistics.median(s):>8.0f} [{max(s):>5.0f}] | {statistics.median(e):>8.0f} "
+              f"[{max(e):>5.0f}] | {statistics.median(g):>+10.1f}% [{max(g):>+6.1f}%] | < 10% {unit}")
+    done = [b - a for a, b in zip(r["rounds_first"], r["rounds_last"])]
+    short = f" {r['short_rounds'][:20]}" if r["short_rounds"] else ""
+    print(f"rounds: the swarm closed {r['closed']} (each node {min(r['rounds_last'])}-{max(r['rounds_last'])}); "
+          f"during the soak each node closed {min(done)}-{max(done)}; rounds some node closed with fewer than "
+          f"{r['n']} participants: {len(r['short_rounds'])}{short}; "
+          f"nodes alive at the end: {r['alive']}/{r['n']}")
+    print(f"CRDT writes: {r['acked']} acknowledged, failed {r['failed'] or 0}; after the soak every node holds "
+          f"{min(r['kept'])}-{max(r['kept'])} of them (ops lost: {r['acked'] - min(r['kept'])}; goal 0)")
+    print("errors by kind (summed over nodes; /status errors and penalties, DiLoCo fault counters): " +
+          (", ".join(f"{k} {v}" for k, v in sorted(r["errors"].items(), key=lambda kv: -kv[1])) or "none"))
+    print("log lines by kind (WARNING/ERROR, summed over nodes): " +
+          ("; ".join(f"{v}x {k}" for k, v in sorted(r["log_kinds"].items(), key=lambda kv: -kv[1])[:15]) or "none"))
+    marks = [(-1.0, r["first_round"]), (0.0, r["start"])] + r["samples"][::max(1, len(r["samples"]) // 6)]
+    def mark(t: float, us: list[dict]) -> str:
+        when = "round 1" if t < 0 else f"{t / 60:.0f} min"
+        return f"{when} {statistics.median(u['rss'] for u in us):.0f}/{max(u['rss'] for u in us):.0f}"
+    print("RSS of the node processes over time (median/max MB; 'round 1': when every node closed its first round): "
+          + ", ".join(mark(t, us) for t, us in marks))
+
+
 def print_rows(title: str, rows: list[tuple]) -> None:
     print(title)
     print(f"{'row':<15} | {'fault':<45} | {'measured':<110} | {'same-run baseline':<42} | goal")
@@ -331,7 +734,8 @@ def print_rows(title: str, rows: list[tuple]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--part", nargs="+", choices=["byzantine", "split"], default=["byzantine", "split"])
+    parser.add_argument("--part", nargs="+", choices=["byzantine", "split", "soak", "kill"],
+                        default=["byzantine", "split"])
     parser.add_argument("--split-nodes", type=int, default=16)
     parser.add_argument("--partition-seconds", type=float, default=30.0)
     parser.add_argument("--only", nargs="+", default=["diloco", "spsa", "sapo"])
@@ -339,6 +743,15 @@ def main() -> None:
     parser.add_argument("--diloco-exchange", default="auto", choices=["auto", "all-to-all", "scatter"])
     parser.add_argument("--spsa-steps", type=int, default=256)
     parser.add_argument("--sapo-rounds", type=int, default=150)
+    parser.add_argument("--kills", type=int, default=20, help="kills per phase")
+    parser.add_argument("--kill-phases", nargs="+", default=PHASES, choices=PHASES)
+    parser.add_argument("--kill-baseline-rounds", type=int, default=10)
+    parser.add_argument("--soak-nodes", type=int, default=16)
+    parser.add_argument("--soak-minutes", type=float, default=30.0)
+    parser.add_argument("--soak-inner-steps", type=int, default=20)
+    parser.add_argument("--soak-warmup", type=int, default=11, help="rounds closed everywhere before the start sample")
+    parser.add_argument("--soak-exchange", default="scatter", choices=["auto", "all-to-all", "scatter"])
+    parser.add_argument("--soak-writes", type=float, default=2.0, help="CRDT writes per second, to random nodes")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-chaos-") as tmp:
         if "split" in args.part:
@@ -347,6 +760,12 @@ def main() -> None:
             print()
         if "byzantine" in args.part:
             print_byzantine(byzantine(args, Path(tmp)), args)
+            print()
+        if "kill" in args.part:
+            print_kill(kill_part(args, Path(tmp)), args)
+            print()
+        if "soak" in args.part:
+            print_soak(soak_part(args, Path(tmp)), args)
 
 
 if __name__ == "__main__":

@@ -7,9 +7,10 @@ DiLoCo (its pseudo-gradient, before it is encoded and announced with the current
   ``scale100`` x100; ``nan`` NaN and Inf values; ``noise`` Gaussian noise of the honest update's norm; ``stale`` the
   update it computed 3 rounds before (from an old base); ``same`` the update of its first round, every round.
 SPSA (its bytes): ``extreme`` the largest allowed |g| with a random sign at every step; ``random`` a random allowed
-  byte at every step.
+  byte at every step; ``noise`` its honest |g| with a random sign (honest-sized noise); ``inverted`` its honest |g|
+  with the opposite sign (gradient ascent at an honest size).
 SAPO (the completions it shares): ``garbage`` random strings of the task's alphabet; ``wrong`` every completion
-  replaced by one wrong answer.
+  replaced by a well-formed wrong answer (the right answer's length, valid on the wire, scored 0 by the verifier).
 """
 
 import random
@@ -62,7 +63,13 @@ if loop == "diloco":
         codecs.decode = lambda *a, **k: torch.nan_to_num(honest_decode(*a, **k), nan=0.0, posinf=0.0, neginf=0.0)
 
 elif loop == "spsa":
+    honest_code = spsa.SPSALoop._code
+
     def byzantine_code(self, g, step):
+        if behaviour == "noise":
+            return honest_code(self, g, step) ^ (0x80 if rng.random() < 0.5 else 0)
+        if behaviour == "inverted":
+            return honest_code(self, g, step) ^ 0x80
         if behaviour == "extreme":
             return (0x80 if rng.random() < 0.5 else 0) | self._max_code
         if behaviour == "random":
@@ -74,6 +81,17 @@ elif loop == "spsa":
 elif loop == "sapo":
     honest_publish = sapo.SapoLoop._publish
 
+    def wrong(self, dataset, q_seed, index) -> str:
+        """A well-formed wrong answer: as long as the right one, passing the wire rules, scoring 0 with the task's
+        own verifier (what a receiver cannot tell from a right one without verifying it)."""
+        q = sapo.question(self.task, dataset, q_seed, index)
+        size = len(getattr(q, "answer", "00"))
+        for _ in range(100):
+            x = "".join(rng.choice("0123456789") for _ in range(size))
+            if self.rules.valid(x) and sapo.reward(self.task, q, x) == 0.0:
+                return x
+        raise SystemExit("no wrong answer found")
+
     def byzantine_publish(self, r, q_seed, specs, comps):
         if behaviour == "garbage":
             alphabet = "0123456789-+ abcdefghijklmnopqrstuvwxyz"
@@ -81,7 +99,7 @@ elif loop == "sapo":
                      for c in comps]
             comps = [[x if self.rules.valid(x) else "0" for x in c] for c in comps]
         elif behaviour == "wrong":
-            comps = [["-999999"] * len(c) for c in comps]
+            comps = [[wrong(self, d, q_seed, k) for _ in c] for (d, k), c in zip(specs, comps)]
         else:
             raise SystemExit(f"unknown sapo behaviour {behaviour!r}")
         honest_publish(self, r, q_seed, specs, comps)

@@ -1,21 +1,39 @@
-"""A swarmd node that dies (exit 137, no clean-up: what kill -9 leaves) at a chosen point of a DiLoCo exchange, for
-the fault tests. Run as a script in place of ``python -m node`` (a test seam from outside production code): the
-first argument names the point, the rest are swarmd's.
+"""A swarmd node that dies at a chosen point of a DiLoCo run, for the fault tests and the kill bench. Run as a script in
+place of ``python -m node`` (a test seam from outside production code): the first argument names the point, the rest
+are swarmd's.
+
+The tests' points (exit 137, what kill -9 leaves):
 
   reducing   on its third part reduction (its second round): it announced its update, its chunks are served,
              and the parts it reduces never come
   published  just after it published a reduced part (second round), which it never serves: the others know
              where the part is, and pulling it fails
+
+The kill bench's points, ``kill:<phase>`` (``bench/bench_chaos.py --part kill``): the process sends itself SIGKILL
+(kill -9: no clean-up, no flush) at the first such moment after it closed a round with the swarm in this life
+(it rejoined; it prints ``dying_peer: armed at round N`` then, and ``dying_peer: kill at <phase>:<how>`` just
+before it dies):
+
+  inner        after 1..H-1 more inner steps (mid-round, its update not computed)
+  travel       0.05-0.5 s after it announced its update (the others are pulling its chunks)
+  reduce       inside a part reduction (scatter: its update announced, the parts it reduces never come)
+  checkpoint   inside a checkpoint save, at one of: ``torn`` (half the new file written), ``written`` (the new file
+               written, not fsync'd or renamed), ``renamed`` (renamed over the old one, the directory not fsync'd)
+  crdt         inside a CRDT op-log append (a local write, before it is acknowledged), at one of: ``torn`` (half
+               the records written), ``unsynced`` (written, not fsync'd), ``synced`` (fsync'd, not acknowledged)
 """
 
 import os
+import random
+import signal
 import sys
 import threading
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocols import diloco, exchange  # noqa: E402
+from node import oplog  # noqa: E402
+from protocols import checkpoint, diloco, exchange  # noqa: E402
 
 point = sys.argv.pop(1)
 calls = {"reduce": 0}
@@ -39,6 +57,90 @@ def publish(self, body):
 
 exchange.reduce_part = reduce_part
 diloco.DilocoLoop._publish = publish
+
+if point.startswith("kill:"):
+    phase = point.split(":", 1)[1]
+    rng = random.Random()
+    armed = {"on": False, "steps": None}
+
+    def die(how: str) -> None:
+        print(f"dying_peer: kill at {phase}:{how}", flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    honest_after_round = diloco.DilocoLoop._after_round
+
+    async def after_round(self, done):
+        await honest_after_round(self, done)
+        if not armed["on"]:
+            armed["on"] = True
+            print(f"dying_peer: armed at round {done}", flush=True)
+
+    diloco.DilocoLoop._after_round = after_round
+
+    if phase == "inner":
+        honest_inner = diloco.DilocoLoop._inner_step
+
+        def inner_step(self):
+            if armed["on"]:
+                if armed["steps"] is None:
+                    armed["steps"] = rng.randrange(1, self.cfg.inner_steps)
+                armed["steps"] -= 1
+                if armed["steps"] <= 0:
+                    die(f"step {self.step}")
+            honest_inner(self)
+
+        diloco.DilocoLoop._inner_step = inner_step
+    elif phase == "travel":
+        def travel_publish(self, body):
+            publish(self, body)
+            if armed["on"] and "parts" in body and "red" not in body:
+                threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {body['r']}",)).start()
+
+        diloco.DilocoLoop._publish = travel_publish
+    elif phase == "reduce":
+        def reduce_dying(chunks, factors, size):
+            if armed["on"]:
+                die("reducing")
+            return reduce_part(chunks, factors, size)
+
+        exchange.reduce_part = reduce_dying
+    elif phase == "checkpoint":
+        how = rng.choice(["torn", "written", "renamed"])
+        honest_save_file, honest_replace = checkpoint.save_file, os.replace
+
+        def save_file(tensors, filename, metadata=None):
+            honest_save_file(tensors, filename, metadata=metadata)
+            if armed["on"] and how in ("torn", "written"):
+                if how == "torn":
+                    os.truncate(filename, os.path.getsize(filename) // 2)
+                die(how)
+
+        def replace(src, dst, *a, **k):
+            honest_replace(src, dst, *a, **k)
+            if armed["on"] and how == "renamed" and str(dst).endswith(".safetensors"):
+                die(how)
+
+        checkpoint.save_file = save_file
+        checkpoint.os.replace = replace
+    elif phase == "crdt":
+        how = rng.choice(["torn", "unsynced", "synced"])
+        honest_append = oplog.OpLog.append
+
+        def append(self, wires):
+            if not (armed["on"] and wires):
+                return honest_append(self, wires)
+            if how == "synced":
+                honest_append(self, wires)
+                die(how)
+            blob = b"".join(oplog.HEADER.pack(len(p), oplog.zlib.crc32(p)) + p
+                            for p in (oplog.msgpack.packb(w, use_bin_type=True) for w in wires))
+            self._file.write(blob if how == "unsynced" else blob[:max(1, len(blob) // 2)])
+            self._file.flush()
+            die(how)
+
+        oplog.OpLog.append = append
+    else:
+        raise SystemExit(f"unknown phase {phase!r}")
 
 from node.cli import main  # noqa: E402
 
