@@ -42,8 +42,11 @@ class Identity:
         self.peer_id_bytes: bytes = self._id.to_bytes()
 
     @classmethod
-    def generate(cls) -> Identity:
-        return cls(Ed25519PrivateKey.new())
+    def generate(cls, seed: bytes | None = None) -> Identity:
+        """A new key; from a 32-byte ``seed`` the same key every time (simulations, tests), else a random one."""
+        if seed is not None and len(seed) != 32:
+            raise ValueError("an Ed25519 seed is 32 bytes")
+        return cls(Ed25519PrivateKey.new(seed))
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Identity:

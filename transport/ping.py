@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import os
-import time
 
+from transport import clock
 from transport.base import Stream, Transport
 from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation
 from transport.framing import ProtocolSpec
@@ -33,10 +33,11 @@ async def ping(transport: Transport, peer_id: str, *, timeout: float = 5.0) -> f
         async with asyncio.timeout(timeout):
             async with await transport.open_stream(peer_id, PING_SPEC, timeout=timeout) as stream:
                 nonce = os.urandom(NONCE_SIZE)
-                start = time.perf_counter()
+                now = clock.current().monotonic  # the system's clock, or virtual time in a simulation
+                start = now()
                 await stream.send(PING, nonce)
                 reply = await stream.read_required()
-                rtt = time.perf_counter() - start
+                rtt = now() - start
     except TimeoutError:
         raise PeerUnreachable(f"ping to {peer_id} timed out after {timeout:.0f} s") from None
     if reply.kind != PONG or reply.body != nonce:

@@ -1,0 +1,145 @@
+"""The in-memory transport and the virtual-time loop (transport/memory.py): what the simulator and the one-process
+tests rely on. Each test runs on virtual time, so its waits cost no wall time."""
+
+import asyncio
+import time
+
+import pytest
+
+from transport.errors import PeerUnreachable
+from transport.framing import ProtocolSpec
+from transport.identity import Identity
+from transport.memory import LinkSpec, MemoryNetwork, run_virtual
+from transport.ping import ping, serve_ping
+
+ECHO = ProtocolSpec("echo", "1.0.0", max_frame=8 << 20, kinds=frozenset({1}))
+
+
+async def _echo(stream):
+    while (m := await stream.read()) is not None:
+        await stream.send(1, m.body)
+
+
+def _hosts(net, n, link=None):
+    return [net.add(Identity.generate(), link) for _ in range(n)]
+
+
+def test_virtual_time_jumps_instead_of_sleeping():
+    async def main():
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(3600)
+        await asyncio.to_thread(time.sleep, 0.01)  # a worker thread's time is real, and virtual time waits for it
+        return loop.time()
+
+    started = time.monotonic()
+    assert run_virtual(main()) == pytest.approx(3600)
+    assert time.monotonic() - started < 5
+
+
+@pytest.mark.timeout(30)
+def test_ping_costs_the_links_round_trip():
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.040))
+        a, b = _hosts(net, 2)
+        for t in (a, b):
+            await t.start()
+        await serve_ping(b)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        await a.connect(net.address_of(b.peer_id), timeout=5)
+        dialled = loop.time() - t0
+        rtt = await ping(a, b.peer_id)
+        return dialled, rtt, [p.peer_id for p in await a.peers()], [p.peer_id for p in await b.peers()]
+
+    dialled, rtt, a_peers, b_peers = run_virtual(main())
+    assert dialled == pytest.approx(0.080)
+    assert rtt == pytest.approx(0.080)
+    assert len(a_peers) == 1 and len(b_peers) == 1
+
+
+@pytest.mark.timeout(30)
+def test_a_capped_uplink_sets_the_transfer_time():
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.010, up=1e6, down=1e6))
+        a, b = _hosts(net, 2)
+        await b.serve(ECHO, _echo)
+        loop = asyncio.get_running_loop()
+        stream = await a.open_stream(b.peer_id, ECHO)
+        t0 = loop.time()
+        await stream.send(1, b"x" * 1_000_000)
+        reply = await stream.read_required()
+        await stream.close()
+        return loop.time() - t0, len(reply.body), net.stats.bytes_sent[a.peer_id]
+
+    took, size, sent = run_virtual(main())
+    assert size == 1_000_000 and sent > 1_000_000
+    assert 2.0 <= took < 2.2  # 1 MB up at 1 MB/s, then back at 1 MB/s, plus the latencies
+
+
+@pytest.mark.timeout(30)
+def test_a_partition_holds_bytes_and_refuses_dials_until_it_heals():
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.005))
+        a, b, c = _hosts(net, 3)
+        for t in (b, c):
+            await t.serve(ECHO, _echo)
+        stream = await a.open_stream(b.peer_id, ECHO)
+        net.partition({a.peer_id}, {b.peer_id, c.peer_id})
+        for i in range(5):
+            await stream.send(1, i)
+        with pytest.raises(PeerUnreachable):
+            await a.open_stream(c.peer_id, ECHO, timeout=2.0)
+        early = []
+        try:
+            async with asyncio.timeout(3.0):
+                early.append(await stream.read())
+        except TimeoutError:
+            pass
+        net.heal()
+        got = [(await stream.read_required()).body for _ in range(5)]
+        await stream.close()
+        after = await a.open_stream(c.peer_id, ECHO, timeout=2.0)
+        await after.close()
+        return early, got, net.stats.held_by_partition
+
+    early, got, held = run_virtual(main())
+    assert early == [] and got == [0, 1, 2, 3, 4] and held >= 5
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_host_ends_its_streams():
+    async def main():
+        net = MemoryNetwork()
+        a, b = _hosts(net, 2)
+        await b.serve(ECHO, _echo)
+        stream = await a.open_stream(b.peer_id, ECHO)
+        await stream.send(1, "hi")
+        assert (await stream.read_required()).body == "hi"
+        await b.close()
+        end = await stream.read()
+        with pytest.raises(PeerUnreachable):
+            await a.open_stream(b.peer_id, ECHO, timeout=1.0)
+        return end
+
+    assert run_virtual(main()) is None
+
+
+@pytest.mark.timeout(30)
+def test_lossy_links_are_slower_never_wrong():
+    async def main(loss):
+        net = MemoryNetwork(link=LinkSpec(latency=0.010, loss=loss), seed=7)
+        a, b = _hosts(net, 2)
+        await b.serve(ECHO, _echo)
+        stream = await a.open_stream(b.peer_id, ECHO)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        out = []
+        for i in range(50):
+            await stream.send(1, i)
+            out.append((await stream.read_required()).body)
+        return out, loop.time() - t0
+
+    clean, t_clean = run_virtual(main(0.0))
+    lossy, t_lossy = run_virtual(main(0.2))
+    assert clean == lossy == list(range(50))
+    assert t_lossy > t_clean * 2
