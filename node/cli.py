@@ -481,6 +481,43 @@ def demo(loop, nodes, rounds, directory, until_done) -> None:
     sys.exit(demo_module.run(loop, nodes, rounds, directory, until_done))
 
 
+@cli.command()
+@click.option("--peers", "peers", multiple=True, type=click.IntRange(2, 100_000), default=(100,), show_default=True,
+              help="Swarm sizes to simulate (repeatable).")
+@click.option("--scenario", "scenarios", multiple=True, type=click.Choice(["gossip", "partition"]),
+              default=("gossip", "partition"), show_default=True, help="What to measure (repeatable).")
+@click.option("--degree", type=click.IntRange(1, 1000), default=8, show_default=True,
+              help="Connections each node opens (discovery's max_peers bounds them in a real swarm).")
+@click.option("--latency-ms", type=click.FloatRange(0), default=25.0, show_default=True,
+              help="One-way latency of each host's link.")
+@click.option("--mbit", type=click.FloatRange(0), default=100.0, show_default=True,
+              help="Each host's up and down rate (0: unlimited).")
+@click.option("--loss", type=click.FloatRange(0, 0.9), default=0.0, show_default=True,
+              help="Share of writes whose segment is lost once (late by a retransmission timeout).")
+@click.option("--seed", type=int, default=1, show_default=True)
+@click.option("--no-crdt", is_flag=True, help="Gossip only: no CRDT replicas (every replica holds every op, so "
+              "10,000 of them do not fit one process).")
+@click.option("--json", "as_json", is_flag=True, help="Print the raw results.")
+def sim(peers, scenarios, degree, latency_ms, mbit, loss, seed, no_crdt, as_json) -> None:
+    """Simulate a swarm in this process, on virtual time: the real gossip and CRDT code on in-memory links."""
+    from node import sim as sim_module
+
+    _setup_logging("warning")
+    reports = []
+    if not as_json:
+        click.echo(sim_module.HEADER)
+    for n in peers:
+        cfg = sim_module.SimConfig(peers=n, degree=degree, latency=latency_ms / 1e3,
+                                   bandwidth=mbit * 1e6 / 8 if mbit else None, loss=loss, seed=seed,
+                                   crdt=not no_crdt)
+        report = sim_module.simulate(cfg, tuple(scenarios))
+        reports.append(report)
+        if not as_json:
+            click.echo(sim_module.format_row(report))
+    if as_json:
+        click.echo(json.dumps([{"peers": r.peers, "wall_s": r.wall_s, **r.rows} for r in reports], indent=2))
+
+
 @cli.command("id")
 @click.option("--data-dir", help="Data dir holding identity.key (default: platform user data dir).")
 def show_id(data_dir) -> None:

@@ -107,6 +107,8 @@ class DiscoverySection(_Section):
 
 class StateSection(_Section):
     sync_interval: float = Field(5.0, ge=0.2, le=600)  # anti-entropy with a random peer this often
+    # ops that arrive by push and are new here are pushed on to this many other peers (0: only their author pushes)
+    relay_fanout: int = Field(3, ge=0, le=64)
     max_clock_skew: float = Field(30.0, ge=1, le=3600)  # ops stamped further ahead than this are rejected
     # Who may write the replicated state (crdt.admission); every node of a swarm must use the same values.
     # Open swarm: each identity pays a work ticket of this many bits once (22: about 2 s of one core).

@@ -156,6 +156,7 @@ class Node:
             max_skew_ms=int(config.state.max_clock_skew * 1000),
             admission=Admission(config.node.swarm, config.state.admission_bits, config.state.allow),
             max_authors=config.state.max_authors,
+            relay_fanout=config.state.relay_fanout,
         )
         self.book = AddressBook(data_dir)
         self.reach = Reach(self.transport, identity.peer_id,

@@ -142,3 +142,27 @@ def _scan(data: bytes) -> tuple[list[tuple[Any, int, int]], list[tuple[int, int]
         damaged.append((offset, resume))
         offset = resume
     return spans, damaged
+
+
+class MemoryOpLog:
+    """The op log of a simulated node: :class:`OpLog`'s interface, its records kept in memory (a node restarted in
+    the same process finds them again, as a restarted process finds its file)."""
+
+    def __init__(self):
+        self.wires: list[Any] = []
+        self.records = 0
+        self.size = 0
+        self.truncated_bytes = 0
+        self.damaged_mid = 0
+        self.damaged_bytes = 0
+
+    def open(self) -> list[Any]:
+        return list(self.wires)
+
+    def append(self, wires: list[Any]) -> None:
+        self.wires.extend(wires)
+        self.records += len(wires)
+        self.size += sum(len(msgpack.packb(w, use_bin_type=True)) + HEADER.size for w in wires)
+
+    def close(self) -> None:
+        pass

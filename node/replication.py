@@ -31,7 +31,6 @@ import asyncio
 import json
 import logging
 import random
-import time
 from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
@@ -43,6 +42,7 @@ from crdt.store import BUCKETS
 from crdt.types import MAX_KEY
 from node.oplog import OpLog
 from transport.base import Stream, Transport
+from transport.clock import SYSTEM, Clock
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import Identity, verify
@@ -83,15 +83,12 @@ BASE_SCHEMA = {
 }
 
 
+RELAY_WINDOW_MS = 60_000  # ops a sync pulls are pushed on if written this recently
 RECOVERY_ALONE_S = 120.0  # with no peer at all for this long, a node whose log was damaged writes again anyway
 
 
 class WritesPaused(ValueError):
     """Local writes wait: the op log was damaged and this node has not yet re-fetched its own ops from a peer."""
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)
 
 
 class Replicator:
@@ -107,31 +104,42 @@ class Replicator:
         max_skew_ms: int = 30_000,
         admission: Admission | None = None,
         max_authors: int = 20_000,
+        clock: Clock = SYSTEM,
+        rng: random.Random | None = None,
+        log: OpLog | None = None,
+        relay_fanout: int = 3,
     ):
         self.identity = identity
+        self.clock = clock
+        self._rng = rng or random.Random()
         self.transport = transport
         self.admission = admission or Admission()
         self._verified: dict[tuple, bool] = {}  # (author, signed data, sig) checked off the event loop, used once
         self.store = OpStore(schema or BASE_SCHEMA, self._verify, max_skew_ms=max_skew_ms, admission=self.admission,
                              max_authors=max_authors)
         self.ticket_file = data_dir / "admission.ticket"
-        self.log = OpLog(data_dir / "crdt.log")
+        self.log = log if log is not None else OpLog(data_dir / "crdt.log")
         self._peers = peers
         self.sync_interval = sync_interval
         self.last_sync: dict[str, float] = {}
         self.counters: Counter = Counter()
         self._write_lock = asyncio.Lock()
         self._outbox: list[Op] = []
+        self.relay_fanout = relay_fanout
+        self._relays: list[tuple[Op, str]] = []  # ops new to us that a peer pushed, with that peer: pushed on
         self._outbox_event = asyncio.Event()
         self._sync_soon: set[str] = set()
         self._sync_event = asyncio.Event()
-        self._log = RateLimitedLog(logger, interval=30.0)
+        self._log = RateLimitedLog(logger, interval=30.0, clock=clock.monotonic)
         self._recovered = asyncio.Event()  # set once writes are safe (at once unless the op log was damaged)
+
+    def _now_ms(self) -> int:
+        return int(self.clock.time() * 1000)
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         wires = await asyncio.to_thread(self.log.open)
-        now = now_ms()
+        now = self._now_ms()
         bad = 0
         for wire in wires:
             if self.store.receive(wire, now).status == REJECTED:
@@ -163,10 +171,10 @@ class Replicator:
                 return kept["ticket"]
         except (OSError, ValueError, AttributeError):
             pass
-        started = time.monotonic()
+        started = self.clock.monotonic()
         ticket = self.admission.mint(me)
         logger.info("admission ticket for swarm %r minted in %.1f s (%d bits of work)", self.admission.swarm,
-                    time.monotonic() - started, self.admission.bits)
+                    self.clock.monotonic() - started, self.admission.bits)
         try:
             self.ticket_file.write_text(json.dumps({"swarm": self.admission.swarm, "ticket": ticket}))
         except OSError as e:
@@ -185,7 +193,7 @@ class Replicator:
 
         A new op of ours must follow the last one any peer holds, or it would equivocate (same seq, different op)
         and every later write of ours would be refused wherever the old one is known."""
-        me, synced, started = self.identity.peer_id, set(), time.monotonic()
+        me, synced, started = self.identity.peer_id, set(), self.clock.monotonic()
         while True:
             peers = self._peers()
             for peer_id in [p for p in peers if p not in synced]:
@@ -203,7 +211,7 @@ class Replicator:
                 logger.error("op log recovery: no peer has own op #%d (held after it: %s); writing again",
                              len(self.store.chains.get(me, [])) + 1, gap[:8])
                 break
-            if not synced and time.monotonic() - started > RECOVERY_ALONE_S:
+            if not synced and self.clock.monotonic() - started > RECOVERY_ALONE_S:
                 logger.error("op log recovery: no peer reachable for %.0f s; writing again without re-fetching "
                              "(ops lost with the damaged records may be re-used)", RECOVERY_ALONE_S)
                 break
@@ -248,13 +256,13 @@ class Replicator:
                         and isinstance(payload, dict) and set(payload) == {"rm"}:
                     payload = {"rm": payload["rm"], "tags": ORSet.live_tags(self.store.states[obj], payload["rm"])}
                 resolved.append((obj, payload))
-            bodies, refusal = self.store.draft(self.identity.peer_id, resolved, now_ms())
+            bodies, refusal = self.store.draft(self.identity.peer_id, resolved, self._now_ms())
             if refusal is not None:
                 raise ValueError(refusal)
             sign = self.identity.sign
             sigs = await asyncio.to_thread(lambda: [sign(SIGN_DOMAIN + body) for body in bodies])
             await asyncio.to_thread(self.log.append, [{"b": b, "s": s} for b, s in zip(bodies, sigs)])
-            ops = self.store.commit(bodies, sigs, now_ms())
+            ops = self.store.commit(bodies, sigs, self._now_ms())
         self.counters["ops_written"] += len(ops)
         if push:
             self._outbox.extend(ops)
@@ -281,20 +289,23 @@ class Replicator:
                 keys.append(key)
         return keys
 
-    async def _ingest(self, peer_id: str, wires: Any, seen: dict[str, int] | None = None) -> tuple[int, int]:
+    async def _ingest(self, peer_id: str, wires: Any, seen: dict[str, int] | None = None,
+                      relay: bool = False) -> tuple[int, int]:
         """Verify and apply ops from ``peer_id``; returns (applied, rejected). ``seen`` collects the highest seq
-        received per author (applied, held or already known)."""
+        received per author (applied, held or already known); ``relay``: ops new to us are pushed on (fresh writes
+        arrive by push; what a sync pages in is old news)."""
         if not isinstance(wires, list) or len(wires) > max(MAX_PUSH_OPS, SYNC_BATCH):
             raise MalformedMessage("crdt: ops must be a list of at most 1000")
         keys = await asyncio.to_thread(self._preverify, wires) if len(wires) >= PREVERIFY_AT else []
         try:
-            return await self._apply_wires(peer_id, wires, seen)
+            return await self._apply_wires(peer_id, wires, seen, relay)
         finally:
             for key in keys:
                 self._verified.pop(key, None)
 
-    async def _apply_wires(self, peer_id: str, wires: list, seen: dict[str, int] | None) -> tuple[int, int]:
-        now = now_ms()
+    async def _apply_wires(self, peer_id: str, wires: list, seen: dict[str, int] | None,
+                           relay: bool = False) -> tuple[int, int]:
+        now = self._now_ms()
         applied: list[Op] = []
         rejected = Counter()
         for i, wire in enumerate(wires):
@@ -312,6 +323,13 @@ class Replicator:
                 await asyncio.to_thread(self.log.append, [op.wire() for op in applied])
             except OSError as e:  # disk full, or closing: do not ACK what is not durable
                 raise TransportError(f"crdt: cannot persist ops: {e}") from None
+            if self.relay_fanout:
+                # fresh ops go on: what a push brought, and what a sync pulled that was written in the last minute
+                # (a partition's writes after it heals), not an old history a joiner pages in
+                fresh = applied if relay else [op for op in applied if op.clock[0] >= now - RELAY_WINDOW_MS]
+                if fresh:
+                    self._relays.extend((op, peer_id) for op in fresh)
+                    self._outbox_event.set()
         self.counters["ops_received"] += len(wires)
         self.counters["ops_applied"] += len(applied)
         for reason, count in rejected.items():
@@ -333,7 +351,7 @@ class Replicator:
             body = message.body
             if message.kind == SYNC:
                 await stream.send(ENTRIES, answer_sync(self.store, body))
-                self.last_sync[stream.peer_id] = time.time()
+                self.last_sync[stream.peer_id] = self.clock.time()
             elif message.kind == WANT:
                 reply = answer_want(self.store, body)
                 await stream.send(OPS, reply)
@@ -341,7 +359,7 @@ class Replicator:
             elif message.kind == PUSH:
                 if not isinstance(body, dict) or set(body) != {"ops"}:
                     raise MalformedMessage("crdt: PUSH body must be {ops: [...]}")
-                applied, rejected = await self._ingest(stream.peer_id, body["ops"])
+                applied, rejected = await self._ingest(stream.peer_id, body["ops"], relay=True)
                 await stream.send(ACK, {"applied": applied, "rejected": rejected})
             else:
                 raise MalformedMessage(f"crdt: unexpected message kind {message.kind}")
@@ -386,7 +404,7 @@ class Replicator:
                 if nxt is None:
                     break
                 after = nxt
-        self.last_sync[peer_id] = time.time()
+        self.last_sync[peer_id] = self.clock.time()
         self.counters["syncs"] += 1
 
     async def _pull_page(self, stream: Stream, peer_id: str, theirs: dict[str, int]) -> None:
@@ -430,19 +448,31 @@ class Replicator:
             await self._outbox_event.wait()
             self._outbox_event.clear()
             ops, self._outbox = self._outbox, []
+            relays, self._relays = self._relays, []
+            peers = self._peers()
+            batches: dict[str, list[Op]] = {p: list(ops) for p in peers} if ops else {}
             if ops:
                 self.counters["pushes"] += 1
-                await asyncio.gather(*(push_one(p, ops) for p in self._peers()))
+            for op, came_from in relays:
+                # an epidemic push: each new op goes on to a few random peers other than the one it came from and
+                # its author, so in a swarm too large for everyone to be connected it crosses the graph in hops of
+                # one round trip, not of one anti-entropy interval (a peer that has it already acks it as known)
+                others = [p for p in peers if p != came_from and p != op.author]
+                for p in self._rng.sample(others, min(self.relay_fanout, len(others))):
+                    batches.setdefault(p, []).append(op)
+                self.counters["ops_relayed"] += 1
+            if batches:
+                await asyncio.gather(*(push_one(p, batch) for p, batch in batches.items()))
 
     async def _anti_entropy_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._sync_event.wait(), self.sync_interval * random.uniform(0.8, 1.2))
+                await asyncio.wait_for(self._sync_event.wait(), self.sync_interval * self._rng.uniform(0.8, 1.2))
             except asyncio.TimeoutError:
                 pass
             self._sync_event.clear()
             dropped = dict(self.store.pending_dropped)
-            self.store.expire_pending(now_ms())
+            self.store.expire_pending(self._now_ms())
             if dict(self.store.pending_dropped) != dropped:
                 self._log.log(logging.WARNING, "pending", "crdt: held ops waiting for unknown parents dropped so "
                               "far: %s (anti-entropy re-delivers honest ones)", dict(self.store.pending_dropped))
@@ -450,7 +480,7 @@ class Replicator:
             targets = [p for p in self._sync_soon if p in peers]
             self._sync_soon.clear()
             if not targets and peers:
-                targets = [random.choice(peers)]
+                targets = [self._rng.choice(peers)]
             for peer_id in targets:
                 try:
                     await self.sync_with(peer_id)

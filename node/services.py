@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from transport.base import Transport
+from transport.clock import SYSTEM, Clock
 from transport.identity import Identity
 
 
@@ -27,6 +28,7 @@ class NodeContext:
     direct: Callable[[str], bool]  # True if our connection to the peer is direct (not through a relay)
     punched: Callable[[str], bool] = lambda peer: False  # True if that direct connection was hole-punched
     anchors: Callable[[], set[str]] = set  # peers the user chose to trust (the bootstrap peers' ids)
+    clock: Clock = SYSTEM  # what every service reads time from (virtual in a simulation)
 
 
 class Service(Protocol):

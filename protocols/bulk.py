@@ -39,6 +39,8 @@ from aiohttp import web
 
 from node.services import NodeContext
 from protocols.gossip import Gossip, Message, Verdict
+from transport import clock
+from transport.clock import Clock
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
@@ -249,8 +251,9 @@ class BulkService:
     name = "bulk"
 
     def __init__(self, gossip: Gossip, *, host: str = "127.0.0.1", port: int = 0, max_bytes: int = 2 << 30,
-                 on_blob: Callable[[Announcement, bytearray], None] | None = None):
+                 on_blob: Callable[[Announcement, bytearray], None] | None = None, tcp: bool = True):
         self.gossip = gossip
+        self.tcp = tcp  # False: no TCP server, blobs are served and pulled over the transport's streams only
         self.host, self.port = host, port
         self.max_bytes = max_bytes
         self.blobs: collections.OrderedDict[bytes, bytearray] = collections.OrderedDict()
@@ -272,19 +275,22 @@ class BulkService:
     # ------------------------------------------------------------------ lifecycle
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST + 16)
-        self.port = self._server.sockets[0].getsockname()[1]
-        hosts = [self.host]
-        if self.host in ("0.0.0.0", "::", ""):  # announce the addresses peers already reach us on
-            hosts = sorted({a.split("/")[2] for a in await ctx.transport.addresses() if a.startswith("/ip4/")})
-        self._addrs = [f"{h}:{self.port}" for h in hosts][:8]
+        self._rate = TokenBuckets(SERVE_RATE, SERVE_BURST, clock=ctx.clock.monotonic)
+        self._log = RateLimitedLog(logger, interval=30.0, clock=ctx.clock.monotonic)
+        if self.tcp:
+            self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST + 16)
+            self.port = self._server.sockets[0].getsockname()[1]
+            hosts = [self.host]
+            if self.host in ("0.0.0.0", "::", ""):  # announce the addresses peers already reach us on
+                hosts = sorted({a.split("/")[2] for a in await ctx.transport.addresses() if a.startswith("/ip4/")})
+            self._addrs = [f"{h}:{self.port}" for h in hosts][:8]
         self.gossip.subscribe(TOPIC, max_size=2048, validator=self._validate, queue_size=0)
         await ctx.transport.serve(STREAM_SPEC, self._serve_stream)
 
     async def run(self) -> None:
         while True:
             await asyncio.sleep(10.0)
-            self._expire(time.monotonic())
+            self._expire(self._clock().monotonic())
 
     def _expire(self, now: float) -> None:
         for blob_hash in [h for h, t in self._announced_at.items() if now - t > ANNOUNCEMENT_TTL]:
@@ -309,6 +315,9 @@ class BulkService:
         if self._server is not None:
             self._server.close()
             await self._server.wait_closed()
+
+    def _clock(self) -> Clock:
+        return self._ctx.clock if self._ctx is not None else clock.current()
 
     @property
     def addrs(self) -> list[str]:
@@ -363,10 +372,10 @@ class BulkService:
                 self._forget(next(iter(self.announcements)))
                 self.counters["announcements_evicted"] += 1
             self.announcements[a.hash] = a
-            self._announced_at[a.hash] = time.monotonic()
+            self._announced_at[a.hash] = self._clock().monotonic()
             self._by_author_hashes.setdefault(a.author, collections.deque()).append(a.hash)
         sources = self.sources[a.hash]
-        for addr in a.addrs:
+        for addr in a.addrs or ("",):  # no TCP address: a holder served over its streams only
             if (a.author, addr) not in sources and len(sources) < 64:
                 sources.append((a.author, addr))
         return Verdict.ACCEPT
@@ -431,7 +440,7 @@ class BulkService:
                             "through a relay, so trying its TCP address %s last", blob_hash.hex()[:16], peer, addr)
             body = None
             for way in ways:
-                ts = int(time.time() * 1000)
+                ts = int(self._clock().time() * 1000)
                 request = {"hash": blob_hash, "peer": ctx.identity.peer_id, "ts": ts,
                            "sig": ctx.identity.sign(REQUEST_DOMAIN + blob_hash + str(ts).encode())}
                 where = f"{peer[-8:]}@{way}"
@@ -463,7 +472,7 @@ class BulkService:
 
     async def _peer_hosts(self) -> dict[str, set[str]]:
         """For each connected peer, the IP hosts of its direct connections (cached for a second)."""
-        now = time.monotonic()
+        now = self._clock().monotonic()
         if self._hosts_cache is not None and now - self._hosts_cache[0] < 1.0:
             return self._hosts_cache[1]
         hosts: dict[str, set[str]] = {}
@@ -541,7 +550,7 @@ class BulkService:
         blob_hash, peer, ts, sig = request["hash"], request["peer"], request["ts"], request["sig"]
         if not isinstance(blob_hash, bytes) or not isinstance(peer, str) or type(ts) is not int:
             raise BulkError("malformed request")
-        if abs(time.time() * 1000 - ts) > 60_000 or not isinstance(sig, bytes):
+        if abs(self._clock().time() * 1000 - ts) > 60_000 or not isinstance(sig, bytes):
             return REFUSED, None
         if not verify(peer, REQUEST_DOMAIN + blob_hash + str(ts).encode(), sig):
             return REFUSED, None

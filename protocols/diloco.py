@@ -27,7 +27,6 @@ import collections
 import logging
 import math
 import statistics
-import time
 from dataclasses import dataclass, field
 
 import msgpack
@@ -42,6 +41,7 @@ from protocols.gossip import Gossip, Message, Verdict
 from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
 from protocols.taskloop import TaskLoop
+from transport import clock
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
@@ -122,7 +122,7 @@ class Pending:
 
     announced: dict[str, Announced] = field(default_factory=dict)
     updates: dict[str, torch.Tensor] = field(default_factory=dict)  # whole updates pulled (all-to-all)
-    opened: float = field(default_factory=time.monotonic)
+    opened: float = field(default_factory=lambda: clock.current().monotonic())
     arrivals: dict[str, float] = field(default_factory=dict)
     pulls: set = field(default_factory=set)
     pulling: set = field(default_factory=set)  # peers whose whole update is being pulled
@@ -250,7 +250,7 @@ class DilocoLoop(TaskLoop):
         self._resume_own()
         if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
             await self._start_barrier()
-        self.started = time.monotonic()
+        self.started = self.clock.monotonic()
         h = self.cfg.inner_steps
         rounds = self._rounds()
         offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
@@ -272,9 +272,9 @@ class DilocoLoop(TaskLoop):
                         waiting[p] = (rounds_done[p], self.step)
                 continue
             if self.step < total:
-                t0 = time.perf_counter()
-                await asyncio.to_thread(self._inner_step)
-                self.compute_seconds += time.perf_counter() - t0
+                t0 = self.clock.monotonic()
+                await self._train_step()
+                self.compute_seconds += self.clock.monotonic() - t0
                 self.step += 1
             for p in range(self.cfg.fragments):
                 if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
@@ -318,8 +318,8 @@ class DilocoLoop(TaskLoop):
 
         expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}
         expected = {a for a in expected if self.standing.counts(a)}
-        until = time.monotonic() + self.deadline.value()
-        while time.monotonic() < until and not expected <= set(theirs(r)):
+        until = self.clock.monotonic() + self.deadline.value()
+        while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
         last = theirs(r)
         if not last:
@@ -350,6 +350,10 @@ class DilocoLoop(TaskLoop):
         recent = [x for x in self._recent_losses if math.isfinite(x)]
         self._recent_losses.clear()
         return sum(recent) / len(recent) if recent else None
+
+    async def _train_step(self) -> None:
+        """One inner step, off the event loop (the seam a simulation paces with simulated compute time)."""
+        await asyncio.to_thread(self._inner_step)
 
     def _inner_step(self) -> None:
         self.model.train()
@@ -391,7 +395,7 @@ class DilocoLoop(TaskLoop):
         self._publish({"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
                        "addrs": list(ann.addrs)})
         pending = self.pending[(r, p)]
-        pending.sent_at = time.monotonic()
+        pending.sent_at = self.clock.monotonic()
         pending.announced[self._ctx.identity.peer_id] = ann
         pending.updates[self._ctx.identity.peer_id] = mine
         self.counters["bytes_sent"] += sum(ann.sizes)  # our update's size (each peer serves it as the mode asks)
@@ -425,22 +429,22 @@ class DilocoLoop(TaskLoop):
                 return set(pending.updates)
             for peer in set(pending.announced) - pending.pulling - set(pending.updates):
                 self._start_pull(key, pending, peer)  # announced while we were in the other mode
-        blocked_from = time.monotonic()
+        blocked_from = self.clock.monotonic()
         end = blocked_from + self.deadline.value()
-        await outer.wait_until(lambda: expected <= have(), self._event, end - time.monotonic())
+        await outer.wait_until(lambda: expected <= have(), self._event, end - self.clock.monotonic())
         if expected <= have() and not slots <= have():
             # every counting peer is in; a newcomer holding a slot is waited for to the deadline only if it has
             # announced its update by then (it is on its way): one that never announces (a fresh key that
             # joined and went quiet) costs half of deadline_low more, not the whole adaptive deadline. Half: a
             # peer that did not see the join (gossip is not instant) goes on at once and is that much ahead in
             # the next round, whose deadline is deadline_low at least: the others still make it in time
-            grace = min(end - time.monotonic(), self.cfg.deadline_low / 2)
+            grace = min(end - self.clock.monotonic(), self.cfg.deadline_low / 2)
             if grace > 0:
                 await outer.wait_until(lambda: slots <= have(), self._event, grace)
             on_the_way = (slots - have()) & (set(pending.announced) - pending.failed)
-            if on_the_way and end > time.monotonic():
+            if on_the_way and end > self.clock.monotonic():
                 await outer.wait_until(lambda: on_the_way - pending.failed <= have(), self._event,
-                                       end - time.monotonic())
+                                       end - self.clock.monotonic())
             self.counters["newcomers_not_waited"] += len(slots - have() - on_the_way)
         if not waited <= have():
             self.counters["deadline_missed"] += 1
@@ -448,7 +452,7 @@ class DilocoLoop(TaskLoop):
         for peer, t in pending.arrivals.items():
             self.deadline.observe(t - pending.opened)
         missing = waited - have()
-        waited_s = time.monotonic() - blocked_from
+        waited_s = self.clock.monotonic() - blocked_from
         base_now = outer.params_hash([self.global_flat[p]])
         other_base = {}
         for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
@@ -462,7 +466,7 @@ class DilocoLoop(TaskLoop):
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
-        started = time.monotonic()
+        started = self.clock.monotonic()
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
@@ -470,14 +474,14 @@ class DilocoLoop(TaskLoop):
         rejected.update(replayed)
         rejected.update({a: why for a, why in pending.refused.items() if a not in rejected})
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
-            self._exchange_times.append(time.monotonic() - pending.sent_at)
-        self._close_times.append(time.monotonic() - started)  # every update announced -> combined update in hand
+            self._exchange_times.append(self.clock.monotonic() - pending.sent_at)
+        self._close_times.append(self.clock.monotonic() - started)  # every update announced -> combined update in hand
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
                               "close_seconds": round(self._close_times[-1], 3),
                               "close_seconds_median": round(statistics.median(self._close_times), 3),
                               "round_seconds_median": round(statistics.median(self._exchange_times), 3)
                               if self._exchange_times else None}
-        self.blocked_seconds += time.monotonic() - blocked_from
+        self.blocked_seconds += self.clock.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco update {reason}")
@@ -494,7 +498,15 @@ class DilocoLoop(TaskLoop):
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
         outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
                          broken=bool(self.skipped.pop(p, None)))
-        self.participants[p] = participants
+        if participants - {me}:
+            self.participants[p] = participants
+        else:
+            # a round that combined no one else's update (every update refused or late) says nothing about who
+            # is in the run: the next round waits for the same peers as this one did, or each peer would go on
+            # alone, waiting for no one, and the run would split into solo runs for good (found by the simulator:
+            # one round whose updates were all refused did that). Peers that are really gone stop counting after
+            # a few missed rounds (protocols.standing), so this costs at most those rounds' deadlines
+            self.participants[p] = self.participants.get(p, self._initial) | participants
         self._check_previous(p, r)
         h = self.global_hash()
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
@@ -620,7 +632,7 @@ class DilocoLoop(TaskLoop):
         if pending is None:
             return
         pending.updates[peer] = update
-        pending.arrivals[peer] = time.monotonic()
+        pending.arrivals[peer] = self.clock.monotonic()
         self._event.set()
 
     # ------------------------------------------------------------------ the reduce-scatter + all-gather exchange
@@ -650,7 +662,7 @@ class DilocoLoop(TaskLoop):
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
         span = self.deadline.value() + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
-        end = time.monotonic() + span
+        end = self.clock.monotonic() + span
         parts: dict[int, torch.Tensor] = {}
         screened: dict[str, str] = {}
         computed: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # parts we reduced: (blob hash, decoded, size)
@@ -669,10 +681,10 @@ class DilocoLoop(TaskLoop):
                     chunk = whole[a:b]
                 else:
                     if early is not None:  # pulled as its announcement came (see _prefetch)
-                        pull = asyncio.wait_for(asyncio.shield(early), max(0.05, until - time.monotonic()))
+                        pull = asyncio.wait_for(asyncio.shield(early), max(0.05, until - self.clock.monotonic()))
                     else:
                         pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
-                                                until - time.monotonic())
+                                                until - self.clock.monotonic())
                     try:
                         chunk = await pull
                     except codecs.CodecError:
@@ -721,7 +733,7 @@ class DilocoLoop(TaskLoop):
             a, b = bounds[k]
             audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
             got = None
-            if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - time.monotonic()):
+            if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
                 blob, size, m, addrs = pending.reduced[k][reducer]
                 # from its reducer, else from a member that pulled it already (the reducer may have died after
                 # serving some of us: the others must end with the same bytes)
@@ -730,7 +742,7 @@ class DilocoLoop(TaskLoop):
                 for holder, where in holders:
                     try:
                         part = await self._fetch_part(key, holder, blob, size, where, b - a,
-                                                      end - time.monotonic())
+                                                      end - self.clock.monotonic())
                         if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
                             raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
                         got = (blob, m, part)
@@ -741,7 +753,7 @@ class DilocoLoop(TaskLoop):
                         self.counters["reduced_parts_rejected"] += 1
                         break
                     except (BulkError, asyncio.TimeoutError):
-                        if time.monotonic() >= end:
+                        if self.clock.monotonic() >= end:
                             break
                 if got is not None and holder != reducer:
                     self.counters["parts_from_other_holders"] += 1
@@ -759,9 +771,9 @@ class DilocoLoop(TaskLoop):
                     return
             elif got is not None and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit):
                 auditor = exchange.auditor_of(ordered, k)
-                await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - time.monotonic())
+                await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - self.clock.monotonic())
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
-                    await compute(k, time.monotonic() + span)
+                    await compute(k, self.clock.monotonic() + span)
                     self.counters["parts_disputed"] += 1
                     if computed[k][0] == got[0]:
                         self._liar(auditor, k, r, p, role="auditor")
@@ -771,7 +783,7 @@ class DilocoLoop(TaskLoop):
             if got is None:
                 if k not in computed:  # its reducer failed us: reduce it ourselves (we pull its chunks)
                     self.counters["parts_fallback"] += 1
-                    await compute(k, time.monotonic() + span)
+                    await compute(k, self.clock.monotonic() + span)
                 parts[k] = computed[k][1]
             else:
                 parts[k] = got[2]
@@ -811,7 +823,7 @@ class DilocoLoop(TaskLoop):
                        k, r, p)
 
     def _log_missing(self, peer: str, what: str) -> None:
-        now = time.monotonic()
+        now = self.clock.monotonic()
         if now - self._missing_logged.get(peer, 0.0) > 30.0:
             if len(self._missing_logged) > 4096:
                 self._missing_logged.clear()
@@ -837,14 +849,14 @@ class DilocoLoop(TaskLoop):
                         hashes.pop(a, None)
                 self.state = "waiting for peers"
             base = self.global_hash()
-            if time.monotonic() - announced > 1.0:
+            if self.clock.monotonic() - announced > 1.0:
                 self._publish({"r": 0, "p": 0, "ready": base})
-                announced = time.monotonic()
+                announced = self.clock.monotonic()
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
-                grace = grace or time.monotonic() + 1.0
-                if time.monotonic() >= grace:
+                grace = grace or self.clock.monotonic() + 1.0
+                if self.clock.monotonic() >= grace:
                     self._initial = ready
                     self.standing.found(ready)
                     self._founder = len(ready) > 1
@@ -1080,7 +1092,7 @@ class DilocoLoop(TaskLoop):
             if not self.rounds_done or self._mode(p) == "all-to-all":
                 self._start_pull((r, p), pending, author)
             else:
-                pending.arrivals[author] = time.monotonic()
+                pending.arrivals[author] = self.clock.monotonic()
                 self._event.set()
                 if not other_base:
                     self._prefetch((r, p), pending, author)
@@ -1152,7 +1164,7 @@ class DilocoLoop(TaskLoop):
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:
-        wall = (time.monotonic() - self.started) if self.started else 0.0
+        wall = (self.clock.monotonic() - self.started) if self.started else 0.0
         rounds_done = getattr(self, "rounds_done", None)
         return {
             "run": self.cfg.run,

@@ -90,8 +90,10 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
     with each other peer is below ``sigmas`` / sqrt(n) (random noise of n values has a cosine of about
     +-1 / sqrt(n) with anything), so an update must point the same way as at least half of the others. Pairwise,
     not against the sum of the others: one large update pointing the wrong way would turn that sum against every
-    honest peer. Returns {peer: that median}. Needs 3 peers (with 2, neither is more suspect than the other) and
-    enough values for noise to be told apart (n >= 100); one dot product per pair, no stacked copy."""
+    honest peer. Only in a round where more than half of the updates pass (there is a common direction to judge
+    by): where most honest updates are mostly noise, nobody is refused. Returns {peer: that median}. Needs 3 peers
+    (with 2, neither is more suspect than the other) and enough values for noise to be told apart (n >= 100); one
+    dot product per pair, no stacked copy."""
     if len(vectors) < 3:
         return {}
     peers = sorted(vectors)
@@ -108,14 +110,13 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
                 c = float(torch.dot(v[i], v[j])) / math.sqrt(sq[i] * sq[j])
                 cos[i].append(c)
                 cos[j].append(c)
-    out = {}
-    for i, a in enumerate(peers):
-        if sq[i] <= 0 or not cos[i]:
-            continue  # a zero update moves nothing
-        m = statistics.median_high(cos[i])
-        if m < limit:
-            out[a] = round(m, 5)
-    return out
+    medians = {a: statistics.median_high(cos[i]) for i, a in enumerate(peers) if sq[i] > 0 and cos[i]}
+    # a round whose updates mostly point nowhere in common (small models, noisy data, few inner steps: a peer's
+    # update is mostly its own noise) has no direction to measure anyone against: refuse nobody. Only where most
+    # updates agree is one that does not an outlier
+    if sum(m >= limit for m in medians.values()) * 2 <= len(medians):
+        return {}
+    return {a: round(m, 5) for a, m in medians.items() if m < limit}
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

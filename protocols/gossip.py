@@ -32,7 +32,6 @@ import hashlib
 import inspect
 import logging
 import random
-import time
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
@@ -41,6 +40,7 @@ from aiohttp import web
 
 from node.services import NodeContext
 from transport.base import Stream
+from transport.clock import Clock
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
@@ -167,6 +167,8 @@ class Gossip:
         max_age: float = 120.0,
         max_skew: float = 30.0,
         send_queue: int = 4096,
+        clock: Clock | None = None,
+        rng: random.Random | None = None,
     ):
         self.d, self.d_lo, self.d_hi, self.d_lazy = d, d_lo, d_hi, d_lazy
         self.heartbeat = heartbeat
@@ -186,12 +188,20 @@ class Gossip:
         self._seq = 0
         self._ctx: NodeContext | None = None
         self._link_tasks: set[asyncio.Task] = set()
+        self._clock = clock  # None: the node's (ctx.clock), set at start
+        self._rng = rng or random.Random()  # mesh and lazy-gossip choices: seeded in a simulation
         self._log = RateLimitedLog(logger, interval=10.0)
+
+    def _now_ms(self) -> int:
+        return int(self._clock.time() * 1000)
 
     # ------------------------------------------------------------------ service lifecycle
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        self._seq = int(time.time() * 1000) << 10  # monotonic across restarts of the same identity
+        if self._clock is None:
+            self._clock = ctx.clock
+        self._log = RateLimitedLog(logger, interval=10.0, clock=self._clock.monotonic)
+        self._seq = self._now_ms() << 10  # monotonic across restarts of the same identity
         await ctx.transport.serve(PUBSUB_SPEC, self._on_stream)
 
     async def run(self) -> None:
@@ -244,8 +254,9 @@ class Gossip:
             raise ValueError(f"{len(data)} B exceeds {topic!r}'s limit of {t.max_size} B")
         ident = self._ctx.identity
         self._seq += 1
-        body = msgpack.packb([1, topic, ident.peer_id, self._seq, int(time.time() * 1000), data], use_bin_type=True)
-        message = Message(_mid(body), topic, ident.peer_id, self._seq, int(time.time() * 1000), data, body,
+        ts_ms = self._now_ms()
+        body = msgpack.packb([1, topic, ident.peer_id, self._seq, ts_ms, data], use_bin_type=True)
+        message = Message(_mid(body), topic, ident.peer_id, self._seq, ts_ms, data, body,
                           ident.sign(SIGN_DOMAIN + body))
         self._remember(message)
         self.counters["published"] += 1
@@ -276,7 +287,7 @@ class Gossip:
             t.mesh &= subscribers
             if len(t.mesh) < self.d_lo:
                 candidates = sorted(subscribers - t.mesh)
-                extra = random.sample(candidates, min(self.d - len(t.mesh), len(candidates)))
+                extra = self._rng.sample(candidates, min(self.d - len(t.mesh), len(candidates)))
                 for p in extra:
                     t.mesh.add(p)
                     self.links[p].send(GRAFT, [t.name])
@@ -289,10 +300,10 @@ class Gossip:
             ids = [i for batch in self.history for i in batch if i in self.cache and self.cache[i].topic == t.name]
             if ids:
                 others = sorted(subscribers - t.mesh)
-                for p in random.sample(others, min(self.d_lazy, len(others))):
+                for p in self._rng.sample(others, min(self.d_lazy, len(others))):
                     self.links[p].send(IHAVE, {"topic": t.name, "ids": ids[-MAX_IDS:]})
         self.history.append([])
-        now = int(time.time() * 1000)
+        now = self._now_ms()
         for mid in [m for m, until in self.seen.items() if until < now]:
             del self.seen[mid]
             self.cache.pop(mid, None)
@@ -397,7 +408,7 @@ class Gossip:
         if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
             raise ProtocolViolation(f"pubsub: bad signature on a message claiming {message.author}",
                                     kind="bad_signature")
-        now = int(time.time() * 1000)
+        now = self._now_ms()
         if message.ts_ms > now + self.max_skew_ms or message.ts_ms < now - self.max_age_ms:
             self.counters["stale"] += 1
             penalties.penalize(peer, "stale", "pubsub message outside the freshness window")
@@ -444,7 +455,7 @@ class Gossip:
         t.delivered += 1
         t.recent_seq += 1
         t.recent.append((t.recent_seq, message))
-        self.latency_ms.append(max(0, int(time.time() * 1000) - message.ts_ms))
+        self.latency_ms.append(max(0, self._now_ms() - message.ts_ms))
 
     def _forward(self, message: Message, exclude: str | None) -> None:
         t = self.topics.get(message.topic)

@@ -14,13 +14,13 @@ import hashlib
 import math
 import re
 import statistics
-import time
 from collections import deque
 from typing import Callable
 
 import torch
 
 from protocols import exchange
+from transport import clock
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
 
@@ -177,9 +177,10 @@ class AdaptiveDeadline:
 async def wait_until(done: Callable[[], bool], arrived: asyncio.Event, timeout: float) -> bool:
     """Wait until ``done()`` holds, checking again each time ``arrived`` is set, for at most ``timeout`` seconds.
     Returns whether it holds: False means the deadline passed first."""
-    deadline = time.monotonic() + timeout
+    now = clock.current().monotonic
+    deadline = now() + timeout
     while not done():
-        remaining = deadline - time.monotonic()
+        remaining = deadline - now()
         if remaining <= 0:
             return False
         arrived.clear()

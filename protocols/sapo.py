@@ -32,7 +32,6 @@ import hashlib
 import logging
 import math
 import random
-import time
 
 import msgpack
 import torch
@@ -367,14 +366,14 @@ class SapoLoop(TaskLoop):
         self.state = "waiting for peers"
         grace_until, announced = None, 0.0
         while True:
-            if time.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
+            if self.clock.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
                 self.gossip.publish(self.topic, msgpack.packb(self._tag({"r": 0, "ready": True})))
-                announced = time.monotonic()
+                announced = self.clock.monotonic()
             here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
             self._check_refusal(len(here))
             if len(here) + 1 >= self.cfg.min_peers:
-                grace_until = grace_until or time.monotonic() + 1.0
-                if time.monotonic() >= grace_until:
+                grace_until = grace_until or self.clock.monotonic() + 1.0
+                if self.clock.monotonic() >= grace_until:
                     self._participants = here
                     self.standing.found(here)
                     break
@@ -390,12 +389,12 @@ class SapoLoop(TaskLoop):
         """Wait, at most ``deadline`` s, until every peer of our last round whose word counts has shared new items
         (of its own next round: rounds are each peer's own). A fresh key is never waited for."""
         expected = self.standing.counting(self._participants) - {self._ctx.identity.peer_id}
-        opened = time.monotonic()
+        opened = self.clock.monotonic()
         if not await outer.wait_until(lambda: expected <= self._fresh(), self._arrived, self.cfg.deadline):
             self.counters["deadline_missed"] += 1
             logger.info("sapo round %d closed without %d peer(s)", r, len(expected - self._fresh()))
         self._participants = self._fresh()
-        self._record_round(r, waited_s=time.monotonic() - opened, deadline_s=self.cfg.deadline,
+        self._record_round(r, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=self._participants, missing=expected - self._participants)
         self.standing.record(self._participants)
         self._rate.prune()

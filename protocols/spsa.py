@@ -434,14 +434,14 @@ class SPSALoop(TaskLoop):
         slots = set(self.standing.newcomers(base - expected, f"{self.cfg.run}/{w}", max(1, len(expected) // 4),
                                             fresh_ok=fresh_round(w)))
         waited = expected | slots
-        opened = time.monotonic()
+        opened = self.clock.monotonic()
         end = opened + self.cfg.deadline
-        await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, end - time.monotonic())
+        await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, end - self.clock.monotonic())
         if expected <= set(window.batches) and not slots <= set(window.batches):
             # every counting peer is in: a newcomer holding a slot gets NEWCOMER_GRACE more, not the whole
             # deadline (a fresh key that joined and went quiet stalled every fresh window by the deadline)
             await outer.wait_until(lambda: slots <= set(window.batches), self._arrived,
-                                   min(end - time.monotonic(), NEWCOMER_GRACE))
+                                   min(end - self.clock.monotonic(), NEWCOMER_GRACE))
             self.counters["newcomers_not_waited"] += len(slots - set(window.batches))
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
@@ -452,7 +452,7 @@ class SPSALoop(TaskLoop):
             self.counters["rejected_extreme"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message",
                                                    f"spsa window {w}: gradients out of scale with the others'")
-        self._record_round(w, waited_s=time.monotonic() - opened, deadline_s=self.cfg.deadline,
+        self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=set(self.applied[w]) - extreme, missing=waited - set(window.batches),
                            rejected={a: "extreme" for a in extreme})
         self.standing.record(set(self.applied[w]) - extreme)
@@ -504,9 +504,9 @@ class SPSALoop(TaskLoop):
         self._start_hash = start = self.weights.hash()
         grace_until, announced = None, 0.0
         while True:
-            if time.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
+            if self.clock.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
                 self._publish({"w": self.window, "ready": start})
-                announced = time.monotonic()
+                announced = self.clock.monotonic()
             ahead = self._run_started_without_us()
             if ahead:
                 self._reset_to_base()
@@ -522,8 +522,8 @@ class SPSALoop(TaskLoop):
             self._check_refusal(len(ready) - 1)
             if len(ready) >= self.cfg.min_peers:
                 # a short grace, so peers that became ready at the same moment are in everyone's first window
-                grace_until = grace_until or time.monotonic() + 1.0
-                if time.monotonic() >= grace_until:
+                grace_until = grace_until or self.clock.monotonic() + 1.0
+                if self.clock.monotonic() >= grace_until:
                     self._initial = ready
                     self.standing.found(ready)
                     self.ready.clear()
@@ -565,7 +565,7 @@ class SPSALoop(TaskLoop):
         windows is waited on (a peer a moment behind), at most ``deadline`` seconds."""
         self.state = "replaying"
         started = time.perf_counter()
-        until = time.monotonic() + self.cfg.deadline
+        until = self.clock.monotonic() + self.cfg.deadline
         replayed = None
         peers = list(peers)
         while replayed is None:
@@ -586,7 +586,7 @@ class SPSALoop(TaskLoop):
                     logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
                     peers.remove(peer_id)  # not asked again while we wait for a peer that is behind
                     self._reset_to_base()
-            if replayed is None and not (behind and time.monotonic() < until):
+            if replayed is None and not (behind and self.clock.monotonic() < until):
                 self.counters["replay_failed"] += 1
                 return False
             if replayed is None:

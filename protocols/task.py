@@ -68,6 +68,7 @@ BUILTIN = {
     "digits": "protocols.tasks.digits:make_task",
     "hf-text": "protocols.tasks.hf_text:make_task",
     "reasoning-gym": "protocols.tasks.rgym:make_task",
+    "regression": "protocols.tasks.regression:make_task",
 }
 
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from pathlib import Path
 
 import torch
@@ -16,6 +15,8 @@ from node.services import WorkBoard
 from protocols import checkpoint
 from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
+from transport import clock
+from transport.clock import Clock
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,12 @@ class TaskLoop:
         # peer -> {reason: count} of its refused contributions, and the last round it offended in: /status shows
         # who is sending bad updates (the transport's penalties ban them; this says what they did to this run)
         self.offenders: collections.OrderedDict[str, dict] = collections.OrderedDict()
+
+    @property
+    def clock(self) -> Clock:
+        """The node's clock (``NodeContext.clock``: virtual in a simulation); the running loop's before start."""
+        ctx = getattr(self, "_ctx", None)
+        return ctx.clock if ctx is not None else clock.current()
 
     def _init_standing(self, ctx) -> None:
         """Who counts in this run's decisions (``protocols.standing``): the config's ``peers`` (a closed run) or,
@@ -99,8 +106,8 @@ class TaskLoop:
                             f"{describe_mismatch(self.fp, list(theirs))}; check task and task_options in "
                             "[loops." + self.name + "] (peers of one run must use the same)")
             self.state = "refused"
-            if time.monotonic() - self._last_refusal_log > 60:
-                self._last_refusal_log = time.monotonic()
+            if self.clock.monotonic() - self._last_refusal_log > 60:
+                self._last_refusal_log = self.clock.monotonic()
                 logger.error("%s: %s", self.name, self.refused)
         elif self.refused:
             self.refused = None
@@ -179,7 +186,7 @@ class TaskLoop:
         sent = self.bytes_sent()
         rejected = rejected or {}
         self.timeline.append({
-            "round": r, "fragment": fragment, "closed_at": round(time.time(), 3),
+            "round": r, "fragment": fragment, "closed_at": round(self.clock.time(), 3),
             "waited_s": round(waited_s, 3), "deadline_s": round(deadline_s, 3),
             "participants": len(participants), "missing": len(missing), "late": 0, "rejected": len(rejected),
             "peers": {"participants": sorted(participants)[:TIMELINE_PEERS],

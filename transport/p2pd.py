@@ -73,20 +73,30 @@ class P2PDaemonConfig:
     static_relays: list[str] = field(default_factory=list)  # reserve slots on these (full multiaddrs with /p2p/)
 
 
-# extra p2pd flags hivemind's P2P.create has no parameter for; set around create() (see _daemon_flags)
+# extra p2pd flags and environment hivemind's P2P.create has no parameter for; set around create() (see
+# _daemon_flags, _daemon_env)
 _EXTRA_FLAGS: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_flags", default={})
+_EXTRA_ENV: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_env", default={})
+ENV = "/usr/bin/env"
 
 
 def _install_flag_hook(hm) -> None:
     """hivemind builds p2pd's command line in ``P2P._make_process_args``; append our flags there, only for the
-    ``create()`` call that set them (a context variable, so concurrent creates do not mix)."""
+    ``create()`` call that set them (a context variable, so concurrent creates do not mix). The daemon's own
+    environment variables go on the command line too, through ``env`` (hivemind gives the child a copy of
+    ``os.environ`` and no way to add to it; writing ``os.environ`` would change every later child of this process,
+    and two nodes in one process could not differ)."""
     original = hm.P2P._make_process_args
     if getattr(original, "_swarmd", False):
         return
 
     def make_process_args(*args, **kwargs):
         kwargs.update(_EXTRA_FLAGS.get())
-        return original(*args, **kwargs)
+        argv = original(*args, **kwargs)
+        env = _EXTRA_ENV.get()
+        if env:
+            argv = [ENV, *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
+        return argv
 
     make_process_args._swarmd = True
     hm.P2P._make_process_args = staticmethod(make_process_args)
@@ -122,15 +132,17 @@ class P2PDaemonTransport:
         fd = os.open(key_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         with os.fdopen(fd, "wb") as f:
             f.write(self.identity.to_p2pd_bytes())
-        # hivemind copies os.environ for the daemon and offers no way to pass env; these only affect p2pd:
-        # no SO_REUSEPORT (a taken port is an error), and a soft heap limit for the Go runtime (measured with 16
-        # nodes: 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins
-        # behind a NAT, dials leave from the listen port (SO_REUSEPORT), so the NAT maps one predictable port that
-        # hole punching can aim at (``transport.nat``)
-        os.environ["LIBP2P_TCP_REUSEPORT"] = "true" if self.config.relay_client else "false"
-        os.environ.setdefault("GOMEMLIMIT", "48MiB")
+        # the daemon's own environment (through `env` on its command line, see _install_flag_hook): no
+        # SO_REUSEPORT (a taken port is an error), and a soft heap limit for the Go runtime (measured with 16 nodes:
+        # 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins. Behind a NAT, dials
+        # leave from the listen port (SO_REUSEPORT), so the NAT maps one predictable port that hole punching can
+        # aim at (``transport.nat``)
+        env = {"LIBP2P_TCP_REUSEPORT": "true" if self.config.relay_client else "false"}
+        if "GOMEMLIMIT" not in os.environ:
+            env["GOMEMLIMIT"] = "48MiB"
         _install_flag_hook(hm)
         token = _EXTRA_FLAGS.set(self._daemon_flags())
+        env_token = _EXTRA_ENV.set(env)
         try:
             self._p2p = await hm.P2P.create(
                 initial_peers=None,
@@ -156,6 +168,7 @@ class P2PDaemonTransport:
             raise DaemonStartError(str(e)) from None
         finally:
             _EXTRA_FLAGS.reset(token)
+            _EXTRA_ENV.reset(env_token)
             # the daemon has read the key; do not leave a copy on disk
             self._cleanup_key()
         if self._p2p.peer_id.to_base58() != self.peer_id:

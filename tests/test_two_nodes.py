@@ -1,0 +1,71 @@
+"""Two real nodes (each with its own p2p daemon, HTTP endpoint, op log and gossip) in one Python process: nothing of
+a node is process-wide (no environment writes, no global seeds or registries), so they join, replicate and gossip
+as two processes would."""
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+from node.config import load_config
+from node.core import Node
+from protocols.gossip import Gossip
+from transport.identity import Identity
+
+ROOT = Path(__file__).resolve().parents[1]
+LOCAL = ROOT / "configs" / "local.toml"
+
+pytestmark = pytest.mark.swarm
+
+
+async def _wait(cond, timeout: float, what: str) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+@pytest.mark.timeout(90)
+async def test_two_nodes_in_one_process_join_replicate_and_gossip(tmp_path):
+    env_before = dict(os.environ)
+    nodes, tasks, gossips = [], [], []
+    ready = [asyncio.Event(), asyncio.Event()]
+    try:
+        for i in range(2):
+            bootstrap = {"network": {"bootstrap": [nodes[0].addresses[0]]}} if i else {}
+            config = load_config(LOCAL, bootstrap)
+            gossip = Gossip()
+            (tmp_path / f"n{i}").mkdir()
+            node = Node(config, Identity.generate(), tmp_path / f"n{i}", services=[gossip])
+            nodes.append(node)
+            gossips.append(gossip)
+            tasks.append(asyncio.create_task(node.run(lambda n, e=ready[i]: e.set())))
+            await asyncio.wait_for(ready[i].wait(), 30)
+        a, b = nodes
+        await _wait(lambda: b.identity.peer_id in a.connected and a.identity.peer_id in b.connected, 30,
+                    "the two nodes to connect")
+        await _wait(lambda: all({a.identity.peer_id, b.identity.peer_id} <= set(n.replicator.store.value("members"))
+                                for n in nodes), 30, "both member sets to list both nodes")
+        await a.replicator.write("kv", {"k": f"{a.identity.peer_id}/note", "v": "hello"})
+        await _wait(lambda: b.replicator.store.heads_digest() == a.replicator.store.heads_digest(), 30,
+                    "the write to replicate")
+        sub = gossips[1].subscribe("two/nodes")
+        gossips[0].subscribe("two/nodes")
+        got = None
+        deadline = asyncio.get_running_loop().time() + 30
+        while got is None and asyncio.get_running_loop().time() < deadline:
+            gossips[0].publish("two/nodes", b"ping")  # again until the links and subscriptions are up
+            try:
+                got = await asyncio.wait_for(sub.__anext__(), 0.5)
+            except asyncio.TimeoutError:
+                pass
+        assert got is not None and got.data == b"ping" and got.author == a.identity.peer_id
+        # two daemons, two endpoints, and the process environment untouched
+        assert a.http.url != b.http.url and a.addresses[0] != b.addresses[0]
+        assert dict(os.environ) == env_before
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
