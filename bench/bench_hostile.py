@@ -45,6 +45,7 @@ from crdt.ops import make_op  # noqa: E402
 from node.replication import CRDT_SPEC, PUSH  # noqa: E402
 from transport.identity import Identity  # noqa: E402
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
+from transport.wire import WIRE  # noqa: E402
 
 MB = 1 << 20
 
@@ -308,14 +309,16 @@ async def flood_bulk_topic(a, tmp: Path, messages) -> None:
 
 async def attack_gossip(a, b, tmp: Path) -> None:
     """2,000 junk messages on the bulk announcement topic from one linked peer."""
-    await flood_bulk_topic(a, tmp / "gossip", ({"kind": "announce", "junk": i} for i in range(2000)))
+    await flood_bulk_topic(a, tmp / "gossip", ({"k": 1, "v": 1, "junk": i} for i in range(2000)))
 
 
 async def attack_announcements(a, b, tmp: Path) -> None:
     """20,000 well-formed bulk announcements from one key (capped per author)."""
-    await flood_bulk_topic(a, tmp / "ann", ({"kind": "announce", "hash": os.urandom(32), "size": 1000, "codec": "raw",
-                                             "topic": "diloco/x", "round": i, "fragment": 0,
-                                             "addrs": ["127.0.0.1:9"]} for i in range(20_000)))
+    from protocols.bulk import ANNOUNCE
+
+    await flood_bulk_topic(a, tmp / "ann", (WIRE.pack(ANNOUNCE, {
+        "hash": os.urandom(32), "size": 1000, "codec": "raw", "topic": "diloco/x", "round": i, "fragment": 0,
+        "addrs": ["127.0.0.1:9"]}) for i in range(20_000)))
 
 
 async def part_node(tmp: Path) -> list[dict]:
@@ -432,7 +435,18 @@ def junk_for(loop: str, s: dict, key: Identity, tag: list) -> list[dict]:
         for r in (s.get("round", 0) + 1, 11, 299):
             out.append({"r": r, "items": [{"spec": ["arith", question_seed(s["run"], 1, key.peer_id, r), k],
                                            "comps": ["1", "2"]} for k in range(2)]})
-    return [{**m, "t": tag} for m in out]
+    return [WIRE.pack(_kind_of(loop, m), {**m, "t": tag}) for m in out]
+
+
+def _kind_of(loop: str, body: dict):
+    """The wire kind of a loop message, by its fields (transport.wire)."""
+    from protocols import diloco, sapo, spsa
+
+    module = {"diloco": diloco, "spsa": spsa, "sapo": sapo}[loop]
+    for kind in (k for k in WIRE.kinds.values() if k.carrier == module.CARRIER):
+        if {name for name, _ in kind.schema.fields} == set(body) | {"t"}:
+            return kind
+    raise ValueError(f"no {loop} kind with fields {sorted(body)}")
 
 
 async def one_run(loop: str, tmp: Path, attacked: bool) -> dict:

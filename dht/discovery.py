@@ -34,12 +34,21 @@ from transport.identity import Identity
 from transport.multiaddrs import split_peer_addr
 from transport.p2pd import P2PDaemonTransport
 from transport.penalties import RateLimitedLog, TokenBuckets
+from transport.wire import WIRE, Bytes, Map, Nil, OneOf
 
 logger = logging.getLogger(__name__)
 
 HELLO, HELLO_ACK, INTRODUCE = 1, 2, 3
 HELLO_SPEC = ProtocolSpec("hello", "1.0.0", max_frame=16 * 1024, kinds=frozenset({HELLO, HELLO_ACK, INTRODUCE}))
 MAX_RECORD = 8 * 1024
+_ENVELOPE = Map.of(p=Bytes(MAX_RECORD), s=Bytes(exact=64))  # a record sealed by its peer (dht.records.seal)
+_EXAMPLE_ENVELOPE = {"p": b"\x81\xa4peer\xa4(id)", "s": bytes(64)}
+WIRE.frame(HELLO_SPEC, HELLO, "hello.hello", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
+           doc="the greeter's own sealed node record")
+WIRE.frame(HELLO_SPEC, HELLO_ACK, "hello.ack", OneOf((_ENVELOPE, Nil())), _EXAMPLE_ENVELOPE,
+           signed="swarmd/envelope/v1", doc="the greeted node's sealed record (nil after an INTRODUCE)")
+WIRE.frame(HELLO_SPEC, INTRODUCE, "hello.introduce", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
+           doc="a newcomer's own sealed record, passed on one hop by a member it greeted")
 MAX_MEMBERS = 10_000
 
 

@@ -35,6 +35,7 @@ from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
 from transport.framing import pack_record, unpack_record
 from transport.identity import Identity
 from transport.multiaddrs import validate_multiaddr
+from transport.wire import WIRE, Float, Int, List, Map, OneOf, Str
 
 _hm = load_hivemind()
 
@@ -184,6 +185,12 @@ def open_envelope(envelope: Any, author: str, *, max_size: int) -> Any:
 MAX_ADDRS = 16
 MAX_LOOPS = 16
 MAX_TEXT = 64
+RECORD = WIRE.blob("(DHT value, hello)", "dht.record", Map.of(
+    v=Int(1, 1), peer=Str(128), addrs=List(Str(512), MAX_ADDRS), version=Str(MAX_TEXT),
+    loops=List(Str(MAX_TEXT, min=1), MAX_LOOPS), issued=OneOf((Float(), Int(0)))), {
+    "v": 1, "peer": "12D3KooW...", "addrs": ["/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW..."], "version": "0.1.0",
+    "loops": ["diloco/run"], "issued": 1_800_000_000.5}, max_size=8192, signed="swarmd/envelope/v1",
+    doc="a node's record of itself, sealed ({p: this, s: its signature}) in the DHT and in hello")
 
 
 @dataclass(frozen=True)

@@ -64,7 +64,7 @@ class MyTask:
         return self.loss(model, batch).item()
 
     def optimizer(self, params):
-        """Optional: the inner optimizer (default: AdamW with the loop's inner_lr and weight_decay)."""
+        """Optional: the inner optimizer (default: the loop's inner_optimizer, inner_lr and weight_decay)."""
         return torch.optim.AdamW(params, lr=3e-3, betas=(0.9, 0.95), weight_decay=0.01)
 
     def fragments(self, model, count):

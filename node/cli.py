@@ -518,6 +518,31 @@ def sim(peers, scenarios, degree, latency_ms, mbit, loss, seed, no_crdt, as_json
         click.echo(json.dumps([{"peers": r.peers, "wall_s": r.wall_s, **r.rows} for r in reports], indent=2))
 
 
+# the modules that declare wire messages (transport.wire): importing them fills the registry
+WIRE_MODULES = ("transport.ping", "transport.nat", "dht.discovery", "dht.records", "node.replication", "node.reach",
+                "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa", "protocols.sapo")
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+def wire(as_json) -> None:
+    """Every message swarmd sends: carrier, kind, version, size limit, signing domain and schema."""
+    import importlib
+
+    from transport.wire import WIRE
+
+    for module in WIRE_MODULES:
+        importlib.import_module(module)
+    rows = WIRE.table()
+    if as_json:
+        click.echo(json.dumps(rows, indent=1))
+        return
+    for r in rows:
+        click.echo(f"{r['carrier']:<26} {r['kind']:>3} v{r['version']}  {r['name']:<28} <= {r['max_bytes']:>10} B"
+                   f"{'  signed ' + r['signed'] if r['signed'] else ''}\n      {r['schema']}"
+                   f"{chr(10) + '      ' + r['doc'] if r['doc'] else ''}")
+
+
 @cli.command("id")
 @click.option("--data-dir", help="Data dir holding identity.key (default: platform user data dir).")
 def show_id(data_dir) -> None:

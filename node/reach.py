@@ -47,12 +47,16 @@ from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
 from transport.penalties import RateLimitedLog, TokenBuckets
+from transport.wire import WIRE, Bytes, List, Nil
 
 logger = logging.getLogger(__name__)
 
 ASK, ANSWER = 1, 2
 MAX_REPORTED = 1024
 REACH_SPEC = ProtocolSpec("reach", "1.0.0", max_frame=16 + 9 * MAX_REPORTED + 64, kinds=frozenset({ASK, ANSWER}))
+WIRE.frame(REACH_SPEC, ASK, "reach.ask", Nil(), None, doc="whom did you reach lately?")
+WIRE.frame(REACH_SPEC, ANSWER, "reach.answer", List(Bytes(exact=8), MAX_REPORTED), [bytes(8)],
+           doc="8-byte hashes of the peer ids it reached within half the split window")
 SPLIT_FRACTION = 0.25
 KNOWN_HORIZON = 3600.0  # seconds: members not seen alive for this long are not counted in the known swarm
 FAST_REDIAL = 120.0  # seconds of a split during which lost members are re-dialled every interval

@@ -37,8 +37,8 @@ from typing import Any, Callable
 
 from crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
 from crdt.admission import Admission
-from crdt.ops import SIGN_DOMAIN
-from crdt.store import BUCKETS
+from crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
+from crdt.store import BUCKETS, DIGEST_SIZE
 from crdt.types import MAX_KEY
 from node.oplog import OpLog
 from transport.base import Stream, Transport
@@ -47,6 +47,7 @@ from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import Identity, verify
 from transport.penalties import RateLimitedLog
+from transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +59,30 @@ PAGE = 2048  # version-vector entries per ENTRIES / WANT message
 MAX_PAGES = 64  # pages per sync (the next anti-entropy round goes on)
 MAX_WANTS = 64  # WANT round trips per page
 PREVERIFY_AT = 16  # batches of at least this many ops have their signatures checked in a worker thread
+
+_OPS = List(ANY("crdt.decode_wire, op by op: a bad op is refused alone"), MAX_PUSH_OPS)
+_VV = Dict(Str(MAX_KEY), Int(0), PAGE)  # a page of a version vector: {author: seq}
+_PAGE_KEY = OneOf((Nil(), Tuple.of(Int(0, BUCKETS - 1), Str(MAX_KEY))))
+_OP = {"b": b"\x97\x01...", "s": bytes(64)}
+WIRE.blob("(inside a signed op)", "crdt.op", Tuple.of(
+    Int(1, 1), Str(MAX_AUTHOR, min=1), Int(1, MAX_SEQ), Tuple.of(Int(0, 2**63 - 1), Int(0, 2**63 - 1)),
+    List(Bytes(exact=ID_SIZE), MAX_PARENTS), Str(MAX_OBJECT_NAME, min=1), ANY("the object's CRDT type")),
+    [1, "12D3KooW...", 1, [1_800_000_000_000, 0], [], "kv", {"k": "12D3KooW.../note", "v": "hi"}],
+    max_size=4096, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
+    doc="an op's body b: [1, author, seq, HLC clock, parent op ids (sorted), object, payload]; s signs it; the op "
+        "id is BLAKE2b-256(b)")
+WIRE.frame(CRDT_SPEC, PUSH, "crdt.push", Map.of(ops=_OPS), {"ops": [_OP]}, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
+           doc="new ops, each signed by its author")
+WIRE.frame(CRDT_SPEC, ACK, "crdt.ack", Map.of(applied=Int(0), rejected=Int(0)), {"applied": 1, "rejected": 0})
+WIRE.frame(CRDT_SPEC, SYNC, "crdt.sync", Map.of(d=List(Tuple.of(Int(0, BUCKETS - 1), Bytes(exact=DIGEST_SIZE)),
+                                                       BUCKETS), after=_PAGE_KEY),
+           {"d": [[7, bytes(DIGEST_SIZE)]], "after": None}, doc="our bucket digests, and where the page starts")
+WIRE.frame(CRDT_SPEC, OPS, "crdt.ops", Map.of(ops=_OPS, more=Bool()), {"ops": [_OP], "more": False},
+           doc="the ops a WANT asked for, in causal order")
+WIRE.frame(CRDT_SPEC, ENTRIES, "crdt.entries", Map.of(b=List(Int(0, BUCKETS - 1), BUCKETS), vv=_VV, next=_PAGE_KEY),
+           {"b": [7], "vv": {"12D3KooW...": 3}, "next": None}, doc="the buckets that differ and a page of ours")
+WIRE.frame(CRDT_SPEC, WANT, "crdt.want", Map.of(have=_VV), {"have": {"12D3KooW...": 2}},
+           doc="send me each author's ops after these seqs")
 
 # how a rejected op counts against the peer that sent it (see transport.penalties.WEIGHTS)
 PENALTY = {

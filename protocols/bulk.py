@@ -45,6 +45,7 @@ from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
 from transport.penalties import RateLimitedLog, TokenBuckets
+from transport.wire import WIRE, Bytes, Int, List, Map, Str, UnknownKind
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,26 @@ OK, UNKNOWN, REFUSED = 0, 1, 2
 CHUNK = 1 << 20
 STREAM_SPEC = ProtocolSpec("bulk", "1.0.0", max_frame=CHUNK + 64, kinds=frozenset({1, 2, 3}))
 REQUEST, HEAD, DATA = 1, 2, 3
+
+_REQUEST = Map.of(hash=Bytes(exact=32), peer=Str(128), ts=Int(), sig=Bytes(exact=64))
+_REQUEST_EXAMPLE = {"hash": bytes(32), "peer": "12D3KooW...", "ts": 1_800_000_000_000, "sig": bytes(64)}
+_SIGNED = REQUEST_DOMAIN.rstrip(b"\0").decode()
+WIRE.blob("(bulk TCP port)", "bulk.tcp-request", _REQUEST, _REQUEST_EXAMPLE, max_size=MAX_REQUEST, signed=_SIGNED,
+          doc="u32 length | this map; the reply is u8 status | u64 size | the bytes (status 0 ok, 1 unknown, "
+              "2 refused)")
+WIRE.frame(STREAM_SPEC, REQUEST, "bulk.request", _REQUEST, _REQUEST_EXAMPLE, signed=_SIGNED,
+           doc="send me the blob with this BLAKE3 hash (signed: hash | ts)")
+WIRE.frame(STREAM_SPEC, HEAD, "bulk.head", Map.of(status=Int(0, 2), size=Int(0, MAX_BLOB)),
+           {"status": OK, "size": 1024}, doc="0 ok, 1 unknown hash, 2 refused; then DATA frames")
+WIRE.frame(STREAM_SPEC, DATA, "bulk.data", Bytes(CHUNK), b"\0" * 16, doc="the next bytes of the blob")
+_ANNOUNCEMENT = Map.of(hash=Bytes(exact=32), size=Int(0, MAX_BLOB), codec=Str(128), topic=Str(128), round=Int(),
+                       fragment=Int(), addrs=List(Str(63), 8))
+_ANNOUNCEMENT_EXAMPLE = {"hash": bytes(32), "size": 1024, "codec": "e3m0", "topic": "diloco/run", "round": 3,
+                         "fragment": 0, "addrs": ["127.0.0.1:4100"]}
+ANNOUNCE = WIRE.message(TOPIC, 1, "bulk.announce", _ANNOUNCEMENT, _ANNOUNCEMENT_EXAMPLE, max_size=2048,
+                        doc="a blob we hold and serve (TCP addresses; none: over our streams only)")
+HAVE = WIRE.message(TOPIC, 2, "bulk.have", _ANNOUNCEMENT, _ANNOUNCEMENT_EXAMPLE, max_size=2048,
+                    doc="a blob we pulled, verified and now serve too")
 
 
 class BulkError(Exception):
@@ -90,25 +111,11 @@ class Announcement:
     @classmethod
     def parse(cls, message: Message) -> Announcement | None:
         try:
-            obj = unpack(message.data)
-        except Exception:
-            return None
-        keys = {"kind", "hash", "size", "codec", "topic", "round", "fragment", "addrs"}
-        if not isinstance(obj, dict) or set(obj) != keys or obj["kind"] not in ("announce", "have"):
-            return None
-        if not isinstance(obj["hash"], bytes) or len(obj["hash"]) != 32:
-            return None
-        if type(obj["size"]) is not int or not 0 <= obj["size"] <= MAX_BLOB:
-            return None
-        if not all(isinstance(obj[k], str) and len(obj[k]) <= 128 for k in ("codec", "topic")):
-            return None
-        if type(obj["round"]) is not int or type(obj["fragment"]) is not int:
-            return None
-        addrs = obj["addrs"]
-        if not isinstance(addrs, list) or len(addrs) > 8 or not all(isinstance(a, str) and len(a) < 64 for a in addrs):
+            _, obj = WIRE.unpack(TOPIC, message.data)
+        except (MalformedMessage, UnknownKind):
             return None
         return cls(obj["hash"], obj["size"], obj["codec"], obj["topic"], obj["round"], obj["fragment"],
-                   tuple(addrs), message.author)
+                   tuple(obj["addrs"]), message.author)
 
 
 GROW = 16 << 20  # the receive buffer starts at this (or the size) and doubles as bytes arrive
@@ -347,8 +354,9 @@ class BulkService:
                 self._held -= len(blob)
 
     def _announce(self, kind, blob_hash, size, codec, topic, round, fragment) -> None:
-        body = msgpack.packb({"kind": kind, "hash": blob_hash, "size": size, "codec": codec, "topic": topic,
-                              "round": round, "fragment": fragment, "addrs": self.addrs}, use_bin_type=True)
+        body = WIRE.pack(ANNOUNCE if kind == "announce" else HAVE, {
+            "hash": blob_hash, "size": size, "codec": codec, "topic": topic, "round": round, "fragment": fragment,
+            "addrs": self.addrs})
         self.gossip.publish(TOPIC, body)
 
     def _keep(self, blob_hash: bytes, data: bytearray) -> None:

@@ -38,13 +38,15 @@ from protocols import codecs, exchange, outer
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService
 from protocols.gossip import Gossip, Message, Verdict
+from protocols.inner import SwarmAdamW
 from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
-from protocols.taskloop import TaskLoop
+from protocols.taskloop import TAG, TaskLoop
 from transport import clock
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
+from transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, Str, UnknownKind
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +60,43 @@ MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
+
+# ---------------------------------------------------------------------------------------------------- the wire
+CARRIER = "diloco/<run>"  # the run's pubsub topic
+_R, _P = Int(0, 2**31), Int(0, 2**16)
+_HASH = Str(64)
+_ADDRS = List(Str(64), 8)
+_TAG = {"t": ["layout-hash", "config-hash"]}
+CKPT_REQUEST = WIRE.frame(CKPT_SPEC, 1, "diloco.checkpoint-request", Nil(), None, doc="your checkpoint, please")
+CKPT_REPLY = WIRE.frame(CKPT_SPEC, 2, "diloco.checkpoint-reply", Map.of(blob=Bytes(exact=32), size=Int(1, 4 << 30)),
+                        {"blob": bytes(32), "size": 4096}, doc="the hash of the checkpoint blob, now announced")
+CHECKPOINT = WIRE.blob("(bulk blob)", "diloco.checkpoint", Map.of(
+    **{"global": List(Bytes(4 << 30), 1024), "momentum": List(Bytes(4 << 30), 1024),
+       "rounds_done": List(Int(0, 2**31), 1024), "step": Int(0), "participants": Dict(Str(8), List(Str(128), 10_000),
+                                                                                       1024),
+       "global_hash": Str(64)}), {"global": [b"\x00"], "momentum": [b"\x00"], "rounds_done": [3], "step": 150,
+                                  "participants": {"0": ["12D3KooW..."]}, "global_hash": "ab" * 16},
+    max_size=4 << 30, doc="global weights and outer momentum (codec 'none' tensors), round counters, participants")
+READY = WIRE.message(CARRIER, 1, "diloco.ready", Map.of(r=_R, p=_P, ready=_HASH, t=TAG), {
+    "r": 0, "p": 0, "ready": "ab" * 16, **_TAG}, max_size=MAX_MESSAGE, doc="I hold these weights and can start")
+JOIN = WIRE.message(CARRIER, 2, "diloco.join", Map.of(r=_R, p=_P, join=Bool(only=True), t=TAG), {
+    "r": 4, "p": 0, "join": True, **_TAG}, max_size=MAX_MESSAGE, doc="I contribute from round r (a late joiner)")
+ROUND_HASH = WIRE.message(CARRIER, 3, "diloco.round-hash", Map.of(r=_R, p=_P, h=_HASH, t=TAG), {
+    "r": 3, "p": 0, "h": "ab" * 16, **_TAG}, max_size=MAX_MESSAGE, doc="my global hash after closing round r")
+UPDATE = WIRE.message(CARRIER, 4, "diloco.update", Map.of(
+    r=_R, p=_P, parts=List(Bytes(exact=32), MAX_PARTS, min=1), sizes=List(Int(1, MAX_PART_BYTES), MAX_PARTS, min=1),
+    base=_HASH, norm=Float(), addrs=_ADDRS, t=TAG), {
+    "r": 3, "p": 0, "parts": [bytes(32)], "sizes": [4096], "base": "ab" * 16, "norm": 1.5, "addrs": [], **_TAG},
+    max_size=MAX_MESSAGE, doc="my update for (r, p): its encoded parts' hashes and sizes, the base it was computed "
+    "from, its norm, where to pull it")
+REDUCED = WIRE.message(CARRIER, 5, "diloco.reduced", Map.of(
+    r=_R, p=_P, red=Int(0, MAX_PARTS - 1), blob=Bytes(exact=32), size=Int(1, MAX_PART_BYTES), m=Str(32),
+    addrs=_ADDRS, t=TAG), {"r": 3, "p": 0, "red": 2, "blob": bytes(32), "size": 4096, "m": "ab" * 8, "addrs": [],
+                           **_TAG}, max_size=MAX_MESSAGE,
+    doc="scatter: the combined part k I reduced (blob hash, size, digest of the members it combined)")
+AUDIT = WIRE.message(CARRIER, 6, "diloco.audit", Map.of(r=_R, p=_P, aud=Int(0, MAX_PARTS - 1), ok=Bool(), t=TAG),
+                     {"r": 3, "p": 0, "aud": 2, "ok": True, **_TAG}, max_size=MAX_MESSAGE,
+                     doc="scatter: my verdict on the reducer's part k")
 
 
 class DilocoConfig(BaseModel):
@@ -74,6 +113,9 @@ class DilocoConfig(BaseModel):
     overlap: int = Field(0, ge=0)  # tau: inner steps run while a fragment's update travels
     alpha: float = Field(0.0, ge=0, le=1)  # local weight when merging an overlapped fragment
     codec: str = "e3m0"
+    # the inner optimizer when the task brings none: "swarm-adamw" (AdamW with its step sized for the round's
+    # peers' batches, protocols/inner.py) or plain "adamw"; betas 0.9/0.95 and weight_decay either way
+    inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
     inner_lr: float = Field(4e-4, gt=0)
     weight_decay: float = Field(0.1, ge=0)
     outer_lr: float = Field(0.7, gt=0)
@@ -220,6 +262,9 @@ class DilocoLoop(TaskLoop):
             if not isinstance(self.inner_opt, torch.optim.Optimizer):
                 raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
                                 "expected a torch.optim.Optimizer")
+        elif self.cfg.inner_optimizer == "swarm-adamw":
+            self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
+                                        weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
         else:
             self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
                                                weight_decay=self.cfg.weight_decay)
@@ -296,7 +341,7 @@ class DilocoLoop(TaskLoop):
         self.state = "done"
         logger.info("diloco run %s done: %d steps, global %s", self.cfg.run, self.step, self.final_hash)
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
-            self._publish({"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
+            self._publish(ROUND_HASH, {"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
 
     async def _settle_final(self) -> None:
@@ -314,7 +359,7 @@ class DilocoLoop(TaskLoop):
 
         def theirs(round_: int) -> dict[str, str]:
             return {a: h for a, h in self.round_hashes.get((round_, p), {}).items()
-                    if a != me and self.standing.counts(a)}
+                    if a != me and self.standing.vouched(a)}
 
         expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}
         expected = {a for a in expected if self.standing.counts(a)}
@@ -392,8 +437,8 @@ class DilocoLoop(TaskLoop):
         base = outer.params_hash([self.global_flat[p]])
         ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, float(mine.norm()),
                         tuple(self.bulk.addrs))
-        self._publish({"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
-                       "addrs": list(ann.addrs)})
+        self._publish(UPDATE, {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base,
+                               "norm": ann.norm, "addrs": list(ann.addrs)})
         pending = self.pending[(r, p)]
         pending.sent_at = self.clock.monotonic()
         pending.announced[self._ctx.identity.peer_id] = ann
@@ -405,8 +450,8 @@ class DilocoLoop(TaskLoop):
         """Our update for fragment p: the global weights minus our local ones."""
         return self.global_flat[p] - local
 
-    def _publish(self, body: dict) -> None:
-        self.gossip.publish(self.topic, msgpack.packb(self._tag(body), use_bin_type=True))
+    def _publish(self, kind, body: dict) -> None:
+        self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
 
     async def _close_round(self, p: int, r: int) -> None:
         key = (r, p)
@@ -507,10 +552,12 @@ class DilocoLoop(TaskLoop):
             # one round whose updates were all refused did that). Peers that are really gone stop counting after
             # a few missed rounds (protocols.standing), so this costs at most those rounds' deadlines
             self.participants[p] = self.participants.get(p, self._initial) | participants
+        if isinstance(self.inner_opt, SwarmAdamW) and participants:
+            self.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
         self._check_previous(p, r)
         h = self.global_hash()
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
-        self._publish({"r": r, "p": p, "h": h})
+        self._publish(ROUND_HASH, {"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
         for task in pending.prefetched.values():
             task.cancel()
@@ -526,7 +573,7 @@ class DilocoLoop(TaskLoop):
     def _check_previous(self, p: int, r: int) -> None:
         """Compare the global hash we published for round r-1 with what the others published for it."""
         ours = self._published.get((r - 1, p))
-        theirs = {a: h for a, h in self.round_hashes.get((r - 1, p), {}).items() if self.standing.counts(a)}
+        theirs = {a: h for a, h in self.round_hashes.get((r - 1, p), {}).items() if self.standing.vouched(a)}
         if ours is None or not theirs:
             return
         majority = outer.majority(list(theirs.values()) + [ours])
@@ -724,7 +771,7 @@ class DilocoLoop(TaskLoop):
             await compute(k, end)
             blob, decoded, size = computed[k]
             parts[k] = decoded
-            self._publish({"r": r, "p": p, "red": k, "blob": blob, "size": size, "m": digest,
+            self._publish(REDUCED, {"r": r, "p": p, "red": k, "blob": blob, "size": size, "m": digest,
                            "addrs": list(self.bulk.addrs)})
             self.counters["parts_reduced"] += 1
 
@@ -761,7 +808,7 @@ class DilocoLoop(TaskLoop):
                 await audit
                 if got is not None:
                     ok = got[1] != digest or computed[k][0] == got[0]  # other members: nothing to compare
-                    self._publish({"r": r, "p": p, "aud": k, "ok": ok})
+                    self._publish(AUDIT, {"r": r, "p": p, "aud": k, "ok": ok})
                     self.counters["parts_audited"] += 1
                     if not ok:
                         self._liar(reducer, k, r, p)
@@ -850,7 +897,7 @@ class DilocoLoop(TaskLoop):
                 self.state = "waiting for peers"
             base = self.global_hash()
             if self.clock.monotonic() - announced > 1.0:
-                self._publish({"r": 0, "p": 0, "ready": base})
+                self._publish(READY, {"r": 0, "p": 0, "ready": base})
                 announced = self.clock.monotonic()
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
@@ -858,6 +905,8 @@ class DilocoLoop(TaskLoop):
                 grace = grace or self.clock.monotonic() + 1.0
                 if self.clock.monotonic() >= grace:
                     self._initial = ready
+                    if isinstance(self.inner_opt, SwarmAdamW):
+                        self.inner_opt.set_peers(len(ready))
                     self.standing.found(ready)
                     self._founder = len(ready) > 1
                     self.ready.clear()
@@ -870,7 +919,7 @@ class DilocoLoop(TaskLoop):
         listed ones; open run: our bootstrap peers and peers with standing), holding their majority hash. With none
         of those (an open run whose founders we have never met), the directly connected peers holding their
         majority hash; a fresh key that is not connected to us is never followed."""
-        trusted = {a: h for a, h in claims.items() if self.standing.counts(a)}
+        trusted = {a: h for a, h in claims.items() if self.standing.vouched(a)}
         if not trusted and not self.standing.closed:
             trusted = {a: h for a, h in claims.items() if self._ctx.direct(a)}
         if not trusted:
@@ -956,11 +1005,11 @@ class DilocoLoop(TaskLoop):
 
     async def _serve_checkpoint(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
-        if message.kind != 1:
+        if message.kind != CKPT_REQUEST.code:
             raise MalformedMessage("diloco-ckpt: expected a request")
         payload = self._checkpoint()
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
-        await stream.send(2, {"blob": blob, "size": len(payload)})
+        await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
 
     async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
         """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
@@ -970,8 +1019,10 @@ class DilocoLoop(TaskLoop):
         for peer in peers:
             try:
                 async with await self._ctx.transport.open_stream(peer, CKPT_SPEC, timeout=10) as stream:
-                    await stream.send(1, None)
+                    await stream.send(CKPT_REQUEST.code, None)
                     reply = await asyncio.wait_for(stream.read_required(), 30)
+                if reply.kind != CKPT_REPLY.code:
+                    raise MalformedMessage("diloco-ckpt: expected a reply")
                 blob = reply.body["blob"]
                 for _ in range(100):
                     if blob in self.bulk.announcements:
@@ -980,7 +1031,7 @@ class DilocoLoop(TaskLoop):
                 size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
                 with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
                     body, _ = await self.bulk.pull(blob, progress=work.update)
-                ckpt = unpack(body)
+                ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
                 global_flat = [codecs.decode(w) for w in ckpt["global"]]
                 momentum = [codecs.decode(w) for w in ckpt["momentum"]]
                 if [g.numel() for g in global_flat] != [g.numel() for g in self.global_flat]:
@@ -989,12 +1040,12 @@ class DilocoLoop(TaskLoop):
                     raise ValueError("checkpoint weights do not match their hash")
                 done = ckpt["rounds_done"]
                 published = self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
-                published = {a: h for a, h in published.items() if self.standing.counts(a)} or \
+                published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
                     {a: h for a, h in published.items() if a in peers}
                 if published and ckpt["global_hash"] not in published.values():
                     raise ValueError("checkpoint does not match any published global hash")
             except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
-                    ValueError, KeyError, TypeError) as e:
+                    ValueError) as e:
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
             self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
@@ -1011,7 +1062,7 @@ class DilocoLoop(TaskLoop):
                 # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
                 # our checkpoint must still hear the join in time)
                 self.join_round[p] = self.rounds_done[p] + 1 if rejoin else next_fresh_round(self.rounds_done[p] + 2)
-                self._publish({"r": self.join_round[p], "p": p, "join": True})
+                self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
                             "hash": ckpt["global_hash"]}
@@ -1026,11 +1077,12 @@ class DilocoLoop(TaskLoop):
     # ------------------------------------------------------------------ validation
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = unpack(message.data)
-        except Exception:
+            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
+        except MalformedMessage:
             return Verdict.REJECT
-        if not isinstance(body, dict) or type(body.get("r")) is not int or type(body.get("p")) is not int:
-            return Verdict.REJECT
+        except UnknownKind:
+            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
+            return Verdict.IGNORE
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
@@ -1040,16 +1092,15 @@ class DilocoLoop(TaskLoop):
         r, p = body["r"], body["p"]
         if not 0 <= p < self.cfg.fragments or not 0 <= r <= (self.cfg.rounds + 1 if self.cfg.rounds else 2**31):
             return Verdict.REJECT
-        keys = set(body)
         author = message.author
-        if keys == {"r", "p", "ready"} and isinstance(body["ready"], str) and len(body["ready"]) <= 64:
+        if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
             if self.state != "running" and self._ctx.direct(author) \
                     and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
                 self.ready[author] = body["ready"]
             return Verdict.ACCEPT
         done = self.rounds_done[p] if self.rounds_done else 0
-        if keys == {"r", "p", "join"} and body["join"] is True:
+        if kind is JOIN:
             horizon = done + 2 + FRESH_EVERY
             joins = self.joins[(r, p)] if done <= r <= horizon else set()
             if done <= r <= horizon and (len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author)):
@@ -1057,12 +1108,12 @@ class DilocoLoop(TaskLoop):
             else:
                 self.counters["joins_ignored"] += 1
             return Verdict.ACCEPT
-        if keys == {"r", "p", "h"} and isinstance(body["h"], str) and len(body["h"]) <= 64:
+        if kind is ROUND_HASH:
             hashes = self.round_hashes[(r, p)]
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
             return Verdict.ACCEPT
-        if keys == {"r", "p", "parts", "sizes", "base", "norm", "addrs"}:
+        if kind is UPDATE:
             ann = self._announced(body, p)
             if ann is None:
                 return Verdict.REJECT
@@ -1100,22 +1151,16 @@ class DilocoLoop(TaskLoop):
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE
             return Verdict.ACCEPT
-        if keys == {"r", "p", "red", "blob", "size", "m", "addrs"} or keys == {"r", "p", "aud", "ok"}:
+        if kind is REDUCED or kind is AUDIT:
             if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
                 return Verdict.IGNORE
-            k = body.get("red", body.get("aud"))
-            if type(k) is not int or not 0 <= k < exchange.MAX_PARTS:
-                return Verdict.REJECT
+            k = body["red"] if kind is REDUCED else body["aud"]
             pending = self.pending[(r, p)]
-            if "red" in body:
-                if not (isinstance(body["blob"], bytes) and len(body["blob"]) == 32 and type(body["size"]) is int
-                        and 0 < body["size"] <= self._max_part(p, k) and isinstance(body["m"], str)
-                        and len(body["m"]) <= 32 and self._addrs_ok(body["addrs"])):
+            if kind is REDUCED:
+                if body["size"] > self._max_part(p, k):
                     return Verdict.REJECT
                 held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]))
             else:
-                if type(body["ok"]) is not bool:
-                    return Verdict.REJECT
                 held, value = pending.audits[k], body["ok"]
             if author in held:
                 return Verdict.IGNORE
@@ -1128,10 +1173,6 @@ class DilocoLoop(TaskLoop):
             return Verdict.ACCEPT
         return Verdict.REJECT
 
-    @staticmethod
-    def _addrs_ok(addrs) -> bool:
-        return isinstance(addrs, list) and len(addrs) <= 8 and all(isinstance(a, str) and len(a) <= 64 for a in addrs)
-
     def _max_part(self, p: int, k: int) -> int:
         """The most bytes part k of fragment p may claim (checked before anything is pulled, so a peer cannot make
         us allocate for a size it made up)."""
@@ -1141,13 +1182,11 @@ class DilocoLoop(TaskLoop):
         return sizes[k] + PART_SLACK if k < len(sizes) else 0
 
     def _announced(self, body: dict, p: int) -> Announced | None:
+        """An update announcement's parts, checked against the run (the schema checked types): every peer cuts an
+        update the same way, no part may claim more bytes than the codec makes of it, a norm is not negative."""
         parts, sizes, norm = body["parts"], body["sizes"], body["norm"]
-        if not (isinstance(parts, list) and isinstance(sizes, list)
-                and len(parts) == len(sizes) == len(self._bounds(p))  # every peer cuts an update the same way
-                and all(isinstance(h, bytes) and len(h) == 32 for h in parts)
-                and all(type(x) is int and 0 < x <= self._max_part(p, k) for k, x in enumerate(sizes))
-                and isinstance(norm, float) and math.isfinite(norm) and norm >= 0
-                and isinstance(body["base"], str) and len(body["base"]) <= 64 and self._addrs_ok(body["addrs"])):
+        if not (len(parts) == len(sizes) == len(self._bounds(p))
+                and all(x <= self._max_part(p, k) for k, x in enumerate(sizes)) and norm >= 0):
             return None
         return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]))
 

@@ -45,6 +45,7 @@ from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
 from transport.identity import verify
 from transport.penalties import RateLimitedLog
+from transport.wire import WIRE, Bytes, List, Map, Str
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,20 @@ SIGN_DOMAIN = b"swarmd/pubsub/v1\x00"
 MAX_TOPIC = 128
 MAX_TOPICS_PER_PEER = 256
 MAX_IDS = 512
+
+_TOPICS = List(Str(MAX_TOPIC, min=1), MAX_TOPICS_PER_PEER)
+_ID = Bytes(exact=16)
+for _code, _name, _doc in ((SUB, "sub", "topics the sender subscribes to (also a keepalive, empty)"),
+                           (UNSUB, "unsub", "topics it leaves"), (GRAFT, "graft", "add me to your mesh of these"),
+                           (PRUNE, "prune", "take me out of your mesh of these")):
+    WIRE.frame(PUBSUB_SPEC, _code, f"pubsub.{_name}", _TOPICS, ["diloco/run"], doc=_doc)
+WIRE.frame(PUBSUB_SPEC, MSG, "pubsub.msg", Map.of(b=Bytes(MAX_MESSAGE + 1024), s=Bytes(exact=64)),
+           {"b": msgpack.packb([1, "diloco/run", "12D3KooW...", 1, 1_800_000_000_000, b"data"]), "s": bytes(64)},
+           signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
+           doc="b: msgpack [1, topic, author, seq, ts_ms, data], signed by the author; id = BLAKE2b-128(b)")
+WIRE.frame(PUBSUB_SPEC, IHAVE, "pubsub.ihave", Map.of(topic=Str(MAX_TOPIC), ids=List(_ID, MAX_IDS)),
+           {"topic": "diloco/run", "ids": [bytes(16)]}, doc="ids of recent messages of a topic")
+WIRE.frame(PUBSUB_SPEC, IWANT, "pubsub.iwant", List(_ID, MAX_IDS), [bytes(16)], doc="send me these messages")
 
 
 class Verdict(enum.Enum):
@@ -394,7 +409,7 @@ class Gossip:
 
     async def _on_message(self, peer: str, wire: Any) -> None:
         penalties = self._ctx.transport.penalties
-        message = _decode(wire)
+        message = decode_message(wire)
         if message.id in self.seen:
             self.counters["duplicates"] += 1
             return
@@ -528,7 +543,8 @@ def _mid(body: bytes) -> bytes:
     return hashlib.blake2b(body, digest_size=16).digest()
 
 
-def _decode(wire: Any) -> Message:
+def decode_message(wire: Any) -> Message:
+    """A signed pubsub message from its wire form (structure only: the caller verifies the signature)."""
     if not isinstance(wire, dict) or set(wire) != {"b", "s"}:
         raise MalformedMessage("pubsub: message must be {b, s}")
     body, sig = wire["b"], wire["s"]

@@ -46,15 +46,28 @@ from protocols.gossip import Gossip, Message, Verdict
 from protocols.grpo import Group
 from protocols.standing import check_peer_ids
 from protocols.task import Task, TaskError
-from protocols.taskloop import TaskLoop
-from transport.framing import unpack
+from protocols.taskloop import TAG, TaskLoop
+from transport.errors import MalformedMessage
 from transport.penalties import TokenBuckets
+from transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 
 MAX_ITEMS = 64  # questions per message
 MAX_COMPLETIONS = 32  # completions per question
 MAX_COMPLETION_CHARS = 1024  # the most a task may allow (its max_completion)
+
+CARRIER = "sapo/<run>"  # the run's pubsub topic
+_TAG = {"t": ["layout-hash", "config-hash"]}
+_ITEM = Map.of(spec=Tuple.of(Str(64, min=1), Int(0), Int(0, MAX_ITEMS - 1)),
+               comps=List(Str(MAX_COMPLETION_CHARS), MAX_COMPLETIONS, min=2))
+ROLLOUTS = WIRE.message(CARRIER, 1, "sapo.rollouts", Map.of(r=Int(0), items=List(_ITEM, MAX_ITEMS, min=1), t=TAG),
+                        {"r": 2, "items": [{"spec": ["chain_sum", 1234, 0], "comps": ["12", "13"]}], **_TAG},
+                        max_size=8 * 1024 + MAX_ITEMS * (96 + MAX_COMPLETIONS * (4 * MAX_COMPLETION_CHARS + 5)),
+                        doc="round r's questions (as specs any peer regenerates: dataset, the author's seed for r, "
+                            "index) and my completions of each; never an answer or a reward")
+READY = WIRE.message(CARRIER, 2, "sapo.ready", Map.of(r=Int(0, 0), ready=Bool(only=True), t=TAG),
+                     {"r": 0, "ready": True, **_TAG}, max_size=256, doc="I am here and can start")
 HISTORY = 5000  # per-round records kept (for /sapo/history)
 MAX_AUTHORS = 1024  # peers whose newest items we hold
 ITEM_RATE, ITEM_BURST = 2.0, 8.0  # messages with new items per second one peer may send (a round takes seconds)
@@ -353,7 +366,7 @@ class SapoLoop(TaskLoop):
     # ------------------------------------------------------------------ rounds
     def _publish(self, r: int, q_seed: int, specs: list[tuple[str, int]], comps: list[list[str]]) -> None:
         body = {"r": r, "items": [{"spec": [d, q_seed, k], "comps": c} for (d, k), c in zip(specs, comps)]}
-        mid = self.gossip.publish(self.topic, msgpack.packb(self._tag(body), use_bin_type=True))
+        mid = self.gossip.publish(self.topic, WIRE.pack(ROLLOUTS, self._tag(body)))
         self.counters["items_shared"] += len(comps)
         self.counters["messages_published"] += 1
         self.counters["wire_bytes_published"] += len(msgpack.packb([3, self.gossip.cache[mid].wire()],
@@ -367,7 +380,7 @@ class SapoLoop(TaskLoop):
         grace_until, announced = None, 0.0
         while True:
             if self.clock.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
-                self.gossip.publish(self.topic, msgpack.packb(self._tag({"r": 0, "ready": True})))
+                self.gossip.publish(self.topic, WIRE.pack(READY, self._tag({"r": 0, "ready": True})))
                 announced = self.clock.monotonic()
             here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
             self._check_refusal(len(here))
@@ -462,13 +475,13 @@ class SapoLoop(TaskLoop):
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = unpack(message.data)
-        except Exception:
+            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
+        except MalformedMessage:
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT
-        if not isinstance(body, dict):
-            self.counters["rejected_malformed"] += 1
-            return Verdict.REJECT
+        except UnknownKind:
+            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
+            return Verdict.IGNORE
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
@@ -476,9 +489,7 @@ class SapoLoop(TaskLoop):
         if not self.standing.admitted(author):
             self.counters["not_admitted"] += 1
             return Verdict.IGNORE  # a closed run: not one of its peers
-        if set(body) == {"r", "ready"}:
-            if body["ready"] is not True or body["r"] != 0:
-                return Verdict.REJECT
+        if kind is READY:
             if self.state != "running" and self._ctx.direct(author) and len(self.ready) < MAX_AUTHORS:
                 self.ready.add(author)
             return Verdict.ACCEPT

@@ -39,20 +39,38 @@ from node.services import NodeContext
 from protocols import outer
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
-from protocols.gossip import Gossip, Message, Verdict, _decode
+from protocols.gossip import Gossip, Message, Verdict, decode_message
 from protocols.standing import FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
-from protocols.taskloop import TaskLoop
+from protocols.taskloop import TAG, TaskLoop
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec, unpack
+from transport.framing import ProtocolSpec
 from transport.identity import verify
+from transport.wire import WIRE, Bool, Bytes, Int, List, Map, Nil, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 
 G0 = 1e-4
 MAX_PEER_ENTRIES = 256  # per window: batches, joins, hashes and ready messages kept from peers without standing
 LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}))
+CARRIER = "spsa/<run>"  # the run's pubsub topic
+_W = Int(0, 2**40)
+_TAG = {"t": ["layout-hash", "config-hash"]}
+LOG_REQUEST = WIRE.frame(LOG_SPEC, 1, "spsa.log-request", Nil(), None, doc="your log of signed batches, please")
+LOG_REPLY = WIRE.frame(LOG_SPEC, 2, "spsa.log-reply", List(Tuple.of(_W, List(Map.of(b=Bytes(8192), s=Bytes(exact=64)),
+                                                                            1 << 16)), 1 << 22),
+                       [[0, [{"b": b"\x96\x01...", "s": bytes(64)}]]],
+                       doc="every closed window in order: [window, [its batches as signed pubsub messages]]")
+BATCH = WIRE.message(CARRIER, 1, "spsa.batch", Map.of(w=_W, b=Bytes(4096), t=TAG),
+                     {"w": 3, "b": bytes(96), **_TAG}, max_size=4096 + 256,
+                     doc="my projected gradients for the steps of window w, one byte each (sign + 7-bit log2 |g|)")
+HASH = WIRE.message(CARRIER, 2, "spsa.hash", Map.of(w=_W, h=Str(32, min=32), t=TAG), {"w": 4, "h": "ab" * 16, **_TAG},
+                    max_size=256, doc="my weights' hash after window w")
+READY = WIRE.message(CARRIER, 3, "spsa.ready", Map.of(w=_W, ready=Str(32, min=32), t=TAG),
+                     {"w": 0, "ready": "ab" * 16, **_TAG}, max_size=256, doc="I hold these base weights and can start")
+JOIN = WIRE.message(CARRIER, 4, "spsa.join", Map.of(w=_W, join=Bool(only=True), t=TAG), {"w": 8, "join": True, **_TAG},
+                    max_size=256, doc="I contribute from window w (a late joiner)")
 
 
 # ------------------------------------------------------------------ the pure parts
@@ -299,9 +317,9 @@ class SPSALoop(TaskLoop):
                     codes.append(self._code(g, w * self.cfg.window + i))
             self.my_hashes[w] = self.weights.hash()  # windows < w applied
             if contribute:
-                self._publish({"w": w, "b": bytes(codes)})
+                self._publish(BATCH, {"w": w, "b": bytes(codes)})
             if w % self.cfg.hash_every == 0:
-                self._publish({"w": w, "h": self.my_hashes[w]})
+                self._publish(HASH, {"w": w, "h": self.my_hashes[w]})
                 self._check_hashes(w)
             if w % self.cfg.eval_every == 0:
                 loss = await asyncio.to_thread(self._evaluate)
@@ -387,7 +405,7 @@ class SPSALoop(TaskLoop):
             return
         self.log = log
         for w, wires in log:
-            self.applied[w] = {m.author: m for m in (_decode(x) for x in wires)}
+            self.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
         self.final = bool(meta.get("final"))
         self.resumed = {"source": "own checkpoint", "round": self.window, "step": meta["step"], "hash": saved_hash}
@@ -397,8 +415,8 @@ class SPSALoop(TaskLoop):
                     self.window, saved_hash)
 
     # ------------------------------------------------------------------ windows
-    def _publish(self, body: dict) -> None:
-        payload = msgpack.packb(self._tag(body), use_bin_type=True)
+    def _publish(self, kind, body: dict) -> None:
+        payload = WIRE.pack(kind, self._tag(body))
         mid = self.gossip.publish(self.topic, payload)
         # what went on the wire for it: the signed message, framed (counted once, as its author sends it);
         # the one-off start-up messages (ready, join) are counted apart from the per-step traffic
@@ -485,7 +503,7 @@ class SPSALoop(TaskLoop):
         return self._screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
-        theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.counts(a)}
+        theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.vouched(a)}
         if theirs:
             majority = outer.majority(list(theirs.values()) + [self.my_hashes[w]])
             if majority != self.my_hashes[w]:
@@ -505,7 +523,7 @@ class SPSALoop(TaskLoop):
         grace_until, announced = None, 0.0
         while True:
             if self.clock.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
-                self._publish({"w": self.window, "ready": start})
+                self._publish(READY, {"w": self.window, "ready": start})
                 announced = self.clock.monotonic()
             ahead = self._run_started_without_us()
             if ahead:
@@ -573,7 +591,7 @@ class SPSALoop(TaskLoop):
             for peer_id in list(peers):
                 try:
                     async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
-                        await stream.send(1, None)
+                        await stream.send(LOG_REQUEST.code, None)
                         reply = await asyncio.wait_for(stream.read_required(), 60)
                     if not isinstance(reply.body, list):
                         raise MalformedMessage("spsa-log: a list of signed batches expected")
@@ -598,7 +616,7 @@ class SPSALoop(TaskLoop):
         else:
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
             self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
-            self._publish({"w": self.join_at, "join": True})
+            self._publish(JOIN, {"w": self.join_at, "join": True})
         self.state = "running"
         self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
@@ -633,13 +651,15 @@ class SPSALoop(TaskLoop):
                 raise ValueError("spsa-log: batches must be a list")
             batches: dict[str, Message] = {}
             for wire in wires:
-                message = _decode(wire)
+                message = decode_message(wire)
                 if message.topic != self.topic or not verify(message.author, PUBSUB_DOMAIN + message.body,
                                                              message.sig):
                     raise ValueError("spsa-log: an entry does not verify")
-                body = unpack(message.data)
-                if not isinstance(body, dict) or self._foreign(message.author, body) is not None \
-                        or set(body) != {"w", "b"} or body["w"] != w \
+                try:
+                    kind, body = WIRE.unpack(CARRIER, message.data)
+                except (MalformedMessage, UnknownKind):
+                    raise ValueError("spsa-log: an entry is not a batch") from None
+                if kind is not BATCH or self._foreign(message.author, body) is not None or body["w"] != w \
                         or len(body["b"]) != self.cfg.window:
                     raise ValueError("spsa-log: an entry is not a batch of its window")
                 batches[message.author] = message
@@ -648,18 +668,19 @@ class SPSALoop(TaskLoop):
 
     async def _serve_log(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
-        if message.kind != 1:
+        if message.kind != LOG_REQUEST.code:
             raise MalformedMessage("spsa-log: expected a request")
-        await stream.send(2, list(self.log))
+        await stream.send(LOG_REPLY.code, list(self.log))
 
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
         try:
-            body = unpack(message.data)
-        except Exception:
+            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
+        except MalformedMessage:
             return Verdict.REJECT
-        if not isinstance(body, dict) or type(body.get("w")) is not int or body["w"] < 0:
-            return Verdict.REJECT
+        except UnknownKind:
+            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
+            return Verdict.IGNORE
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
@@ -674,29 +695,23 @@ class SPSALoop(TaskLoop):
         if len(self.windows) > 256 and w not in self.windows:
             self.counters["ignored_backlog"] += 1
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
-        if set(body) == {"w", "h"}:
-            if not isinstance(body["h"], str) or len(body["h"]) != 32:
-                return Verdict.REJECT
+        if kind is HASH:
             hashes = self.hashes[w]
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
             return Verdict.ACCEPT
-        if set(body) == {"w", "ready"}:
-            if not isinstance(body["ready"], str) or len(body["ready"]) != 32:
-                return Verdict.REJECT
+        if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
             if self.state != "running" and self._ctx.direct(author) \
                     and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
                 self.ready[author] = body["ready"]
             return Verdict.ACCEPT
-        if set(body) == {"w", "join"}:
-            if body["join"] is not True:
-                return Verdict.REJECT
+        if kind is JOIN:
             joins = self.windows[w].joins
             if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_window)
             return Verdict.ACCEPT
-        if set(body) != {"w", "b"} or not isinstance(body["b"], bytes) or len(body["b"]) != self.cfg.window:
+        if len(body["b"]) != self.cfg.window:  # a BATCH
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT
         if max(b & 0x7F for b in body["b"]) > self._max_code:
@@ -765,4 +780,4 @@ class SPSALoop(TaskLoop):
 
 
 def _batch_bytes(message: Message) -> bytes:
-    return unpack(message.data)["b"]
+    return WIRE.unpack(CARRIER, message.data)[1]["b"]

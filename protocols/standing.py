@@ -16,7 +16,13 @@ Newcomers still take part: a few per round get a slot (picked deterministically,
 those that already contributed first) and are waited for like the others; a brand-new key gets a slot only in every
 ``FRESH_EVERY``-th round (a joiner announces its join for such a round), so a stream of fresh keys that join and
 never deliver can delay at most one round in ``FRESH_EVERY``. Their round hashes, ready messages and join requests
-carry no weight until they have earned standing. Pure bookkeeping: no I/O.
+carry no weight until they have earned standing.
+
+A peer whose word counted once and that then missed rounds (a partition, a long stall) loses its standing but is
+remembered (``vouched``): its round hashes still weigh in choosing which weights the run holds (so two sides of a
+healed partition, each of which saw the other miss every round, still agree on one side's weights instead of
+rounding apart for good), and it is first in line for a newcomer slot in any round. A fresh key is never vouched
+for: only a key that earned standing, founded the run with us, or is listed. Pure bookkeeping: no I/O.
 """
 
 from __future__ import annotations
@@ -59,6 +65,7 @@ class Standing:
         self._anchors = anchors
         self.earn = earn
         self.streak: dict[str, int] = {}  # credit: +1 per round with a verified contribution, -MISS per round missed
+        self.known: dict[str, None] = {}  # peers whose word counted once (insertion order: the oldest go first)
 
     @property
     def closed(self) -> bool:
@@ -76,6 +83,19 @@ class Standing:
             return peer in self.allow
         return self.streak.get(peer, 0) >= self.earn or peer in self._anchors()
 
+    def vouched(self, peer: str) -> bool:
+        """Does this peer's round hash weigh in choosing the run's weights? It counts now, or it did once (a
+        founder or a peer that earned standing, since gone quiet: the other side of a partition)."""
+        return self.counts(peer) or (self.admitted(peer) and peer in self.known)
+
+    def _remember(self, peers: Iterable[str]) -> None:
+        for peer in peers:
+            if peer != self.me and self.admitted(peer):
+                self.known.pop(peer, None)
+                self.known[peer] = None
+        while len(self.known) > MAX_TRACKED:
+            del self.known[next(iter(self.known))]
+
     def counting(self, peers: Iterable[str]) -> set[str]:
         return {p for p in peers if self.counts(p)}
 
@@ -84,6 +104,7 @@ class Standing:
         for peer in founders:
             if self.admitted(peer):
                 self.streak[peer] = 2 * self.earn
+                self._remember((peer,))
 
     def record(self, contributors: Iterable[str]) -> None:
         """After a round closed: its verified contributors gain a credit, everyone else loses ``MISS``."""
@@ -91,6 +112,7 @@ class Standing:
         credit = {p: c - MISS for p, c in self.streak.items() if p not in contributors and c > MISS}
         credit.update({p: min(2 * self.earn, self.streak.get(p, 0) + 1) for p in contributors})
         self.streak = credit
+        self._remember(p for p, c in credit.items() if c >= self.earn)
         if len(self.streak) > MAX_TRACKED:
             keep = sorted(self.streak, key=lambda p: -self.streak[p])[:MAX_TRACKED]
             self.streak = {p: self.streak[p] for p in keep}
@@ -100,10 +122,11 @@ class Standing:
         of (peer, round) so every peer of the run picks the same ones. ``fresh_ok`` False: only peers that already
         contributed (a streak), so brand-new keys get slots only in some rounds (see ``fresh_round``)."""
         fresh = [p for p in candidates if self.admitted(p) and not self.counts(p)
-                 and (fresh_ok or self.streak.get(p, 0) > 0)]
+                 and (fresh_ok or self.streak.get(p, 0) > 0 or p in self.known)]
 
         def rank(p: str) -> tuple:
-            return (-self.streak.get(p, 0), hashlib.blake2b(f"{p}/{round_key}".encode(), digest_size=8).digest())
+            tie = hashlib.blake2b(f"{p}/{round_key}".encode(), digest_size=8).digest()
+            return (p not in self.known, -self.streak.get(p, 0), tie)
 
         return sorted(fresh, key=rank)[:max(0, slots)]
 

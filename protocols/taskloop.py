@@ -17,6 +17,7 @@ from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
 from transport import clock
 from transport.clock import Clock
+from transport.wire import Str, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -25,6 +26,9 @@ TIMELINE_ROUNDS = 64  # closed rounds kept for the dashboard's round timeline
 TIMELINE_PEERS = 64  # peer ids kept per list in one round's record (the counts are always whole)
 MAX_OFFENDERS = 64  # peers whose refused contributions /status lists (the most recent offenders are kept)
 NOT_OFFENCES = frozenset({"base"})  # refusals that are no one's fault (an update from weights we just left)
+
+
+TAG = Tuple.of(Str(32), Str(32))  # every loop message's "t": the run's fingerprint (model layout, shared config)
 
 
 class TaskLoop:

@@ -48,11 +48,11 @@ def reduce_part(chunks, factors, size):
     return honest_reduce(chunks, factors, size)
 
 
-def publish(self, body):
-    if point == "published" and "red" in body and body["r"] >= 1:
+def publish(self, kind, body):
+    if point == "published" and kind is diloco.REDUCED and body["r"] >= 1:
         self.bulk.drop([body["blob"]])  # nobody gets it from us
         threading.Timer(0.5, os._exit, (137,)).start()
-    honest_publish(self, body)
+    honest_publish(self, kind, body)
 
 
 exchange.reduce_part = reduce_part
@@ -91,9 +91,9 @@ if point.startswith("kill:"):
 
         diloco.DilocoLoop._inner_step = inner_step
     elif phase == "travel":
-        def travel_publish(self, body):
-            publish(self, body)
-            if armed["on"] and "parts" in body and "red" not in body:
+        def travel_publish(self, kind, body):
+            publish(self, kind, body)
+            if armed["on"] and kind is diloco.UPDATE:
                 threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {body['r']}",)).start()
 
         diloco.DilocoLoop._publish = travel_publish

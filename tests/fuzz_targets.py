@@ -26,6 +26,8 @@ from crdt.ops import OpError, decode_body, make_op
 from dht.records import Ed25519RecordValidator, NodeRecord
 from transport.errors import ProtocolViolation
 from transport.framing import ProtocolSpec, decode, encode, unpack, unpack_record
+from transport.clock import SYSTEM
+from transport.wire import WIRE
 from transport.identity import Identity
 from transport.penalties import PeerPenalties
 
@@ -75,7 +77,7 @@ def _pack(obj) -> bytes:
 def _wire_targets(ident: Identity) -> list[Target]:
     from node.replication import answer_sync, answer_want, parse_entries
     from protocols import bulk
-    from protocols.gossip import _decode as gossip_decode
+    from protocols.gossip import decode_message as gossip_decode
 
     now = int(time.time() * 1000)
     admission = Admission("fuzz", bits=4)
@@ -143,13 +145,14 @@ def _wire_targets(ident: Identity) -> list[Target]:
     assert validator.validate(DHTRecord(key, subkey, signed, expires))
     gossip_body = _pack([1, "t", ident.peer_id, 1, 0, b"data"])
 
-    ctx = SimpleNamespace(transport=SimpleNamespace(penalties=PeerPenalties()), members=lambda: [ident.peer_id])
+    ctx = SimpleNamespace(transport=SimpleNamespace(penalties=PeerPenalties()), members=lambda: [ident.peer_id],
+                          clock=SYSTEM)
     service = bulk.BulkService(gossip=None)
     service._ctx = ctx
     ts = now
     request = {"hash": bytes(32), "peer": ident.peer_id, "ts": ts,
                "sig": ident.sign(bulk.REQUEST_DOMAIN + bytes(32) + str(ts).encode())}
-    announce = {"kind": "announce", "hash": bytes(32), "size": 10, "codec": "raw", "topic": "diloco/x", "round": 0,
+    announce = {"hash": bytes(32), "size": 10, "codec": "raw", "topic": "diloco/x", "round": 0,
                 "fragment": 0, "addrs": ["127.0.0.1:4001"]}
 
     def bulk_request(data: bytes) -> None:
@@ -172,7 +175,8 @@ def _wire_targets(ident: Identity) -> list[Target]:
         Target("gossip message", [_pack({"b": gossip_body, "s": bytes(64)})],
                lambda b: gossip_decode(unpack_record(b, max_size=8 << 20)), (ProtocolViolation,)),
         Target("bulk request", [_pack(request)], bulk_request, (bulk.BulkError, ProtocolViolation)),
-        Target("bulk announcement", [_pack(announce), _pack({**announce, "kind": "have"})], bulk_announcement, ()),
+        Target("bulk announcement", [WIRE.pack(bulk.ANNOUNCE, announce), WIRE.pack(bulk.HAVE, announce)],
+               bulk_announcement, ()),
     ]
 
 
@@ -203,6 +207,7 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     loop = asyncio.new_event_loop()
     peers = [Identity.generate().peer_id for _ in range(3)]
     ctx = SimpleNamespace(identity=ident, data_dir=data_dir, direct=lambda p: True, anchors=lambda: set(peers[:1]),
+                          clock=SYSTEM,
                           members=lambda: peers, replicator=None)
     targets = []
 
@@ -219,13 +224,14 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     d._build()  # the model and its global copy: an update for the current round is checked against its hash
     tag = [d.fp["layout"], d.fp["config"]]
     base = diloco.outer.params_hash([d.global_flat[1]])
-    d_seeds = [_pack({"r": 1, "p": 0, "ready": "h" * 32, "t": tag}), _pack({"r": 2, "p": 1, "join": True, "t": tag}),
-               _pack({"r": 1, "p": 0, "h": "h" * 32, "t": tag}),
-               _pack({"r": 1, "p": 1, "parts": [bytes(32), bytes(range(32))], "sizes": [100, 90], "base": base,
-                      "norm": 1.5, "addrs": ["127.0.0.1:4001"], "t": tag}),
-               _pack({"r": 1, "p": 1, "red": 3, "blob": bytes(32), "size": 100, "m": "ab" * 8, "addrs": [],
-                      "t": tag}),
-               _pack({"r": 1, "p": 0, "aud": 0, "ok": False, "t": tag})]
+    d_seeds = [WIRE.pack(diloco.READY, {"r": 1, "p": 0, "ready": "h" * 32, "t": tag}),
+               WIRE.pack(diloco.JOIN, {"r": 2, "p": 1, "join": True, "t": tag}),
+               WIRE.pack(diloco.ROUND_HASH, {"r": 1, "p": 0, "h": "h" * 32, "t": tag}),
+               WIRE.pack(diloco.UPDATE, {"r": 1, "p": 1, "parts": [bytes(32), bytes(range(32))], "sizes": [100, 90],
+                                         "base": base, "norm": 1.5, "addrs": ["127.0.0.1:4001"], "t": tag}),
+               WIRE.pack(diloco.REDUCED, {"r": 1, "p": 1, "red": 3, "blob": bytes(32), "size": 100, "m": "ab" * 8,
+                                          "addrs": [], "t": tag}),
+               WIRE.pack(diloco.AUDIT, {"r": 1, "p": 0, "aud": 0, "ok": False, "t": tag})]
 
     s_cfg = spsa.SpsaConfig(run="fuzz", task="tinygpt", task_options={"pretrain_steps": 0})
     s = spsa.SPSALoop(None, s_cfg, load(s_cfg.task, s_cfg.options(), "spsa"))
@@ -233,8 +239,10 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     s._init_standing(ctx)
     s.state, s.window = "running", 3
     s_tag = ["layout", "config"]  # s.fp is set when the model is built; until then any well-formed tag matches
-    s_seeds = [_pack({"w": 3, "h": "h" * 32, "t": s_tag}), _pack({"w": 3, "ready": "r" * 32, "t": s_tag}),
-               _pack({"w": 4, "join": True, "t": s_tag}), _pack({"w": 3, "b": bytes(s_cfg.window), "t": s_tag})]
+    s_seeds = [WIRE.pack(spsa.HASH, {"w": 3, "h": "h" * 32, "t": s_tag}),
+               WIRE.pack(spsa.READY, {"w": 3, "ready": "r" * 32, "t": s_tag}),
+               WIRE.pack(spsa.JOIN, {"w": 4, "join": True, "t": s_tag}),
+               WIRE.pack(spsa.BATCH, {"w": 3, "b": bytes(s_cfg.window), "t": s_tag})]
 
     a_cfg = sapo.SapoConfig(run="fuzz", task="arith")
     a = sapo.SapoLoop(None, a_cfg, load(a_cfg.task, a_cfg.options(), "sapo"))
@@ -244,8 +252,9 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     fp = [a.fp["layout"], a.fp["config"]]
     dataset = sorted(a.rules.datasets)[0]
     q_seed = sapo.question_seed(a_cfg.run, a_cfg.seed, peers[1], 2)
-    a_seeds = [_pack({"r": 0, "ready": True, "t": fp}),
-               _pack({"r": 2, "items": [{"spec": [dataset, q_seed, 0], "comps": ["12", "13"]}], "t": fp})]
+    a_seeds = [WIRE.pack(sapo.READY, {"r": 0, "ready": True, "t": fp}),
+               WIRE.pack(sapo.ROLLOUTS, {"r": 2, "items": [{"spec": [dataset, q_seed, 0], "comps": ["12", "13"]}],
+                                         "t": fp})]
 
     def validator(obj, topic: str) -> Callable[[bytes], None]:
         rng = random.Random(0)

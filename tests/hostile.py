@@ -33,15 +33,16 @@ class HostilePeer:
         self.gossip.subscribe(topic, max_size=max_size)
         self._target, self._topic = target, topic
 
-    async def send(self, body) -> None:
-        """Sign ``body`` (bytes as they are, anything else msgpack-packed) as a message on the topic and push it down
-        the link to the target node, past the validation our own gossip would apply before forwarding."""
+    async def send(self, body, kind=None) -> None:
+        """Sign ``body`` (bytes as they are, anything else msgpack-packed; with ``kind``, a wire registry kind, as a
+        message of that kind, its schema not checked: junk of a known kind) as a message on the topic and push it
+        down the link to the target node, past the validation our own gossip would apply before forwarding."""
         target = self._target.peer_id
         await asyncio.to_thread(wait_for, lambda: target in self.gossip.links, 20, "the hostile peer's link")
-        data = body if isinstance(body, bytes) else msgpack.packb(body)
+        data = as_message(body, kind)
         self.gossip.links[target].send(MSG, self.gossip.cache[self.gossip.publish(self._topic, data)].wire())
 
-    async def send_as(self, author: Identity, body) -> None:
+    async def send_as(self, author: Identity, body, kind=None) -> None:
         """Push a message on the topic authored and signed by ``author`` (a key that never connects: we relay it),
         past our own validation."""
         import time
@@ -51,7 +52,7 @@ class HostilePeer:
         target = self._target.peer_id
         if target not in self.gossip.links:
             await asyncio.to_thread(wait_for, lambda: target in self.gossip.links, 20, "the hostile peer's link")
-        data = body if isinstance(body, bytes) else msgpack.packb(body)
+        data = as_message(body, kind)
         self._seq = getattr(self, "_seq", 0) + 1
         now = int(time.time() * 1000)
         raw = msgpack.packb([1, self._topic, author.peer_id, self._seq, now, data], use_bin_type=True)
@@ -67,6 +68,15 @@ class HostilePeer:
             self._heartbeat.cancel()
         await self.gossip.close()
         await self.transport.close()
+
+
+def as_message(body, kind=None) -> bytes:
+    """A topic message's bytes: ``body`` as it is (bytes), or packed, as ``kind`` ({"k", "v", **body}) if given."""
+    if isinstance(body, bytes):
+        return body
+    if kind is not None:
+        body = {"k": kind.code, "v": kind.version, **body}
+    return msgpack.packb(body)
 
 
 def empty_map_bomb() -> bytes:

@@ -7,13 +7,14 @@ import time
 import pytest
 
 from node.services import NodeContext
-from protocols.bulk import (HEADER, OK, REQUEST_DOMAIN, STREAM_SPEC, BadData, BulkError, BulkService, content_hash,
-                            fetch, fetch_stream)
+from protocols.bulk import (ANNOUNCE, HEADER, OK, REQUEST_DOMAIN, STREAM_SPEC, BadData, BulkError, BulkService,
+                            content_hash, fetch, fetch_stream)
 from swarmproc import http_get, http_post as post, wait_for
 from test_punch import free_port
 from transport.identity import Identity
 from transport.penalties import TokenBuckets
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from transport.wire import WIRE
 
 
 @pytest.mark.swarm
@@ -157,7 +158,6 @@ async def test_a_source_announcing_4_gib_costs_what_it_sends_not_what_it_announc
 async def test_announcements_cannot_make_a_node_dial_other_hosts_or_grow_without_bound(tmp_path):
     # issue 14 items 14 and 10: bulk dialed any host:port an announcement named (loopback and private addresses
     # included), and kept every announcement (20k in 2 s: +50 MB, no log, no penalty)
-    import msgpack
 
     from protocols.gossip import Message
 
@@ -180,8 +180,8 @@ async def test_announcements_cannot_make_a_node_dial_other_hosts_or_grow_without
                                    lambda p: False)
 
         def announce(blob_hash, addrs, author=holder.peer_id):
-            data = msgpack.packb({"kind": "announce", "hash": blob_hash, "size": 10, "codec": "raw", "topic": "",
-                                  "round": 0, "fragment": 0, "addrs": addrs})
+            data = WIRE.pack(ANNOUNCE, {"hash": blob_hash, "size": 10, "codec": "raw", "topic": "", "round": 0,
+                                        "fragment": 0, "addrs": addrs})
             return service._validate(Message(b"i" * 16, "swarmd/bulk", author, 1, 0, data, b"", b""))
 
         h = os.urandom(32)

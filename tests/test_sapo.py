@@ -9,7 +9,7 @@ from pydantic import ValidationError
 
 from protocols import arith
 from protocols.grpo import STOI, Group, Policy
-from protocols.sapo import Rules, SapoConfig, parse_items, question_seed, score
+from protocols.sapo import ROLLOUTS, Rules, SapoConfig, parse_items, question_seed, score
 from protocols.task import TaskError, load
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
@@ -178,13 +178,14 @@ async def test_four_nodes_share_rollouts_and_a_poisoner_changes_nothing(tmp_path
                                      "comps": ["12", "13"]}], "t": tag}
         claimed = {"r": r + 1, "items": [{"spec": ["arith", question_seed(run, 1, me, r + 1), 0],
                                           "comps": ["12", "13"], "answer": "12", "rewards": [1.0, 1.0]}], "t": tag}
-        await attacker.send(wrong)  # well-formed, all wrong: scored 0 by every receiver's verifier, never trained on
+        # well-formed, all wrong: scored 0 by every receiver's verifier, never trained on
+        await attacker.send(wrong, ROLLOUTS)
         # a round the run does not have (rounds run 0 .. rounds - 1). A round far ahead of ours but inside the run
         # is the sender's own business (rounds are each peer's own): its items are verified like any other
         future = {"r": rounds, "items": [{"spec": ["arith", question_seed(run, 1, me, rounds), 0],
                                           "comps": ["12", "13"]}], "t": tag}
         for junk in (b"\xc1\xc1", forged, claimed, future, {"r": r, "items": "x" * 40, "t": tag}):
-            await attacker.send(junk)
+            await attacker.send(junk, ROLLOUTS)
         ids = [n.peer_id for n in nodes]
 
         def everyone_learned_from_everyone():
@@ -239,7 +240,7 @@ async def test_a_fresh_keys_round_number_moves_no_ones_round(tmp_path: Path):
         me = attacker.peer_id
         items = {"r": 299, "items": [{"spec": ["arith", question_seed(run, 1, me, 299), k], "comps": ["1", "2"]}
                                      for k in range(2)], "t": [fp["layout"], fp["config"]]}
-        await attacker.send(items)
+        await attacker.send(items, ROLLOUTS)
         await asyncio.to_thread(wait_for, lambda: sapo(node)["peers_with_items"] == 1, 20, "the items to be held")
         s = sapo(node)
         assert s["round"] == 0 and s["state"] == "waiting for peers" and s["joined_at"] == 0

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from protocols import tinylm
-from protocols.spsa import Weights, capped, decode_grad, encode_grad, screen_window, step_seed
+from protocols.spsa import BATCH, JOIN, Weights, capped, decode_grad, encode_grad, screen_window, step_seed
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
 
@@ -112,7 +112,8 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         # the last: well-formed, from a non-participant
         for junk in (b"\xc1\xc1", {"w": 1, "b": b"\x7f" * 3}, {"w": 1, "b": b"\xff" * 25},
                      {"w": 999, "b": b"\x7f" * 25}, {"w": 1, "join": "yes"}, {"w": 1, "b": b"\x7f" * 25}):
-            await attacker.send({**junk, "t": tag} if isinstance(junk, dict) else junk)
+            kind = None if isinstance(junk, bytes) else JOIN if "join" in junk else BATCH
+            await attacker.send({**junk, "t": tag} if isinstance(junk, dict) else junk, kind)
         final = await asyncio.to_thread(
             wait_for, lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,
             "4 nodes to finish 200 steps")

@@ -192,7 +192,7 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
         resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
         assert resumed == {"source": "own checkpoint", "round": meta["round"], "step": meta["step"],
                            "hash": meta["hash"], "optimizer_state": True}  # AdamW's moments came back too
-        assert meta["optimizer"]["class"] == "AdamW"
+        assert meta["optimizer"]["class"] == "SwarmAdamW"  # the default inner optimizer
         final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
         assert [h["round"] for h in final["history"]] == list(range(meta["round"], 6))
         assert final["checkpoint"]["round"] == 6

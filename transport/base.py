@@ -21,6 +21,7 @@ from typing import Any, Awaitable, Callable, Protocol
 from transport.errors import FrameTooLarge, ProtocolViolation, StreamClosed, TransportError
 from transport.framing import HEADER, ProtocolSpec, decode, frame, read_body, read_header
 from transport.penalties import PeerPenalties, RateLimitedLog
+from transport.wire import WIRE
 
 logger = logging.getLogger(__name__)
 
@@ -36,14 +37,18 @@ _DECODER = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_pref
 
 
 def _decode(payload: bytes | bytearray, spec: ProtocolSpec):
-    """(message, None) or (None, the refusal, stripped of its traceback and context).
+    """(message, None) or (None, the refusal, stripped of its traceback and context). The message's body has been
+    checked against its kind's schema in the wire registry.
 
     A refusal's traceback (and the context of the error it was raised from) holds the decoder's frames and so the
     payload; raised on through ``asyncio.wait_for`` it joins a reference cycle with the waiting task that only a
     full collection frees: 24 refused 8 MiB frames kept 183 MB alive that way. Stripped, the payload goes as soon
     as the stream's read returns."""
     try:
-        return decode(payload, spec), None
+        message = decode(payload, spec)
+        if WIRE.declared(spec):  # every protocol of ours is: the frame's body checked against its kind's schema
+            WIRE.check_frame(spec, message.kind, message.body)
+        return message, None
     except ProtocolViolation as e:
         refusal = e
     refusal.__traceback__ = refusal.__context__ = refusal.__cause__ = None

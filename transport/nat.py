@@ -24,12 +24,19 @@ import time
 from transport.base import Stream
 from transport.errors import MalformedMessage
 from transport.framing import ProtocolSpec
+from transport.wire import WIRE, Int, List, Map, OneOf, Str
 
 logger = logging.getLogger(__name__)
 
 AUTONAT_SPEC = ProtocolSpec("autonat", "1.0.0", max_frame=1024, kinds=frozenset({1, 2}))
 REQUEST, REPLY = 1, 2
 MAX_PORTS = 4
+WIRE.frame(AUTONAT_SPEC, REQUEST, "autonat.request", Map.of(ports=List(Int(0, 65535), MAX_PORTS)),
+           {"ports": [4001]}, doc="the TCP ports the asker listens on")
+WIRE.frame(AUTONAT_SPEC, REPLY, "autonat.reply",
+           OneOf((Map.of(observed=Str(128), ok=List(Int(0, 65535), MAX_PORTS)), Map.of(error=Str(200)))),
+           {"observed": "/ip4/203.0.113.7/tcp/4001", "ok": [4001]},
+           doc="the address the server saw and the ports that accepted its dial-back, or an error")
 DIAL_TIMEOUT = 2.0
 
 # addresses that are never directly reachable from the internet: a node listening only on these is behind a NAT
@@ -125,6 +132,9 @@ def parse_reply(body: object) -> tuple[str, list[int]] | str:
 # trip after sending it, so the two SYNs cross (transport.punch); then both hand the socket to their daemon.
 PUNCH_SPEC = ProtocolSpec("punch", "2.0.0", max_frame=2048, kinds=frozenset({1, 2}))
 CONNECT, SYNC = 1, 2
+WIRE.frame(PUNCH_SPEC, CONNECT, "punch.connect", Map.of(addrs=List(Str(128), 8)),
+           {"addrs": ["/ip4/203.0.113.7/tcp/4001"]}, doc="the sender's predicted public addresses (empty: not now)")
+WIRE.frame(PUNCH_SPEC, SYNC, "punch.sync", Map.of(), {}, doc="dial now")
 
 
 def parse_addrs(body: object, key: str = "addrs") -> list[tuple[str, int]]:

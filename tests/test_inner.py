@@ -1,0 +1,63 @@
+"""SwarmAdamW (protocols/inner.py): AdamW when alone, a data-parallel-sized step on noise when the swarm is M peers."""
+
+import pytest
+import torch
+
+from protocols.inner import SwarmAdamW
+
+
+def _run(opt_cls, grads, **kw):
+    p = torch.nn.Parameter(torch.zeros(grads[0].shape))
+    opt = opt_cls([p], **kw)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    return p.detach().clone()
+
+
+@pytest.mark.timeout(30)
+def test_with_one_peer_it_is_torch_adamw():
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, generator=gen) + 0.3 for _ in range(20)]
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    ours = _run(SwarmAdamW, grads, peers=1, **kw)
+    ref = _run(torch.optim.AdamW, grads, **kw)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(30)
+def test_with_m_peers_noise_steps_sqrt_m_larger_and_signal_steps_as_adamw():
+    gen = torch.Generator().manual_seed(1)
+    n, steps, m = 4096, 200, 4
+    noise = [torch.randn(n, generator=gen) for _ in range(steps)]  # zero-mean: the noise-dominated coordinates
+    signal = [torch.full((n,), 0.5) for _ in range(steps)]  # constant: signal-dominated
+    kw = dict(lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0)
+
+    def last_step(grads, peers):
+        p = torch.nn.Parameter(torch.zeros(n))
+        opt = SwarmAdamW([p], peers=peers, **kw)
+        for g in grads[:-1]:
+            p.grad = g.clone()
+            opt.step()
+        before = p.detach().clone()
+        p.grad = grads[-1].clone()
+        opt.step()
+        return (p.detach() - before).abs().mean().item()
+
+    ratio_noise = last_step(noise, m) / last_step(noise, 1)
+    ratio_signal = last_step(signal, m) / last_step(signal, 1)
+    assert 1.6 < ratio_noise < 2.2  # ~sqrt(4) = 2 (capped by the m^2 the finite window leaves)
+    assert ratio_signal == pytest.approx(1.0, rel=1e-3)
+
+
+@pytest.mark.timeout(30)
+def test_set_peers_changes_the_step_and_bad_settings_are_refused():
+    p = torch.nn.Parameter(torch.zeros(3))
+    opt = SwarmAdamW([p])
+    opt.set_peers(0)  # a round of nobody counts as one peer
+    assert opt.param_groups[0]["peers"] == 1
+    opt.set_peers(8)
+    assert opt.param_groups[0]["peers"] == 8
+    for bad in (dict(lr=0), dict(betas=(1.0, 0.9)), dict(eps=0), dict(weight_decay=-1), dict(peers=0)):
+        with pytest.raises(ValueError):
+            SwarmAdamW([torch.nn.Parameter(torch.zeros(1))], **bad)
