@@ -24,7 +24,10 @@ fi
 
 echo "filling docker/wheelhouse ..." >&2
 mkdir -p docker/wheelhouse
-"$PY" -m pip download -q . -d docker/wheelhouse
+# our own package's metadata is built with the setuptools at hand when there is one (an isolated build env costs
+# ~20 s per run)
+if "$PY" -c "import setuptools" 2>/dev/null; then isolation=--no-build-isolation; else isolation=; fi
+"$PY" -m pip download -q $isolation . -d docker/wheelhouse
 # packages published only as source: built into wheels here, so the image needs no compiler
 for sdist in docker/wheelhouse/*.tar.gz; do
     [ -e "$sdist" ] || continue

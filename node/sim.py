@@ -282,111 +282,139 @@ def _paced(cls, step_seconds: float):
     return Paced
 
 
+class DilocoSim:
+    """A DiLoCo swarm in one process on the regression task (a full mesh, as every real swarm within
+    ``max_peers`` is): nodes can be started late, killed (as ``kill -9``: their op log and data dir stay),
+    restarted, cut off by a partition; ``loop_cls`` may be a subclass (a Byzantine peer, a slow one). The round code
+    is DilocoLoop's own, on virtual time."""
+
+    def __init__(self, cfg: SimConfig, churn: ChurnConfig, root: Path, **diloco_settings):
+        from protocols import diloco
+        from protocols import task as tasks
+
+        self.cfg, self.churn, self.root = cfg, churn, root
+        self.tasks = tasks
+        self.task = tasks.load("regression", {"dim": churn.dim}, "diloco")
+        settings = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
+                        inner_steps=churn.inner_steps, min_peers=cfg.peers, checkpoint_every=1, deadline_low=1.0,
+                        deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05, outer_lr=1.0,
+                        outer_momentum=0.0, device="cpu")
+        settings.update(diloco_settings)
+        self.dcfg = diloco.DilocoConfig(**settings)
+        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+        self.net = MemoryNetwork(link=LinkSpec(latency=cfg.latency, up=cfg.bandwidth, down=cfg.bandwidth,
+                                               loss=cfg.loss), seed=cfg.seed)
+        self.ids = [Identity.generate(_seed(cfg.seed, i)) for i in range(cfg.peers)]
+        self.peers = [i.peer_id for i in self.ids]
+        self._by_id = {i.peer_id: i for i in self.ids}
+        self.admission = Admission("sim", allow=sorted(self.peers))
+        self.logs = {p: MemoryOpLog() for p in self.peers}
+        self.dirs = {p: root / p[-12:] for p in self.peers}
+        self.lives = {p: 0 for p in self.peers}
+        self.classes: dict[str, type] = {}  # peer -> its loop class, where it is not the honest one
+        self.nodes: dict[str, SimNode] = {}
+        self.kills = self.restarts = 0
+
+    def loop(self, peer: str):
+        return self.nodes[peer].loop
+
+    async def start(self, peer: str, *, restart: bool = False) -> SimNode:
+        self.dirs[peer].mkdir(parents=True, exist_ok=True)
+        if restart:
+            self.lives[peer] += 1
+            self.restarts += 1
+        node = SimNode(self.net, self._by_id[peer], self.admission, self.cfg, current(),
+                       neighbours=set(self.peers) - {peer}, log=self.logs[peer], data_dir=self.dirs[peer],
+                       loop=(self.classes.get(peer, self.loop_cls), self.dcfg, self.task), life=self.lives[peer])
+        self.nodes[peer] = node
+        await node.start()
+        await _reconnect(self.nodes, peer)
+        return node
+
+    async def start_all(self, peers: list[str] | None = None) -> None:
+        for peer in peers or self.peers:
+            await self.start(peer)
+
+    async def kill(self, peer: str) -> None:
+        await self.nodes[peer].stop()
+        self.kills += 1
+
+    def live(self) -> list[SimNode]:
+        return [n for n in self.nodes.values() if n.up]
+
+    def finished(self) -> bool:
+        return all(n.loop.state in ("done", "failed") for n in self.live())
+
+    async def until(self, cond, timeout: float, what: str) -> float:
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while not cond():
+            if loop.time() - t0 > timeout:
+                raise TimeoutError(f"simulation: {what} not reached within {timeout} s of simulated time")
+            await asyncio.sleep(0.1)
+        return loop.time() - t0
+
+    async def stop(self) -> None:
+        for n in self.nodes.values():
+            if n.up:
+                await n.stop()
+
+    def report(self, took: float) -> dict:
+        loops = [n.loop for n in self.nodes.values()]
+        finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
+        parts = [h["participants"] for lp in loops for h in lp.history]
+        return {
+            "peers": self.cfg.peers, "rounds": self.churn.rounds, "kills": self.kills, "restarts": self.restarts,
+            "simulated_s": took, "s_per_round": took / self.churn.rounds,
+            "done": sum(lp.state == "done" for lp in loops),
+            "same_final_weights": (finals.most_common(1)[0][1] if finals else 0),
+            "participants_median": statistics.median(parts) if parts else 0,
+            "participants_min": min(parts) if parts else 0,
+            "resyncs": sum(lp.counters.get("resyncs", 0) for lp in loops),
+            "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops),
+            "counters": dict(sum((collections.Counter(lp.counters) for lp in loops), collections.Counter())),
+            "loss_start": self.tasks.evaluate(self.task, self.task.obj.model()),
+            "loss_end": statistics.median(lp.losses[-1][1] for lp in loops if lp.losses) if any(
+                lp.losses for lp in loops) else None,
+        }
+
+
 async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
-    """A DiLoCo run of ``cfg.peers`` nodes (a full mesh, as every real swarm within ``max_peers`` is) on the
-    regression task while ``churn.churn`` of them are down at any time: every ``churn_every`` simulated seconds
-    that many live nodes are killed (as ``kill -9``: the op log and checkpoints in their data dir stay) and the ones
-    killed before come back with their identity and data dir. Reports the rounds the swarm closed, who took part,
-    resyncs, whether the live nodes agree on the weights, and the validation loss."""
-    from protocols import diloco
-    from protocols import task as tasks
-
+    """A DiLoCo run of ``cfg.peers`` nodes while ``churn.churn`` of them are down at any time: every
+    ``churn_every`` simulated seconds that many live nodes are killed (as ``kill -9``: the op log and checkpoints in
+    their data dir stay) and the ones killed before come back with their identity and data dir. Reports the rounds
+    the swarm closed, who took part, resyncs, whether the nodes agree on the weights, and the validation loss."""
     loop = asyncio.get_running_loop()
-    clock = current()
     rng = random.Random(cfg.seed)
-    task = tasks.load("regression", {"dim": churn.dim}, "diloco")
-    dcfg = diloco.DilocoConfig(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
-                               inner_steps=churn.inner_steps, min_peers=cfg.peers, checkpoint_every=1,
-                               deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8",
-                               inner_lr=0.05, outer_lr=1.0, outer_momentum=0.0, device="cpu")
-    cls = _paced(diloco.DilocoLoop, churn.step_seconds)
-    net = MemoryNetwork(link=LinkSpec(latency=cfg.latency, up=cfg.bandwidth, down=cfg.bandwidth, loss=cfg.loss),
-                        seed=cfg.seed)
-    ids = [Identity.generate(_seed(cfg.seed, i)) for i in range(cfg.peers)]
-    everyone = {i.peer_id for i in ids}
-    admission = Admission("sim", allow=sorted(everyone))
-    logs = {i.peer_id: MemoryOpLog() for i in ids}
-    dirs = {i.peer_id: root / i.peer_id[-12:] for i in ids}
-    for d in dirs.values():
-        d.mkdir(parents=True, exist_ok=True)
-    lives = {i.peer_id: 0 for i in ids}
-    by_id = {i.peer_id: i for i in ids}
-
-    def make(peer: str) -> SimNode:
-        return SimNode(net, by_id[peer], admission, cfg, clock, neighbours=everyone - {peer}, log=logs[peer],
-                       data_dir=dirs[peer], loop=(cls, dcfg, task), life=lives[peer])
-
-    nodes = {p: make(p) for p in everyone}
-    for n in nodes.values():
-        await n.start()
-    for p in sorted(everyone):
-        for q in sorted(everyone):
-            if q > p:
-                await nodes[p].transport.connect_peer(q, [], timeout=10.0)
+    sim = DilocoSim(cfg, churn, root)
+    await sim.start_all()
     t0 = loop.time()
     down: list[str] = []
-    kills = restarts = 0
-
-    def live() -> list[SimNode]:
-        return [n for n in nodes.values() if n.up]
-
-    def finished() -> bool:
-        return all(n.loop.state in ("done", "failed") for n in live())
-
     next_churn = t0 + churn.churn_every
     k = max(1, round(churn.churn * cfg.peers)) if churn.churn > 0 else 0
-    while not finished():
-        if loop.time() - t0 > 3600:
-            raise TimeoutError("simulation: the DiLoCo run did not finish within an hour of simulated time")
-        if k and loop.time() >= next_churn:
-            next_churn += churn.churn_every
-            running = [n for n in live() if n.loop.state not in ("done", "failed")]
-            victims = rng.sample(running, min(k, len(running)))
-            for n in victims:
-                await n.stop()
-                kills += 1
-            for peer in down:
-                lives[peer] += 1
-                nodes[peer] = make(peer)
-                await nodes[peer].start()
-                await _reconnect(nodes, peer)
-                restarts += 1
-            down = [n.peer_id for n in victims]
-        await asyncio.sleep(0.1)
-    for peer in down:  # the last ones killed come back and finish too (they must end on the swarm's weights)
-        lives[peer] += 1
-        nodes[peer] = make(peer)
-        await nodes[peer].start()
-        await _reconnect(nodes, peer)
-        restarts += 1
     try:
-        async with asyncio.timeout(600):
-            while not finished():
-                await asyncio.sleep(0.1)
-    except TimeoutError:
-        pass
-    took = loop.time() - t0
-    loops = [n.loop for n in nodes.values()]
-    finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
-    parts = [h["participants"] for lp in loops for h in lp.history]
-    result = {
-        "peers": cfg.peers, "rounds": churn.rounds, "kills": kills, "restarts": restarts,
-        "simulated_s": took, "s_per_round": took / churn.rounds,
-        "done": sum(lp.state == "done" for lp in loops),
-        "same_final_weights": (finals.most_common(1)[0][1] if finals else 0),
-        "participants_median": statistics.median(parts) if parts else 0,
-        "participants_min": min(parts) if parts else 0,
-        "resyncs": sum(lp.counters.get("resyncs", 0) for lp in loops),
-        "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops),
-        "counters": dict(sum((collections.Counter(lp.counters) for lp in loops), collections.Counter())),
-        "loss_start": tasks.evaluate(task, task.obj.model()),
-        "loss_end": statistics.median(lp.losses[-1][1] for lp in loops if lp.losses) if any(
-            lp.losses for lp in loops) else None,
-    }
-    for n in nodes.values():
-        if n.up:
-            await n.stop()
-    return result
+        while not sim.finished():
+            if loop.time() - t0 > 3600:
+                raise TimeoutError("simulation: the DiLoCo run did not finish within an hour of simulated time")
+            if k and loop.time() >= next_churn:
+                next_churn += churn.churn_every
+                running = [n for n in sim.live() if n.loop.state not in ("done", "failed")]
+                victims = rng.sample(running, min(k, len(running)))
+                for n in victims:
+                    await sim.kill(n.peer_id)
+                for peer in down:
+                    await sim.start(peer, restart=True)
+                down = [n.peer_id for n in victims]
+            await asyncio.sleep(0.1)
+        for peer in down:  # the last ones killed come back and finish too (they must end on the swarm's weights)
+            await sim.start(peer, restart=True)
+        try:
+            await sim.until(sim.finished, 600, "the restarted peers to finish")
+        except TimeoutError:
+            pass
+        return sim.report(loop.time() - t0)
+    finally:
+        await sim.stop()
 
 
 def _seed(seed: int, i: int) -> bytes:

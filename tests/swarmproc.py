@@ -214,11 +214,13 @@ class Swarm:
         return node
 
     def start_chain(self, n: int, prefix: str = "n", members_within: float | None = 30.0) -> list[NodeProc]:
-        """n nodes, each bootstrapped from the one before (B from A, C from B, ...); by default also wait until
-        every node lists every other as a member."""
+        """n nodes: the first, then the others at once, each bootstrapped from the first (they find each other
+        through the DHT; tests/test_swarm.py tests a true chain); by default also wait until every node lists every
+        other as a member."""
         nodes = [self.start(f"{prefix}0")]
-        for i in range(1, n):
-            nodes.append(self.start(f"{prefix}{i}", bootstrap=[nodes[-1].tcp_addr]))
+        nodes += [self.start(f"{prefix}{i}", bootstrap=[nodes[0].tcp_addr], wait=False) for i in range(1, n)]
+        for node in nodes[1:]:
+            node.wait_ready()
         if members_within is not None:
             ids = {x.peer_id for x in nodes}
             wait_for(lambda: all(x.member_ids() >= ids - {x.peer_id} for x in nodes), members_within,

@@ -156,33 +156,26 @@ def test_a_lying_reducer_is_caught_and_the_round_closes_with_the_honest_weights(
 
 @pytest.mark.swarm
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("phase", ["before_announcing", "reducing", "published"])
-def test_a_peer_killed_during_the_exchange_costs_the_others_a_deadline_not_the_run(tmp_path, phase):
-    """kill -9 before the victim announces its update (from outside), while it reduces its parts (after its
-    announcement: its chunks were served, its reduced parts never come), and after it published a reduced part
-    (the others are told where the part is and cannot pull it)."""
+def test_a_peer_killed_while_reducing_costs_the_others_a_deadline_not_the_run(tmp_path):
+    """kill -9 while the victim reduces its parts (after its announcement: its chunks were served, its reduced parts
+    never come). Killed before announcing: a deadline, as a slow peer's (tests/test_rounds_sim.py); after publishing
+    a reduced part: the same fallback as here (bench/bench_chaos.py --part kill covers every phase)."""
     swarm = swarm_of(tmp_path, run="kill", rounds=5)
     try:
         nodes = swarm.start_chain(3, members_within=None)
-        entry = ("-m", "node") if phase == "before_announcing" else (str(REPO / "tests" / "dying_peer.py"), phase)
-        victim = swarm.start("victim", bootstrap=[nodes[-1].tcp_addr], entry=list(entry))
-        if phase == "before_announcing":
-            wait_for(lambda: d(victim).get("rounds", 0) >= 2, 120, "the victim to close 2 rounds")
-            victim.kill()
-        else:
-            wait_for(lambda: victim.proc.poll() is not None, 120, "the victim to die")
+        victim = swarm.start("victim", bootstrap=[nodes[-1].tcp_addr],
+                             entry=[str(REPO / "tests" / "dying_peer.py"), "reducing"])
+        wait_for(lambda: victim.proc.poll() is not None, 120, "the victim to die")
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 160,
                          "the survivors to finish")
         assert final[0]["final_hash"] == final[1]["final_hash"] == final[2]["final_hash"]
         assert final[0]["history"][-1]["participants"] == 3 and final[0]["history"][-1]["round"] == 4
         assert max(h["participants"] for h in final[0]["history"]) == 4
-        if phase == "before_announcing":
-            assert sum(s.get("deadline_missed", 0) for s in final) >= 1
-        else:  # the victim's parts of the round it died in: reduced by a survivor itself, or taken from one that did
-            # (an honest fallback has the victim's bytes, so its hash: another survivor may pull it from there)
-            assert all(s.get("parts_fallback", 0) + s.get("parts_from_other_holders", 0) >= 1 for s in final)
-            assert sum(s.get("parts_fallback", 0) for s in final) >= 1
-            assert sum(s.get("resyncs", 0) for s in final) == 0
+        # the victim's parts of the round it died in: reduced by a survivor itself, or taken from one that did (an
+        # honest fallback has the victim's bytes, so its hash: another survivor may pull it from there)
+        assert all(s.get("parts_fallback", 0) + s.get("parts_from_other_holders", 0) >= 1 for s in final)
+        assert sum(s.get("parts_fallback", 0) for s in final) >= 1
+        assert sum(s.get("resyncs", 0) for s in final) == 0
         # the deadline was spent once, not every round
         assert sum(s.get("deadline_missed", 0) for s in final) <= 3
     finally:
@@ -191,8 +184,8 @@ def test_a_peer_killed_during_the_exchange_costs_the_others_a_deadline_not_the_r
 
 @pytest.mark.swarm
 @pytest.mark.timeout(200)
-@pytest.mark.parametrize("behaviour,mode,reason", [("noise", "scatter", "uncorrelated"),
-                                                   ("same", "all-to-all", "replayed")])
+# a noise update in scatter mode: tests/test_rounds_sim.py (the same round code, in one process)
+@pytest.mark.parametrize("behaviour,mode,reason", [("same", "all-to-all", "replayed")])
 def test_a_byzantine_update_is_refused_penalised_and_shown_and_the_honest_peers_agree(tmp_path, behaviour, mode,
                                                                                       reason):
     swarm = swarm_of(tmp_path, run=f"byz-{behaviour}", mode=mode, audit=1.0, rounds=4)

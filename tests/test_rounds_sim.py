@@ -1,0 +1,150 @@
+"""DiLoCo's round logic, the loop's own code, in one process on virtual time (node/sim.py DilocoSim): a late joiner,
+a peer that drifts, a Byzantine peer, a partition, a slow peer. Seconds each; the multi-process tests
+(test_diloco.py, test_exchange.py) stay as the end-to-end layer."""
+
+import asyncio
+
+import pytest
+import torch
+
+from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced
+from protocols import diloco
+from transport.memory import run_virtual
+
+
+def _sim(tmp_path, peers: int, rounds: int = 8, dim: int = 256, **settings) -> DilocoSim:
+    return DilocoSim(SimConfig(peers=peers, seed=7), ChurnConfig(rounds=rounds, dim=dim), tmp_path, **settings)
+
+
+def _finals(sim: DilocoSim) -> set:
+    return {n.loop.final_hash for n in sim.nodes.values()}
+
+
+@pytest.mark.timeout(120)
+def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=10, min_peers=4)
+        try:
+            await sim.start_all(sim.peers[:4])
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in sim.peers[:4]) >= 3, 120, "round 3")
+            late = sim.peers[4]
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(late).counters, _finals(sim), sim.loop(late).history
+        finally:
+            await sim.stop()
+
+    counters, finals, history = run_virtual(main())
+    assert counters["joined_from_checkpoint"] == 1 and len(finals) == 1
+    assert history and max(h["participants"] for h in history) == 5  # it contributed once let in
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 4)
+        try:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 120, "round 2")
+            drifter = sim.loop(sim.peers[0])
+            drifter.global_flat[0] = drifter.global_flat[0] + 0.01 * torch.randn(drifter.global_flat[0].shape)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return drifter.counters, _finals(sim)
+        finally:
+            await sim.stop()
+
+    counters, finals = run_virtual(main())
+    assert counters["diverged"] >= 1 and counters["resyncs"] >= 1 and len(finals) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
+    class Noise(_paced(diloco.DilocoLoop, 0.1)):
+        def _pseudo_gradient(self, p, local):
+            honest = super()._pseudo_gradient(p, local)
+            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(self.step))
+            return noise * (honest.norm() / noise.norm())  # of an honest size, pointing nowhere
+
+    async def main():
+        sim = _sim(tmp_path, 5, exchange="scatter")  # each reducer screens the chunks of its part
+        bad = sim.peers[4]
+        sim.classes[bad] = Noise
+        try:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            honest = [sim.nodes[p] for p in sim.peers[:4]]
+            assert all(set(n.loop.offenders) <= {bad} for n in honest)  # no honest peer was ever refused
+            return ([n.loop.offenders.get(bad, {}).get("refused", {}) for n in honest],
+                    [n.transport.penalties.score(bad) for n in honest],
+                    {n.loop.final_hash for n in honest}, [n.loop.counters.get("rejected_uncorrelated", 0)
+                                                            for n in honest])
+        finally:
+            await sim.stop()
+
+    refused, scores, finals, counts = run_virtual(main())
+    assert all(r.get("uncorrelated", 0) >= 1 for r in refused) and all(s > 0 for s in scores)
+    assert len(finals) == 1 and all(c >= 1 for c in counts)
+
+
+@pytest.mark.timeout(120)
+def test_a_partition_splits_the_rounds_and_after_the_heal_everyone_ends_on_one_side(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 6, rounds=14)
+        try:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 120, "round 2")
+            minority, majority = sim.peers[:2], sim.peers[2:]
+            sim.net.partition(set(minority), set(majority))
+            await asyncio.sleep(8.0)  # a few rounds apart
+            sim.net.heal()
+            await sim.until(sim.finished, 600, "everyone to finish")
+            return _finals(sim), sum(sim.loop(p).counters.get("resyncs", 0) for p in sim.peers)
+        finally:
+            await sim.stop()
+
+    finals, resyncs = run_virtual(main())
+    assert len(finals) == 1 and resyncs >= 1
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_peer_costs_the_others_a_deadline_not_the_run(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 4)
+        slow = sim.peers[3]
+        sim.classes[slow] = _paced(diloco.DilocoLoop, 0.5)  # five times slower inner steps
+        try:
+            await sim.start_all()
+            took = await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 600,
+                                   "the fast peers to finish")
+            await sim.until(sim.finished, 600, "the slow one too")
+            fast = [sim.loop(p) for p in sim.peers[:3]]
+            return took, [lp.counters.get("deadline_missed", 0) for lp in fast], _finals(sim)
+        finally:
+            await sim.stop()
+
+    took, missed, finals = run_virtual(main())
+    # 8 rounds of 10 steps of 0.1 s are 8 s of compute; the fast peers wait for the slow one only to a deadline
+    assert took < 8 * (1.0 + 10.0) and all(m >= 1 for m in missed) and len(finals) == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_killed_before_announcing_costs_the_others_one_deadline(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 4)
+        victim = sim.peers[3]
+        try:
+            await sim.start_all()
+            # kill -9 once it has closed 2 rounds and is mid-way through its next round's inner steps
+            await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
+                            "the victim mid-round")
+            await sim.kill(victim)
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 300, "survivors done")
+            survivors = [sim.loop(p) for p in sim.peers[:3]]
+            return ([lp.counters.get("deadline_missed", 0) for lp in survivors],
+                    {lp.final_hash for lp in survivors}, survivors[0].history)
+        finally:
+            await sim.stop()
+
+    missed, finals, history = run_virtual(main())
+    assert len(finals) == 1 and history[-1]["participants"] == 3 and history[0]["participants"] == 4
+    assert all(1 <= m <= 2 for m in missed)  # the deadline was spent once (twice at most), not every round
