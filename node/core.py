@@ -242,14 +242,15 @@ class Node:
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
-                    await self.http.close()
+                    await _bounded("the HTTP endpoint's close", self.http.close())
                     for svc in reversed(self.services):
-                        await svc.close()
-                    await self.replicator.leave()
+                        await _bounded(f"{svc.name}'s close", svc.close())
+                    await _bounded("leaving the member set", self.replicator.leave())
             finally:
-                await self.discovery.close()
+                await _bounded("discovery's close", self.discovery.close())
         finally:
-            await self.transport.close()  # ends inbound handlers, which may still be writing to the op log
+            # ends inbound handlers, which may still be writing to the op log
+            await _bounded("the transport's close", self.transport.close())
             self.replicator.close()
             self.reach.close()
 
@@ -437,3 +438,15 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay:
             delay = 1.0
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_delay)
+
+
+SHUTDOWN_STEP_S = 5.0  # the most one step of a shutdown may take before it is abandoned (and named in the log)
+
+
+async def _bounded(what: str, step: Awaitable) -> None:
+    """One shutdown step, abandoned after SHUTDOWN_STEP_S with a warning naming it, so a stuck step neither keeps
+    the node from exiting nor goes unnoticed."""
+    try:
+        await asyncio.wait_for(step, SHUTDOWN_STEP_S)
+    except asyncio.TimeoutError:
+        logger.warning("shutdown: %s took more than %.0f s; abandoned", what, SHUTDOWN_STEP_S)
