@@ -177,14 +177,7 @@ class SimSwarm:
         return len(digests) == 1
 
     async def until(self, cond, timeout: float, what: str, step: float = 0.05) -> float:
-        """Virtual seconds until ``cond()`` holds (checked every ``step``); raises TimeoutError after ``timeout``."""
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        while not cond():
-            if loop.time() - start > timeout:
-                raise TimeoutError(f"simulation: {what} not reached within {timeout} s of simulated time")
-            await asyncio.sleep(step)
-        return loop.time() - start
+        return await until(cond, timeout, what, step)
 
     # -------------------------------------------------------------- scenarios
     async def dissemination(self, messages: int = 20, gap: float = 0.5) -> dict:
@@ -346,13 +339,7 @@ class DilocoSim:
         return all(n.loop.state in ("done", "failed") for n in self.live())
 
     async def until(self, cond, timeout: float, what: str) -> float:
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
-        while not cond():
-            if loop.time() - t0 > timeout:
-                raise TimeoutError(f"simulation: {what} not reached within {timeout} s of simulated time")
-            await asyncio.sleep(0.1)
-        return loop.time() - t0
+        return await until(cond, timeout, what, 0.1)
 
     async def stop(self) -> None:
         for n in self.nodes.values():
@@ -415,6 +402,17 @@ async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
         return sim.report(loop.time() - t0)
     finally:
         await sim.stop()
+
+
+async def until(cond, timeout: float, what: str, step: float) -> float:
+    """Virtual seconds until ``cond()`` holds (checked every ``step``); raises TimeoutError after ``timeout``."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    while not cond():
+        if loop.time() - start > timeout:
+            raise TimeoutError(f"simulation: {what} not reached within {timeout} s of simulated time")
+        await asyncio.sleep(step)
+    return loop.time() - start
 
 
 def _seed(seed: int, i: int) -> bytes:
