@@ -65,9 +65,10 @@ class SwarmAdamW(torch.optim.Optimizer):
                 if m_peers == 1:
                     denom = (v / bc2).sqrt_()
                 else:
-                    # v/M + (1 - 1/M) m^2 on the bias-corrected moments, capped at v
-                    denom = torch.addcmul(v, m, m, value=(1 - 1 / m_peers) * bc2 / (bc1 * bc1) * m_peers)
-                    full = v / bc2
-                    torch.minimum(denom.div_(bc2 * m_peers), full, out=denom).sqrt_()
+                    # min(v/M + (1 - 1/M) m^2, v) = v/M + (1 - 1/M) min(m^2, v) on the bias-corrected moments,
+                    # computed in v's scale (times bc2) in one temporary the size of the parameter
+                    denom = torch.mul(m, m).mul_(bc2 / (bc1 * bc1))
+                    torch.minimum(denom, v, out=denom)
+                    denom.mul_(1 - 1 / m_peers).add_(v, alpha=1 / m_peers).div_(bc2).sqrt_()
                 p.addcdiv_(m, denom.add_(eps), value=-lr / bc1)
         return loss

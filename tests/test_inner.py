@@ -61,3 +61,22 @@ def test_set_peers_changes_the_step_and_bad_settings_are_refused():
     for bad in (dict(lr=0), dict(betas=(1.0, 0.9)), dict(eps=0), dict(weight_decay=-1), dict(peers=0)):
         with pytest.raises(ValueError):
             SwarmAdamW([torch.nn.Parameter(torch.zeros(1))], **bad)
+
+
+@pytest.mark.timeout(30)
+def test_the_step_is_the_documented_formula():
+    """min(v/M + (1 - 1/M) m^2, v) on the bias-corrected moments, written out plainly here."""
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(256, generator=gen) * torch.linspace(0.1, 3, 256) + 0.4 for _ in range(12)]
+    lr, (b1, b2), eps, wd, peers = 1e-2, (0.9, 0.95), 1e-8, 0.1, 3
+    ours = _run(SwarmAdamW, grads, lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd, peers=peers)
+    p, m, v = (torch.zeros(256, dtype=torch.float64) for _ in range(3))
+    for t, g in enumerate(grads, 1):
+        g = g.double()
+        p *= 1 - lr * wd
+        m = b1 * m + (1 - b1) * g
+        v = b2 * v + (1 - b2) * g * g
+        mh, vh = m / (1 - b1 ** t), v / (1 - b2 ** t)
+        second = torch.minimum(vh / peers + (1 - 1 / peers) * mh * mh, vh)
+        p -= lr * mh / (second.sqrt() + eps)
+    torch.testing.assert_close(ours, p.float(), rtol=1e-5, atol=1e-6)
