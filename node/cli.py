@@ -6,6 +6,7 @@ locked, no node running); 2 bad input (flags, config, addresses). Errors are one
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -167,6 +168,8 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
             raise Fail(str(e)) from None
         return 0
 
+    # `kill -USR1 <pid>` writes every thread's stack to stderr (the node log): what a stuck node is doing
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     started = time.monotonic()
     code = uvloop.run(main())
     # the loop (and its signal handlers) is gone, but the process still has to exit: a signal now exits at once

@@ -180,6 +180,11 @@ class NodeProc:
             try:
                 self.proc.wait(timeout)
             except subprocess.TimeoutExpired:
+                self.signal(signal.SIGUSR1)  # the node writes every thread's stack to its log: why it hung
+                try:
+                    self.proc.wait(1)
+                except subprocess.TimeoutExpired:
+                    pass
                 self.proc.kill()
                 self.proc.wait(5)
         self._log.close()
