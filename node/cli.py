@@ -154,6 +154,9 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
                 signal.signal(s, _exit_now)
             print(f"received {signal.Signals(signum).name}, shutting down (again to exit at once)",
                   file=sys.stderr, flush=True)
+            # the backstop: every step of a shutdown is bounded, but should the process still be here after
+            # SHUTDOWN_DEADLINE_S, it writes every thread's stack to the log and exits (1) from a watchdog thread
+            faulthandler.dump_traceback_later(SHUTDOWN_DEADLINE_S, exit=True)
             task.cancel()
 
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -222,6 +225,9 @@ def _prepare_loops(config, base_dir: Path | None = None) -> list:
 def _loops(prepared: list, gossip, bulk) -> list:
     return [cls(gossip, bulk, cfg, task) if cls.name == "diloco" else cls(gossip, cfg, task)
             for cls, cfg, task in prepared]
+
+
+SHUTDOWN_DEADLINE_S = 60.0  # well above the bounded steps' sum (6 x 5 s); reaching it is a bug, and says where
 
 
 def _exit_now(*_) -> None:

@@ -1,7 +1,7 @@
 """The Node: wires transport, discovery and the HTTP endpoint, and owns their lifecycle.
 
 Lifecycle: :meth:`Node.run` starts the parts in order (p2p daemon, ping, DHT, HTTP), signals readiness once through
-``on_ready``, then runs the background loops in one TaskGroup until it is cancelled; teardown runs in reverse order
+``on_ready``, then runs the background loops (``run_loops``) until it is cancelled; teardown runs in reverse order
 whatever happened. Cancellation is the only way to stop it (the CLI cancels it on SIGINT/SIGTERM).
 """
 
@@ -229,16 +229,16 @@ class Node:
                     try:
                         if on_ready is not None:
                             on_ready(self)
-                        async with asyncio.TaskGroup() as tg:
-                            tg.create_task(supervise("discovery", self.discovery.run))
-                            tg.create_task(supervise("connection monitor", self._connection_monitor))
-                            tg.create_task(supervise("ping", self._ping_loop))
-                            tg.create_task(supervise("split detection", self.reach.run))
-                            tg.create_task(supervise("event loop lag", self.loop_lag.run))
-                            tg.create_task(supervise("dashboard recorder", self.recorder.run))
-                            tg.create_task(supervise("replication", self.replicator.run))
-                            for svc in self.services:
-                                tg.create_task(supervise(svc.name, svc.run))
+                        await run_loops([
+                            ("discovery", self.discovery.run),
+                            ("connection monitor", self._connection_monitor),
+                            ("ping", self._ping_loop),
+                            ("split detection", self.reach.run),
+                            ("event loop lag", self.loop_lag.run),
+                            ("dashboard recorder", self.recorder.run),
+                            ("replication", self.replicator.run),
+                            *((svc.name, svc.run) for svc in self.services),
+                        ])
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
@@ -438,6 +438,32 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay:
             delay = 1.0
         await asyncio.sleep(delay)
         delay = min(delay * 2, max_delay)
+
+
+async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
+    """Run the node's background loops (each supervised) until they all end or this is cancelled; then end them all.
+
+    One cancellation is not always enough: on Python 3.11 ``asyncio.wait_for`` swallows a cancellation that lands
+    just as the awaited future completes (fixed in 3.12), and a loop around it runs on, so a TaskGroup, which cancels
+    its tasks once, could wait for it forever (seen: a node given SIGTERM that never exited). Here each loop still
+    running is cancelled again every half second, up to SHUTDOWN_STEP_S; one still running then is named in a
+    warning and abandoned."""
+    tasks = {asyncio.create_task(supervise(name, run), name=f"loop: {name}"): name for name, run in loops}
+    try:
+        await asyncio.wait(tasks)
+    finally:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + SHUTDOWN_STEP_S
+        pending = {t for t in tasks if not t.done()}
+        while pending:
+            for t in pending:
+                t.cancel()
+            left = deadline - loop.time()
+            if left <= 0:
+                logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned",
+                               ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S)
+                break
+            _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
 
 
 SHUTDOWN_STEP_S = 5.0  # the most one step of a shutdown may take before it is abandoned (and named in the log)
