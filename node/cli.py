@@ -120,7 +120,7 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
 
     import uvloop
 
-    from node.core import Node
+    from node.core import Node, end_tasks
     from node.http import HttpStartError
     from protocols.bulk import BulkService
     from protocols.gossip import Gossip
@@ -169,6 +169,11 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
             raise
         except (DaemonStartError, HttpStartError) as e:
             raise Fail(str(e)) from None
+        finally:
+            # what the node's teardown left running (stream handlers, pulls) ends here, each task cancelled until it
+            # ends: asyncio.run's own teardown cancels once and would wait forever for one that swallowed it
+            others = asyncio.all_tasks() - {task}
+            await end_tasks({t: t.get_name() for t in others})
         return 0
 
     # `kill -USR1 <pid>` writes every thread's stack to stderr (the node log): what a stuck node is doing

@@ -452,18 +452,24 @@ async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> N
     try:
         await asyncio.wait(tasks)
     finally:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + SHUTDOWN_STEP_S
-        pending = {t for t in tasks if not t.done()}
-        while pending:
-            for t in pending:
-                t.cancel()
-            left = deadline - loop.time()
-            if left <= 0:
-                logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned",
-                               ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S)
-                break
-            _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
+        await end_tasks(tasks)
+
+
+async def end_tasks(tasks: dict[asyncio.Task, str]) -> None:
+    """Cancel these tasks until they end (again every half second, since one cancellation can be swallowed), up to
+    SHUTDOWN_STEP_S; those still running then are named in a warning and abandoned."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + SHUTDOWN_STEP_S
+    pending = {t for t in tasks if not t.done()}
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - loop.time()
+        if left <= 0:
+            logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned",
+                           ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S)
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
 
 
 SHUTDOWN_STEP_S = 5.0  # the most one step of a shutdown may take before it is abandoned (and named in the log)
