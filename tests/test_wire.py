@@ -79,6 +79,11 @@ def test_topic_messages_carry_kind_and_version_and_are_checked():
             WIRE.unpack(diloco.CARRIER, msgpack.packb(bad))
     with pytest.raises(ValueError):  # our own bug: refused before it leaves
         WIRE.pack(diloco.ROUND_HASH, {"r": 3, "p": 0, "h": 5, "t": tag})
+    # larger than any message of the carrier: refused as oversized before decoding (0xc1 is never valid msgpack)
+    largest = max(k.max_size for k in WIRE.kinds.values() if k.carrier == diloco.CARRIER)
+    with pytest.raises(MalformedMessage) as refused:
+        WIRE.unpack(diloco.CARRIER, b"\xc1" * (largest + 1))
+    assert refused.value.kind == "oversized"
 
 
 def test_a_frame_whose_body_breaks_its_schema_is_refused_at_the_stream():

@@ -303,6 +303,9 @@ class Registry:
         kinds = self._by_carrier.get(carrier)
         if kinds is None:
             raise ValueError(f"no messages declared for {carrier!r}")
+        largest = max(k.max_size for k in kinds.values())
+        if len(data) > largest:  # before decoding: no message of this carrier is that large
+            raise MalformedMessage(f"{carrier}: a message is at most {largest} B", kind="oversized")
         obj = unpack(data, what=carrier)
         if not isinstance(obj, dict) or type(obj.get("k")) is not int or type(obj.get("v")) is not int:
             raise MalformedMessage(f"{carrier}: a message is a map with an int kind k and version v")
