@@ -34,7 +34,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import codecs, exchange, outer
+from protocols import codecs, exchange, outer, rounds
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService
 from protocols.gossip import Gossip, Message, Verdict
@@ -366,16 +366,13 @@ class DilocoLoop(TaskLoop):
         until = self.clock.monotonic() + self.deadline.value()
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
-        last = theirs(r)
-        if not last:
-            return
-        majority = outer.majority(list(last.values()) + [ours])
-        if majority == ours:
+        verdict = rounds.hash_verdict(ours, theirs(r))
+        if verdict is None or verdict.agrees:
             return
         self.counters["diverged"] += 1
         self.counters["resyncs"] += 1
         logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
-        if not await self._join_from_checkpoint(sorted(a for a, h in last.items() if h == majority), rejoin=True):
+        if not await self._join_from_checkpoint(list(verdict.holders), rejoin=True):
             logger.error("diloco: no peer of the majority served its final weights; ending on ours")
 
     async def _after_round(self, done: int) -> None:
@@ -461,10 +458,14 @@ class DilocoLoop(TaskLoop):
         # contributed last round without standing yet; brand-new ones only in fresh rounds), picked the same way
         # everywhere: a fresh key can neither add itself to the set every round waits for nor stall many rounds
         base = self.participants.get(p, self._initial) | self.joins.get(key, set())  # popped once closed
-        expected = self.standing.counting(base) - {me}
-        slots = set(self.standing.newcomers(base - expected - {me}, f"{self.cfg.run}/{r}/{p}",
-                                            max(1, len(expected) // 4), fresh_ok=fresh_round(r)))
-        waited = expected | slots
+        blocked_from = self.clock.monotonic()
+        # a newcomer holding a slot gets half of deadline_low once every counting peer is in (then the deadline
+        # only if its update is on its way). Half: a peer that did not see the join (gossip is not instant) goes
+        # on at once and is that much ahead in the next round, whose deadline is deadline_low at least: the
+        # others still make it in time
+        wait = rounds.plan_wait(self.standing, base, f"{self.cfg.run}/{r}/{p}", fresh=fresh_round(r), now=blocked_from,
+                                deadline=self.deadline.value(), grace=self.cfg.deadline_low / 2, me=me)
+        expected, slots, waited = set(wait.expected), set(wait.slots), set(wait.waited)
         mode = self._mode(p)
         if mode == "scatter":  # an announcement is all a round waits for: the bytes move after the close
             def have() -> set[str]:
@@ -474,23 +475,12 @@ class DilocoLoop(TaskLoop):
                 return set(pending.updates)
             for peer in set(pending.announced) - pending.pulling - set(pending.updates):
                 self._start_pull(key, pending, peer)  # announced while we were in the other mode
-        blocked_from = self.clock.monotonic()
-        end = blocked_from + self.deadline.value()
-        await outer.wait_until(lambda: expected <= have(), self._event, end - self.clock.monotonic())
-        if expected <= have() and not slots <= have():
-            # every counting peer is in; a newcomer holding a slot is waited for to the deadline only if it has
-            # announced its update by then (it is on its way): one that never announces (a fresh key that
-            # joined and went quiet) costs half of deadline_low more, not the whole adaptive deadline. Half: a
-            # peer that did not see the join (gossip is not instant) goes on at once and is that much ahead in
-            # the next round, whose deadline is deadline_low at least: the others still make it in time
-            grace = min(end - self.clock.monotonic(), self.cfg.deadline_low / 2)
-            if grace > 0:
-                await outer.wait_until(lambda: slots <= have(), self._event, grace)
-            on_the_way = (slots - have()) & (set(pending.announced) - pending.failed)
-            if on_the_way and end > self.clock.monotonic():
-                await outer.wait_until(lambda: on_the_way - pending.failed <= have(), self._event,
-                                       end - self.clock.monotonic())
-            self.counters["newcomers_not_waited"] += len(slots - have() - on_the_way)
+
+        def coming() -> set[str]:
+            return set(pending.announced) - pending.failed
+
+        await self._wait_round(wait, self._event, have, coming)
+        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(have(), coming())
         if not waited <= have():
             self.counters["deadline_missed"] += 1
             logger.warning("diloco round %d/%d closed without %s", r, p, sorted(waited - have()))
@@ -573,13 +563,13 @@ class DilocoLoop(TaskLoop):
     def _check_previous(self, p: int, r: int) -> None:
         """Compare the global hash we published for round r-1 with what the others published for it."""
         ours = self._published.get((r - 1, p))
-        theirs = {a: h for a, h in self.round_hashes.get((r - 1, p), {}).items() if self.standing.vouched(a)}
-        if ours is None or not theirs:
+        verdict = None if ours is None else rounds.hash_verdict(ours, self.round_hashes.get((r - 1, p), {}),
+                                                                 self.standing.vouched)
+        if verdict is None:
             return
-        majority = outer.majority(list(theirs.values()) + [ours])
-        if majority == ours and self._ctx.identity.peer_id in self._contributed.pop((r - 1, p), ()):
+        if verdict.agrees and self._ctx.identity.peer_id in self._contributed.pop((r - 1, p), ()):
             self._included += 1  # the others combined our update too: our word counts there
-        if majority != ours:
+        if not verdict.agrees:
             # do the others still count us? yes if we started the run with them (unless a rejoin just failed to
             # take), or if the majority's weights contained our update in EARN rounds since
             self._counted_before_resync = (self._founder and r - self._rejoined_at > EARN) or self._included >= EARN
@@ -587,7 +577,7 @@ class DilocoLoop(TaskLoop):
             self._included = 0
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
-            self._resync_from = sorted(a for a, h in theirs.items() if h == majority)
+            self._resync_from = list(verdict.holders)
 
     def _replays(self, p: int, pending: Pending, members: set[str]) -> dict[str, str]:
         """Members whose update for this round is the very one they sent for an earlier round of the fragment (the
@@ -883,7 +873,7 @@ class DilocoLoop(TaskLoop):
         round), or join a run that has moved past our weights through a peer's checkpoint."""
         me = self._ctx.identity.peer_id
         self.state = "waiting for peers"
-        grace, announced = None, 0.0
+        barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
             claims = {a: h for (r, p), hashes in self.round_hashes.items() if r >= self.rounds_done[p]
                       for a, h in hashes.items()}
@@ -896,22 +886,19 @@ class DilocoLoop(TaskLoop):
                         hashes.pop(a, None)
                 self.state = "waiting for peers"
             base = self.global_hash()
-            if self.clock.monotonic() - announced > 1.0:
+            if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
-                announced = self.clock.monotonic()
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
-            if len(ready) >= self.cfg.min_peers:
-                grace = grace or self.clock.monotonic() + 1.0
-                if self.clock.monotonic() >= grace:
-                    self._initial = ready
-                    if isinstance(self.inner_opt, SwarmAdamW):
-                        self.inner_opt.set_peers(len(ready))
-                    self.standing.found(ready)
-                    self._founder = len(ready) > 1
-                    self.ready.clear()
-                    self.state = "running"
-                    return
+            if barrier.start(self.clock.monotonic(), len(ready)):
+                self._initial = ready
+                if isinstance(self.inner_opt, SwarmAdamW):
+                    self.inner_opt.set_peers(len(ready))
+                self.standing.found(ready)
+                self._founder = len(ready) > 1
+                self.ready.clear()
+                self.state = "running"
+                return
             await asyncio.sleep(0.1)
 
     def _trusted_claimers(self, claims: dict[str, str]) -> list[str]:
@@ -924,8 +911,8 @@ class DilocoLoop(TaskLoop):
             trusted = {a: h for a, h in claims.items() if self._ctx.direct(a)}
         if not trusted:
             return []
-        majority = outer.majority(list(trusted.values()))
-        return sorted(a for a, h in trusted.items() if h == majority)
+        top = rounds.majority(trusted.values())
+        return sorted(a for a, h in trusted.items() if h == top)
 
     # ------------------------------------------------------------------ our own checkpoint (the data dir)
     def _global_state(self) -> dict[str, torch.Tensor]:

@@ -9,7 +9,6 @@ Everything is deterministic given its inputs: peers are always combined in sorte
 from __future__ import annotations
 
 import asyncio
-import collections
 import hashlib
 import math
 import re
@@ -57,12 +56,6 @@ def unflatten_into(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
 def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.Tensor]) -> torch.Tensor:
     """Delta = global - local, flat fp32 (what a peer sends after its inner steps)."""
     return flatten(global_params) - flatten(local_params)
-
-
-def majority(votes: list[str]) -> str:
-    """The weight hash most peers report; a tie goes to the larger hash, so every peer picks the same side."""
-    counts = collections.Counter(votes)
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 def params_hash(tensors: list[torch.Tensor]) -> str:

@@ -39,7 +39,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from node.services import NodeContext
-from protocols import outer
+from protocols import rounds
 from protocols import task as tasks
 from protocols.checkpoint import model_state
 from protocols.gossip import Gossip, Message, Verdict
@@ -377,19 +377,16 @@ class SapoLoop(TaskLoop):
         they are ready or already share items (a run in progress). Rounds are each peer's own: a peer that arrives
         late starts at its own round 0 (or its checkpoint's), and no message moves our round."""
         self.state = "waiting for peers"
-        grace_until, announced = None, 0.0
+        barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
-            if self.clock.monotonic() - announced > 1.0:  # repeated: peers whose links form later must hear it too
+            if barrier.announce(self.clock.monotonic()):
                 self.gossip.publish(self.topic, WIRE.pack(READY, self._tag({"r": 0, "ready": True})))
-                announced = self.clock.monotonic()
             here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
             self._check_refusal(len(here))
-            if len(here) + 1 >= self.cfg.min_peers:
-                grace_until = grace_until or self.clock.monotonic() + 1.0
-                if self.clock.monotonic() >= grace_until:
-                    self._participants = here
-                    self.standing.found(here)
-                    break
+            if barrier.start(self.clock.monotonic(), len(here) + 1):
+                self._participants = here
+                self.standing.found(here)
+                break
             await asyncio.sleep(0.1)
         self.ready.clear()
         self.state = "running"
@@ -403,7 +400,9 @@ class SapoLoop(TaskLoop):
         (of its own next round: rounds are each peer's own). A fresh key is never waited for."""
         expected = self.standing.counting(self._participants) - {self._ctx.identity.peer_id}
         opened = self.clock.monotonic()
-        if not await outer.wait_until(lambda: expected <= self._fresh(), self._arrived, self.cfg.deadline):
+        wait = rounds.RoundWait(frozenset(expected), frozenset(), opened + self.cfg.deadline, 0.0)
+        await self._wait_round(wait, self._arrived, self._fresh)
+        if not expected <= self._fresh():
             self.counters["deadline_missed"] += 1
             logger.info("sapo round %d closed without %d peer(s)", r, len(expected - self._fresh()))
         self._participants = self._fresh()

@@ -36,7 +36,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import outer
+from protocols import rounds
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, decode_message
@@ -447,20 +447,15 @@ class SPSALoop(TaskLoop):
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
         everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
         window = self.windows[w]
-        base = self._expected(w)
-        expected = self.standing.counting(base)
-        slots = set(self.standing.newcomers(base - expected, f"{self.cfg.run}/{w}", max(1, len(expected) // 4),
-                                            fresh_ok=fresh_round(w)))
-        waited = expected | slots
         opened = self.clock.monotonic()
-        end = opened + self.cfg.deadline
-        await outer.wait_until(lambda: expected <= set(window.batches), self._arrived, end - self.clock.monotonic())
-        if expected <= set(window.batches) and not slots <= set(window.batches):
-            # every counting peer is in: a newcomer holding a slot gets NEWCOMER_GRACE more, not the whole
-            # deadline (a fresh key that joined and went quiet stalled every fresh window by the deadline)
-            await outer.wait_until(lambda: slots <= set(window.batches), self._arrived,
-                                   min(end - self.clock.monotonic(), NEWCOMER_GRACE))
-            self.counters["newcomers_not_waited"] += len(slots - set(window.batches))
+        # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
+        # fresh key that joined and went quiet stalled every fresh window by the deadline). Our own batch is in
+        # the window like anyone's: we wait for it too
+        wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
+                                now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
+        expected, slots, waited = set(wait.expected), set(wait.slots), set(wait.waited)
+        await self._wait_round(wait, self._arrived, lambda: set(window.batches))
+        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(window.batches))
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
@@ -503,16 +498,13 @@ class SPSALoop(TaskLoop):
         return self._screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
-        theirs = {a: h for a, h in self.hashes.get(w, {}).items() if self.standing.vouched(a)}
-        if theirs:
-            majority = outer.majority(list(theirs.values()) + [self.my_hashes[w]])
-            if majority != self.my_hashes[w]:
-                self.counters["diverged"] += 1
-                logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
-                # every counting peer that holds the majority's weights, the directly connected ones first (a log
-                # is pulled over a stream: one we only know through others may be unreachable)
-                holders = [a for a, h in theirs.items() if h == majority]
-                self._resync_from = sorted(holders, key=lambda a: not self._ctx.direct(a))
+        verdict = rounds.hash_verdict(self.my_hashes[w], self.hashes.get(w, {}), self.standing.vouched)
+        if verdict is not None and not verdict.agrees:
+            self.counters["diverged"] += 1
+            logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
+            # every counting peer that holds the majority's weights, the directly connected ones first (a log is
+            # pulled over a stream: one we only know through others may be unreachable)
+            self._resync_from = sorted(verdict.holders, key=lambda a: not self._ctx.direct(a))
 
     async def _start_or_catch_up(self) -> None:
         """Start at window 0 with the peers that are ready (same base model), or, if the run has begun without
@@ -520,11 +512,10 @@ class SPSALoop(TaskLoop):
         me = self._ctx.identity.peer_id
         self.state = "waiting for peers"
         self._start_hash = start = self.weights.hash()
-        grace_until, announced = None, 0.0
+        barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
-            if self.clock.monotonic() - announced > 1.0:  # repeat: peers whose links form later must hear it too
+            if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"w": self.window, "ready": start})
-                announced = self.clock.monotonic()
             ahead = self._run_started_without_us()
             if ahead:
                 self._reset_to_base()
@@ -538,15 +529,12 @@ class SPSALoop(TaskLoop):
                 self.state = "waiting for peers"
             ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
-            if len(ready) >= self.cfg.min_peers:
-                # a short grace, so peers that became ready at the same moment are in everyone's first window
-                grace_until = grace_until or self.clock.monotonic() + 1.0
-                if self.clock.monotonic() >= grace_until:
-                    self._initial = ready
-                    self.standing.found(ready)
-                    self.ready.clear()
-                    self.state = "running"
-                    return
+            if barrier.start(self.clock.monotonic(), len(ready)):
+                self._initial = ready
+                self.standing.found(ready)
+                self.ready.clear()
+                self.state = "running"
+                return
             if self.ready and any(h != start for h in self.ready.values()):
                 self.counters["base_mismatch_peers"] = sum(h != start for h in self.ready.values())
             await asyncio.sleep(0.1)

@@ -7,12 +7,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from node.services import WorkBoard
 from protocols import checkpoint
+from protocols.rounds import RoundWait
 from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
 from transport import clock
@@ -181,6 +183,16 @@ class TaskLoop:
     def _model_tensors(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The full state dict (buffers too) as ``model.<name>``, cloned so tied weights are saved apart."""
         return {checkpoint.MODEL_PREFIX + k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
+
+    async def _wait_round(self, wait: RoundWait, arrived: asyncio.Event, have: Callable[[], set[str]],
+                          coming: Callable[[], set[str]] = set) -> None:
+        """Wait out a round as ``wait`` (protocols.rounds) says, looking again each time ``arrived`` is set."""
+        while (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
+            arrived.clear()
+            try:
+                await asyncio.wait_for(arrived.wait(), left)
+            except asyncio.TimeoutError:
+                pass
 
     # ------------------------------------------------------------------ the round timeline
     def _record_round(self, r: int, *, fragment: int | None = None, waited_s: float, deadline_s: float,

@@ -77,11 +77,6 @@ def test_adaptive_deadline_follows_observed_arrivals():
     assert outer.mix(torch.ones(2), torch.zeros(2), 0.5).tolist() == [0.5, 0.5]
 
 
-def test_majority_vote_breaks_ties_the_same_way_everywhere():
-    assert outer.majority(["a", "b", "b"]) == "b"
-    assert outer.majority(["a", "b"]) == outer.majority(["b", "a"]) == "b"
-
-
 def test_merge_gives_a_peer_whose_weights_blew_up_the_global_weights_back():
     global_flat = torch.arange(6, dtype=torch.float32)
     params = [torch.zeros(2, 2), torch.zeros(2)]

@@ -1,0 +1,92 @@
+"""The round logic the loops share (protocols/rounds.py), driven by hand with a fake clock: no event loop, no I/O.
+
+The loops' shells around it are tested by tests/test_rounds_sim.py (DiLoCo on the simulator) and the loops' own
+multi-process tests."""
+
+import pytest
+
+from protocols import rounds
+from protocols.rounds import RoundWait, StartBarrier, hash_verdict, plan_wait
+from protocols.standing import Standing
+
+
+def test_majority_vote_breaks_ties_the_same_way_everywhere():
+    assert rounds.majority(["a", "b", "b"]) == "b"
+    assert rounds.majority(["a", "b"]) == rounds.majority(["b", "a"]) == "b"
+
+
+def test_start_barrier_announces_every_second_and_starts_a_grace_after_enough_are_ready():
+    b = StartBarrier(3, grace=1.0, repeat=1.0)
+    assert b.announce(0.0) and not b.announce(0.5) and b.announce(1.01) and not b.announce(1.5)
+    assert not b.start(0.0, 1) and not b.start(5.0, 2)  # too few: no start however long
+    assert not b.start(5.0, 3)  # enough from now: the grace begins
+    assert not b.start(5.5, 3)
+    assert not b.start(5.9, 2)  # a peer went quiet: the grace, once begun, stands
+    assert b.start(6.0, 2)
+
+
+def test_a_round_waits_for_every_counted_peer_to_its_deadline():
+    w = RoundWait(frozenset({"a", "b"}), frozenset(), end=10.0, grace=1.0)
+    assert w.remaining(0.0, set()) == 10.0
+    assert w.remaining(4.0, {"a"}) == 6.0
+    assert w.remaining(4.5, {"a", "b"}) is None  # all in: close at once
+    assert RoundWait(frozenset({"a", "b"}), frozenset(), end=10.0, grace=1.0).remaining(10.0, {"a"}) is None
+    assert w.waited == {"a", "b"}
+
+
+def test_a_quiet_newcomer_costs_the_grace_and_one_on_its_way_the_deadline():
+    quiet = RoundWait(frozenset({"a"}), frozenset({"n"}), end=10.0, grace=1.0)
+    assert quiet.remaining(0.0, set()) == 10.0  # a counted peer is missing: the newcomer is not the reason
+    assert quiet.remaining(2.0, {"a"}) == 1.0  # a is in: the newcomer's grace begins
+    assert quiet.remaining(2.5, {"a"}) == pytest.approx(0.5)
+    assert quiet.remaining(3.0, {"a"}) is None  # never announced: not waited for longer
+    assert quiet.newcomers_not_waited({"a"}) == 1
+
+    coming = RoundWait(frozenset({"a"}), frozenset({"n"}), end=10.0, grace=1.0)
+    assert coming.remaining(2.0, {"a"}, {"n"}) == 1.0
+    assert coming.remaining(3.0, {"a"}, {"n"}) == 7.0  # announced, being pulled: to the deadline
+    assert coming.remaining(4.0, {"a"}, set()) is None  # its pull failed: close now
+    assert coming.newcomers_not_waited({"a"}) == 1
+    arrived = RoundWait(frozenset({"a"}), frozenset({"n"}), end=10.0, grace=1.0)
+    assert arrived.remaining(2.0, {"a"}) == 1.0
+    assert arrived.remaining(2.2, {"a", "n"}) is None and arrived.newcomers_not_waited({"a", "n"}) == 0
+    # near the deadline the grace is what is left of it
+    late = RoundWait(frozenset({"a"}), frozenset({"n"}), end=10.0, grace=1.0)
+    assert late.remaining(9.6, {"a"}) == pytest.approx(0.4)
+    assert late.remaining(10.0, {"a"}, {"n"}) is None
+
+
+def test_plan_wait_waits_for_counted_peers_and_gives_the_same_newcomer_slots_everywhere():
+    def standing(me):
+        s = Standing(me)
+        s.found({"a", "b", "c", "d"})
+        s.record({"a", "b", "c", "d", "old-newcomer"})  # it contributed once: a streak, no standing yet
+        return s
+
+    base = {"a", "b", "c", "d", "old-newcomer", "fresh1", "fresh2"}
+    plans = [plan_wait(standing(me), base, "run/7/0", fresh=False, now=100.0, deadline=5.0, grace=1.0, me=me)
+             for me in ("a", "b")]
+    assert plans[0].expected == {"b", "c", "d"} and plans[1].expected == {"a", "c", "d"}
+    # one slot (a quarter of 3, at least one), outside a fresh round only to a peer that contributed before
+    assert plans[0].slots == plans[1].slots == {"old-newcomer"}
+    assert plans[0].end == 105.0
+    fresh = plan_wait(standing("a"), base - {"old-newcomer"}, "run/8/0", fresh=True, now=0.0, deadline=5.0, grace=1.0,
+                      me="a")
+    assert len(fresh.slots) == 1 and fresh.slots <= {"fresh1", "fresh2"}
+    again = plan_wait(standing("b"), base - {"old-newcomer"}, "run/8/0", fresh=True, now=0.0, deadline=5.0,
+                      grace=1.0, me="b")
+    assert again.slots == fresh.slots  # the same draw at every peer
+    # without me: a loop that waits for its own contribution too (SPSA's window holds our batch as anyone's)
+    assert "a" in plan_wait(standing("a"), base, "run/7/0", fresh=False, now=0.0, deadline=5.0, grace=1.0).expected
+
+
+def test_hash_verdict_counts_only_the_peers_whose_word_counts():
+    assert hash_verdict("x", {}) is None
+    assert hash_verdict("x", {"f1": "y", "f2": "y"}, counts=lambda a: not a.startswith("f")) is None
+    v = hash_verdict("x", {"a": "x", "b": "y", "c": "y", "f": "x"}, counts=lambda a: a != "f")
+    assert not v.agrees and v.majority == "y" and v.holders == ("b", "c")
+    v = hash_verdict("x", {"b": "y"})  # our own hash is a vote too
+    assert v.majority == "y" and not v.agrees  # a tie: the larger hash, the same side at every peer
+    assert hash_verdict("x", {"a": "x", "b": "y"}).agrees
+    v = hash_verdict("y", {"a": "x", "b": "y"})
+    assert v.agrees and v.holders == ("b",)
