@@ -1178,15 +1178,8 @@ class DilocoLoop(TaskLoop):
         return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]))
 
     async def _report(self, loss: float) -> None:
-        if self._ctx.replicator is None:
-            return
-        try:
-            await self._ctx.replicator.write("progress", {
-                "step": self.step, "samples": self._samples(self.step),
-                "loss": float(loss),
-                "bytes": int(self.counters["bytes_sent"]), "round": int(self.counters["rounds"])})
-        except ValueError as e:
-            logger.warning("could not record diloco progress: %s", e)
+        await self._write_progress(self.step, self._samples(self.step), loss, self.counters["bytes_sent"],
+                                   self.counters["rounds"])
 
     # ------------------------------------------------------------------ views
     def status(self) -> dict:

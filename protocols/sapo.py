@@ -456,20 +456,13 @@ class SapoLoop(TaskLoop):
         return self.sources.setdefault(author, [0, 0, 0.0, 0])
 
     async def _report_progress(self, loss: float, own: float, ext: float | None) -> None:
-        if self._ctx.replicator is None:
-            return
         metrics = {"reward": float(own), "cumulative_reward": float(self.cumulative_reward),
                    "items_shared": float(self.counters["items_shared"]),
                    "items_used_external": float(self.counters["items_used_external"])}
         if ext is not None:
             metrics["external_reward"] = float(ext)
-        try:
-            await self._ctx.replicator.write("progress", {
-                "step": self.round, "samples": self.round * self.cfg.questions * self.cfg.completions,
-                "loss": float(loss), "bytes": int(self.counters["wire_bytes_published"]), "round": self.round,
-                "metrics": metrics})
-        except ValueError as e:
-            logger.warning("could not record sapo progress: %s", e)
+        await self._write_progress(self.round, self.round * self.cfg.questions * self.cfg.completions, loss,
+                                   self.counters["wire_bytes_published"], self.round, metrics)
 
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:

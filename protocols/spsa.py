@@ -432,16 +432,8 @@ class SPSALoop(TaskLoop):
 
     async def _report_progress(self, loss: float) -> None:
         """Our progress into the replicated state (the CRDT's per-peer progress register)."""
-        if self._ctx.replicator is None:
-            return
         steps = self.window * self.cfg.window
-        try:
-            await self._ctx.replicator.write("progress", {
-                "step": steps, "samples": self._samples(steps),
-                "loss": float(loss),
-                "bytes": int(self.counters["step_wire_bytes"]), "round": self.window})
-        except ValueError as e:
-            logger.warning("could not record spsa progress: %s", e)
+        await self._write_progress(steps, self._samples(steps), loss, self.counters["step_wire_bytes"], self.window)
 
     async def _close_window(self, w: int) -> None:
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way

@@ -194,6 +194,20 @@ class TaskLoop:
             except asyncio.TimeoutError:
                 pass
 
+    async def _write_progress(self, step: int, samples: int, loss: float, sent: float, round_: int,
+                              metrics: dict[str, float] | None = None) -> None:
+        """Our progress into the replicated state (the CRDT's per-peer progress register), for every peer's view."""
+        if self._ctx.replicator is None:
+            return
+        value = {"step": int(step), "samples": int(samples), "loss": float(loss), "bytes": int(sent),
+                 "round": int(round_)}
+        if metrics:
+            value["metrics"] = metrics
+        try:
+            await self._ctx.replicator.write("progress", value)
+        except ValueError as e:
+            logger.warning("could not record %s progress: %s", self.name, e)
+
     # ------------------------------------------------------------------ the round timeline
     def _record_round(self, r: int, *, fragment: int | None = None, waited_s: float, deadline_s: float,
                       participants, missing, rejected: dict | None = None) -> None:
