@@ -108,7 +108,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, epoch: float = 1_800_000_000.0):
         self._now = 0.0
         self.epoch = epoch
-        self._in_flight = 0  # worker threads started through run_in_executor and not finished
+        # work handed to worker threads through run_in_executor and not finished: token -> its asyncio future
+        self._in_flight: dict[object, asyncio.Future | None] = {}
         self._lock = threading.Lock()
         self.clock = LoopClock(self, epoch)  # what transport.clock.current() hands to code on this loop
         super().__init__(selector=_VirtualSelector(self))
@@ -122,25 +123,38 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
             self._now += seconds
 
     def threads_in_flight(self) -> int:
+        """Work the loop waits for: not finished, and still awaited. A cancelled one is not (its task was cancelled,
+        as a killed simulated node's are): if it had not started it never will, and its result is dropped anyway."""
         with self._lock:
-            return self._in_flight
+            return sum(1 for f in self._in_flight.values() if f is None or not f.cancelled())
 
     def run_in_executor(self, executor, func, *args):
+        token = object()
+
         def counted():
             try:
                 return func(*args)
             finally:
                 with self._lock:
-                    self._in_flight -= 1
+                    self._in_flight.pop(token, None)
 
         with self._lock:
-            self._in_flight += 1
+            self._in_flight[token] = None
         try:
-            return super().run_in_executor(executor, counted)
+            fut = super().run_in_executor(executor, counted)
         except BaseException:
             with self._lock:
-                self._in_flight -= 1
+                self._in_flight.pop(token, None)
             raise
+        with self._lock:
+            if token in self._in_flight:
+                self._in_flight[token] = fut
+        fut.add_done_callback(lambda f: self._forget(token) if f.cancelled() else None)
+        return fut
+
+    def _forget(self, token: object) -> None:
+        with self._lock:
+            self._in_flight.pop(token, None)
 
 
 def run_virtual(main, *, epoch: float = 1_800_000_000.0, workers: int = 1):
