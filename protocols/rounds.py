@@ -54,6 +54,10 @@ class StartBarrier:
         return self._start_at is not None and now >= self._start_at
 
 
+TICK = 1e-6  # waits shorter than this count as over: an event loop fires a timer that close at once, and on
+#              virtual time (the simulator) the clock would then never reach the end
+
+
 @dataclass
 class RoundWait:
     """Whom one round waits for, and how long.
@@ -75,7 +79,7 @@ class RoundWait:
 
     def remaining(self, now: float, have: set[str], coming: set[str] = frozenset()) -> float | None:
         """Seconds to wait more (until something arrives), or None: close the round now."""
-        if now >= self.end:
+        if now >= self.end - TICK:
             return None
         if not self.expected <= have:
             return self.end - now
@@ -84,7 +88,7 @@ class RoundWait:
             return None
         if self._grace_end is None:
             self._grace_end = min(self.end, now + self.grace)
-        if now < self._grace_end:
+        if now < self._grace_end - TICK:
             return self._grace_end - now
         if quiet & coming:
             return self.end - now
