@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import hashlib
 import logging
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -60,7 +62,7 @@ class SimNode:
 
     def __init__(self, net: MemoryNetwork, identity: Identity, admission: Admission, cfg: SimConfig, clock: Clock,
                  *, neighbours: set[str] | None = None, log: MemoryOpLog | None = None, data_dir: Path = SIM_DIR,
-                 loop: tuple | None = None, life: int = 0):
+                 loop: Callable | None = None, life: int = 0):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.transport: MemoryTransport = net.add(identity)
@@ -77,12 +79,11 @@ class SimNode:
         self.data_dir = data_dir
         self.services: list = []
         self.loop = None
-        if loop is not None:  # (loop class, its config, its task)
+        if loop is not None:  # makes the loop from the node's gossip and bulk services
             from protocols.bulk import BulkService
 
             bulk = BulkService(self.gossip, tcp=False)  # blobs move over the in-memory streams
-            cls, loop_cfg, task = loop
-            self.loop = cls(self.gossip, bulk, loop_cfg, task)
+            self.loop = loop(self.gossip, bulk)
             self.services = [bulk, self.loop]
         self.received: dict[bytes, float] = {}  # flood message id -> virtual time it was delivered here
         self._tasks: list[asyncio.Task] = []
@@ -281,20 +282,12 @@ class DilocoSim:
     restarted, cut off by a partition; ``loop_cls`` may be a subclass (a Byzantine peer, a slow one). The round code
     is DilocoLoop's own, on virtual time."""
 
-    def __init__(self, cfg: SimConfig, churn: ChurnConfig, root: Path, **diloco_settings):
-        from protocols import diloco
+    def __init__(self, cfg: SimConfig, churn: ChurnConfig, root: Path, **settings):
         from protocols import task as tasks
 
         self.cfg, self.churn, self.root = cfg, churn, root
         self.tasks = tasks
-        self.task = tasks.load("regression", {"dim": churn.dim}, "diloco")
-        settings = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
-                        inner_steps=churn.inner_steps, min_peers=cfg.peers, checkpoint_every=1, deadline_low=1.0,
-                        deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05, outer_lr=1.0,
-                        outer_momentum=0.0, device="cpu")
-        settings.update(diloco_settings)
-        self.dcfg = diloco.DilocoConfig(**settings)
-        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+        self._setup(settings)
         self.net = MemoryNetwork(link=LinkSpec(latency=cfg.latency, up=cfg.bandwidth, down=cfg.bandwidth,
                                                loss=cfg.loss), seed=cfg.seed)
         self.ids = [Identity.generate(_seed(cfg.seed, i)) for i in range(cfg.peers)]
@@ -308,6 +301,21 @@ class DilocoSim:
         self.nodes: dict[str, SimNode] = {}
         self.kills = self.restarts = 0
 
+    def _setup(self, settings: dict) -> None:
+        from protocols import diloco
+
+        churn = self.churn
+        self.task = self.tasks.load("regression", {"dim": churn.dim}, "diloco")
+        defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
+                        inner_steps=churn.inner_steps, min_peers=self.cfg.peers, checkpoint_every=1,
+                        deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05,
+                        outer_lr=1.0, outer_momentum=0.0, device="cpu")
+        self.dcfg = diloco.DilocoConfig(**{**defaults, **settings})
+        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+
+    def _make_loop(self, cls, gossip, bulk):
+        return cls(gossip, bulk, self.dcfg, self.task)
+
     def loop(self, peer: str):
         return self.nodes[peer].loop
 
@@ -318,7 +326,8 @@ class DilocoSim:
             self.restarts += 1
         node = SimNode(self.net, self._by_id[peer], self.admission, self.cfg, current(),
                        neighbours=set(self.peers) - {peer}, log=self.logs[peer], data_dir=self.dirs[peer],
-                       loop=(self.classes.get(peer, self.loop_cls), self.dcfg, self.task), life=self.lives[peer])
+                       loop=functools.partial(self._make_loop, self.classes.get(peer, self.loop_cls)),
+                       life=self.lives[peer])
         self.nodes[peer] = node
         await node.start()
         await _reconnect(self.nodes, peer)
@@ -364,6 +373,45 @@ class DilocoSim:
             "loss_end": statistics.median(lp.losses[-1][1] for lp in loops if lp.losses) if any(
                 lp.losses for lp in loops) else None,
         }
+
+
+class SpsaSim(DilocoSim):
+    """An SPSA swarm in one process on the regression task: the loop's own windows, screens, hash checks, log
+    replay and resync on virtual time. A window's steps take ``window x step_seconds`` of simulated time (their
+    real compute runs in a worker thread, which the virtual clock waits for). ``churn.rounds`` is the windows."""
+
+    def _setup(self, settings: dict) -> None:
+        from protocols import spsa
+
+        churn = self.churn
+        self.task = self.tasks.load("regression", {"dim": churn.dim}, "spsa")
+        window = settings.get("window", churn.inner_steps)
+        defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, steps=churn.rounds * window,
+                        window=window, min_peers=self.cfg.peers, checkpoint_every=1, deadline=2.0, hash_every=1,
+                        eval_every=1, lr=0.002, eps=1e-2, device="cpu")
+        self.dcfg = spsa.SpsaConfig(**{**defaults, **settings})
+        self.loop_cls = _paced_windows(spsa.SPSALoop, churn.step_seconds)
+
+    def _make_loop(self, cls, gossip, bulk):
+        return cls(gossip, self.dcfg, self.task)
+
+    def report(self, took: float) -> dict:
+        loops = [n.loop for n in self.nodes.values()]
+        finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
+        return {"peers": self.cfg.peers, "windows": self.churn.rounds, "kills": self.kills,
+                "restarts": self.restarts, "simulated_s": took, "done": sum(lp.state == "done" for lp in loops),
+                "same_final_weights": (finals.most_common(1)[0][1] if finals else 0),
+                "resyncs": sum(lp.counters.get("resyncs", 0) for lp in loops),
+                "diverged": sum(lp.counters.get("diverged", 0) for lp in loops)}
+
+
+def _paced_windows(cls, step_seconds: float):
+    """An SPSA loop whose windows take ``window x step_seconds`` of simulated time before they close."""
+    class Paced(cls):
+        async def _close_window(self, w: int) -> None:
+            await asyncio.sleep(self.cfg.window * step_seconds)
+            await super()._close_window(w)
+    return Paced
 
 
 async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
