@@ -212,7 +212,8 @@ class SapoLoop(TaskLoop):
         # rounds are each peer's own: per author, the items of its newest round (its round number, its seeds)
         self.inbox: collections.OrderedDict[str, tuple[int, list]] = collections.OrderedDict()
         self.used: dict[str, int] = {}  # author -> the newest of its rounds we drew from
-        self._rate = TokenBuckets(ITEM_RATE, ITEM_BURST, max_keys=4 * MAX_AUTHORS)  # item messages per author
+        self._rate = TokenBuckets(ITEM_RATE, ITEM_BURST, max_keys=4 * MAX_AUTHORS,  # per author
+                                  clock=lambda: self.clock.monotonic())
         self.ready: set[str] = set()
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.counters: collections.Counter = collections.Counter()
