@@ -405,6 +405,43 @@ class SpsaSim(DilocoSim):
                 "diverged": sum(lp.counters.get("diverged", 0) for lp in loops)}
 
 
+class SapoSim(DilocoSim):
+    """A SAPO swarm in one process on the arithmetic task with a tiny policy: the loop's own rounds, sharing,
+    re-scoring and per-source caps on virtual time. A round's rollouts and step take ``inner_steps x step_seconds``
+    of simulated time (their real compute runs in a worker thread). ``churn.rounds`` is the rounds."""
+
+    def _setup(self, settings: dict) -> None:
+        from protocols import sapo
+
+        churn = self.churn
+        options = settings.pop("task_options", {"d": 32, "layers": 1, "heads": 2})
+        self.task = self.tasks.load("arith", options, "sapo")
+        defaults = dict(run="sim", task="arith", task_options=options, rounds=churn.rounds, min_peers=self.cfg.peers,
+                        questions=4, completions=4, local=2, external=2, deadline=2.0, checkpoint_every=2,
+                        report_every=1, device="cpu")
+        self.dcfg = sapo.SapoConfig(**{**defaults, **settings})
+        self.loop_cls = _paced_rounds(sapo.SapoLoop, churn.inner_steps * churn.step_seconds)
+
+    def _make_loop(self, cls, gossip, bulk):
+        return cls(gossip, self.dcfg, self.task)
+
+    def report(self, took: float) -> dict:
+        loops = [n.loop for n in self.nodes.values()]
+        return {"peers": self.cfg.peers, "rounds": self.churn.rounds, "kills": self.kills,
+                "restarts": self.restarts, "simulated_s": took, "done": sum(lp.state == "done" for lp in loops),
+                "items_used_external": sum(lp.counters.get("items_used_external", 0) for lp in loops),
+                "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops)}
+
+
+def _paced_rounds(cls, seconds: float):
+    """A SAPO loop whose rounds take ``seconds`` of simulated time before they close."""
+    class Paced(cls):
+        async def _close_round(self, r: int) -> None:
+            await asyncio.sleep(seconds)
+            await super()._close_round(r)
+    return Paced
+
+
 def _paced_windows(cls, step_seconds: float):
     """An SPSA loop whose windows take ``window x step_seconds`` of simulated time before they close."""
     class Paced(cls):
