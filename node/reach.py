@@ -139,7 +139,7 @@ class Reach:
         self._dialing: dict[str, asyncio.Task] = {}
         self.counters: collections.Counter = collections.Counter()
         self._started = clock()
-        self._asks = TokenBuckets(rate=2.0, burst=10.0)
+        self._asks = TokenBuckets(rate=2.0, burst=10.0, clock=clock)
         self._log = RateLimitedLog(logger, interval=30.0)
 
     def span(self) -> float:
