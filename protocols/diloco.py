@@ -465,7 +465,7 @@ class DilocoLoop(TaskLoop):
         # others still make it in time
         wait = rounds.plan_wait(self.standing, base, f"{self.cfg.run}/{r}/{p}", fresh=fresh_round(r), now=blocked_from,
                                 deadline=self.deadline.value(), grace=self.cfg.deadline_low / 2, me=me)
-        expected, slots, waited = set(wait.expected), set(wait.slots), set(wait.waited)
+        expected, slots, waited = wait.expected, wait.slots, wait.waited
         mode = self._mode(p)
         if mode == "scatter":  # an announcement is all a round waits for: the bytes move after the close
             def have() -> set[str]:

@@ -19,6 +19,7 @@ from typing import Callable
 import torch
 
 from protocols import exchange
+from protocols.rounds import TICK
 from transport import clock
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
@@ -174,11 +175,16 @@ async def wait_until(done: Callable[[], bool], arrived: asyncio.Event, timeout: 
     deadline = now() + timeout
     while not done():
         remaining = deadline - now()
-        if remaining <= 0:
+        if remaining <= TICK:
             return False
-        arrived.clear()
-        try:
-            await asyncio.wait_for(arrived.wait(), remaining)
-        except asyncio.TimeoutError:
-            pass
+        await wait_event(arrived, remaining)
     return True
+
+
+async def wait_event(arrived: asyncio.Event, timeout: float) -> None:
+    """Wait until ``arrived`` is set anew (it is cleared first), for at most ``timeout`` seconds."""
+    arrived.clear()
+    try:
+        await asyncio.wait_for(arrived.wait(), timeout)
+    except asyncio.TimeoutError:
+        pass

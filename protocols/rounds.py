@@ -54,8 +54,8 @@ class StartBarrier:
         return self._start_at is not None and now >= self._start_at
 
 
-TICK = 1e-6  # waits shorter than this count as over: an event loop fires a timer that close at once, and on
-#              virtual time (the simulator) the clock would then never reach the end
+TICK = 1e-6  # waits shorter than this count as over (here and in outer.wait_until): an event loop fires a timer
+#              that close at once, and on virtual time (the simulator) the clock would then never reach the end
 
 
 @dataclass

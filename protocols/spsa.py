@@ -445,7 +445,7 @@ class SPSALoop(TaskLoop):
         # the window like anyone's: we wait for it too
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
-        expected, slots, waited = set(wait.expected), set(wait.slots), set(wait.waited)
+        expected, slots, waited = wait.expected, wait.slots, wait.waited
         await self._wait_round(wait, self._arrived, lambda: set(window.batches))
         self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(window.batches))
         if not waited <= set(window.batches):

@@ -14,6 +14,7 @@ import torch
 
 from node.services import WorkBoard
 from protocols import checkpoint
+from protocols.outer import wait_event
 from protocols.rounds import RoundWait
 from protocols.standing import Standing
 from protocols.task import Task, TaskError, describe_mismatch, pick_device
@@ -188,11 +189,7 @@ class TaskLoop:
                           coming: Callable[[], set[str]] = set) -> None:
         """Wait out a round as ``wait`` (protocols.rounds) says, looking again each time ``arrived`` is set."""
         while (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
-            arrived.clear()
-            try:
-                await asyncio.wait_for(arrived.wait(), left)
-            except asyncio.TimeoutError:
-                pass
+            await wait_event(arrived, left)
 
     async def _write_progress(self, step: int, samples: int, loss: float, sent: float, round_: int,
                               metrics: dict[str, float] | None = None) -> None:

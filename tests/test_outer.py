@@ -1,8 +1,12 @@
 """Outer-step primitives for DiLoCo: fragments, outer Nesterov, robust combination, adaptive deadlines."""
 
+import asyncio
+
+import pytest
 import torch
 
 from protocols import outer, tinylm
+from transport.memory import run_virtual
 
 
 def test_fragments_are_strided_by_block_and_cover_everything():
@@ -105,3 +109,13 @@ def test_noise_of_the_right_norm_is_refused_and_honest_updates_are_not():
     assert rejected == {"anti": "uncorrelated"}
     # two updates: neither is more suspect than the other
     assert outer.combine({"p0": honest["p0"], "noise": noise}, 100_000)[1] == {}
+
+
+@pytest.mark.timeout(30)
+def test_wait_until_a_hair_before_its_deadline_is_over_on_virtual_time():
+    """A timer within the loop's clock resolution (1 ns) of now fires at once: virtual time never got there."""
+    async def main():
+        await asyncio.sleep(1000.0)
+        return await outer.wait_until(lambda: False, asyncio.Event(), 1e-10)
+
+    assert run_virtual(main()) is False
