@@ -390,7 +390,7 @@ class SpsaSim(DilocoSim):
                         window=window, min_peers=self.cfg.peers, checkpoint_every=1, deadline=2.0, hash_every=1,
                         eval_every=1, lr=0.002, eps=1e-2, device="cpu")
         self.dcfg = spsa.SpsaConfig(**{**defaults, **settings})
-        self.loop_cls = _paced_windows(spsa.SPSALoop, churn.step_seconds)
+        self.loop_cls = _closing_after(spsa.SPSALoop, "_close_window", self.dcfg.window * churn.step_seconds)
 
     def _make_loop(self, cls, gossip, bulk):
         return cls(gossip, self.dcfg, self.task)
@@ -420,7 +420,7 @@ class SapoSim(DilocoSim):
                         questions=4, completions=4, local=2, external=2, deadline=2.0, checkpoint_every=2,
                         report_every=1, device="cpu")
         self.dcfg = sapo.SapoConfig(**{**defaults, **settings})
-        self.loop_cls = _paced_rounds(sapo.SapoLoop, churn.inner_steps * churn.step_seconds)
+        self.loop_cls = _closing_after(sapo.SapoLoop, "_close_round", churn.inner_steps * churn.step_seconds)
 
     def _make_loop(self, cls, gossip, bulk):
         return cls(gossip, self.dcfg, self.task)
@@ -433,22 +433,16 @@ class SapoSim(DilocoSim):
                 "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops)}
 
 
-def _paced_rounds(cls, seconds: float):
-    """A SAPO loop whose rounds take ``seconds`` of simulated time before they close."""
-    class Paced(cls):
-        async def _close_round(self, r: int) -> None:
-            await asyncio.sleep(seconds)
-            await super()._close_round(r)
-    return Paced
+def _closing_after(cls, close: str, seconds: float):
+    """A loop class whose rounds take ``seconds`` of simulated time: its ``close`` method (the round's close) waits
+    that long first. The round's real compute runs in worker threads, which cost no simulated time."""
+    original = getattr(cls, close)
 
+    async def paced(self, r: int) -> None:
+        await asyncio.sleep(seconds)
+        await original(self, r)
 
-def _paced_windows(cls, step_seconds: float):
-    """An SPSA loop whose windows take ``window x step_seconds`` of simulated time before they close."""
-    class Paced(cls):
-        async def _close_window(self, w: int) -> None:
-            await asyncio.sleep(self.cfg.window * step_seconds)
-            await super()._close_window(w)
-    return Paced
+    return type(f"Paced{cls.__name__}", (cls,), {close: paced})
 
 
 async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:

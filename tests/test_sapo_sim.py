@@ -4,7 +4,7 @@ test_sapo.py's multi-process tests stay as the end-to-end layer."""
 
 import pytest
 
-from node.sim import ChurnConfig, SapoSim, SimConfig, _paced_rounds
+from node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
 from protocols import sapo
 from transport.memory import run_virtual
 
@@ -44,7 +44,7 @@ def test_a_poisoners_items_are_rescored_and_never_used(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
         poisoner = sim.peers[0]
-        sim.classes[poisoner] = _paced_rounds(Poisoner, 1.0)  # as the honest ones: 10 steps of 0.1 s
+        sim.classes[poisoner] = _closing_after(Poisoner, "_close_round", 1.0)  # as the honest ones: 10 x 0.1 s
         try:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
