@@ -533,15 +533,22 @@ class DilocoLoop(TaskLoop):
         # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
         outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
                          broken=bool(self.skipped.pop(p, None)))
-        if participants - {me}:
-            self.participants[p] = participants
+        # the next round's candidates are this round's members, refused or not: a refusal judges one update, not
+        # the peer (an honest update near convergence can be mostly its shard's noise, and in scatter only the
+        # reducers of a part see its chunks), and every peer agrees on the members, the refused one included, so
+        # it counts itself in next round exactly when the others do (before, the others dropped a refused peer
+        # while it counted itself in: it combined another set of updates and resynced; the simulator showed it).
+        # A refused peer earns no standing (below), so one refused round after round stops counting and is waited
+        # for only as a newcomer, and the penalties ban a sender of garbage
+        if members - {me}:
+            self.participants[p] = set(members)
         else:
-            # a round that combined no one else's update (every update refused or late) says nothing about who
-            # is in the run: the next round waits for the same peers as this one did, or each peer would go on
-            # alone, waiting for no one, and the run would split into solo runs for good (found by the simulator:
-            # one round whose updates were all refused did that). Peers that are really gone stop counting after
-            # a few missed rounds (protocols.standing), so this costs at most those rounds' deadlines
-            self.participants[p] = self.participants.get(p, self._initial) | participants
+            # a round that had no one else's update (every other one late or from other weights) says nothing
+            # about who is in the run: the next round waits for the same peers as this one did, or each peer would
+            # go on alone, waiting for no one, and the run would split into solo runs for good (found by the
+            # simulator). Peers that are really gone stop counting after a few missed rounds (protocols.standing),
+            # so this costs at most those rounds' deadlines
+            self.participants[p] = self.participants.get(p, self._initial) | members
         if isinstance(self.inner_opt, SwarmAdamW) and participants:
             self.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
         self._check_previous(p, r)

@@ -148,3 +148,41 @@ def test_a_peer_killed_before_announcing_costs_the_others_one_deadline(tmp_path)
     missed, finals, history = run_virtual(main())
     assert len(finals) == 1 and history[-1]["participants"] == 3 and history[0]["participants"] == 4
     assert all(1 <= m <= 2 for m in missed)  # the deadline was spent once (twice at most), not every round
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", ["all-to-all", "scatter"])
+def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_resync(tmp_path, exchange):
+    """An honest peer whose update is refused once (as "uncorrelated": near convergence an honest update can be
+    mostly its shard's noise) is still one of the run's peers: the next round every peer, it included, combines the
+    same updates. Before, the others dropped it from the next round's candidates while it counted itself in, so it
+    combined a different set, left the majority and resynced (a 16-peer simulated run showed it: 5 peers refused
+    at round 7, 5 resyncs at round 8)."""
+    class OnceNoisy(_paced(diloco.DilocoLoop, 0.1)):
+        def _pseudo_gradient(self, p, local):
+            honest = super()._pseudo_gradient(p, local)
+            if self.rounds_done[p] != 2:
+                return honest
+            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
+            return noise * (honest.norm() / noise.norm())
+
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=6, exchange=exchange)
+        noisy = sim.peers[4]
+        sim.classes[noisy] = OnceNoisy
+        try:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            loops = [sim.loop(p) for p in sim.peers]
+            return ([lp.counters.get("rejected_uncorrelated", 0) for lp in loops[:4]],
+                    sum(lp.counters.get("resyncs", 0) + lp.counters.get("diverged", 0) for lp in loops),
+                    [[h["participants"] for h in lp.history] for lp in loops], _finals(sim))
+        finally:
+            await sim.stop()
+
+    refused, resyncs, participants, finals = run_virtual(main())
+    # the noisy round was refused: by every peer, or in scatter by the reducers of the parts (each screens its own)
+    assert all(c >= 1 for c in refused) if exchange == "all-to-all" else sum(refused) >= 1
+    assert resyncs == 0 and len(finals) == 1
+    # every peer combined all five updates after the refused round
+    assert all(h[3:] == [5] * 3 for h in participants), participants
