@@ -143,3 +143,41 @@ def test_lossy_links_are_slower_never_wrong():
     lossy, t_lossy = run_virtual(main(0.2))
     assert clean == lossy == list(range(50))
     assert t_lossy > t_clean * 2
+
+
+def test_a_downlink_takes_bytes_in_arrival_order_not_in_the_order_they_were_sent():
+    """A write from a far peer, sent first, must not hold a near peer's write that arrives long before it (a single
+    'busy until' time did: one slow-linked peer delayed every other peer's bytes to a host by its own latency)."""
+    from transport.memory import Downlink
+
+    down = Downlink()
+    assert down.take(1.0, 0.1, now=0.0) == pytest.approx(1.1)  # the far peer's write, arriving at 1.0
+    assert down.take(0.2, 0.1, now=0.0) == pytest.approx(0.3)  # a near one, sent after it, arrives first
+    assert down.take(0.25, 0.1, now=0.0) == pytest.approx(0.4)  # queued behind the near one only
+    assert down.take(0.95, 0.1, now=0.0) == pytest.approx(1.2)  # no room before the far one: after it
+    assert down.take(0.1, 0.2, now=0.0) == pytest.approx(0.6)  # the first gap long enough (0.4 - 1.0)
+    assert down.take(0.0, 0.1, now=0.0) == pytest.approx(0.1)  # a gap before every span
+    assert [x for span in down.spans for x in span] == pytest.approx([0.0, 0.1, 0.2, 0.6, 1.0, 1.2])  # merged
+    assert down.take(5.0, 0.0, now=2.0) == 5.0 and down.spans == []  # past spans dropped; an unlimited link
+
+
+@pytest.mark.timeout(30)
+def test_one_far_peer_does_not_slow_the_near_ones():
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.010, up=1e6, down=1e6))
+        far, near, b = _hosts(net, 3)
+        net.set_link(far.peer_id, LinkSpec(latency=1.0, up=1e6, down=1e6))
+        await b.serve(ECHO, _echo)
+        streams = [await t.open_stream(b.peer_id, ECHO) for t in (far, near)]
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        for s in streams:  # the far one writes first
+            await s.send(1, b"x" * 1000)
+        took = []
+        for s in reversed(streams):
+            await s.read_required()
+            took.append(loop.time() - t0)
+        return took
+
+    near, far = run_virtual(main())
+    assert near < 0.05 and far > 1.0  # the near echo is back in about its own round trip

@@ -189,12 +189,52 @@ class LinkSpec:
     loss: float = 0.0  # probability that a write's segment is lost once (and is late by RTO)
 
 
+class Downlink:
+    """A host's downlink on virtual time: the spans it is busy taking bytes, in arrival order.
+
+    Writes are timed when they are sent, not when they arrive, so a write from a far peer (arriving late) may be
+    timed before a write from a near one (arriving early). Each write takes the first free span of its length at or
+    after its arrival: the near one is not queued behind the far one, which arrives later (a single "busy until"
+    time did queue it: one peer with a slow link held every other peer's bytes to a host until its own arrived, and
+    the simulator's DiLoCo peers missed each other's updates). Adjacent spans merge, and spans in the past are
+    dropped, so a saturated link holds one span."""
+
+    def __init__(self) -> None:
+        self.spans: list[list[float]] = []  # [start, end], sorted, disjoint
+
+    def take(self, arrival: float, length: float, now: float) -> float:
+        """Reserve ``length`` seconds from the first free moment at or after ``arrival``; returns its end."""
+        spans = self.spans
+        drop = 0
+        while drop < len(spans) and spans[drop][1] <= now:
+            drop += 1
+        if drop:
+            del spans[:drop]
+        if length <= 0:
+            return arrival
+        start, i = arrival, 0
+        while i < len(spans) and spans[i][1] <= start:
+            i += 1
+        while i < len(spans) and spans[i][0] < start + length:  # overlaps: start after it
+            start = max(start, spans[i][1])
+            i += 1
+        end = start + length
+        spans.insert(i, [start, end])
+        if i + 1 < len(spans) and spans[i + 1][0] <= end:  # touches the next one
+            spans[i][1] = spans[i + 1][1]
+            del spans[i + 1]
+        if i > 0 and spans[i - 1][1] >= start:  # touches the previous one
+            spans[i - 1][1] = spans[i][1]
+            del spans[i]
+        return end
+
+
 @dataclass
 class _Host:
     transport: MemoryTransport
     link: LinkSpec
     up_busy: float = 0.0  # virtual time at which the uplink is free again
-    down_busy: float = 0.0
+    down: Downlink = field(default_factory=Downlink)
     running: bool = True
 
 
@@ -268,11 +308,10 @@ class MemoryNetwork:
         if loss and self._rng.random() < loss:
             latency += max(RTO, 3 * self.rtt(src, dst))
         # cut-through: the receiver's downlink takes bytes as they arrive, and cannot finish before the last is sent
-        d_start = max(start + latency, d.down_busy)
-        d.down_busy = max(d_start + (n / d.link.down if d.link.down else 0.0), s.up_busy + latency)
+        taken = d.down.take(start + latency, n / d.link.down if d.link.down else 0.0, now)
         self.stats.bytes_sent[src] += n
         self.stats.bytes_received[dst] += n
-        return d.down_busy
+        return max(taken, s.up_busy + latency)
 
     def uplink_backlog(self, peer_id: str, now: float) -> float:
         host = self.hosts.get(peer_id)
