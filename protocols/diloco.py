@@ -209,6 +209,9 @@ class DilocoLoop(TaskLoop):
         self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self._included = 0  # rounds in a row in which the majority's weights contained our update
         self._counted_before_resync = False
+        # fragment -> {peer whose word counts: the last round it says it closed}; the swarm's round is their median
+        self._closed_by: dict[int, dict[str, int]] = collections.defaultdict(dict)
+        self._next_catch_up = 0.0  # when we may next take a checkpoint for having fallen behind
         self._founder = False  # we started the run with the others: they count us from the start
         self._rejoined_at = -EARN - 1  # the round of our last resync
         self.started = None
@@ -306,6 +309,12 @@ class DilocoLoop(TaskLoop):
             if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
                 waiting[p] = (rounds_done[p], self.step)
         while self.step < total or waiting:
+            if not self._resync_from and (behind := self._fallen_behind()):
+                self.counters["fell_behind"] += 1
+                logger.warning("diloco: the swarm closed round %d, two past ours (%d); taking a checkpoint",
+                               max(map(self._swarm_round, range(len(self.rounds_done)))), min(self.rounds_done))
+                self._counted_before_resync = self._still_counted()
+                self._resync_from = behind
             if self._resync_from:
                 peers, self._resync_from = self._resync_from, []
                 self.counters["resyncs"] += 1
@@ -317,9 +326,13 @@ class DilocoLoop(TaskLoop):
                         waiting[p] = (rounds_done[p], self.step)
                 continue
             if self.step < total:
-                t0 = self.clock.monotonic()
-                await self._train_step()
-                self.compute_seconds += self.clock.monotonic() - t0
+                if self._behind_as_follower():
+                    self.counters["steps_skipped"] += 1
+                    await asyncio.sleep(0)
+                else:
+                    t0 = self.clock.monotonic()
+                    await self._train_step()
+                    self.compute_seconds += self.clock.monotonic() - t0
                 self.step += 1
             for p in range(self.cfg.fragments):
                 if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
@@ -343,6 +356,41 @@ class DilocoLoop(TaskLoop):
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
             self._publish(ROUND_HASH, {"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
+
+    def _behind_as_follower(self) -> bool:
+        """Whether our next inner step would be thrown away: we follow every fragment's current round without
+        contributing to it (a joiner before its join round), and the peers that count have closed it already (the
+        median of the rounds they say they closed). Then we do not train: the round closes from the others'
+        updates, which are here, as soon as our steps reach its end, so a joiner that starts rounds behind the
+        swarm (a checkpoint that aged on its way, a slow start) is in step by the round it joins, instead of
+        staying that far behind and sending late updates every round. Its local weights are the global ones after
+        each round anyway."""
+        if not self.rounds_done:
+            return False
+        for p, r in enumerate(self.rounds_done):
+            if r >= self.join_round.get(p, 0) or self._swarm_round(p) < r:
+                return False
+        return True
+
+    def _swarm_round(self, p: int) -> int:
+        """The last round of fragment p the run has closed, as far as we know: the median of the last rounds the
+        peers whose word counts say they closed (so a few that lie about it move nothing); -1 if none said."""
+        closed = [r for a, r in self._closed_by[p].items() if self.standing.counts(a)]
+        return statistics.median_high(closed) if closed else -1
+
+    def _fallen_behind(self) -> list[str]:
+        """Peers to take a checkpoint from when the counted peers have closed two rounds past the one we are in:
+        the updates of our round are gone from their stores by then (they keep a round's blobs one round), so we
+        cannot close it with them; a checkpoint of theirs puts us in their round (a joiner whose checkpoint aged
+        on its way, a peer that stalled). At most once per deadline."""
+        if self.clock.monotonic() < self._next_catch_up:
+            return []
+        for p, r in enumerate(self.rounds_done):
+            latest = self._swarm_round(p)
+            if latest >= r + 2:
+                self._next_catch_up = self.clock.monotonic() + self.deadline.value()
+                return self._trusted_claimers(dict(self.round_hashes.get((latest, p), {})))
+        return []
 
     async def _settle_final(self) -> None:
         """The last round has no next round whose close compares global hashes, so a peer that closed it with
@@ -565,6 +613,10 @@ class DilocoLoop(TaskLoop):
             self.bulk.drop(self._round_blobs.pop(old))
         for old in [k for k in self.joins if k[1] == p and k[0] <= r]:
             del self.joins[old]
+        if r + 1 < self.join_round.get(p, 0):
+            # still following: say again from which round we contribute (a peer that missed the join, or started
+            # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
+            self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
 
     def _check_previous(self, p: int, r: int) -> None:
@@ -579,12 +631,18 @@ class DilocoLoop(TaskLoop):
         if not verdict.agrees:
             # do the others still count us? yes if we started the run with them (unless a rejoin just failed to
             # take), or if the majority's weights contained our update in EARN rounds since
-            self._counted_before_resync = (self._founder and r - self._rejoined_at > EARN) or self._included >= EARN
+            self._counted_before_resync = self._still_counted(r)
             self._rejoined_at = r
             self._included = 0
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
             self._resync_from = list(verdict.holders)
+
+    def _still_counted(self, r: int | None = None) -> bool:
+        """Do the others still count us when we resync at round r? Yes if we started the run with them (unless a
+        rejoin just failed to take), or if the majority's weights contained our update in EARN rounds since."""
+        r = min(self.rounds_done) if r is None else r
+        return (self._founder and r - self._rejoined_at > EARN) or self._included >= EARN
 
     def _replays(self, p: int, pending: Pending, members: set[str]) -> dict[str, str]:
         """Members whose update for this round is the very one they sent for an earlier round of the fragment (the
@@ -1054,8 +1112,11 @@ class DilocoLoop(TaskLoop):
             for p in range(self.cfg.fragments):
                 # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
                 # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
-                # our checkpoint must still hear the join in time)
-                self.join_round[p] = self.rounds_done[p] + 1 if rejoin else next_fresh_round(self.rounds_done[p] + 2)
+                # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
+                # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
+                # have closed already, and they drop such a join (joins_ignored)
+                now = max(self.rounds_done[p], self._swarm_round(p) + 1)
+                self.join_round[p] = now + 1 if rejoin else next_fresh_round(now + 2)
                 self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
@@ -1106,6 +1167,10 @@ class DilocoLoop(TaskLoop):
             hashes = self.round_hashes[(r, p)]
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
+            if self.standing.counts(author) and r < self.cfg.rounds:  # (cfg.rounds: "the run ended here")
+                closed = self._closed_by[p]
+                if r > closed.get(author, -1) and (author in closed or len(closed) < MAX_PEER_ENTRIES):
+                    closed[author] = r
             return Verdict.ACCEPT
         if kind is UPDATE:
             ann = self._announced(body, p)
@@ -1120,7 +1185,7 @@ class DilocoLoop(TaskLoop):
                 self.counters["late_updates"] += 1
                 self._record_late(r, message.author, p)
                 return Verdict.IGNORE  # that round is closed here
-            if r > done + 2:
+            if r > max(done, self._swarm_round(p) + 1) + 2:  # (a joiner's done may be rounds old)
                 self.counters["early_updates"] += 1
                 return Verdict.IGNORE  # rounds we are nowhere near: not held, not pulled
             pending = self.pending[(r, p)]

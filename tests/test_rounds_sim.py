@@ -186,3 +186,65 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
     assert resyncs == 0 and len(finals) == 1
     # every peer combined all five updates after the refused round
     assert all(h[3:] == [5] * 3 for h in participants), participants
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("slow", ["start", "checkpoint"])
+def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_again(tmp_path, slow):
+    """kill -9, then a slow restart: the peer takes a checkpoint, but starts training two rounds after the others
+    (a slow process start). Before, it trained its way through rounds the others had closed, stayed that far
+    behind, and its updates were late in every round it was meant to contribute to: cut, diverged, resynced, again
+    and again (the kill bench's restarts that never rejoined). A follower (not contributing yet) whose round the
+    counted peers have closed does not train: it closes that round from their updates at once and is in step by
+    the round it joins."""
+    class SlowStart(_paced(diloco.DilocoLoop, 0.1)):
+        async def _join_from_checkpoint(self, peers, rejoin=False):
+            ok = await super()._join_from_checkpoint(peers, rejoin)
+            if ok and not getattr(self, "_slowed", False):
+                self._slowed = True
+                await asyncio.sleep(2.5)  # rounds take about 1.1 s
+            return ok
+
+    class SlowCheckpoint(_paced(diloco.DilocoLoop, 0.1)):
+        """The checkpoint ages on its way: the others close about three rounds while it travels, so a join
+        counted from the checkpoint's round would name a round they have closed."""
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            pull = self.bulk.pull
+
+            async def slow_pull(*a, **kw):
+                body = await pull(*a, **kw)
+                if not getattr(self, "_slowed", False):  # the first one (a second pull is as quick as the others)
+                    self._slowed = True
+                    await asyncio.sleep(3.5)
+                return body
+            self.bulk.pull = slow_pull
+
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=16)
+        victim = sim.peers[4]
+        try:
+            await sim.start_all()
+            await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
+                            "the victim mid-round")
+            await sim.kill(victim)
+            await asyncio.sleep(1.0)
+            sim.classes[victim] = SlowStart if slow == "start" else SlowCheckpoint
+            await sim.start(victim, restart=True)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            loops = [sim.loop(p) for p in sim.peers]
+            return ([[h["participants"] for h in lp.history] for lp in loops[:4]], loops[4].counters,
+                    _finals(sim))
+        finally:
+            await sim.stop()
+
+    others, counters, finals = run_virtual(main())
+    assert len(finals) == 1
+    if slow == "start":  # two rounds behind: it closes them from the others' updates, which it can still pull
+        assert counters["joined_from_checkpoint"] == 1 and counters.get("resyncs", 0) == 0, counters
+        assert counters["steps_skipped"] >= 10
+    else:  # three rounds behind: their updates are gone, so one more checkpoint, and no divergence
+        assert counters["fell_behind"] == 1 and counters["joined_from_checkpoint"] == 2, counters
+        assert counters.get("diverged", 0) == 0, counters
+    assert all(h[-3:] == [5, 5, 5] for h in others), others  # it contributes again
