@@ -37,6 +37,12 @@ class Admission:
     def closed(self) -> bool:
         return bool(self.allow)
 
+    def policy(self) -> str:
+        """A digest of the rule (swarm, bits, allowlist): nodes whose digests differ judge each other's authors
+        differently, so their replicated states cannot merge. Nodes say it in their member record (``adm``)."""
+        text = "\n".join([self.swarm, str(self.bits), *sorted(self.allow)])
+        return hashlib.blake2b(DOMAIN + text.encode(), digest_size=8).hexdigest()
+
     def _prefix(self, author: str) -> Any:
         return hashlib.blake2b(DOMAIN + self.swarm.encode() + b"\x00" + author.encode() + b"\x00", digest_size=16)
 

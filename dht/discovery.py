@@ -107,8 +107,10 @@ class Discovery:
         loops: Callable[[], list[str]] = lambda: [],
         clock: Callable[[], float] = time.time,
         on_greeted: Callable[[str], None] = lambda peer_id: None,
+        policy: str = "",
     ):
         self.transport = transport
+        self.policy = policy  # the digest of our admission rule (crdt.admission), said in our record
         self.identity = identity
         self.config = config
         self.version = version
@@ -185,7 +187,21 @@ class Discovery:
     # ------------------------------------------------------------------ our record
     async def my_record(self) -> NodeRecord:
         addrs = tuple(a.rsplit("/p2p/", 1)[0] for a in await self.transport.addresses())
-        return NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16], self._clock())
+        return NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16], self._clock(),
+                          self.policy)
+
+    # ------------------------------------------------------------------ admission rule
+    def policy_ok(self, peer_id: str) -> bool:
+        """Whether ``peer_id`` judges authors as we do (its record says the same admission digest, or says none:
+        a node from before records carried it, or one we have no record of). A peer with another rule (other
+        ``state.admission_bits`` or ``state.allow``, in the same swarm) would refuse our authors' ops as forged, and
+        we theirs: replicating with it would only get honest nodes to penalise and ban each other."""
+        member = self.members.get(peer_id)
+        return member is None or not member.record.policy or not self.policy or member.record.policy == self.policy
+
+    def policy_mismatch(self) -> list[str]:
+        """The members whose record says another admission rule than ours."""
+        return sorted(p for p in self.members if not self.policy_ok(p))
 
     async def _announce_loop(self) -> None:
         while True:
@@ -327,6 +343,14 @@ class Discovery:
         if record.peer_id == self.identity.peer_id:
             return False
         member = self.members.get(record.peer_id)
+        if record.policy and self.policy and record.policy != self.policy and (
+                member is None or member.record.policy != record.policy):
+            self.counters["policy_mismatch"] = self.counters.get("policy_mismatch", 0) + 1
+            self._log.log(logging.WARNING, ("policy", record.peer_id),
+                          "member %s runs another admission rule than ours (digest %s, ours %s: check "
+                          "state.admission_bits and state.allow, the same on every node of a swarm): our "
+                          "replicated states cannot merge, so we do not replicate with it", record.peer_id,
+                          record.policy, self.policy)
         if member is None:
             if len(self.members) >= MAX_MEMBERS:
                 return False

@@ -185,12 +185,15 @@ def open_envelope(envelope: Any, author: str, *, max_size: int) -> Any:
 MAX_ADDRS = 16
 MAX_LOOPS = 16
 MAX_TEXT = 64
+MAX_POLICY = 32
+_RECORD_FIELDS = {"v", "peer", "addrs", "version", "loops", "issued"}
 RECORD = WIRE.blob("(DHT value, hello)", "dht.record", Map.of(
-    v=Int(1, 1), peer=Str(128), addrs=List(Str(512), MAX_ADDRS), version=Str(MAX_TEXT),
-    loops=List(Str(MAX_TEXT, min=1), MAX_LOOPS), issued=OneOf((Float(), Int(0)))), {
+    optional=("adm",), v=Int(1, 1), peer=Str(128), addrs=List(Str(512), MAX_ADDRS), version=Str(MAX_TEXT),
+    loops=List(Str(MAX_TEXT, min=1), MAX_LOOPS), issued=OneOf((Float(), Int(0))), adm=Str(MAX_POLICY, min=1)), {
     "v": 1, "peer": "12D3KooW...", "addrs": ["/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW..."], "version": "0.1.0",
-    "loops": ["diloco/run"], "issued": 1_800_000_000.5}, max_size=8192, signed="swarmd/envelope/v1",
-    doc="a node's record of itself, sealed ({p: this, s: its signature}) in the DHT and in hello")
+    "loops": ["diloco/run"], "issued": 1_800_000_000.5, "adm": "0123456789abcdef"}, max_size=8192,
+    signed="swarmd/envelope/v1", doc="a node's record of itself, sealed ({p: this, s: its signature}) in the DHT and "
+    "in hello; adm: the digest of its admission rule (crdt.admission), absent in records of nodes before it")
 
 
 @dataclass(frozen=True)
@@ -202,9 +205,10 @@ class NodeRecord:
     version: str
     loops: tuple[str, ...]
     issued: float  # issuer's wall clock (seconds)
+    policy: str = ""  # the digest of its admission rule ("": not said, a node from before it was)
 
     def to_wire(self) -> dict:
-        return {
+        wire = {
             "v": 1,
             "peer": self.peer_id,
             "addrs": list(self.addrs),
@@ -212,12 +216,18 @@ class NodeRecord:
             "loops": list(self.loops),
             "issued": self.issued,
         }
+        if self.policy:
+            wire["adm"] = self.policy
+        return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> NodeRecord:
         """Strict parse: exact field set and types, bounded sizes. Raises MalformedMessage."""
-        if not isinstance(obj, dict) or set(obj) != {"v", "peer", "addrs", "version", "loops", "issued"}:
+        if not isinstance(obj, dict) or set(obj) - {"adm"} != _RECORD_FIELDS:
             raise MalformedMessage("node record: wrong fields")
+        policy = obj.get("adm", "")
+        if not isinstance(policy, str) or len(policy) > MAX_POLICY or ("adm" in obj and not policy):
+            raise MalformedMessage("node record: bad admission digest")
         if obj["v"] != 1:
             raise MalformedMessage(f"node record: unsupported version {obj['v']!r}")
         peer, addrs, version, loops, issued = obj["peer"], obj["addrs"], obj["version"], obj["loops"], obj["issued"]
@@ -239,7 +249,7 @@ class NodeRecord:
             raise MalformedMessage("node record: bad loops")
         if type(issued) is not float or issued != issued:
             raise MalformedMessage("node record: bad issued time")
-        return cls(peer, addrs, version, tuple(loops), issued)
+        return cls(peer, addrs, version, tuple(loops), issued, policy)
 
 
 def now() -> float:

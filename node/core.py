@@ -129,6 +129,7 @@ class Node:
                               member_addrs=lambda: [a for m in self.discovery.members.values() for a in m.record.addrs])
         self.services.insert(0, self.nat)
         d = config.discovery
+        admission = Admission(config.node.swarm, config.state.admission_bits, config.state.allow)
         self.discovery = Discovery(
             self.transport,
             identity,
@@ -145,7 +146,8 @@ class Node:
             ),
             version=__version__,
             loops=self.loop_names,
-            on_greeted=lambda peer_id: self.replicator.sync_soon(peer_id),
+            on_greeted=lambda peer_id: self.discovery.policy_ok(peer_id) and self.replicator.sync_soon(peer_id),
+            policy=admission.policy(),
         )
         self.replicator = Replicator(
             identity,
@@ -154,9 +156,10 @@ class Node:
             peers=self._replication_peers,
             sync_interval=config.state.sync_interval,
             max_skew_ms=int(config.state.max_clock_skew * 1000),
-            admission=Admission(config.node.swarm, config.state.admission_bits, config.state.allow),
+            admission=admission,
             max_authors=config.state.max_authors,
             relay_fanout=config.state.relay_fanout,
+            compatible=self.discovery.policy_ok,
         )
         self.book = AddressBook(data_dir)
         self.reach = Reach(self.transport, identity.peer_id,
@@ -176,9 +179,11 @@ class Node:
         self.peer_state: dict[str, PeerState] = {}
 
     def _replication_peers(self) -> list[str]:
-        """Connected peers that are swarm members (discovered or in the CRDT member set)."""
+        """Connected peers that are swarm members (discovered or in the CRDT member set) and judge authors by the
+        same admission rule as we do (their member record says so)."""
         crdt_members = set(self.replicator.store.value("members"))
-        return [p for p in self.connected if p in self.discovery.members or p in crdt_members]
+        return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
+                and self.discovery.policy_ok(p)]
 
     def is_direct(self, peer_id: str) -> bool:
         conn = self.connected.get(peer_id)
@@ -391,6 +396,8 @@ class Node:
                 "routing_table_size": self.discovery.routing_table_size(),
                 "members_key": self.discovery.members_key,
                 **self.discovery.counters,
+                "admission_rule": self.discovery.policy,
+                "other_rule": self.discovery.policy_mismatch()[:16],
                 "records_refused": dict(self.discovery.validator.refused) if self.discovery.validator else {},
             },
             "members": len(known[0]),  # others

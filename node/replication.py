@@ -133,6 +133,7 @@ class Replicator:
         rng: random.Random | None = None,
         log: OpLog | None = None,
         relay_fanout: int = 3,
+        compatible: Callable[[str], bool] = lambda peer_id: True,
     ):
         self.identity = identity
         self.clock = clock
@@ -145,6 +146,7 @@ class Replicator:
         self.ticket_file = data_dir / "admission.ticket"
         self.log = log if log is not None else OpLog(data_dir / "crdt.log")
         self._peers = peers
+        self._compatible = compatible
         self.sync_interval = sync_interval
         self.last_sync: dict[str, float] = {}
         self.counters: Counter = Counter()
@@ -369,6 +371,11 @@ class Replicator:
 
     # ------------------------------------------------------------------ protocol: server side
     async def _on_stream(self, stream: Stream) -> None:
+        if not self._compatible(stream.peer_id):
+            # another admission rule (its member record says so): it would take our authors' ops for forged and
+            # we its; honest, not the peer's fault, so refused without a penalty (discovery logs the mismatch)
+            self.counters["refused_other_rule"] += 1
+            return
         while True:
             message = await asyncio.wait_for(stream.read(), 30.0)
             if message is None:

@@ -144,11 +144,27 @@ def test_node_record_parsing_is_strict():
         {**good, "issued": 1},  # int, not float: no coercion
         {**good, "issued": float("nan")},
         {**good, "version": None},
+        {**good, "adm": ""},
+        {**good, "adm": 7},
+        {**good, "adm": "x" * 33},
         "not a dict",
     ]
     for bad in bad_variants:
         with pytest.raises(MalformedMessage):
             NodeRecord.from_wire(bad)
+
+
+def test_a_record_says_its_admission_rule_and_one_without_it_still_parses():
+    from crdt.admission import Admission
+
+    ident = Identity.generate()
+    rule = Admission("s", 22).policy()
+    assert rule != Admission("s", 12).policy() != Admission("s", 22, allow=[ident.peer_id]).policy()
+    assert rule == Admission("s", 22).policy() and len(rule) == 16
+    record = NodeRecord(ident.peer_id, (), "0.1.0", (), 1.5, rule)
+    assert record.to_wire()["adm"] == rule and NodeRecord.from_wire(record.to_wire()) == record
+    older = NodeRecord(ident.peer_id, (), "0.1.0", (), 1.5)  # a node from before records said it
+    assert "adm" not in older.to_wire() and NodeRecord.from_wire(older.to_wire()).policy == ""
 
 
 @pytest.mark.timeout(60)

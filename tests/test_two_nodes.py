@@ -69,3 +69,44 @@ async def test_two_nodes_in_one_process_join_replicate_and_gossip(tmp_path):
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+@pytest.mark.timeout(90)
+async def test_two_nodes_with_different_admission_rules_say_so_and_never_ban_each_other(tmp_path):
+    """Two honest nodes of one swarm configured with different `state.admission_bits` judge each other's authors
+    differently: each would take the other's ops for forged (a 50-point penalty each) and they banned each other.
+    Their member records now say their rule: each sees the other's is different (`/status` -> dht.other_rule, a
+    warning in the log), does not replicate with it, refuses its replication streams without a penalty, and the
+    two stay connected and usable for everything else."""
+    nodes, tasks = [], []
+    ready = [asyncio.Event(), asyncio.Event()]
+    try:
+        for i in range(2):
+            overrides = {"state": {"admission_bits": 12 + i}}
+            if i:
+                overrides["network"] = {"bootstrap": [nodes[0].addresses[0]]}
+            (tmp_path / f"n{i}").mkdir()
+            node = Node(load_config(LOCAL, overrides), Identity.generate(), tmp_path / f"n{i}")
+            nodes.append(node)
+            tasks.append(asyncio.create_task(node.run(lambda n, e=ready[i]: e.set())))
+            await asyncio.wait_for(ready[i].wait(), 30)
+        a, b = nodes
+        ida, idb = a.identity.peer_id, b.identity.peer_id
+        await _wait(lambda: a.discovery.policy_mismatch() == [idb] and b.discovery.policy_mismatch() == [ida], 30,
+                    "each node to see the other's rule in its record")
+        assert a.discovery.policy != b.discovery.policy
+        assert idb not in a._replication_peers() and ida not in b._replication_peers()
+        # a replication stream opened anyway (as a node from before this check would) is refused, not penalised
+        with pytest.raises(Exception):
+            await b.replicator.sync_with(ida)
+        await _wait(lambda: a.replicator.counters["refused_other_rule"] >= 1, 10, "the refusal")
+        await a.replicator.write("kv", {"k": f"{ida}/note", "v": "not for b"})
+        await b.replicator.write("kv", {"k": f"{idb}/note", "v": "not for a"})
+        assert not any(f"{idb}/" in k for k in a.replicator.store.value("kv"))
+        assert a.transport.penalties.score(idb) == 0 and b.transport.penalties.score(ida) == 0
+        assert a.status()["dht"]["other_rule"] == [idb] and a.status()["dht"]["policy_mismatch"] >= 1
+        assert idb in a.connected and ida in b.connected  # connected, just not replicating
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
