@@ -700,10 +700,37 @@ class DilocoLoop(TaskLoop):
         return sem
 
     async def _fetch_part(self, key: tuple[int, int], peer: str, blob: bytes, size: int, addrs, elements: int,
-                          timeout: float) -> torch.Tensor:
-        """One encoded part that ``peer`` named, pulled from it and decoded (off the event loop when large)."""
-        async with self._source(peer):
-            body = await asyncio.wait_for(self.bulk.pull_from(blob, size, peer, list(addrs)), max(0.05, timeout))
+                          timeout: float, holders: list[tuple[str, tuple]] = ()) -> torch.Tensor:
+        """One encoded part that ``peer`` named, pulled and decoded (off the event loop when large): from ``peer``,
+        and if it fails us (gone: killed mid-round), from each of ``holders`` ((peer, addrs): the round's other
+        members, any of which may have pulled it already: a pulled blob is kept and served, and its hash is the
+        one ``peer`` signed), all within ``timeout``. Without that, a member that pulled a dead peer's chunk (the
+        part's auditor, a prefetch) combined it and the others could not: the round split (found by the
+        simulator, and seen as the kill bench's survivors diverging)."""
+        end = self.clock.monotonic() + max(0.05, timeout)
+        others = [(h, a) for h, a in holders if h != peer]
+        # the owner gets half the time, then the holders, then the owner again with what is left (a slow owner that
+        # no one else has pulled from yet still delivers)
+        sources = [(peer, addrs), *others, (peer, addrs)] if others else [(peer, addrs)]
+        body, failure = None, None
+        for i, (source, where) in enumerate(sources):
+            remaining = end - self.clock.monotonic()
+            if remaining <= 0:
+                break
+            if i == 0 and len(sources) > 1:
+                remaining /= 2  # the owner gets half: the holders the rest
+            try:
+                async with self._source(source):
+                    body = await asyncio.wait_for(self.bulk.pull_from(blob, size, source, list(where)),
+                                                  max(0.05, remaining))
+            except (BulkError, asyncio.TimeoutError) as e:
+                failure = failure or e
+                continue
+            if 0 < i < len(sources) - 1:
+                self.counters["chunks_from_other_holders"] += 1
+            break
+        if body is None:
+            raise failure or asyncio.TimeoutError()
         self._round_blobs[key].add(blob)
         self.counters["bytes_received"] += size
         if size > 1 << 18:
@@ -786,7 +813,8 @@ class DilocoLoop(TaskLoop):
                         pull = asyncio.wait_for(asyncio.shield(early), max(0.05, until - self.clock.monotonic()))
                     else:
                         pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
-                                                until - self.clock.monotonic())
+                                                until - self.clock.monotonic(), holders=[
+                                                    (x, pending.announced[x].addrs) for x in ordered if x != me])
                     try:
                         chunk = await pull
                     except codecs.CodecError:

@@ -248,3 +248,43 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
         assert counters["fell_behind"] == 1 and counters["joined_from_checkpoint"] == 2, counters
         assert counters.get("diverged", 0) == 0, counters
     assert all(h[-3:] == [5, 5, 5] for h in others), others  # it contributes again
+
+
+@pytest.mark.timeout(120)
+def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_its_chunk(tmp_path):
+    """Scatter, every part audited: a peer killed at its close, after its part's auditor pulled its chunk of that
+    part but before anyone else did. The others reduce its part themselves (fallback) and must use the same
+    chunks as the auditor: the dead peer's chunk is pulled from the auditor, which kept it. Before, the auditor
+    combined that chunk and the others could not: the auditor left the majority and resynced (the kill bench's
+    survivors diverged this way)."""
+    from protocols.exchange import PART_MIN
+
+    died = asyncio.Event()
+
+    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
+        async def _scatter(self, key, pending, members):
+            if key[0] == 2:
+                await asyncio.sleep(0.3)  # its chunks are served meanwhile: the auditor of its part pulls them
+                died.set()
+                await asyncio.sleep(3600)  # killed here
+            return await super()._scatter(key, pending, members)
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=1.0)  # 4 parts: one each
+        victim = sim.peers[3]
+        sim.classes[victim] = DiesWhileReducing
+        try:
+            await sim.start_all()
+            await died.wait()
+            await sim.kill(victim)
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 300, "survivors done")
+            survivors = [sim.loop(p).counters for p in sim.peers[:3]]
+            return survivors, {sim.loop(p).final_hash for p in sim.peers[:3]}
+        finally:
+            await sim.stop()
+
+    survivors, finals = run_virtual(main())
+    assert len(finals) == 1
+    assert all(c.get("diverged", 0) == 0 and c.get("resyncs", 0) == 0 for c in survivors), survivors
+    assert sum(c.get("parts_fallback", 0) for c in survivors) >= 1  # its part was reduced by the others
+    assert sum(c.get("chunks_from_other_holders", 0) for c in survivors) >= 1, survivors
