@@ -161,14 +161,38 @@ async def test_the_inbound_budget_holds_frames_back_and_a_cancelled_reader_gives
     budget = InboundBudget(capacity=100)
     assert await budget.acquire(60) == 60
     second = asyncio.create_task(budget.acquire(60))  # does not fit beside the first: waits
-    third = asyncio.create_task(budget.acquire(30))
+    third = asyncio.create_task(budget.acquire(30))  # would fit, but queues behind the second (first come first)
     await asyncio.sleep(0)
-    assert not second.done() and third.done() and budget.used == 90
-    second.cancel()  # a reader whose stream went away while it waited
+    assert not second.done() and not third.done() and budget.used == 60
+    second.cancel()  # a reader whose stream went away while it waited: the one behind it goes
     await asyncio.gather(second, return_exceptions=True)
+    await asyncio.sleep(0)
+    assert third.done() and budget.used == 90
     budget.release(60)
     budget.release(30)
-    assert budget.used == 0 and budget.waits == 1
+    assert budget.used == 0 and budget.waits == 2
     assert await budget.acquire(500) == 100  # larger than the whole budget: runs alone
     budget.release(100)
     assert budget.used == 0
+
+
+async def test_a_large_frame_is_not_starved_by_small_ones_that_keep_fitting():
+    import asyncio
+
+    from transport.base import InboundBudget
+
+    budget = InboundBudget(capacity=100)
+    await budget.acquire(40)
+    big = asyncio.create_task(budget.acquire(100))  # needs everything: waits for the 40 to go
+    smalls = [asyncio.create_task(budget.acquire(40)) for _ in range(3)]  # each would fit beside the 40 held
+    await asyncio.sleep(0)
+    assert not big.done() and not any(t.done() for t in smalls)  # queued behind the big one, not served past it
+    budget.release(40)
+    await asyncio.sleep(0)
+    assert big.done() and budget.used == 100 and not any(t.done() for t in smalls)
+    budget.release(100)
+    await asyncio.sleep(0)
+    assert [t.done() for t in smalls] == [True, True, False] and budget.used == 80  # in order, as they fit
+    budget.release(40)
+    await asyncio.sleep(0)
+    assert all(t.done() for t in smalls) and budget.used == 80 and not budget._waiters

@@ -60,36 +60,53 @@ class InboundBudget:
     (its stream is not read, so the sender is held back) until the others have been decoded. So 64 streams each
     sending an 8 MiB frame of empty maps cost at most ``capacity``, not 64 x (8 MiB + 4 x 8 MiB).
 
-    ``capacity`` is a ceiling, not a promise: one frame larger than it still runs alone."""
+    ``capacity`` is a ceiling, not a promise: one frame larger than it still runs alone. Frames are served in the
+    order they asked (FIFO): a frame that fits is still queued behind one that waits, so a peer's large frame is
+    not held back for good by other streams' small ones that would each fit beside what is being decoded."""
 
     def __init__(self, capacity: int = 48 << 20):
         self.capacity = capacity
         self.used = 0
         self.waits = 0  # frames that had to wait their turn
-        self._waiters: collections.deque[asyncio.Future] = collections.deque()
+        self._waiters: collections.deque[tuple[int, asyncio.Future]] = collections.deque()
 
     async def acquire(self, n: int) -> int:
         n = min(n, self.capacity)
-        if self.used + n > self.capacity:
-            self.waits += 1
-        while self.used + n > self.capacity:
-            waiter = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                await waiter
-            finally:
-                if waiter in self._waiters:
-                    self._waiters.remove(waiter)
-        self.used += n
+        if not self._waiters and self.used + n <= self.capacity:
+            self.used += n
+            return n
+        self.waits += 1
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append((n, waiter))
+        try:
+            await waiter  # resolved when granted: its share is counted in ``used`` by then
+        except BaseException:
+            if waiter.done() and not waiter.cancelled():
+                self.used -= n  # granted as we were cancelled: give it back
+            else:
+                waiter.cancel()  # still queued: skipped when its turn comes
+            self._grant()
+            raise
         return n
 
     def release(self, n: int) -> None:
         """Synchronous, so a cancelled reader's ``finally`` always gives its share back."""
         self.used -= n
+        self._grant()
+
+    def _grant(self) -> None:
+        """Serve the queue from its head while the head fits (strict order: the head that does not fit waits for
+        more releases, and everything behind it with it)."""
         while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(None)  # every waiter checks again; those that still do not fit wait again
+            n, waiter = self._waiters[0]
+            if waiter.done():  # cancelled while queued
+                self._waiters.popleft()
+                continue
+            if self.used + n > self.capacity:
+                return
+            self._waiters.popleft()
+            self.used += n
+            waiter.set_result(None)
 
 
 class PathType(str, enum.Enum):
