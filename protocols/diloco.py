@@ -567,7 +567,11 @@ class DilocoLoop(TaskLoop):
         self.blocked_seconds += self.clock.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
-            self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco update {reason}")
+            # "uncorrelated" is a statistical judgement (near convergence an honest update can be mostly its
+            # shard's noise: 5 of 16 honest peers got it in one simulated round), so it costs a suspect's weight,
+            # not a malformed message's; the update is refused either way
+            kind = "suspect" if reason == "uncorrelated" else "invalid_message"
+            self._ctx.transport.penalties.penalize(peer, kind, f"diloco update {reason}")
         participants = members - set(rejected)
         self._record_round(r, fragment=p, waited_s=waited_s, deadline_s=self.deadline.value(),
                            participants=participants, missing=missing, rejected={**other_base, **rejected})

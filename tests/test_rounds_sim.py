@@ -174,13 +174,16 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
+            offences = [sim.nodes[p].transport.penalties.offences(noisy) for p in sim.peers[:4]]
             return ([lp.counters.get("rejected_uncorrelated", 0) for lp in loops[:4]],
                     sum(lp.counters.get("resyncs", 0) + lp.counters.get("diverged", 0) for lp in loops),
-                    [[h["participants"] for h in lp.history] for lp in loops], _finals(sim))
+                    [[h["participants"] for h in lp.history] for lp in loops], _finals(sim), offences)
         finally:
             await sim.stop()
 
-    refused, resyncs, participants, finals = run_virtual(main())
+    refused, resyncs, participants, finals, offences = run_virtual(main())
+    # a statistical refusal costs a suspect's weight (2), not a malformed message's (10): an honest peer gets it too
+    assert all(o.get("invalid_message", 0) == 0 for o in offences) and any(o.get("suspect") for o in offences)
     # the noisy round was refused: by every peer, or in scatter by the reducers of the parts (each screens its own)
     assert all(c >= 1 for c in refused) if exchange == "all-to-all" else sum(refused) >= 1
     assert resyncs == 0 and len(finals) == 1

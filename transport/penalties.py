@@ -27,6 +27,9 @@ WEIGHTS = {
     "forged": 50.0,
     "protocol_violation": 10.0,
     "stale": 2.0,
+    # a statistical judgement that an honest peer can also get (a training update no closer to the others than
+    # noise, as an honest one near convergence can be): counted and shown, but about 50 in a row before a ban
+    "suspect": 2.0,
     "rate_limited": 5.0,
 }
 DEFAULT_WEIGHT = 10.0
