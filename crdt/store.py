@@ -15,7 +15,10 @@
   op), ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds
   its share of the pending budget), ``not_admitted`` (an author's op #1 without its admission, see
   ``crdt.admission``), ``authors_full`` (a new author while we hold ``max_authors``: our limit, not the sender's
-  fault).
+  fault), ``over_quota`` (an author's op written less than ``QUOTA_WINDOW_MS`` after its op ``QUOTA_OPS`` back in
+  its chain, by the ops' own clocks: at most that many ops a minute per author, sustained, whatever objects they
+  rewrite; an op's clock cannot run ahead of real time by more than ``max_skew_ms``, so a chain cannot outrun the
+  quota, and the rule reads only the chain, so every replica decides the same way).
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
 replica's content is summarized exactly by its version vector ``{author: last seq}``. That vector grows with the
@@ -43,6 +46,8 @@ from crdt.ops import (
 from crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
+QUOTA_OPS = 1000  # an author's ops per QUOTA_WINDOW_MS, by their clocks (the same on every node: part of the protocol)
+QUOTA_WINDOW_MS = 60_000
 BUCKETS = 256
 DIGEST_SIZE = 16
 
@@ -225,6 +230,8 @@ class OpStore:
             return "bad_causality"
         if any(self.ops[p].clock >= op.clock for p in op.parents):
             return "bad_causality"
+        if op.seq > QUOTA_OPS and op.clock[0] - self.ops[chain[op.seq - 1 - QUOTA_OPS]].clock[0] < QUOTA_WINDOW_MS:
+            return "over_quota"
         return None
 
     def _merge(self, op: Op) -> Op:
@@ -259,7 +266,7 @@ class OpStore:
         applied whole or not at all. Sign the bodies (off the event loop), persist them, then ``commit`` them."""
         chain = self.chains.get(author, [])
         parents = self._next_parents(chain)
-        seq, hlc, bodies = len(chain), HLC(self.clock.last), []
+        seq, hlc, bodies, walls = len(chain), HLC(self.clock.last), [], []
         for obj, payload in items:
             ctype = self.schema.get(obj)
             if ctype is None:
@@ -269,7 +276,14 @@ class OpStore:
                 reason = self.admission.admits(author, obj, payload)
                 if reason is not None:
                     return [], f"{obj}: {reason}"
-            body = encode_body(author, seq, hlc.tick(now_ms), parents, obj, payload)
+            clock = hlc.tick(now_ms)
+            back = seq - QUOTA_OPS  # the op QUOTA_OPS back: in the chain, or earlier in this batch
+            if back >= 1:
+                wall = self.ops[chain[back - 1]].clock[0] if back <= len(chain) else walls[back - len(chain) - 1]
+                if clock[0] - wall < QUOTA_WINDOW_MS:
+                    return [], f"{obj}: over_quota"
+            walls.append(clock[0])
+            body = encode_body(author, seq, clock, parents, obj, payload)
             try:
                 op = decode_body(body, b"", max_size=self.max_op_size)
             except OpError as e:

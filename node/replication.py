@@ -93,6 +93,7 @@ PENALTY = {
     "unknown_object": "malformed",
     "bad_causality": "malformed",
     "not_admitted": "forged",  # an honest peer applies (and so relays) only admitted authors' ops
+    "over_quota": "malformed",  # the rule reads only the author's chain: an honest peer never relays such an op
     # "authors_full" and "pending_full" are our limits, never the sender's fault: counted and logged, no penalty
     "future_clock": "stale",  # may be clock skew between honest nodes: a light penalty
     "equivocation": "stale",  # an honest relay may carry the other fork first

@@ -469,3 +469,27 @@ def test_anti_entropy_pages_through_many_authors_in_bounded_messages():
     for bad in ({256: b"x" * 16}, {0: b"short"}, {"0": b"x" * 16}, [b"x" * 16]):
         with pytest.raises(ValueError):
             a.differing(bad)
+
+
+def test_an_author_writes_at_most_its_quota_a_minute_whatever_it_rewrites():
+    """An admitted author's writes were unbounded (issue 14): rewriting one register a million times grew every
+    replica. Now op n of an author must come QUOTA_WINDOW_MS (by the ops' own clocks) after its op n - QUOTA_OPS: a
+    rule on the chain alone, so the writer's draft and every replica decide the same way, and a chain cannot
+    outrun it (its clocks cannot run ahead of real time by more than the skew)."""
+    from crdt.store import QUOTA_OPS, QUOTA_WINDOW_MS
+
+    a = IDS[0]
+    s, replica = store(), store()
+    for i in range(QUOTA_OPS):  # a burst of a full quota, all in the same millisecond
+        op = write(s, a, "count", {"n": 1})
+        assert replica.receive(op.wire(), NOW).status == APPLIED
+    assert s.draft(a.peer_id, [("count", {"n": 1})], NOW + 1) == ([], "count: over_quota")  # refused locally
+    assert s.create(a.sign, a.peer_id, "count", {"n": 1}, NOW + 1).reason == "over_quota"
+    chain = s.chains[a.peer_id]
+    forced = make_op(a.sign, a.peer_id, QUOTA_OPS + 1, (NOW + 1, 0), [chain[-1]], "count", {"n": 1})
+    assert replica.receive(forced.wire(), NOW + 1).reason == "over_quota"  # every replica refuses it too
+    later = make_op(a.sign, a.peer_id, QUOTA_OPS + 1, (NOW + QUOTA_WINDOW_MS, 0), [chain[-1]], "count", {"n": 1})
+    assert replica.receive(later.wire(), NOW + QUOTA_WINDOW_MS).status == APPLIED  # a minute later, it goes
+    bodies, refusal = s.draft(a.peer_id, [("count", {"n": 1})] * 2, NOW + QUOTA_WINDOW_MS)
+    assert refusal is None and len(bodies) == 2  # the quota is per window, not for good
+    assert replica.rejected["over_quota"] == 1
