@@ -276,11 +276,12 @@ def _paced(cls, step_seconds: float):
     return Paced
 
 
-class DilocoSim:
-    """A DiLoCo swarm in one process on the regression task (a full mesh, as every real swarm within
-    ``max_peers`` is): nodes can be started late, killed (as ``kill -9``: their op log and data dir stay),
-    restarted, cut off by a partition; ``loop_cls`` may be a subclass (a Byzantine peer, a slow one). The round code
-    is DilocoLoop's own, on virtual time."""
+class LoopSim:
+    """A training loop's swarm in one process (a full mesh, as every real swarm within ``max_peers`` is): nodes can
+    be started late, killed (as ``kill -9``: their op log and data dir stay), restarted, cut off by a partition;
+    ``classes`` may give a peer a subclass of the loop (a Byzantine peer, a slow one). The round code is the loop's
+    own, on virtual time. A subclass names the loop: ``_setup`` (its config, task and class), ``_make_loop`` and
+    ``report``. ``async with sim:`` stops every node at the end."""
 
     def __init__(self, cfg: SimConfig, churn: ChurnConfig, root: Path, **settings):
         from protocols import task as tasks
@@ -302,19 +303,19 @@ class DilocoSim:
         self.kills = self.restarts = 0
 
     def _setup(self, settings: dict) -> None:
-        from protocols import diloco
-
-        churn = self.churn
-        self.task = self.tasks.load("regression", {"dim": churn.dim}, "diloco")
-        defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
-                        inner_steps=churn.inner_steps, min_peers=self.cfg.peers, checkpoint_every=1,
-                        deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05,
-                        outer_lr=1.0, outer_momentum=0.0, device="cpu")
-        self.dcfg = diloco.DilocoConfig(**{**defaults, **settings})
-        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+        raise NotImplementedError
 
     def _make_loop(self, cls, gossip, bulk):
-        return cls(gossip, bulk, self.dcfg, self.task)
+        raise NotImplementedError
+
+    def report(self, took: float) -> dict:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> LoopSim:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.stop()
 
     def loop(self, peer: str):
         return self.nodes[peer].loop
@@ -355,6 +356,25 @@ class DilocoSim:
             if n.up:
                 await n.stop()
 
+
+class DilocoSim(LoopSim):
+    """A DiLoCo swarm on the regression task: DilocoLoop's own round code on virtual time."""
+
+    def _setup(self, settings: dict) -> None:
+        from protocols import diloco
+
+        churn = self.churn
+        self.task = self.tasks.load("regression", {"dim": churn.dim}, "diloco")
+        defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
+                        inner_steps=churn.inner_steps, min_peers=self.cfg.peers, checkpoint_every=1,
+                        deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05,
+                        outer_lr=1.0, outer_momentum=0.0, device="cpu")
+        self.dcfg = diloco.DilocoConfig(**{**defaults, **settings})
+        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+
+    def _make_loop(self, cls, gossip, bulk):
+        return cls(gossip, bulk, self.dcfg, self.task)
+
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values()]
         finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
@@ -375,7 +395,7 @@ class DilocoSim:
         }
 
 
-class SpsaSim(DilocoSim):
+class SpsaSim(LoopSim):
     """An SPSA swarm in one process on the regression task: the loop's own windows, screens, hash checks, log
     replay and resync on virtual time. A window's steps take ``window x step_seconds`` of simulated time (their
     real compute runs in a worker thread, which the virtual clock waits for). ``churn.rounds`` is the windows."""
@@ -405,7 +425,7 @@ class SpsaSim(DilocoSim):
                 "diverged": sum(lp.counters.get("diverged", 0) for lp in loops)}
 
 
-class SapoSim(DilocoSim):
+class SapoSim(LoopSim):
     """A SAPO swarm in one process on the arithmetic task with a tiny policy: the loop's own rounds, sharing,
     re-scoring and per-source caps on virtual time. A round's rollouts and step take ``inner_steps x step_seconds``
     of simulated time (their real compute runs in a worker thread). ``churn.rounds`` is the rounds."""

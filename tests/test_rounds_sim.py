@@ -24,15 +24,13 @@ def _finals(sim: DilocoSim) -> set:
 def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_path):
     async def main():
         sim = _sim(tmp_path, 5, rounds=10, min_peers=4)
-        try:
+        async with sim:
             await sim.start_all(sim.peers[:4])
             await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in sim.peers[:4]) >= 3, 120, "round 3")
             late = sim.peers[4]
             await sim.start(late)
             await sim.until(sim.finished, 300, "everyone to finish")
             return sim.loop(late).counters, _finals(sim), sim.loop(late).history
-        finally:
-            await sim.stop()
 
     counters, finals, history = run_virtual(main())
     assert counters["joined_from_checkpoint"] == 1 and len(finals) == 1
@@ -43,15 +41,13 @@ def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_pat
 def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 120, "round 2")
             drifter = sim.loop(sim.peers[0])
             drifter.global_flat[0] = drifter.global_flat[0] + 0.01 * torch.randn(drifter.global_flat[0].shape)
             await sim.until(sim.finished, 300, "everyone to finish")
             return drifter.counters, _finals(sim)
-        finally:
-            await sim.stop()
 
     counters, finals = run_virtual(main())
     assert counters["diverged"] >= 1 and counters["resyncs"] >= 1 and len(finals) == 1
@@ -69,7 +65,7 @@ def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
         sim = _sim(tmp_path, 5, exchange="scatter")  # each reducer screens the chunks of its part
         bad = sim.peers[4]
         sim.classes[bad] = Noise
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             honest = [sim.nodes[p] for p in sim.peers[:4]]
@@ -78,8 +74,6 @@ def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
                     [n.transport.penalties.score(bad) for n in honest],
                     {n.loop.final_hash for n in honest}, [n.loop.counters.get("rejected_uncorrelated", 0)
                                                             for n in honest])
-        finally:
-            await sim.stop()
 
     refused, scores, finals, counts = run_virtual(main())
     assert all(r.get("uncorrelated", 0) >= 1 for r in refused) and all(s > 0 for s in scores)
@@ -90,7 +84,7 @@ def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
 def test_a_partition_splits_the_rounds_and_after_the_heal_everyone_ends_on_one_side(tmp_path):
     async def main():
         sim = _sim(tmp_path, 6, rounds=14)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 120, "round 2")
             minority, majority = sim.peers[:2], sim.peers[2:]
@@ -99,8 +93,6 @@ def test_a_partition_splits_the_rounds_and_after_the_heal_everyone_ends_on_one_s
             sim.net.heal()
             await sim.until(sim.finished, 600, "everyone to finish")
             return _finals(sim), sum(sim.loop(p).counters.get("resyncs", 0) for p in sim.peers)
-        finally:
-            await sim.stop()
 
     finals, resyncs = run_virtual(main())
     assert len(finals) == 1 and resyncs >= 1
@@ -112,15 +104,13 @@ def test_a_slow_peer_costs_the_others_a_deadline_not_the_run(tmp_path):
         sim = _sim(tmp_path, 4)
         slow = sim.peers[3]
         sim.classes[slow] = _paced(diloco.DilocoLoop, 0.5)  # five times slower inner steps
-        try:
+        async with sim:
             await sim.start_all()
             took = await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 600,
                                    "the fast peers to finish")
             await sim.until(sim.finished, 600, "the slow one too")
             fast = [sim.loop(p) for p in sim.peers[:3]]
             return took, [lp.counters.get("deadline_missed", 0) for lp in fast], _finals(sim)
-        finally:
-            await sim.stop()
 
     took, missed, finals = run_virtual(main())
     # 8 rounds of 10 steps of 0.1 s are 8 s of compute; the fast peers wait for the slow one only to a deadline
@@ -132,7 +122,7 @@ def test_a_peer_killed_before_announcing_costs_the_others_one_deadline(tmp_path)
     async def main():
         sim = _sim(tmp_path, 4)
         victim = sim.peers[3]
-        try:
+        async with sim:
             await sim.start_all()
             # kill -9 once it has closed 2 rounds and is mid-way through its next round's inner steps
             await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
@@ -142,8 +132,6 @@ def test_a_peer_killed_before_announcing_costs_the_others_one_deadline(tmp_path)
             survivors = [sim.loop(p) for p in sim.peers[:3]]
             return ([lp.counters.get("deadline_missed", 0) for lp in survivors],
                     {lp.final_hash for lp in survivors}, survivors[0].history)
-        finally:
-            await sim.stop()
 
     missed, finals, history = run_virtual(main())
     assert len(finals) == 1 and history[-1]["participants"] == 3 and history[0]["participants"] == 4
@@ -170,7 +158,7 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
         sim = _sim(tmp_path, 5, rounds=6, exchange=exchange)
         noisy = sim.peers[4]
         sim.classes[noisy] = OnceNoisy
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
@@ -178,8 +166,6 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
             return ([lp.counters.get("rejected_uncorrelated", 0) for lp in loops[:4]],
                     sum(lp.counters.get("resyncs", 0) + lp.counters.get("diverged", 0) for lp in loops),
                     [[h["participants"] for h in lp.history] for lp in loops], _finals(sim), offences)
-        finally:
-            await sim.stop()
 
     refused, resyncs, participants, finals, offences = run_virtual(main())
     # a statistical refusal costs a suspect's weight (2), not a malformed message's (10): an honest peer gets it too
@@ -227,7 +213,7 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
     async def main():
         sim = _sim(tmp_path, 5, rounds=16)
         victim = sim.peers[4]
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
                             "the victim mid-round")
@@ -239,8 +225,6 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
             loops = [sim.loop(p) for p in sim.peers]
             return ([[h["participants"] for h in lp.history] for lp in loops[:4]], loops[4].counters,
                     _finals(sim))
-        finally:
-            await sim.stop()
 
     others, counters, finals = run_virtual(main())
     assert len(finals) == 1
@@ -276,15 +260,13 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=1.0)  # 4 parts: one each
         victim = sim.peers[3]
         sim.classes[victim] = DiesWhileReducing
-        try:
+        async with sim:
             await sim.start_all()
             await died.wait()
             await sim.kill(victim)
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 300, "survivors done")
             survivors = [sim.loop(p).counters for p in sim.peers[:3]]
             return survivors, {sim.loop(p).final_hash for p in sim.peers[:3]}
-        finally:
-            await sim.stop()
 
     survivors, finals = run_virtual(main())
     assert len(finals) == 1

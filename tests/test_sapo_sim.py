@@ -24,12 +24,10 @@ class Poisoner(sapo.SapoLoop):
 def test_four_peers_share_and_score_each_others_items(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             return [sim.loop(p) for p in sim.peers]
-        finally:
-            await sim.stop()
 
     loops = run_virtual(main())
     for lp in loops:
@@ -45,12 +43,10 @@ def test_a_poisoners_items_are_rescored_and_never_used(tmp_path):
         sim = _sim(tmp_path, 4)
         poisoner = sim.peers[0]
         sim.classes[poisoner] = _closing_after(Poisoner, "_close_round", 1.0)  # as the honest ones: 10 x 0.1 s
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             return poisoner, [sim.loop(p) for p in sim.peers[1:]]
-        finally:
-            await sim.stop()
 
     poisoner, honest = run_virtual(main())
     for lp in honest:
@@ -64,14 +60,12 @@ def test_a_killed_peer_costs_the_others_a_few_deadlines_not_every_round(tmp_path
     async def main():
         sim = _sim(tmp_path, 4, rounds=16)
         victim = sim.peers[3]
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: sim.loop(victim).round >= 3, 120, "round 3")
             await sim.kill(victim)
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 300, "survivors")
             return [sim.loop(p).counters.get("deadline_missed", 0) for p in sim.peers[:3]]
-        finally:
-            await sim.stop()
 
     missed = run_virtual(main())
     assert all(1 <= m <= 6 for m in missed), missed  # it stops being waited for once it lost its standing

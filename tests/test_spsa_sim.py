@@ -24,12 +24,10 @@ def _finals(sim: SpsaSim) -> set:
 def test_four_peers_end_bit_identical_and_learn(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             return _finals(sim), [sim.loop(p).losses for p in sim.peers], sim.report(0.0)
-        finally:
-            await sim.stop()
 
     finals, losses, report = run_virtual(main())
     assert len(finals) == 1 and report["diverged"] == 0
@@ -41,7 +39,7 @@ def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4, windows=16)
         victim = sim.peers[3]
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: sim.loop(victim).window >= 4, 120, "window 4")
             await sim.kill(victim)  # kill -9: its data dir (checkpoint) stays
@@ -49,8 +47,6 @@ def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path):
             await sim.start(victim, restart=True)
             await sim.until(sim.finished, 300, "everyone to finish")
             return _finals(sim), sim.loop(victim).resumed, [sim.loop(p).counters for p in sim.peers[:3]]
-        finally:
-            await sim.stop()
 
     finals, resumed, survivors = run_virtual(main())
     assert len(finals) == 1
@@ -62,7 +58,7 @@ def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path):
 def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).window >= 3 for p in sim.peers), 120, "window 3")
             d = sim.loop(sim.peers[0])
@@ -71,8 +67,6 @@ def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
             d.weights._load(None, 0.0)
             await sim.until(sim.finished, 300, "everyone to finish")
             return d.counters, _finals(sim), [sim.loop(p).counters.get("diverged", 0) for p in sim.peers[1:]]
-        finally:
-            await sim.stop()
 
     counters, finals, others = run_virtual(main())
     assert counters["diverged"] >= 1 and len(finals) == 1 and others == [0, 0, 0]
@@ -82,7 +76,7 @@ def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
 def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_the_majoritys_log(tmp_path):
     async def main():
         sim = _sim(tmp_path, 5, windows=20)
-        try:
+        async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).window >= 3 for p in sim.peers), 120, "window 3")
             minority, majority = sim.peers[:2], sim.peers[2:]
@@ -92,8 +86,6 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
             sim.net.heal()
             await sim.until(sim.finished, 600, "everyone to finish")
             return split, _finals(sim), {p: sim.loop(p).counters.get("diverged", 0) for p in sim.peers}
-        finally:
-            await sim.stop()
 
     split, finals, diverged = run_virtual(main())
     assert len(split) >= 2  # the sides did part
