@@ -1199,7 +1199,8 @@ class DilocoLoop(TaskLoop):
             hashes = self.round_hashes[(r, p)]
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
-            if self.standing.counts(author) and r < self.cfg.rounds:  # (cfg.rounds: "the run ended here")
+            # (r = cfg.rounds says "the run ended here"; cfg.rounds 0 is a run without end)
+            if self.standing.counts(author) and (r < self.cfg.rounds or not self.cfg.rounds):
                 closed = self._closed_by[p]
                 if r > closed.get(author, -1) and (author in closed or len(closed) < MAX_PEER_ENTRIES):
                     closed[author] = r
