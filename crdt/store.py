@@ -230,9 +230,19 @@ class OpStore:
             return "bad_causality"
         if any(self.ops[p].clock >= op.clock for p in op.parents):
             return "bad_causality"
-        if op.seq > QUOTA_OPS and op.clock[0] - self.ops[chain[op.seq - 1 - QUOTA_OPS]].clock[0] < QUOTA_WINDOW_MS:
+        if self._over_quota(chain, op.seq, op.clock[0]):
             return "over_quota"
         return None
+
+    def _over_quota(self, chain: list[bytes], seq: int, wall_ms: int, drafted: list[int] = ()) -> bool:
+        """Would op ``seq`` of an author, written at ``wall_ms``, come less than QUOTA_WINDOW_MS after its op
+        QUOTA_OPS back? That op is in the author's ``chain``, or among ``drafted`` (the wall clocks of the ops of a
+        batch being drafted after the chain)."""
+        back = seq - QUOTA_OPS
+        if back < 1:
+            return False
+        earlier = self.ops[chain[back - 1]].clock[0] if back <= len(chain) else drafted[back - len(chain) - 1]
+        return wall_ms - earlier < QUOTA_WINDOW_MS
 
     def _merge(self, op: Op) -> Op:
         self.ops[op.id] = op
@@ -277,11 +287,8 @@ class OpStore:
                 if reason is not None:
                     return [], f"{obj}: {reason}"
             clock = hlc.tick(now_ms)
-            back = seq - QUOTA_OPS  # the op QUOTA_OPS back: in the chain, or earlier in this batch
-            if back >= 1:
-                wall = self.ops[chain[back - 1]].clock[0] if back <= len(chain) else walls[back - len(chain) - 1]
-                if clock[0] - wall < QUOTA_WINDOW_MS:
-                    return [], f"{obj}: over_quota"
+            if self._over_quota(chain, seq, clock[0], walls):
+                return [], f"{obj}: over_quota"
             walls.append(clock[0])
             body = encode_body(author, seq, clock, parents, obj, payload)
             try:

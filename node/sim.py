@@ -473,12 +473,12 @@ async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
     loop = asyncio.get_running_loop()
     rng = random.Random(cfg.seed)
     sim = DilocoSim(cfg, churn, root)
-    await sim.start_all()
-    t0 = loop.time()
-    down: list[str] = []
-    next_churn = t0 + churn.churn_every
-    k = max(1, round(churn.churn * cfg.peers)) if churn.churn > 0 else 0
-    try:
+    async with sim:
+        await sim.start_all()
+        t0 = loop.time()
+        down: list[str] = []
+        next_churn = t0 + churn.churn_every
+        k = max(1, round(churn.churn * cfg.peers)) if churn.churn > 0 else 0
         while not sim.finished():
             if loop.time() - t0 > 3600:
                 raise TimeoutError("simulation: the DiLoCo run did not finish within an hour of simulated time")
@@ -499,8 +499,6 @@ async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
         except TimeoutError:
             pass
         return sim.report(loop.time() - t0)
-    finally:
-        await sim.stop()
 
 
 async def until(cond, timeout: float, what: str, step: float) -> float:

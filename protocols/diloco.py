@@ -704,25 +704,22 @@ class DilocoLoop(TaskLoop):
         return sem
 
     async def _fetch_part(self, key: tuple[int, int], peer: str, blob: bytes, size: int, addrs, elements: int,
-                          timeout: float, holders: list[tuple[str, tuple]] = ()) -> torch.Tensor:
+                          timeout: float, holders: list[tuple[str, tuple]] = (),
+                          counter: str = "chunks_from_other_holders") -> torch.Tensor:
         """One encoded part that ``peer`` named, pulled and decoded (off the event loop when large): from ``peer``,
-        and if it fails us (gone: killed mid-round), from each of ``holders`` ((peer, addrs): the round's other
-        members, any of which may have pulled it already: a pulled blob is kept and served, and its hash is the
-        one ``peer`` signed), all within ``timeout``. Without that, a member that pulled a dead peer's chunk (the
-        part's auditor, a prefetch) combined it and the others could not: the round split (found by the
-        simulator, and seen as the kill bench's survivors diverging)."""
+        and if it fails us (gone: killed mid-round), from each of ``holders`` in turn ((peer, addrs): the round's
+        other members, any of which may have pulled it already: a pulled blob is kept and served, and its hash is
+        the one ``peer`` signed), all within ``timeout``; a part that came from a holder is counted as ``counter``.
+        Without the holders, a member that pulled a dead peer's chunk (the part's auditor, a prefetch) combined it
+        and the others could not: the round split (found by the simulator, and seen as the kill bench's survivors
+        diverging); and a reducer that died after serving its part to some members left the others without it."""
         end = self.clock.monotonic() + max(0.05, timeout)
-        others = [(h, a) for h, a in holders if h != peer]
-        # the owner gets half the time, then the holders, then the owner again with what is left (a slow owner that
-        # no one else has pulled from yet still delivers)
-        sources = [(peer, addrs), *others, (peer, addrs)] if others else [(peer, addrs)]
+        sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
         body, failure = None, None
         for i, (source, where) in enumerate(sources):
             remaining = end - self.clock.monotonic()
             if remaining <= 0:
                 break
-            if i == 0 and len(sources) > 1:
-                remaining /= 2  # the owner gets half: the holders the rest
             try:
                 async with self._source(source):
                     body = await asyncio.wait_for(self.bulk.pull_from(blob, size, source, list(where)),
@@ -730,8 +727,8 @@ class DilocoLoop(TaskLoop):
             except (BulkError, asyncio.TimeoutError) as e:
                 failure = failure or e
                 continue
-            if 0 < i < len(sources) - 1:
-                self.counters["chunks_from_other_holders"] += 1
+            if i:
+                self.counters[counter] += 1
             break
         if body is None:
             raise failure or asyncio.TimeoutError()
@@ -871,26 +868,19 @@ class DilocoLoop(TaskLoop):
                 blob, size, m, addrs = pending.reduced[k][reducer]
                 # from its reducer, else from a member that pulled it already (the reducer may have died after
                 # serving some of us: the others must end with the same bytes)
-                holders = [(reducer, addrs)] + [(x, pending.announced[x].addrs) for x in ordered
-                                                if x not in (me, reducer)]
-                for holder, where in holders:
-                    try:
-                        part = await self._fetch_part(key, holder, blob, size, where, b - a,
-                                                      end - self.clock.monotonic())
-                        if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
-                            raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
-                        got = (blob, m, part)
-                        break
-                    except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
-                        self._ctx.transport.penalties.penalize(reducer, "invalid_message",
-                                                               f"diloco reduced part: {e}")
-                        self.counters["reduced_parts_rejected"] += 1
-                        break
-                    except (BulkError, asyncio.TimeoutError):
-                        if self.clock.monotonic() >= end:
-                            break
-                if got is not None and holder != reducer:
-                    self.counters["parts_from_other_holders"] += 1
+                try:
+                    part = await self._fetch_part(key, reducer, blob, size, addrs, b - a, end - self.clock.monotonic(),
+                                                  holders=[(x, pending.announced[x].addrs) for x in ordered
+                                                           if x not in (me, reducer)],
+                                                  counter="parts_from_other_holders")
+                    if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
+                        raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
+                    got = (blob, m, part)
+                except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
+                    self._ctx.transport.penalties.penalize(reducer, "invalid_message", f"diloco reduced part: {e}")
+                    self.counters["reduced_parts_rejected"] += 1
+                except (BulkError, asyncio.TimeoutError):
+                    pass  # no member could give it to us in time: we reduce it ourselves below
             if audit is not None:
                 await audit
                 if got is not None:

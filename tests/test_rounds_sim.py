@@ -20,6 +20,13 @@ def _finals(sim: DilocoSim) -> set:
     return {n.loop.final_hash for n in sim.nodes.values()}
 
 
+async def _kill_mid_round(sim: DilocoSim, victim: str) -> None:
+    """kill -9 once the victim has closed 2 rounds and is mid-way through its next round's inner steps (10)."""
+    await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
+                    "the victim mid-round")
+    await sim.kill(victim)
+
+
 @pytest.mark.timeout(120)
 def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_path):
     async def main():
@@ -124,10 +131,7 @@ def test_a_peer_killed_before_announcing_costs_the_others_one_deadline(tmp_path)
         victim = sim.peers[3]
         async with sim:
             await sim.start_all()
-            # kill -9 once it has closed 2 rounds and is mid-way through its next round's inner steps
-            await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
-                            "the victim mid-round")
-            await sim.kill(victim)
+            await _kill_mid_round(sim, victim)
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 300, "survivors done")
             survivors = [sim.loop(p) for p in sim.peers[:3]]
             return ([lp.counters.get("deadline_missed", 0) for lp in survivors],
@@ -215,9 +219,7 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
         victim = sim.peers[4]
         async with sim:
             await sim.start_all()
-            await sim.until(lambda: sim.loop(victim).rounds_done[0] >= 2 and sim.loop(victim).step % 10 == 5, 120,
-                            "the victim mid-round")
-            await sim.kill(victim)
+            await _kill_mid_round(sim, victim)
             await asyncio.sleep(1.0)
             sim.classes[victim] = SlowStart if slow == "start" else SlowCheckpoint
             await sim.start(victim, restart=True)
