@@ -29,9 +29,15 @@ mkdir -p docker/wheelhouse
 if "$PY" -c "import setuptools" 2>/dev/null; then isolation=--no-build-isolation; else isolation=; fi
 "$PY" -m pip download -q $isolation . -d docker/wheelhouse
 # packages published only as source: built into wheels here, so the image needs no compiler
+# (once: pip download fetches the sdist again on every run; a wheel built before is kept)
 for sdist in docker/wheelhouse/*.tar.gz; do
     [ -e "$sdist" ] || continue
-    "$PY" -m pip wheel -q --no-deps -w docker/wheelhouse "$sdist" && rm -f "$sdist"
+    name="$(basename "$sdist" .tar.gz)"  # python-baseconv-1.2.2 -> python_baseconv-1.2.2-*.whl
+    built="docker/wheelhouse/$(echo "${name%-*}" | tr '.-' '__')-${name##*-}-"
+    if ! compgen -G "${built}*.whl" >/dev/null; then
+        "$PY" -m pip wheel -q --no-deps -w docker/wheelhouse "$sdist"
+    fi
+    rm -f "$sdist"
 done
 
 echo "building $TAG from $BASE ..." >&2
