@@ -134,6 +134,10 @@ class DilocoConfig(BaseModel):
     scatter_min_bytes: int = Field(1 << 20, ge=0)
     audit: float = Field(0.25, ge=0, le=1)  # fraction of reduced parts re-computed by a second peer
     min_bandwidth: float = Field(10e6, gt=0)  # bytes/s assumed at worst when a round's transfers are given time
+    # memory a peer may keep (all-to-all: the last close's updates, global weights and momentum, one round) to redo
+    # that close without a contested update when the majority's next updates say they combined without it (0: never;
+    # such a peer then always takes a checkpoint)
+    redo_bytes: int = Field(1 << 30, ge=0)
 
     _peers = field_validator("peers")(check_peer_ids)
 
@@ -175,6 +179,30 @@ class Pending:
     prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk
     failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
+
+
+@dataclass(frozen=True)
+class Redo:
+    """What closing a round of a fragment took (all-to-all), kept one round: if the majority's updates for the next
+    round say they were computed from other weights, the close is redone without the updates whose inclusion may
+    differ (ours, whose announcement may have reached the others late; the last other one to arrive) before a
+    checkpoint is pulled."""
+
+    round: int
+    members: frozenset[str]
+    updates: dict[str, torch.Tensor]
+    global_before: torch.Tensor  # the fragment's global weights before the close (the step returns new tensors)
+    momentum: torch.Tensor  # the outer momentum before it (a copy: the step changes it in place)
+    last: str | None  # the other member whose update arrived last
+
+    def variants(self, me: str) -> list[frozenset[str]]:
+        """The member sets to try, each missing what might have been late at the others."""
+        out: list[frozenset[str]] = []
+        for drop in ({me}, {self.last}, {me, self.last}):
+            left = self.members - drop
+            if left != self.members and left not in out:
+                out.append(left)
+        return out
 
 
 class DilocoLoop(TaskLoop):
@@ -231,6 +259,7 @@ class DilocoLoop(TaskLoop):
         # (round, fragment) -> the blobs of its exchange we hold: served while the round may still need them (a
         # peer's fallback pulls come up to a deadline after its close), dropped two rounds on
         self._round_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
+        self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -348,6 +377,7 @@ class DilocoLoop(TaskLoop):
                     if p == self.cfg.fragments - 1:
                         await self._after_round(rounds_done[p])
         await self._settle_final()
+        self._redo.clear()
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
@@ -415,7 +445,11 @@ class DilocoLoop(TaskLoop):
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
         verdict = rounds.hash_verdict(ours, theirs(r))
+        redo = self._redo.pop(p, None)
         if verdict is None or verdict.agrees:
+            return
+        if redo is not None and redo.round == r and self._redo_with(p, redo, lambda fixed: outer.params_hash(
+                [*self.global_flat[:p], fixed, *self.global_flat[p + 1:]]) == verdict.majority):
             return
         self.counters["diverged"] += 1
         self.counters["resyncs"] += 1
@@ -536,6 +570,7 @@ class DilocoLoop(TaskLoop):
             self.deadline.observe(t - pending.opened)
         missing = waited - have()
         waited_s = self.clock.monotonic() - blocked_from
+        self._redo_last_close(p, r, pending, have())
         base_now = outer.params_hash([self.global_flat[p]])
         other_base = {}
         for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
@@ -550,10 +585,16 @@ class DilocoLoop(TaskLoop):
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
+        self._redo.pop(p, None)
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
-            combined, rejected = outer.combine({a: pending.updates[a] for a in members}, self.global_flat[p].numel())
+            updates = {a: pending.updates[a] for a in members}
+            combined, rejected = outer.combine(updates, self.global_flat[p].numel())
+            if (len(updates) + 2) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
+                late = sorted((pending.arrivals[a], a) for a in members if a != me and a in pending.arrivals)
+                self._redo[p] = Redo(r, frozenset(members), updates, self.global_flat[p],
+                                     self.outer_opt.buffers[p].clone(), late[-1][1] if late else None)
         rejected.update(replayed)
         rejected.update({a: why for a, why in pending.refused.items() if a not in rejected})
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
@@ -622,6 +663,51 @@ class DilocoLoop(TaskLoop):
             # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
             self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
+
+    def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
+        """Before closing round r: if most counted peers' updates for it were computed from other weights than
+        ours, and closing round r - 1 without our update, without the last one to arrive, or without both gives
+        those weights, take them instead of pulling a checkpoint next round. The usual case: our update reached the
+        others after their deadline (a far peer) but counted at ours, or one arrived just in time here and just too
+        late there."""
+        redo = self._redo.get(p)
+        me = self._ctx.identity.peer_id
+        if redo is None or redo.round != r - 1:
+            return
+        bases = collections.Counter(ann.base for a, ann in pending.announced.items()
+                                    if a != me and a in have and self.standing.vouched(a))
+        if not bases:
+            return
+        base, votes = bases.most_common(1)[0]
+        if 2 * votes > sum(bases.values()) and base != outer.params_hash([self.global_flat[p]]):
+            self._redo_with(p, redo, lambda fixed: outer.params_hash([fixed]) == base)
+
+    def _redo_with(self, p: int, redo: Redo, matches) -> bool:
+        """Close ``redo``'s round again with each of its variants' member sets; the first whose weights
+        ``matches`` accepts replaces ours (global weights and momentum; our local weights move by the same
+        difference, so our training goes on from them). The hash we published for that round goes: it is not ours
+        any more."""
+        me, current = self._ctx.identity.peer_id, self.outer_opt.buffers[p]
+        for members in redo.variants(me):
+            combined, _ = outer.combine({a: redo.updates[a] for a in members}, redo.global_before.numel())
+            self.outer_opt.buffers[p] = redo.momentum.clone()
+            fixed = redo.global_before if combined is None else \
+                self.outer_opt.step(p, redo.global_before, combined)
+            if matches(fixed):
+                break
+        else:
+            self.outer_opt.buffers[p] = current
+            return False
+        frag = [self.params[i] for i in self.frag_index[p]]
+        with torch.no_grad():
+            outer.unflatten_into(outer.flatten(frag) + (fixed - self.global_flat[p]), frag)
+        self.global_flat[p] = fixed
+        self._global_version += 1
+        self._published.pop((redo.round, p), None)
+        self.counters["redone"] += 1
+        logger.warning("diloco: the others closed round %d/%d without %s; redone so, no checkpoint needed",
+                       redo.round, p, sorted(redo.members - members))
+        return True
 
     def _check_previous(self, p: int, r: int) -> None:
         """Compare the global hash we published for round r-1 with what the others published for it."""
@@ -1027,6 +1113,7 @@ class DilocoLoop(TaskLoop):
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
+        self._redo.clear()  # its inputs were other weights
         self.global_flat = global_flat
         self._global_version += 1
         self.outer_opt.buffers = momentum
