@@ -53,6 +53,7 @@ logger = logging.getLogger(__name__)
 CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset({1, 2}))
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
+MAX_LATE_PULLS = 4  # per round: counted peers' updates pulled after we closed it (for a redo)
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
@@ -181,28 +182,41 @@ class Pending:
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
 
 
-@dataclass(frozen=True)
+@dataclass
 class Redo:
     """What closing a round of a fragment took (all-to-all), kept one round: if the majority's updates for the next
     round say they were computed from other weights, the close is redone without the updates whose inclusion may
-    differ (ours, whose announcement may have reached the others late; the last other one to arrive) before a
-    checkpoint is pulled."""
+    differ (ours, whose announcement may have reached the others late; the last other one to arrive), or with the
+    counted peers' updates that came after it (``late``, pulled then), before a checkpoint is pulled."""
 
     round: int
     members: frozenset[str]
     updates: dict[str, torch.Tensor]
     global_before: torch.Tensor  # the fragment's global weights before the close (the step returns new tensors)
+    base: str  # their hash: what a late update must have been computed from
     momentum: torch.Tensor  # the outer momentum before it (a copy: the step changes it in place)
     last: str | None  # the other member whose update arrived last
+    late: dict[str, torch.Tensor] = field(default_factory=dict)  # counted peers' updates that came after the close
+    pulling: dict[str, asyncio.Task | None] = field(default_factory=dict)  # None: a pull of the round, still on
+
+    def drop(self) -> None:
+        for task in self.pulling.values():
+            if task is not None:
+                task.cancel()
 
     def variants(self, me: str) -> list[frozenset[str]]:
-        """The member sets to try, each missing what might have been late at the others."""
+        """The member sets to try: each missing what might have been late at the others, then with what was late
+        here."""
         out: list[frozenset[str]] = []
-        for drop in ({me}, {self.last}, {me, self.last}):
-            left = self.members - drop
+        late = frozenset(self.late)
+        for left in (self.members - {me}, self.members - {self.last}, self.members - {me, self.last},
+                     self.members | late, (self.members - {me}) | late):
             if left != self.members and left not in out:
                 out.append(left)
         return out
+
+    def update(self, peer: str) -> torch.Tensor:
+        return self.updates[peer] if peer in self.updates else self.late[peer]
 
 
 class DilocoLoop(TaskLoop):
@@ -377,6 +391,8 @@ class DilocoLoop(TaskLoop):
                     if p == self.cfg.fragments - 1:
                         await self._after_round(rounds_done[p])
         await self._settle_final()
+        for redo in self._redo.values():
+            redo.drop()
         self._redo.clear()
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
@@ -446,6 +462,8 @@ class DilocoLoop(TaskLoop):
             await asyncio.sleep(0.2)
         verdict = rounds.hash_verdict(ours, theirs(r))
         redo = self._redo.pop(p, None)
+        if redo is not None:
+            redo.drop()
         if verdict is None or verdict.agrees:
             return
         if redo is not None and redo.round == r and self._redo_with(p, redo, lambda fixed: outer.params_hash(
@@ -585,16 +603,22 @@ class DilocoLoop(TaskLoop):
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
-        self._redo.pop(p, None)
+        if (redo := self._redo.pop(p, None)) is not None:
+            redo.drop()
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
             updates = {a: pending.updates[a] for a in members}
             combined, rejected = outer.combine(updates, self.global_flat[p].numel())
-            if (len(updates) + 2) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
+            if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
                 late = sorted((pending.arrivals[a], a) for a in members if a != me and a in pending.arrivals)
-                self._redo[p] = Redo(r, frozenset(members), updates, self.global_flat[p],
-                                     self.outer_opt.buffers[p].clone(), late[-1][1] if late else None)
+                redo = self._redo[p] = Redo(r, frozenset(members), updates, self.global_flat[p], base_now,
+                                            self.outer_opt.buffers[p].clone(), late[-1][1] if late else None)
+                # counted peers' updates still being pulled: kept for a redo when they come
+                on_way = sorted(a for a in pending.pulling - set(pending.updates) - pending.failed
+                                if pending.announced.get(a) and pending.announced[a].base == base_now
+                                and self.standing.counts(a))
+                redo.pulling.update(dict.fromkeys(on_way[:MAX_LATE_PULLS]))
         rejected.update(replayed)
         rejected.update({a: why for a, why in pending.refused.items() if a not in rejected})
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
@@ -689,7 +713,7 @@ class DilocoLoop(TaskLoop):
         any more."""
         me, current = self._ctx.identity.peer_id, self.outer_opt.buffers[p]
         for members in redo.variants(me):
-            combined, _ = outer.combine({a: redo.updates[a] for a in members}, redo.global_before.numel())
+            combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
             self.outer_opt.buffers[p] = redo.momentum.clone()
             fixed = redo.global_before if combined is None else \
                 self.outer_opt.step(p, redo.global_before, combined)
@@ -824,8 +848,18 @@ class DilocoLoop(TaskLoop):
             return await asyncio.to_thread(codecs.decode, bytes(body), max_elements=elements)
         return codecs.decode(bytes(body), max_elements=elements)
 
-    async def _pull(self, key: tuple[int, int], peer: str, ann: Announced) -> None:
-        """All-to-all: the whole update of ``peer``, every part."""
+    def _pull_late(self, r: int, p: int, peer: str, ann: Announced) -> None:
+        """A counted peer's update for the round we closed last, computed from the weights we closed it from, came
+        after the close: pulled all the same (a few a round) for a redo of that close (see ``_redo_last_close``)."""
+        redo = self._redo.get(p)
+        if redo is None or redo.round != r or peer in redo.members or peer in redo.pulling or ann.base != redo.base \
+                or len(redo.pulling) >= MAX_LATE_PULLS or not self.standing.counts(peer):
+            return
+        redo.pulling[peer] = asyncio.get_running_loop().create_task(self._pull((r, p), peer, ann, into=redo.late))
+
+    async def _pull(self, key: tuple[int, int], peer: str, ann: Announced,
+                    into: dict[str, torch.Tensor] | None = None) -> None:
+        """All-to-all: the whole update of ``peer``, every part (into its round's pending updates, or ``into``)."""
         bounds = self._bounds(key[1])
         try:
             if len(ann.parts) != len(bounds):
@@ -844,8 +878,14 @@ class DilocoLoop(TaskLoop):
                     self.pending[key].refused[peer] = "undecodable"
                 self._event.set()
             return
+        if into is not None:
+            into[peer] = update
+            return
         pending = self.pending.get(key)
         if pending is None:
+            redo = self._redo.get(key[1])
+            if redo is not None and redo.round == key[0] and peer in redo.pulling:  # on its way when we closed
+                redo.late[peer] = update
             return
         pending.updates[peer] = update
         pending.arrivals[peer] = self.clock.monotonic()
@@ -1113,7 +1153,9 @@ class DilocoLoop(TaskLoop):
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
-        self._redo.clear()  # its inputs were other weights
+        for redo in self._redo.values():  # their inputs were other weights
+            redo.drop()
+        self._redo.clear()
         self.global_flat = global_flat
         self._global_version += 1
         self.outer_opt.buffers = momentum
@@ -1294,6 +1336,7 @@ class DilocoLoop(TaskLoop):
             if self.rounds_done and r < self.rounds_done[p]:
                 self.counters["late_updates"] += 1
                 self._record_late(r, message.author, p)
+                self._pull_late(r, p, message.author, ann)
                 return Verdict.IGNORE  # that round is closed here
             if r > max(done, self._swarm_round(p) + 1) + 2:  # (a joiner's done may be rounds old)
                 self.counters["early_updates"] += 1
