@@ -54,6 +54,7 @@ CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 MAX_LATE_PULLS = 4  # per round: counted peers' updates pulled after we closed it (for a redo)
+HISTORY = 1024  # closed rounds and evaluated losses kept for /status and the dashboard (a run may never end)
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
@@ -234,8 +235,9 @@ class DilocoLoop(TaskLoop):
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
         self._hash_shown: tuple[int, str] = (-1, "")
-        self.history: list[dict] = []  # per closed round: fragment, round, participants, global hash
-        self.losses: list[tuple[int, float]] = []
+        # per closed round: fragment, round, participants, global hash (the last HISTORY)
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
         self._recent_losses: list[float] = []
         self.counters: collections.Counter = collections.Counter()
         self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
@@ -673,6 +675,8 @@ class DilocoLoop(TaskLoop):
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish(ROUND_HASH, {"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
+        for old in [k for k in self._published if k[1] == p and k[0] < r - 2]:
+            del self._published[old]
         for task in pending.prefetched.values():
             task.cancel()
         self.pending.pop(key, None)
@@ -1422,8 +1426,8 @@ class DilocoLoop(TaskLoop):
             "global_hash": self.final_hash or (self._shown_hash() if hasattr(self, "global_flat") else None),
             "final_hash": self.final_hash,
             "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
-            "history": self.history[-64:],
-            "losses": self.losses[-40:],
+            "history": list(self.history)[-64:],
+            "losses": list(self.losses)[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
             "deadline_s": round(self.deadline.value(), 2),
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},

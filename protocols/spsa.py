@@ -53,6 +53,9 @@ logger = logging.getLogger(__name__)
 
 G0 = 1e-4
 MAX_PEER_ENTRIES = 256  # per window: batches, joins, hashes and ready messages kept from peers without standing
+HISTORY = 1024  # evaluated losses kept for /status and the dashboard (a run may never end)
+KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps apply the one before; the log keeps
+# every window's bytes)
 LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}))
 CARRIER = "spsa/<run>"  # the run's pubsub topic
 _W = Int(0, 2**40)
@@ -238,7 +241,7 @@ class SPSALoop(TaskLoop):
         self.counters: collections.Counter = collections.Counter()
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
-        self.losses: list[tuple[int, float]] = []
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
         self.weights: Weights | None = None
         self.base_hash: str | None = None
         self.final = False  # every window applied (the run ended)
@@ -404,7 +407,7 @@ class SPSALoop(TaskLoop):
             self._reset_to_base()
             return
         self.log = log
-        for w, wires in log:
+        for w, wires in log[-KEEP_APPLIED:]:
             self.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
         self.final = bool(meta.get("final"))
@@ -463,15 +466,23 @@ class SPSALoop(TaskLoop):
         self.standing.record(set(self.applied[w]) - extreme)
         for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
             del self.hashes[old]
+        for old in [x for x in self.my_hashes if x < w - 2 * self.cfg.hash_every]:
+            del self.my_hashes[old]
         self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
         self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
         self.windows.pop(w, None)
+        for old in [x for x in self.applied if x < w - KEEP_APPLIED]:  # a run without end kept every window's
+            del self.applied[old]  # decoded batches: memory that grew with the run, on top of the log's bytes
 
     def _expected(self, w: int) -> set[str]:
         joins = self.windows[w].joins
         if w == 0:
             return set(self._initial) | joins
         return set(self.applied.get(w - 1, {})) | joins
+
+    def _closed(self, w: int) -> bool:
+        """Window w is closed here (``applied`` keeps the last few closed windows, contiguous)."""
+        return w in self.applied or (bool(self.applied) and w < min(self.applied))
 
     def _bytes_for(self, w: int, i: int) -> dict[str, int]:
         """Step i of window w: every applied peer's byte, capped, less the peers whose bytes are out of scale."""
@@ -697,7 +708,7 @@ class SPSALoop(TaskLoop):
         if max(b & 0x7F for b in body["b"]) > self._max_code:
             self.counters["rejected_out_of_range"] += 1
             return Verdict.REJECT  # a projected gradient beyond the run's clip
-        if w in self.applied:
+        if self._closed(w):
             # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
             self.counters["late"] += 1
             self._record_late(w, author)
@@ -745,7 +756,7 @@ class SPSALoop(TaskLoop):
             "weights_hash": self.final_hash or (self.weights.hash() if self.weights is not None else None),
             "final_hash": self.final_hash,
             "base_hash": self.base_hash,
-            "losses": self.losses[-40:],
+            "losses": list(self.losses)[-40:],
             "log_windows": len(self.log),
             "replay_seconds": self.replay_seconds,
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),

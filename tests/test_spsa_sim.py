@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from node.sim import ChurnConfig, SimConfig, SpsaSim
+from protocols import spsa
 from transport.memory import run_virtual
 
 
@@ -27,11 +28,16 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
-            return _finals(sim), [sim.loop(p).losses for p in sim.peers], sim.report(0.0)
+            loops = [sim.loop(p) for p in sim.peers]
+            return _finals(sim), [lp.losses for lp in loops], sim.report(0.0), \
+                [(len(lp.applied), len(lp.my_hashes), len(lp.log)) for lp in loops]
 
-    finals, losses, report = run_virtual(main())
+    finals, losses, report, kept = run_virtual(main())
     assert len(finals) == 1 and report["diverged"] == 0
     assert all(lo[-1][1] < 0.5 * lo[0][1] for lo in losses)
+    # the decoded batches of the last few windows only (every window's, before: memory that grew with the run);
+    # the log keeps every window's bytes for joiners
+    assert all(applied <= spsa.KEEP_APPLIED + 1 and hashes <= 3 and log == 12 for applied, hashes, log in kept), kept
 
 
 @pytest.mark.timeout(120)
