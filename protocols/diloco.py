@@ -468,7 +468,7 @@ class DilocoLoop(TaskLoop):
             redo.drop()
         if verdict is None or verdict.agrees:
             return
-        if redo is not None and redo.round == r and self._redo_with(p, redo, lambda fixed: outer.params_hash(
+        if redo is not None and redo.round == r and await self._redo_with(p, redo, lambda fixed: outer.params_hash(
                 [*self.global_flat[:p], fixed, *self.global_flat[p + 1:]]) == verdict.majority):
             return
         self.counters["diverged"] += 1
@@ -590,7 +590,7 @@ class DilocoLoop(TaskLoop):
             self.deadline.observe(t - pending.opened)
         missing = waited - have()
         waited_s = self.clock.monotonic() - blocked_from
-        self._redo_last_close(p, r, pending, have())
+        await self._redo_last_close(p, r, pending, have())
         base_now = outer.params_hash([self.global_flat[p]])
         other_base = {}
         for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
@@ -692,7 +692,7 @@ class DilocoLoop(TaskLoop):
             self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
 
-    def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
+    async def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
         """Before closing round r: if most counted peers' updates for it were computed from other weights than
         ours, and closing round r - 1 without our update, without the last one to arrive, or without both gives
         those weights, take them instead of pulling a checkpoint next round. The usual case: our update reached the
@@ -708,24 +708,29 @@ class DilocoLoop(TaskLoop):
             return
         base, votes = bases.most_common(1)[0]
         if 2 * votes > sum(bases.values()) and base != outer.params_hash([self.global_flat[p]]):
-            self._redo_with(p, redo, lambda fixed: outer.params_hash([fixed]) == base)
+            await self._redo_with(p, redo, lambda fixed: outer.params_hash([fixed]) == base)
 
-    def _redo_with(self, p: int, redo: Redo, matches) -> bool:
-        """Close ``redo``'s round again with each of its variants' member sets; the first whose weights
-        ``matches`` accepts replaces ours (global weights and momentum; our local weights move by the same
-        difference, so our training goes on from them). The hash we published for that round goes: it is not ours
-        any more."""
-        me, current = self._ctx.identity.peer_id, self.outer_opt.buffers[p]
-        for members in redo.variants(me):
-            combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
-            self.outer_opt.buffers[p] = redo.momentum.clone()
-            fixed = redo.global_before if combined is None else \
-                self.outer_opt.step(p, redo.global_before, combined)
-            if matches(fixed):
-                break
-        else:
-            self.outer_opt.buffers[p] = current
+    async def _redo_with(self, p: int, redo: Redo, matches) -> bool:
+        """Close ``redo``'s round again with each of its variants' member sets (in a worker thread, on copies of
+        the momentum: up to five combinations of a fragment); the first whose weights ``matches`` accepts replaces
+        ours (global weights and momentum; our local weights move by the same difference, so our training goes on
+        from them). The hash we published for that round goes: it is not ours any more."""
+        me = self._ctx.identity.peer_id
+
+        def search() -> tuple[frozenset[str], torch.Tensor, torch.Tensor] | None:
+            opt = outer.OuterNesterov([], self.outer_opt.lr, self.outer_opt.momentum)  # the same step, bit for bit
+            for members in redo.variants(me):
+                combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
+                opt.buffers = {p: redo.momentum.clone()}
+                fixed = redo.global_before if combined is None else opt.step(p, redo.global_before, combined)
+                if matches(fixed):
+                    return members, fixed, opt.buffers[p]
+            return None
+
+        found = await asyncio.to_thread(search)
+        if found is None:
             return False
+        members, fixed, self.outer_opt.buffers[p] = found
         frag = [self.params[i] for i in self.frag_index[p]]
         with torch.no_grad():
             outer.unflatten_into(outer.flatten(frag) + (fixed - self.global_flat[p]), frag)
