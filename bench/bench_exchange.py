@@ -47,6 +47,7 @@ min_peers = {peers}
 deadline_low = 2.0
 deadline_high = 120.0
 exchange = "{mode}"
+agree = {agree}
 audit = {audit}
 parts = {parts}
 checkpoint_every = 0
@@ -58,8 +59,12 @@ size = {size}
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
            parts: int = 16) -> dict:
+    # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
+    # agreed members
+    agree = "false" if mode.endswith("-own") else "true"
+    mode = mode.removesuffix("-own")
     config = loop_config(root / "diloco.toml", CONFIG.format(
-        peers=peers, mode=mode, mode_short=mode[0], task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
+        peers=peers, mode=mode, mode_short=mode[0], agree=agree, task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts))
     swarm = Swarm(root / "nodes", config=config)
     try:
@@ -222,7 +227,8 @@ def main() -> None:
     parser.add_argument("--only", default="", help="swarmd or hivemind (default: both)")
     parser.add_argument("--e2e", action="store_true", help="DiLoCo end to end on a ~100M-parameter model")
     parser.add_argument("--layers", type=int, default=15)
-    parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run")
+    parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run (scatter-own: "
+                        "scatter with each peer's own view of a round's members, not the coordinator's)")
     parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     args = parser.parse_args()

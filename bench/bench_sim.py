@@ -11,7 +11,9 @@ Rows:
 - DiLoCo on the regression task, a full mesh (as every real swarm within discovery.max_peers is) of 16 and 64 peers,
   with no churn and with 10% of the peers down at any time (a different 10% every 5 simulated seconds, killed as
   kill -9 and restarted with their data dir): simulated seconds per round, participants per round, resyncs,
-  whether every peer ends on the same weights, and the validation loss.
+  whether every peer ends on the same weights, and the validation loss;
+- DiLoCo with one far peer (5 peers, one of them 0.5 s or 0.16 s away one way), in each exchange mode, with the
+  round's members agreed (the coordinator's view, the default) and, as the same-run baseline, each peer's own view.
 
 Each row says how long it took in wall time on this machine. Seeds are fixed: a row is the same in every run.
 
@@ -45,6 +47,7 @@ def main() -> None:
     parser.add_argument("--gossip-only", type=int, nargs="*", default=[10_000])
     parser.add_argument("--diloco", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--rounds", type=int, default=12)
+    parser.add_argument("--far", type=float, nargs="*", default=[0.5, 0.16], help="one-way latencies of the far peer")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -70,6 +73,27 @@ def main() -> None:
                   f"{r['participants_median']:>10.0f} / {r['participants_min']:<7} | {r['resyncs']:>7} | "
                   f"{r['same_final_weights']:>5}/{n:<6} | {r['loss_start']:>8.1f} -> {r['loss_end']:>7.2f} | "
                   f"{time.monotonic() - started:>6.0f}", flush=True)
+
+    if not args.far:
+        return
+    print()
+    print(f"DiLoCo with one far peer (5 peers, the others 25 ms away), {args.rounds} rounds: each peer's own view of "
+          "a round's members (before) vs the coordinator's (agree, now)")
+    print(f"{'far s':>5} | {'exchange':>10} | {'members':>11} | {'s/round':>7} | {'participants med/min':>20} | "
+          f"{'resyncs':>7} | {'redone':>6} | {'far closed':>10} | {'same weights':>12} | {'loss end':>8} | "
+          f"{'wall s':>6}")
+    for latency in args.far:
+        for exchange in ("all-to-all", "scatter"):
+            for agree in (False, True):
+                started = time.monotonic()
+                with tempfile.TemporaryDirectory(prefix="swarmd-sim-") as tmp:
+                    r = run_virtual(sim.diloco_far(sim.SimConfig(peers=5), sim.ChurnConfig(rounds=args.rounds),
+                                                   Path(tmp), latency, exchange=exchange, agree=agree))
+                print(f"{latency:>5.2f} | {exchange:>10} | {'coordinator' if agree else 'own view':>11} | "
+                      f"{r['s_per_round']:>7.2f} | {r['participants_median']:>10.0f} / {r['participants_min']:<7} | "
+                      f"{r['resyncs']:>7} | {r['counters'].get('redone', 0):>6} | "
+                      f"{r['far_closed']:>4} / {args.rounds:<3} | {r['same_final_weights']:>5}/{5:<6} | "
+                      f"{r['loss_end']:>8.3f} | {time.monotonic() - started:>6.0f}", flush=True)
 
 
 if __name__ == "__main__":

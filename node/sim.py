@@ -501,6 +501,23 @@ async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
         return sim.report(loop.time() - t0)
 
 
+async def diloco_far(cfg: SimConfig, churn: ChurnConfig, root: Path, latency: float, **settings) -> dict:
+    """A DiLoCo run of ``cfg.peers`` nodes, one of them ``latency`` s away one way (the others at cfg.latency):
+    its update reaches the others late in some rounds, theirs reach it late in others. Reports as
+    ``diloco_churn``, plus the far peer's rounds closed and its own updates left out."""
+    loop = asyncio.get_running_loop()
+    sim = DilocoSim(cfg, churn, root, **settings)
+    async with sim:
+        await sim.start_all()
+        t0 = loop.time()
+        far = sim.peers[-1]
+        sim.net.set_link(far, LinkSpec(latency=latency, up=cfg.bandwidth, down=cfg.bandwidth, loss=cfg.loss))
+        await sim.until(sim.finished, 3600, "the run to finish")
+        report = sim.report(loop.time() - t0)
+        report["far_closed"] = len(sim.loop(far).history)
+        return report
+
+
 async def until(cond, timeout: float, what: str, step: float) -> float:
     """Virtual seconds until ``cond()`` holds (checked every ``step``); raises TimeoutError after ``timeout``."""
     loop = asyncio.get_running_loop()

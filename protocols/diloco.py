@@ -62,6 +62,7 @@ MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
+MAX_VIEW = 1024  # peers a member view names (a round of more members is not agreed on: each peer keeps its own)
 
 # ---------------------------------------------------------------------------------------------------- the wire
 CARRIER = "diloco/<run>"  # the run's pubsub topic
@@ -99,6 +100,10 @@ REDUCED = WIRE.message(CARRIER, 5, "diloco.reduced", Map.of(
 AUDIT = WIRE.message(CARRIER, 6, "diloco.audit", Map.of(r=_R, p=_P, aud=Int(0, MAX_PARTS - 1), ok=Bool(), t=TAG),
                      {"r": 3, "p": 0, "aud": 2, "ok": True, **_TAG}, max_size=MAX_MESSAGE,
                      doc="scatter: my verdict on the reducer's part k")
+MEMBERS = WIRE.message(CARRIER, 7, "diloco.members", Map.of(r=_R, p=_P, m=List(Bytes(exact=8), MAX_VIEW), t=TAG),
+                       {"r": 3, "p": 0, "m": [bytes(8), b"\x01" * 8], **_TAG}, max_size=512 + MAX_VIEW * 10,
+                       doc="the members I would combine for (r, p) (short ids): the round's coordinator's view is "
+                       "every peer's")
 
 
 class DilocoConfig(BaseModel):
@@ -140,6 +145,9 @@ class DilocoConfig(BaseModel):
     # that close without a contested update when the majority's next updates say they combined without it (0: never;
     # such a peer then always takes a checkpoint)
     redo_bytes: int = Field(1 << 30, ge=0)
+    # agree on each round's members: every peer combines the members its round's coordinator (a counted peer drawn
+    # from the round) saw, not its own (peers that saw different members end with different weights and resync)
+    agree: bool = True
 
     _peers = field_validator("peers")(check_peer_ids)
 
@@ -150,7 +158,7 @@ class DilocoConfig(BaseModel):
         """The settings every peer of a run must share (part of the run's fingerprint)."""
         return self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
                                         "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
-                                        "scatter_min_peers", "scatter_min_bytes", "audit"})
+                                        "scatter_min_peers", "scatter_min_bytes", "audit", "agree"})
 
 
 @dataclass(frozen=True)
@@ -181,6 +189,7 @@ class Pending:
     prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk
     failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
+    views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
 
 
 @dataclass
@@ -602,6 +611,7 @@ class DilocoLoop(TaskLoop):
         contributing = r >= self.join_round.get(p, 0)
         self.counters["newcomer_updates"] += len(slots & have())
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
+        members = await self._agree(key, pending, members, base_now, mode)
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
@@ -691,6 +701,64 @@ class DilocoLoop(TaskLoop):
             # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
             self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
+
+    async def _agree(self, key: tuple[int, int], pending: Pending, members: set[str], base: str,
+                     mode: str) -> set[str]:
+        """The round's members, the same at every peer (``rounds.MemberAgreement``): we publish our view and take
+        the view of the round's coordinator. The peers it names must have announced an update from our weights
+        (an announcement still on its way is waited for), and in all-to-all their updates are pulled: all within
+        one deadline, after which what is missing is left out (we may then end on other weights than the others,
+        and resync or redo as before). A coordinator's view naming more newcomers than a round takes is not
+        followed (ours is)."""
+        r, p = key
+        me = self._ctx.identity.peer_id
+        if not self.cfg.agree or len(members) > MAX_VIEW:
+            return members
+        self._publish(MEMBERS, {"r": r, "p": p, "m": sorted(rounds.short_id(a) for a in members)})
+        chain = tuple(a for a in exchange.order(self.cfg.run, r, p, members) if a == me or self.standing.counts(a))
+        end = self.clock.monotonic() + max(self.cfg.deadline_low, self.deadline.value())
+        agreement = rounds.MemberAgreement(me, chain, end)
+        while (left := agreement.remaining(self.clock.monotonic(), pending.views)) is not None:
+            await outer.wait_event(self._event, left)
+        chosen = agreement.coordinator(pending.views)
+        if chosen is not None and chosen != chain[0]:
+            self.counters["coordinator_missing"] += 1
+            logger.info("diloco round %d/%d: no member view from its coordinator %s; %s's taken", r, p,
+                        chain[0][-8:], chosen[-8:])
+        if chosen is None or chosen == me or pending.views[chosen] == frozenset(map(rounds.short_id, members)):
+            return members
+        view = pending.views[chosen]
+
+        def named() -> tuple[set[str], int]:
+            return rounds.resolve_view(view, {rounds.short_id(a): a for a, ann in pending.announced.items()
+                                              if ann.base == base and a not in pending.failed})
+
+        while (agreed := named())[1] and self.clock.monotonic() < end - rounds.TICK:
+            await outer.wait_event(self._event, end - self.clock.monotonic())
+        agreed, unknown = agreed
+        if unknown:
+            self.counters["view_peers_unknown"] += unknown
+            logger.warning("diloco round %d/%d: %d peer(s) of %s's member view never announced an update here", r,
+                           p, unknown, chosen[-8:])
+        if sum(not self.standing.counts(a) for a in agreed - members) > MAX_NEWCOMER_PULLS:
+            self.counters["views_not_followed"] += 1
+            return members
+        if mode != "scatter":  # the updates themselves, pulled (most are already)
+            for peer in agreed - set(pending.updates) - pending.pulling:
+                self._start_pull(key, pending, peer)
+            await outer.wait_until(lambda: agreed - pending.failed <= set(pending.updates), self._event,
+                                   end - self.clock.monotonic())
+            agreed &= set(pending.updates)
+        self.counters["members_from_coordinator"] += 1
+        if me in members and me not in agreed:
+            # our update reached the coordinator after its deadline: we are behind the others in time, and the
+            # next rounds, whose candidates are this round's members, would not wait for us either (we would be
+            # left out round after round). Ask to be waited for, as a joiner does: the next rounds then wait for
+            # us (a deadline at most) and we are back in step
+            self.counters["own_update_left_out"] += 1
+            for ahead in (r + 1, r + 2):
+                self._publish(JOIN, {"r": ahead, "p": p, "join": True})
+        return agreed
 
     async def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
         """Before closing round r: if most counted peers' updates for it were computed from other weights than
@@ -1361,6 +1429,7 @@ class DilocoLoop(TaskLoop):
                     self.counters["newcomer_updates_not_pulled"] += 1
                     return Verdict.IGNORE
             pending.announced[author] = ann
+            self._event.set()  # (a member view may be waiting for it)
             if not self.rounds_done or self._mode(p) == "all-to-all":
                 self._start_pull((r, p), pending, author)
             else:
@@ -1371,6 +1440,24 @@ class DilocoLoop(TaskLoop):
             if other_base:
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE
+            return Verdict.ACCEPT
+        if kind is MEMBERS:
+            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
+                return Verdict.IGNORE
+            if not self.standing.counts(author):
+                self.counters["views_ignored"] += 1  # only a counted peer coordinates a round
+                return Verdict.IGNORE
+            pending = self.pending[(r, p)]
+            view, held = frozenset(body["m"]), pending.views.get(author)
+            if held is not None:
+                if held != view:  # two signed views of one round: the author's doing, whoever forwarded them
+                    self.counters["views_conflicting"] += 1
+                    self._ctx.transport.penalties.penalize(author, "suspect", "two member views of one round")
+                return Verdict.IGNORE
+            if len(pending.views) >= MAX_PEER_ENTRIES:
+                return Verdict.IGNORE
+            pending.views[author] = view
+            self._event.set()
             return Verdict.ACCEPT
         if kind is REDUCED or kind is AUDIT:
             if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:

@@ -9,6 +9,9 @@ simulator (node/sim.py) drive the same code through the shells.
 - :class:`RoundWait` and :func:`plan_wait`: whom a round waits for (the peers whose word counts, and a few newcomers
   in slots drawn the same way everywhere), and how long (the deadline; a newcomer only a grace, unless its
   contribution is on its way).
+- :class:`MemberAgreement`: which peers' updates a round combines, the same at every peer (the round's coordinator's
+  view), so a peer whose update reached some peers by their deadline and others not is in everyone's round or in
+  no one's.
 - :func:`hash_verdict`: after a round, do our weights agree with the majority of the counted peers', and if not,
   whom to resync from.
 """
@@ -16,7 +19,8 @@ simulator (node/sim.py) drive the same code through the shells.
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Mapping
+import hashlib
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from protocols.standing import Standing
@@ -109,6 +113,55 @@ def plan_wait(standing: Standing, base: set[str], round_key: str, *, fresh: bool
     expected = standing.counting(base) - mine
     slots = standing.newcomers(base - expected - mine, round_key, max(1, len(expected) // 4), fresh_ok=fresh)
     return RoundWait(frozenset(expected), frozenset(slots), now + deadline, grace)
+
+
+def short_id(peer: str) -> bytes:
+    """A peer's 8-byte name in a member view (a view of 16 peers is 16 x 9 bytes on the wire, not 16 x 53)."""
+    return hashlib.blake2b(peer.encode(), digest_size=8).digest()
+
+
+@dataclass
+class MemberAgreement:
+    """Whose view fixes a round's members.
+
+    At its close each peer publishes its view: the members it would combine (the peers whose contribution it holds
+    and waited for). ``chain`` is our members whose word counts, in the round's order (drawn from the round: no peer
+    chooses its place); its first is the round's coordinator and every peer adopts the coordinator's view, ours
+    included. Peers that closed with different members (an update that reached one peer by its deadline and another
+    just after it) then still combine the same ones, and every peer ends with the same weights: the coordinator is
+    the same at every peer whose chain starts the same way, which it does unless the coordinator itself was in
+    some peers' round and not in others'. If the coordinator's view has not come by ``end`` (it died after
+    announcing, or is cut off), the first peer of the chain whose view we hold is taken (or ours, if we come
+    first): every peer that lost the coordinator takes the same next one."""
+
+    me: str
+    chain: tuple[str, ...]
+    end: float
+
+    def remaining(self, now: float, views: Collection[str]) -> float | None:
+        """Seconds to wait more for the coordinator's view, or None: decide now (``coordinator``)."""
+        if not self.chain or self.chain[0] == self.me or self.chain[0] in views or now >= self.end - TICK:
+            return None
+        return self.end - now
+
+    def coordinator(self, views: Collection[str]) -> str | None:
+        """The peer whose view is the round's members (``me``: our own), None when the chain is empty."""
+        for peer in self.chain:
+            if peer == self.me or peer in views:
+                return peer
+        return None
+
+
+def resolve_view(view: Iterable[bytes], known: Mapping[bytes, str]) -> tuple[set[str], int]:
+    """The peers a view names, among ``known`` (short id -> peer, the peers whose contribution we hold), and how
+    many of its names we cannot resolve."""
+    peers, unknown = set(), 0
+    for h in view:
+        if h in known:
+            peers.add(known[h])
+        else:
+            unknown += 1
+    return peers, unknown
 
 
 @dataclass(frozen=True)

@@ -93,3 +93,43 @@ def test_hash_verdict_counts_only_the_peers_whose_word_counts():
     assert hash_verdict("x", {"a": "x", "b": "y"}).agrees
     v = hash_verdict("y", {"a": "x", "b": "y"})
     assert v.agrees and v.holders == ("b",)
+
+
+def test_every_peer_takes_the_coordinators_view_whatever_its_own():
+    # a and b closed with c; d's own members missed c (its update came after d's deadline): the chain over each
+    # peer's members starts with the same coordinator (c is not first), so all four adopt its view
+    from protocols.exchange import order
+    members = {"a", "b", "c", "d"}
+    full = order("run", 3, 0, members)
+    coordinator = full[0]
+    late = next(x for x in full[1:])  # a member that is not the coordinator
+    chains = {}
+    for me in sorted(members):
+        mine = members if me != "d" else members - {late}
+        chains[me] = tuple(order("run", 3, 0, mine))
+    assert all(c[0] == coordinator for c in chains.values())
+    for me, chain in chains.items():
+        agreement = rounds.MemberAgreement(me, chain, end=5.0)
+        if me == coordinator:
+            assert agreement.remaining(0.0, set()) is None and agreement.coordinator(set()) == me
+        else:
+            assert agreement.remaining(0.0, set()) == 5.0  # its view is waited for
+            assert agreement.remaining(1.0, {coordinator}) is None
+            assert agreement.coordinator({coordinator, late}) == coordinator
+
+
+def test_a_coordinator_that_never_says_its_view_costs_one_deadline_and_the_next_one_is_taken():
+    agreement = rounds.MemberAgreement("d", ("a", "b", "d"), end=5.0)
+    assert agreement.remaining(0.0, {"b"}) == 5.0  # b's view is in, but a (first) is waited for
+    assert agreement.remaining(4.0, {"b"}) == 1.0
+    assert agreement.remaining(5.0, {"b"}) is None and agreement.coordinator({"b"}) == "b"
+    assert agreement.coordinator(set()) == "d"  # no view before ours: our own
+    assert rounds.MemberAgreement("d", (), end=5.0).remaining(0.0, set()) is None  # nobody counted: our own
+    assert rounds.MemberAgreement("d", (), end=5.0).coordinator(set()) is None
+
+
+def test_a_view_names_peers_by_short_ids_and_counts_the_names_it_cannot_resolve():
+    known = {rounds.short_id(p): p for p in ("a", "b")}
+    assert len(rounds.short_id("a")) == 8 and rounds.short_id("a") != rounds.short_id("b")
+    assert rounds.resolve_view([rounds.short_id("a"), rounds.short_id("b")], known) == ({"a", "b"}, 0)
+    assert rounds.resolve_view([rounds.short_id("a"), rounds.short_id("zz"), bytes(8)], known) == ({"a"}, 2)

@@ -279,24 +279,31 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("latency", [1.0, 0.3])
-def test_a_far_peer_whose_update_the_others_close_without_redoes_its_close_instead_of_resyncing(tmp_path, latency):
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_their_weights(tmp_path, latency, agree):
     # one peer far away (0.5 s one way, or 0.16 s): its update reaches the others after their deadline in some
     # rounds while it counts its own at once (1.0), or the others' updates reach it after its deadline while they
     # count its own (0.3). It closed those rounds with other weights than the majority and pulled a checkpoint over
-    # its slow link each time; now the majority's next updates name their base and it redoes the close without its
-    # own update, or with theirs (pulled after its close), no checkpoint pulled
+    # its slow link each time (1 or 2 resyncs). Now every peer takes the members of the round's coordinator (agree,
+    # the default), so it closes each round as the others do; without that, the majority's next updates name their
+    # base and it redoes the close without its own update, or with theirs (pulled after its close)
     async def main():
-        sim = _sim(tmp_path, 5, rounds=8, exchange="all-to-all")
+        sim = _sim(tmp_path, 5, rounds=8, exchange="all-to-all", agree=agree)
         async with sim:
             await sim.start_all()
             far = sim.peers[4]
             sim.net.set_link(far, LinkSpec(latency=latency, up=sim.cfg.bandwidth, down=sim.cfg.bandwidth))
             await sim.until(sim.finished, 300, "everyone to finish")
             return sim.loop(far).counters, sum(sim.loop(p).counters["resyncs"] for p in sim.peers), _finals(sim), \
-                len(sim.loop(far).history), max(len(sim.loop(p)._published) for p in sim.peers)
+                len(sim.loop(far).history), max(len(sim.loop(p)._published) for p in sim.peers), \
+                [h["participants"] for h in sim.loop(sim.peers[0]).history]
 
-    counters, resyncs, finals, closed, published = run_virtual(main())
+    counters, resyncs, finals, closed, published, participants = run_virtual(main())
     assert published <= 3  # the round hashes we said: the last few rounds' (every round's, before)
     # before: 1 or 2 resyncs, and the far peer closed 6 of the 8 rounds (a resync skips the rounds it jumps)
-    assert resyncs == 0 and closed == 8, (resyncs, closed)
-    assert counters["redone"] >= 2 and len(finals) == 1
+    assert resyncs == 0 and closed == 8 and len(finals) == 1, (resyncs, closed, finals)
+    if agree:  # it took the coordinator's members (its own update left out), or was in every round (0.3)
+        assert counters["redone"] <= 1 and (counters["members_from_coordinator"] >= 2 or min(participants) == 5), \
+            (dict(counters), participants)
+    else:
+        assert counters["redone"] >= 2, dict(counters)
