@@ -715,7 +715,10 @@ class DilocoLoop(TaskLoop):
         if not self.cfg.agree or len(members) > MAX_VIEW:
             return members
         self._publish(MEMBERS, {"r": r, "p": p, "m": sorted(rounds.short_id(a) for a in members)})
-        chain = tuple(a for a in exchange.order(self.cfg.run, r, p, members) if a == me or self.standing.counts(a))
+        # the chain comes from the last round's members (agreed: the same set at every peer), so a peer that was
+        # late here and in time elsewhere is not first at some peers and skipped at others
+        last = self.participants.get(p, self._initial)
+        chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
         end = self.clock.monotonic() + max(self.cfg.deadline_low, self.deadline.value())
         agreement = rounds.MemberAgreement(me, chain, end)
         while (left := agreement.remaining(self.clock.monotonic(), pending.views)) is not None:

@@ -125,14 +125,14 @@ class MemberAgreement:
     """Whose view fixes a round's members.
 
     At its close each peer publishes its view: the members it would combine (the peers whose contribution it holds
-    and waited for). ``chain`` is our members whose word counts, in the round's order (drawn from the round: no peer
-    chooses its place); its first is the round's coordinator and every peer adopts the coordinator's view, ours
-    included. Peers that closed with different members (an update that reached one peer by its deadline and another
-    just after it) then still combine the same ones, and every peer ends with the same weights: the coordinator is
-    the same at every peer whose chain starts the same way, which it does unless the coordinator itself was in
-    some peers' round and not in others'. If the coordinator's view has not come by ``end`` (it died after
-    announcing, or is cut off), the first peer of the chain whose view we hold is taken (or ours, if we come
-    first): every peer that lost the coordinator takes the same next one."""
+    and waited for). ``chain`` is the last round's members whose word counts, in this round's order (drawn from the
+    round: no peer chooses its place); its first is the round's coordinator and every peer adopts the coordinator's
+    view, ours included. The last round's members were agreed the same way, so the chain, and the coordinator, are
+    the same at every peer, whichever updates reached it in time this round: peers that closed with different
+    members (an update that reached one by its deadline and another just after it) still combine the same ones and
+    end with the same weights. If the coordinator's view has not come by ``end`` (it died, or is cut off), the first
+    peer of the chain whose view we hold is taken (or ours, if we come first): every peer that lost the coordinator
+    takes the same next one."""
 
     me: str
     chain: tuple[str, ...]
