@@ -77,8 +77,9 @@ def main() -> None:
     if not args.far:
         return
     print()
-    print(f"DiLoCo with one far peer (5 peers, the others 25 ms away), {args.rounds} rounds: each peer's own view of "
-          "a round's members (before) vs the coordinator's (agree, now)")
+    peers = 5
+    print(f"DiLoCo with one far peer ({peers} peers, the others 25 ms away), {args.rounds} rounds: each peer's own "
+          "view of a round's members (before) vs the coordinator's (agree, now)")
     print(f"{'far s':>5} | {'exchange':>10} | {'members':>11} | {'s/round':>7} | {'participants med/min':>20} | "
           f"{'resyncs':>7} | {'redone':>6} | {'far closed':>10} | {'same weights':>12} | {'loss end':>8} | "
           f"{'wall s':>6}")
@@ -87,12 +88,12 @@ def main() -> None:
             for agree in (False, True):
                 started = time.monotonic()
                 with tempfile.TemporaryDirectory(prefix="swarmd-sim-") as tmp:
-                    r = run_virtual(sim.diloco_far(sim.SimConfig(peers=5), sim.ChurnConfig(rounds=args.rounds),
+                    r = run_virtual(sim.diloco_far(sim.SimConfig(peers=peers), sim.ChurnConfig(rounds=args.rounds),
                                                    Path(tmp), latency, exchange=exchange, agree=agree))
                 print(f"{latency:>5.2f} | {exchange:>10} | {'coordinator' if agree else 'own view':>11} | "
                       f"{r['s_per_round']:>7.2f} | {r['participants_median']:>10.0f} / {r['participants_min']:<7} | "
                       f"{r['resyncs']:>7} | {r['counters'].get('redone', 0):>6} | "
-                      f"{r['far_closed']:>4} / {args.rounds:<3} | {r['same_final_weights']:>5}/{5:<6} | "
+                      f"{r['far_closed']:>4} / {args.rounds:<3} | {r['same_final_weights']:>5}/{peers:<6} | "
                       f"{r['loss_end']:>8.3f} | {time.monotonic() - started:>6.0f}", flush=True)
 
 

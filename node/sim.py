@@ -504,7 +504,7 @@ async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:
 async def diloco_far(cfg: SimConfig, churn: ChurnConfig, root: Path, latency: float, **settings) -> dict:
     """A DiLoCo run of ``cfg.peers`` nodes, one of them ``latency`` s away one way (the others at cfg.latency):
     its update reaches the others late in some rounds, theirs reach it late in others. Reports as
-    ``diloco_churn``, plus the far peer's rounds closed and its own updates left out."""
+    ``diloco_churn``, plus the rounds the far peer closed (``far_closed``)."""
     loop = asyncio.get_running_loop()
     sim = DilocoSim(cfg, churn, root, **settings)
     async with sim:

@@ -402,9 +402,8 @@ class DilocoLoop(TaskLoop):
                     if p == self.cfg.fragments - 1:
                         await self._after_round(rounds_done[p])
         await self._settle_final()
-        for redo in self._redo.values():
-            redo.drop()
-        self._redo.clear()
+        for p in list(self._redo):
+            self._drop_redo(p)
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
@@ -472,9 +471,7 @@ class DilocoLoop(TaskLoop):
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
         verdict = rounds.hash_verdict(ours, theirs(r))
-        redo = self._redo.pop(p, None)
-        if redo is not None:
-            redo.drop()
+        redo = self._drop_redo(p)
         if verdict is None or verdict.agrees:
             return
         if redo is not None and redo.round == r and await self._redo_with(p, redo, lambda fixed: outer.params_hash(
@@ -615,8 +612,7 @@ class DilocoLoop(TaskLoop):
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
-        if (redo := self._redo.pop(p, None)) is not None:
-            redo.drop()
+        self._drop_redo(p)
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
@@ -714,7 +710,8 @@ class DilocoLoop(TaskLoop):
         me = self._ctx.identity.peer_id
         if not self.cfg.agree or len(members) > MAX_VIEW:
             return members
-        self._publish(MEMBERS, {"r": r, "p": p, "m": sorted(rounds.short_id(a) for a in members)})
+        mine = sorted(rounds.short_id(a) for a in members)
+        self._publish(MEMBERS, {"r": r, "p": p, "m": mine})
         # the chain comes from the last round's members (agreed: the same set at every peer), so a peer that was
         # late here and in time elsewhere is not first at some peers and skipped at others
         last = self.participants.get(p, self._initial)
@@ -728,7 +725,7 @@ class DilocoLoop(TaskLoop):
             self.counters["coordinator_missing"] += 1
             logger.info("diloco round %d/%d: no member view from its coordinator %s; %s's taken", r, p,
                         chain[0][-8:], chosen[-8:])
-        if chosen is None or chosen == me or pending.views[chosen] == frozenset(map(rounds.short_id, members)):
+        if chosen is None or chosen == me or pending.views[chosen] == frozenset(mine):
             return members
         view = pending.views[chosen]
 
@@ -780,6 +777,13 @@ class DilocoLoop(TaskLoop):
         base, votes = bases.most_common(1)[0]
         if 2 * votes > sum(bases.values()) and base != outer.params_hash([self.global_flat[p]]):
             await self._redo_with(p, redo, lambda fixed: outer.params_hash([fixed]) == base)
+
+    def _drop_redo(self, p: int) -> Redo | None:
+        """Forget fragment p's redo (its late pulls cancelled); returns it, its tensors still usable."""
+        redo = self._redo.pop(p, None)
+        if redo is not None:
+            redo.drop()
+        return redo
 
     async def _redo_with(self, p: int, redo: Redo, matches) -> bool:
         """Close ``redo``'s round again with each of its variants' member sets (in a worker thread, on copies of
@@ -1233,9 +1237,8 @@ class DilocoLoop(TaskLoop):
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
-        for redo in self._redo.values():  # their inputs were other weights
-            redo.drop()
-        self._redo.clear()
+        for p in list(self._redo):  # their inputs were other weights
+            self._drop_redo(p)
         self.global_flat = global_flat
         self._global_version += 1
         self.outer_opt.buffers = momentum
