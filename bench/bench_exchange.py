@@ -89,6 +89,8 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "same": len({s["final_hash"] for s in final}) == 1,
             "mode": final[0]["exchange"].get("mode"),
             "fallback": sum(s.get("parts_fallback", 0) for s in final),
+            "conformed": sum(s.get("parts_conformed", 0) for s in final),
+            "resyncs": sum(s.get("resyncs", 0) for s in final),
         }
     finally:
         swarm.close()
@@ -216,7 +218,8 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int) -> dict:
     per_round = [max(t[r] for t in times) for r in range(rounds)]
     return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round),
             "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
-            "same": True, "mode": "butterfly", "fallback": 0}
+            "same": True, "mode": "butterfly", "fallback": 0,
+            "conformed": 0, "resyncs": 0}
 
 
 def main() -> None:
@@ -253,8 +256,8 @@ def main() -> None:
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
     print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
-          f"{'same weights':>12} | {'fallback parts':>14}")
-    print("-" * 119)
+          f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12}")
+    print("-" * 147)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
@@ -262,7 +265,7 @@ def main() -> None:
             print(f"{n:>3} | {name + ('' if name == 'hivemind' else ' (swarmd)'):<22} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
-                  f"{r['fallback']:>14}")
+                  f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12}")
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 

@@ -62,6 +62,7 @@ MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
+MAX_PARTS_LISTS = 64  # per round: part lists kept from counted peers that were not members of the last round
 MAX_VIEW = 1024  # peers a member view names (a round of more members is not agreed on: each peer keeps its own)
 
 # ---------------------------------------------------------------------------------------------------- the wire
@@ -92,11 +93,13 @@ UPDATE = WIRE.message(CARRIER, 4, "diloco.update", Map.of(
     "r": 3, "p": 0, "parts": [bytes(32)], "sizes": [4096], "base": "ab" * 16, "norm": 1.5, "addrs": [], **_TAG},
     max_size=MAX_MESSAGE, doc="my update for (r, p): its encoded parts' hashes and sizes, the base it was computed "
     "from, its norm, where to pull it")
+_BITS = Bytes(max=MAX_VIEW // 8)  # a subset of the round's ordered members (exchange.pack_set)
 REDUCED = WIRE.message(CARRIER, 5, "diloco.reduced", Map.of(
     r=_R, p=_P, red=Int(0, MAX_PARTS - 1), blob=Bytes(exact=32), size=Int(1, MAX_PART_BYTES), m=Str(32),
-    addrs=_ADDRS, t=TAG), {"r": 3, "p": 0, "red": 2, "blob": bytes(32), "size": 4096, "m": "ab" * 8, "addrs": [],
-                           **_TAG}, max_size=MAX_MESSAGE,
-    doc="scatter: the combined part k I reduced (blob hash, size, digest of the members it combined)")
+    c=_BITS, addrs=_ADDRS, t=TAG), {"r": 3, "p": 0, "red": 2, "blob": bytes(32), "size": 4096, "m": "ab" * 8,
+                                    "c": b"\x0b", "addrs": [], **_TAG}, max_size=MAX_MESSAGE, version=2,
+    doc="scatter: the combined part k I reduced (blob hash, size, digest of the round's members, which of them "
+    "it combines the chunks of)")
 AUDIT = WIRE.message(CARRIER, 6, "diloco.audit", Map.of(r=_R, p=_P, aud=Int(0, MAX_PARTS - 1), ok=Bool(), t=TAG),
                      {"r": 3, "p": 0, "aud": 2, "ok": True, **_TAG}, max_size=MAX_MESSAGE,
                      doc="scatter: my verdict on the reducer's part k")
@@ -104,6 +107,12 @@ MEMBERS = WIRE.message(CARRIER, 7, "diloco.members", Map.of(r=_R, p=_P, m=List(B
                        {"r": 3, "p": 0, "m": [bytes(8), b"\x01" * 8], **_TAG}, max_size=512 + MAX_VIEW * 10,
                        doc="the members I would combine for (r, p) (short ids): the round's coordinator's view is "
                        "every peer's")
+PARTS = WIRE.message(CARRIER, 8, "diloco.parts", Map.of(
+    r=_R, p=_P, m=Str(32), c=List(_BITS, MAX_PARTS), h=List(Bytes(exact=32), MAX_PARTS), t=TAG),
+    {"r": 3, "p": 0, "m": "ab" * 8, "c": [b"\x0b", b"\x07"], "h": [bytes(32), b"\x01" * 32], **_TAG},
+    max_size=1024 + MAX_PARTS * (MAX_VIEW // 8 + 40),
+    doc="scatter, from the round's coordinator: each part's members whose chunks it combined and its blob hash, as "
+    "I used them: every peer's parts")
 
 
 class DilocoConfig(BaseModel):
@@ -190,6 +199,8 @@ class Pending:
     failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
     views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
+    coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
+    parts: dict[str, tuple] = field(default_factory=dict)  # last round's members' parts: (digest, sets, hashes)
 
 
 @dataclass
@@ -726,6 +737,7 @@ class DilocoLoop(TaskLoop):
             logger.info("diloco round %d/%d: no member view from its coordinator %s; %s's taken", r, p,
                         chain[0][-8:], chosen[-8:])
         if chosen is None or chosen == me or pending.views[chosen] == frozenset(mine):
+            pending.coordinator = chosen
             return members
         view = pending.views[chosen]
 
@@ -750,6 +762,7 @@ class DilocoLoop(TaskLoop):
                                    end - self.clock.monotonic())
             agreed &= set(pending.updates)
         self.counters["members_from_coordinator"] += 1
+        pending.coordinator = chosen
         if me in members and me not in agreed:
             # our update reached the coordinator after its deadline: we are behind the others in time, and the
             # next rounds, whose candidates are this round's members, would not wait for us either (we would be
@@ -979,9 +992,11 @@ class DilocoLoop(TaskLoop):
     async def _scatter(self, key: tuple[int, int], pending: Pending,
                        members: set[str]) -> tuple[torch.Tensor | None, dict[str, str]]:
         """Combine the members' updates by reduce-scatter + all-gather (``protocols/exchange.py``): we reduce the
-        parts the round's order gives us and publish them, audit a part when the round draws it for us, and take
-        every other part from its reducer; a part whose reducer fails us by the deadline, or that its auditor
-        disputes, we reduce ourselves from the members' chunks."""
+        parts the round's order gives us and publish them (with the members whose chunks each combines), audit a
+        part when the round draws it for us, and take every other part from its reducer; a part whose reducer fails
+        us by the deadline, or that its auditor disputes, we reduce ourselves from the members' chunks. Then every
+        peer takes the round's coordinator's parts (``_conform``): peers that reduced a late part themselves, from
+        other chunks than its reducer (a chunk that did not come in time somewhere), end on the same weights."""
         r, p = key
         me = self._ctx.identity.peer_id
         n = self.global_flat[p].numel()
@@ -1004,10 +1019,12 @@ class DilocoLoop(TaskLoop):
         span = self.deadline.value() + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
         end = self.clock.monotonic() + span
         parts: dict[int, torch.Tensor] = {}
+        used: dict[int, tuple[bytes, frozenset[str] | None]] = {}  # the part we take: (blob hash, whose chunks)
         screened: dict[str, str] = {}
-        computed: dict[int, tuple[bytes, torch.Tensor, int]] = {}  # parts we reduced: (blob hash, decoded, size)
+        computed: dict[int, tuple[bytes, torch.Tensor, int, frozenset[str]]] = {}  # our reductions (and whose)
 
-        async def compute(k: int, until: float) -> None:
+        async def compute(k: int, until: float, only: frozenset[str] | None = None) -> bool:
+            """Reduce part k from the members' chunks (``only`` those: False if one of them did not come)."""
             a, b = bounds[k]
             chunks: dict[str, torch.Tensor] = {}
 
@@ -1041,8 +1058,11 @@ class DilocoLoop(TaskLoop):
                 else:
                     chunks[peer] = chunk
 
-            await asyncio.gather(*(one(peer) for peer in sorted(members)))
+            await asyncio.gather(*(one(peer) for peer in sorted(members if only is None else members & only)))
             chunks = {peer: c for peer, c in chunks.items() if peer not in rejected}
+            if only is not None and set(chunks) != only:
+                return False
+            whose = frozenset(chunks)
             # the same rule wherever this part is reduced (its reducer, its auditor, a fallback): its chunks only
             noise = await asyncio.to_thread(exchange.uncorrelated, chunks)
             for peer in noise:
@@ -1054,8 +1074,13 @@ class DilocoLoop(TaskLoop):
                 return payload, codecs.decode(payload)
 
             payload, decoded = await asyncio.to_thread(reduce_and_encode)
-            computed[k] = (self.bulk.keep(payload), decoded, len(payload))
+            computed[k] = (self.bulk.keep(payload), decoded, len(payload), whose)
             self._round_blobs[key].add(computed[k][0])
+            return True
+
+        def own(k: int) -> None:
+            blob, decoded, _, whose = computed[k]
+            parts[k], used[k] = decoded, (blob, whose)
 
         mine = [k for k in range(len(bounds)) if exchange.reducer_of(ordered, k) == me]
         auditing = [k for k in range(len(bounds)) if k not in mine and exchange.auditor_of(ordered, k) == me
@@ -1063,70 +1088,138 @@ class DilocoLoop(TaskLoop):
 
         async def reduce_mine(k: int) -> None:
             await compute(k, end)
-            blob, decoded, size = computed[k]
-            parts[k] = decoded
+            blob, _, size, whose = computed[k]
+            own(k)
             self._publish(REDUCED, {"r": r, "p": p, "red": k, "blob": blob, "size": size, "m": digest,
-                           "addrs": list(self.bulk.addrs)})
+                                    "c": exchange.pack_set(ordered, whose), "addrs": list(self.bulk.addrs)})
             self.counters["parts_reduced"] += 1
 
         async def take(k: int) -> None:
             reducer = exchange.reducer_of(ordered, k)
             a, b = bounds[k]
             audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
-            got = None
+            got = None  # (blob, digest, part, whose chunks)
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
-                blob, size, m, addrs = pending.reduced[k][reducer]
-                # from its reducer, else from a member that pulled it already (the reducer may have died after
-                # serving some of us: the others must end with the same bytes)
-                try:
-                    part = await self._fetch_part(key, reducer, blob, size, addrs, b - a, end - self.clock.monotonic(),
-                                                  holders=[(x, pending.announced[x].addrs) for x in ordered
-                                                           if x not in (me, reducer)],
-                                                  counter="parts_from_other_holders")
-                    if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
-                        raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
-                    got = (blob, m, part)
-                except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
-                    self._ctx.transport.penalties.penalize(reducer, "invalid_message", f"diloco reduced part: {e}")
-                    self.counters["reduced_parts_rejected"] += 1
-                except (BulkError, asyncio.TimeoutError):
-                    pass  # no member could give it to us in time: we reduce it ourselves below
+                blob, size, m, addrs, bits = pending.reduced[k][reducer]
+                whose = exchange.unpack_set(ordered, bits) if m == digest else None
+                if m == digest and (whose is None or not exchange.majority(whose, members)):
+                    # the reducer lacked most chunks (or named no members of ours): not a part to take
+                    self.counters["reduced_parts_partial"] += 1
+                else:
+                    # from its reducer, else from a member that pulled it already (the reducer may have died after
+                    # serving some of us: the others must end with the same bytes)
+                    try:
+                        part = await self._fetch_part(key, reducer, blob, size, addrs, b - a,
+                                                      end - self.clock.monotonic(), holders=[
+                                                          (x, pending.announced[x].addrs) for x in ordered
+                                                          if x not in (me, reducer)],
+                                                      counter="parts_from_other_holders")
+                        if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
+                            raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
+                        got = (blob, m, part, whose)
+                    except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
+                        self._ctx.transport.penalties.penalize(reducer, "invalid_message",
+                                                               f"diloco reduced part: {e}")
+                        self.counters["reduced_parts_rejected"] += 1
+                    except (BulkError, asyncio.TimeoutError):
+                        pass  # no member could give it to us in time: we reduce it ourselves below
             if audit is not None:
                 await audit
                 if got is not None:
-                    ok = got[1] != digest or computed[k][0] == got[0]  # other members: nothing to compare
+                    # judged on the chunks the reducer says it combined (one that did not come in time at the
+                    # reducer is no lie): our own reduction, or another from exactly those chunks. Other members
+                    # than ours, or a chunk it names that did not come to us: nothing to compare, no dispute
+                    ok = True
+                    if got[1] != digest:
+                        pass
+                    elif computed[k][3] == got[3] or await compute(k, self.clock.monotonic() + span, only=got[3]):
+                        ok = computed[k][0] == got[0]
+                    else:
+                        self.counters["audits_incomplete"] += 1
                     self._publish(AUDIT, {"r": r, "p": p, "aud": k, "ok": ok})
                     self.counters["parts_audited"] += 1
                     if not ok:
                         self._liar(reducer, k, r, p)
                         got = None
                 if got is None:
-                    parts[k] = computed[k][1]
+                    if k not in computed:
+                        await compute(k, self.clock.monotonic() + span)
+                    own(k)
                     return
             elif got is not None and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit):
                 auditor = exchange.auditor_of(ordered, k)
                 await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - self.clock.monotonic())
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
-                    await compute(k, self.clock.monotonic() + span)
                     self.counters["parts_disputed"] += 1
-                    if computed[k][0] == got[0]:
-                        self._liar(auditor, k, r, p, role="auditor")
+                    if got[3] is not None and await compute(k, self.clock.monotonic() + span, only=got[3]):
+                        if computed[k][0] == got[0]:
+                            self._liar(auditor, k, r, p, role="auditor")
+                        else:
+                            self._liar(reducer, k, r, p)
+                            got = None
                     else:
-                        self._liar(reducer, k, r, p)
-                    got = None
+                        got = None  # we cannot tell who is right: our own reduction
             if got is None:
                 if k not in computed:  # its reducer failed us: reduce it ourselves (we pull its chunks)
                     self.counters["parts_fallback"] += 1
                     await compute(k, self.clock.monotonic() + span)
-                parts[k] = computed[k][1]
+                own(k)
             else:
-                parts[k] = got[2]
+                parts[k], used[k] = got[2], (got[0], got[3])
 
         await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
+        await self._conform(key, pending, members, ordered, digest, parts, used, compute, computed, span)
         combined = torch.empty(n)
         for k, (a, b) in enumerate(bounds):
             combined[a:b] = parts.pop(k)  # each part freed as it is copied in
         return combined, {**screened, **rejected}
+
+    async def _conform(self, key: tuple[int, int], pending: Pending, members: set[str], ordered: list[str],
+                       digest: str, parts: dict, used: dict, compute, computed: dict, span: float) -> None:
+        """Every peer ends on the round's coordinator's parts. A part whose reducer was late (or disputed) is
+        reduced by each peer that gave up on it from the chunks that came to it by then, and the reducer's own
+        part may lack a chunk that came too late to it: peers could end on different weights (at 16 peers on two
+        cores most rounds did: 126 parts fell back in one). The coordinator (the member view we took) publishes
+        each part's blob hash and the members whose chunks it combines; a peer whose part differs reduces it again
+        from exactly those chunks (pulled from anyone who holds them), so the result is checked, not trusted: a
+        coordinator can choose only among the honest reductions of a majority's chunks. The wait is one deadline
+        at most; without the coordinator's list we keep our parts."""
+        r, p = key
+        coordinator = pending.coordinator
+        if coordinator is None:
+            return
+        if coordinator == self._ctx.identity.peer_id:
+            self._publish(PARTS, {"r": r, "p": p, "m": digest,
+                                  "c": [b"" if used[k][1] is None else exchange.pack_set(ordered, used[k][1])
+                                        for k in range(len(used))],
+                                  "h": [used[k][0] for k in range(len(used))]})
+            return
+        await outer.wait_until(lambda: coordinator in pending.parts, self._event,
+                               max(self.cfg.deadline_low, self.deadline.value()))
+        held = pending.parts.get(coordinator)
+        if held is None:
+            self.counters["parts_coordinator_missing"] += 1
+            return
+        m, sets, hashes = held
+        if m != digest or len(hashes) != len(used):
+            self.counters["parts_not_followed"] += 1
+            return
+
+        async def conform(k: int) -> None:
+            whose = exchange.unpack_set(ordered, sets[k])
+            if whose is None or not exchange.majority(whose, members):
+                self.counters["parts_not_followed"] += 1
+            elif not await compute(k, self.clock.monotonic() + span, only=whose):
+                self.counters["parts_not_conformed"] += 1  # a chunk it names did not come to us
+            elif computed[k][0] != hashes[k]:
+                self.counters["parts_coordinator_mismatch"] += 1  # its bytes are not what those chunks give
+                logger.warning("diloco round %d/%d: coordinator %s's part %d is not the reduction of the chunks it "
+                               "names; ours kept", r, p, coordinator[-8:], k)
+            else:
+                parts[k], used[k] = computed[k][1], (hashes[k], whose)
+                self.counters["parts_conformed"] += 1
+
+        await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
 
     def _prefetch(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
         """Scatter: pull at once the chunks of the parts we will likely reduce (our place in the round's order over
@@ -1465,6 +1558,25 @@ class DilocoLoop(TaskLoop):
             pending.views[author] = view
             self._event.set()
             return Verdict.ACCEPT
+        if kind is PARTS:
+            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
+                return Verdict.IGNORE
+            # a round's coordinator is one of the last round's counted members (whose set we may not know yet
+            # when a message for the next round comes): counted peers' only, the others' capped
+            pending = self.pending[(r, p)]
+            if not self.standing.counts(author) or len(body["c"]) != len(body["h"]) or (
+                    author not in self.participants.get(p, self._initial) and len(pending.parts) >= MAX_PARTS_LISTS):
+                self.counters["parts_ignored"] += 1
+                return Verdict.IGNORE
+            value, held = (body["m"], tuple(body["c"]), tuple(body["h"])), pending.parts.get(author)
+            if held is not None:
+                if held != value:  # two signed answers for one round: the author's doing
+                    self.counters["parts_conflicting"] += 1
+                    self._ctx.transport.penalties.penalize(author, "suspect", "two part lists of one round")
+                return Verdict.IGNORE
+            pending.parts[author] = value
+            self._event.set()
+            return Verdict.ACCEPT
         if kind is REDUCED or kind is AUDIT:
             if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
                 return Verdict.IGNORE
@@ -1473,7 +1585,8 @@ class DilocoLoop(TaskLoop):
             if kind is REDUCED:
                 if body["size"] > self._max_part(p, k):
                     return Verdict.REJECT
-                held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]))
+                held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]),
+                                                   body["c"])
             else:
                 held, value = pending.audits[k], body["ok"]
             if author in held:

@@ -59,6 +59,30 @@ def audited(run: str, r: int, p: int, k: int, fraction: float) -> bool:
     return h < fraction * 2**64
 
 
+def pack_set(ordered: list[str], subset) -> bytes:
+    """A subset of the round's ordered members as a bitmap (bit i: ``ordered[i]``), so a message can say which
+    members' chunks a reduced part combines in len(ordered) / 8 bytes."""
+    bits = bytearray((len(ordered) + 7) // 8)
+    for i, a in enumerate(ordered):
+        if a in subset:
+            bits[i // 8] |= 1 << (i % 8)
+    return bytes(bits)
+
+
+def unpack_set(ordered: list[str], bits: bytes) -> frozenset[str] | None:
+    """The members a bitmap names (None: not a bitmap over ``ordered``: another length, or a bit past its end)."""
+    if len(bits) != (len(ordered) + 7) // 8 or (len(ordered) % 8 and bits[-1] >> (len(ordered) % 8)):
+        return None
+    return frozenset(a for i, a in enumerate(ordered) if bits[i // 8] >> (i % 8) & 1)
+
+
+def majority(subset, members) -> bool:
+    """Whether a reduced part combines more than half of the round's members' chunks: a part combining fewer is
+    not taken from anyone (a reducer or a coordinator naming a few peers, itself among them, would make the part
+    theirs)."""
+    return 2 * len(subset) > len(members)
+
+
 def members_digest(members) -> str:
     return hashlib.blake2b("\n".join(sorted(members)).encode(), digest_size=8).hexdigest()
 

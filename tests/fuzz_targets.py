@@ -208,7 +208,8 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     peers = [Identity.generate().peer_id for _ in range(3)]
     ctx = SimpleNamespace(identity=ident, data_dir=data_dir, direct=lambda p: True, anchors=lambda: set(peers[:1]),
                           clock=SYSTEM,
-                          members=lambda: peers, replicator=None)
+                          members=lambda: peers, replicator=None,
+                          transport=SimpleNamespace(penalties=PeerPenalties()))
     targets = []
 
     d_cfg = diloco.DilocoConfig(run="fuzz", task="tinygpt", rounds=8, fragments=2)
@@ -230,8 +231,11 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
                WIRE.pack(diloco.UPDATE, {"r": 1, "p": 1, "parts": [bytes(32), bytes(range(32))], "sizes": [100, 90],
                                          "base": base, "norm": 1.5, "addrs": ["127.0.0.1:4001"], "t": tag}),
                WIRE.pack(diloco.REDUCED, {"r": 1, "p": 1, "red": 3, "blob": bytes(32), "size": 100, "m": "ab" * 8,
-                                          "addrs": [], "t": tag}),
-               WIRE.pack(diloco.AUDIT, {"r": 1, "p": 0, "aud": 0, "ok": False, "t": tag})]
+                                          "c": b"\x07", "addrs": [], "t": tag}),
+               WIRE.pack(diloco.AUDIT, {"r": 1, "p": 0, "aud": 0, "ok": False, "t": tag}),
+               WIRE.pack(diloco.MEMBERS, {"r": 1, "p": 0, "m": [bytes(8), b"\x01" * 8], "t": tag}),
+               WIRE.pack(diloco.PARTS, {"r": 1, "p": 1, "m": "ab" * 8, "c": [b"\x07", b"\x03"],
+                                        "h": [bytes(32), b"\x02" * 32], "t": tag})]
 
     s_cfg = spsa.SpsaConfig(run="fuzz", task="tinygpt", task_options={"pretrain_steps": 0})
     s = spsa.SPSALoop(None, s_cfg, load(s_cfg.task, s_cfg.options(), "spsa"))

@@ -63,6 +63,18 @@ def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     assert exchange.reduce_part({}, factors, 7).equal(torch.zeros(7))
 
 
+def test_a_part_names_the_members_whose_chunks_it_combines_in_a_bitmap_and_a_minority_is_not_a_part():
+    ordered = exchange.order("run", 3, 0, [f"peer{i}" for i in range(11)])
+    some = frozenset(ordered[i] for i in (0, 3, 8, 10))
+    bits = exchange.pack_set(ordered, some)
+    assert len(bits) == 2 and exchange.unpack_set(ordered, bits) == some
+    assert exchange.unpack_set(ordered, bits + b"\x00") is None  # a bitmap over another member list
+    assert exchange.unpack_set(ordered, bytes([bits[0], bits[1] | 0x80])) is None  # a bit past the members
+    assert exchange.unpack_set(ordered[:8], b"\xff") == frozenset(ordered[:8])
+    assert not exchange.majority(some, ordered) and exchange.majority(ordered[:6], ordered)
+    assert not exchange.majority(ordered[:2], ordered[:4])  # half is no majority
+
+
 def test_a_chunk_larger_than_its_announced_norm_is_refused():
     chunk = torch.ones(100)
     assert exchange.chunk_ok(chunk, 100, 10.0) is None

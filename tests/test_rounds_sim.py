@@ -278,6 +278,57 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("agree", [True, False])
+def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(tmp_path, agree):
+    """Scatter: in round 2 one reducer's pulls of one peer's chunks time out (so its parts combine three peers'
+    chunks), and its reduced parts never reach another peer, which reduces them itself at the deadline from all
+    four. Each peer reduced a late part from the chunks that came to it by then: before, that peer ended on other
+    weights and resynced (16 peers on two cores: most rounds split this way). Now every peer takes the round's
+    coordinator's parts, each one reduced again from the chunks the coordinator names."""
+    from protocols.exchange import PART_MIN
+    from protocols.gossip import Verdict
+    from transport.wire import WIRE
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0, agree=agree)
+        slow_reducer, blind, unheard = sim.peers[0], sim.peers[1], sim.peers[2]
+
+        class MissesAChunk(_paced(diloco.DilocoLoop, 0.1)):
+            published = False
+
+            async def _fetch_part(self, key, peer, *args, **kw):
+                if key[0] == 2 and peer == unheard and not self.published:
+                    raise asyncio.TimeoutError()  # (a retry after it published its parts gets it)
+                return await super()._fetch_part(key, peer, *args, **kw)
+
+            def _publish(self, kind, body):
+                self.published |= kind is diloco.REDUCED and body["r"] == 2
+                super()._publish(kind, body)
+
+        class NeverGetsItsParts(_paced(diloco.DilocoLoop, 0.1)):
+            def _validate(self, message):
+                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
+                if kind is diloco.REDUCED and body["r"] == 2 and message.author == slow_reducer:
+                    return Verdict.IGNORE
+                return super()._validate(message)
+
+        sim.classes[slow_reducer], sim.classes[blind] = MissesAChunk, NeverGetsItsParts
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p).counters for p in sim.peers], _finals(sim)
+
+    counters, finals = run_virtual(main())
+    assert counters[1]["parts_fallback"] >= 1 and counters[0]["chunks_missing"] >= 1, counters[:2]
+    splits = sum(c.get("diverged", 0) + c.get("resyncs", 0) for c in counters)
+    if agree:
+        assert len(finals) == 1 and splits == 0, (finals, counters)
+        assert sum(c["parts_conformed"] for c in counters) >= 1, counters
+    else:  # each peer its own parts: the blind one left the others' weights
+        assert splits >= 1, counters
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("latency", [1.0, 0.3])
 @pytest.mark.parametrize("agree", [True, False])
 def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_their_weights(tmp_path, latency, agree):
