@@ -57,6 +57,20 @@ size = {size}
 """
 
 
+AGREEMENT = ("parts_", "members_", "coordinator_", "views_", "view_", "own_update", "reduced_parts", "audits_",
+             "chunks_missing", "diverged", "deadline_missed")
+
+
+def _summed(final: list[dict]) -> dict:
+    """The nodes' exchange and agreement counters (``/status`` -> services.diloco), summed."""
+    out: dict[str, int] = {}
+    for s in final:
+        for k, v in s.items():
+            if k.startswith(AGREEMENT) and isinstance(v, int) and not isinstance(v, bool):
+                out[k] = out.get(k, 0) + v
+    return dict(sorted(out.items()))
+
+
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
            parts: int = 16) -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
@@ -91,6 +105,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "fallback": sum(s.get("parts_fallback", 0) for s in final),
             "conformed": sum(s.get("parts_conformed", 0) for s in final),
             "resyncs": sum(s.get("resyncs", 0) for s in final),
+            "agreement": _summed(final),  # printed to stderr, not in the table
         }
     finally:
         swarm.close()

@@ -714,7 +714,7 @@ class DilocoLoop(TaskLoop):
         """The round's members, the same at every peer (``rounds.MemberAgreement``): we publish our view and take
         the view of the round's coordinator. The peers it names must have announced an update from our weights
         (an announcement still on its way is waited for), and in all-to-all their updates are pulled: all within
-        one deadline, after which what is missing is left out (we may then end on other weights than the others,
+        one span (``_span``), after which what is missing is left out (we may then end on other weights than the others,
         and resync or redo as before). A coordinator's view naming more newcomers than a round takes is not
         followed (ours is)."""
         r, p = key
@@ -727,7 +727,9 @@ class DilocoLoop(TaskLoop):
         # late here and in time elsewhere is not first at some peers and skipped at others
         last = self.participants.get(p, self._initial)
         chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
-        end = self.clock.monotonic() + max(self.cfg.deadline_low, self.deadline.value())
+        # one span: the coordinator's view and the announcements it names come over gossip, which a loaded peer
+        # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
+        end = self.clock.monotonic() + self._span(p)
         agreement = rounds.MemberAgreement(me, chain, end)
         while (left := agreement.remaining(self.clock.monotonic(), pending.views)) is not None:
             await outer.wait_event(self._event, left)
@@ -884,6 +886,11 @@ class DilocoLoop(TaskLoop):
     def _update_bytes(self, p: int) -> int:
         return sum(self._part_bytes(p))
 
+    def _span(self, p: int) -> float:
+        """The time a round's exchange step is given: the deadline, and each peer moving about 2 x one update at
+        ``min_bandwidth``; a peer that stalls costs the others one span at most."""
+        return max(self.cfg.deadline_low, self.deadline.value()) + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
+
     def _bounds(self, p: int) -> list[tuple[int, int]]:
         """The value ranges fragment p's update is cut into (the same for every peer and round)."""
         n = self.global_flat[p].numel()
@@ -1016,7 +1023,7 @@ class DilocoLoop(TaskLoop):
         digest = exchange.members_digest(members)
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
-        span = self.deadline.value() + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
+        span = self._span(p)
         end = self.clock.monotonic() + span
         parts: dict[int, torch.Tensor] = {}
         used: dict[int, tuple[bytes, frozenset[str] | None]] = {}  # the part we take: (blob hash, whose chunks)
@@ -1182,7 +1189,7 @@ class DilocoLoop(TaskLoop):
         cores most rounds did: 126 parts fell back in one). The coordinator (the member view we took) publishes
         each part's blob hash and the members whose chunks it combines; a peer whose part differs reduces it again
         from exactly those chunks (pulled from anyone who holds them), so the result is checked, not trusted: a
-        coordinator can choose only among the honest reductions of a majority's chunks. The wait is one deadline
+        coordinator can choose only among the honest reductions of a majority's chunks. The wait is one span
         at most; without the coordinator's list we keep our parts."""
         r, p = key
         coordinator = pending.coordinator
@@ -1194,8 +1201,7 @@ class DilocoLoop(TaskLoop):
                                         for k in range(len(used))],
                                   "h": [used[k][0] for k in range(len(used))]})
             return
-        await outer.wait_until(lambda: coordinator in pending.parts, self._event,
-                               max(self.cfg.deadline_low, self.deadline.value()))
+        await outer.wait_until(lambda: coordinator in pending.parts, self._event, span)
         held = pending.parts.get(coordinator)
         if held is None:
             self.counters["parts_coordinator_missing"] += 1
