@@ -1137,21 +1137,18 @@ class DilocoLoop(TaskLoop):
                     # reducer is no lie): our own reduction, or another from exactly those chunks. Other members
                     # than ours, or a chunk it names that did not come to us: nothing to compare, no dispute
                     ok = True
-                    if got[1] != digest:
-                        pass
-                    elif computed[k][3] == got[3] or await compute(k, self.clock.monotonic() + span, only=got[3]):
-                        ok = computed[k][0] == got[0]
-                    else:
-                        self.counters["audits_incomplete"] += 1
+                    if got[1] == digest:
+                        if computed[k][3] == got[3] or await compute(k, self.clock.monotonic() + span, only=got[3]):
+                            ok = computed[k][0] == got[0]
+                        else:
+                            self.counters["audits_incomplete"] += 1
                     self._publish(AUDIT, {"r": r, "p": p, "aud": k, "ok": ok})
                     self.counters["parts_audited"] += 1
                     if not ok:
                         self._liar(reducer, k, r, p)
                         got = None
                 if got is None:
-                    if k not in computed:
-                        await compute(k, self.clock.monotonic() + span)
-                    own(k)
+                    own(k)  # (the audit's reduction: a failed one from exactly the reducer's chunks keeps it)
                     return
             elif got is not None and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit):
                 auditor = exchange.auditor_of(ordered, k)
@@ -1546,27 +1543,18 @@ class DilocoLoop(TaskLoop):
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE
             return Verdict.ACCEPT
+        if (kind is MEMBERS or kind is PARTS or kind is REDUCED or kind is AUDIT) and self.rounds_done \
+                and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
+            return Verdict.IGNORE  # a round's exchange messages: kept for the rounds we are at or about to close
         if kind is MEMBERS:
-            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
-                return Verdict.IGNORE
             if not self.standing.counts(author):
                 self.counters["views_ignored"] += 1  # only a counted peer coordinates a round
                 return Verdict.IGNORE
             pending = self.pending[(r, p)]
-            view, held = frozenset(body["m"]), pending.views.get(author)
-            if held is not None:
-                if held != view:  # two signed views of one round: the author's doing, whoever forwarded them
-                    self.counters["views_conflicting"] += 1
-                    self._ctx.transport.penalties.penalize(author, "suspect", "two member views of one round")
+            if author not in pending.views and len(pending.views) >= MAX_PEER_ENTRIES:
                 return Verdict.IGNORE
-            if len(pending.views) >= MAX_PEER_ENTRIES:
-                return Verdict.IGNORE
-            pending.views[author] = view
-            self._event.set()
-            return Verdict.ACCEPT
+            return self._once(pending.views, author, frozenset(body["m"]), "views_conflicting", "member views")
         if kind is PARTS:
-            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
-                return Verdict.IGNORE
             # a round's coordinator is one of the last round's counted members (whose set we may not know yet
             # when a message for the next round comes): counted peers' only, the others' capped
             pending = self.pending[(r, p)]
@@ -1574,18 +1562,9 @@ class DilocoLoop(TaskLoop):
                     author not in self.participants.get(p, self._initial) and len(pending.parts) >= MAX_PARTS_LISTS):
                 self.counters["parts_ignored"] += 1
                 return Verdict.IGNORE
-            value, held = (body["m"], tuple(body["c"]), tuple(body["h"])), pending.parts.get(author)
-            if held is not None:
-                if held != value:  # two signed answers for one round: the author's doing
-                    self.counters["parts_conflicting"] += 1
-                    self._ctx.transport.penalties.penalize(author, "suspect", "two part lists of one round")
-                return Verdict.IGNORE
-            pending.parts[author] = value
-            self._event.set()
-            return Verdict.ACCEPT
+            return self._once(pending.parts, author, (body["m"], tuple(body["c"]), tuple(body["h"])),
+                              "parts_conflicting", "part lists")
         if kind is REDUCED or kind is AUDIT:
-            if self.rounds_done and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
-                return Verdict.IGNORE
             k = body["red"] if kind is REDUCED else body["aud"]
             pending = self.pending[(r, p)]
             if kind is REDUCED:
@@ -1605,6 +1584,18 @@ class DilocoLoop(TaskLoop):
             self._event.set()
             return Verdict.ACCEPT
         return Verdict.REJECT
+
+    def _once(self, held: dict, author: str, value, counter: str, what: str) -> Verdict:
+        """Keep an author's one signed answer for a round; a second, different one is the author's doing, whoever
+        forwarded it (penalised as suspect)."""
+        if author in held:
+            if held[author] != value:
+                self.counters[counter] += 1
+                self._ctx.transport.penalties.penalize(author, "suspect", f"two {what} of one round")
+            return Verdict.IGNORE
+        held[author] = value
+        self._event.set()
+        return Verdict.ACCEPT
 
     def _max_part(self, p: int, k: int) -> int:
         """The most bytes part k of fragment p may claim (checked before anything is pulled, so a peer cannot make
