@@ -1557,8 +1557,10 @@ class DilocoLoop(TaskLoop):
         if kind is PARTS:
             # a round's coordinator is one of the last round's counted members (whose set we may not know yet
             # when a message for the next round comes): counted peers' only, the others' capped
+            if len(body["c"]) != len(body["h"]):
+                return Verdict.REJECT  # a malformed list, signed by its author: counts against it
             pending = self.pending[(r, p)]
-            if not self.standing.counts(author) or len(body["c"]) != len(body["h"]) or (
+            if not self.standing.counts(author) or (
                     author not in self.participants.get(p, self._initial) and len(pending.parts) >= MAX_PARTS_LISTS):
                 self.counters["parts_ignored"] += 1
                 return Verdict.IGNORE
