@@ -1,18 +1,22 @@
-"""One S-byte update exchanged among N peers (separate processes, loopback), per round: swarmd's DiLoCo exchange
-all-to-all and by reduce-scatter + all-gather, next to hivemind's DecentralizedAverager (butterfly all-reduce) of
-the same bytes, in the same run.
+"""One S-byte update exchanged among N peers (separate processes; loopback, or each peer on its own capped link),
+per round: swarmd's DiLoCo exchange all-to-all and by reduce-scatter + all-gather, next to hivemind's
+DecentralizedAverager (butterfly all-reduce) of the same bytes, in the same run.
 
 swarmd: N nodes run DiLoCo on ``bench/vector_task.py`` (one parameter vector of S/4 values, codec ``none``: an
-update is S bytes), one inner step per round, so a round's time is its exchange; time per round = the span from
-every node running to every node done, over the rounds; bytes = what each node's bulk service pulled and served,
+update is S bytes; ``--codec e3m0``, the loop's default, sends about S/7.5 for the same values), one inner step per
+round, so a round's time is its exchange; bytes = what each node's bulk service pulled and served,
 per round, in units of S; time = a node's median span from announcing its update to holding the round's combined
 update (the slowest node's; it includes waiting for the slowest peer's update), and "after all in": from the
 round's close (every update announced) to the combined update (for all-to-all, the pulls run before the close).
 hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
 timed from the trigger after matchmaking to the all-reduce's end (median of the rounds).
 
-    python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind]
+    python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind] [--link 100]
     python bench/bench_exchange.py --e2e [--layers 15]     # DiLoCo end to end, 4 peers, a ~109M-parameter Llama
+
+--link 100: each peer (swarmd node, or hivemind averager with its DHT) runs on its own host of a star lab of network
+namespaces (tests/natlab.py StarLab: one switch, each host's link capped at 100 Mbit/s both ways by tc tbf, as a
+home connection), so bytes, not this machine's CPU, set the time. Needs root.
 
 --e2e: 4 peers run DiLoCo (default settings: e3m0, exchange auto) on the hf-text task with a Llama of hidden 768,
 15 layers (random init), batch 1 x 64 tokens, H = 4, 3 rounds; reported: round time, the fraction of time a node was
@@ -22,6 +26,8 @@ not blocked on the exchange, each node's peak RSS, the exchange chosen.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import multiprocessing as mp
 import statistics
 import sys
@@ -33,6 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from natlab import StarLab, unavailable  # noqa: E402
 from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
@@ -40,7 +47,7 @@ CONFIG = """
 run = "x{peers}{mode_short}"
 task = "{task}"
 device = "cpu"
-codec = "none"
+codec = "{codec}"
 rounds = {rounds}
 inner_steps = 1
 min_peers = {peers}
@@ -71,18 +78,35 @@ def _summed(final: list[dict]) -> dict:
     return dict(sorted(out.items()))
 
 
+def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
+    """N nodes on loopback (each bootstrapped from the first), or each on its own host of the star lab."""
+    if lab is None:
+        return swarm.start_chain(peers, members_within=None)
+
+    def start(i, bootstrap=(), wait=False):
+        return swarm.start(f"n{i}", "--listen", f"/ip4/{lab.ips[i]}/tcp/0", bootstrap=list(bootstrap), wait=wait,
+                           prefix=lab.cmd(i), via=functools.partial(lab.call, i))
+
+    nodes = [start(0, wait=True)]
+    nodes += [start(i, [nodes[0].tcp_addr]) for i in range(1, peers)]
+    for node in nodes[1:]:
+        node.wait_ready()
+    return nodes
+
+
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
-           parts: int = 16) -> dict:
+           parts: int = 16, lab: StarLab | None = None, codec: str = "none") -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
     mode = mode.removesuffix("-own")
     config = loop_config(root / "diloco.toml", CONFIG.format(
-        peers=peers, mode=mode, mode_short=mode[0], agree=agree, task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
+        peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
+        task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts))
     swarm = Swarm(root / "nodes", config=config)
     try:
-        nodes = swarm.start_chain(peers, members_within=None)
+        nodes = _start(swarm, peers, lab)
 
         def d(n):
             return n.status()["services"]["diloco"]
@@ -106,6 +130,10 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "conformed": sum(s.get("parts_conformed", 0) for s in final),
             "resyncs": sum(s.get("resyncs", 0) for s in final),
             "agreement": _summed(final),  # printed to stderr, not in the table
+            # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
+            "phases": {k: max(s["exchange"].get("phase_seconds_median", {}).get(k, 0.0) for s in final)
+                       for k in ("wait", "agree", "reduce", "conform", "combine")
+                       if any(k in s["exchange"].get("phase_seconds_median", {}) for s in final)},
         }
     finally:
         swarm.close()
@@ -174,20 +202,28 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
         swarm.close()
 
 
-def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out) -> None:
+def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out, host=None) -> None:
+    """One averager; ``host`` = (namespace file, IP): this process moves into that host of the star lab first (its
+    DHT and averager processes, forked from it, live there too)."""
     mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are processes forked from this one
+    ip = "127.0.0.1"
+    if host is not None:
+        from natlab import _setns
+
+        _setns(host[0])
+        ip = host[1]
     import hivemind
     import torch
     from hivemind.averaging.control import AveragingStage
 
     torch.set_num_threads(1)
     if index == 0:
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"])
         addrs.extend([str(a) for a in dht.get_visible_maddrs()])
     else:
         while not addrs:
             time.sleep(0.05)
-        dht = hivemind.DHT(start=True, host_maddrs=["/ip4/127.0.0.1/tcp/0"], initial_peers=list(addrs))
+        dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=list(addrs))
     averager = hivemind.averaging.DecentralizedAverager(
         [torch.randn(size)], dht, prefix="bench", target_group_size=peers, min_group_size=peers,
         min_matchmaking_time=2.0, request_timeout=10.0, start=True)
@@ -208,11 +244,13 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
     dht.shutdown()
 
 
-def hivemind_averager(peers: int, size_bytes: int, rounds: int) -> dict:
+def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | None = None) -> dict:
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     addrs, barrier, out = manager.list(), ctx.Barrier(peers), ctx.Queue()
-    procs = [ctx.Process(target=_averager_peer, args=(i, peers, size_bytes // 4, rounds, addrs, barrier, out))
+    hosts = [None] * peers if lab is None else [(f"/run/netns/{lab.ns[i]}", lab.ips[i]) for i in range(peers)]
+    procs = [ctx.Process(target=_averager_peer, args=(i, peers, size_bytes // 4, rounds, addrs, barrier, out,
+                                                      hosts[i]))
              for i in range(peers)]
     for p in procs:
         p.start()
@@ -249,7 +287,14 @@ def main() -> None:
                         "scatter with each peer's own view of a round's members, not the coordinator's)")
     parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
+    parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
+                        "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
+    parser.add_argument("--link", type=float, default=0.0, metavar="MBIT",
+                        help="each peer in its own network namespace, its link capped at MBIT both ways by tc tbf "
+                             "(needs root; default: every peer on loopback)")
     args = parser.parse_args()
+    if args.link and unavailable():
+        parser.error(f"--link: {unavailable()}")
     if args.e2e:
         with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
             e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp))
@@ -259,15 +304,22 @@ def main() -> None:
     for n in [int(x) for x in args.peers.split(",")]:
         with tempfile.TemporaryDirectory(prefix="swarmd-bench-exchange-") as tmp:
             result = {}
+            # a fresh lab for each run: nothing one run left queued or open meets the next
+            lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
             if args.only != "hivemind":
                 for mode in args.modes.split(","):
-                    result[mode] = swarmd(mode, n, size, args.rounds, Path(tmp) / mode, args.audit, args.parts)
+                    with lab() as star:
+                        result[mode] = swarmd(mode, n, size, args.rounds, Path(tmp) / mode, args.audit, args.parts,
+                                              star, args.codec)
                     print(f"N={n} {mode}: {result[mode]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
-                result["hivemind"] = hivemind_averager(n, size, args.rounds)
+                with lab() as star:
+                    result["hivemind"] = hivemind_averager(n, size, args.rounds, star)
                 print(f"N={n} hivemind: {result['hivemind']}", file=sys.stderr, flush=True)
             rows.append((n, result))
-    print(f"One update of S = {size / 1e6:.0f} MB among N peers, loopback, {args.rounds} rounds; bytes per peer per "
+    where = (f"each peer in its own network namespace, its link capped at {args.link:g} Mbit/s both ways (tc tbf)"
+             if args.link else "loopback")
+    print(f"One update of S = {size / 1e6:.0f} MB among N peers, {where}, {args.rounds} rounds; bytes per peer per "
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
     print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
@@ -277,10 +329,20 @@ def main() -> None:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
-            print(f"{n:>3} | {name + ('' if name == 'hivemind' else ' (swarmd)'):<22} | {r['round_s']:>8.2f} | "
+            codec = "" if args.codec == "none" else f", {args.codec}"
+            label = name if name == "hivemind" else f"{name} (swarmd{codec})"
+            print(f"{n:>3} | {label:<22} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
                   f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12}")
+    print("where a swarmd round goes (s; each phase's median at the node where it is longest): wait = our update "
+          "announced -> every update announced; agree = the member agreement; reduce = chunks in, our parts reduced, "
+          "the others' taken and audited; conform = the coordinator's parts list awaited and followed; combine = "
+          "all-to-all's combination of the pulled updates")
+    for n, result in rows:
+        for name, r in result.items():
+            if "phases" in r:
+                print(f"{n:>3} | {name:<22} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 

@@ -292,6 +292,12 @@ class DilocoLoop(TaskLoop):
         self.exchange_view: dict = {}
         self._exchange_times: collections.deque[float] = collections.deque(maxlen=32)
         self._close_times: collections.deque[float] = collections.deque(maxlen=32)
+        # where a round's exchange spends its time, per phase (``/status`` -> exchange.phase_seconds_median):
+        # wait (our update announced -> the close), agree (the member agreement), reduce (scatter: chunks in, our
+        # parts reduced, the others' taken and audited), conform (the wait for the coordinator's parts and any
+        # part reduced again); all-to-all: combine (the pulled updates combined)
+        self._phase_times: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=32))
         # (round, fragment) -> the blobs of its exchange we hold: served while the round may still need them (a
         # peer's fallback pulls come up to a deadline after its close), dropped two rounds on
         self._round_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
@@ -619,16 +625,21 @@ class DilocoLoop(TaskLoop):
         contributing = r >= self.join_round.get(p, 0)
         self.counters["newcomer_updates"] += len(slots & have())
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
+        agreeing = self.clock.monotonic()
+        if pending.sent_at is not None:
+            self._phase_times["wait"].append(agreeing - max(pending.sent_at, blocked_from))
         members = await self._agree(key, pending, members, base_now, mode)
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
+        self._phase_times["agree"].append(started - agreeing)
         self._drop_redo(p)
         if mode == "scatter":
             combined, rejected = await self._scatter(key, pending, members)
         else:
             updates = {a: pending.updates[a] for a in members}
             combined, rejected = outer.combine(updates, self.global_flat[p].numel())
+            self._phase_times["combine"].append(self.clock.monotonic() - started)
             if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
                 late = sorted((pending.arrivals[a], a) for a in members if a != me and a in pending.arrivals)
                 redo = self._redo[p] = Redo(r, frozenset(members), updates, self.global_flat[p], base_now,
@@ -647,7 +658,9 @@ class DilocoLoop(TaskLoop):
                               "close_seconds": round(self._close_times[-1], 3),
                               "close_seconds_median": round(statistics.median(self._close_times), 3),
                               "round_seconds_median": round(statistics.median(self._exchange_times), 3)
-                              if self._exchange_times else None}
+                              if self._exchange_times else None,
+                              "phase_seconds_median": {k: round(statistics.median(v), 3)
+                                                       for k, v in self._phase_times.items() if v}}
         self.blocked_seconds += self.clock.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
@@ -1171,8 +1184,12 @@ class DilocoLoop(TaskLoop):
             else:
                 parts[k], used[k] = got[2], (got[0], got[3])
 
+        started = self.clock.monotonic()
         await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
+        reduced = self.clock.monotonic()
+        self._phase_times["reduce"].append(reduced - started)
         await self._conform(key, pending, members, ordered, digest, parts, used, compute, computed, span)
+        self._phase_times["conform"].append(self.clock.monotonic() - reduced)
         combined = torch.empty(n)
         for k, (a, b) in enumerate(bounds):
             combined[a:b] = parts.pop(k)  # each part freed as it is copied in

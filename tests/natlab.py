@@ -55,6 +55,39 @@ def _run(*args: str) -> None:
         raise RuntimeError(f"{' '.join(args)}: {r.stderr.strip()}")
 
 
+def _setns(path: str) -> None:
+    """Move the calling thread into the network namespace at ``path``."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), "setns failed")
+    finally:
+        os.close(fd)
+
+
+def _call_in(path: str, fn, args: tuple, timeout: float):
+    """``fn(*args)`` in a thread that lives in the network namespace at ``path`` (network namespaces are per thread
+    on Linux): its result, or its error raised here."""
+    result: dict = {}
+
+    def target():
+        try:
+            _setns(path)
+            result["value"] = fn(*args)
+        except BaseException as e:  # handed to the caller
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    if thread.is_alive():
+        raise TimeoutError(f"{getattr(fn, '__name__', fn)} in {path} did not finish in {timeout} s")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]
+
+
 @dataclass
 class NatLab:
     mode_a: str = "eim"
@@ -156,30 +189,93 @@ class NatLab:
 
     def call(self, key: str, fn, *args, timeout: float = 30.0):
         """Run ``fn(*args)`` in a thread that lives in namespace ``key``; return its result or raise its error."""
-        result: dict = {}
-
-        def target():
-            try:
-                libc = ctypes.CDLL(None, use_errno=True)
-                fd = os.open(f"/run/netns/{self.ns[key]}", os.O_RDONLY)
-                try:
-                    if libc.setns(fd, CLONE_NEWNET) != 0:
-                        raise OSError(ctypes.get_errno(), "setns failed")
-                finally:
-                    os.close(fd)
-                result["value"] = fn(*args)
-            except BaseException as e:  # handed to the caller
-                result["error"] = e
-
-        thread = threading.Thread(target=target, daemon=True)
-        thread.start()
-        thread.join(timeout)
-        if thread.is_alive():
-            raise TimeoutError(f"{getattr(fn, '__name__', fn)} in {key} did not finish in {timeout} s")
-        if "error" in result:
-            raise result["error"]
-        return result["value"]
+        return _call_in(f"/run/netns/{self.ns[key]}", fn, args, timeout)
 
     def conntrack_flows(self, router: str) -> str:
         r = subprocess.run(self.cmd(router) + ["cat", "/proc/net/nf_conntrack"], capture_output=True, text=True)
         return r.stdout
+
+
+@dataclass
+class StarLab:
+    """N hosts, each in its own namespace, on one switch (a bridge in a namespace of its own), each host's link
+    capped at ``rate_mbit`` both ways by ``tc ... tbf``: its upload on its own end of the link, its download on the
+    switch's end. No NAT and no route out of the lab: host i is 10.77.0.(i + 1)/24. What the exchange benchmark uses
+    for peers that each sit behind a home connection."""
+
+    hosts: int
+    rate_mbit: float = 100.0
+    prefix: str = field(default_factory=lambda: "sw" + uuid.uuid4().hex[:5])
+
+    def __post_init__(self):
+        self.ns = [f"{self.prefix}-h{i}" for i in range(self.hosts)]
+        self.switch = f"{self.prefix}-sw"
+        self.ips = [f"10.77.0.{i + 1}" for i in range(self.hosts)]
+        self._made: list[str] = []
+
+    def up(self) -> "StarLab":
+        if not 1 <= self.hosts <= 250:
+            raise ValueError("a star lab holds 1 to 250 hosts")
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def _add(self, name: str) -> None:
+        _run("ip", "netns", "add", name)
+        self._made.append(name)
+        _run("ip", "netns", "exec", name, "ip", "link", "set", "lo", "up")
+        _run("ip", "netns", "exec", name, "sysctl", "-qw", "net.ipv6.conf.all.disable_ipv6=1",
+             "net.ipv6.conf.default.disable_ipv6=1")
+
+    def _tbf(self, ns: str, dev: str) -> None:
+        # burst: at least one rate-tick of bytes (rate / HZ) and a few full frames; latency bounds the queue
+        burst = max(32_000, int(self.rate_mbit * 1e6 / 8 / 250))
+        _run("ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", dev, "root", "tbf", "rate",
+             f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "200ms")
+
+    def _build(self) -> None:
+        self._add(self.switch)
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
+        _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
+        for i, (ns, ip) in enumerate(zip(self.ns, self.ips)):
+            self._add(ns)
+            port = f"{self.prefix}p{i}"  # <= 15 characters
+            _run("ip", "link", "add", "eth0", "netns", ns, "type", "veth", "peer", "name", port, "netns",
+                 self.switch)
+            _run("ip", "netns", "exec", self.switch, "ip", "link", "set", port, "master", "br0", "up")
+            _run("ip", "netns", "exec", ns, "ip", "addr", "add", f"{ip}/24", "dev", "eth0")
+            _run("ip", "netns", "exec", ns, "ip", "link", "set", "eth0", "up")
+            if self.rate_mbit:
+                self._tbf(ns, "eth0")  # the host's upload
+                self._tbf(self.switch, port)  # its download
+
+    def down(self) -> None:
+        NatLab.down(self)  # type: ignore[arg-type]  # the same teardown: kill what runs inside, delete each namespace
+
+    def __enter__(self) -> "StarLab":
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+    def cmd(self, i: int) -> list[str]:
+        """The command prefix that runs a process on host i."""
+        return ["ip", "netns", "exec", self.ns[i]]
+
+    def enter(self, i: int) -> None:
+        """Move the calling thread (the whole process, if it has one thread) into host i's namespace."""
+        _setns(f"/run/netns/{self.ns[i]}")
+
+    def call(self, i: int, fn, *args, timeout: float = 30.0):
+        """Run ``fn(*args)`` in a thread that lives on host i; return its result or raise its error."""
+        return _call_in(f"/run/netns/{self.ns[i]}", fn, args, timeout)
+
+    def qdiscs(self, i: int) -> str:
+        """tc's view of host i's link, both ends (for checks)."""
+        mine = subprocess.run(self.cmd(i) + ["tc", "qdisc", "show", "dev", "eth0"], capture_output=True, text=True)
+        switch = subprocess.run(["ip", "netns", "exec", self.switch, "tc", "qdisc", "show", "dev",
+                                 f"{self.prefix}p{i}"], capture_output=True, text=True)
+        return mine.stdout + switch.stdout

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from natlab import NatLab, unavailable
+from natlab import NatLab, StarLab, unavailable
 
 pytestmark = [pytest.mark.nat, pytest.mark.timeout(60)]
 
@@ -84,3 +84,41 @@ def test_lab_isolation_and_nat_behaviour(mode):
     names = lab.ns.values()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not any(n in listed for n in names)  # removed
+
+
+def test_star_lab_links_capped_both_ways():
+    """The exchange benchmark's lab: hosts reach each other over the switch, each link is capped by tbf at both ends
+    (its upload and its download), and there is no way out; down() removes every namespace. (The rate itself is
+    measured in bench/bench_exchange.py --link, not asserted here.)"""
+    with StarLab(3, rate_mbit=100) as lab:
+        accepted = threading.Event()
+
+        def serve():
+            s = socket.socket()
+            s.bind((lab.ips[2], 7003))
+            s.listen()
+            s.settimeout(5)
+            conn, addr = s.accept()
+            accepted.set()
+            conn.close()
+            s.close()
+            return addr[0]
+
+        server = threading.Thread(target=lambda: seen.append(lab.call(2, serve, timeout=10)), daemon=True)
+        seen: list[str] = []
+        server.start()
+        for _ in range(100):  # the server binds in its own thread: dial until it listens
+            try:
+                lab.call(0, dial, (lab.ips[2], 7003), None, 1.0)
+                break
+            except ConnectionRefusedError:
+                threading.Event().wait(0.05)
+        server.join(10)
+        assert accepted.is_set() and seen == [lab.ips[0]]
+        for i in range(3):
+            tbf = [line for line in lab.qdiscs(i).splitlines() if line.startswith("qdisc tbf")]
+            assert len(tbf) == 2 and all("rate 100Mbit" in line for line in tbf), lab.qdiscs(i)
+            route = subprocess.run(lab.cmd(i) + ["ip", "route", "get", "1.1.1.1"], capture_output=True)
+            assert route.returncode != 0
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert not any(n in listed for n in [*lab.ns, lab.switch])
