@@ -346,6 +346,12 @@ class BulkService:
         self._keep(blob_hash, bytearray(data))
         return blob_hash
 
+    def keep_prepared(self, blob_hash: bytes, data: bytearray) -> bytes:
+        """:meth:`keep` for our own bytes whose hash (``content_hash``) and copy were made off the event loop (in a
+        worker thread, with the encoding): the loop only files them. ``data`` is handed over, not copied."""
+        self._keep(blob_hash, data)
+        return blob_hash
+
     def drop(self, hashes) -> None:
         """Stop holding (and serving) these blobs."""
         for blob_hash in hashes:

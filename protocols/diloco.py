@@ -36,7 +36,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from node.services import NodeContext
 from protocols import codecs, exchange, outer, rounds
 from protocols import task as tasks
-from protocols.bulk import BulkError, BulkService
+from protocols.bulk import BulkError, BulkService, content_hash
 from protocols.gossip import Gossip, Message, Verdict
 from protocols.inner import SwarmAdamW
 from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
@@ -254,6 +254,7 @@ class DilocoLoop(TaskLoop):
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
+        self._base_hashes: dict[int, tuple[int, str]] = {}  # fragment -> (_global_version, its hash)
         self._hash_shown: tuple[int, str] = (-1, "")
         # per closed round: fragment, round, participants, global hash (the last HISTORY)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
@@ -347,6 +348,16 @@ class DilocoLoop(TaskLoop):
     def global_hash(self) -> str:
         return outer.params_hash(self.global_flat)
 
+    def _base_hash(self, p: int) -> str:
+        """Fragment p's global weights' hash (what updates name as their base), computed once per change of the
+        global weights: every incoming announcement is checked against it, and hashing a fragment on the event loop
+        per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model).
+        global_flat's tensors are replaced, never changed in place, and every replacement bumps _global_version."""
+        cached = self._base_hashes.get(p)
+        if cached is None or cached[0] != self._global_version:
+            cached = self._base_hashes[p] = (self._global_version, outer.params_hash([self.global_flat[p]]))
+        return cached[1]
+
     def _shown_hash(self) -> str:
         """The global hash for views (/status, /metrics, the dashboard poll it every few seconds): computed once per
         change of the global weights (``_global_version``), not per request: hashing a large model's weights on
@@ -409,7 +420,7 @@ class DilocoLoop(TaskLoop):
                 if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
                         and (self.step - offsets[p]) % h == 0:
                     r = rounds_done[p]
-                    self._send_update(p, r)
+                    await self._send_update(p, r)
                     waiting[p] = (r, self.step + self.cfg.overlap)
             for p, (r, close_at) in list(waiting.items()):
                 if self.step >= close_at or self.step >= total:
@@ -541,22 +552,22 @@ class DilocoLoop(TaskLoop):
         self._recent_losses.append(value)
 
     # ------------------------------------------------------------------ sending and closing a round
-    def _send_update(self, p: int, r: int) -> None:
+    async def _send_update(self, p: int, r: int) -> None:
+        """Announce our update for round r of fragment p. Its encoding (and the decoding of what the others will see,
+        and the parts' hashes) runs in a worker thread: for a large model that is seconds of work, which on the
+        event loop held gossip, the bulk service and the status endpoint."""
         if r < self.join_round.get(p, 0):
             return  # a late joiner follows this round without contributing
-        local = outer.flatten([self.params[i] for i in self.frag_index[p]])
-        if p not in self.skipped and not bool(torch.isfinite(local).all()):
-            self.skipped[p] = "our weights are not finite"
-        if p in self.skipped:
+        prepared = None if p in self.skipped else await asyncio.to_thread(self._prepare_update, p)
+        if prepared is None:
+            self.skipped.setdefault(p, "our weights are not finite")
             self.counters["updates_withheld"] += 1
             logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
             return
-        delta = self._pseudo_gradient(p, local)
-        payloads = [self.codec.encode(delta[a:b]).to_wire() for a, b in self._bounds(p)]
-        hashes = [self.bulk.keep(x) for x in payloads]  # served to whoever the round makes pull them
+        payloads, hashes, mine, base = prepared
+        for blob_hash, payload in zip(hashes, payloads):
+            self.bulk.keep_prepared(blob_hash, payload)  # served to whoever the round makes pull them
         self._round_blobs[(r, p)].update(hashes)
-        mine = torch.cat([codecs.decode(x) for x in payloads])  # what the others will see of our update
-        base = outer.params_hash([self.global_flat[p]])
         ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, float(mine.norm()),
                         tuple(self.bulk.addrs))
         self._publish(UPDATE, {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base,
@@ -567,6 +578,20 @@ class DilocoLoop(TaskLoop):
         pending.updates[self._ctx.identity.peer_id] = mine
         self.counters["bytes_sent"] += sum(ann.sizes)  # our update's size (each peer serves it as the mode asks)
         self.counters["updates_sent"] += 1
+
+    def _prepare_update(self, p: int) -> tuple[list[bytearray], list[bytes], torch.Tensor, str] | None:
+        """(In a worker thread, while the loop waits for it: nothing else changes the weights meanwhile.) Our update
+        for fragment p, encoded part by part: the payloads, their hashes, the update as the others will decode it,
+        and the global weights' hash it was computed from; None if our weights are not finite."""
+        local = outer.flatten([self.params[i] for i in self.frag_index[p]])
+        if not bool(torch.isfinite(local).all()):
+            return None
+        delta = self._pseudo_gradient(p, local)
+        del local
+        payloads = [bytearray(self.codec.encode(delta[a:b]).to_wire()) for a, b in self._bounds(p)]
+        del delta
+        mine = torch.cat([codecs.decode(x) for x in payloads])  # what the others will see of our update
+        return payloads, [content_hash(x) for x in payloads], mine, self._base_hash(p)
 
     def _pseudo_gradient(self, p: int, local: torch.Tensor) -> torch.Tensor:
         """Our update for fragment p: the global weights minus our local ones."""
@@ -614,7 +639,7 @@ class DilocoLoop(TaskLoop):
         missing = waited - have()
         waited_s = self.clock.monotonic() - blocked_from
         await self._redo_last_close(p, r, pending, have())
-        base_now = outer.params_hash([self.global_flat[p]])
+        base_now = self._base_hash(p)
         other_base = {}
         for peer in [a for a, ann in pending.announced.items() if ann.base != base_now and a in have()]:
             # announced ahead of us, from other weights than the ones we close with
@@ -803,7 +828,7 @@ class DilocoLoop(TaskLoop):
         if not bases:
             return
         base, votes = bases.most_common(1)[0]
-        if 2 * votes > sum(bases.values()) and base != outer.params_hash([self.global_flat[p]]):
+        if 2 * votes > sum(bases.values()) and base != self._base_hash(p):
             await self._redo_with(p, redo, lambda fixed: outer.params_hash([fixed]) == base)
 
     def _drop_redo(self, p: int) -> Redo | None:
@@ -1089,12 +1114,12 @@ class DilocoLoop(TaskLoop):
                 screened[peer] = "uncorrelated"  # from this part only: each part is judged on its own chunks
                 del chunks[peer]
 
-            def reduce_and_encode() -> tuple[bytes, torch.Tensor]:
-                payload = self.codec.encode(exchange.reduce_part(chunks, factors, b - a)).to_wire()
-                return payload, codecs.decode(payload)
+            def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
+                payload = bytearray(self.codec.encode(exchange.reduce_part(chunks, factors, b - a)).to_wire())
+                return payload, content_hash(payload), codecs.decode(payload)
 
-            payload, decoded = await asyncio.to_thread(reduce_and_encode)
-            computed[k] = (self.bulk.keep(payload), decoded, len(payload), whose)
+            payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
+            computed[k] = (self.bulk.keep_prepared(blob_hash, payload), decoded, len(payload), whose)
             self._round_blobs[key].add(computed[k][0])
             return True
 
@@ -1528,7 +1553,7 @@ class DilocoLoop(TaskLoop):
             # resync before we close that round) but not forwarded; every update's base is checked when we close
             # its round
             other_base = bool(self.rounds_done) and r == done \
-                and ann.base != outer.params_hash([self.global_flat[p]])
+                and ann.base != self._base_hash(p)
             if self.rounds_done and r < self.rounds_done[p]:
                 self.counters["late_updates"] += 1
                 self._record_late(r, message.author, p)
