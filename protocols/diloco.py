@@ -164,10 +164,12 @@ class DilocoConfig(BaseModel):
         return dict(self.task_options)
 
     def shared(self) -> dict:
-        """The settings every peer of a run must share (part of the run's fingerprint)."""
-        return self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
-                                        "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
-                                        "scatter_min_peers", "scatter_min_bytes", "audit", "agree"})
+        """The settings every peer of a run must share (part of the run's fingerprint), and the scatter's reduction
+        rule (peers compare reduced parts by hash: two versions of the rule must not meet in one run)."""
+        return {**self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
+                                           "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
+                                           "scatter_min_peers", "scatter_min_bytes", "audit", "agree"}),
+                "reduce_rule": exchange.REDUCE_RULE}
 
 
 @dataclass(frozen=True)
