@@ -255,3 +255,21 @@ def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
         except codecs.CodecError:
             continue
         assert out.numel() <= 1 << 16
+
+
+@pytest.mark.parametrize("n,block", [(1, 1), (7, 3), (128, 128), (129, 128), (1000, 64), (1001, 5000), (4099, 256)])
+def test_blockwise_codecs_decode_to_their_defining_formula(n, block):
+    """e3m0 decodes through a byte -> value-pair table and both blockwise codecs scale by a broadcast over whole
+    blocks: the values are exactly the format's definition, value by value, for odd sizes and partial blocks."""
+    x = torch.randn(n, generator=torch.Generator().manual_seed(n)) * 3
+    block_of = torch.arange(n) // block
+    enc = C.E3M0Codec(block).encode(x)
+    scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).float()
+    packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
+    code = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
+    value = torch.pow(2.0, -(code & 7).float()) * (1.0 - 2.0 * (code >> 3).float()) * scales[block_of]
+    assert C.decode(enc.to_wire()).equal(value)
+    enc = C.Int8Codec(block).encode(x)
+    scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
+    q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8).float()
+    assert C.decode(enc.to_wire()).equal(q * (scales / 127.0)[block_of])

@@ -63,6 +63,25 @@ def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     assert exchange.reduce_part({}, factors, 7).equal(torch.zeros(7))
 
 
+def test_a_part_reduces_to_the_same_bits_however_the_update_is_cut():
+    """Peers compare reduced parts by hash: each value of a reduction must depend on its own inputs only, not on
+    how large a part is. (torch's mean over a stack of 8 chunks summed parts of 7 values in another order than
+    parts of 390,625: the same values gave other bits.)"""
+    g = torch.Generator().manual_seed(1)
+    chunks = {f"p{i}": torch.randn(1_003, generator=g) * (i + 1) for i in range(16)}
+    factors = {a: 0.25 + i / 20 for i, a in enumerate(sorted(chunks))}
+    whole = exchange.reduce_part(chunks, factors, 1_003)
+    for cut in (1, 7, 64, 333):
+        pieces = [exchange.reduce_part({a: c[i:i + cut] for a, c in chunks.items()}, factors, min(cut, 1_003 - i))
+                  for i in range(0, 1_003, cut)]
+        assert torch.cat(pieces).equal(whole), cut
+    # the rule: the fp32 products summed in sorted peer order, then divided by the count
+    expected = torch.zeros(1_003)
+    for a in sorted(chunks):
+        expected = expected + chunks[a] * torch.tensor(factors[a], dtype=torch.float32)
+    assert whole.equal(expected / 16)
+
+
 def test_a_part_names_the_members_whose_chunks_it_combines_in_a_bitmap_and_a_minority_is_not_a_part():
     ordered = exchange.order("run", 3, 0, [f"peer{i}" for i in range(11)])
     some = frozenset(ordered[i] for i in (0, 3, 8, 10))
@@ -130,6 +149,7 @@ def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_up
         assert [p for _, _, p in history(nodes[0])] == [4, 4, 4]
         for s in final:
             assert s["exchange"]["mode"] == "scatter" and s["exchange"]["members"] == 4
+            assert set(s["exchange"]["phase_seconds_median"]) == {"wait", "agree", "reduce", "conform"}
             assert s.get("parts_fallback", 0) == 0 and s.get("rejected_wrong_shape", 0) == 0
             assert s.get("chunks_prefetched", 0) > 0  # chunks of the parts we reduce move before the close
         bulk = [n.status()["services"]["bulk"] for n in nodes]
