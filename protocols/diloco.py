@@ -257,7 +257,7 @@ class DilocoLoop(TaskLoop):
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
         self._base_hashes: dict[int, tuple[int, str]] = {}  # fragment -> (_global_version, its hash)
-        self._hash_shown: tuple[int, str] = (-1, "")
+        self._global_hash: tuple[int, str] = (-1, "")  # (_global_version, the hash of every fragment)
         # per closed round: fragment, round, participants, global hash (the last HISTORY)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
@@ -348,25 +348,29 @@ class DilocoLoop(TaskLoop):
         self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
-        return outer.params_hash(self.global_flat)
+        """The hash of all the global weights, computed once per change of them (``_global_version``): a round's
+        close, its checks, the status views and (with one fragment) every announcement's base use the same one."""
+        version = self._global_version  # read first: a hash stored under a version is never newer than it
+        if self._global_hash[0] != version:
+            self._global_hash = (version, outer.params_hash(self.global_flat))
+        return self._global_hash[1]
 
     def _base_hash(self, p: int) -> str:
         """Fragment p's global weights' hash (what updates name as their base), computed once per change of the
         global weights: every incoming announcement is checked against it, and hashing a fragment on the event loop
         per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model).
         global_flat's tensors are replaced, never changed in place, and every replacement bumps _global_version."""
+        if len(self.global_flat) == 1:
+            return self.global_hash()  # the same bytes
+        version = self._global_version
         cached = self._base_hashes.get(p)
-        if cached is None or cached[0] != self._global_version:
-            cached = self._base_hashes[p] = (self._global_version, outer.params_hash([self.global_flat[p]]))
+        if cached is None or cached[0] != version:
+            cached = self._base_hashes[p] = (version, outer.params_hash([self.global_flat[p]]))
         return cached[1]
 
     def _shown_hash(self) -> str:
-        """The global hash for views (/status, /metrics, the dashboard poll it every few seconds): computed once per
-        change of the global weights (``_global_version``), not per request: hashing a large model's weights on
-        every request held the event loop. Decisions use :meth:`global_hash`."""
-        if self._hash_shown[0] != self._global_version:
-            self._hash_shown = (self._global_version, self.global_hash())
-        return self._hash_shown[1]
+        """The global hash for views (/status, /metrics, the dashboard poll it every few seconds)."""
+        return self.global_hash()
 
     def _rounds(self) -> float:
         return self.cfg.rounds or math.inf
@@ -586,7 +590,7 @@ class DilocoLoop(TaskLoop):
         for fragment p, encoded part by part: the payloads, their hashes, the update as the others will decode it,
         and the global weights' hash it was computed from; None if our weights are not finite."""
         local = outer.flatten([self.params[i] for i in self.frag_index[p]])
-        if not bool(torch.isfinite(local).all()):
+        if not codecs.all_finite(local):
             return None
         delta = self._pseudo_gradient(p, local)
         del local
@@ -988,9 +992,10 @@ class DilocoLoop(TaskLoop):
             raise failure or asyncio.TimeoutError()
         self._round_blobs[key].add(blob)
         self.counters["bytes_received"] += size
+        # the held blob itself (never changed, only dropped), not a copy
         if size > 1 << 18:
-            return await asyncio.to_thread(codecs.decode, bytes(body), max_elements=elements)
-        return codecs.decode(bytes(body), max_elements=elements)
+            return await asyncio.to_thread(codecs.decode, body, max_elements=elements)
+        return codecs.decode(body, max_elements=elements)
 
     def _pull_late(self, r: int, p: int, peer: str, ann: Announced) -> None:
         """A counted peer's update for the round we closed last, computed from the weights we closed it from, came
@@ -1161,7 +1166,7 @@ class DilocoLoop(TaskLoop):
                                                           (x, pending.announced[x].addrs) for x in ordered
                                                           if x not in (me, reducer)],
                                                       counter="parts_from_other_holders")
-                        if part.dim() != 1 or part.numel() != b - a or not bool(torch.isfinite(part).all()):
+                        if part.dim() != 1 or part.numel() != b - a or not codecs.all_finite(part):
                             raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
                         got = (blob, m, part, whose)
                     except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault

@@ -17,6 +17,8 @@ import statistics
 
 import torch
 
+from protocols import codecs
+
 # screening a round's updates (the same rule at every peer, from the round's own data only, so every peer that
 # combines the same members refuses the same ones): an update whose announced norm is more than OUTLIER_NORM x the
 # median is refused, not only clipped; one whose direction is no closer to the others' than random noise of its size
@@ -169,7 +171,7 @@ def chunk_ok(chunk: torch.Tensor, size: int, norm: float) -> str | None:
     own norm exceeds the whole update's announced norm (a peer that understated its norm to dodge clipping)."""
     if chunk.dim() != 1 or chunk.numel() != size:
         return "wrong_shape"
-    if not bool(torch.isfinite(chunk).all()):
+    if not codecs.all_finite(chunk):
         return "non_finite"
     if float(chunk.norm()) > norm * (1 + 1e-3) + 1e-6:
         return "norm_understated"

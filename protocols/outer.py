@@ -18,7 +18,7 @@ from typing import Callable
 
 import torch
 
-from protocols import exchange
+from protocols import codecs, exchange
 from protocols.rounds import TICK
 from transport import clock
 
@@ -99,7 +99,7 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
         u = updates[peer]
         if not isinstance(u, torch.Tensor) or u.dim() != 1 or u.numel() != size:
             rejected[peer] = "wrong_shape"
-        elif not bool(torch.isfinite(u).all()):
+        elif not codecs.all_finite(u):
             rejected[peer] = "non_finite"
         else:
             good[peer] = u.to(torch.float32)
@@ -134,7 +134,7 @@ def merge_into(params: list[torch.Tensor], global_flat: torch.Tensor, alpha: flo
     """Set a fragment's parameters after its round: alpha * local + (1 - alpha) * global, or the global weights as
     they are when alpha is 0, when ``broken`` (our training went wrong) or when a local value is not finite (0 x a
     non-finite value is NaN, not 0: a peer whose weights blew up would never get them back)."""
-    if broken or not all(bool(torch.isfinite(t).all()) for t in params):
+    if broken or not all(codecs.all_finite(t) for t in params):
         alpha = 0.0
     merged = global_flat if alpha == 0.0 else mix(flatten(params), global_flat, alpha)
     with torch.no_grad():

@@ -39,7 +39,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from node.services import NodeContext
-from protocols import rounds
+from protocols import codecs, rounds
 from protocols import task as tasks
 from protocols.checkpoint import model_state
 from protocols.gossip import Gossip, Message, Verdict
@@ -328,7 +328,7 @@ class SapoLoop(TaskLoop):
         loss = float(result.get("loss", 0.0)) if isinstance(result, dict) else float("nan")
         groups_used = int(result.get("groups", len(groups))) if isinstance(result, dict) else 0
         broken = not math.isfinite(loss) or (self.model is not None and not all(
-            bool(torch.isfinite(p).all()) for p in self.model.parameters()))
+            codecs.all_finite(p) for p in self.model.parameters()))
         if broken:
             if backup is not None:
                 self.model.load_state_dict(backup)
