@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import msgpack
+import numpy as np
 import torch
 
 from transport.errors import MalformedMessage
@@ -176,6 +177,12 @@ def _blocked(flat: torch.Tensor, block: int) -> torch.Tensor:
     return padded.view(-1, block)
 
 
+def _copy_from(result: torch.Tensor, data: bytes, dtype: type) -> None:
+    """``result`` (a float32 CPU tensor) <- the received ``data`` read as ``dtype`` values, converted, in one pass:
+    numpy reads the bytes in place (torch would need a writable copy of them first; 7x slower for 100 MB)."""
+    np.copyto(result.numpy(), np.frombuffer(data, dtype=dtype), casting="unsafe")
+
+
 def _need(actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise CodecError(f"{what} is {actual} bytes, expected {expected}")
@@ -241,12 +248,10 @@ class NoneCodec(Codec):
         size = torch.finfo(enc.dtype).bits // 8
         _need(len(enc.data), n * size, "data")
         result = _out(enc, out)
-        if enc.dtype == torch.bfloat16:
-            raw = torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(torch.bfloat16) if n else None
-        else:
-            raw = torch.frombuffer(bytearray(enc.data), dtype=enc.dtype) if n else None
-        if n:
-            result.copy_(raw)
+        if n and enc.dtype == torch.bfloat16:  # (numpy has no bfloat16)
+            result.copy_(torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(torch.bfloat16))
+        elif n:
+            _copy_from(result, enc.data, np.float32 if enc.dtype == torch.float32 else np.float16)
         return result
 
 
@@ -265,9 +270,10 @@ class Fp16Codec(Codec):
         n = math.prod(enc.shape)
         _need(len(enc.data), 2 * n, "data")
         result = _out(enc, out)
-        if n:
-            codes = torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(self.wire_dtype)
-            result.copy_(codes)
+        if n and self.wire_dtype == torch.float16:
+            _copy_from(result, enc.data, np.float16)
+        elif n:  # bfloat16 (numpy has none)
+            result.copy_(torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(self.wire_dtype))
         return result
 
 
@@ -305,8 +311,7 @@ class Int8Codec(Codec):
         if n:
             scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
             _check_finite(scales)
-            q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8)
-            result.copy_(q)
+            _copy_from(result, enc.data, np.int8)
             _scale_blocks(result, scales / 127.0, b)
         return result
 
