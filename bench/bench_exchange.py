@@ -189,8 +189,11 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
         print(f"DiLoCo end to end: {peers} peers, Llama hidden 768 x {layers} layers, {s0['parameters']:,} parameters, "
               f"H = {h}, {rounds} rounds, codec e3m0 ({s0['bytes_sent'] / rounds / 1e6:.1f} MB per update)")
         print(f"exchange: {s0['exchange']}")
+        refused = {k: sum(s.get(k, 0) for s in final) for k in sorted({k for s in final for k in s})
+                   if k.startswith("rejected_")}
         print(f"same final weights: {len({s['final_hash'] for s in final}) == 1}; participants per round: "
-              f"{[x['participants'] for x in s0['history']]}; wall {wall:.0f} s from start to done")
+              f"{[x['participants'] for x in s0['history']]} (updates refused, summed over the nodes: "
+              f"{refused or 'none'}); wall {wall:.0f} s from start to done")
         print(f"{'node':>4} | {'not blocked':>11} | {'round s (median)':>16} | {'after all in s':>14} | "
               f"{'peak RSS GB':>11} | {'MB in':>7} | {'MB out':>7}")
         for i, (n, s) in enumerate(zip(nodes, final)):
