@@ -88,8 +88,43 @@ def _call_in(path: str, fn, args: tuple, timeout: float):
     return result["value"]
 
 
+class _Lab:
+    """What the labs share: ``up()`` builds (and removes what it made if building fails), ``down()`` kills what
+    still runs inside each namespace it made (by PID, via ``ip netns pids``) and deletes them; a context manager."""
+
+    _made: list[str]
+
+    def _build(self) -> None:
+        raise NotImplementedError
+
+    def up(self):
+        try:
+            self._build()
+        except BaseException:
+            self.down()
+            raise
+        return self
+
+    def down(self) -> None:
+        for name in reversed(self._made):
+            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            for pid in pids:  # only processes inside our own lab namespaces
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        self._made.clear()
+
+    def __enter__(self):
+        return self.up()
+
+    def __exit__(self, *exc) -> None:
+        self.down()
+
+
 @dataclass
-class NatLab:
+class NatLab(_Lab):
     mode_a: str = "eim"
     mode_b: str = "eim"
     pubnet: str = "testnet"
@@ -107,14 +142,6 @@ class NatLab:
         self._made: list[str] = []
 
     # ------------------------------------------------------------------ lifecycle
-    def up(self) -> "NatLab":
-        try:
-            self._build()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
     def _ns(self, key: str) -> str:
         name = self.ns[key]
         _run("ip", "netns", "add", name)
@@ -165,23 +192,6 @@ class NatLab:
                     "ESTABLISHED,RELATED", "-j", "ACCEPT")
             self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
 
-    def down(self) -> None:
-        for name in reversed(self._made):
-            pids = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
-            for pid in pids:  # only processes inside our own lab namespaces
-                try:
-                    os.kill(int(pid), signal.SIGKILL)
-                except (ProcessLookupError, ValueError):
-                    pass
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
-        self._made.clear()
-
-    def __enter__(self) -> "NatLab":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
-
     # ------------------------------------------------------------------ running things inside
     def cmd(self, key: str) -> list[str]:
         """The command prefix that runs a process inside namespace ``key`` (a, b, pub, rA, rB)."""
@@ -197,7 +207,7 @@ class NatLab:
 
 
 @dataclass
-class StarLab:
+class StarLab(_Lab):
     """N hosts, each in its own namespace, on one switch (a bridge in a namespace of its own), each host's link
     capped at ``rate_mbit`` both ways by ``tc ... tbf``: its upload on its own end of the link, its download on the
     switch's end. No NAT and no route out of the lab: host i is 10.77.0.(i + 1)/24. What the exchange benchmark uses
@@ -213,16 +223,6 @@ class StarLab:
         self.ips = [f"10.77.0.{i + 1}" for i in range(self.hosts)]
         self._made: list[str] = []
 
-    def up(self) -> "StarLab":
-        if not 1 <= self.hosts <= 250:
-            raise ValueError("a star lab holds 1 to 250 hosts")
-        try:
-            self._build()
-        except BaseException:
-            self.down()
-            raise
-        return self
-
     def _add(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._made.append(name)
@@ -237,6 +237,8 @@ class StarLab:
              f"{self.rate_mbit}mbit", "burst", str(burst), "latency", "200ms")
 
     def _build(self) -> None:
+        if not 1 <= self.hosts <= 250:
+            raise ValueError("a star lab holds 1 to 250 hosts")
         self._add(self.switch)
         _run("ip", "netns", "exec", self.switch, "ip", "link", "add", "br0", "type", "bridge")
         _run("ip", "netns", "exec", self.switch, "ip", "link", "set", "br0", "up")
@@ -251,15 +253,6 @@ class StarLab:
             if self.rate_mbit:
                 self._tbf(ns, "eth0")  # the host's upload
                 self._tbf(self.switch, port)  # its download
-
-    def down(self) -> None:
-        NatLab.down(self)  # type: ignore[arg-type]  # the same teardown: kill what runs inside, delete each namespace
-
-    def __enter__(self) -> "StarLab":
-        return self.up()
-
-    def __exit__(self, *exc) -> None:
-        self.down()
 
     def cmd(self, i: int) -> list[str]:
         """The command prefix that runs a process on host i."""
