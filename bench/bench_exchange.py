@@ -195,12 +195,16 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
               f"{[x['participants'] for x in s0['history']]} (updates refused, summed over the nodes: "
               f"{refused or 'none'}); wall {wall:.0f} s from start to done")
         print(f"{'node':>4} | {'not blocked':>11} | {'round s (median)':>16} | {'after all in s':>14} | "
-              f"{'peak RSS GB':>11} | {'MB in':>7} | {'MB out':>7}")
+              f"{'peak RSS GB':>11} | {'MB in':>7} | {'MB out':>7} | {'loop stalls':>11}")
         for i, (n, s) in enumerate(zip(nodes, final)):
-            b = n.status()["services"]["bulk"]
+            status = n.status()
+            b = status["services"]["bulk"]
             print(f"{i:>4} | {s['compute_fraction'] * 100:>10.1f}% | {s['exchange']['round_seconds_median']:>16.2f} | "
                   f"{s['exchange']['close_seconds_median']:>14.2f} | {peak[i] / 1e9:>11.2f} | "
-                  f"{b.get('bytes_pulled', 0) / 1e6:>7.1f} | {b.get('bytes_served', 0) / 1e6:>7.1f}")
+                  f"{b.get('bytes_pulled', 0) / 1e6:>7.1f} | {b.get('bytes_served', 0) / 1e6:>7.1f} | "
+                  f"{status['event_loop']['stalls']:>11}")
+        print("loop stalls: the times the node's event loop ran a timer over 100 ms late, since it started "
+              "(/status -> event_loop)")
     finally:
         swarm.close()
 
