@@ -673,7 +673,7 @@ class DilocoLoop(TaskLoop):
             combined, rejected = await self._scatter(key, pending, members)
         else:
             updates = {a: pending.updates[a] for a in members}
-            combined, rejected = outer.combine(updates, self.global_flat[p].numel())
+            combined, rejected = await asyncio.to_thread(outer.combine, updates, self.global_flat[p].numel())
             self._phase_times["combine"].append(self.clock.monotonic() - started)
             if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
                 late = sorted((pending.arrivals[a], a) for a in members if a != me and a in pending.arrivals)
@@ -711,12 +711,21 @@ class DilocoLoop(TaskLoop):
         self._contributed[key] = participants
         for old in [k for k in self._contributed if k[1] == p and k[0] < r - 1]:
             del self._contributed[old]
-        if combined is not None:
-            self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
-            self._global_version += 1
-        # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
-        outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
-                         broken=bool(self.skipped.pop(p, None)))
+        broken = bool(self.skipped.pop(p, None))
+
+        def apply() -> str:
+            """The outer step, the merge into our parameters and the new global hash: passes over the whole
+            fragment (seconds for a large model) that held the event loop, so they run in a worker thread; the
+            training loop waits for it here, so nothing else changes the weights meanwhile."""
+            if combined is not None:
+                self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
+                self._global_version += 1
+            # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
+            outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
+                             broken=broken)
+            return self.global_hash()
+
+        h = await asyncio.to_thread(apply)
         # the next round's candidates are this round's members, refused or not: a refusal judges one update, not
         # the peer (an honest update near convergence can be mostly its shard's noise, and in scatter only the
         # reducers of a part see its chunks), and every peer agrees on the members, the refused one included, so
@@ -736,7 +745,6 @@ class DilocoLoop(TaskLoop):
         if isinstance(self.inner_opt, SwarmAdamW) and participants:
             self.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
         self._check_previous(p, r)
-        h = self.global_hash()
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish(ROUND_HASH, {"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
@@ -1226,10 +1234,14 @@ class DilocoLoop(TaskLoop):
         self._phase_times["reduce"].append(reduced - started)
         await self._conform(key, pending, members, ordered, digest, parts, used, compute, computed, span)
         self._phase_times["conform"].append(self.clock.monotonic() - reduced)
-        combined = torch.empty(n)
-        for k, (a, b) in enumerate(bounds):
-            combined[a:b] = parts.pop(k)  # each part freed as it is copied in
-        return combined, {**screened, **rejected}
+
+        def assemble() -> torch.Tensor:  # a pass over the whole update: off the event loop
+            combined = torch.empty(n)
+            for k, (a, b) in enumerate(bounds):
+                combined[a:b] = parts.pop(k)  # each part freed as it is copied in
+            return combined
+
+        return await asyncio.to_thread(assemble), {**screened, **rejected}
 
     async def _conform(self, key: tuple[int, int], pending: Pending, members: set[str], ordered: list[str],
                        digest: str, parts: dict, used: dict, compute, computed: dict, span: float) -> None:
