@@ -1147,8 +1147,8 @@ class DilocoLoop(TaskLoop):
             parts[k], used[k] = decoded, (blob, whose)
 
         mine = [k for k in range(len(bounds)) if exchange.reducer_of(ordered, k) == me]
-        auditing = [k for k in range(len(bounds)) if k not in mine and exchange.auditor_of(ordered, k) == me
-                    and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit)]
+        plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit)  # part -> its auditor
+        auditing = [k for k, auditor in plan.items() if auditor == me]
 
         async def reduce_mine(k: int) -> None:
             await compute(k, end)
@@ -1207,8 +1207,8 @@ class DilocoLoop(TaskLoop):
                 if got is None:
                     own(k)  # (the audit's reduction: a failed one from exactly the reducer's chunks keeps it)
                     return
-            elif got is not None and exchange.audited(self.cfg.run, r, p, k, self.cfg.audit):
-                auditor = exchange.auditor_of(ordered, k)
+            elif got is not None and k in plan:
+                auditor = plan[k]
                 await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - self.clock.monotonic())
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
                     self.counters["parts_disputed"] += 1

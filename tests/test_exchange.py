@@ -2,6 +2,7 @@
 exchange by it: the same weights everywhere, about 2x an update moved per peer, a lying reducer caught, a peer
 killed in the middle of the exchange costs one deadline."""
 
+import collections
 from pathlib import Path
 
 import pytest
@@ -43,9 +44,29 @@ def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
     assert ordered != exchange.order("run", 4, 0, members)  # a new order every round
     owners = [exchange.reducer_of(ordered, k) for k in range(10)]
     assert all(owners.count(m) == 2 for m in members)
-    assert all(exchange.auditor_of(ordered, k) != exchange.reducer_of(ordered, k) for k in range(10))
+    plan = exchange.audit_plan("run", 3, 0, ordered, 10, 1.0)
+    assert sorted(plan) == list(range(10)) and all(plan[k] != exchange.reducer_of(ordered, k) for k in plan)
     drawn = sum(exchange.audited("run", r, 0, 0, 0.25) for r in range(2000))
     assert 400 < drawn < 600 and all(exchange.audited("run", r, 0, 0, 1.0) for r in range(10))
+
+
+def test_audits_are_spread_so_no_peer_audits_many_parts():
+    """Each audited part has an auditor other than its reducer, and no peer audits more than its share: an audit
+    pulls that part's chunks, so two audits put a peer at 2.6 x S in at N = 8 instead of 2.2. Every peer computes
+    the same plan."""
+    ordered = exchange.order("run", 0, 0, [f"peer{i}" for i in range(8)])
+    crowded = 0
+    for r in range(300):
+        plan = exchange.audit_plan("run", r, 0, ordered, 16, 0.25)
+        assert plan == exchange.audit_plan("run", r, 0, list(ordered), 16, 0.25)
+        assert sorted(plan) == [k for k in range(16) if exchange.audited("run", r, 0, k, 0.25)]
+        assert all(plan[k] != exchange.reducer_of(ordered, k) for k in plan)
+        loads = collections.Counter(plan.values())
+        assert max(loads.values(), default=0) <= -(-len(plan) // 7)
+        # the peer after each part's reducer, the rule before: a peer whose successor's two parts were both drawn
+        before = collections.Counter(ordered[(k + 1) % 8] for k in plan)
+        crowded += max(before.values(), default=0) > max(loads.values(), default=0)
+    assert crowded > 30  # rounds in which the old rule gave one peer more audits than the plan does
 
 
 def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
