@@ -183,6 +183,15 @@ def _copy_from(result: torch.Tensor, data: bytes, dtype: type) -> None:
     np.copyto(result.numpy(), np.frombuffer(data, dtype=dtype), casting="unsafe")
 
 
+def _copy_half(result: torch.Tensor, data: bytes, dtype: torch.dtype) -> None:
+    """``result`` <- the received ``data`` read as 2-byte floats of ``dtype`` (float16 through numpy in one pass;
+    bfloat16, which numpy lacks, through a writable copy torch can view)."""
+    if dtype == torch.float16:
+        _copy_from(result, data, np.float16)
+    else:
+        result.copy_(torch.frombuffer(bytearray(data), dtype=torch.int16).view(dtype))
+
+
 def _need(actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise CodecError(f"{what} is {actual} bytes, expected {expected}")
@@ -248,10 +257,10 @@ class NoneCodec(Codec):
         size = torch.finfo(enc.dtype).bits // 8
         _need(len(enc.data), n * size, "data")
         result = _out(enc, out)
-        if n and enc.dtype == torch.bfloat16:  # (numpy has no bfloat16)
-            result.copy_(torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(torch.bfloat16))
+        if n and enc.dtype == torch.float32:
+            _copy_from(result, enc.data, np.float32)
         elif n:
-            _copy_from(result, enc.data, np.float32 if enc.dtype == torch.float32 else np.float16)
+            _copy_half(result, enc.data, enc.dtype)
         return result
 
 
@@ -270,10 +279,8 @@ class Fp16Codec(Codec):
         n = math.prod(enc.shape)
         _need(len(enc.data), 2 * n, "data")
         result = _out(enc, out)
-        if n and self.wire_dtype == torch.float16:
-            _copy_from(result, enc.data, np.float16)
-        elif n:  # bfloat16 (numpy has none)
-            result.copy_(torch.frombuffer(bytearray(enc.data), dtype=torch.int16).view(self.wire_dtype))
+        if n:
+            _copy_half(result, enc.data, self.wire_dtype)
         return result
 
 

@@ -256,8 +256,8 @@ class DilocoLoop(TaskLoop):
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
-        self._base_hashes: dict[int, tuple[int, str]] = {}  # fragment -> (_global_version, its hash)
-        self._global_hash: tuple[int, str] = (-1, "")  # (_global_version, the hash of every fragment)
+        # fragment (None: all of them) -> (_global_version, the hash of its global weights)
+        self._hashes: dict[int | None, tuple[int, str]] = {}
         # per closed round: fragment, round, participants, global hash (the last HISTORY)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
@@ -348,29 +348,28 @@ class DilocoLoop(TaskLoop):
         self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
-        """The hash of all the global weights, computed once per change of them (``_global_version``): a round's
-        close, its checks, the status views and (with one fragment) every announcement's base use the same one."""
-        version = self._global_version  # read first: a hash stored under a version is never newer than it
-        if self._global_hash[0] != version:
-            self._global_hash = (version, outer.params_hash(self.global_flat))
-        return self._global_hash[1]
+        """The hash of all the global weights (a round's close, its checks, and the status views, which poll it
+        every few seconds), computed once per change of them."""
+        return self._cached_hash(None)
 
     def _base_hash(self, p: int) -> str:
         """Fragment p's global weights' hash (what updates name as their base), computed once per change of the
         global weights: every incoming announcement is checked against it, and hashing a fragment on the event loop
-        per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model).
-        global_flat's tensors are replaced, never changed in place, and every replacement bumps _global_version."""
+        per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model)."""
         if len(self.global_flat) == 1:
             return self.global_hash()  # the same bytes
-        version = self._global_version
-        cached = self._base_hashes.get(p)
-        if cached is None or cached[0] != version:
-            cached = self._base_hashes[p] = (version, outer.params_hash([self.global_flat[p]]))
-        return cached[1]
+        return self._cached_hash(p)
 
-    def _shown_hash(self) -> str:
-        """The global hash for views (/status, /metrics, the dashboard poll it every few seconds)."""
-        return self.global_hash()
+    def _cached_hash(self, p: int | None) -> str:
+        """The hash of fragment p's global weights (None: of all of them), kept until the global weights change:
+        global_flat's tensors are replaced, never changed in place, and every replacement bumps
+        ``_global_version``."""
+        version = self._global_version  # read before the weights: a hash stored under a version is never older
+        cached = self._hashes.get(p)
+        if cached is None or cached[0] != version:
+            tensors = self.global_flat if p is None else [self.global_flat[p]]
+            cached = self._hashes[p] = (version, outer.params_hash(tensors))
+        return cached[1]
 
     def _rounds(self) -> float:
         return self.cfg.rounds or math.inf
@@ -1698,7 +1697,7 @@ class DilocoLoop(TaskLoop):
             "withheld": {str(p): why for p, why in self.skipped.items()},
             **self._task_status(),
             "step": self.step,
-            "global_hash": self.final_hash or (self._shown_hash() if hasattr(self, "global_flat") else None),
+            "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
             "final_hash": self.final_hash,
             "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
             "history": list(self.history)[-64:],
