@@ -427,7 +427,7 @@ def junk_for(loop: str, s: dict, key: Identity, tag: list) -> list[dict]:
         w = s.get("window", 0)
         out = [{"w": 0, "ready": "0" * 32}]
         for ww in range(w, w + 3):
-            out += [{"w": ww, "h": "f" * 32}, {"w": ww, "join": True}, {"w": ww, "b": b"\x01" * 25}]
+            out += [{"w": ww, "h": "f" * 32}, {"w": ww, "join": True}, {"w": ww, "b": b"\x01" * 25, "h": bytes(8)}]
     else:
         from protocols.sapo import question_seed
 

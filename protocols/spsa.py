@@ -27,6 +27,7 @@ import collections
 import hashlib
 import logging
 import math
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -65,11 +66,14 @@ LOG_REPLY = WIRE.frame(LOG_SPEC, 2, "spsa.log-reply", List(Tuple.of(_W, List(Map
                                                                             1 << 16)), 1 << 22),
                        [[0, [{"b": b"\x96\x01...", "s": bytes(64)}]]],
                        doc="every closed window in order: [window, [its batches as signed pubsub messages]]")
-BATCH = WIRE.message(CARRIER, 1, "spsa.batch", Map.of(w=_W, b=Bytes(4096), t=TAG),
-                     {"w": 3, "b": bytes(96), **_TAG}, max_size=4096 + 256,
-                     doc="my projected gradients for the steps of window w, one byte each (sign + 7-bit log2 |g|)")
+BATCH = WIRE.message(CARRIER, 1, "spsa.batch", Map.of(w=_W, b=Bytes(4096), h=Bytes(exact=8), t=TAG),
+                     {"w": 3, "b": bytes(96), "h": bytes.fromhex("ab" * 8), **_TAG}, max_size=4096 + 256, version=2,
+                     doc="my projected gradients for the steps of window w, one byte each (sign + 7-bit log2 |g|), "
+                     "and the first 8 bytes of my weights' hash after w (every window before it applied): the weights "
+                     "its steps probed, and my vote in the hash check")
 HASH = WIRE.message(CARRIER, 2, "spsa.hash", Map.of(w=_W, h=Str(32, min=32), t=TAG), {"w": 4, "h": "ab" * 16, **_TAG},
-                    max_size=256, doc="my weights' hash after window w")
+                    max_size=256, doc="my weights' hash after window w (a peer that follows without contributing; a "
+                    "contributor's batch carries it)")
 READY = WIRE.message(CARRIER, 3, "spsa.ready", Map.of(w=_W, ready=Str(32, min=32), t=TAG),
                      {"w": 0, "ready": "ab" * 16, **_TAG}, max_size=256, doc="I hold these base weights and can start")
 JOIN = WIRE.message(CARRIER, 4, "spsa.join", Map.of(w=_W, join=Bool(only=True), t=TAG), {"w": 8, "join": True, **_TAG},
@@ -118,6 +122,29 @@ def capped(b: int, cap: int) -> int:
     return (b & 0x80) | min(b & 0x7F, cap)
 
 
+AUDIT_REL = 1e-5  # a loss re-computed on another device or by other kernels may differ by this much, relative
+AUDIT_TOL_Q = 4  # quarter-octaves (2x) a peer's |g| may differ from ours re-probed, beyond that rounding
+
+
+def audit_agrees(sent: int, plus: float, minus: float, eps: float, clip: float) -> bool:
+    """Whether a peer's byte for a step is what we get re-probing that step (same weights, its batch, its seed):
+    the sign, where the projected gradient is clear of the rounding another device may add to the two losses, and
+    |g| within AUDIT_TOL_Q quarter-octaves beyond that rounding (and the quantisation). Where it is not clear of it,
+    only a magnitude beyond it disagrees. A probe of ours that is not finite judges nothing (the honest byte is then
+    the smallest step)."""
+    if not (math.isfinite(plus) and math.isfinite(minus)):
+        return True
+    g = (plus - minus) / (2 * eps)
+    noise = AUDIT_REL * max(abs(plus), abs(minus)) / eps  # what rounding in the losses can move g by
+    factor = 2.0 ** (AUDIT_TOL_Q / 4)
+    got = decode_grad(sent)
+    hi = max(min(abs(g) + noise, clip) * factor, 2 * G0)
+    if abs(g) <= noise:
+        return abs(got) <= hi  # the sign is rounding's to decide: only the size can be wrong
+    lo = min(abs(g) - noise, clip) / factor
+    return (got < 0) == (g < 0) and lo <= abs(got) <= hi
+
+
 def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(shape, generator=g) for shape in shapes]
@@ -141,13 +168,19 @@ class Weights:
 
     @torch.no_grad()
     def probe(self, batch, seed: int, eps: float) -> float:
+        plus, minus = self.losses(batch, seed, eps)
+        return (plus - minus) / (2 * eps)
+
+    @torch.no_grad()
+    def losses(self, batch, seed: int, eps: float) -> tuple[float, float]:
+        """L+ and L- of a probe (the weights restored after, bit-exact)."""
         z = perturbation(self.shapes, seed)
         self._load(z, eps)
         plus = float(self.loss(batch))
         self._load(z, -eps)
         minus = float(self.loss(batch))
         self._load(None, 0.0)  # restore by copy: bit-exact
-        return (plus - minus) / (2 * eps)
+        return plus, minus
 
     @torch.no_grad()
     def apply(self, run: str, step: int, updates: dict[str, int], lr: float) -> None:
@@ -192,6 +225,11 @@ class SpsaConfig(BaseModel):
     hash_every: int = Field(8, ge=1)  # windows between weight-hash announcements
     eval_every: int = Field(2, ge=1)  # windows between evaluations
     peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
+    # audits (tasks with batch_at only): each window, re-probe audit_steps random steps of up to audit_peers random
+    # peers, and refuse a peer whose bytes are not what its step gives (0: no audits). Each re-probe costs what one
+    # step of ours does; a local choice, not shared
+    audit_peers: int = Field(8, ge=0, le=256)
+    audit_steps: int = Field(2, ge=1, le=64)
 
     _peers = field_validator("peers")(check_peer_ids)
 
@@ -257,10 +295,18 @@ class SPSALoop(TaskLoop):
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
+        self.per_step = False  # the task draws batches by step (batch_at): audits possible
+        self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
+        self._audits: dict[int, dict[str, list]] = {}  # window -> peer -> [(step in window, L+, L-)] re-probed
+        self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
+        self._audit_rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
+        # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
+        # from a signature of ours (deterministic, secret)
+        self._audit_rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
         self._init_standing(ctx)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
@@ -285,12 +331,17 @@ class SPSALoop(TaskLoop):
         model = model.to(self.device).eval()
         by_name = dict(model.named_parameters())
         perturbed = [(n, by_name[n]) for n in names]
-        self.fp = tasks.fingerprint(self.task, self.cfg.shared(), perturbed)
+        # peers that draw their batches by step (batch_at) and peers that read a stream cannot audit each other:
+        # they are not one run
+        self.per_step = self.task.has("batch_at")
+        self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.per_step
+                                                else "data"}, perturbed)
         self.names = names
         self.weights = Weights(model, [p for _, p in perturbed],
                                loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
                                                                                                     self.device)))
-        self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.base_seed)
+        self.data = None if self.per_step else tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id),
+                                                               self.cfg.base_seed)
 
     def _evaluate(self) -> float | None:
         return tasks.evaluate(self.task, self.weights.model)
@@ -313,6 +364,7 @@ class SPSALoop(TaskLoop):
         while self.window < total:
             w = self.window
             contribute = w >= self.join_at
+            self._plan_audits(w, me)
             codes = []
             for i in range(self.cfg.window):
                 g = await asyncio.to_thread(self._step, w, i, contribute, me)  # never on the event loop
@@ -320,16 +372,17 @@ class SPSALoop(TaskLoop):
                     codes.append(self._code(g, w * self.cfg.window + i))
             self.my_hashes[w] = self.weights.hash()  # windows < w applied
             if contribute:
-                self._publish(BATCH, {"w": w, "b": bytes(codes)})
-            if w % self.cfg.hash_every == 0:
+                self._publish(BATCH, {"w": w, "b": bytes(codes), "h": bytes.fromhex(self.my_hashes[w][:16])})
+            elif w % self.cfg.hash_every == 0:
                 self._publish(HASH, {"w": w, "h": self.my_hashes[w]})
-                self._check_hashes(w)
             if w % self.cfg.eval_every == 0:
                 loss = await asyncio.to_thread(self._evaluate)
                 if loss is not None:
                     self.losses.append((w * self.cfg.window, round(loss, 5)))
                     await self._report_progress(loss)
             await self._close_window(w)
+            if w % self.cfg.hash_every == 0:
+                self._check_hashes(w)  # once the window's batches (their hashes) are in
             self.window = w + 1
             if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
                 await asyncio.to_thread(self._save_checkpoint, False)
@@ -357,9 +410,59 @@ class SPSALoop(TaskLoop):
         step = w * self.cfg.window + i
         if w > 0:
             self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
+        for peer in self._audit_plan.get(w, {}).get(i, ()):  # the same weights its probe of this step had
+            losses = self.weights.losses(self._batch(peer, step), step_seed(self.cfg.run, step, peer), self.cfg.eps)
+            self._audits.setdefault(w, {}).setdefault(peer, []).append((i, *losses))
         if not contribute:
             return None
-        return self.weights.probe(next(self.data), step_seed(self.cfg.run, step, me), self.cfg.eps)
+        return self.weights.probe(self._batch(me, step), step_seed(self.cfg.run, step, me), self.cfg.eps)
+
+    def _batch(self, peer: str, step: int):
+        if not self.per_step:
+            return next(self.data)
+        return self.task.call("batch_at", tasks.shard_of(peer), self.cfg.base_seed, step)
+
+    # ------------------------------------------------------------------ audits
+    def _plan_audits(self, w: int, me: str) -> None:
+        """Which of window w's steps we re-probe, and whose: up to ``audit_peers`` of the peers we expect in it,
+        ``audit_steps`` steps each, drawn by our own secret generator."""
+        for old in [x for x in self._audit_plan if x < w]:
+            del self._audit_plan[old]
+        if not self.per_step or not self.cfg.audit_peers:
+            return
+        peers = sorted(self._expected(w) - {me})
+        plan: dict[int, list[str]] = {}
+        for peer in self._audit_rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
+            for i in self._audit_rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
+                plan.setdefault(i, []).append(peer)
+        self._audit_plan[w] = plan
+
+    def _judge_audits(self, w: int, batches: dict[str, Message]) -> set[str]:
+        """The peers of window w whose bytes failed a re-probe of ours (they are convicted: refused from then on)."""
+        failed = set()
+        for peer, probes in self._audits.pop(w, {}).items():
+            message = batches.get(peer)
+            if message is None:
+                continue  # its batch did not come: nothing to judge
+            sent = _batch_bytes(message)
+            self.counters["audited_steps"] += len(probes)
+            wrong = [(i, plus, minus) for i, plus, minus in probes
+                     if not audit_agrees(sent[i], plus, minus, self.cfg.eps, self.cfg.clip)]
+            if not wrong:
+                continue
+            i, plus, minus = wrong[0]
+            failed.add(peer)
+            self.convicted[peer] = w
+            while len(self.convicted) > MAX_PEER_ENTRIES:
+                self.convicted.popitem(last=False)
+            self.counters["rejected_audit"] += 1
+            self._ctx.transport.penalties.penalize(
+                peer, "invalid_message", f"spsa window {w} step {w * self.cfg.window + i}: sent "
+                f"{decode_grad(sent[i]):+.4g}, re-probing the step gives {(plus - minus) / (2 * self.cfg.eps):+.4g} "
+                f"({len(wrong)} of {len(probes)} audited steps wrong); its bytes are refused from now on")
+        for old in [x for x in self._audits if x < w]:
+            del self._audits[old]
+        return failed
 
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):
@@ -454,7 +557,18 @@ class SPSALoop(TaskLoop):
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
-        self.applied[w] = {a: m for a, m in window.batches.items() if a in expected or a in slots}
+        self.applied[w] = {a: m for a, m in window.batches.items()
+                           if (a in expected or a in slots) and a not in self.convicted}
+        # a byte is a projected gradient at the weights its author probed: one probed at weights other than ours
+        # (its author, or we, diverged; the hash check sends whoever is off to resync) is no step for ours. Every
+        # peer on the same weights refuses the same batches, as the hash is in the signed batch
+        other = {a for a, m in self.applied[w].items() if _batch_hash(m) != self.my_hashes[w][:16]}
+        for peer in other:
+            del self.applied[w][peer]
+        self.counters["refused_other_weights"] += len(other)
+        audited = self._judge_audits(w, self.applied[w])
+        for peer in audited:  # out of the window, like a batch that never came (not in our log either)
+            del self.applied[w][peer]
         extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})
         for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
             self.counters["rejected_extreme"] += 1
@@ -462,7 +576,7 @@ class SPSALoop(TaskLoop):
                                                    f"spsa window {w}: gradients out of scale with the others'")
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=set(self.applied[w]) - extreme, missing=waited - set(window.batches),
-                           rejected={a: "extreme" for a in extreme})
+                           rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
         self.standing.record(set(self.applied[w]) - extreme)
         for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
             del self.hashes[old]
@@ -475,7 +589,7 @@ class SPSALoop(TaskLoop):
             del self.applied[old]  # decoded batches: memory that grew with the run, on top of the log's bytes
 
     def _expected(self, w: int) -> set[str]:
-        joins = self.windows[w].joins
+        joins = self.windows[w].joins - set(self.convicted)
         if w == 0:
             return set(self._initial) | joins
         return set(self.applied.get(w - 1, {})) | joins
@@ -501,7 +615,7 @@ class SPSALoop(TaskLoop):
         return self._screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
-        verdict = rounds.hash_verdict(self.my_hashes[w], self.hashes.get(w, {}), self.standing.vouched)
+        verdict = rounds.hash_verdict(self.my_hashes[w][:16], self.hashes.get(w, {}), self.standing.vouched)
         if verdict is not None and not verdict.agrees:
             self.counters["diverged"] += 1
             logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
@@ -549,6 +663,8 @@ class SPSALoop(TaskLoop):
         self.weights._load(None, 0.0)
         self.applied.clear()
         self.log.clear()
+        self._audits.clear()
+        self._audit_plan.clear()
         self.window = 0
         self.final = False
 
@@ -687,9 +803,7 @@ class SPSALoop(TaskLoop):
             self.counters["ignored_backlog"] += 1
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
         if kind is HASH:
-            hashes = self.hashes[w]
-            if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
-                hashes[author] = body["h"]
+            self._vote(w, author, body["h"][:16])
             return Verdict.ACCEPT
         if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
@@ -724,8 +838,15 @@ class SPSALoop(TaskLoop):
             self.counters["ignored_batches"] += 1
             return Verdict.IGNORE
         batches[author] = message
+        self._vote(w, author, body["h"].hex())
         self._arrived.set()
         return Verdict.ACCEPT
+
+    def _vote(self, w: int, author: str, h: str) -> None:
+        """A peer's weights hash for window w (the first 16 hex digits): its vote in the hash check."""
+        hashes = self.hashes[w]
+        if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
+            hashes[author] = h
 
     def _run_started_without_us(self) -> list[str]:
         """The peers to replay the run's log from, if it began without us: batches past our window from peers
@@ -760,8 +881,17 @@ class SPSALoop(TaskLoop):
             "log_windows": len(self.log),
             "replay_seconds": self.replay_seconds,
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
+            "audits": self._audit_state(),
+            "convicted": dict(list(self.convicted.items())[-64:]),  # peer -> the window its bytes failed an audit
             **dict(sorted(self.counters.items())),
         }
+
+    def _audit_state(self) -> str | None:
+        if self.weights is None:
+            return None  # not built yet
+        if not self.per_step:
+            return "off: the task has no batch_at(), so no peer can re-probe another's step"
+        return "on" if self.cfg.audit_peers else "off: audit_peers = 0"
 
     def bytes_sent(self) -> int:
         return int(self.counters["step_wire_bytes"])
@@ -772,3 +902,7 @@ class SPSALoop(TaskLoop):
 
 def _batch_bytes(message: Message) -> bytes:
     return WIRE.unpack(CARRIER, message.data)[1]["b"]
+
+
+def _batch_hash(message: Message) -> str:
+    return WIRE.unpack(CARRIER, message.data)[1]["h"].hex()

@@ -55,11 +55,11 @@ SAPO = "sapo"
 
 REQUIRED = {
     DILOCO: ("model", "data", "loss"),
-    SPSA: ("model", "data", "loss"),
+    SPSA: ("model", "loss"),  # and data() or batch_at(): see check()
     SAPO: ("datasets", "question", "score", "policy"),
 }
 CALLABLE = {"model", "data", "loss", "question", "score", "policy", "evaluate", "optimizer", "fragments",
-            "perturbed", "fingerprint", "valid_completion"}
+            "perturbed", "fingerprint", "valid_completion", "batch_at"}
 
 # Built-in tasks: name -> "module:factory" (the same seam a user's file goes through)
 BUILTIN = {
@@ -170,6 +170,8 @@ def check(task: Task) -> None:
     if missing:
         raise TaskError(f"task {task.spec} lacks {', '.join(m + ('()' if m in CALLABLE else '') for m in missing)}, "
                         f"needed by the {task.kind} loop")
+    if task.kind == SPSA and not (task.has("data") or task.has("batch_at")):
+        raise TaskError(f"task {task.spec} lacks data() or batch_at(), needed by the spsa loop")
     for name in CALLABLE:
         value = getattr(task.obj, name, None)
         if value is not None and not callable(value):

@@ -246,7 +246,7 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     s_seeds = [WIRE.pack(spsa.HASH, {"w": 3, "h": "h" * 32, "t": s_tag}),
                WIRE.pack(spsa.READY, {"w": 3, "ready": "r" * 32, "t": s_tag}),
                WIRE.pack(spsa.JOIN, {"w": 4, "join": True, "t": s_tag}),
-               WIRE.pack(spsa.BATCH, {"w": 3, "b": bytes(s_cfg.window), "t": s_tag})]
+               WIRE.pack(spsa.BATCH, {"w": 3, "b": bytes(s_cfg.window), "h": bytes(8), "t": s_tag})]
 
     a_cfg = sapo.SapoConfig(run="fuzz", task="arith")
     a = sapo.SapoLoop(None, a_cfg, load(a_cfg.task, a_cfg.options(), "sapo"))

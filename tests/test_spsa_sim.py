@@ -97,3 +97,79 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
     assert len(split) >= 2  # the sides did part
     assert len(finals) == 1
     assert all(diverged[p] >= 1 for p in list(diverged)[:2])  # the minority saw it was off and replayed
+
+
+def _byzantine(base, flip):
+    """A loop class whose bytes are its honest ones with the sign flipped where ``flip(step)`` says."""
+    class Byzantine(base):
+        def _code(self, g, step):
+            return super()._code(g, step) ^ (0x80 if flip(step) else 0)
+    return Byzantine
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("behaviour", ["inverted", "noise"])
+def test_a_peer_whose_bytes_are_not_its_probes_is_convicted_by_every_honest_auditor(tmp_path, behaviour):
+    """Bytes of an honest size with the wrong sign (every step, or at random) look like an honest noisy estimate;
+    only re-probing the peer's step (its batch by batch_at, its seed, the same weights) tells them apart."""
+    import random
+
+    rng = random.Random(3)
+    flip = (lambda step: True) if behaviour == "inverted" else (lambda step: rng.random() < 0.5)
+
+    async def main():
+        sim = _sim(tmp_path, 5, windows=10, audit_steps=4)
+        bad = sim.peers[4]
+        sim.classes[bad] = _byzantine(sim.loop_cls, flip)  # paced like the others
+        async with sim:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
+            honest = [sim.loop(p) for p in sim.peers[:4]]
+            return ({lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest],
+                    [lp.offenders.get(bad, {}).get("refused", {}) for lp in honest],
+                    [sim.nodes[p].transport.penalties.score(bad) for p in sim.peers[:4]],
+                    [lp.counters.get("audited_steps", 0) for lp in honest], [lp.status()["audits"] for lp in honest],
+                    bad)
+
+    finals, convicted, refused, scores, audited, states, bad = run_virtual(main())
+    assert states == ["on"] * 4
+    assert all(set(c) == {bad} for c in convicted), convicted  # every honest auditor, and no honest peer
+    assert all(r.get("audit", 0) >= 1 for r in refused) and all(s > 0 for s in scores)
+    assert all(a > 0 for a in audited)
+    assert len(finals) == 1  # the honest peers end on the same weights
+
+
+@pytest.mark.timeout(120)
+def test_honest_peers_pass_every_audit(tmp_path):
+    async def main():
+        sim = _sim(tmp_path, 4, windows=8, audit_steps=8)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            loops = [sim.loop(p) for p in sim.peers]
+            return [lp.counters.get("audited_steps", 0) for lp in loops], [dict(lp.convicted) for lp in loops], \
+                [lp.counters.get("rejected_audit", 0) for lp in loops], _finals(sim)
+
+    audited, convicted, rejected, finals = run_virtual(main())
+    assert all(a >= 8 * 3 * 6 for a in audited), audited  # 3 peers x 8 steps, in most windows
+    assert convicted == [{}] * 4 and rejected == [0] * 4 and len(finals) == 1
+
+
+def test_audit_agrees_with_the_honest_byte_and_not_with_a_wrong_one():
+    eps, clip = 1e-3, 100.0
+    for plus, minus in [(2.0, 1.999), (2.0, 2.001), (1.5, 1.5 - 3e-6), (7.0, 7.0), (2.0, 1.0)]:
+        g = (plus - minus) / (2 * eps)
+        honest = spsa.encode_grad(g, clip)
+        assert spsa.audit_agrees(honest, plus, minus, eps, clip)
+        if abs(g) > spsa.AUDIT_REL * 2 * max(plus, minus) / eps:
+            assert not spsa.audit_agrees(honest ^ 0x80, plus, minus, eps, clip)  # the other sign
+            if abs(g) * 8 < clip:  # (beyond the clip every byte says the clip)
+                assert not spsa.audit_agrees(spsa.encode_grad(g * 8, clip), plus, minus, eps, clip)
+                assert not spsa.audit_agrees(spsa.encode_grad(g / 8, clip), plus, minus, eps, clip)
+            else:
+                assert not spsa.audit_agrees(spsa.encode_grad(clip / 8, clip), plus, minus, eps, clip)
+    # within rounding's reach the sign is not judged, a size far beyond it is
+    assert spsa.audit_agrees(spsa.encode_grad(-1e-3, clip), 2.0, 2.0 - 2e-9, eps, clip)
+    assert not spsa.audit_agrees(spsa.encode_grad(5.0, clip), 2.0, 2.0 - 2e-9, eps, clip)
+    # a probe of ours that is not finite judges nothing
+    assert spsa.audit_agrees(0x7F, float("nan"), 1.0, eps, clip)

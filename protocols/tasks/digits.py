@@ -8,6 +8,8 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
+from protocols.tasks import batch_seed
+
 
 class DigitsTask:
     def __init__(self, hidden: int, batch: int):
@@ -30,8 +32,15 @@ class DigitsTask:
     def data(self, shard: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + shard)
         while True:
-            idx = torch.randint(0, len(self.train_y), (self.batch,), generator=g)
-            yield self.train_x[idx], self.train_y[idx]
+            yield self._draw(g)
+
+    def batch_at(self, shard: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``shard`` at ``step``, a function of its arguments (SPSA re-probes another peer's step)."""
+        return self._draw(torch.Generator().manual_seed(batch_seed(seed, shard, step)))
+
+    def _draw(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = torch.randint(0, len(self.train_y), (self.batch,), generator=g)
+        return self.train_x[idx], self.train_y[idx]
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch

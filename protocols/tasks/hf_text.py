@@ -22,6 +22,8 @@ from typing import Iterator
 
 import torch
 
+from protocols.tasks import batch_seed
+
 SUFFIXES = {".py", ".txt", ".md", ".rst"}
 
 
@@ -122,6 +124,11 @@ class HfTextTask:
         g = torch.Generator().manual_seed(seed * 1_000_003 + shard)
         while True:
             yield _windows(self.train, self.batch, self.seq_len, g)
+
+    def batch_at(self, shard: int, seed: int, step: int) -> torch.Tensor:
+        """The batch of ``shard`` at ``step``, a function of its arguments (SPSA re-probes another peer's step)."""
+        return _windows(self.train, self.batch, self.seq_len, torch.Generator().manual_seed(batch_seed(seed, shard,
+                                                                                                       step)))
 
     def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
         return model(input_ids=batch, labels=batch).loss

@@ -8,6 +8,8 @@ from typing import Iterator
 
 import torch
 
+from protocols.tasks import batch_seed
+
 
 class RegressionTask:
     def __init__(self, dim: int, batch: int, noise: float):
@@ -24,8 +26,15 @@ class RegressionTask:
     def data(self, shard: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         g = torch.Generator().manual_seed(seed * 1_000_003 + shard)
         while True:
-            x = torch.randn(self.batch, self.dim, generator=g)
-            yield x, x @ self.target + self.noise * torch.randn(self.batch, generator=g)
+            yield self._draw(g)
+
+    def batch_at(self, shard: int, seed: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of ``shard`` at ``step``, a function of its arguments (SPSA re-probes another peer's step)."""
+        return self._draw(torch.Generator().manual_seed(batch_seed(seed, shard, step)))
+
+    def _draw(self, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(self.batch, self.dim, generator=g)
+        return x, x @ self.target + self.noise * torch.randn(self.batch, generator=g)
 
     def loss(self, model, batch) -> torch.Tensor:
         x, y = batch
@@ -37,3 +46,4 @@ class RegressionTask:
 
 def make_task(dim: int = 64, batch: int = 16, noise: float = 0.5) -> RegressionTask:
     return RegressionTask(dim, batch, noise)
+

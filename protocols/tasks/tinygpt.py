@@ -6,6 +6,7 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Iterator
 
 import torch
@@ -13,6 +14,7 @@ import torch
 from protocols import outer, tinylm
 
 CTX = 64  # TinyGPT's context
+TEXTS_KEPT = 16  # shards whose generated text batch_at keeps (an SPSA auditor re-probes other peers' steps)
 
 
 class TinyGptTask:
@@ -23,6 +25,8 @@ class TinyGptTask:
             raise ValueError("pretrain_steps must be >= 0 and batch >= 1")
         self.domain, self.pretrain_steps, self.batch, self.seed = domain, pretrain_steps, batch, seed
         target = domain == "target"
+        self._texts: dict[tuple[int, int], torch.Tensor] = {}
+        self._lock = threading.Lock()
         self.val = tinylm.encode_text(tinylm.corpus(seed + (99 if target else 424242), 30_000 if target else 40_000,
                                                     target=target))
 
@@ -32,12 +36,26 @@ class TinyGptTask:
         return tinylm.TinyGPT()
 
     def data(self, shard: int, seed: int) -> Iterator[torch.Tensor]:
-        target = self.domain == "target"
-        text = tinylm.encode_text(tinylm.corpus(seed * 7919 + shard, 100_000 if target else 200_000, target=target))
         step = 0
         while True:
-            yield tinylm.batch_at(text, seed * 1_000_003 + shard * 7 + step, self.batch, CTX)
+            yield self.batch_at(shard, seed, step)
             step += 1
+
+    def batch_at(self, shard: int, seed: int, step: int) -> torch.Tensor:
+        """The batch a peer of ``shard`` trains on at ``step`` (``data``'s step-th batch): a function of its
+        arguments, so any peer can re-probe another's SPSA step. A shard's text is generated once and kept (the
+        last few shards; one task may serve several loops' threads)."""
+        with self._lock:
+            text = self._texts.pop((shard, seed), None)
+        if text is None:
+            target = self.domain == "target"
+            text = tinylm.encode_text(tinylm.corpus(seed * 7919 + shard, 100_000 if target else 200_000,
+                                                    target=target))
+        with self._lock:
+            self._texts[(shard, seed)] = text  # the most recently used last
+            while len(self._texts) > TEXTS_KEPT:
+                del self._texts[next(iter(self._texts))]
+        return tinylm.batch_at(text, seed * 1_000_003 + shard * 7 + step, self.batch, CTX)
 
     def loss(self, model, batch: torch.Tensor) -> torch.Tensor:
         return model.loss(batch)
