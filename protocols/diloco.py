@@ -712,19 +712,28 @@ class DilocoLoop(TaskLoop):
             del self._contributed[old]
         broken = bool(self.skipped.pop(p, None))
 
-        def apply() -> str:
-            """The outer step, the merge into our parameters and the new global hash: passes over the whole
+        def apply() -> tuple[torch.Tensor, str, str]:
+            """The outer step, the merge into our parameters and the new global hashes: passes over the whole
             fragment (seconds for a large model) that held the event loop, so they run in a worker thread; the
             training loop waits for it here, so nothing else changes the weights meanwhile."""
-            if combined is not None:
-                self.global_flat[p] = self.outer_opt.step(p, self.global_flat[p], combined)
-                self._global_version += 1
+            new = self.global_flat[p] if combined is None else self.outer_opt.step(p, self.global_flat[p], combined)
             # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
-            outer.merge_into([self.params[i] for i in self.frag_index[p]], self.global_flat[p], self.cfg.alpha,
-                             broken=broken)
-            return self.global_hash()
+            outer.merge_into([self.params[i] for i in self.frag_index[p]], new, self.cfg.alpha, broken=broken)
+            if combined is None:
+                return new, self.global_hash(), ""  # unchanged: the cached hash
+            flat = [*self.global_flat[:p], new, *self.global_flat[p + 1:]]
+            return new, outer.params_hash(flat), outer.params_hash([new]) if len(flat) > 1 else ""
 
-        h = await asyncio.to_thread(apply)
+        new, h, hp = await asyncio.to_thread(apply)
+        if new is not self.global_flat[p]:
+            # the new weights and their hashes become visible together, here on the event loop: an announcement
+            # checked meanwhile saw the old ones and their cached hashes (before, it found the version bumped by
+            # the worker thread and hashed the new weights itself, on the loop)
+            self.global_flat[p] = new
+            self._global_version += 1
+            self._hashes[None] = (self._global_version, h)
+            if hp:
+                self._hashes[p] = (self._global_version, hp)
         # the next round's candidates are this round's members, refused or not: a refusal judges one update, not
         # the peer (an honest update near convergence can be mostly its shard's noise, and in scatter only the
         # reducers of a part see its chunks), and every peer agrees on the members, the refused one included, so
