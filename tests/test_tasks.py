@@ -85,11 +85,37 @@ def test_bad_task_files_give_one_line_errors_naming_the_file(tmp_path):
                                                        "def make_task():\n    return T()\n")
     assert "lacks data(), loss(), needed by the diloco loop" in error(f"{lacking}:make_task")
     assert "lacks datasets, question(), score(), policy()" in error(f"{lacking}:make_task", kind="sapo")
+    assert "lacks loss(), needed by the spsa loop" in error(f"{lacking}:make_task", kind="spsa")
+    no_batches = write_task(tmp_path, "no_batches.py", body="class T:\n    def model(self): pass\n\n"
+                                                           "    def loss(self, model, batch): pass\n\n"
+                                                           "def make_task():\n    return T()\n")
+    assert "lacks data() or batch_at(), needed by the spsa loop" in error(f"{no_batches}:make_task", kind="spsa")
+    by_step = write_task(tmp_path, "by_step.py", body="class T:\n    def model(self): pass\n\n"
+                                                     "    def loss(self, model, batch): pass\n\n"
+                                                     "    def batch_at(self, shard, seed, step): pass\n\n"
+                                                     "def make_task():\n    return T()\n")
+    assert load(f"{by_step}:make_task", {}, "spsa").has("batch_at")  # batches by step alone are enough for SPSA
     assert "expected 'path/to/file.py:factory'" in error("no-such-builtin")
     wrong_file = write_task(tmp_path, "wrong.py", extra="def model(self):\n    return 3\n")
     wrong = load(f"{wrong_file}:make_task", {}, "diloco")
     with pytest.raises(TaskError, match=r"wrong.py:make_task: model\(\) returned int, expected a torch.nn.Module"):
         build_model(wrong, 1)
+
+
+@pytest.mark.parametrize("name,options", [("tinygpt", {"domain": "target"}), ("digits", {}), ("regression", {})])
+def test_builtin_batches_by_step_are_a_function_of_shard_seed_and_step(name, options):
+    """What lets an SPSA peer re-probe another's step: anyone draws the same batch from (shard, seed, step)."""
+    task = load(name, options, "spsa")
+
+    def same(a, b):
+        return all(torch.equal(x, y) for x, y in zip(a, b)) if isinstance(a, tuple) else torch.equal(a, b)
+
+    first = task.call("batch_at", 12345, 1, 7)
+    assert same(first, load(name, options, "spsa").call("batch_at", 12345, 1, 7))  # another peer's copy
+    assert not same(first, task.call("batch_at", 12345, 1, 8)) and not same(first, task.call("batch_at", 999, 1, 7))
+    if name == "tinygpt":  # its stream is its batches by step, in order
+        stream = task.call("data", 12345, 1)
+        assert same([next(stream) for _ in range(8)][7], first)
 
 
 def test_default_fragments_work_for_any_model_and_the_same_seed_builds_the_same_weights(tmp_path):
