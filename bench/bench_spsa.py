@@ -76,7 +76,7 @@ def run_swarm(peers: int, steps: int, window: int, root: Path, task: str, option
             "wire_per_step": max(s["wire_bytes_per_step"] for s in final),
             "pubsub_per_step": max(pubsub) / steps,
             "checks": {k: sum(s.get(k, 0) for s in final) for k in ("audited_steps", "rejected_audit",
-                                                                    "refused_other_weights", "diverged")},
+                                                                    "batches_other_weights", "diverged")},
         }
     finally:
         swarm.close()
@@ -126,8 +126,8 @@ def main() -> None:
     print(f"wire bytes per step per peer, as published (signed, framed, hashes included): "
           f"{four['wire_per_step']:.2f} B (goal <= 4)")
     print(f"pubsub bytes sent per step per node, forwarding included (4 peers): {four['pubsub_per_step']:.1f} B")
-    print("checks, summed over the 4 peers (audited steps, batches refused by an audit or as probed at other "
-          f"weights, divergences): {four['checks']}")
+    print("checks, summed over the 4 peers (audited steps, batches refused by an audit, batches probed at "
+          f"other weights, divergences): {four['checks']}")
     print(f"late-join replay (tiny GPT): {replay:.2f} s per 1,000 steps of a 4-peer log, vs {live:.2f} s to compute "
           f"1,000 live "
           f"steps (ratio {replay / live:.2f})")

@@ -124,6 +124,8 @@ def capped(b: int, cap: int) -> int:
 
 AUDIT_REL = 1e-5  # a loss re-computed on another device or by other kernels may differ by this much, relative
 AUDIT_TOL_Q = 4  # quarter-octaves (2x) a peer's |g| may differ from ours re-probed, beyond that rounding
+OFF_WEIGHTS_LIMIT = 2  # hash checks' worth of windows an author may probe weights other than the majority's
+# (an honest one that diverged resyncs at the next check) before it is taken for dodging the audits
 
 
 def audit_agrees(sent: int, plus: float, minus: float, eps: float, clip: float) -> bool:
@@ -299,6 +301,8 @@ class SPSALoop(TaskLoop):
         self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
         self._audits: dict[int, dict[str, list]] = {}  # window -> peer -> [(step in window, L+, L-)] re-probed
         self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
+        self._off_weights: collections.Counter = collections.Counter()  # peer -> windows in a row off ours (the
+        # majority's)
         self._audit_rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps
 
     # ------------------------------------------------------------------ service
@@ -437,6 +441,20 @@ class SPSALoop(TaskLoop):
                 plan.setdefault(i, []).append(peer)
         self._audit_plan[w] = plan
 
+    def _other_weights(self, w: int) -> set[str]:
+        """The authors of window w's batches probed at weights other than ours; counts, per author, the windows in
+        a row it did so while ours were the weights of most of the window's batches."""
+        mine = self.my_hashes[w][:16]
+        hashes = {a: _batch_hash(m) for a, m in self.applied[w].items()}
+        other = {a for a, h in hashes.items() if h != mine}
+        majority = len(hashes) - len(other) > len(hashes) / 2
+        for peer in [p for p in self._off_weights if p not in other]:
+            del self._off_weights[peer]
+        for peer in other:
+            self._off_weights[peer] += int(majority)
+        self.counters["batches_other_weights"] += len(other)
+        return other
+
     def _judge_audits(self, w: int, batches: dict[str, Message]) -> set[str]:
         """The peers of window w whose bytes failed a re-probe of ours (they are convicted: refused from then on)."""
         failed = set()
@@ -452,17 +470,20 @@ class SPSALoop(TaskLoop):
                 continue
             i, plus, minus = wrong[0]
             failed.add(peer)
-            self.convicted[peer] = w
-            while len(self.convicted) > MAX_PEER_ENTRIES:
-                self.convicted.popitem(last=False)
-            self.counters["rejected_audit"] += 1
-            self._ctx.transport.penalties.penalize(
-                peer, "invalid_message", f"spsa window {w} step {w * self.cfg.window + i}: sent "
-                f"{decode_grad(sent[i]):+.4g}, re-probing the step gives {(plus - minus) / (2 * self.cfg.eps):+.4g} "
-                f"({len(wrong)} of {len(probes)} audited steps wrong); its bytes are refused from now on")
+            self._convict(peer, w, f"spsa window {w} step {w * self.cfg.window + i}: sent "
+                          f"{decode_grad(sent[i]):+.4g}, re-probing the step gives "
+                          f"{(plus - minus) / (2 * self.cfg.eps):+.4g} ({len(wrong)} of {len(probes)} audited steps "
+                          "wrong)")
         for old in [x for x in self._audits if x < w]:
             del self._audits[old]
         return failed
+
+    def _convict(self, peer: str, w: int, why: str) -> None:
+        self.convicted[peer] = w
+        while len(self.convicted) > MAX_PEER_ENTRIES:
+            self.convicted.popitem(last=False)
+        self.counters["rejected_audit"] += 1
+        self._ctx.transport.penalties.penalize(peer, "invalid_message", f"{why}; its bytes are refused from now on")
 
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):
@@ -559,14 +580,16 @@ class SPSALoop(TaskLoop):
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
         self.applied[w] = {a: m for a, m in window.batches.items()
                            if (a in expected or a in slots) and a not in self.convicted}
-        # a byte is a projected gradient at the weights its author probed: one probed at weights other than ours
-        # (its author, or we, diverged; the hash check sends whoever is off to resync) is no step for ours. Every
-        # peer on the same weights refuses the same batches, as the hash is in the signed batch
-        other = {a for a, m in self.applied[w].items() if _batch_hash(m) != self.my_hashes[w][:16]}
-        for peer in other:
-            del self.applied[w][peer]
-        self.counters["refused_other_weights"] += len(other)
-        audited = self._judge_audits(w, self.applied[w])
+        # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
+        # check sends whoever is off to resync) is applied as before, but cannot be audited. An author that stays
+        # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
+        # other weights so as not to be audited, and is convicted
+        other = self._other_weights(w)
+        audited = self._judge_audits(w, {a: m for a, m in self.applied[w].items() if a not in other})
+        for peer in sorted(a for a in other if self._off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
+            self._convict(peer, w, f"spsa window {w}: {self._off_weights[peer]} windows in a row probed at weights "
+                          "other than the majority's, without resyncing")
+            audited.add(peer)
         for peer in audited:  # out of the window, like a batch that never came (not in our log either)
             del self.applied[w][peer]
         extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})

@@ -72,10 +72,14 @@ def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
                 c.add_(0.01 * torch.randn(c.shape))
             d.weights._load(None, 0.0)
             await sim.until(sim.finished, 300, "everyone to finish")
-            return d.counters, _finals(sim), [sim.loop(p).counters.get("diverged", 0) for p in sim.peers[1:]]
+            return d.counters, _finals(sim), [sim.loop(p).counters.get("diverged", 0) for p in sim.peers[1:]], \
+                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
 
-    counters, finals, others = run_virtual(main())
+    counters, finals, others, last = run_virtual(main())
     assert counters["diverged"] >= 1 and len(finals) == 1 and others == [0, 0, 0]
+    # its batches from the other weights were applied (not audited: no one probed its weights), so it is still
+    # expected, and after its resync it contributes again
+    assert all(len(members) == 4 for members in last), last
 
 
 @pytest.mark.timeout(120)
@@ -137,6 +141,34 @@ def test_a_peer_whose_bytes_are_not_its_probes_is_convicted_by_every_honest_audi
     assert all(r.get("audit", 0) >= 1 for r in refused) and all(s > 0 for s in scores)
     assert all(a > 0 for a in audited)
     assert len(finals) == 1  # the honest peers end on the same weights
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_that_claims_other_weights_to_dodge_the_audits_is_convicted(tmp_path):
+    """A batch probed at other weights (its hash says so) cannot be audited: a liar could claim other weights in
+    every batch. An honest peer that diverged resyncs at the next hash check; one that stays off is convicted."""
+    async def main():
+        sim = _sim(tmp_path, 5, windows=10)
+        bad = sim.peers[4]
+
+        class Dodger(_byzantine(sim.loop_cls, lambda step: True)):
+            def _publish(self, kind, body):
+                if kind is spsa.BATCH:
+                    body = {**body, "h": bytes(8)}  # not the weights it holds
+                super()._publish(kind, body)
+
+        sim.classes[bad] = Dodger
+        async with sim:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
+            honest = [sim.loop(p) for p in sim.peers[:4]]
+            return {lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest], bad
+
+    finals, convicted, bad = run_virtual(main())
+    assert all(set(c) == {bad} for c in convicted), convicted
+    # convicted once it stayed off past two hash checks (hash_every = 1 here): in its third window (0, 1, 2)
+    assert all(c[bad] == 2 for c in convicted), convicted
+    assert len(finals) == 1
 
 
 @pytest.mark.timeout(120)
