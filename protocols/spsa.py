@@ -434,7 +434,12 @@ class SPSALoop(TaskLoop):
             del self._audit_plan[old]
         if not self.per_step or not self.cfg.audit_peers:
             return
-        peers = sorted(self._expected(w) - {me})
+        # the peers the window will take batches from (those whose word counts and the newcomers holding its
+        # slots, as _close_window picks them), not every key that announced a join: a hundred fresh keys that join
+        # and never deliver would take our re-probes
+        wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
+                                now=0.0, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
+        peers = sorted((wait.expected | wait.slots) - {me})
         plan: dict[int, list[str]] = {}
         for peer in self._audit_rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
             for i in self._audit_rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
