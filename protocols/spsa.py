@@ -296,6 +296,7 @@ class SPSALoop(TaskLoop):
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
+        self._log_rounds: list[set[str]] = []  # the contributors of each window of the last log we replayed
         self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
         self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
@@ -312,6 +313,7 @@ class SPSALoop(TaskLoop):
         # from a signature of ours (deterministic, secret)
         self._audit_rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
         self._init_standing(ctx)
+        self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
 
@@ -611,6 +613,12 @@ class SPSALoop(TaskLoop):
         for old in [x for x in self.my_hashes if x < w - 2 * self.cfg.hash_every]:
             del self.my_hashes[old]
         self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
+        me = self._ctx.identity.peer_id
+        if me in window.batches and me not in self.applied[w]:
+            # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
+            # expecting us; standing judges us as them): ask to be expected again, two windows on
+            self.counters["joins_repeated"] += 1
+            self._publish(JOIN, {"w": w + 2, "join": True})
         self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
         self.windows.pop(w, None)
         for old in [x for x in self.applied if x < w - KEEP_APPLIED]:  # a run without end kept every window's
@@ -748,10 +756,15 @@ class SPSALoop(TaskLoop):
         self.counters["replayed_windows"] = replayed
         if rejoin:
             self.join_at = max(self.window, self._sent_up_to + 1)
+            # who counts, as the log's windows say: the others' view, our own place included (a peer that was cut
+            # off and missed their windows is a newcomer to them, and must see itself as one, or it would take its
+            # own batches where they do not)
+            self.standing.rebuild(self._initial, self._log_rounds)
         else:
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
             self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
             self._publish(JOIN, {"w": self.join_at, "join": True})
+        self._log_rounds = []  # a window's worth of peer ids per window of the run: not kept
         self.state = "running"
         self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
@@ -763,9 +776,12 @@ class SPSALoop(TaskLoop):
         their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
         the last window is left to the live loop (one-window lag)."""
         verified = self._verify_log(entries)
+        self._log_rounds = []
         for w, batches in verified:
             self.applied[w] = batches
             self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
+            extreme, _ = screen_window({a: _batch_bytes(m) for a, m in batches.items()})
+            self._log_rounds.append(set(batches) - extreme)  # each window's contributors, as standing records them
         self.window = len(entries)
         todo = max(0, len(entries) - 1)
         with self.work.track("log replay", total=todo, unit="windows") as work:

@@ -66,6 +66,10 @@ class Standing:
         self.earn = earn
         self.streak: dict[str, int] = {}  # credit: +1 per round with a verified contribution, -MISS per round missed
         self.known: dict[str, None] = {}  # peers whose word counted once (insertion order: the oldest go first)
+        # judge ourselves by the same rule as everyone else (our own credit), not as always counting: a loop whose
+        # rounds take our contribution only as the others would (SPSA: a peer that rejoins, or joins late, is a
+        # newcomer in the others' eyes, and takes its own batch only where they do)
+        self.judge_self = False
 
     @property
     def closed(self) -> bool:
@@ -77,7 +81,7 @@ class Standing:
 
     def counts(self, peer: str) -> bool:
         """Does this peer's word count (quorum, majority, waited for, resync source)?"""
-        if peer == self.me:
+        if peer == self.me and not self.judge_self:
             return True
         if self.allow:
             return peer in self.allow
@@ -90,7 +94,7 @@ class Standing:
 
     def _remember(self, peers: Iterable[str]) -> None:
         for peer in peers:
-            if peer != self.me and self.admitted(peer):
+            if (peer != self.me or self.judge_self) and self.admitted(peer):
                 self.known.pop(peer, None)
                 self.known[peer] = None
         while len(self.known) > MAX_TRACKED:
@@ -105,6 +109,14 @@ class Standing:
             if self.admitted(peer):
                 self.streak[peer] = 2 * self.earn
                 self._remember((peer,))
+
+    def rebuild(self, founders: Iterable[str], rounds: Iterable[Iterable[str]]) -> None:
+        """Our credits as the run's history gives them: the founders, then each round's contributors in order (a
+        peer that replayed the others' log takes their view of who counts, its own place included)."""
+        self.streak = {}
+        self.found(founders)
+        for contributors in rounds:
+            self.record(contributors)
 
     def record(self, contributors: Iterable[str]) -> None:
         """After a round closed: its verified contributors gain a credit, everyone else loses ``MISS``."""

@@ -95,11 +95,16 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
             split = {sim.loop(p).weights.hash() for p in sim.peers}
             sim.net.heal()
             await sim.until(sim.finished, 600, "everyone to finish")
-            return split, _finals(sim), {p: sim.loop(p).counters.get("diverged", 0) for p in sim.peers}
+            return split, _finals(sim), {p: sim.loop(p).counters.get("diverged", 0) for p in sim.peers}, \
+                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
 
-    split, finals, diverged = run_virtual(main())
+    split, finals, diverged, last = run_virtual(main())
     assert len(split) >= 2  # the sides did part
     assert len(finals) == 1
+    # the minority contributes again: after its resync it judges itself as the majority does (a newcomer), asks to
+    # be expected again, and takes its own batches only where the majority does (before, the majority never took
+    # its batches again in the run)
+    assert all(len(members) == 5 for members in last), last
     assert all(diverged[p] >= 1 for p in list(diverged)[:2])  # the minority saw it was off and replayed
 
 

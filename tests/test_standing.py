@@ -38,3 +38,27 @@ def test_a_closed_run_vouches_only_for_its_list():
     s = Standing("me", allow={"a"})
     s.found({"a", "intruder"})
     assert s.vouched("a") and not s.vouched("intruder") and not s.counts("intruder")
+
+
+@pytest.mark.timeout(30)
+def test_a_peer_that_judges_itself_sees_its_place_as_the_others_do_after_replaying_their_history():
+    """SPSA's rejoin after a partition: the minority replays the majority's windows, in which it was missing; it must
+    see itself (and the other rejoiner) as newcomers, as the majority does, so both pick the same slots."""
+    majority, rejoiner = Standing("a"), Standing("m1")
+    rejoiner.judge_self = True
+    founders = {"a", "b", "c", "m1", "m2"}
+    history = [founders] * 3 + [{"a", "b", "c"}] * 6  # the cut: m1 and m2 are missing from the majority's windows
+    majority.found(founders)
+    for contributors in history:
+        majority.record(contributors)
+    rejoiner.found(founders)
+    for _ in range(6):
+        rejoiner.record({"m1", "m2"})  # its own side of the cut: the two counted each other
+    assert rejoiner.counts("m1") and rejoiner.counts("m2")
+    rejoiner.rebuild(founders, history)
+    for peer in founders:
+        assert rejoiner.counts(peer) == majority.counts(peer), peer
+    assert not rejoiner.counts("m1")  # itself too, unlike a loop that always counts itself
+    base = {"a", "b", "c", "m1", "m2"}
+    assert rejoiner.newcomers(base, "run/9", 1, fresh_ok=False) == majority.newcomers(base, "run/9", 1, fresh_ok=False)
+    assert Standing("me").counts("me")  # the default: our own word counts to us
