@@ -764,9 +764,9 @@ class SPSALoop(TaskLoop):
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
             self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
             self._publish(JOIN, {"w": self.join_at, "join": True})
+            self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         self._log_rounds = []  # a window's worth of peer ids per window of the run: not kept
         self.state = "running"
-        self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
                     replayed, self.replay_seconds, self.window, self.join_at)
         return True
@@ -780,7 +780,7 @@ class SPSALoop(TaskLoop):
         for w, batches in verified:
             self.applied[w] = batches
             self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
-            extreme, _ = screen_window({a: _batch_bytes(m) for a, m in batches.items()})
+            extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in batches.items()})
             self._log_rounds.append(set(batches) - extreme)  # each window's contributors, as standing records them
         self.window = len(entries)
         todo = max(0, len(entries) - 1)
