@@ -296,7 +296,6 @@ class SPSALoop(TaskLoop):
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
-        self._log_rounds: list[set[str]] = []  # the contributors of each window of the last log we replayed
         self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
         self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
@@ -727,7 +726,7 @@ class SPSALoop(TaskLoop):
         self.state = "replaying"
         started = time.perf_counter()
         until = self.clock.monotonic() + self.cfg.deadline
-        replayed = None
+        replayed = None  # the contributors of each window of the log we replayed
         peers = list(peers)
         while replayed is None:
             behind = 0
@@ -753,35 +752,35 @@ class SPSALoop(TaskLoop):
             if replayed is None:
                 await asyncio.sleep(0.2)  # a peer a few moments behind us closes the window soon
         self.replay_seconds = time.perf_counter() - started
-        self.counters["replayed_windows"] = replayed
+        self.counters["replayed_windows"] = len(replayed)
         if rejoin:
             self.join_at = max(self.window, self._sent_up_to + 1)
             # who counts, as the log's windows say: the others' view, our own place included (a peer that was cut
             # off and missed their windows is a newcomer to them, and must see itself as one, or it would take its
             # own batches where they do not)
-            self.standing.rebuild(self._initial, self._log_rounds)
+            self.standing.rebuild(self._initial, replayed)
         else:
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
             self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
             self._publish(JOIN, {"w": self.join_at, "join": True})
             self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
-        self._log_rounds = []  # a window's worth of peer ids per window of the run: not kept
         self.state = "running"
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
-                    replayed, self.replay_seconds, self.window, self.join_at)
+                    len(replayed), self.replay_seconds, self.window, self.join_at)
         return True
 
-    async def _replay(self, entries: list) -> int:
+    async def _replay(self, entries: list) -> list[set[str]]:
         """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply
         their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
-        the last window is left to the live loop (one-window lag)."""
+        the last window is left to the live loop (one-window lag). Returns each window's contributors, as standing
+        records them (its batches less the ones refused as out of scale)."""
         verified = self._verify_log(entries)
-        self._log_rounds = []
+        contributors = []
         for w, batches in verified:
             self.applied[w] = batches
             self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
             extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in batches.items()})
-            self._log_rounds.append(set(batches) - extreme)  # each window's contributors, as standing records them
+            contributors.append(set(batches) - extreme)
         self.window = len(entries)
         todo = max(0, len(entries) - 1)
         with self.work.track("log replay", total=todo, unit="windows") as work:
@@ -791,7 +790,7 @@ class SPSALoop(TaskLoop):
                         self.weights.apply(self.cfg.run, w * self.cfg.window + i, self._bytes_for(w, i), self.cfg.lr)
                     work.update(w + 1)
             await asyncio.to_thread(apply)
-        return len(entries)
+        return contributors
 
     def _verify_log(self, entries: list) -> list[tuple[int, dict[str, Message]]]:
         if [e[0] if isinstance(e, list) and len(e) == 2 else None for e in entries] != list(range(len(entries))):
