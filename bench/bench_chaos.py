@@ -246,7 +246,7 @@ def split_part(args, tmp: Path) -> list[tuple]:
             return time.monotonic() - t
 
         def digest(node) -> str:
-            return node.via(lambda: http_get(node.url + "/state"))["heads_digest"]
+            return node.via(lambda: http_get(node.url + "/state"))["digest"]
 
         def write(node, key: str) -> None:
             node.via(lambda: http_post(node.url + "/crdt", json_body={"ops": [
@@ -411,7 +411,7 @@ def kill_part(args, tmp: Path) -> dict:
     def converged() -> int:
         """Waits for one CRDT state everywhere; returns how many acknowledged writes some node lacks."""
         everyone = [*here["survivors"], here["victim"]]
-        wait_for(lambda: len({x.get("/state")["heads_digest"] for x in everyone}) == 1, 120,
+        wait_for(lambda: len({x.get("/state")["digest"] for x in everyone}) == 1, 120,
                  "the CRDT state to converge", interval=0.5)
         want = set(acked)
         return max(len(want - {k for k in x.get("/state")["objects"].get("kv", {})}) for x in everyone)
@@ -655,7 +655,7 @@ def soak_part(args, tmp: Path) -> dict:
         def kv_keys(x) -> int:
             kv = x.get("/state")["objects"].get("kv", {})
             return sum(1 for k in kv if "/soak/" in str(k))
-        wait_for(lambda: len({x.get("/state")["heads_digest"] for x in nodes}) == 1, 120,
+        wait_for(lambda: len({x.get("/state")["digest"] for x in nodes}) == 1, 120,
                  "the CRDT state to be equal everywhere", interval=0.5)
         kept = [kv_keys(x) for x in nodes]
         statuses = [x.status() for x in nodes]

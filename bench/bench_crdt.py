@@ -8,8 +8,12 @@
    the same DAG heads. Baseline in the same run: the same swarm converging after a single op.
 3. bytes on the wire per op and receiving replica: all CRDT protocol bytes the nodes sent, divided by
    (ops x (N - 1)); next to the op's own encoded size.
+4. compaction: one author writes ``--compact-ops`` ops (kv keys, counter increments, progress, inside the quota);
+   what a replica then holds (ops, bytes of op log, memory of a replica built from a sync) and what rebuilding it
+   from its log costs. Baseline in the same run: the same writes under a schema that takes no bases (every op kept,
+   as before compaction).
 
-    python bench/bench_crdt.py [--nodes 16] [--ops 1000]
+    python bench/bench_crdt.py [--nodes 16] [--ops 1000] [--compact-ops 20500] [--only compaction]
 """
 
 from __future__ import annotations
@@ -31,8 +35,11 @@ from swarmproc import Swarm, http_get, http_post, wait_for  # noqa: E402
 
 from crdt import OpStore  # noqa: E402
 from crdt.ops import SIGN_DOMAIN  # noqa: E402
+from crdt import LWWMap  # noqa: E402
 from node.replication import BASE_SCHEMA, CRDT_SPEC  # noqa: E402
 from transport.identity import Identity, verify  # noqa: E402
+
+BASE_SCHEMA_NO_BASES = {**BASE_SCHEMA, "shared": LWWMap(namespaced=False)}  # a shared type: no author restates it
 
 BENCH_CONFIG = """
 [network]
@@ -52,9 +59,10 @@ def make_history(n_ops: int, authors: int = 4, seed: int = 0):
     rng = random.Random(seed)
     ids = [Identity.generate() for _ in range(authors)]
     stores = [OpStore(BASE_SCHEMA, verify) for _ in range(authors)]
-    now = int(time.time() * 1000)
+    now = int(time.time() * 1000) - 100 * n_ops
     ops = []
     for i in range(n_ops):
+        now += 100  # inside each author's quota (500 ops in any 30 s)
         a = rng.randrange(authors)
         if rng.random() < 0.05:
             other = stores[rng.randrange(authors)]
@@ -101,6 +109,7 @@ def apply_rate(n_ops: int) -> dict:
             assert verify(op.author, SIGN_DOMAIN + op.body, op.sig)
 
     t_full, t_nov, t_ver = timed(full), timed(no_verify), timed(verify_only)
+    now = int(time.time() * 1000)
     return {
         "ops": n_ops,
         "full_ops_s": n_ops / t_full,
@@ -116,7 +125,7 @@ def post(node, ops):
 
 
 def digests(nodes) -> set[str]:
-    return {http_get(n.url + "/state")["heads_digest"] for n in nodes}
+    return {http_get(n.url + "/state")["digest"] for n in nodes}
 
 
 def crdt_bytes(nodes) -> int:
@@ -172,17 +181,84 @@ def convergence(n_nodes: int, n_ops: int, root: Path) -> dict:
         swarm.close()
 
 
+def _one_writer(schema: dict, n_ops: int, who: Identity) -> OpStore:
+    rng = random.Random(1)
+    s = OpStore(schema, verify)
+    now = int(time.time() * 1000) - 80 * n_ops
+    for i in range(n_ops):
+        now += 80  # 750 ops a minute: inside the quota
+        kind = rng.random()
+        if kind < 0.5:
+            obj, payload = "kv", {"k": f"{who.peer_id}/k{rng.randrange(100)}", "v": rng.random()}
+        elif kind < 0.8:
+            obj, payload = "events", {"n": rng.randrange(10)}
+        else:
+            obj, payload = "progress", {"step": i, "samples": 64 * i, "loss": rng.random(), "bytes": 100, "round": 0}
+        r = s.create(who.sign, who.peer_id, obj, payload, now)
+        assert r.status == "applied", r
+    return s
+
+
+def _replica(wires: list) -> tuple[OpStore, float, int]:
+    """A replica built from ``wires`` (a sync, or its log at a restart): the store, the seconds, the peak bytes."""
+    import tracemalloc
+
+    tracemalloc.start()
+    start = time.perf_counter()
+    s = OpStore(BASE_SCHEMA_NO_BASES if len(wires) and _no_bases(wires) else BASE_SCHEMA, verify)
+    now = int(time.time() * 1000)
+    for w in wires:
+        s.receive(w, now)
+    took = time.perf_counter() - start
+    _, peak = tracemalloc.get_traced_memory()
+    tracemalloc.stop()
+    return s, took, peak
+
+
+def _no_bases(wires: list) -> bool:
+    return not any(b"_base" in w["b"] for w in wires)
+
+
+def compaction(n_ops: int) -> dict:
+    import msgpack
+
+    who = Identity.generate()
+    out = {}
+    for name, schema in (("bases", BASE_SCHEMA), ("none", BASE_SCHEMA_NO_BASES)):
+        writer = _one_writer(schema, n_ops, who)
+        wires = [op.wire() for op in writer.ops_after({who.peer_id: 0}, 10**9, 1 << 40)[0]]
+        replica, took, peak = _replica(wires)
+        assert replica.values() == writer.values() and replica.digest() == writer.digest()
+        out[name] = {"ops": len(writer.ops), "log_bytes": sum(len(msgpack.packb(w)) + 8 for w in wires),
+                     "replay_s": took, "peak_mb": peak / 2**20, "values": writer.values()}
+    del out["none"]["values"]["shared"]
+    assert out["bases"]["values"] == out["none"]["values"]  # compaction changed nothing a reader sees
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, default=16)
     parser.add_argument("--ops", type=int, default=1000, help="ops written by each node (multiple of 100)")
     parser.add_argument("--apply-ops", type=int, default=5000)
+    parser.add_argument("--compact-ops", type=int, default=20500)
+    parser.add_argument("--only", choices=["compaction"], default=None)
     args = parser.parse_args()
+    comp = compaction(args.compact_ops)
+    print(f"{'measure':<52} | {'value':>12} | {'baseline (same run)':>28} | {'ratio':>6}")
+    print("-" * 108)
+    b, n = comp["bases"], comp["none"]
+    for label, key, fmt in ((f"ops a replica holds of one author's {args.compact_ops:,}", "ops", ",.0f"),
+                            ("op log bytes (a sync to a fresh replica: the same)", "log_bytes", ",.0f"),
+                            ("peak memory building a replica from them, MB", "peak_mb", ".1f"),
+                            ("rebuilding it from its log, s", "replay_s", ".2f")):
+        print(f"{label:<52} | {format(b[key], fmt):>12} | {'no bases: ' + format(n[key], fmt):>28} | "
+              f"{b[key] / n[key]:>6.3f}")
+    if args.only == "compaction":
+        return
     rate = apply_rate(args.apply_ops)
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-crdt-") as tmp:
         conv = convergence(args.nodes, args.ops, Path(tmp))
-    print(f"{'measure':<52} | {'value':>12} | {'baseline (same run)':>28} | {'ratio':>6}")
-    print("-" * 108)
     print(f"{'ops applied/s, one core (decode+verify+merge)':<52} | {rate['full_ops_s']:>12,.0f} | "
           f"{'Ed25519 verify alone ' + format(rate['verify_only_ops_s'], ',.0f'):>28} | "
           f"{rate['full_ops_s'] / rate['verify_only_ops_s']:>6.2f}")

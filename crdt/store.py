@@ -21,12 +21,22 @@
   quota, and the rule reads only the chain, so every replica decides the same way).
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
-replica's content is summarized exactly by its version vector ``{author: last seq}``. That vector grows with the
+replica's content is summarized exactly by its version vector ``{author: last seq}``. An op is held (``pending``)
+only while its author's previous op is unknown: other parents are causal context (every type merges in any order),
+not a condition, so an op never waits on an op that no replica keeps any more.
+
+**Compaction.** An author's ops #1000, #2000, ... (every ``BASE_EVERY``-th) are *bases*: object ``_base``, payload
+``{"parts": {object: the author's whole contribution to it}, "ticket": its admission ticket}`` (see each type's
+``fold``/``rebase``). A replica that applies an author's base drops that author's earlier ops, in memory and (through
+the caller) in its log, so it never holds more than ``BASE_EVERY`` ops of one author, whatever the author wrote; a
+replica that lacks them takes the base without them (the base carries the author's admission). Only schemas whose
+every type is ``per_author`` take bases (the node's schema is). The node writes its bases itself: ``draft`` inserts
+one when a batch reaches such a seq. That vector grows with the
 number of authors, so anti-entropy never sends it whole: authors fall into ``BUCKETS`` buckets by hash, each with a
 16-byte digest (the XOR of a hash of each ``(author, seq)`` entry, updated as ops merge), and replicas compare the
 digests (at most 4 KiB, whatever the number of authors), then page through the entries of the buckets that differ
-(``entries``) and exchange the ops one side lacks (``ops_after``). Convergence is checked by the heads digest (hash
-of the sorted DAG heads).
+(``entries``) and exchange the ops one side lacks (``ops_after``). Convergence is checked by ``digest`` (a hash of
+every bucket's digest: equal version vectors).
 
 Pure: no I/O, no clock, no keys; the caller passes ``now_ms`` and a signature verifier.
 """
@@ -38,18 +48,27 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgpack
+
 from crdt.admission import Admission
 from crdt.hlc import HLC
 from crdt.ops import (
-    MAX_PARENTS, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, make_op, verify_op,
+    MAX_PARENTS, SIGN_DOMAIN, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, verify_op,
 )
 from crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
-QUOTA_OPS = 1000  # an author's ops per QUOTA_WINDOW_MS, by their clocks (the same on every node: part of the protocol)
-QUOTA_WINDOW_MS = 60_000
+# an author's op must come QUOTA_WINDOW_MS after its op QUOTA_OPS back in the same base period, by their clocks (the
+# same on every node: part of the protocol): at most 1,000 ops a minute, sustained
+QUOTA_OPS = 500
+QUOTA_WINDOW_MS = 30_000
+BASE_OBJECT = "_base"  # the object name of a base op (no schema object may start with "_")
+BASE_EVERY = 1000  # an author's op #n is a base exactly when n is a multiple of this
+MAX_BASE_SIZE = 64 << 10  # a base's body (every other op: ``max_op_size``)
+MAX_BASE_PARTS = MAX_BASE_SIZE - 4096  # an author's contribution, as its base carries it (room for the envelope)
 BUCKETS = 256
 DIGEST_SIZE = 16
+MAX_DANGLING = 4096
 
 
 def bucket_of(author: str) -> int:
@@ -98,12 +117,19 @@ class OpStore:
         self.pending_ttl_ms = pending_ttl_ms
         self.max_pending_share = max_pending_share
         self.max_op_size = max_op_size
+        if any(name.startswith("_") for name in self.schema):
+            raise ValueError("schema object names may not start with '_' (reserved for bases)")
+        self.compactable = all(t.per_author for t in self.schema.values())
         self.ops: dict[bytes, Op] = {}
-        self.chains: dict[str, list[bytes]] = {}  # author -> op ids by seq
+        self.chains: dict[str, list[bytes]] = {}  # author -> the ids of its ops we keep, by seq
+        self.first: dict[str, int] = {}  # author -> the seq of chains[author][0] (its latest base), where not 1
         self.heads: set[bytes] = set()
+        self._dangling: dict[bytes, None] = {}  # ids named as parents before we had them (not heads when they come)
+        self.compacted = 0  # ops dropped because their author's base restated them
+        self._folded: dict[str, tuple[int, dict, Any]] = {}  # author -> (seq, its parts, ticket): see base_payload
         self.pending: dict[bytes, Op] = {}  # in arrival order
-        self._held: dict[bytes, tuple[int, bytes]] = {}  # held op id -> (arrival ms, the missing parent it waits on)
-        self._waiting: dict[bytes, set[bytes]] = {}  # missing parent id -> held op ids (each op waits on one)
+        self._held: dict[bytes, tuple[int, tuple]] = {}  # held op id -> (arrival ms, the (author, seq) it waits on)
+        self._waiting: dict[tuple, set[bytes]] = {}  # (author, seq) of a missing op -> held op ids waiting on it
         self._pending_bytes = 0
         self._pending_by_author: Counter = Counter()
         self._author_bytes: Counter = Counter()
@@ -113,39 +139,80 @@ class OpStore:
         self.clock = HLC()
 
     # ------------------------------------------------------------------ receiving
+    @property
+    def max_wire_size(self) -> int:
+        """The largest op body we take (a base's)."""
+        return max(self.max_op_size, MAX_BASE_SIZE) if self.compactable else self.max_op_size
+
+    def last_seq(self, author: str) -> int:
+        """The seq of the author's latest op we hold (0: none)."""
+        chain = self.chains.get(author)
+        return self.first.get(author, 1) + len(chain) - 1 if chain else 0
+
+    def _op_at(self, author: str, seq: int) -> Op:
+        return self.ops[self.chains[author][seq - self.first.get(author, 1)]]
+
     def receive(self, wire: Any, now_ms: int) -> Result:
         try:
-            op = decode_wire(wire, max_size=self.max_op_size)
+            op = decode_wire(wire, max_size=self.max_wire_size)
         except OpError as e:
             return self._reject(e.reason)
         return self.receive_op(op, now_ms)
 
+    def _check(self, op: Op, now_ms: int | None = None) -> str | None:
+        """What the op's own bytes allow (shape, rights, size, the base schedule, its clock's skew from ``now_ms``
+        if given, admission): the same answer on every replica (skew aside)."""
+        is_base = op.object == BASE_OBJECT
+        if self.compactable and is_base != (op.seq % BASE_EVERY == 0):
+            return "malformed"  # a base exactly at every BASE_EVERY-th seq, and nowhere else
+        if not is_base:
+            ctype = self.schema.get(op.object)
+            if ctype is None:
+                return "unknown_object"
+            if len(op.body) > self.max_op_size:
+                return "oversized"
+            reason = ctype.check(op)
+            if reason is not None:
+                return reason
+            if now_ms is not None and op.clock[0] > now_ms + self.max_skew_ms:
+                return "future_clock"
+            if op.seq == 1 and self.admission is not None:
+                return self.admission.admits(op.author, op.object, op.payload)
+            return None
+        if not self.compactable:
+            return "unknown_object"
+        p = op.payload
+        if not isinstance(p, dict) or not set(p) <= {"parts", "ticket"} or not isinstance(p.get("parts"), dict):
+            return "malformed"
+        for name, part in p["parts"].items():
+            ctype = self.schema.get(name) if isinstance(name, str) else None
+            if ctype is None:
+                return "unknown_object"
+            reason = ctype.check_part(part, op.author)
+            if reason is not None:
+                return reason
+        if now_ms is not None and op.clock[0] > now_ms + self.max_skew_ms:
+            return "future_clock"
+        if self.admission is not None:  # the author's op #1 may be gone: its base carries the admission
+            return self.admission.admits(op.author, "members", self.admission.payload(op.author, p.get("ticket")))
+        return None
+
     def receive_op(self, op: Op, now_ms: int) -> Result:
-        if op.id in self.ops or op.id in self.pending:
-            return Result(DUPLICATE, op=op)
-        ctype = self.schema.get(op.object)
-        if ctype is None:
-            return self._reject("unknown_object", op)
-        reason = ctype.check(op)
+        if op.id in self.ops or op.id in self.pending or op.seq < self.first.get(op.author, 1):
+            return Result(DUPLICATE, op=op)  # known, or restated by the author's base we hold
+        reason = self._check(op, now_ms)
         if reason is not None:
             return self._reject(reason, op)
-        if op.clock[0] > now_ms + self.max_skew_ms:
-            return self._reject("future_clock", op)
-        if op.seq == 1:
-            if self.admission is not None:
-                reason = self.admission.admits(op.author, op.object, op.payload)
-                if reason is not None:
-                    return self._reject(reason, op)
-            if op.author not in self.chains and len(self.chains) >= self.max_authors:
-                return self._reject("authors_full", op)
+        if op.author not in self.chains and len(self.chains) >= self.max_authors:
+            return self._reject("authors_full", op)
         if not verify_op(op, self._verify):
             return self._reject("bad_signature", op)
-        missing = next((p for p in op.parents if p not in self.ops), None)
-        if missing is not None:
-            return self._hold(op, missing, now_ms)
+        last = self.last_seq(op.author)
+        if op.seq > last + 1 and op.object != BASE_OBJECT:
+            return self._hold(op, (op.author, op.seq - 1), now_ms)
         return self._apply_ready(op)
 
-    def _hold(self, op: Op, missing: bytes, now_ms: int) -> Result:
+    def _hold(self, op: Op, missing: tuple, now_ms: int) -> Result:
         share = self.max_pending_share
         if self._pending_by_author[op.author] >= max(1, int(self.max_pending * share)) \
                 or self._author_bytes[op.author] + len(op.body) > self.max_pending_bytes * share:
@@ -156,7 +223,7 @@ class OpStore:
         self._register(op, now_ms, missing)
         return Result(PENDING, op=op)
 
-    def _register(self, op: Op, since_ms: int, missing: bytes) -> None:
+    def _register(self, op: Op, since_ms: int, missing: tuple) -> None:
         self.pending[op.id] = op
         self._held[op.id] = (since_ms, missing)
         self._waiting.setdefault(missing, set()).add(op.id)
@@ -201,61 +268,86 @@ class OpStore:
         if reason is not None:
             return self._reject(reason, op)
         applied = [self._merge(op)]
-        # unblock held ops whose parents are now all known
-        ready = [op.id]
+        # unblock held ops whose author's previous op is now known
+        ready = [(op.author, op.seq)]
         while ready:
-            parent = ready.pop()
-            for held_id in sorted(self._waiting.get(parent, ())):
-                since = self._held[held_id][0]
+            key = ready.pop()
+            for held_id in sorted(self._waiting.get(key, ())):
                 held = self._release(held_id)
-                missing = next((p for p in held.parents if p not in self.ops), None)
-                if missing is not None:  # wait on the next missing parent
-                    self._register(held, since, missing)
-                    continue
                 reason = self._causality(held)
                 if reason is not None:
                     self.rejected[reason] += 1
                     continue
                 applied.append(self._merge(held))
-                ready.append(held_id)
+                ready.append((held.author, held.seq))
         return Result(APPLIED, op=op, applied=applied)
 
     def _causality(self, op: Op) -> str | None:
-        chain = self.chains.get(op.author, [])
-        if op.seq <= len(chain):
-            return "equivocation" if chain[op.seq - 1] != op.id else None
-        if op.seq != len(chain) + 1:
-            return "bad_causality"  # unreachable when the previous op is a parent; kept as a guard
-        if op.seq > 1 and chain[-1] not in op.parents:
-            return "bad_causality"
-        if any(self.ops[p].clock >= op.clock for p in op.parents):
-            return "bad_causality"
-        if self._over_quota(chain, op.seq, op.clock[0]):
+        """Where the op stands in its author's chain: it follows the previous op (or is a base after a gap), its
+        clock runs after it, and the quota holds. Reads only the author's chain, so every replica answers the same."""
+        last = self.last_seq(op.author)
+        if op.seq <= last:
+            return "equivocation" if self._op_at(op.author, op.seq).id != op.id else None
+        if op.seq > last + 1:
+            return None if op.object == BASE_OBJECT else "bad_causality"  # held until the gap fills: a guard
+        if op.seq > 1:
+            previous = self._op_at(op.author, last)
+            if previous.id not in op.parents or previous.clock >= op.clock:
+                return "bad_causality"
+        if self._over_quota(op.author, op.seq, op.clock[0]):
             return "over_quota"
         return None
 
-    def _over_quota(self, chain: list[bytes], seq: int, wall_ms: int, drafted: list[int] = ()) -> bool:
-        """Would op ``seq`` of an author, written at ``wall_ms``, come less than QUOTA_WINDOW_MS after its op
-        QUOTA_OPS back? That op is in the author's ``chain``, or among ``drafted`` (the wall clocks of the ops of a
-        batch being drafted after the chain)."""
+    def _over_quota(self, author: str, seq: int, wall_ms: int, drafted: list[int] = ()) -> bool:
+        """Would op ``seq`` of ``author``, written at ``wall_ms``, come less than QUOTA_WINDOW_MS after its op
+        QUOTA_OPS back, where that op is in the same base period (ops before a base are gone)? That op is in the
+        author's chain, or among ``drafted`` (the wall clocks of the ops of a batch being drafted after it)."""
         back = seq - QUOTA_OPS
-        if back < 1:
+        if back < max(1, seq - seq % BASE_EVERY):
             return False
-        earlier = self.ops[chain[back - 1]].clock[0] if back <= len(chain) else drafted[back - len(chain) - 1]
+        last = self.last_seq(author)
+        earlier = self._op_at(author, back).clock[0] if back <= last else drafted[back - last - 1]
         return wall_ms - earlier < QUOTA_WINDOW_MS
 
     def _merge(self, op: Op) -> Op:
+        last = self.last_seq(op.author)
+        if op.object == BASE_OBJECT:
+            self._rebase(op)
         self.ops[op.id] = op
-        chain = self.chains.setdefault(op.author, [])
-        chain.append(op.id)
+        self.chains.setdefault(op.author, []).append(op.id)
         b = bucket_of(op.author)
         self._bucket_authors.setdefault(b, set()).add(op.author)
-        self._digests[b] ^= _entry_hash(op.author, len(chain) - 1) ^ _entry_hash(op.author, len(chain))
+        self._digests[b] ^= _entry_hash(op.author, last) ^ _entry_hash(op.author, op.seq)
         self.heads.difference_update(op.parents)
-        self.heads.add(op.id)
-        self.states[op.object] = self.schema[op.object].apply(self.states[op.object], op)
+        if op.id in self._dangling:  # an op we hold already names it as a parent: not a head
+            del self._dangling[op.id]
+        else:
+            self.heads.add(op.id)
+        for p in op.parents:
+            if p not in self.ops:
+                self._dangling[p] = None
+        while len(self._dangling) > MAX_DANGLING:
+            self._dangling.pop(next(iter(self._dangling)))
+        if op.object != BASE_OBJECT:
+            self.states[op.object] = self.schema[op.object].apply(self.states[op.object], op)
         self.clock.observe(op.clock)
         return op
+
+    def _rebase(self, base: Op) -> None:
+        """Before a base merges: drop its author's earlier ops and restate its contribution to every object."""
+        author = base.author
+        for op_id in self.chains.get(author, ()):
+            self.ops.pop(op_id, None)
+            self.heads.discard(op_id)
+            self.compacted += 1
+        if author in self.chains:
+            self.chains[author] = []
+        self.first[author] = base.seq
+        for held_id in [i for i, op in self.pending.items() if op.author == author and op.seq <= base.seq]:
+            self._drop_held(held_id, "restated")
+        parts = base.payload["parts"]
+        for name, ctype in self.schema.items():
+            self.states[name] = ctype.rebase(self.states[name], author, parts.get(name), base)
 
     def _reject(self, reason: str, op: Op | None = None) -> Result:
         self.rejected[reason] += 1
@@ -269,6 +361,40 @@ class OpStore:
             parents.add(chain[-1])
         return parents
 
+    def _fold(self, folded: tuple[int, dict, Any], ops) -> tuple[int, dict, Any]:
+        seq, parts, ticket = folded
+        for op in ops:
+            if op.object == BASE_OBJECT:
+                parts = {name: self.schema[name].unstate(part, op) for name, part in op.payload["parts"].items()}
+                ticket = op.payload.get("ticket", ticket)
+            else:
+                parts[op.object] = self.schema[op.object].fold(parts.get(op.object), op)
+                if op.seq == 1 and op.object == "members" and isinstance(op.payload, dict):
+                    ticket = op.payload.get("ticket")
+            seq = op.seq
+        return seq, parts, ticket
+
+    def base_payload(self, author: str, drafted: list[Op] = ()) -> dict:
+        """``author``'s base as of its ops we hold and then ``drafted``: its contribution to every object, folded
+        from its latest base on, and its admission ticket. The fold of the ops we hold is kept (for the authors we
+        write as), so a write folds only what is new."""
+        first, last = self.first.get(author, 1), self.last_seq(author)
+        folded = self._folded.get(author)
+        if folded is None or folded[0] < first - 1 or folded[0] > last:
+            folded = (first - 1, {}, None)
+        if folded[0] < last:
+            chain = self.chains.get(author, ())
+            folded = self._fold(folded, [self.ops[i] for i in chain[folded[0] - first + 1:]])
+            self._folded[author] = folded
+        seq, parts, ticket = folded
+        if drafted:  # on a copy: the kept fold holds only applied ops
+            parts = {name: dict(part) if isinstance(part, dict) else part for name, part in parts.items()}
+            _, parts, ticket = self._fold((seq, parts, ticket), drafted)
+        out = {"parts": {name: self.schema[name].restate(part) for name, part in sorted(parts.items())}}
+        if ticket is not None:
+            out["ticket"] = ticket
+        return out
+
     def draft(self, author: str, items: list[tuple[str, Any]], now_ms: int) -> tuple[list[bytes], str | None]:
         """Unsigned bodies for a batch of local ops, each checked as ``receive`` would check it, none applied.
 
@@ -276,30 +402,42 @@ class OpStore:
         applied whole or not at all. Sign the bodies (off the event loop), persist them, then ``commit`` them."""
         chain = self.chains.get(author, [])
         parents = self._next_parents(chain)
-        seq, hlc, bodies, walls = len(chain), HLC(self.clock.last), [], []
-        for obj, payload in items:
-            ctype = self.schema.get(obj)
-            if ctype is None:
-                return [], f"{obj}: unknown_object"
+        seq, hlc, bodies, walls, drafted = self.last_seq(author), HLC(self.clock.last), [], [], []
+        queue = list(items)
+        while queue:
             seq += 1
-            if seq == 1 and self.admission is not None:
-                reason = self.admission.admits(author, obj, payload)
-                if reason is not None:
-                    return [], f"{obj}: {reason}"
+            if self.compactable and seq % BASE_EVERY == 0:  # our base comes first, at its seq
+                obj, payload = BASE_OBJECT, self.base_payload(author, drafted)
+            else:
+                obj, payload = queue.pop(0)
+                if obj not in self.schema:
+                    return [], f"{obj}: unknown_object"
             clock = hlc.tick(now_ms)
-            if self._over_quota(chain, seq, clock[0], walls):
+            if self._over_quota(author, seq, clock[0], walls):
                 return [], f"{obj}: over_quota"
             walls.append(clock[0])
             body = encode_body(author, seq, clock, parents, obj, payload)
             try:
-                op = decode_body(body, b"", max_size=self.max_op_size)
+                op = decode_body(body, b"", max_size=self.max_wire_size)
             except OpError as e:
+                if obj == BASE_OBJECT and e.reason == "oversized":
+                    return [], (f"{obj}: base_too_large (our contribution to the state, {len(body)} B, is over "
+                                f"{MAX_BASE_SIZE} B: delete keys to write again)")
                 return [], f"{obj}: {e.reason}"
-            reason = ctype.check(op)
+            reason = self._check(op)
             if reason is not None:
                 return [], f"{obj}: {reason}"
             bodies.append(body)
+            drafted.append(op)
             parents = {op.id}
+        if self.compactable and drafted:
+            # our contribution must stay small enough for our next base to restate it, or we could never write
+            # again (the op at that seq must be the base): a write that grows it past that is refused; deleting
+            # always goes
+            grown = len(msgpack.packb(self.base_payload(author, drafted), use_bin_type=True))
+            if grown > MAX_BASE_PARTS and grown > len(msgpack.packb(self.base_payload(author), use_bin_type=True)):
+                return [], (f"{items[-1][0]}: state_full (this node's share of the state would be {grown} B, over "
+                            f"the {MAX_BASE_PARTS} B a base restates: delete keys first)")
         return bodies, None
 
     def commit(self, bodies: list[bytes], sigs: list[bytes], now_ms: int) -> list[Op]:
@@ -307,9 +445,9 @@ class OpStore:
         drafts must not interleave with other local writes of the same author)."""
         ops = []
         for body, sig in zip(bodies, sigs, strict=True):
-            op = decode_body(body, sig, max_size=self.max_op_size)  # ours, just signed: not verified again
-            if op.id in self.ops or any(p not in self.ops for p in op.parents):
-                raise OpError("bad_causality", "a drafted op is already known or lost a parent")
+            op = decode_body(body, sig, max_size=self.max_wire_size)  # ours, just signed: not verified again
+            if op.id in self.ops:
+                raise OpError("bad_causality", "a drafted op is already known")
             result = self._apply_ready(op)
             if result.status != APPLIED:
                 raise OpError(result.reason or result.status, f"a drafted op did not apply: {result.status}")
@@ -317,16 +455,17 @@ class OpStore:
         return ops
 
     def create(self, sign: Signer, author: str, obj: str, payload: Any, now_ms: int) -> Result:
-        """Write a local op: next seq, current heads as parents, a clock after everything seen."""
-        chain = self.chains.get(author, [])
-        parents = self._next_parents(chain)
-        clock = self.clock.tick(now_ms)
-        op = make_op(sign, author, len(chain) + 1, clock, parents, obj, payload)
-        return self.receive_op(op, now_ms)
+        """Write a local op (and our base first, when its seq is due): next seq, current heads as parents, a clock
+        after everything seen. The result is the op's (``applied`` holds the base too, if one was written)."""
+        bodies, error = self.draft(author, [(obj, payload)], now_ms)
+        if error is not None:
+            return self._reject(error.split(": ", 1)[1].split(" ", 1)[0])
+        ops = self.commit(bodies, [sign(SIGN_DOMAIN + b) for b in bodies], now_ms)
+        return Result(APPLIED, op=ops[-1], applied=ops)
 
     # ------------------------------------------------------------------ anti-entropy
     def version_vector(self) -> dict[str, int]:
-        return {author: len(chain) for author, chain in self.chains.items()}
+        return {author: self.last_seq(author) for author in self.chains}
 
     def digests(self) -> dict[int, bytes]:
         """The digest of every non-empty bucket: at most ``BUCKETS`` entries of ``DIGEST_SIZE`` bytes, whatever the
@@ -355,7 +494,7 @@ class OpStore:
             for a in sorted(a for a in self._bucket_authors.get(b, ()) if after is None or (b, a) > after):
                 if len(out) == limit:
                     return out, last
-                out[a] = len(self.chains[a])
+                out[a] = self.last_seq(a)
                 last = (b, a)
         return out, None
 
@@ -367,36 +506,46 @@ class OpStore:
         for b in set(buckets):
             for a in self._bucket_authors.get(b, ()):
                 if (start is None or (b, a) > start) and (end is None or (b, a) <= end):
-                    out[a] = len(self.chains[a])
+                    out[a] = self.last_seq(a)
         return out
 
     def page_diff(self, theirs: dict[str, int], buckets: list[int], start: tuple[int, str] | None,
                   end: tuple[int, str] | None) -> tuple[dict[str, int], dict[str, int]]:
         """Compare one page of a peer's entries (``entries(buckets, start, ...)`` ending at ``end``) with ours:
         (what to ask it for: {author: our seq} where it is ahead, what it lacks: {author: its seq} where we are)."""
-        want = {a: len(self.chains.get(a, ())) for a, seq in theirs.items() if seq > len(self.chains.get(a, ()))}
+        want = {a: self.last_seq(a) for a, seq in theirs.items() if seq > self.last_seq(a)}
         lacking = {a: theirs.get(a, 0) for a, seq in self.authors_in(buckets, start, end).items()
                    if seq > theirs.get(a, 0)}
         return want, lacking
 
-    def ops_after(self, have: dict[str, int], limit: int) -> tuple[list[Op], bool]:
-        """Our ops of the authors in ``have`` past the seq given for each, in causal order (by clock), at most
-        ``limit``; (ops, truncated)."""
+    def ops_after(self, have: dict[str, int], limit: int, max_bytes: int = 4 << 20) -> tuple[list[Op], bool]:
+        """Our ops of the authors in ``have`` past the seq given for each (from the author's base, where we hold
+        none before it), in causal order (by clock), at most ``limit`` of them and ``max_bytes`` of bodies (one at
+        least); (ops, truncated)."""
         out = []
         for author, seq in have.items():
             chain = self.chains.get(author)
-            if chain is not None and seq < len(chain):
-                out.extend(self.ops[i] for i in chain[max(seq, 0):])
+            if chain is not None and seq < self.last_seq(author):
+                out.extend(self.ops[i] for i in chain[max(seq - self.first.get(author, 1) + 1, 0):])
         out.sort(key=lambda o: (o.clock, o.id))
-        return out[:limit], len(out) > limit
+        size, n = 0, 0
+        for op in out[:limit]:
+            size += len(op.body)
+            if size > max_bytes and n:
+                break
+            n += 1
+        return out[:n], len(out) > n
 
     def missing_for(self, vv: dict[str, int], limit: int) -> tuple[list[Op], bool]:
         """Ops a replica with (whole) version vector ``vv`` lacks, in causal order (by clock); (ops, truncated)."""
         return self.ops_after({a: vv.get(a, 0) for a in self.chains}, limit)
 
     # ------------------------------------------------------------------ views
-    def heads_digest(self) -> str:
-        return hashlib.blake2b(b"".join(sorted(self.heads)), digest_size=16).hexdigest()
+    def digest(self) -> str:
+        """What this replica holds, in 32 hex digits: equal digests, equal version vectors, so the same ops (each
+        author's chain is hash-linked) and the same state, whichever of them compaction dropped."""
+        return hashlib.blake2b(b"".join(d.to_bytes(DIGEST_SIZE, "big") for d in self._digests),
+                               digest_size=16).hexdigest()
 
     def value(self, name: str) -> Any:
         return self.schema[name].value(self.states[name])
@@ -409,7 +558,8 @@ class OpStore:
             "ops": len(self.ops),
             "authors": len(self.chains),
             "heads": len(self.heads),
-            "heads_digest": self.heads_digest(),
+            "digest": self.digest(),
+            "compacted": self.compacted,
             "pending": len(self.pending),
             "pending_bytes": self._pending_bytes,
             **{f"pending_{why}": n for why, n in sorted(self.pending_dropped.items())},

@@ -4,6 +4,12 @@ Every type's ``apply`` is commutative, associative and idempotent over a set of 
 after its parents), so any delivery order gives the same state. ``check`` says whether ``op`` is allowed at all
 (payload shape and who may write what); it returns a rejection reason or None.
 
+A type whose state is a sum of per-author contributions that only their author writes (``per_author``) can be
+compacted: an author's *base* op (see ``crdt.store``) restates its contribution to every object, and every replica
+then drops that author's earlier ops. ``fold`` builds an author's contribution (its "part") from its own ops,
+``check_part`` vets a part received in a base, and ``rebase`` replaces an author's contribution with a part. For
+every type, applying an author's ops one by one and applying its base give the same ``value``.
+
 | type | payload | who may write | value |
 |---|---|---|---|
 | LWWMap | ``{"k": str, "v": JSON value or None}`` (None deletes; depth <= 8) | namespaced: keys ``<author>/...`` only; shared: anyone | per key, the write with the greatest (clock, author, id) |
@@ -36,6 +42,7 @@ def _is_int(v: Any, lo: int = -MAX_INT, hi: int = MAX_INT) -> bool:
 
 class CRDTType:
     name = "?"
+    per_author = False  # True: compactable (each author's contribution is its own, restated by its base)
 
     def check(self, op: Op) -> str | None:
         raise NotImplementedError
@@ -49,6 +56,28 @@ class CRDTType:
 
     def value(self, state: Any) -> Any:
         """JSON-ready value."""
+        raise NotImplementedError
+
+    def fold(self, part: Any, op: Op) -> Any:
+        """An author's contribution after its ``op`` (``part``: the contribution before it, None at first; a
+        mutable part may be changed in place)."""
+        raise NotImplementedError
+
+    def restate(self, part: Any) -> Any:
+        """A folded contribution as a base carries it (most types: itself)."""
+        return part
+
+    def unstate(self, part: Any, base: Op) -> Any:
+        """A base's part as ``fold`` goes on from it (the inverse of ``restate``)."""
+        return part
+
+    def check_part(self, part: Any, author: str) -> str | None:
+        """Whether ``part`` may be ``author``'s contribution (None) or the rejection reason."""
+        raise NotImplementedError
+
+    def rebase(self, state: Any, author: str, part: Any, base: Op) -> Any:
+        """The state with ``author``'s contribution replaced by ``part`` (None: no contribution), restated by
+        ``base``. May mutate ``state`` in place and return it."""
         raise NotImplementedError
 
 
@@ -103,6 +132,39 @@ class LWWMap(CRDTType):
     def value(self, state: dict) -> dict:
         return {k: v for k, (_, v) in sorted(state.items()) if v is not None}
 
+    @property
+    def per_author(self) -> bool:
+        return self.namespaced  # a shared map's keys are anyone's: no author can restate them alone
+
+    def fold(self, part: dict | None, op: Op) -> dict:
+        part = {} if part is None else part  # folded in place: the caller owns it (see ``unstate``)
+        if op.payload["v"] is None:
+            part.pop(op.payload["k"], None)
+        else:
+            part[op.payload["k"]] = op.payload["v"]
+        return part
+
+    def check_part(self, part: Any, author: str) -> str | None:
+        if not isinstance(part, dict):
+            return "malformed"
+        for k, v in part.items():
+            if not isinstance(k, str) or not k.startswith(author + "/") or len(k) > MAX_KEY:
+                return "not_allowed" if isinstance(k, str) and len(k) <= MAX_KEY else "malformed"
+            if v is None or not _json_value(v):
+                return "malformed"
+        return None
+
+    def unstate(self, part: dict, base: Op) -> dict:
+        return dict(part)  # a copy: fold goes on in place, and the base's payload must stay as signed
+
+    def rebase(self, state: dict, author: str, part: dict | None, base: Op) -> dict:
+        prefix = author + "/"
+        for k in [k for k in state if k.startswith(prefix)]:
+            del state[k]
+        for k, v in (part or {}).items():
+            state[k] = (_rank(base), v)
+        return state
+
 
 class ORSet(CRDTType):
     name = "or_set"
@@ -148,6 +210,30 @@ class ORSet(CRDTType):
     def value(self, state: dict) -> list[str]:
         return sorted(e for e, (adds, removed) in state.items() if adds - removed)
 
+    @property
+    def per_author(self) -> bool:
+        return self.self_only  # otherwise anyone may remove anyone's adds: not one author's to restate
+
+    def fold(self, part: frozenset | None, op: Op) -> frozenset:
+        """The author's live add tags (self_only: its element is in the set while one is live)."""
+        p = op.payload
+        return (part or frozenset()) | {op.id} if "add" in p else (part or frozenset()) - set(p["tags"])
+
+    def restate(self, part: frozenset) -> bool:
+        return bool(part)
+
+    def unstate(self, part: bool, base: Op) -> frozenset:
+        return frozenset({base.id}) if part else frozenset()
+
+    def check_part(self, part: Any, author: str) -> str | None:
+        return None if part is True or part is False else "malformed"
+
+    def rebase(self, state: dict, author: str, part: bool | None, base: Op) -> dict:
+        state.pop(author, None)
+        if part:
+            state[author] = ({base.id}, set())  # the base is the add that keeps the author in (rm it by its id)
+        return state
+
     @staticmethod
     def live_tags(state: dict, element: str) -> list[bytes]:
         adds, removed = state.get(element, (set(), set()))
@@ -172,6 +258,20 @@ class GCounter(CRDTType):
 
     def value(self, state: dict) -> dict:
         return {"total": sum(state.values()), "by_peer": dict(sorted(state.items()))}
+
+    per_author = True
+
+    def fold(self, part: int | None, op: Op) -> int:
+        return (part or 0) + op.payload["n"]
+
+    def check_part(self, part: Any, author: str) -> str | None:
+        return None if _is_int(part, 0 if type(self) is GCounter else -MAX_INT) else "malformed"
+
+    def rebase(self, state: dict, author: str, part: int | None, base: Op) -> dict:
+        state.pop(author, None)
+        if part is not None:
+            state[author] = part
+        return state
 
 
 class PNCounter(GCounter):
@@ -203,6 +303,17 @@ class MaxRegister(CRDTType):
     def value(self, state):
         return state
 
+    per_author = True  # the register is the max over every author's largest write: restating one's own is enough
+
+    def fold(self, part: int | None, op: Op) -> int:
+        return op.payload["v"] if part is None else max(part, op.payload["v"])
+
+    def check_part(self, part: Any, author: str) -> str | None:
+        return None if _is_int(part) else "malformed"
+
+    def rebase(self, state, author: str, part: int | None, base: Op):
+        return state if part is None or (state is not None and state >= part) else part
+
 
 PROGRESS_FIELDS = {"step", "samples", "loss", "bytes", "round"}
 MAX_METRICS = 16  # optional "metrics": a loop's own numbers (e.g. rewards), short names to finite floats
@@ -218,7 +329,11 @@ class ProgressRegister(CRDTType):
     name = "progress"
 
     def check(self, op: Op) -> str | None:
-        p = op.payload
+        return self.check_part(op.payload, op.author)
+
+    per_author = True
+
+    def check_part(self, p: Any, author: str) -> str | None:
         if not isinstance(p, dict) or set(p) - {"metrics"} != PROGRESS_FIELDS:
             return "malformed"
         if "metrics" in p and not _metrics_ok(p["metrics"]):
@@ -241,3 +356,12 @@ class ProgressRegister(CRDTType):
 
     def value(self, state: dict) -> dict:
         return {author: payload for author, (_, payload) in sorted(state.items())}
+
+    def fold(self, part: dict | None, op: Op) -> dict:
+        return op.payload  # an author's ops come in its chain's order, which is its clock's
+
+    def rebase(self, state: dict, author: str, part: dict | None, base: Op) -> dict:
+        state.pop(author, None)
+        if part is not None:
+            state[author] = (_rank(base), part)
+        return state

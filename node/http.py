@@ -198,7 +198,7 @@ class StatusServer:
         except OSError as e:  # the log cannot persist them (disk full): nothing was applied
             return web.json_response({"error": f"not written: {e}"}, status=503)
         return web.json_response({"ops": [{"id": op.id.hex(), "seq": op.seq} for op in ops],
-                                  "heads_digest": self.node.replicator.store.heads_digest()})
+                                  "digest": self.node.replicator.store.digest()})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=render(self._registry), headers={"Content-Type": CONTENT_TYPE})

@@ -94,7 +94,11 @@ class NodeCollector:
 
         crdt = node.replicator.store
         yield GaugeMetricFamily("swarmd_crdt_ops", "Ops in the replicated state", value=len(crdt.ops))
-        yield GaugeMetricFamily("swarmd_crdt_pending_ops", "Verified ops waiting for a parent", value=len(crdt.pending))
+        yield GaugeMetricFamily("swarmd_crdt_pending_ops", "Verified ops waiting for their author's previous op",
+                                value=len(crdt.pending))
+        yield CounterMetricFamily("swarmd_crdt_compacted_ops", "Ops dropped because their author's base restated them",
+                                  value=crdt.compacted)
+        yield GaugeMetricFamily("swarmd_crdt_log_records", "Records in the op log", value=node.replicator.log.records)
         yield GaugeMetricFamily("swarmd_crdt_heads", "Heads of the op DAG", value=len(crdt.heads))
         rejected = CounterMetricFamily("swarmd_crdt_rejected_ops", "Ops rejected by reason", labels=["reason"])
         for reason, count in crdt.rejected.items():

@@ -7,7 +7,9 @@ next intact record and goes on, so one flipped byte costs one record, not everyt
 kept aside in ``<log>.damaged`` (appended, never lost), and the log is rewritten without them (atomically); a torn
 tail (a crash inside an append: no intact record after it) is cut the same way. ``damaged_mid`` counts damaged
 stretches followed by intact records: acknowledged ops may be gone, and the caller must re-fetch the node's own
-ops from peers before writing again. Never a crash. Blocking file I/O: call it through ``asyncio.to_thread``.
+ops from peers before writing again. Never a crash. ``rewrite`` keeps only the records a predicate accepts (the
+replicator drops ops their authors' bases restated), atomically. Blocking file I/O: call it through
+``asyncio.to_thread``.
 """
 
 from __future__ import annotations
@@ -104,6 +106,38 @@ class OpLog:
             self.records += len(wires)
             self.size += len(blob)
 
+    def rewrite(self, keep) -> bool:
+        """Rewrite the log with only the records ``keep(wire)`` accepts, in their order, atomically (a new file,
+        fsync'd, renamed over the old one): compaction. Appends wait meanwhile. False (nothing changed) if the log
+        is closed or a record turned out damaged since it was opened (it is set aside at the next start)."""
+        with self._lock:
+            if self._file is None:
+                return False
+            self._file.flush()
+            with open(self.path, "rb") as f:
+                data = f.read()
+            spans, damaged = _scan(data)
+            if damaged:
+                logger.warning("op log %s: damaged since it was opened; not compacted", self.path)
+                return False
+            kept = [(start, end) for wire, start, end in spans if keep(wire)]
+            tmp = self.path.with_name(self.path.name + ".tmp")
+            with open(tmp, "wb") as f:
+                for start, end in kept:
+                    f.write(data[start:end])
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.path)
+            dir_fd = os.open(self.path.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+            self._file.close()
+            self._file = open(self.path, "ab")
+            self.records, self.size = len(kept), sum(end - start for start, end in kept)
+            return True
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
@@ -163,6 +197,12 @@ class MemoryOpLog:
         self.wires.extend(wires)
         self.records += len(wires)
         self.size += sum(len(msgpack.packb(w, use_bin_type=True)) + HEADER.size for w in wires)
+
+    def rewrite(self, keep) -> bool:
+        self.wires = [w for w in self.wires if keep(w)]
+        self.records = len(self.wires)
+        self.size = sum(len(msgpack.packb(w, use_bin_type=True)) + HEADER.size for w in self.wires)
+        return True
 
     def close(self) -> None:
         pass

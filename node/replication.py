@@ -35,10 +35,12 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, Callable
 
+import msgpack
+
 from crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
 from crdt.admission import Admission
 from crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
-from crdt.store import BUCKETS, DIGEST_SIZE
+from crdt.store import BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
 from crdt.types import MAX_KEY
 from node.oplog import OpLog
 from transport.base import Stream, Transport
@@ -55,6 +57,8 @@ PUSH, ACK, SYNC, OPS, ENTRIES, WANT = 1, 2, 3, 4, 5, 6
 CRDT_SPEC = ProtocolSpec("crdt", "2.0.0", max_frame=8 << 20, kinds=frozenset({PUSH, ACK, SYNC, OPS, ENTRIES, WANT}))
 MAX_PUSH_OPS = 1000
 SYNC_BATCH = 1000
+PUSH_BYTES = 4 << 20  # op bodies per PUSH or OPS frame (the frame limit is 8 MiB)
+LOG_SLACK = 1000  # the op log is rewritten without restated ops once it holds this many more than twice the live ones
 PAGE = 2048  # version-vector entries per ENTRIES / WANT message
 MAX_PAGES = 64  # pages per sync (the next anti-entropy round goes on)
 MAX_WANTS = 64  # WANT round trips per page
@@ -68,9 +72,10 @@ WIRE.blob("(inside a signed op)", "crdt.op", Tuple.of(
     Int(1, 1), Str(MAX_AUTHOR, min=1), Int(1, MAX_SEQ), Tuple.of(Int(0, 2**63 - 1), Int(0, 2**63 - 1)),
     List(Bytes(exact=ID_SIZE), MAX_PARENTS), Str(MAX_OBJECT_NAME, min=1), ANY("the object's CRDT type")),
     [1, "12D3KooW...", 1, [1_800_000_000_000, 0], [], "kv", {"k": "12D3KooW.../note", "v": "hi"}],
-    max_size=4096, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
+    max_size=MAX_BASE_SIZE, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
     doc="an op's body b: [1, author, seq, HLC clock, parent op ids (sorted), object, payload]; s signs it; the op "
-        "id is BLAKE2b-256(b)")
+        "id is BLAKE2b-256(b). At most 4 KiB, but an author's every 1,000th op is its base (up to 64 KiB): object "
+        "'_base', payload {parts: {object: the author's whole contribution}, ticket?: its admission ticket}")
 WIRE.frame(CRDT_SPEC, PUSH, "crdt.push", Map.of(ops=_OPS), {"ops": [_OP]}, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
            doc="new ops, each signed by its author")
 WIRE.frame(CRDT_SPEC, ACK, "crdt.ack", Map.of(applied=Int(0), rejected=Int(0)), {"applied": 1, "rejected": 0})
@@ -175,6 +180,7 @@ class Replicator:
         if bad:
             logger.warning("op log: %d records did not verify and were skipped", bad)
         logger.info("CRDT state: %d ops from the log", len(self.store.ops))
+        await self.compact_log()
         await self.transport.serve(CRDT_SPEC, self._on_stream)
         if self.log.damaged_mid:
             return  # writes (our member op included) wait for _recover
@@ -233,11 +239,11 @@ class Replicator:
             gap = sorted(op.seq for op in self.store.pending.values() if op.author == me)
             if synced and not gap:
                 logger.warning("op log recovery: own ops re-fetched from %d peer(s) (chain at #%d); writing again",
-                               len(synced), len(self.store.chains.get(me, [])))
+                               len(synced), self.store.last_seq(me))
                 break
             if synced and synced >= set(peers):
                 logger.error("op log recovery: no peer has own op #%d (held after it: %s); writing again",
-                             len(self.store.chains.get(me, [])) + 1, gap[:8])
+                             self.store.last_seq(me) + 1, gap[:8])
                 break
             if not synced and self.clock.monotonic() - started > RECOVERY_ALONE_S:
                 logger.error("op log recovery: no peer reachable for %.0f s; writing again without re-fetching "
@@ -264,6 +270,22 @@ class Replicator:
 
     def close(self) -> None:
         self.log.close()
+
+    async def compact_log(self) -> bool:
+        """Rewrite the op log without the ops that their authors' bases restated (``crdt.store``: compaction),
+        once they outnumber the live ones: the log then holds what the store holds, at most ``BASE_EVERY`` ops per
+        author. Appends wait on the log's lock meanwhile (an op is never lost between the two files)."""
+        live = len(self.store.ops) + len(self.store.pending)
+        if self.log.records <= 2 * live + LOG_SLACK:
+            return False
+        firsts = dict(self.store.first)
+        before, size = self.log.records, self.log.size
+        if not await asyncio.to_thread(self.log.rewrite, lambda wire: _still_live(wire, firsts)):
+            return False
+        self.counters["log_compactions"] += 1
+        logger.info("op log compacted: %d -> %d records (%d -> %d bytes)", before, self.log.records, size,
+                    self.log.size)
+        return True
 
     # ------------------------------------------------------------------ local writes
     async def write(self, obj: str, payload: Any, *, push: bool = True) -> Op:
@@ -308,7 +330,7 @@ class Replicator:
         keys = []
         for wire in wires:
             try:
-                op = decode_wire(wire, max_size=self.store.max_op_size)
+                op = decode_wire(wire, max_size=self.store.max_wire_size)
             except OpError:
                 continue  # the store refuses it with its reason
             if op.id not in self.store.ops:
@@ -403,8 +425,14 @@ class Replicator:
             await self._push_on(stream, ops)
 
     async def _push_on(self, stream: Stream, ops: list[Op]) -> None:
-        for start in range(0, len(ops), MAX_PUSH_OPS):
-            batch = ops[start : start + MAX_PUSH_OPS]
+        batches, size = [[]], 0
+        for op in ops:  # at most MAX_PUSH_OPS ops and PUSH_BYTES of bodies a frame (bases are up to 64 KiB)
+            if batches[-1] and (len(batches[-1]) == MAX_PUSH_OPS or size + len(op.body) > PUSH_BYTES):
+                batches.append([])
+                size = 0
+            batches[-1].append(op)
+            size += len(op.body)
+        for batch in batches if ops else []:
             await stream.send(PUSH, {"ops": [o.wire() for o in batch]})
             reply = await asyncio.wait_for(stream.read_required(), 30.0)
             if reply.kind != ACK:
@@ -431,7 +459,7 @@ class Replicator:
                 want, lacking = self.store.page_diff(theirs, buckets, after, nxt)
                 if want:
                     await self._pull_page(stream, peer_id, theirs)
-                ops, _ = self.store.ops_after(lacking, 10 * SYNC_BATCH)
+                ops, _ = self.store.ops_after(lacking, 10 * SYNC_BATCH, 10 * PUSH_BYTES)
                 if ops:
                     await self._push_on(stream, ops)
                 if nxt is None:
@@ -443,8 +471,7 @@ class Replicator:
     async def _pull_page(self, stream: Stream, peer_id: str, theirs: dict[str, int]) -> None:
         """WANT the ops of the authors where the peer is ahead, until it has sent everything up to its page."""
         def known(author: str) -> int:
-            chain = self.store.chains.get(author)
-            return max(len(chain) if chain else 0, seen.get(author, 0))
+            return max(self.store.last_seq(author), seen.get(author, 0))
 
         seen: dict[str, int] = {}
         for _ in range(MAX_WANTS):
@@ -504,6 +531,10 @@ class Replicator:
             except asyncio.TimeoutError:
                 pass
             self._sync_event.clear()
+            try:
+                await self.compact_log()
+            except OSError as e:
+                self._log.log(logging.WARNING, "compact", "crdt: could not rewrite the op log: %s", e)
             dropped = dict(self.store.pending_dropped)
             self.store.expire_pending(self._now_ms())
             if dict(self.store.pending_dropped) != dropped:
@@ -541,7 +572,16 @@ class Replicator:
         return s
 
     def state(self) -> dict:
-        return {"heads_digest": self.store.heads_digest(), "ops": len(self.store.ops), "objects": self.store.values()}
+        return {"digest": self.store.digest(), "ops": len(self.store.ops), "objects": self.store.values()}
+
+
+def _still_live(wire: Any, firsts: dict[str, int]) -> bool:
+    """Whether an op log record is still needed: it is not an op before its author's latest base we hold."""
+    try:
+        body = msgpack.unpackb(wire["b"], raw=False, max_ext_len=0)
+        return not body[2] < firsts.get(body[1], 1)
+    except Exception:
+        return True  # not ours to judge here: the store refuses it on the next start
 
 
 def answer_sync(store: OpStore, body: Any) -> dict:
@@ -560,7 +600,7 @@ def answer_want(store: OpStore, body: Any) -> dict:
     """A WANT request's OPS reply: our ops past the seqs it names, in causal order, at most ``SYNC_BATCH``."""
     if not isinstance(body, dict) or set(body) != {"have"}:
         raise MalformedMessage("crdt: WANT body must be {have: {author: seq}}")
-    ops, more = store.ops_after(_parse_vv(body["have"]), SYNC_BATCH)
+    ops, more = store.ops_after(_parse_vv(body["have"]), SYNC_BATCH, PUSH_BYTES)
     return {"ops": [o.wire() for o in ops], "more": more}
 
 

@@ -85,6 +85,8 @@ class SimNode:
             bulk = BulkService(self.gossip, tcp=False)  # blobs move over the in-memory streams
             self.loop = loop(self.gossip, bulk)
             self.services = [bulk, self.loop]
+        self.life = life
+        self.admission = admission
         self.received: dict[bytes, float] = {}  # flood message id -> virtual time it was delivered here
         self._tasks: list[asyncio.Task] = []
         self.up = False
@@ -173,8 +175,22 @@ class SimSwarm:
     async def stop(self) -> None:
         await asyncio.gather(*(n.stop() for n in self.nodes if n.up), return_exceptions=True)
 
+    async def restart(self, node: SimNode, *, wipe: bool = False) -> SimNode:
+        """Stop ``node`` as ``kill -9`` would (if it is up) and start it again from its op log, or from an empty one
+        (``wipe``: a fresh replica of the same identity); it reconnects to its neighbours that are up."""
+        if node.up:
+            await node.stop()
+        new = SimNode(self.net, node.identity, node.admission, self.cfg, current(), neighbours=node.neighbours,
+                      log=None if wipe else node.log, life=node.life + 1)
+        self.nodes[self.nodes.index(node)] = self.by_id[new.peer_id] = new
+        await new.start()
+        for p in sorted(new.neighbours):
+            if self.by_id[p].up:
+                await new.transport.connect_peer(p, [], timeout=10.0)
+        return new
+
     def converged(self, nodes: list[SimNode] | None = None) -> bool:
-        digests = {n.replicator.store.heads_digest() for n in (nodes or self.nodes) if n.up}
+        digests = {n.replicator.store.digest() for n in (nodes or self.nodes) if n.up}
         return len(digests) == 1
 
     async def until(self, cond, timeout: float, what: str, step: float = 0.05) -> float:

@@ -85,6 +85,10 @@ def _wire_targets(ident: Identity) -> list[Target]:
                     {"add": ident.peer_id, "ticket": admission.mint(ident.peer_id)})
     kv = make_op(ident.sign, ident.peer_id, 2, (now + 1, 0), [first.id], "kv",
                  {"k": f"{ident.peer_id}/x", "v": [1, {"a": 2.5, "b": None}, "s"]})
+    base = make_op(ident.sign, ident.peer_id, 1000, (now + 2, 0), [kv.id], "_base", {
+        "parts": {"members": True, "kv": {f"{ident.peer_id}/x": [1, "s"]}, "events": 3, "rounds": 7,
+                  "progress": {"step": 1, "samples": 2, "loss": 0.5, "bytes": 3, "round": 1}},
+        "ticket": first.payload["ticket"]})  # a base: the author's whole contribution restated
     from node.replication import BASE_SCHEMA
 
     def crdt_op(data: bytes) -> None:
@@ -99,7 +103,7 @@ def _wire_targets(ident: Identity) -> list[Target]:
         """A raw op body (the signed bytes) through the store and JSON: state serialisation of any payload."""
         store = OpStore(BASE_SCHEMA, lambda *_: True, admission=admission)
         store.receive(first.wire(), now)
-        op = decode_body(data, b"\0" * 64, max_size=4096)
+        op = decode_body(data, b"\0" * 64, max_size=store.max_wire_size)
         store.receive_op(op, now)
         json.dumps(store.values(), allow_nan=False)
 
@@ -164,8 +168,8 @@ def _wire_targets(ident: Identity) -> list[Target]:
     return [
         Target("frame", [encode(1, {"ops": [first.wire()] * 3, "more": False}), encode(2, [{}] * 50_000)],
                lambda b: decode(b, SPEC), (ProtocolViolation,)),
-        Target("crdt op", [_pack(first.wire()), _pack(kv.wire())], crdt_op, (ProtocolViolation,)),
-        Target("crdt state", [first.body, kv.body], crdt_body, (OpError,)),
+        Target("crdt op", [_pack(first.wire()), _pack(kv.wire()), _pack(base.wire())], crdt_op, (ProtocolViolation,)),
+        Target("crdt state", [first.body, kv.body, base.body], crdt_body, (OpError,)),
         Target("crdt sync", [_pack({"d": [[b, d] for b, d in sync_store.digests().items()], "after": None}),
                              _pack({"b": [1, 2], "vv": {ident.peer_id: 2}, "next": [3, ident.peer_id]}),
                              _pack({"have": {ident.peer_id: 0}})],

@@ -258,7 +258,7 @@ def test_any_order_and_duplication_converge(seed, n_ops, order_seed):
     s = store()
     for wire in delivery:
         assert s.receive(wire, NOW).status != REJECTED
-    assert s.heads_digest() == reference.heads_digest()
+    assert s.digest() == reference.digest()
     assert s.values() == reference.values()
     assert not s.pending
 
@@ -288,7 +288,7 @@ def test_merge_is_commutative_associative_idempotent(seed, n_ops, split):
     ab_c, a_bc = merged(merged(a, b), c), merged(a, merged(b, c))
     ba = merged(b, a)
     for x, y in ((merged(a, b), ba), (ab_c, a_bc), (merged(a, a), a)):
-        assert x.heads_digest() == y.heads_digest() and x.values() == y.values()
+        assert x.digest() == y.digest() and x.values() == y.values()
 
 
 @settings(max_examples=30, deadline=None)
@@ -300,7 +300,7 @@ def test_a_forged_or_altered_op_never_changes_state(seed, victim, byte):
     s = store()
     for op in ops:
         s.receive(op.wire(), NOW)
-    before = (s.heads_digest(), s.values())
+    before = (s.digest(), s.values())
     target = ops[victim % len(ops)]
     position = victim % len(target.body)
     altered = target.body[:position] + bytes([byte]) + target.body[position + 1:]
@@ -313,7 +313,7 @@ def test_a_forged_or_altered_op_never_changes_state(seed, victim, byte):
     except Exception:
         return
     assert s.receive(resigned.wire(), NOW).status in (REJECTED, DUPLICATE)
-    assert (s.heads_digest(), s.values()) == before
+    assert (s.digest(), s.values()) == before
 
 
 def test_kv_values_are_json_every_replica_can_serve():
@@ -455,9 +455,9 @@ def test_anti_entropy_pages_through_many_authors_in_bounded_messages():
         a.receive(op.wire(), NOW)
     for op in _many_authors(2500, "b"):
         b.receive(op.wire(), NOW)
-    assert a.heads_digest() != b.heads_digest()
+    assert a.digest() != b.digest()
     sizes = _sync(a, b, page=1000)
-    assert a.version_vector() == b.version_vector() and a.heads_digest() == b.heads_digest()
+    assert a.version_vector() == b.version_vector() and a.digest() == b.digest()
     assert len(a.chains) == 6000 + 700 + 2500
     assert sizes["entries"] <= 1000 and sizes["digests"] == 256 and sizes["pages"] >= 3
     # in sync: one message of digests, nothing differs
@@ -493,3 +493,196 @@ def test_an_author_writes_at_most_its_quota_a_minute_whatever_it_rewrites():
     bodies, refusal = s.draft(a.peer_id, [("count", {"n": 1})] * 2, NOW + QUOTA_WINDOW_MS)
     assert refusal is None and len(bodies) == 2  # the quota is per window, not for good
     assert replica.rejected["over_quota"] == 1
+
+
+# ---------------------------------------------------------------------- compaction: bases
+def compactable():
+    """Every type per author (the node's schema is): bases are taken."""
+    return {
+        "kv": LWWMap(namespaced=True),
+        "members": ORSet(self_only=True),
+        "count": GCounter(),
+        "balance": PNCounter(),
+        "round": MaxRegister(),
+        "progress": ProgressRegister(),
+    }
+
+
+def _random_item(rng: random.Random, who: Identity, i: int):
+    me = who.peer_id
+    kind = rng.randrange(7)
+    if kind == 0:
+        return "kv", {"k": f"{me}/k{rng.randrange(8)}", "v": rng.choice([None, i, f"s{i}", {"x": [i]}])}
+    if kind == 1:
+        return "count", {"n": rng.randrange(5)}
+    if kind == 2:
+        return "balance", {"n": rng.randrange(-5, 5)}
+    if kind == 3:
+        return "round", {"v": rng.randrange(-100, 100)}
+    if kind == 4:
+        return "progress", {"step": i, "samples": i, "loss": float(i) if i % 3 else None, "bytes": i, "round": i}
+    if kind == 5:
+        return "members", {"add": me}
+    return "members", {"rm": me}
+
+
+def _write_random(s: OpStore, who: Identity, rng: random.Random, n: int, now: int) -> tuple[list, int]:
+    """``n`` random ops by ``who`` into ``s`` (its bases too), 100 a simulated 6 s: inside the quota."""
+    ops = []
+    for i in range(n):
+        obj, payload = _random_item(rng, who, i)
+        if obj == "members" and "rm" in payload:
+            payload = {"rm": who.peer_id, "tags": ORSet.live_tags(s.states["members"], who.peer_id)}
+        if i % 100 == 0:
+            now += 6_000
+        r = s.create(who.sign, who.peer_id, obj, payload, now)
+        assert r.status == APPLIED, r
+        ops.extend(r.applied)
+    return ops, now
+
+
+def _oracle(ops) -> dict:
+    """The values of every op applied one by one, bases ignored: what compaction must not change."""
+    from crdt.store import BASE_OBJECT
+
+    from dataclasses import replace
+
+    types = compactable()
+    states = {name: t.initial() for name, t in types.items()}
+    alias = {}  # a base's id -> the add tags of its author it stands for (an rm after a base names the base)
+    for op in ops:
+        if op.object == BASE_OBJECT:
+            alias[op.id] = set(ORSet.live_tags(states["members"], op.author))
+            continue
+        if op.object == "members" and "rm" in op.payload:
+            tags = sorted(set().union(*(alias.get(t, {t}) for t in op.payload["tags"])))
+            op = replace(op, payload={"rm": op.payload["rm"], "tags": tags})
+        states[op.object] = types[op.object].apply(states[op.object], op)
+    return {name: types[name].value(states[name]) for name in sorted(types)}
+
+
+def test_a_base_restates_its_author_and_every_replica_drops_what_it_restated():
+    """An author's total in the op log was unbounded (issue 14): every op ever written stayed in every replica, in
+    memory and on disk. Now every 1,000th op of an author is its base, which restates its whole contribution, and a
+    replica holds at most 1,000 ops of one author, whatever it wrote: here 2,600 ops, kept 601, the same values."""
+    from crdt.store import BASE_EVERY, BASE_OBJECT
+
+    a, b = IDS[0], IDS[1]
+    rng = random.Random(7)
+    s = OpStore(compactable(), verify)
+    ops, now = _write_random(s, a, rng, 2600, NOW)
+    assert [op.seq for op in ops if op.object == BASE_OBJECT] == [1000, 2000]
+    assert len(ops) == 2602 and s.first[a.peer_id] == 2000 and len(s.ops) == 603  # the base and 602 after it
+    assert s.values() == _oracle(ops) and s.compacted == 1999
+
+    follower = OpStore(compactable(), verify)  # took every op as it was written
+    for op in ops:
+        assert follower.receive(op.wire(), now).status == APPLIED
+    assert follower.digest() == s.digest() and follower.values() == s.values() and len(follower.ops) == 603
+    assert follower.receive(ops[10].wire(), now).status == DUPLICATE  # an op a base restated: known, not kept
+
+    newcomer = OpStore(compactable(), verify)  # takes what a sync gives it: the base and what follows
+    sent, more = s.ops_after({a.peer_id: 0}, 5000)
+    assert not more and sent[0].seq == 2000 and len(sent) == 603
+    for op in reversed(sent):  # any order: the ops after the base wait for it
+        newcomer.receive(op.wire(), now)
+    assert newcomer.digest() == s.digest() and newcomer.values() == s.values()
+
+    behind = OpStore(compactable(), verify)  # held the first 1,500, then the base jumps it over a gap
+    for op in ops[:1500]:
+        behind.receive(op.wire(), now)
+    more_ops, _ = s.ops_after(behind.version_vector(), 5000)
+    assert more_ops[0].seq == 2000
+    for op in more_ops:
+        assert behind.receive(op.wire(), now).status == APPLIED
+    assert behind.digest() == s.digest() and behind.values() == s.values()
+
+    # another author's op naming an op that the base dropped as a parent is not held for it
+    late = make_op(b.sign, b.peer_id, 1, (now, 0), [ops[5].id], "members", {"add": b.peer_id})
+    assert follower.receive(late.wire(), now).status == APPLIED
+    assert BASE_EVERY == 1000
+
+
+def test_compaction_converges_in_any_order_with_any_duplicates(monkeypatch):
+    """Three authors, bases every 10 ops (the protocol's spacing shrunk), every op delivered to a replica in a
+    random order, some twice and some lost for a while: the replica ends with the writers' values and digest."""
+    import crdt.store
+
+    monkeypatch.setattr(crdt.store, "BASE_EVERY", 10)
+    for seed in range(12):
+        rng = random.Random(seed)
+        writers = [OpStore(compactable(), verify) for _ in range(3)]
+        everything = []
+        for w, who in zip(writers, IDS[:3]):
+            ops, _ = _write_random(w, who, rng, rng.randrange(5, 60), NOW)
+            everything.extend(ops)
+        replica = OpStore(compactable(), verify)
+        order = everything + rng.sample(everything, len(everything) // 3)
+        rng.shuffle(order)
+        for op in order:
+            replica.receive(op.wire(), NOW + 10**7)
+        for w in writers:  # anti-entropy: whatever the replica still lacks of each author
+            for op in w.ops_after(replica.version_vector(), 10**6)[0]:
+                replica.receive(op.wire(), NOW + 10**7)
+        assert replica.values() == _oracle(everything), seed
+        for w, who in zip(writers, IDS[:3]):
+            assert replica.last_seq(who.peer_id) == w.last_seq(who.peer_id)
+            assert len(replica.chains[who.peer_id]) <= 10
+        assert not replica.pending
+
+
+def test_a_base_out_of_place_or_over_its_rights_is_refused():
+    from crdt.admission import Admission
+    from crdt.store import MAX_BASE_SIZE
+
+    a, b = IDS[0], IDS[1]
+    s = OpStore(compactable(), verify)
+    ops, now = _write_random(s, a, random.Random(1), 999, NOW)
+    head = ops[-1].id
+
+    def base(payload, seq=1000, who=a):
+        return make_op(who.sign, who.peer_id, seq, (now + 1, 0), [head], "_base", payload).wire()
+
+    r = OpStore(compactable(), verify)
+    assert r.receive(base({"parts": {}}, seq=999), now).reason == "malformed"  # only at every 1,000th seq
+    normal = make_op(a.sign, a.peer_id, 1000, (now + 1, 0), [head], "count", {"n": 1})
+    assert r.receive(normal.wire(), now).reason == "malformed"  # and there, only a base
+    assert r.receive(base({"parts": {"kv": {f"{b.peer_id}/x": 1}}}), now).reason == "not_allowed"
+    assert r.receive(base({"parts": {"nope": 1}}), now).reason == "unknown_object"
+    assert r.receive(base({"parts": {"count": -1}}), now).reason == "malformed"
+    assert r.receive(base({"parts": {}, "extra": 1}), now).reason == "malformed"
+    big = {"parts": {"kv": {f"{a.peer_id}/{i}": "x" * 100 for i in range(MAX_BASE_SIZE // 100)}}}
+    assert r.receive(base(big), now).reason == "oversized"
+    gated = OpStore(compactable(), verify, admission=Admission("s", bits=8))
+    assert gated.receive(base({"parts": {}}), now).reason == "not_admitted"  # a base carries its admission
+    ticket = Admission("s", bits=8).mint(a.peer_id)
+    assert gated.receive(base({"parts": {}, "ticket": ticket}), now).status == APPLIED
+
+    plain = OpStore(schema(), verify)  # a schema with shared types takes no bases (and needs none)
+    assert plain.receive(base({"parts": {}}), now).reason == "unknown_object"
+
+
+def test_an_author_whose_share_of_the_state_outgrows_a_base_is_refused_before_it_is_stuck():
+    """The op at every 1,000th seq must be the author's base, so a contribution too large for one would stop the
+    author for good: a write that grows it past what a base restates is refused at once (deleting always goes),
+    and the base that comes fits."""
+    from crdt.store import BASE_EVERY, MAX_BASE_PARTS
+
+    a = IDS[0]
+    s = OpStore(compactable(), verify)
+    now, i = NOW, 0
+    while True:
+        if i % 100 == 0:
+            now += 6_000
+        r = s.create(a.sign, a.peer_id, "kv", {"k": f"{a.peer_id}/{i}", "v": "x" * 100}, now)
+        if r.status != APPLIED:
+            break
+        i += 1
+    assert r.reason == "state_full" and 300 < i < BASE_EVERY
+    bodies, refusal = s.draft(a.peer_id, [("kv", {"k": f"{a.peer_id}/more", "v": "y" * 100})], now)
+    assert bodies == [] and refusal.startswith("kv: state_full") and str(MAX_BASE_PARTS) in refusal
+    write(s, a, "kv", {"k": f"{a.peer_id}/0", "v": None}, now)  # deleting goes
+    while s.last_seq(a.peer_id) < BASE_EVERY + 1:  # to the base, which restates the whole contribution
+        now += 6_000
+        write(s, a, "count", {"n": 1}, now)
+    assert s.first[a.peer_id] == BASE_EVERY and len(s.value("kv")) == i - 1

@@ -27,7 +27,7 @@ def state(node):
 
 def converged(nodes):
     states = [state(n) for n in nodes]
-    digests = {s["heads_digest"] for s in states}
+    digests = {s["digest"] for s in states}
     return states[0] if len(digests) == 1 else None
 
 
@@ -80,7 +80,7 @@ def test_kill_9_loses_nothing_acknowledged_and_late_joiner_catches_up(swarm):
     for i in range(20):
         reply = post(b, [("kv", {"k": f"{b.peer_id}/x{i}", "v": i})])
         acknowledged.append(reply["ops"][0]["id"])
-    b_digest_before = state(b)["heads_digest"]
+    b_digest_before = state(b)["digest"]
     os.kill(b.pid, signal.SIGKILL)
     b.proc.wait(5)
 
@@ -101,7 +101,7 @@ def test_kill_9_loses_nothing_acknowledged_and_late_joiner_catches_up(swarm):
 def test_corrupt_log_tail_is_cut_with_a_warning(swarm):
     a = swarm.start("a")
     post(a, [("kv", {"k": f"{a.peer_id}/v{i}", "v": i}) for i in range(10)])
-    digest = state(a)["heads_digest"]
+    digest = state(a)["digest"]
     assert a.stop() == 0  # clean stop writes one more op (leaving the member set)
     log = a.data_dir / "crdt.log"
     good_size = log.stat().st_size
@@ -157,7 +157,7 @@ async def test_forged_altered_future_and_oversized_ops_are_rejected_and_counted(
              "another anti-entropy round")
     for node in (a, b):
         s = state(node)
-        assert s["heads_digest"] == before["heads_digest"]
+        assert s["digest"] == before["digest"]
         assert s["objects"]["kv"][f"{a.peer_id}/honest"] == 1
 
 

@@ -81,3 +81,48 @@ def test_virtual_time_survives_a_crashing_node_task():
 
     with pytest.raises(ValueError, match="boom"):
         run_virtual(main())
+
+
+@pytest.mark.timeout(120)
+def test_a_long_writer_is_compacted_everywhere_and_a_restart_or_a_fresh_replica_rebuilds_its_state():
+    """An author's total in the op log was unbounded (issue 14). A node writes 2,600 ops here (its bases are its
+    ops #1000 and #2000): every replica keeps only the ops after the last base, each op log is rewritten without
+    the rest, and a restart from the compacted log, or a replica that starts empty, ends with the same state."""
+    from crdt.store import BASE_EVERY
+
+    async def main():
+        swarm = SimSwarm(SimConfig(peers=4, degree=3, sync_interval=5.0))
+        await swarm.start()
+        try:
+            writer, late = swarm.nodes[0], swarm.nodes[3]
+            await late.stop()
+            me = writer.peer_id
+            for batch in range(26):
+                await writer.replicator.write_many(
+                    [("events", {"n": 1})] * 50
+                    + [("kv", {"k": f"{me}/k{i % 7}", "v": batch * 100 + i}) for i in range(49)]
+                    + [("progress", {"step": batch, "samples": batch, "loss": 1.0 / (batch + 1), "bytes": 0,
+                                     "round": batch})])
+                await asyncio.sleep(8.0)  # 100 ops every 8 s: inside the quota (500 in any 30 s)
+            up = swarm.nodes[:3]
+            await swarm.until(lambda: swarm.converged(up), 60, "the three replicas to converge")
+            await swarm.until(lambda: all(n.log.records == len(n.replicator.store.ops) for n in up), 60,
+                              "every op log to be compacted")
+            stores = [n.replicator.store for n in up]
+            kept = [sum(1 for o in s.ops.values() if o.author == me) for s in stores]
+            compacted = [s.compacted for s in stores]
+            values = stores[0].values()
+            restarted = await swarm.restart(writer)
+            rebuilt = await swarm.restart(late, wipe=True)
+            await swarm.until(lambda: swarm.converged(), 60, "the restarted and the fresh replica to converge")
+            return (kept, compacted, values, [n.replicator.store.values() for n in (restarted, rebuilt)],
+                    restarted.replicator.store.last_seq(me), [n.log.records for n in up])
+        finally:
+            await swarm.stop()
+
+    kept, compacted, values, after, last, records = run_virtual(main())
+    assert last == 26 * 100 + 2 + 1  # 2,600 writes, its member op and two bases
+    assert kept == [last - 2 * BASE_EVERY + 1] * 3 and all(c >= 2 * BASE_EVERY - 1 for c in compacted)
+    assert values["events"]["total"] == 1300 and len(values["kv"]) == 7
+    assert after == [values, values]
+    assert all(r < BASE_EVERY for r in records)

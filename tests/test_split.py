@@ -105,7 +105,7 @@ def post(node, key: str, value) -> None:
 
 
 def digest(node) -> str:
-    return node.via(lambda: http_get(node.url + "/state"))["heads_digest"]
+    return node.via(lambda: http_get(node.url + "/state"))["digest"]
 
 
 @pytest.mark.nat

@@ -49,7 +49,7 @@ async def test_two_nodes_in_one_process_join_replicate_and_gossip(tmp_path):
         await _wait(lambda: all({a.identity.peer_id, b.identity.peer_id} <= set(n.replicator.store.value("members"))
                                 for n in nodes), 30, "both member sets to list both nodes")
         await a.replicator.write("kv", {"k": f"{a.identity.peer_id}/note", "v": "hello"})
-        await _wait(lambda: b.replicator.store.heads_digest() == a.replicator.store.heads_digest(), 30,
+        await _wait(lambda: b.replicator.store.digest() == a.replicator.store.digest(), 30,
                     "the write to replicate")
         sub = gossips[1].subscribe("two/nodes")
         gossips[0].subscribe("two/nodes")
