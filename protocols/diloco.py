@@ -1073,15 +1073,9 @@ class DilocoLoop(TaskLoop):
         me = self._ctx.identity.peer_id
         n = self.global_flat[p].numel()
         bounds = self._bounds(p)
-        rejected: dict[str, str] = {}
-        for a in sorted(members):
-            ann = pending.announced[a]
-            if len(ann.parts) != len(bounds) or not math.isfinite(ann.norm) or ann.norm < 0:
-                rejected[a] = "wrong_shape"
-        members = members - set(rejected)
-        for a in exchange.norm_outliers({a: pending.announced[a].norm for a in members}):
-            rejected[a] = "norm_outlier"  # before the digest: every peer refuses it from the same announcements
-        members = members - set(rejected)
+        # before the digest: every peer refuses the same updates from the same announcements
+        members, rejected = exchange.screen_members(
+            {a: (len(pending.announced[a].parts), pending.announced[a].norm) for a in members}, len(bounds))
         if not members:
             return None, rejected
         ordered = exchange.order(self.cfg.run, r, p, members)
@@ -1174,7 +1168,7 @@ class DilocoLoop(TaskLoop):
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
                 blob, size, m, addrs, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
-                if m == digest and (whose is None or not exchange.majority(whose, members)):
+                if not exchange.take_reduced(m, digest, whose, members):
                     # the reducer lacked most chunks (or named no members of ours): not a part to take
                     self.counters["reduced_parts_partial"] += 1
                 else:
@@ -1201,12 +1195,13 @@ class DilocoLoop(TaskLoop):
                     # judged on the chunks the reducer says it combined (one that did not come in time at the
                     # reducer is no lie): our own reduction, or another from exactly those chunks. Other members
                     # than ours, or a chunk it names that did not come to us: nothing to compare, no dispute
-                    ok = True
+                    ours = None
                     if got[1] == digest:
                         if computed[k][3] == got[3] or await compute(k, self.clock.monotonic() + span, only=got[3]):
-                            ok = computed[k][0] == got[0]
+                            ours = computed[k][0]
                         else:
                             self.counters["audits_incomplete"] += 1
+                    ok = exchange.audit_verdict(got[1], digest, got[0], ours)
                     self._publish(AUDIT, {"r": r, "p": p, "aud": k, "ok": ok})
                     self.counters["parts_audited"] += 1
                     if not ok:
@@ -1220,12 +1215,13 @@ class DilocoLoop(TaskLoop):
                 await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - self.clock.monotonic())
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
                     self.counters["parts_disputed"] += 1
-                    if got[3] is not None and await compute(k, self.clock.monotonic() + span, only=got[3]):
-                        if computed[k][0] == got[0]:
-                            self._liar(auditor, k, r, p, role="auditor")
-                        else:
-                            self._liar(reducer, k, r, p)
-                            got = None
+                    could = got[3] is not None and await compute(k, self.clock.monotonic() + span, only=got[3])
+                    liar = exchange.settle_dispute(got[0], computed[k][0] if could else None)
+                    if liar == "auditor":
+                        self._liar(auditor, k, r, p, role="auditor")
+                    elif liar == "reducer":
+                        self._liar(reducer, k, r, p)
+                        got = None
                     else:
                         got = None  # we cannot tell who is right: our own reduction
             if got is None:
@@ -1283,11 +1279,15 @@ class DilocoLoop(TaskLoop):
 
         async def conform(k: int) -> None:
             whose = exchange.unpack_set(ordered, sets[k])
-            if whose is None or not exchange.majority(whose, members):
+            could = whose is not None and exchange.majority(whose, members) \
+                and await compute(k, self.clock.monotonic() + span, only=whose)
+            action = exchange.conform_action(ordered, members, sets[k], could, computed[k][0] if could else None,
+                                             hashes[k])
+            if action == "not_followed":
                 self.counters["parts_not_followed"] += 1
-            elif not await compute(k, self.clock.monotonic() + span, only=whose):
+            elif action == "not_conformed":
                 self.counters["parts_not_conformed"] += 1  # a chunk it names did not come to us
-            elif computed[k][0] != hashes[k]:
+            elif action == "mismatch":
                 self.counters["parts_coordinator_mismatch"] += 1  # its bytes are not what those chunks give
                 logger.warning("diloco round %d/%d: coordinator %s's part %d is not the reduction of the chunks it "
                                "names; ours kept", r, p, coordinator[-8:], k)

@@ -7,6 +7,11 @@ by the next one. A reducer combines the participants' chunks of its part with th
 (each update scaled by its clip factor, from the norms every participant announced with its update, then the mean
 in sorted peer order), encodes the result with the run's codec and everyone adopts those bytes: every peer ends
 with the same combined update, bit for bit, whoever reduced what.
+
+The round's decisions are here too, as functions of what arrived (the DiLoCo loop is the I/O around them: pulls,
+publishes, waits): whose updates a round combines (``screen_members``), whether a reducer's part is one to take
+(``take_reduced``), what an audit or a dispute concludes (``audit_verdict``, ``settle_dispute``), and whether to
+conform a part to the coordinator's (``conform_action``).
 """
 
 from __future__ import annotations
@@ -104,6 +109,57 @@ def majority(subset, members) -> bool:
 
 def members_digest(members) -> str:
     return hashlib.blake2b("\n".join(sorted(members)).encode(), digest_size=8).hexdigest()
+
+
+def screen_members(announced: dict[str, tuple[int, float]], parts: int) -> tuple[set[str], dict[str, str]]:
+    """Whose updates a round combines, from their announcements alone (``{peer: (its part count, its norm)}``), so
+    every peer refuses the same ones before the member digest: an update cut into another number of parts than the
+    round's, or with a norm that is not a finite non-negative number (``wrong_shape``), then the norm outliers
+    (``norm_outlier``). Returns (members, {refused peer: why})."""
+    rejected = {a: "wrong_shape" for a, (n_parts, norm) in sorted(announced.items())
+                if n_parts != parts or not math.isfinite(norm) or norm < 0}
+    members = set(announced) - set(rejected)
+    for a in norm_outliers({a: announced[a][1] for a in members}):
+        rejected[a] = "norm_outlier"
+    return members - set(rejected), rejected
+
+
+def take_reduced(their_digest: str, digest: str, whose: frozenset[str] | None, members) -> bool:
+    """Whether a reducer's published part is one to pull and take. One over our members (``their_digest`` ==
+    ``digest``) must name a majority of them (``whose``: the members whose chunks it combines; None: a bitmap that
+    names no members of ours); one over another view of the members is taken as it is (the coordinator's
+    conformance settles it later)."""
+    return their_digest != digest or (whose is not None and majority(whose, members))
+
+
+def audit_verdict(their_digest: str, digest: str, theirs: bytes, ours: bytes | None) -> bool:
+    """An auditor's verdict on a part it took from its reducer: ``ours`` is the hash of our reduction of exactly
+    the chunks the reducer names (None: one of those chunks did not come to us, or its members are another view:
+    nothing to compare, so no dispute). True: agreed (or not comparable)."""
+    return their_digest != digest or ours is None or ours == theirs
+
+
+def settle_dispute(theirs: bytes, ours: bytes | None) -> str:
+    """A part its auditor disputed, judged by reducing the chunks the reducer names ourselves (``ours``: that
+    reduction's hash; None: we could not, a chunk did not come): ``"auditor"`` lied (the reducer's bytes are
+    right: keep them), ``"reducer"`` lied (take our reduction), or ``"unknown"`` (take our own reduction)."""
+    if ours is None:
+        return "unknown"
+    return "auditor" if ours == theirs else "reducer"
+
+
+def conform_action(ordered: list[str], members, bits: bytes, could_reduce: bool, ours: bytes | None,
+                   theirs: bytes) -> str:
+    """What to do with a part whose bytes differ from the coordinator's (``bits``: the members whose chunks the
+    coordinator's part combines; ``could_reduce``: we reduced exactly those chunks, ``ours`` its hash):
+    ``"not_followed"`` (it names no majority of our members), ``"not_conformed"`` (a chunk it names did not come
+    to us), ``"mismatch"`` (its bytes are not what those chunks give: ours kept) or ``"conform"`` (take it)."""
+    whose = unpack_set(ordered, bits)
+    if whose is None or not majority(whose, members):
+        return "not_followed"
+    if not could_reduce:
+        return "not_conformed"
+    return "conform" if ours == theirs else "mismatch"
 
 
 def clip_factors(norms: dict[str, float], clip: float = 2.0) -> dict[str, float]:

@@ -14,14 +14,18 @@ simulator (node/sim.py) drive the same code through the shells.
   no one's.
 - :func:`hash_verdict`: after a round, do our weights agree with the majority of the counted peers', and if not,
   whom to resync from.
+- :func:`new_items` and :func:`draw`: SAPO's round close: which peers' shared items are new to us, and which of
+  their informative groups we train on (J at random, at most so many from one peer).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
-from collections.abc import Collection, Iterable, Mapping
+import random
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from protocols.standing import Standing
 
@@ -179,3 +183,40 @@ def hash_verdict(ours: str, theirs: Mapping[str, str], counts=lambda peer: True)
         return None
     top = majority([*counted.values(), ours])
     return HashVerdict(top, top == ours, tuple(sorted(a for a, h in counted.items() if h == top)))
+
+
+T = TypeVar("T")
+
+
+def new_items(inbox: Mapping[str, tuple[int, T]], used: dict[str, int], me: str) -> list[tuple[str, int, T]]:
+    """SAPO: the peers' items we have not drawn from yet (``inbox``: author -> (its round, its items), in arrival
+    order; ``used``: author -> the newest of its rounds we drew from, updated here), as (author, round, items).
+    Our own items are never external."""
+    out = []
+    for author, (rr, items) in list(inbox.items()):  # a snapshot: the validator may add to it meanwhile
+        if author == me or rr <= used.get(author, -1):
+            continue
+        used[author] = rr
+        out.append((author, rr, items))
+    return out
+
+
+def draw(candidates: Mapping[str, Sequence[T]], want: int, per_source: int, rng: random.Random
+         ) -> tuple[list[tuple[str, T]], int]:
+    """SAPO: ``want`` of the candidates (author -> its informative groups) drawn uniformly at random, at most
+    ``per_source`` from any one author, so no peer (or flood of one peer's items) fills a round. Returns the chosen
+    (author, group) in the order drawn, and how many draws were passed over for their author's cap."""
+    pool = [(author, g) for author, groups in candidates.items() for g in groups]
+    rng.shuffle(pool)
+    chosen: list[tuple[str, T]] = []
+    taken: collections.Counter = collections.Counter()
+    capped = 0
+    for author, group in pool:
+        if len(chosen) == want:
+            break
+        if taken[author] >= per_source:
+            capped += 1
+            continue
+        taken[author] += 1
+        chosen.append((author, group))
+    return chosen, capped

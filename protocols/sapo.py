@@ -413,15 +413,12 @@ class SapoLoop(TaskLoop):
         self._rate.prune()
 
     def _draw_external(self, r: int, rng: random.Random) -> tuple[list[Group], float | None]:
-        """Re-score the items of round r (and late ones of r - 1) with our verifier; draw J informative groups,
-        at most ``max_per_source`` from any one peer. Returns them and the mean external reward of round r."""
-        me = self._ctx.identity.peer_id
+        """Re-score the peers' new items with our verifier (the I/O-free rules: ``rounds.new_items``,
+        ``rounds.draw``); draw J informative groups, at most ``max_per_source`` from any one peer. Returns them and
+        the mean external reward of what we scored."""
         candidates: dict[str, list[Group]] = collections.defaultdict(list)
         rewards, n = 0.0, 0
-        for author, (rr, items) in list(self.inbox.items()):  # a snapshot: the validator adds to it
-            if author == me or rr <= self.used.get(author, -1):
-                continue
-            self.used[author] = rr
+        for author, rr, items in rounds.new_items(self.inbox, self.used, self._ctx.identity.peer_id):
             q_seed = question_seed(self.cfg.run, self.cfg.seed, author, rr)
             source = self._source(author)
             for dataset, index, comps in items:
@@ -436,20 +433,11 @@ class SapoLoop(TaskLoop):
                     candidates[author].append(group)
                 else:
                     self.counters["dropped_zero_advantage"] += 1
-        pool = [(author, g) for author, groups in candidates.items() for g in groups]
-        rng.shuffle(pool)
-        chosen, per_source = [], collections.Counter()
-        for author, group in pool:
-            if len(chosen) == self.cfg.external:
-                break
-            if per_source[author] >= self.cfg.max_per_source:
-                self.counters["capped_per_source"] += 1
-                continue
-            per_source[author] += 1
-            chosen.append(group)
-        for author, n in per_source.items():
-            self._source(author)[3] += n
-        return chosen, (rewards / n if n else None)
+        chosen, capped = rounds.draw(candidates, self.cfg.external, self.cfg.max_per_source, rng)
+        self.counters["capped_per_source"] += capped
+        for author, _ in chosen:
+            self._source(author)[3] += 1
+        return [g for _, g in chosen], (rewards / n if n else None)
 
     def _source(self, author: str) -> list:
         if author not in self.sources and len(self.sources) >= 256:

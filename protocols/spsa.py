@@ -30,7 +30,9 @@ import math
 import random
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgpack
 import torch
@@ -115,6 +117,49 @@ def screen_window(batches: dict[str, bytes]) -> tuple[set[str], int]:
     out = {a for a, m in medians.items() if m > typical + EXTREME_Q}
     pooled = statistics.median_low(x & 0x7F for a, b in batches.items() if a not in out for x in b)
     return out, min(0x7F, pooled + CAP_Q)
+
+
+def read_log(entries: Any, *, topic: str, window: int, accepts: Callable[[str, dict], bool]
+             ) -> list[tuple[int, dict[str, Message]]]:
+    """A peer's log as it serves it (``[[w, [signed batch message, ...]], ...]``, windows contiguous from 0),
+    verified whole before a joiner takes anything from it: every entry a message on ``topic`` signed by its author,
+    a batch of its window with ``window`` steps, that ``accepts(author, body)`` (the run's task tag). Returns
+    [(w, {author: message})]; raises ValueError naming the first fault. Pure: no I/O, no state."""
+    if not isinstance(entries, list) or [e[0] if isinstance(e, list) and len(e) == 2 else None
+                                         for e in entries] != list(range(len(entries))):
+        raise ValueError("spsa-log: windows must be [w, batches] contiguous from 0")
+    out = []
+    for w, wires in entries:
+        if not isinstance(wires, list):
+            raise ValueError("spsa-log: batches must be a list")
+        batches: dict[str, Message] = {}
+        for wire in wires:
+            message = decode_message(wire)
+            if message.topic != topic or not verify(message.author, PUBSUB_DOMAIN + message.body, message.sig):
+                raise ValueError("spsa-log: an entry does not verify")
+            try:
+                kind, body = WIRE.unpack(CARRIER, message.data)
+            except (MalformedMessage, UnknownKind):
+                raise ValueError("spsa-log: an entry is not a batch") from None
+            if kind is not BATCH or not accepts(message.author, body) or body["w"] != w or len(body["b"]) != window:
+                raise ValueError("spsa-log: an entry is not a batch of its window")
+            batches[message.author] = message
+        out.append((w, batches))
+    return out
+
+
+def log_contributors(windows: list[tuple[int, dict[str, Message]]],
+                     screen: Callable[[int, dict[str, bytes]], tuple[set[str], int]] | None = None
+                     ) -> list[set[str]]:
+    """Each window's contributors as standing records them: its batches less those ``screen`` (``screen_window``,
+    or a cached one taking the window too) refuses as out of scale, so a joiner counts the peers the live ones
+    counted."""
+    out = []
+    for w, batches in windows:
+        raw = {a: _batch_bytes(m) for a, m in batches.items()}
+        extreme, _ = screen(w, raw) if screen is not None else screen_window(raw)
+        out.append(set(batches) - extreme)
+    return out
 
 
 def capped(b: int, cap: int) -> int:
@@ -774,13 +819,12 @@ class SPSALoop(TaskLoop):
         their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
         the last window is left to the live loop (one-window lag). Returns each window's contributors, as standing
         records them (its batches less the ones refused as out of scale)."""
-        verified = self._verify_log(entries)
-        contributors = []
+        verified = read_log(entries, topic=self.topic, window=self.cfg.window,
+                            accepts=lambda author, body: self._foreign(author, body) is None)
         for w, batches in verified:
             self.applied[w] = batches
             self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
-            extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in batches.items()})
-            contributors.append(set(batches) - extreme)
+        contributors = log_contributors(verified, self._screen)
         self.window = len(entries)
         todo = max(0, len(entries) - 1)
         with self.work.track("log replay", total=todo, unit="windows") as work:
@@ -791,30 +835,6 @@ class SPSALoop(TaskLoop):
                     work.update(w + 1)
             await asyncio.to_thread(apply)
         return contributors
-
-    def _verify_log(self, entries: list) -> list[tuple[int, dict[str, Message]]]:
-        if [e[0] if isinstance(e, list) and len(e) == 2 else None for e in entries] != list(range(len(entries))):
-            raise ValueError("spsa-log: windows must be [w, batches] contiguous from 0")
-        out = []
-        for w, wires in entries:
-            if not isinstance(wires, list):
-                raise ValueError("spsa-log: batches must be a list")
-            batches: dict[str, Message] = {}
-            for wire in wires:
-                message = decode_message(wire)
-                if message.topic != self.topic or not verify(message.author, PUBSUB_DOMAIN + message.body,
-                                                             message.sig):
-                    raise ValueError("spsa-log: an entry does not verify")
-                try:
-                    kind, body = WIRE.unpack(CARRIER, message.data)
-                except (MalformedMessage, UnknownKind):
-                    raise ValueError("spsa-log: an entry is not a batch") from None
-                if kind is not BATCH or self._foreign(message.author, body) is not None or body["w"] != w \
-                        or len(body["b"]) != self.cfg.window:
-                    raise ValueError("spsa-log: an entry is not a batch of its window")
-                batches[message.author] = message
-            out.append((w, batches))
-        return out
 
     async def _serve_log(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)

@@ -115,6 +115,36 @@ def test_a_part_names_the_members_whose_chunks_it_combines_in_a_bitmap_and_a_min
     assert not exchange.majority(ordered[:2], ordered[:4])  # half is no majority
 
 
+def test_a_rounds_decisions_are_functions_of_what_arrived():
+    """The round's decisions without a loop or a network (the DiLoCo loop is the I/O around them)."""
+    members, refused = exchange.screen_members(
+        {"a": (8, 1.0), "b": (8, 1.2), "c": (8, 0.9), "d": (7, 1.0), "e": (8, float("nan")), "f": (8, 500.0)}, 8)
+    assert members == {"a", "b", "c"} and refused == {"d": "wrong_shape", "e": "wrong_shape", "f": "norm_outlier"}
+
+    ordered = ["a", "b", "c", "d"]
+    most, few = frozenset("abc"), frozenset("ab")
+    assert exchange.take_reduced("m", "m", most, ordered)
+    assert not exchange.take_reduced("m", "m", few, ordered)  # half is no majority: not a part to take
+    assert not exchange.take_reduced("m", "m", None, ordered)  # names none of our members
+    assert exchange.take_reduced("other", "m", None, ordered)  # another member view: taken, conformed later
+
+    assert exchange.audit_verdict("m", "m", b"x", b"x") and not exchange.audit_verdict("m", "m", b"x", b"y")
+    assert exchange.audit_verdict("m", "m", b"x", None)  # a chunk it names did not come to us: no dispute
+    assert exchange.audit_verdict("other", "m", b"x", b"y")  # another member view: nothing to compare
+
+    assert exchange.settle_dispute(b"x", b"x") == "auditor"  # the reducer's bytes are right: the auditor lied
+    assert exchange.settle_dispute(b"x", b"y") == "reducer"
+    assert exchange.settle_dispute(b"x", None) == "unknown"
+
+    bits = exchange.pack_set(ordered, most)
+    assert exchange.conform_action(ordered, ordered, bits, True, b"h", b"h") == "conform"
+    assert exchange.conform_action(ordered, ordered, bits, True, b"g", b"h") == "mismatch"
+    assert exchange.conform_action(ordered, ordered, bits, False, None, b"h") == "not_conformed"
+    assert exchange.conform_action(ordered, ordered, exchange.pack_set(ordered, few), True, b"h", b"h") \
+        == "not_followed"
+    assert exchange.conform_action(ordered, ordered, b"\xff\xff", True, b"h", b"h") == "not_followed"
+
+
 def test_a_chunk_larger_than_its_announced_norm_is_refused():
     chunk = torch.ones(100)
     assert exchange.chunk_ok(chunk, 100, 10.0) is None

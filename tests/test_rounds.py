@@ -3,6 +3,7 @@
 The loops' shells around it are tested by tests/test_rounds_sim.py (DiLoCo on the simulator) and the loops' own
 multi-process tests."""
 
+import collections
 import pytest
 
 from protocols import rounds
@@ -128,3 +129,35 @@ def test_a_view_names_peers_by_short_ids_and_counts_the_names_it_cannot_resolve(
     assert len(rounds.short_id("a")) == 8 and rounds.short_id("a") != rounds.short_id("b")
     assert rounds.resolve_view([rounds.short_id("a"), rounds.short_id("b")], known) == ({"a", "b"}, 0)
     assert rounds.resolve_view([rounds.short_id("a"), rounds.short_id("zz"), bytes(8)], known) == ({"a"}, 2)
+
+
+# ---------------------------------------------------------------------- SAPO's draw
+def test_sapo_takes_each_peers_items_once_and_never_its_own():
+    from protocols.rounds import new_items
+
+    inbox = {"me": (3, ["mine"]), "a": (2, ["a2"]), "b": (5, ["b5"])}
+    used = {"b": 5}
+    assert new_items(inbox, used, "me") == [("a", 2, ["a2"])]  # b's round 5 was drawn from already
+    assert used == {"a": 2, "b": 5}
+    assert new_items(inbox, used, "me") == []  # nothing new until a peer shares a newer round
+    inbox["a"] = (3, ["a3"])
+    assert new_items(inbox, used, "me") == [("a", 3, ["a3"])]
+
+
+def test_sapo_draws_j_at_random_and_caps_each_source():
+    import random
+
+    from protocols.rounds import draw
+
+    flood = {"flooder": [f"f{i}" for i in range(100)], "a": ["a0", "a1"], "b": ["b0"]}
+    chosen, capped = draw(flood, want=6, per_source=2, rng=random.Random(0))
+    by = collections.Counter(author for author, _ in chosen)
+    assert len(chosen) == 5 and by == {"flooder": 2, "a": 2, "b": 1}  # the flood fills 2 slots, not all 6
+    assert capped == 98  # every other flooder group was passed over
+    few, capped = draw({"a": ["a0"]}, want=4, per_source=2, rng=random.Random(0))
+    assert few == [("a", "a0")] and capped == 0
+    # the same rng, the same draw; over many draws, every group of a source comes up alike (uniform)
+    assert draw(flood, 6, 2, random.Random(7)) == draw(flood, 6, 2, random.Random(7))
+    counts = collections.Counter(g for seed in range(2000)
+                                 for _, g in draw({"a": ["x", "y", "z"]}, 1, 1, random.Random(seed))[0])
+    assert set(counts) == {"x", "y", "z"} and min(counts.values()) > 550

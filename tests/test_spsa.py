@@ -39,6 +39,64 @@ def test_a_window_screen_refuses_bytes_out_of_scale_and_caps_the_rest():
     assert screen_window({"a": loud, "b": honest["p0"]}) == (set(), 0x7F)  # 2 peers: nothing to compare with
 
 
+def _signed(who, topic: str, data: bytes, seq: int = 1) -> dict:
+    """A pubsub message as gossip signs it (protocols/gossip.py), as a log serves it."""
+    import msgpack
+
+    from protocols.gossip import SIGN_DOMAIN
+
+    body = msgpack.packb([1, topic, who.peer_id, seq, 1_800_000_000_000, data], use_bin_type=True)
+    return {"b": body, "s": who.sign(SIGN_DOMAIN + body)}
+
+
+def test_a_served_log_is_verified_whole_and_its_contributors_are_the_screened_batches():
+    """SPSA's replay, without a loop: a joiner reads a peer's log (protocols/spsa.py read_log) and counts each
+    window's contributors as the live peers did (log_contributors): the batches less those refused as out of
+    scale. Any fault anywhere in the log refuses the whole log before anything is taken from it."""
+    import msgpack
+
+    from protocols.spsa import log_contributors, read_log
+    from transport.identity import Identity
+    from transport.wire import WIRE
+
+    topic, window = "spsa/run", 4
+    peers = [Identity.generate() for _ in range(4)]
+    tag = ["layout", "config"]
+
+    def batch(who, w, codes, t=tag, n=None):
+        body = {"w": w, "b": bytes(codes[:n] if n else codes), "h": bytes(8), "t": list(t)}
+        return _signed(who, topic, WIRE.pack(BATCH, body), seq=w + 1)
+
+    honest = [1, 0x82, 3, 0x84]
+    log = [[0, [batch(p, 0, honest) for p in peers]],
+           [1, [batch(p, 1, honest) for p in peers[:3]] + [batch(peers[3], 1, [0x7F] * window)]]]
+
+    def accepts(author, body):
+        return body.pop("t") == tag
+
+    windows = read_log(log, topic=topic, window=window, accepts=accepts)
+    assert [sorted(b) for _, b in windows] == [sorted(p.peer_id for p in peers)] * 2
+    assert log_contributors(windows) == [{p.peer_id for p in peers}, {p.peer_id for p in peers[:3]}]
+
+    def refused(bad) -> str:
+        with pytest.raises(ValueError) as e:
+            read_log(bad, topic=topic, window=window, accepts=accepts)
+        return str(e.value)
+
+    assert "contiguous" in refused([log[1], log[0]])
+    assert "contiguous" in refused([[0, log[0][1]], [2, log[1][1]]])
+    forged = dict(log[0][1][0], s=bytes(64))
+    assert "does not verify" in refused([[0, [forged] + log[0][1][1:]], log[1]])
+    elsewhere = _signed(peers[0], "spsa/other", WIRE.pack(BATCH, {"w": 0, "b": bytes(honest), "h": bytes(8),
+                                                                   "t": tag}))
+    assert "does not verify" in refused([[0, [elsewhere]]])
+    assert "not a batch of its window" in refused([[0, [batch(peers[0], 1, honest)]]])  # window 1's, in window 0
+    assert "not a batch of its window" in refused([[0, [batch(peers[0], 0, honest, n=3)]]])  # 3 steps, not 4
+    assert "not a batch of its window" in refused([[0, [batch(peers[0], 0, honest, t=["x", "y"])]]])
+    not_batch = _signed(peers[0], topic, msgpack.packb({"k": 99, "v": 1}))
+    assert "not a batch" in refused([[0, [not_batch]]])
+
+
 def test_seeds_are_per_step_and_peer():
     assert step_seed(RUN, 1, "A") == step_seed(RUN, 1, "A")
     assert len({step_seed(RUN, s, p) for s in range(50) for p in "ABCD"}) == 200
