@@ -686,3 +686,28 @@ def test_an_author_whose_share_of_the_state_outgrows_a_base_is_refused_before_it
         now += 6_000
         write(s, a, "count", {"n": 1}, now)
     assert s.first[a.peer_id] == BASE_EVERY and len(s.value("kv")) == i - 1
+
+
+def test_the_op_log_is_rewritten_without_restated_ops_and_appends_go_on(tmp_path):
+    """node/oplog.py's rewrite, with the replicator's predicate: the log keeps an author's ops from its latest base
+    on, in order, atomically; appends after it go to the new file; a restart rebuilds the same state from it."""
+    from node.oplog import OpLog
+    from node.replication import _still_live
+
+    a = IDS[0]
+    s = OpStore(compactable(), verify)
+    ops, now = _write_random(s, a, random.Random(3), 1500, NOW)
+    log = OpLog(tmp_path / "crdt.log")
+    log.open()
+    log.append([op.wire() for op in ops[:1200]])
+    assert log.rewrite(lambda wire: _still_live(wire, dict(s.first)))
+    assert log.records == 201 and not (tmp_path / "crdt.log.tmp").exists()
+    log.append([op.wire() for op in ops[1200:]])  # to the new file
+    log.close()
+    wires = OpLog(tmp_path / "crdt.log").open()
+    assert [w["b"] for w in wires] == [op.body for op in ops if op.seq >= 1000]
+    rebuilt = OpStore(compactable(), verify)
+    for wire in wires:
+        assert rebuilt.receive(wire, now).status == APPLIED
+    assert rebuilt.values() == s.values() and rebuilt.digest() == s.digest()
+    assert _still_live({"b": b"not msgpack of an op"}, {}) is True  # not the rewrite's to judge: kept
