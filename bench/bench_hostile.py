@@ -498,7 +498,7 @@ async def one_run(loop: str, tmp: Path, attacked: bool) -> dict:
         final = [svc(n) for n in nodes]
         honest_cpu = sum(cpu_of(n.pid) for n in nodes)
         # the attacker's own work, on this machine too: its p2pd daemon, and this process (signing 100 keys' junk)
-        attacker_cpu = (cpu_of(hostile.transport.daemon_pid()) if hostile is not None else 0.0) \
+        attacker_cpu = (cpu_of(hostile.transport.daemon_pid) if hostile is not None else 0.0) \
             + time.process_time() - bench_cpu
     finally:
         if hostile is not None:

@@ -865,10 +865,17 @@ class SPSALoop(TaskLoop):
         if len(self.windows) > 256 and w not in self.windows:
             self.counters["ignored_backlog"] += 1
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
+        # a message that says again what its author said already (new gossip id, same content) is taken but not
+        # forwarded: honest peers say each thing once (a ready is repeated only to direct peers, which keep it),
+        # and 100 fresh keys repeating their junk every second had every honest node verify and relay it again
         if kind is HASH:
+            if self.hashes.get(w, {}).get(author) == body["h"][:16]:
+                return self._repeated()
             self._vote(w, author, body["h"][:16])
             return Verdict.ACCEPT
         if kind is READY:
+            if self.ready.get(author) == body["ready"]:
+                return self._repeated()
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
             if self.state != "running" and self._ctx.direct(author) \
                     and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
@@ -876,6 +883,8 @@ class SPSALoop(TaskLoop):
             return Verdict.ACCEPT
         if kind is JOIN:
             joins = self.windows[w].joins
+            if author in joins:
+                return self._repeated()
             if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_window)
             return Verdict.ACCEPT
@@ -897,6 +906,8 @@ class SPSALoop(TaskLoop):
         if existing is not None and existing.data != message.data:
             self.counters["equivocation"] += 1
             return Verdict.REJECT
+        if existing is not None:
+            return self._repeated()
         if existing is None and len(batches) >= MAX_PEER_ENTRIES and not self.standing.counts(author):
             self.counters["ignored_batches"] += 1
             return Verdict.IGNORE
@@ -904,6 +915,10 @@ class SPSALoop(TaskLoop):
         self._vote(w, author, body["h"].hex())
         self._arrived.set()
         return Verdict.ACCEPT
+
+    def _repeated(self) -> Verdict:
+        self.counters["repeated"] += 1
+        return Verdict.IGNORE
 
     def _vote(self, w: int, author: str, h: str) -> None:
         """A peer's weights hash for window w (the first 16 hex digits): its vote in the hash check."""
