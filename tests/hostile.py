@@ -66,7 +66,12 @@ class HostilePeer:
     async def close(self) -> None:
         if self._heartbeat is not None:
             self._heartbeat.cancel()
-        await self.gossip.close()
+        try:
+            # a link with thousands of messages queued for a node that stopped reading them may not end at once:
+            # an attacker leaves, it does not wait for its junk to drain
+            await asyncio.wait_for(self.gossip.close(), 10)
+        except asyncio.TimeoutError:
+            pass
         await self.transport.close()
 
 
