@@ -55,6 +55,16 @@ listen = "127.0.0.1:0"
 """
 
 
+def _random_write(rng: random.Random, who: Identity, i: int) -> tuple[str, dict]:
+    """A node's kind of write: half kv keys (of 100), a third counter increments, the rest progress."""
+    kind = rng.random()
+    if kind < 0.5:
+        return "kv", {"k": f"{who.peer_id}/k{rng.randrange(100)}", "v": rng.random()}
+    if kind < 0.8:
+        return "events", {"n": rng.randrange(10)}
+    return "progress", {"step": i, "samples": 64 * i, "loss": rng.random(), "bytes": 100, "round": 0}
+
+
 def make_history(n_ops: int, authors: int = 4, seed: int = 0):
     rng = random.Random(seed)
     ids = [Identity.generate() for _ in range(authors)]
@@ -69,13 +79,7 @@ def make_history(n_ops: int, authors: int = 4, seed: int = 0):
             for op in other.missing_for(stores[a].version_vector(), 10**6)[0]:
                 stores[a].receive_op(op, now)
         who = ids[a]
-        kind = rng.random()
-        if kind < 0.5:
-            obj, payload = "kv", {"k": f"{who.peer_id}/k{rng.randrange(100)}", "v": rng.random()}
-        elif kind < 0.8:
-            obj, payload = "events", {"n": rng.randrange(10)}
-        else:
-            obj, payload = "progress", {"step": i, "samples": 64 * i, "loss": rng.random(), "bytes": 100, "round": 0}
+        obj, payload = _random_write(rng, who, i)
         ops.append(stores[a].create(who.sign, who.peer_id, obj, payload, now).op)
     return ops
 
@@ -187,13 +191,7 @@ def _one_writer(schema: dict, n_ops: int, who: Identity) -> OpStore:
     now = int(time.time() * 1000) - 80 * n_ops
     for i in range(n_ops):
         now += 80  # 750 ops a minute: inside the quota
-        kind = rng.random()
-        if kind < 0.5:
-            obj, payload = "kv", {"k": f"{who.peer_id}/k{rng.randrange(100)}", "v": rng.random()}
-        elif kind < 0.8:
-            obj, payload = "events", {"n": rng.randrange(10)}
-        else:
-            obj, payload = "progress", {"step": i, "samples": 64 * i, "loss": rng.random(), "bytes": 100, "round": 0}
+        obj, payload = _random_write(rng, who, i)
         r = s.create(who.sign, who.peer_id, obj, payload, now)
         assert r.status == "applied", r
     return s

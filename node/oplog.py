@@ -76,18 +76,7 @@ class OpLog:
             logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records "
                            "(kept in %s.damaged)",
                            self.path, self.truncated_bytes, len(spans), self.path.name)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with open(tmp, "wb") as f:
-            for _, start, end in spans:
-                f.write(data[start:end])
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, self.path)
-        dir_fd = os.open(self.path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
+        _replace(self.path, data, [(start, end) for _, start, end in spans])
 
     def append(self, wires: list[Any]) -> None:
         if not wires:
@@ -121,18 +110,7 @@ class OpLog:
                 logger.warning("op log %s: damaged since it was opened; not compacted", self.path)
                 return False
             kept = [(start, end) for wire, start, end in spans if keep(wire)]
-            tmp = self.path.with_name(self.path.name + ".tmp")
-            with open(tmp, "wb") as f:
-                for start, end in kept:
-                    f.write(data[start:end])
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.path)
-            dir_fd = os.open(self.path.parent, os.O_RDONLY)
-            try:
-                os.fsync(dir_fd)
-            finally:
-                os.close(dir_fd)
+            _replace(self.path, data, kept)
             self._file.close()
             self._file = open(self.path, "ab")
             self.records, self.size = len(kept), sum(end - start for start, end in kept)
@@ -143,6 +121,22 @@ class OpLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def _replace(path: Path, data: bytes, spans: list[tuple[int, int]]) -> None:
+    """Make ``path`` hold exactly these spans of ``data``, atomically: a new file, fsync'd, renamed over it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        for start, end in spans:
+            f.write(data[start:end])
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
 
 
 def _record_at(data: bytes, offset: int) -> tuple[Any, int] | None:
