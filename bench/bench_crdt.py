@@ -72,7 +72,7 @@ def make_history(n_ops: int, authors: int = 4, seed: int = 0):
     now = int(time.time() * 1000) - 100 * n_ops
     ops = []
     for i in range(n_ops):
-        now += 100  # inside each author's quota (500 ops in any 30 s)
+        now += 100  # inside each author's quota (4 authors: an op of one every 400 ms on average)
         a = rng.randrange(authors)
         if rng.random() < 0.05:
             other = stores[rng.randrange(authors)]
@@ -188,9 +188,9 @@ def convergence(n_nodes: int, n_ops: int, root: Path) -> dict:
 def _one_writer(schema: dict, n_ops: int, who: Identity) -> OpStore:
     rng = random.Random(1)
     s = OpStore(schema, verify)
-    now = int(time.time() * 1000) - 80 * n_ops
+    now = int(time.time() * 1000) - 125 * n_ops
     for i in range(n_ops):
-        now += 80  # 750 ops a minute: inside the quota
+        now += 125  # 480 ops a minute: inside the quota
         obj, payload = _random_write(rng, who, i)
         r = s.create(who.sign, who.peer_id, obj, payload, now)
         assert r.status == "applied", r

@@ -59,9 +59,10 @@ from crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
 # an author's op must come QUOTA_WINDOW_MS after its op QUOTA_OPS back in the same base period, by their clocks (the
-# same on every node: part of the protocol): at most 1,000 ops a minute, sustained
+# same on every node: part of the protocol). A period's first QUOTA_OPS ops are free, so a period of BASE_EVERY ops
+# takes at least QUOTA_WINDOW_MS: at most 1,000 ops a minute, sustained
 QUOTA_OPS = 500
-QUOTA_WINDOW_MS = 30_000
+QUOTA_WINDOW_MS = 60_000
 BASE_OBJECT = "_base"  # the object name of a base op (no schema object may start with "_")
 BASE_EVERY = 1000  # an author's op #n is a base exactly when n is a multiple of this
 MAX_BASE_SIZE = 64 << 10  # a base's body (every other op: ``max_op_size``)
