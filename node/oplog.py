@@ -95,10 +95,11 @@ class OpLog:
             self.records += len(wires)
             self.size += len(blob)
 
-    def rewrite(self, keep) -> bool:
-        """Rewrite the log with only the records ``keep(wire)`` accepts, in their order, atomically (a new file,
-        fsync'd, renamed over the old one): compaction. Appends wait meanwhile. False (nothing changed) if the log
-        is closed or a record turned out damaged since it was opened (it is set aside at the next start)."""
+    def rewrite(self, select) -> bool:
+        """Rewrite the log with only the records that ``select(wires)`` (a flag per record, in file order) keeps,
+        in their order, atomically (a new file, fsync'd, renamed over the old one): compaction. Appends wait
+        meanwhile. False (nothing changed) if the log is closed or a record turned out damaged since it was opened
+        (it is set aside at the next start)."""
         with self._lock:
             if self._file is None:
                 return False
@@ -109,7 +110,8 @@ class OpLog:
             if damaged:
                 logger.warning("op log %s: damaged since it was opened; not compacted", self.path)
                 return False
-            kept = [(start, end) for wire, start, end in spans if keep(wire)]
+            flags = select([wire for wire, _, _ in spans])
+            kept = [(start, end) for (_, start, end), keep in zip(spans, flags, strict=True) if keep]
             _replace(self.path, data, kept)
             self._file.close()
             self._file = open(self.path, "ab")
@@ -192,8 +194,8 @@ class MemoryOpLog:
         self.records += len(wires)
         self.size += sum(len(msgpack.packb(w, use_bin_type=True)) + HEADER.size for w in wires)
 
-    def rewrite(self, keep) -> bool:
-        self.wires = [w for w in self.wires if keep(w)]
+    def rewrite(self, select) -> bool:
+        self.wires = [w for w, keep in zip(self.wires, select(self.wires), strict=True) if keep]
         self.records = len(self.wires)
         self.size = sum(len(msgpack.packb(w, use_bin_type=True)) + HEADER.size for w in self.wires)
         return True

@@ -40,7 +40,7 @@ import msgpack
 from crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
 from crdt.admission import Admission
 from crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
-from crdt.store import BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
+from crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
 from crdt.types import MAX_KEY
 from node.oplog import OpLog
 from transport.base import Stream, Transport
@@ -274,13 +274,13 @@ class Replicator:
     async def compact_log(self) -> bool:
         """Rewrite the op log without the ops that their authors' bases restated (``crdt.store``: compaction),
         once they outnumber the live ones: the log then holds what the store holds, at most ``BASE_EVERY`` ops per
-        author. Appends wait on the log's lock meanwhile (an op is never lost between the two files)."""
+        author. An op goes only where the log itself holds the base that restates it (a base the store applied may
+        not be on disk yet), and appends wait on the log's lock meanwhile: nothing durable is ever lost."""
         live = len(self.store.ops) + len(self.store.pending)
         if self.log.records <= 2 * live + LOG_SLACK:
             return False
-        firsts = dict(self.store.first)
         before, size = self.log.records, self.log.size
-        if not await asyncio.to_thread(self.log.rewrite, lambda wire: _still_live(wire, firsts)):
+        if not await asyncio.to_thread(self.log.rewrite, still_live):
             return False
         self.counters["log_compactions"] += 1
         logger.info("op log compacted: %d -> %d records (%d -> %d bytes)", before, self.log.records, size,
@@ -577,13 +577,23 @@ class Replicator:
         return {"digest": self.store.digest(), "ops": len(self.store.ops), "objects": self.store.values()}
 
 
-def _still_live(wire: Any, firsts: dict[str, int]) -> bool:
-    """Whether an op log record is still needed: it is not an op before its author's latest base we hold."""
-    try:
-        body = msgpack.unpackb(wire["b"], raw=False, max_ext_len=0)
-        return not body[2] < firsts.get(body[1], 1)
-    except Exception:
-        return True  # not ours to judge here: the store refuses it on the next start
+def still_live(wires: list) -> list[bool]:
+    """Which op log records are still needed: all but the ops before a base of their author that the log holds
+    too. A record that does not decode as an op is kept (not this pass's to judge: the store refuses it at the next
+    start)."""
+    def author_seq(wire: Any) -> tuple[str, int, bool] | None:
+        try:
+            body = msgpack.unpackb(wire["b"], raw=False, max_ext_len=0)
+            return body[1], body[2], body[5] == BASE_OBJECT
+        except Exception:
+            return None
+
+    keys = [author_seq(w) for w in wires]
+    bases: dict[str, int] = {}
+    for key in keys:
+        if key is not None and key[2] and isinstance(key[1], int):
+            bases[key[0]] = max(bases.get(key[0], 0), key[1])
+    return [key is None or not isinstance(key[1], int) or key[1] >= bases.get(key[0], 0) for key in keys]
 
 
 def answer_sync(store: OpStore, body: Any) -> dict:
