@@ -11,13 +11,13 @@
   ops out;
 - ``rejected`` with a reason code: ``malformed``, ``oversized``, ``bad_signature``, ``unknown_object``,
   ``not_allowed`` (the author wrote outside what the type allows), ``future_clock`` (more than ``max_skew_ms``
-  ahead of our clock), ``bad_causality`` (clock not after its parents', or seq not following the author's previous
-  op), ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds
-  its share of the pending budget), ``not_admitted`` (an author's op #1 without its admission, see
+  ahead of our clock), ``bad_causality`` (clock not after its author's previous op, or seq not following it),
+  ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds its
+  share of the pending budget), ``not_admitted`` (an author's op #1 without its admission, see
   ``crdt.admission``), ``authors_full`` (a new author while we hold ``max_authors``: our limit, not the sender's
   fault), ``over_quota`` (an author's op written less than ``QUOTA_WINDOW_MS`` after its op ``QUOTA_OPS`` back in
-  its chain, by the ops' own clocks: at most that many ops a minute per author, sustained, whatever objects they
-  rewrite; an op's clock cannot run ahead of real time by more than ``max_skew_ms``, so a chain cannot outrun the
+  the same base period, by the ops' own clocks: at most 1,000 ops a minute per author, sustained, whatever objects
+  they rewrite; an op's clock cannot run ahead of real time by more than ``max_skew_ms``, so a chain cannot outrun the
   quota, and the rule reads only the chain, so every replica decides the same way).
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
