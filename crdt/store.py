@@ -3,8 +3,8 @@
 ``receive`` takes an op from anywhere (the network, our log, ourselves) and answers what happened to it:
 
 - ``applied``: verified and merged (with any held ops it unblocked);
-- ``duplicate``: already known (idempotent);
-- ``pending``: verified, but a parent is unknown; held until the parent arrives, within a budget: at most
+- ``duplicate``: already known (idempotent), or an op that its author's base we hold restates;
+- ``pending``: verified, but its author's previous op is unknown; held until it arrives, within a budget: at most
   ``max_pending`` ops and ``max_pending_bytes`` of bodies in all, at most ``max_pending_share`` (a tenth) of either per
   author, each for at most ``pending_ttl_ms``. When the budget is full the oldest held op gives way (anti-entropy
   delivers it again in causal order later), so a flood of orphans can neither grow memory nor lock honest out-of-order
