@@ -1279,10 +1279,9 @@ class DilocoLoop(TaskLoop):
 
         async def conform(k: int) -> None:
             whose = exchange.unpack_set(ordered, sets[k])
-            could = whose is not None and exchange.majority(whose, members) \
+            could = exchange.names_majority(whose, members) \
                 and await compute(k, self.clock.monotonic() + span, only=whose)
-            action = exchange.conform_action(ordered, members, sets[k], could, computed[k][0] if could else None,
-                                             hashes[k])
+            action = exchange.conform_action(whose, members, computed[k][0] if could else None, hashes[k])
             if action == "not_followed":
                 self.counters["parts_not_followed"] += 1
             elif action == "not_conformed":

@@ -124,12 +124,18 @@ def screen_members(announced: dict[str, tuple[int, float]], parts: int) -> tuple
     return members - set(rejected), rejected
 
 
+def names_majority(whose: frozenset[str] | None, members) -> bool:
+    """Whether a part's set of members (None: a bitmap naming none of ours) is a majority of the round's: only then
+    is the part one to take or to reduce again."""
+    return whose is not None and majority(whose, members)
+
+
 def take_reduced(their_digest: str, digest: str, whose: frozenset[str] | None, members) -> bool:
     """Whether a reducer's published part is one to pull and take. One over our members (``their_digest`` ==
     ``digest``) must name a majority of them (``whose``: the members whose chunks it combines; None: a bitmap that
     names no members of ours); one over another view of the members is taken as it is (the coordinator's
     conformance settles it later)."""
-    return their_digest != digest or (whose is not None and majority(whose, members))
+    return their_digest != digest or names_majority(whose, members)
 
 
 def audit_verdict(their_digest: str, digest: str, theirs: bytes, ours: bytes | None) -> bool:
@@ -148,16 +154,15 @@ def settle_dispute(theirs: bytes, ours: bytes | None) -> str:
     return "auditor" if ours == theirs else "reducer"
 
 
-def conform_action(ordered: list[str], members, bits: bytes, could_reduce: bool, ours: bytes | None,
-                   theirs: bytes) -> str:
-    """What to do with a part whose bytes differ from the coordinator's (``bits``: the members whose chunks the
-    coordinator's part combines; ``could_reduce``: we reduced exactly those chunks, ``ours`` its hash):
-    ``"not_followed"`` (it names no majority of our members), ``"not_conformed"`` (a chunk it names did not come
-    to us), ``"mismatch"`` (its bytes are not what those chunks give: ours kept) or ``"conform"`` (take it)."""
-    whose = unpack_set(ordered, bits)
-    if whose is None or not majority(whose, members):
+def conform_action(whose: frozenset[str] | None, members, ours: bytes | None, theirs: bytes) -> str:
+    """What to do with a part whose bytes differ from the coordinator's (``whose``: the members whose chunks the
+    coordinator's part combines; ``ours``: the hash of our reduction of exactly those chunks, None if one did not
+    come to us): ``"not_followed"`` (it names no majority of our members), ``"not_conformed"`` (a chunk it names
+    did not come to us), ``"mismatch"`` (its bytes are not what those chunks give: ours kept) or ``"conform"``
+    (take it)."""
+    if not names_majority(whose, members):
         return "not_followed"
-    if not could_reduce:
+    if ours is None:
         return "not_conformed"
     return "conform" if ours == theirs else "mismatch"
 

@@ -275,7 +275,7 @@ class SapoLoop(TaskLoop):
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
             await self._close_round(r)
-            external, ext_reward = await asyncio.to_thread(self._draw_external, r, rng)
+            external, ext_reward = await asyncio.to_thread(self._draw_external, rng)
             local = rng.sample(own, cfg.local)
             step = await asyncio.to_thread(self._step, local + external)
             self.cumulative_reward += own_reward
@@ -412,7 +412,7 @@ class SapoLoop(TaskLoop):
         self.standing.record(self._participants)
         self._rate.prune()
 
-    def _draw_external(self, r: int, rng: random.Random) -> tuple[list[Group], float | None]:
+    def _draw_external(self, rng: random.Random) -> tuple[list[Group], float | None]:
         """Re-score the peers' new items with our verifier (the I/O-free rules: ``rounds.new_items``,
         ``rounds.draw``); draw J informative groups, at most ``max_per_source`` from any one peer. Returns them and
         the mean external reward of what we scored."""

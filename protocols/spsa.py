@@ -908,7 +908,7 @@ class SPSALoop(TaskLoop):
             return Verdict.REJECT
         if existing is not None:
             return self._repeated()
-        if existing is None and len(batches) >= MAX_PEER_ENTRIES and not self.standing.counts(author):
+        if len(batches) >= MAX_PEER_ENTRIES and not self.standing.counts(author):
             self.counters["ignored_batches"] += 1
             return Verdict.IGNORE
         batches[author] = message

@@ -136,13 +136,13 @@ def test_a_rounds_decisions_are_functions_of_what_arrived():
     assert exchange.settle_dispute(b"x", b"y") == "reducer"
     assert exchange.settle_dispute(b"x", None) == "unknown"
 
-    bits = exchange.pack_set(ordered, most)
-    assert exchange.conform_action(ordered, ordered, bits, True, b"h", b"h") == "conform"
-    assert exchange.conform_action(ordered, ordered, bits, True, b"g", b"h") == "mismatch"
-    assert exchange.conform_action(ordered, ordered, bits, False, None, b"h") == "not_conformed"
-    assert exchange.conform_action(ordered, ordered, exchange.pack_set(ordered, few), True, b"h", b"h") \
-        == "not_followed"
-    assert exchange.conform_action(ordered, ordered, b"\xff\xff", True, b"h", b"h") == "not_followed"
+    whose = exchange.unpack_set(ordered, exchange.pack_set(ordered, most))
+    assert exchange.conform_action(whose, ordered, b"h", b"h") == "conform"
+    assert exchange.conform_action(whose, ordered, b"g", b"h") == "mismatch"
+    assert exchange.conform_action(whose, ordered, None, b"h") == "not_conformed"  # a chunk it names did not come
+    assert exchange.conform_action(exchange.unpack_set(ordered, exchange.pack_set(ordered, few)), ordered, b"h",
+                                   b"h") == "not_followed"
+    assert exchange.conform_action(exchange.unpack_set(ordered, b"\xff\xff"), ordered, b"h", b"h") == "not_followed"
 
 
 def test_a_chunk_larger_than_its_announced_norm_is_refused():
