@@ -16,12 +16,15 @@ simulator (node/sim.py) drive the same code through the shells.
   whom to resync from.
 - :func:`new_items` and :func:`draw`: SAPO's round close: which peers' shared items are new to us, and which of
   their informative groups we train on (J at random, at most so many from one peer).
+- :class:`Sources`: SAPO's tally of what our verifier made of each peer's completions, and which peers are
+  useless (nothing right for so long that an honest policy a quarter as good as the typical peer's would not).
 """
 
 from __future__ import annotations
 
 import collections
 import hashlib
+import math
 import random
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -220,3 +223,86 @@ def draw(candidates: Mapping[str, Sequence[T]], want: int, per_source: int, rng:
         taken[author] += 1
         chosen.append((author, group))
     return chosen, capped
+
+
+USELESS_FACTOR = 4.0  # a source is judged against a policy this many times worse than the others' median
+USELESS_ALPHA = 1e-6  # ... which scores nothing in the source's zero streak with at most this probability
+RECENT = 256  # completions a source's recent mean reward is over (an exponential average past the first ones)
+MIN_COMPLETIONS = 64  # a source's recent mean counts in the median once we scored this many of its completions
+
+
+@dataclass
+class Source:
+    items: int = 0  # item sets (questions) of its we scored
+    completions: int = 0
+    reward: float = 0.0  # the sum of our verifier's rewards of its completions
+    recent: float = 0.0  # the mean reward of its last ~RECENT completions
+    used: int = 0  # its groups we trained on
+    streak: int = 0  # its latest completions that all scored 0 (the run since its last one that did not)
+    penalised_at: int = 0  # the streak at which it was last judged useless (0: not in this streak)
+
+
+class Sources:
+    """SAPO: what our verifier made of each peer's completions (``scored``), and which peers are useless.
+
+    A source is *useless* when its last ``streak`` completions all scored 0, and an honest policy whose mean reward
+    is a quarter of the median of the other sources' recent mean rewards (our own policy's included) would score
+    nothing that long with probability below ``USELESS_ALPHA``: ``(1 - median / 4) ** streak < 1e-6`` (a reward is
+    in [0, 1], so a policy of mean reward q scores above 0 with probability at least q). Garbage and wrong answers
+    get there; so does an honest policy more than 4x weaker than the typical peer's, whose completions teach nobody
+    anything either (a group whose completions all score 0 carries no advantage). A median, so one strong peer does
+    not make the others useless, and a flood of sources that score nothing lowers the bar for nobody. Nothing is
+    judged while the others score nothing too (the start of a run), and one completion scored above 0 ends the
+    streak. Bounded: at most ``max_sources`` peers (the one with the fewest items scored gives way)."""
+
+    def __init__(self, me: str, max_sources: int = 256):
+        self.me = me
+        self.max_sources = max_sources
+        self.by_peer: dict[str, Source] = {}
+
+    def get(self, author: str) -> Source:
+        if author not in self.by_peer and len(self.by_peer) >= self.max_sources:
+            self.by_peer.pop(min(self.by_peer, key=lambda a: self.by_peer[a].items))
+        return self.by_peer.setdefault(author, Source())
+
+    def scored(self, author: str, rewards: Sequence[float]) -> None:
+        """One item of ``author`` (our own included, as ``me``) scored by our verifier."""
+        s = self.get(author)
+        s.items += 1
+        for r in rewards:
+            s.completions += 1
+            s.reward += r
+            s.recent += (r - s.recent) / min(s.completions, RECENT)
+            if r > 0:
+                s.streak = s.penalised_at = 0
+            else:
+                s.streak += 1
+
+    def bar(self, author: str) -> float | None:
+        """The median of the other sources' recent mean rewards (those we scored enough of), or None."""
+        others = sorted(s.recent for a, s in self.by_peer.items() if a != author and s.completions >= MIN_COMPLETIONS)
+        if not others:
+            return None
+        k = len(others) // 2
+        return others[k] if len(others) % 2 else (others[k - 1] + others[k]) / 2
+
+    def useless(self, author: str) -> bool:
+        s = self.by_peer.get(author)
+        if author == self.me or s is None or s.streak == 0:
+            return False
+        bar = self.bar(author)
+        if not bar:
+            return False
+        q = min(1.0, bar) / USELESS_FACTOR
+        return s.streak * math.log1p(-q) < math.log(USELESS_ALPHA)
+
+    def to_penalise(self, author: str) -> bool:
+        """Useless, and first judged so in this streak or its streak doubled since: a penalty each time (a
+        statistical judgement that a weak honest peer can get too: so many completions, log2-many penalties)."""
+        if not self.useless(author):
+            return False
+        s = self.by_peer[author]
+        if s.penalised_at and s.streak < 2 * s.penalised_at:
+            return False
+        s.penalised_at = s.streak
+        return True

@@ -217,7 +217,8 @@ class SapoLoop(TaskLoop):
         self.ready: set[str] = set()
         self.history: collections.deque = collections.deque(maxlen=HISTORY)
         self.counters: collections.Counter = collections.Counter()
-        self.sources: dict[str, list] = {}  # peer -> [items scored, completions, reward sum, groups used]
+        # per peer, what our verifier made of its completions (ours included), and which peers are useless
+        self.sources = rounds.Sources("")
         self.round = 0
         self.joined_at = 0  # the round we started at (> 0: resumed from our checkpoint); nobody moves our round
         self.cumulative_reward = 0.0
@@ -233,6 +234,7 @@ class SapoLoop(TaskLoop):
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
         self._init_standing(ctx)
+        self.sources.me = ctx.identity.peer_id
         self.gossip.subscribe(self.topic, max_size=self.rules.max_message, validator=self._validate,
                               queue_size=0)
 
@@ -273,9 +275,12 @@ class SapoLoop(TaskLoop):
             specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
             own, comps = await asyncio.to_thread(self._rollouts, q_seed, specs)  # never on the event loop
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
+            for g in own:  # our own policy is one of the sources a peer's completions are judged against
+                self.sources.scored(me, g.rewards)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
             await self._close_round(r)
-            external, ext_reward = await asyncio.to_thread(self._draw_external, rng)
+            external, ext_reward, scored = await asyncio.to_thread(self._draw_external, rng)
+            self._judge_sources(r, scored)
             local = rng.sample(own, cfg.local)
             step = await asyncio.to_thread(self._step, local + external)
             self.cumulative_reward += own_reward
@@ -412,21 +417,20 @@ class SapoLoop(TaskLoop):
         self.standing.record(self._participants)
         self._rate.prune()
 
-    def _draw_external(self, rng: random.Random) -> tuple[list[Group], float | None]:
+    def _draw_external(self, rng: random.Random) -> tuple[list[Group], float | None, list[str]]:
         """Re-score the peers' new items with our verifier (the I/O-free rules: ``rounds.new_items``,
-        ``rounds.draw``); draw J informative groups, at most ``max_per_source`` from any one peer. Returns them and
-        the mean external reward of what we scored."""
+        ``rounds.draw``); draw J informative groups, at most ``max_per_source`` from any one peer. Returns them,
+        the mean external reward of what we scored, and the peers whose items we scored."""
         candidates: dict[str, list[Group]] = collections.defaultdict(list)
         rewards, n = 0.0, 0
+        authors = []
         for author, rr, items in rounds.new_items(self.inbox, self.used, self._ctx.identity.peer_id):
             q_seed = question_seed(self.cfg.run, self.cfg.seed, author, rr)
-            source = self._source(author)
+            authors.append(author)
             for dataset, index, comps in items:
                 group = score(self.task, dataset, q_seed, index, comps)
                 self.counters["external_items_scored"] += 1
-                source[0] += 1
-                source[1] += len(group.rewards)
-                source[2] += sum(group.rewards)
+                self.sources.scored(author, group.rewards)
                 rewards += sum(group.rewards)
                 n += len(group.rewards)
                 if group.informative:
@@ -436,13 +440,22 @@ class SapoLoop(TaskLoop):
         chosen, capped = rounds.draw(candidates, self.cfg.external, self.cfg.max_per_source, rng)
         self.counters["capped_per_source"] += capped
         for author, _ in chosen:
-            self._source(author)[3] += 1
-        return [g for _, g in chosen], (rewards / n if n else None)
+            self.sources.get(author).used += 1
+        return [g for _, g in chosen], (rewards / n if n else None), authors
 
-    def _source(self, author: str) -> list:
-        if author not in self.sources and len(self.sources) >= 256:
-            self.sources.pop(min(self.sources, key=lambda a: self.sources[a][0]))
-        return self.sources.setdefault(author, [0, 0, 0.0, 0])
+    def _judge_sources(self, r: int, authors: list[str]) -> None:
+        """A peer whose completions we scored this round and that is useless (``rounds.Sources``: nothing right for
+        so long that even a policy 4x weaker than the typical peer's would have been) is shown in ``offenders``
+        and ``sources``, and penalised as a suspect when first judged so and each time its zero streak doubles."""
+        for author in authors:
+            if not self.sources.to_penalise(author):
+                continue
+            s = self.sources.get(author)
+            self.counters["judged_useless"] += 1
+            self._offended(author, "useless", r)
+            self._ctx.transport.penalties.penalize(
+                author, "suspect", f"sapo: its last {s.streak} completions all scored 0 by our verifier, while "
+                f"the other sources' recent mean reward has a median of {self.sources.bar(author):.3f}")
 
     async def _report_progress(self, loss: float, own: float, ext: float | None) -> None:
         metrics = {"reward": float(own), "cumulative_reward": float(self.cumulative_reward),
@@ -529,9 +542,12 @@ class SapoLoop(TaskLoop):
             "peers_with_items": len(self.inbox),
             "standing": self.standing.status() if hasattr(self, "standing") else None,
             "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
-            # per source peer, as scored by our verifier: items, mean reward of their completions, groups we used
-            "sources": {a: {"items": s[0], "reward": round(s[2] / s[1], 4) if s[1] else None, "used": s[3]}
-                        for a, s in sorted(self.sources.items(), key=lambda kv: -kv[1][0])[:32]},
+            # per source peer, as scored by our verifier: items, mean reward of their completions, groups we used,
+            # completions in a row that scored 0 (the latest), and whether that makes it useless (rounds.Sources)
+            "sources": {a: {"items": s.items, "reward": round(s.reward / s.completions, 4) if s.completions else None,
+                            "used": s.used, "zero_streak": s.streak, "useless": self.sources.useless(a)}
+                        for a, s in sorted(self.sources.by_peer.items(), key=lambda kv: -kv[1].items)[:32]
+                        if a != self.sources.me},
             **dict(sorted(self.counters.items())),
         }
 

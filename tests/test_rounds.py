@@ -161,3 +161,69 @@ def test_sapo_draws_j_at_random_and_caps_each_source():
     counts = collections.Counter(g for seed in range(2000)
                                  for _, g in draw({"a": ["x", "y", "z"]}, 1, 1, random.Random(seed))[0])
     assert set(counts) == {"x", "y", "z"} and min(counts.values()) > 550
+
+
+# ---------------------------------------------------------------------- SAPO's useless sources
+def _feed(sources, rates: dict, rounds: int, rng, per_round: int = 32, group: int = 4) -> list[tuple[int, str]]:
+    """Every source (author -> its policy's chance of a right answer) shares per_round completions a round, in
+    groups; returns (round, author) of every penalty, as the loop takes them at each round's close."""
+    penalties = []
+    for r in range(rounds):
+        for author, p in rates.items():
+            for _ in range(per_round // group):
+                sources.scored(author, [float(rng.random() < p) for _ in range(group)])
+        penalties += [(r, a) for a in rates if sources.to_penalise(a)]
+    return penalties
+
+
+def test_a_source_that_never_scores_is_judged_useless_once_an_honest_policy_4x_weaker_would_have():
+    import math
+    import random
+
+    from protocols.rounds import Sources
+
+    s = Sources("me")
+    rates = {"me": 0.3, "a": 0.2, "b": 0.1, "garbage": 0.0}
+    penalties = _feed(s, rates, 200, random.Random(1))
+    assert {a for _, a in penalties} == {"garbage"}  # no honest source, ever
+    bar = s.bar("garbage")  # the median of the others' recent means: about b's and me's ... a's 0.2
+    assert 0.12 < bar < 0.28
+    need = math.log(1e-6) / math.log1p(-bar / 4)  # the zero streak an honest policy at bar / 4 reaches w.p. 1e-6
+    first = penalties[0][0]
+    assert (first + 1) * 32 >= need * 0.8 and first * 32 <= need * 1.25
+    # penalised when first judged and each time its streak doubled since: log2-many, not one a round
+    # (its streak at round r's close is 32 (r + 1)): 5 in 200 rounds, not one a round
+    at = [r for r, _ in penalties]
+    assert len(at) == 5 and all(b + 1 == 2 * (a + 1) for a, b in zip(at, at[1:]))
+    assert s.useless("garbage") and not s.useless("me")  # we never judge ourselves
+    # one right answer ends the streak: no longer useless until a new streak gets that long again
+    s.scored("garbage", [0.0, 1.0])
+    assert s.get("garbage").streak == 0 and not s.useless("garbage")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_honest_policy_a_third_of_the_median_is_never_judged_and_the_start_of_a_run_judges_nobody(seed):
+    import random
+
+    from protocols.rounds import Sources
+
+    rng = random.Random(seed)
+    s = Sources("me")
+    # the start of a run: everyone scores 0 (nothing to compare with), then the others learn
+    assert _feed(s, {"me": 0.0, "a": 0.0, "weak": 0.0}, 100, rng) == []
+    rates = {"me": 0.45, "a": 0.3, "strong": 0.9, "weak": 0.1}
+    assert _feed(s, rates, 300, rng) == []  # 9,600 completions of the weak one, never judged
+    # a flood of sources that score nothing does not lower the bar for anyone (a median: it raises nobody's risk)
+    flood = {f"zero{i}": 0.0 for i in range(8)}
+    penalties = _feed(s, {**rates, **flood}, 100, rng)
+    assert {a for _, a in penalties} <= set(flood)
+
+
+def test_sources_are_bounded():
+    from protocols.rounds import Sources
+
+    s = Sources("me", max_sources=8)
+    for i in range(100):
+        s.scored(f"p{i}", [0.0, 1.0])
+        s.scored("me", [1.0, 1.0])
+    assert len(s.by_peer) == 8 and "me" in s.by_peer  # the one with the fewest items scored gives way

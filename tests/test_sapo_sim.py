@@ -2,6 +2,8 @@
 peers, a poisoner whose items are re-scored by everyone's verifier, a peer killed mid-run. Seconds each;
 test_sapo.py's multi-process tests stay as the end-to-end layer."""
 
+import random
+
 import pytest
 
 from node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
@@ -32,7 +34,8 @@ def test_four_peers_share_and_score_each_others_items(tmp_path):
     loops = run_virtual(main())
     for lp in loops:
         assert lp.state == "done" and lp.round == 10
-        assert len([a for a, s in lp.sources.items() if s[0] > 0]) == 3  # every other peer's items were scored
+        assert len([a for a, s in lp.sources.by_peer.items() if s.items > 0 and a != lp.sources.me]) == 3  # every
+        # other peer's items were scored
         assert lp.counters.get("ignored_rate", 0) == 0 and lp.counters.get("rejected_malformed", 0) == 0
     assert sum(lp.counters["items_used_external"] for lp in loops) > 0
 
@@ -50,9 +53,50 @@ def test_a_poisoners_items_are_rescored_and_never_used(tmp_path):
 
     poisoner, honest = run_virtual(main())
     for lp in honest:
-        scored, completions, reward, used = lp.sources[poisoner]
-        assert scored > 0 and reward == 0 and used == 0  # our verifier's reward, not its claim; no advantage
+        s = lp.sources.by_peer[poisoner]
+        assert s.items > 0 and s.reward == 0 and s.used == 0  # our verifier's reward, not its claim; no advantage
         assert lp.state == "done"
+
+
+def oracle(accuracy: float):
+    """A policy class that answers right with probability ``accuracy`` (its own rollouts and what it shares): an
+    honest peer of a known strength, so the test does not wait for a tiny policy to learn."""
+
+    class Oracle(sapo.SapoLoop):
+        def _rollouts(self, q_seed, specs):
+            rng = random.Random(f"{accuracy}/{q_seed}")
+            questions = [sapo.question(self.task, d, q_seed, k) for d, k in specs]
+            comps = [[q.answer if rng.random() < accuracy else f"{(int(q.answer) + 1) % 100:02d}"
+                      for _ in range(self.cfg.completions)]
+                     for q in questions]
+            return [sapo.score(self.task, d, q_seed, k, c) for (d, k), c in zip(specs, comps)], comps
+
+    return Oracle
+
+
+@pytest.mark.timeout(120)
+def test_a_source_that_never_scores_is_penalised_as_useless_and_honest_ones_never_are(tmp_path):
+    """Honest peers answering right 50%, 30% and 15% of the time (the weakest still above a quarter of the
+    median), and one whose answers are all wrong: every honest peer judges it useless within a few rounds
+    (rounds.Sources), penalises it a few times (not every round) and shows it; none judges an honest one."""
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=24, questions=8, completions=4)
+        poisoner = sim.peers[0]
+        for peer, cls in zip(sim.peers, [Poisoner, oracle(0.5), oracle(0.3), oracle(0.15)]):
+            sim.classes[peer] = _closing_after(cls, "_close_round", 1.0)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return poisoner, [sim.loop(p) for p in sim.peers[1:]], sim
+
+    poisoner, honest, sim = run_virtual(main())
+    for lp in honest:
+        status = lp.status()
+        assert set(status["offenders"]) == {poisoner}, status["offenders"]
+        assert 1 <= status["offenders"][poisoner]["refused"]["useless"] <= 3  # its streak doubled at most twice
+        assert status["sources"][poisoner]["useless"] and status["sources"][poisoner]["reward"] == 0.0
+        assert not any(v["useless"] for p, v in status["sources"].items() if p != poisoner)
+        assert lp._ctx.transport.penalties.offences(poisoner).get("suspect", 0) >= 1
 
 
 @pytest.mark.timeout(120)
