@@ -20,14 +20,22 @@ CRDT state is equal everywhere, members are complete and the split cleared. Then
 bootstrap (baseline), the bootstrap is killed for good, and 4 more join through 4 other members: the time until
 every live node lists every other.
 
+kill -9 at every phase of a loop (``--part kill``, ``--kill-loops diloco spsa sapo``): 3 survivors and a victim that
+is ``tests/dying_peer.py`` (it sends itself SIGKILL at a chosen phase once it closed a round with the swarm), restarted
+``--kills`` times per phase with the same data dir, then plain; DiLoCo: inner steps, its update travelling, reducing a
+part, a checkpoint save, a CRDT append; SPSA: probing a window's steps, its bytes just published, a checkpoint save,
+a CRDT append; SAPO: sampling its rollouts, its items just published, a checkpoint save, a CRDT append. Baseline: the
+survivors' rounds with the victim alive, in the same run.
+
 Reported per Byzantine row: the honest peers' final validation loss (DiLoCo, SPSA) or mean reward per round (SAPO:
 the cumulative reward / rounds), its ratio to the honest-only baseline (the same honest identities alone, goal:
 within 5%; the all-honest run is shown too), how many honest peers refused the
 offender's contributions and why (``/status`` -> ``offenders``), how many penalised it, and whether the honest peers
 ended with identical weights (DiLoCo, SPSA).
 
-    python bench/bench_chaos.py [--part byzantine split] [--only diloco spsa sapo] [--diloco-rounds 12]
+    python bench/bench_chaos.py [--part byzantine split kill soak] [--only diloco spsa sapo] [--diloco-rounds 12]
                                 [--split-nodes 16] [--partition-seconds 30]
+                                [--kill-loops diloco spsa sapo] [--kill-phases ...] [--kills 20]
 """
 
 from __future__ import annotations
@@ -335,25 +343,57 @@ eval_every = 5
 checkpoint_every = 2
 exchange = "scatter"
 """
+KILL_SPSA = """
+[loops.spsa]
+run = "kill"
+task = "tinygpt"
+steps = 0
+window = 8
+min_peers = 3
+deadline = 3.0
+hash_every = 4
+eval_every = 4
+checkpoint_every = 2
+[loops.spsa.task_options]
+domain = "target"
+pretrain_steps = 50
+"""
+KILL_SAPO = """
+[loops.sapo]
+run = "kill"
+task = "arith"
+rounds = 0
+min_peers = 3
+deadline = 3.0
+checkpoint_every = 2
+"""
+KILL_CONFIGS = {"diloco": KILL, "spsa": KILL_SPSA, "sapo": KILL_SAPO}
 DYING = ROOT / "tests" / "dying_peer.py"
-PHASES = ["inner", "travel", "reduce", "checkpoint", "crdt"]
+PHASES = {"diloco": ["inner", "travel", "reduce", "checkpoint", "crdt"],
+          "spsa": ["probe", "published", "checkpoint", "crdt"],
+          "sapo": ["rollout", "published", "checkpoint", "crdt"]}
+KILL_SETUP = {
+    "diloco": "tinygpt, scatter exchange, 20 inner steps, a checkpoint every 2 rounds",
+    "spsa": "tinygpt fine-tune, windows of 8 steps, deadline 3 s, a checkpoint every 2 windows",
+    "sapo": "arith, 8 questions x 8 completions a round, deadline 3 s, a checkpoint every 2 rounds",
+}
 
 
-def kill_part(args, tmp: Path) -> dict:
-    """3 survivors and a victim run DiLoCo (tinygpt, scatter, a checkpoint every 2 rounds) while a writer posts CRDT
-    writes to the victim and the survivors in turn. Baseline: the survivors' round times with the victim alive. Then
-    per phase the victim is restarted ``--kills`` times, each time with the same data dir as
-    ``tests/dying_peer.py kill:<phase>`` (it sends itself SIGKILL at that phase once it closed a round with the swarm
-    in that life), and finally as a plain node that must rejoin; after each phase the CRDT state must converge with
-    every acknowledged write in it."""
+def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
+    """3 survivors and a victim run ``loop`` (DiLoCo: tinygpt, scatter, a checkpoint every 2 rounds; SPSA and SAPO:
+    ``KILL_SPSA``, ``KILL_SAPO``) while a writer posts CRDT writes to the victim and the survivors in turn.
+    Baseline: the survivors' round times with the victim alive. Then per phase the victim is restarted ``--kills``
+    times, each time with the same data dir as ``tests/dying_peer.py kill:[<loop>:]<phase>`` (it sends itself
+    SIGKILL at that phase once it closed a round with the swarm in that life), and finally as a plain node that must
+    rejoin; after each phase the CRDT state must converge with every acknowledged write in it."""
     import random
     import threading
 
     from protocols import checkpoint
     from swarmproc import http_post
 
-    config = loop_config(tmp / "kill.toml", KILL)
-    swarm = Swarm(tmp / "kill", config=config)
+    config = loop_config(tmp / f"kill-{loop}.toml", KILL_CONFIGS[loop])
+    swarm = Swarm(tmp / f"kill-{loop}", config=config)
     rng = random.Random(9)
     acked: list[str] = []
     write_failures: dict[str, int] = {}
@@ -363,7 +403,7 @@ def kill_part(args, tmp: Path) -> dict:
     here: dict = {}
 
     def d(x) -> dict:
-        return x.status()["services"]["diloco"]
+        return x.status()["services"][loop]
 
     def poller():
         while not stop.wait(0.25):
@@ -417,7 +457,7 @@ def kill_part(args, tmp: Path) -> dict:
         return max(len(want - {k for k in x.get("/state")["objects"].get("kv", {})}) for x in everyone)
 
     def start_victim(entry: list[str]):
-        log = tmp / "kill" / "victim.log"
+        log = tmp / f"kill-{loop}" / "victim.log"
         log_from = log.stat().st_size if log.exists() else 0
         v = swarm.start("victim", bootstrap=[here["survivors"][0].tcp_addr], entry=entry, wait=False)
         v.log_from = log_from
@@ -426,11 +466,20 @@ def kill_part(args, tmp: Path) -> dict:
         return v
 
     def rejoined_plain(v) -> bool:
-        """A plain restart rejoined: it is at the survivors' round and some survivor closed a round with 4."""
-        mine = d(v)["round"]
-        theirs = [d(x) for x in here["survivors"]]
-        return mine >= max(t["round"] for t in theirs) - 1 and any(
-            h["participants"] == 4 and h["round"] > here["restart_round"] for t in theirs for h in t["history"])
+        """A plain restart rejoined. DiLoCo: it is at the survivors' round and some survivor closed a round with 4.
+        SPSA and SAPO: some survivor closed a round (window) after the restart with the victim's contribution in it
+        (its bytes, or its new items: SAPO's rounds are each peer's own)."""
+        if loop == "diloco":
+            mine = d(v)["round"]
+            theirs = [d(x) for x in here["survivors"]]
+            return mine >= max(t["round"] for t in theirs) - 1 and any(
+                h["participants"] == 4 and h["round"] > here["restart_round"] for t in theirs for h in t["history"])
+        for x in here["survivors"]:
+            view = next(lp for lp in x.get("/dashboard")["loops"] if lp["service"] == loop)
+            if any(e["closed_at"] >= here["restart_wall"] and v.peer_id in e["peers"]["participants"]
+                   for e in view["timeline"]):
+                return True
+        return False
 
     out = {"phases": {}}
     threads = []
@@ -453,13 +502,13 @@ def kill_part(args, tmp: Path) -> dict:
                            "rounds": base_closed, "deadline_s": d(survivors[0])["deadline_s"]}
         print(f"kill bench: baseline round {out['baseline']['round_s']:.2f} s", file=sys.stderr, flush=True)
         victim.stop()
-        for phase in args.kill_phases:
+        for phase in [p for p in args.kill_phases if p in PHASES[loop]]:
             t_phase = time.monotonic()
             res = {"kills": 0, "armed": 0, "hows": {}, "same_identity": 0, "weights_lost": 0,
                    "checkpoint_unreadable": 0, "deaths_timed_out": 0, "ignored_own_checkpoint": 0}
             for k in range(args.kills):
                 victim_view.clear()
-                v = start_victim([str(DYING), f"kill:{phase}"])
+                v = start_victim([str(DYING), f"kill:{phase}" if loop == "diloco" else f"kill:{loop}:{phase}"])
                 res["same_identity"] += v.peer_id == identity
                 try:
                     wait_for(lambda: v.proc.poll() is not None, 300, f"the victim to die at {phase}", interval=0.2)
@@ -476,7 +525,7 @@ def kill_part(args, tmp: Path) -> dict:
                         how = line.rsplit(":", 1)[1].split()[0] if phase in ("checkpoint", "crdt") else "-"
                         res["hows"][how] = res["hows"].get(how, 0) + 1
                 # the weights it saved: the file on disk must load and be at least as new as the last save it said
-                path = checkpoint.path_for(v.data_dir, "diloco", "kill")
+                path = checkpoint.path_for(v.data_dir, loop, "kill")
                 try:
                     meta = checkpoint.load(path)[1] if path.exists() else {"round": 0}
                     if meta["round"] < victim_view.get("saved", 0):
@@ -486,6 +535,7 @@ def kill_part(args, tmp: Path) -> dict:
                 print(f"kill bench: {phase} {k + 1}/{args.kills}: {text.strip().splitlines()[-1][:100]}",
                       file=sys.stderr, flush=True)
             here["restart_round"] = d(survivors[0])["round"]
+            here["restart_wall"] = time.time()
             t_restart = time.monotonic()
             v = start_victim(["-m", "node"])
             res["same_identity"] += v.peer_id == identity
@@ -506,7 +556,8 @@ def kill_part(args, tmp: Path) -> dict:
         out["write_failures"] = write_failures
         out["survivor_counters"] = [{k: c for k, c in d(x).items() if k in (
             "deadline_missed", "pull_failed", "chunks_missing", "resyncs", "diverged", "parts_fallback",
-            "parts_from_other_holders", "late_updates", "joins_ignored")} for x in survivors]
+            "parts_from_other_holders", "late_updates", "joins_ignored", "peers_missed", "hash_mismatches",
+            "rejected_audit", "equivocation", "rejected_malformed")} for x in survivors]
         return out
     finally:
         stop.set()
@@ -515,10 +566,11 @@ def kill_part(args, tmp: Path) -> dict:
         swarm.close()
 
 
-def print_kill(r: dict, args) -> None:
+def print_kill(r: dict, args, loop: str = "diloco") -> None:
     b = r["baseline"]
-    print(f"kill -9 at each DiLoCo phase: 3 survivors + 1 victim (tinygpt, scatter exchange, 20 inner steps, a "
-          f"checkpoint every 2 rounds) and CRDT writes every 0.4 s alternately to the victim and a survivor; per "
+    name = {"diloco": "DiLoCo", "spsa": "SPSA", "sapo": "SAPO"}[loop]
+    print(f"kill -9 at each {name} phase: 3 survivors + 1 victim ({KILL_SETUP[loop]}) and CRDT writes every 0.4 s "
+          f"alternately to the victim and a survivor; per "
           f"phase the victim is killed {args.kills} times (SIGKILL it sends itself at the phase, once it rejoined), "
           f"each time restarted at once with the same data dir, then restarted plain. Same-run baseline: the "
           f"survivors' median round {b['round_s']:.2f} s (max {b['max_s']:.2f} s) with the victim alive, over "
@@ -744,7 +796,10 @@ def main() -> None:
     parser.add_argument("--spsa-steps", type=int, default=256)
     parser.add_argument("--sapo-rounds", type=int, default=150)
     parser.add_argument("--kills", type=int, default=20, help="kills per phase")
-    parser.add_argument("--kill-phases", nargs="+", default=PHASES, choices=PHASES)
+    parser.add_argument("--kill-loops", nargs="+", default=["diloco"], choices=list(PHASES))
+    every_phase = sorted({p for phases in PHASES.values() for p in phases})
+    parser.add_argument("--kill-phases", nargs="+", default=every_phase, choices=every_phase,
+                        help="phases to kill at (each loop runs those it has)")
     parser.add_argument("--kill-baseline-rounds", type=int, default=10)
     parser.add_argument("--soak-nodes", type=int, default=16)
     parser.add_argument("--soak-minutes", type=float, default=30.0)
@@ -762,8 +817,9 @@ def main() -> None:
             print_byzantine(byzantine(args, Path(tmp)), args)
             print()
         if "kill" in args.part:
-            print_kill(kill_part(args, Path(tmp)), args)
-            print()
+            for loop in args.kill_loops:
+                print_kill(kill_part(args, Path(tmp), loop), args, loop)
+                print()
         if "soak" in args.part:
             print_soak(soak_part(args, Path(tmp)), args)
 

@@ -9,18 +9,24 @@ The tests' points (exit 137, what kill -9 leaves):
   published  just after it published a reduced part (second round), which it never serves: the others know
              where the part is, and pulling it fails
 
-The kill bench's points, ``kill:<phase>`` (``bench/bench_chaos.py --part kill``): the process sends itself SIGKILL
-(kill -9: no clean-up, no flush) at the first such moment after it closed a round with the swarm in this life
-(it rejoined; it prints ``dying_peer: armed at round N`` then, and ``dying_peer: kill at <phase>:<how>`` just
-before it dies):
+The kill bench's points, ``kill:<phase>`` (DiLoCo) or ``kill:<loop>:<phase>`` (``spsa``, ``sapo``;
+``bench/bench_chaos.py --part kill``): the process sends itself SIGKILL (kill -9: no clean-up, no flush) at the
+first such moment after it closed a round (an SPSA window) with the swarm in this life (it rejoined; it prints
+``dying_peer: armed at round N`` then, and ``dying_peer: kill at <phase>:<how>`` just before it dies):
 
-  inner        after 1..H-1 more inner steps (mid-round, its update not computed)
-  travel       0.05-0.5 s after it announced its update (the others are pulling its chunks)
-  reduce       inside a part reduction (scatter: its update announced, the parts it reduces never come)
-  checkpoint   inside a checkpoint save, at one of: ``torn`` (half the new file written), ``written`` (the new file
-               written, not fsync'd or renamed), ``renamed`` (renamed over the old one, the directory not fsync'd)
-  crdt         inside a CRDT op-log append (a local write, before it is acknowledged), at one of: ``torn`` (half
-               the records written), ``unsynced`` (written, not fsync'd), ``synced`` (fsync'd, not acknowledged)
+  inner        DiLoCo: after 1..H-1 more inner steps (mid-round, its update not computed)
+  travel       DiLoCo: 0.05-0.5 s after it announced its update (the others are pulling its chunks)
+  reduce       DiLoCo: inside a part reduction (scatter: its update announced, the parts it reduces never come)
+  probe        SPSA: after 1..window-1 more steps of a window (its batch of bytes not sent)
+  sapo: rollout  SAPO: while it samples and scores its round's completions (its items not shared)
+  published    SPSA, SAPO: 0.05-0.5 s after it published its window's bytes / its round's items (the others are
+               validating, forwarding and applying or scoring them)
+  checkpoint   any loop: inside a checkpoint save, at one of: ``torn`` (half the new file written), ``written``
+               (the new file written, not fsync'd or renamed), ``renamed`` (renamed over the old one, the directory
+               not fsync'd)
+  crdt         any loop: inside a CRDT op-log append (a local write, before it is acknowledged), at one of: ``torn``
+               (half the records written), ``unsynced`` (written, not fsync'd), ``synced`` (fsync'd, not
+               acknowledged)
 """
 
 import os
@@ -33,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from node import oplog  # noqa: E402
-from protocols import checkpoint, diloco, exchange  # noqa: E402
+from protocols import checkpoint, diloco, exchange, sapo, spsa  # noqa: E402
 
 point = sys.argv.pop(1)
 calls = {"reduce": 0}
@@ -59,7 +65,9 @@ exchange.reduce_part = reduce_part
 diloco.DilocoLoop._publish = publish
 
 if point.startswith("kill:"):
-    phase = point.split(":", 1)[1]
+    parts = point.split(":")[1:]
+    loop_name, phase = parts if len(parts) == 2 else ("diloco", parts[0])
+    loop_cls = {"diloco": diloco.DilocoLoop, "spsa": spsa.SpsaLoop, "sapo": sapo.SapoLoop}[loop_name]
     rng = random.Random()
     armed = {"on": False, "steps": None}
 
@@ -67,17 +75,22 @@ if point.startswith("kill:"):
         print(f"dying_peer: kill at {phase}:{how}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    honest_after_round = diloco.DilocoLoop._after_round
+    def arm_after(method: str) -> None:
+        """Armed once ``method`` (the loop's round close, async) returned once in this life."""
+        honest = getattr(loop_cls, method)
 
-    async def after_round(self, done):
-        await honest_after_round(self, done)
-        if not armed["on"]:
-            armed["on"] = True
-            print(f"dying_peer: armed at round {done}", flush=True)
+        async def closing(self, r, *a, **k):
+            out = await honest(self, r, *a, **k)
+            if not armed["on"]:
+                armed["on"] = True
+                print(f"dying_peer: armed at round {r}", flush=True)
+            return out
 
-    diloco.DilocoLoop._after_round = after_round
+        setattr(loop_cls, method, closing)
 
-    if phase == "inner":
+    arm_after({"diloco": "_after_round", "spsa": "_close_window", "sapo": "_close_round"}[loop_name])
+
+    if (loop_name, phase) == ("diloco", "inner"):
         honest_inner = diloco.DilocoLoop._inner_step
 
         def inner_step(self):
@@ -90,20 +103,60 @@ if point.startswith("kill:"):
             honest_inner(self)
 
         diloco.DilocoLoop._inner_step = inner_step
-    elif phase == "travel":
+    elif (loop_name, phase) == ("diloco", "travel"):
         def travel_publish(self, kind, body):
             publish(self, kind, body)
             if armed["on"] and kind is diloco.UPDATE:
                 threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {body['r']}",)).start()
 
         diloco.DilocoLoop._publish = travel_publish
-    elif phase == "reduce":
+    elif (loop_name, phase) == ("diloco", "reduce"):
         def reduce_dying(chunks, factors, size):
             if armed["on"]:
                 die("reducing")
             return reduce_part(chunks, factors, size)
 
         exchange.reduce_part = reduce_dying
+    elif (loop_name, phase) == ("spsa", "probe"):
+        honest_step = spsa.SpsaLoop._step
+
+        def step(self, w, i, contribute, me):
+            if armed["on"] and contribute:
+                if armed["steps"] is None:
+                    armed["steps"] = rng.randrange(1, self.cfg.window)
+                armed["steps"] -= 1
+                if armed["steps"] <= 0:
+                    die(f"window {w} step {i}")
+            return honest_step(self, w, i, contribute, me)
+
+        spsa.SpsaLoop._step = step
+    elif (loop_name, phase) == ("sapo", "rollout"):
+        honest_rollouts = sapo.SapoLoop._rollouts
+
+        def rollouts(self, q_seed, specs):
+            if armed["on"]:
+                die(f"round {self.round}")
+            return honest_rollouts(self, q_seed, specs)
+
+        sapo.SapoLoop._rollouts = rollouts
+    elif (loop_name, phase) == ("spsa", "published"):
+        honest_spsa_publish = spsa.SpsaLoop._publish
+
+        def spsa_publish(self, kind, body):
+            honest_spsa_publish(self, kind, body)
+            if armed["on"] and kind is spsa.BATCH:
+                threading.Timer(rng.uniform(0.05, 0.5), die, (f"window {body['w']}",)).start()
+
+        spsa.SpsaLoop._publish = spsa_publish
+    elif (loop_name, phase) == ("sapo", "published"):
+        honest_sapo_publish = sapo.SapoLoop._publish
+
+        def sapo_publish(self, r, q_seed, specs, comps):
+            honest_sapo_publish(self, r, q_seed, specs, comps)
+            if armed["on"]:
+                threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {r}",)).start()
+
+        sapo.SapoLoop._publish = sapo_publish
     elif phase == "checkpoint":
         how = rng.choice(["torn", "written", "renamed"])
         honest_save_file, honest_replace = checkpoint.save_file, os.replace
@@ -140,7 +193,7 @@ if point.startswith("kill:"):
 
         oplog.OpLog.append = append
     else:
-        raise SystemExit(f"unknown phase {phase!r}")
+        raise SystemExit(f"unknown phase {phase!r} for {loop_name}")
 
 from node.cli import main  # noqa: E402
 
