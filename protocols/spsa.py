@@ -715,7 +715,7 @@ class SPSALoop(TaskLoop):
                 self._publish(READY, {"w": self.window, "ready": start})
             ahead = self._run_started_without_us()
             if ahead:
-                self._reset_to_base()
+                # (from our own checkpoint's weights where the served log begins with our log; else from the base)
                 # a restart of this loop (it crashed) while the others still count us: back at once, from the
                 # first window we have not sent a batch for
                 if await self._replay_from(ahead, rejoin=self._sent_up_to >= 0):
@@ -817,24 +817,40 @@ class SPSALoop(TaskLoop):
     async def _replay(self, entries: list) -> list[set[str]]:
         """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply
         their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
-        the last window is left to the live loop (one-window lag). Returns each window's contributors, as standing
-        records them (its batches less the ones refused as out of scale)."""
+        the last window is left to the live loop (one-window lag). Where the log begins with ours (we resumed from
+        our own checkpoint: its weights have every window of our log but the last applied), only the windows after
+        ours are applied, so a restart costs the windows it missed, not the whole run; otherwise we start from the
+        base weights. Returns each window's contributors, as standing records them (its batches less the ones
+        refused as out of scale)."""
         verified = read_log(entries, topic=self.topic, window=self.cfg.window,
                             accepts=lambda author, body: self._foreign(author, body) is None)
+        kept = self._kept_prefix(entries)
+        if not kept:
+            self._reset_to_base()
         for w, batches in verified:
             self.applied[w] = batches
-            self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
+            if w >= kept:
+                self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
         contributors = log_contributors(verified, self._screen)
         self.window = len(entries)
-        todo = max(0, len(entries) - 1)
-        with self.work.track("log replay", total=todo, unit="windows") as work:
+        start, todo = max(0, kept - 1), max(0, len(entries) - 1)
+        self.counters["replay_windows_kept"] = start
+        with self.work.track("log replay", total=todo - start, unit="windows") as work:
             def apply() -> None:
-                for w in range(todo):
+                for w in range(start, todo):
                     for i in range(self.cfg.window):
                         self.weights.apply(self.cfg.run, w * self.cfg.window + i, self._bytes_for(w, i), self.cfg.lr)
-                    work.update(w + 1)
+                    work.update(w + 1 - start)
             await asyncio.to_thread(apply)
         return contributors
+
+    def _kept_prefix(self, entries: list) -> int:
+        """How many windows of our own log the served log begins with, byte for byte (0: none, or it differs)."""
+        ours = len(self.log)
+        if not ours or ours > len(entries):
+            return 0
+        packed = msgpack.packb(self.log, use_bin_type=True)
+        return ours if msgpack.packb(entries[:ours], use_bin_type=True) == packed else 0
 
     async def _serve_log(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
@@ -859,9 +875,12 @@ class SPSALoop(TaskLoop):
             self.counters["not_admitted"] += 1
             return Verdict.IGNORE  # a closed run: not one of its peers
         w = body["w"]
-        if self.state == "running" and w > self.window + 4 + FRESH_EVERY:
+        if self.state == "running" and w > self.window + 4 + FRESH_EVERY and not self.standing.counts(author):
+            # far ahead of the swarm we run with: flooding steps. Not from a peer whose word counts: that we are
+            # behind it is the likelier story (a restart's log replay, a slow machine), and rejecting would
+            # penalise honest peers and leave us without the windows we need to catch up (the backlog is bounded)
             self.counters["rejected_future"] += 1
-            return Verdict.REJECT  # far ahead of the swarm we run with: flooding steps
+            return Verdict.REJECT
         if len(self.windows) > 256 and w not in self.windows:
             self.counters["ignored_backlog"] += 1
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only

@@ -52,11 +52,15 @@ def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path):
             await asyncio.sleep(3.0)  # the others close a window or two without it
             await sim.start(victim, restart=True)
             await sim.until(sim.finished, 300, "everyone to finish")
-            return _finals(sim), sim.loop(victim).resumed, [sim.loop(p).counters for p in sim.peers[:3]]
+            return _finals(sim), sim.loop(victim).resumed, [sim.loop(p).counters for p in sim.peers[:3]], \
+                sim.loop(victim).counters
 
-    finals, resumed, survivors = run_virtual(main())
+    finals, resumed, survivors, victim = run_virtual(main())
     assert len(finals) == 1
     assert resumed and resumed["round"] >= 4  # from its own checkpoint, then the others' log
+    # the others' log begins with ours: only the windows after our checkpoint's were applied (a restart costs the
+    # windows it missed, not the whole run), and still bit-identical
+    assert victim["replay_windows_kept"] == resumed["round"] - 1 and victim["replayed_windows"] > resumed["round"]
     assert all(c.get("deadline_missed", 0) >= 1 and c.get("diverged", 0) == 0 for c in survivors)
 
 
@@ -210,3 +214,30 @@ def test_audit_agrees_with_the_honest_byte_and_not_with_a_wrong_one():
     assert not spsa.audit_agrees(spsa.encode_grad(5.0, clip), 2.0, 2.0 - 2e-9, eps, clip)
     # a probe of ours that is not finite judges nothing
     assert spsa.audit_agrees(0x7F, float("nan"), 1.0, eps, clip)
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_behind_the_swarm_takes_the_counting_peers_windows_ahead_and_refuses_only_a_strangers(tmp_path):
+    """A peer that fell behind (a restart's log replay, a slow machine) gets batches for windows far past its own:
+    from a peer whose word counts they are taken (held, bounded, for when it gets there), not rejected (which
+    penalised honest peers and left it without the windows it needed: found by the kill bench's plain restart
+    after a 15 s replay); the same message from a peer without standing is rejected as flooding."""
+    async def main():
+        sim = _sim(tmp_path, 3, windows=14)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(sim.peers[0]), sim.peers[1]
+
+    lp, other = run_virtual(main())
+    last = max(lp.applied)
+    message = lp.applied[last][other]  # a batch of a counting peer, signed by it
+    lp.state, lp.window = "running", last - 12  # as if we were 12 windows behind
+    lp.windows.clear()
+    del lp.applied[last]  # not closed yet, for a peer that far behind
+    assert lp.standing.counts(other)
+    assert lp._validate(message) is spsa.Verdict.ACCEPT and other in lp.windows[last].batches
+    assert lp.counters.get("rejected_future", 0) == 0
+    lp.windows.clear()
+    lp.standing.counts = lambda author: False  # a stranger's batch that far ahead: flooding steps
+    assert lp._validate(message) is spsa.Verdict.REJECT and lp.counters["rejected_future"] == 1
