@@ -67,7 +67,7 @@ diloco.DilocoLoop._publish = publish
 if point.startswith("kill:"):
     parts = point.split(":")[1:]
     loop_name, phase = parts if len(parts) == 2 else ("diloco", parts[0])
-    loop_cls = {"diloco": diloco.DilocoLoop, "spsa": spsa.SpsaLoop, "sapo": sapo.SapoLoop}[loop_name]
+    loop_cls = {"diloco": diloco.DilocoLoop, "spsa": spsa.SPSALoop, "sapo": sapo.SapoLoop}[loop_name]
     rng = random.Random()
     armed = {"on": False, "steps": None}
 
@@ -118,7 +118,7 @@ if point.startswith("kill:"):
 
         exchange.reduce_part = reduce_dying
     elif (loop_name, phase) == ("spsa", "probe"):
-        honest_step = spsa.SpsaLoop._step
+        honest_step = spsa.SPSALoop._step
 
         def step(self, w, i, contribute, me):
             if armed["on"] and contribute:
@@ -129,7 +129,7 @@ if point.startswith("kill:"):
                     die(f"window {w} step {i}")
             return honest_step(self, w, i, contribute, me)
 
-        spsa.SpsaLoop._step = step
+        spsa.SPSALoop._step = step
     elif (loop_name, phase) == ("sapo", "rollout"):
         honest_rollouts = sapo.SapoLoop._rollouts
 
@@ -140,14 +140,14 @@ if point.startswith("kill:"):
 
         sapo.SapoLoop._rollouts = rollouts
     elif (loop_name, phase) == ("spsa", "published"):
-        honest_spsa_publish = spsa.SpsaLoop._publish
+        honest_spsa_publish = spsa.SPSALoop._publish
 
         def spsa_publish(self, kind, body):
             honest_spsa_publish(self, kind, body)
             if armed["on"] and kind is spsa.BATCH:
                 threading.Timer(rng.uniform(0.05, 0.5), die, (f"window {body['w']}",)).start()
 
-        spsa.SpsaLoop._publish = spsa_publish
+        spsa.SPSALoop._publish = spsa_publish
     elif (loop_name, phase) == ("sapo", "published"):
         honest_sapo_publish = sapo.SapoLoop._publish
 
