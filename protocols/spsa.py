@@ -59,7 +59,10 @@ MAX_PEER_ENTRIES = 256  # per window: batches, joins, hashes and ready messages 
 HISTORY = 1024  # evaluated losses kept for /status and the dashboard (a run may never end)
 KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps apply the one before; the log keeps
 # every window's bytes)
-LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}))
+# a log is many small signed batches (5 objects per >= 220 B, ~40 B an object): one decoded object per 32 B beyond
+# 64 KiB, not the default 64 (a log past ~700 KB, about 900 windows of 4 peers, was refused as too dense, and no
+# joiner could replay it: found by the SPSA kill bench)
+LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}), item_bytes=32)
 CARRIER = "spsa/<run>"  # the run's pubsub topic
 _W = Int(0, 2**40)
 _TAG = {"t": ["layout-hash", "config-hash"]}

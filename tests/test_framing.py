@@ -153,6 +153,25 @@ def test_honest_shapes_fit_the_budget():
     assert decode(encode(1, []), BIG).body == [] and decode(encode(1, {}), BIG).body == {}
 
 
+def test_a_protocol_whose_large_frames_are_many_small_objects_says_so():
+    """An SPSA log is many small signed batches (5 objects per >= 220 B: a batch's body is >= 150 B, even for a
+    window of 1 step): past 64 KiB that is denser than the default allowance (one object per 64 B), so a long
+    honest log was refused; its protocol allows one per 32 B."""
+    log = [[w, [{"b": bytes(150), "s": bytes(64)} for _ in range(4)]] for w in range(3000)]
+    payload = encode(2, log)
+    dense = ProtocolSpec("dense", "1.0.0", max_frame=32 << 20, kinds=frozenset({2}), item_bytes=32)
+    plain = ProtocolSpec("plain", "1.0.0", max_frame=32 << 20, kinds=frozenset({2}))
+    assert decode(payload, dense).body == log
+    with pytest.raises(MalformedMessage, match="more objects"):
+        decode(payload, plain)
+    # the allowance is bounded: never denser than small frames' (one per 16 B), so memory stays ~4x a frame's size
+    with pytest.raises(ValueError):
+        ProtocolSpec("denser", "1.0.0", max_frame=1 << 20, item_bytes=8)
+    empties = encode(2, [[] for _ in range(200_000)])  # 1 B per object: refused under any allowance
+    with pytest.raises(MalformedMessage):
+        decode(empties, dense)
+
+
 async def test_the_inbound_budget_holds_frames_back_and_a_cancelled_reader_gives_its_share_back():
     import asyncio
 

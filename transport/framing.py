@@ -38,6 +38,9 @@ class ProtocolSpec:
     max_frame: int
     kinds: frozenset[int] = field(default_factory=frozenset)
     idle_timeout: float = 60.0  # an inbound stream that sends nothing for this long is closed
+    # decoded objects a frame beyond 64 KiB may carry: one per this many bytes (``unpack``); a protocol whose large
+    # honest frames are many small objects (a log of signed messages) says so, up to one per ITEM_BYTES
+    item_bytes: int = 64
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -46,6 +49,8 @@ class ProtocolSpec:
             raise ValueError("max_frame must be in (0, 2**32)")
         if any(not 0 <= k <= 0x7F for k in self.kinds):
             raise ValueError("message kinds are 0..127 (one msgpack byte)")
+        if not ITEM_BYTES <= self.item_bytes <= ITEM_BYTES_LARGE:
+            raise ValueError(f"item_bytes must be {ITEM_BYTES}..{ITEM_BYTES_LARGE}")
 
     @property
     def id(self) -> str:
@@ -83,7 +88,7 @@ class _OverBudget(Exception):
     pass
 
 
-def unpack(payload: bytes, *, what: str = "msgpack") -> Any:
+def unpack(payload: bytes, *, what: str = "msgpack", item_bytes: int = 0) -> Any:
     """Strictly decode one msgpack value under a budget proportional to ``len(payload)``. Raises MalformedMessage.
 
     The budget counts decoded objects: each map or array, each of its elements, each key and value, at most
@@ -91,9 +96,11 @@ def unpack(payload: bytes, *, what: str = "msgpack") -> Any:
     map or array may be longer than that (the C unpacker checks before it allocates one), and the total is checked as
     each container completes. A Python object costs 30-60 bytes, so the peak memory of any input stays under about 4x
     its size (a bare ``msgpack.unpackb`` lets a list of two-letter strings cost 20x, and nested empty maps 70x). The
-    densest honest messages (gossip's IHAVE ids, one per 18 bytes; CRDT version-vector pages, one per ~28) fit."""
+    densest honest messages (gossip's IHAVE ids, one per 18 bytes; CRDT version-vector pages, one per ~28) fit.
+    ``item_bytes``: a protocol's own allowance beyond 64 KiB (``ProtocolSpec.item_bytes``; default ITEM_BYTES_LARGE)."""
     n = len(payload)
-    budget = ITEM_FLOOR + min(n, ITEM_TIER) // ITEM_BYTES + max(0, n - ITEM_TIER) // ITEM_BYTES_LARGE
+    large = max(ITEM_BYTES, item_bytes or ITEM_BYTES_LARGE)
+    budget = ITEM_FLOOR + min(n, ITEM_TIER) // ITEM_BYTES + max(0, n - ITEM_TIER) // large
     left = [budget]
 
     def count(container):
@@ -126,7 +133,7 @@ def decode(payload: bytes, spec: ProtocolSpec) -> Message:
         raise MalformedMessage(f"{spec.id}: a message kind must be a small int")
     if spec.kinds and kind not in spec.kinds:
         raise MalformedMessage(f"{spec.id}: unknown message kind {kind}")
-    return Message(kind, unpack(memoryview(payload)[2:], what=spec.id))
+    return Message(kind, unpack(memoryview(payload)[2:], what=spec.id, item_bytes=spec.item_bytes))
 
 
 async def read_header(reader: asyncio.StreamReader, spec: ProtocolSpec) -> int | None:
