@@ -718,8 +718,8 @@ class SPSALoop(TaskLoop):
                 self._publish(READY, {"w": self.window, "ready": start})
             ahead = self._run_started_without_us()
             if ahead:
-                # (from our own checkpoint's weights where the served log begins with our log; else from the base)
-                # a restart of this loop (it crashed) while the others still count us: back at once, from the
+                # replayed on top of our own checkpoint where the served log begins with our log, else from the
+                # base; a restart of this loop (it crashed) while the others still count us: back at once, from the
                 # first window we have not sent a batch for
                 if await self._replay_from(ahead, rejoin=self._sent_up_to >= 0):
                     return

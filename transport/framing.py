@@ -28,6 +28,11 @@ from transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
 HEADER = struct.Struct(">I")
 PROTOCOL_PREFIX = "/swarmd/"
 
+ITEM_BYTES = 16  # at most one decoded object (a container, an array element, a map key or value) per 16 input bytes
+ITEM_FLOOR = 4096  # ... plus this many, whatever the size (a few hundred KiB at most)
+ITEM_TIER = 1 << 16  # beyond this many bytes, one object per ITEM_BYTES_LARGE: large honest frames are mostly bytes
+ITEM_BYTES_LARGE = 64  # (a 1,000-op PUSH is 5 objects per op of >= 150 B; bulk data, checkpoints, tensors: bytes)
+
 
 @dataclass(frozen=True)
 class ProtocolSpec:
@@ -40,7 +45,7 @@ class ProtocolSpec:
     idle_timeout: float = 60.0  # an inbound stream that sends nothing for this long is closed
     # decoded objects a frame beyond 64 KiB may carry: one per this many bytes (``unpack``); a protocol whose large
     # honest frames are many small objects (a log of signed messages) says so, up to one per ITEM_BYTES
-    item_bytes: int = 64
+    item_bytes: int = ITEM_BYTES_LARGE
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name:
@@ -78,17 +83,11 @@ def frame(kind: int, body: Any, spec: ProtocolSpec) -> bytes:
     return HEADER.pack(len(payload)) + payload
 
 
-ITEM_BYTES = 16  # at most one decoded object (a container, an array element, a map key or value) per 16 input bytes
-ITEM_FLOOR = 4096  # ... plus this many, whatever the size (a few hundred KiB at most)
-ITEM_TIER = 1 << 16  # beyond this many bytes, one object per ITEM_BYTES_LARGE: large honest frames are mostly bytes
-ITEM_BYTES_LARGE = 64  # (a 1,000-op PUSH is 5 objects per op of >= 150 B; bulk data, checkpoints, tensors: bytes)
-
-
 class _OverBudget(Exception):
     pass
 
 
-def unpack(payload: bytes, *, what: str = "msgpack", item_bytes: int = 0) -> Any:
+def unpack(payload: bytes, *, what: str = "msgpack", item_bytes: int = ITEM_BYTES_LARGE) -> Any:
     """Strictly decode one msgpack value under a budget proportional to ``len(payload)``. Raises MalformedMessage.
 
     The budget counts decoded objects: each map or array, each of its elements, each key and value, at most
@@ -97,10 +96,9 @@ def unpack(payload: bytes, *, what: str = "msgpack", item_bytes: int = 0) -> Any
     each container completes. A Python object costs 30-60 bytes, so the peak memory of any input stays under about 4x
     its size (a bare ``msgpack.unpackb`` lets a list of two-letter strings cost 20x, and nested empty maps 70x). The
     densest honest messages (gossip's IHAVE ids, one per 18 bytes; CRDT version-vector pages, one per ~28) fit.
-    ``item_bytes``: a protocol's own allowance beyond 64 KiB (``ProtocolSpec.item_bytes``; default ITEM_BYTES_LARGE)."""
+    ``item_bytes``: a protocol's own allowance beyond 64 KiB (``ProtocolSpec.item_bytes``, at least ITEM_BYTES)."""
     n = len(payload)
-    large = max(ITEM_BYTES, item_bytes or ITEM_BYTES_LARGE)
-    budget = ITEM_FLOOR + min(n, ITEM_TIER) // ITEM_BYTES + max(0, n - ITEM_TIER) // large
+    budget = ITEM_FLOOR + min(n, ITEM_TIER) // ITEM_BYTES + max(0, n - ITEM_TIER) // max(ITEM_BYTES, item_bytes)
     left = [budget]
 
     def count(container):
