@@ -453,12 +453,18 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
         return int(statistics.median(closed)), durations
 
     def converged() -> int:
-        """Waits for one CRDT state everywhere; returns how many acknowledged writes some node lacks."""
+        """Waits for one CRDT state everywhere; returns how many acknowledged writes some node lacks. The writes
+        acknowledged before the wait: one acknowledged after it began may still be on its way once the digests are
+        equal (the writer goes on meanwhile), and would count as lost when it is not (an earlier version took the
+        list after the wait). Each missing key is printed."""
         everyone = [*here["survivors"], here["victim"]]
+        want = set(acked)
         wait_for(lambda: len({x.get("/state")["digest"] for x in everyone}) == 1, 120,
                  "the CRDT state to converge", interval=0.5)
-        want = set(acked)
-        return max(len(want - {k for k in x.get("/state")["objects"].get("kv", {})}) for x in everyone)
+        missing = set().union(*(want - set(x.get("/state")["objects"].get("kv", {})) for x in everyone))
+        if missing:
+            print(f"kill bench: acknowledged writes missing: {sorted(missing)}", file=sys.stderr, flush=True)
+        return len(missing)
 
     def start_victim(entry: list[str]):
         log = tmp / f"kill-{loop}" / "victim.log"
