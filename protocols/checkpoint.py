@@ -38,6 +38,29 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     flat = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     metadata = {k: json.dumps(v) for k, v in {**meta, "saved_at": time.time()}.items()}
     save_file(flat, str(tmp), metadata=metadata)
+    _replace_durably(tmp, path)
+
+
+def save_marker(path: Path, value: dict) -> None:
+    """A small JSON record of the loop's own (what it did since its last checkpoint), atomically: a crash leaves the
+    old record or the new one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value))
+    _replace_durably(tmp, path)
+
+
+def load_marker(path: Path) -> dict | None:
+    """The record ``save_marker`` wrote (None: none, or unreadable)."""
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return value if isinstance(value, dict) else None
+
+
+def _replace_durably(tmp: Path, path: Path) -> None:
+    """``tmp`` fsync'd, renamed over ``path``, the directory fsync'd."""
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -39,7 +39,7 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from node.services import NodeContext
-from protocols import codecs, rounds
+from protocols import checkpoint, codecs, rounds
 from protocols import task as tasks
 from protocols.checkpoint import model_state
 from protocols.gossip import Gossip, Message, Verdict
@@ -275,6 +275,7 @@ class SapoLoop(TaskLoop):
             specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
             own, comps = await asyncio.to_thread(self._rollouts, q_seed, specs)  # never on the event loop
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
+            await asyncio.to_thread(self._mark_published, r)  # on disk before anyone can hold it
             for g in own:  # our own policy is one of the sources a peer's completions are judged against
                 self.sources.scored(me, g.rewards)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
@@ -349,7 +350,27 @@ class SapoLoop(TaskLoop):
         self._save(tensors, round=self.round, step=self.round, cumulative_reward=self.cumulative_reward, **opt_meta)
         self.counters["checkpoints_saved"] += 1
 
+    def _marker_path(self):
+        return self._checkpoint_path().with_suffix(".published")
+
+    def _mark_published(self, r: int) -> None:
+        """The round we are about to share items of: a restart goes on after it, never shares that round again."""
+        checkpoint.save_marker(self._marker_path(), {"round": r, "fingerprint": self.fp})
+
     def _resume_own(self) -> None:
+        self._resume_checkpoint()
+        # rounds we shared items of after that checkpoint (or without one): the others hold them, and a second,
+        # different set of items for one of them is equivocation (refused, penalised: 30 times in 40 restarts of
+        # the kill bench, before); we go on after the last one, its training lost with the process
+        marker = checkpoint.load_marker(self._marker_path())
+        if marker is not None and marker.get("fingerprint") == self.fp and type(marker.get("round")) is int \
+                and marker["round"] >= self.round:
+            logger.info("sapo: round %d shared before a restart: going on from round %d", marker["round"],
+                        marker["round"] + 1)
+            self.round = self.joined_at = marker["round"] + 1
+            self.counters["rounds_skipped_after_restart"] += 1
+
+    def _resume_checkpoint(self) -> None:
         if self.model is None:
             return
         found = self._own_checkpoint()

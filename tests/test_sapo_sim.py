@@ -113,3 +113,33 @@ def test_a_killed_peer_costs_the_others_a_few_deadlines_not_every_round(tmp_path
 
     missed = run_virtual(main())
     assert all(1 <= m <= 6 for m in missed), missed  # it stops being waited for once it lost its standing
+
+
+@pytest.mark.timeout(120)
+def test_a_peer_restarted_after_sharing_rounds_past_its_checkpoint_never_shares_one_of_them_again(tmp_path):
+    """kill -9 after sharing a round its checkpoint does not have (checkpoints every 2 rounds): the restart goes on
+    after the last round it shared (a marker in the data dir), so nobody sees two item sets for one round of it
+    (equivocation: refused and penalised; 30 times in 40 restarts of the kill bench, before)."""
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=14)
+        victim = sim.peers[3]
+        async with sim:
+            await sim.start_all()
+
+            def past_a_checkpoint_and_seen():
+                # an odd round it shared (all hold its items), not trained yet: its checkpoint is at the round before
+                r = sim.loop(victim).round
+                return r >= 5 and r % 2 == 1 and all(sim.loop(p).inbox.get(victim, (-1,))[0] == r
+                                                     for p in sim.peers[:3])
+
+            await sim.until(past_a_checkpoint_and_seen, 120, "the victim past a checkpoint, its items everywhere")
+            shared = sim.loop(victim).round
+            await sim.kill(victim)
+            await sim.start(victim, restart=True)
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers), 300, "everyone")
+            return shared, sim.loop(victim), [sim.loop(p) for p in sim.peers[:3]]
+
+    shared, victim, survivors = run_virtual(main())
+    assert victim.resumed["round"] == shared - 1  # its checkpoint: the round before the one it shared last
+    assert victim.joined_at == shared + 1 and victim.counters["rounds_skipped_after_restart"] == 1
+    assert all(lp.counters.get("equivocation", 0) == 0 for lp in survivors)
