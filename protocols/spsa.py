@@ -30,7 +30,7 @@ import math
 import random
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,16 +61,21 @@ KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps 
 # every window's bytes)
 # a log is many small signed batches (5 objects per >= 220 B, ~40 B an object): one decoded object per 32 B beyond
 # 64 KiB, not the default 64 (a log past ~700 KB, about 900 windows of 4 peers, was refused as too dense, and no
-# joiner could replay it: found by the SPSA kill bench)
-LOG_SPEC = ProtocolSpec("spsa-log", "1.0.0", max_frame=32 << 20, kinds=frozenset({1, 2}), item_bytes=32)
+# joiner could replay it: found by the SPSA kill bench). Served in parts of whole windows (2.0.0; 1.0.0 sent the
+# whole log in one frame of at most 32 MiB, which bounded an open run's length to ~45,000 windows of 4 peers)
+LOG_SPEC = ProtocolSpec("spsa-log", "2.0.0", max_frame=16 << 20, kinds=frozenset({1, 2}), item_bytes=32)
+LOG_PART_BYTES = 2 << 20  # a part of a served log: whole windows, until about this many bytes
+MAX_LOG_BYTES = 1 << 30  # the signed batches a joiner takes from one log (~1.5 M windows of 4 peers; the log is
+# held in memory by whoever serves or replays it)
 CARRIER = "spsa/<run>"  # the run's pubsub topic
 _W = Int(0, 2**40)
 _TAG = {"t": ["layout-hash", "config-hash"]}
 LOG_REQUEST = WIRE.frame(LOG_SPEC, 1, "spsa.log-request", Nil(), None, doc="your log of signed batches, please")
-LOG_REPLY = WIRE.frame(LOG_SPEC, 2, "spsa.log-reply", List(Tuple.of(_W, List(Map.of(b=Bytes(8192), s=Bytes(exact=64)),
-                                                                            1 << 16)), 1 << 22),
-                       [[0, [{"b": b"\x96\x01...", "s": bytes(64)}]]],
-                       doc="every closed window in order: [window, [its batches as signed pubsub messages]]")
+_ENTRY = Tuple.of(_W, List(Map.of(b=Bytes(8192), s=Bytes(exact=64)), 1 << 16))
+LOG_PART = WIRE.frame(LOG_SPEC, 2, "spsa.log-part", Map.of(w=_W, windows=List(_ENTRY, 1 << 20), more=Bool()),
+                      {"w": 0, "windows": [[0, [{"b": b"\x96\x01...", "s": bytes(64)}]]], "more": False},
+                      doc="the closed windows from w on, in order ([window, [its batches as signed pubsub "
+                      "messages]]), about 2 MiB of them; more: further parts follow on this stream")
 BATCH = WIRE.message(CARRIER, 1, "spsa.batch", Map.of(w=_W, b=Bytes(4096), h=Bytes(exact=8), t=TAG),
                      {"w": 3, "b": bytes(96), "h": bytes.fromhex("ab" * 8), **_TAG}, max_size=4096 + 256, version=2,
                      doc="my projected gradients for the steps of window w, one byte each (sign + 7-bit log2 |g|), "
@@ -149,6 +154,41 @@ def read_log(entries: Any, *, topic: str, window: int, accepts: Callable[[str, d
             batches[message.author] = message
         out.append((w, batches))
     return out
+
+
+def log_parts(log: list, part_bytes: int | None = None) -> Iterator[tuple[int, list, bool]]:
+    """A log as it is served: (first window, whole windows, more follow), each part about ``part_bytes`` of signed
+    batches (default LOG_PART_BYTES; at least one window; an empty log is one empty part)."""
+    part_bytes = part_bytes or LOG_PART_BYTES
+    first, size = 0, 0
+    for i, (_, wires) in enumerate(log):
+        size += sum(len(m["b"]) + len(m["s"]) + 8 for m in wires)
+        if size >= part_bytes:
+            yield first, log[first:i + 1], i + 1 < len(log)
+            first, size = i + 1, 0
+    if first < len(log) or not log:
+        yield first, log[first:], False
+
+
+async def read_log_parts(stream: Stream, max_bytes: int = MAX_LOG_BYTES) -> list:
+    """A peer's log from its parts (``log_parts``): each part must start where the last ended, and the whole may
+    hold at most ``max_bytes`` of signed batches (checked part by part, so a peer that streams forever costs one
+    part beyond it). Raises MalformedMessage; the caller verifies the windows (``read_log``)."""
+    entries: list = []
+    size = 0
+    while True:
+        part = await asyncio.wait_for(stream.read_required(), 60)
+        if part.kind != LOG_PART.code:
+            raise MalformedMessage("spsa-log: a part of the log expected")
+        body = part.body  # its schema checked by the stream: [w, [{b, s}]] windows, bounded
+        if body["w"] != len(entries):
+            raise MalformedMessage(f"spsa-log: a part from window {body['w']} after {len(entries)} windows")
+        size += sum(len(m["b"]) + len(m["s"]) + 8 for _, wires in body["windows"] for m in wires)
+        if size > max_bytes:
+            raise MalformedMessage(f"spsa-log: more than {max_bytes} B of batches")
+        entries += body["windows"]
+        if not body["more"]:
+            return entries
 
 
 def log_contributors(windows: list[tuple[int, dict[str, Message]]],
@@ -782,13 +822,11 @@ class SPSALoop(TaskLoop):
                 try:
                     async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
                         await stream.send(LOG_REQUEST.code, None)
-                        reply = await asyncio.wait_for(stream.read_required(), 60)
-                    if not isinstance(reply.body, list):
-                        raise MalformedMessage("spsa-log: a list of signed batches expected")
-                    if len(reply.body) < at_least:  # it has not closed every window we had: ours would be lost
+                        entries = await read_log_parts(stream)
+                    if len(entries) < at_least:  # it has not closed every window we had: ours would be lost
                         behind += 1
                         continue
-                    replayed = await self._replay(reply.body)
+                    replayed = await self._replay(entries)
                     break
                 except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                     logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
@@ -859,7 +897,9 @@ class SPSALoop(TaskLoop):
         message = await asyncio.wait_for(stream.read_required(), 10)
         if message.kind != LOG_REQUEST.code:
             raise MalformedMessage("spsa-log: expected a request")
-        await stream.send(LOG_REPLY.code, list(self.log))
+        log = list(self.log)  # as it is now: a log only grows, but a resync may start it again meanwhile
+        for first, windows, more in log_parts(log):
+            await stream.send(LOG_PART.code, {"w": first, "windows": windows, "more": more})
 
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:

@@ -42,7 +42,12 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path):
+@pytest.mark.parametrize("part_bytes", [None, 600])
+def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path, monkeypatch, part_bytes):
+    """(600: the log it replays comes in parts of a window or two each, as a long run's log does.)"""
+    if part_bytes:
+        monkeypatch.setattr(spsa, "LOG_PART_BYTES", part_bytes)
+
     async def main():
         sim = _sim(tmp_path, 4, windows=16)
         victim = sim.peers[3]
@@ -234,7 +239,12 @@ def test_a_peer_behind_the_swarm_takes_the_counting_peers_windows_ahead_and_refu
     # a long run's log, as a joiner gets it (these windows' real signed batches, 3,000 windows of 3 peers): within
     # what the log protocol lets a frame carry (it was refused as too dense past ~800 windows of 4 peers)
     long_log = [[w, batches] for w in range(3000) for batches in [lp.log[w % len(lp.log)][1]]]
-    assert framing.decode(framing.encode(2, long_log), spsa.LOG_SPEC).body == long_log
+    parts = list(spsa.log_parts(long_log, 200_000))
+    assert len(parts) > 3 and [p[2] for p in parts] == [True] * (len(parts) - 1) + [False]
+    for first, windows, more in parts:
+        body = {"w": first, "windows": windows, "more": more}
+        assert framing.decode(framing.encode(2, body), spsa.LOG_SPEC).body == body
+    assert sum((p[1] for p in parts), []) == long_log
     last = max(lp.applied)
     message = lp.applied[last][other]  # a batch of a counting peer, signed by it
     lp.state, lp.window = "running", last - 12  # as if we were 12 windows behind
@@ -246,3 +256,30 @@ def test_a_peer_behind_the_swarm_takes_the_counting_peers_windows_ahead_and_refu
     lp.windows.clear()
     lp.standing.counts = lambda author: False  # a stranger's batch that far ahead: flooding steps
     assert lp._validate(message) is spsa.Verdict.REJECT and lp.counters["rejected_future"] == 1
+
+
+class _Parts:
+    """A stream that replays frames (read_log_parts' side of a served log)."""
+
+    def __init__(self, bodies, kind=None):
+        self.frames = [framing.Message(kind or spsa.LOG_PART.code, b) for b in bodies]
+
+    async def read_required(self):
+        return self.frames.pop(0)
+
+
+def test_a_log_is_read_from_its_parts_in_order_and_within_its_budget():
+    log = [[w, [{"b": bytes(100 + w), "s": bytes(64)}] * 3] for w in range(50)]
+    parts = [{"w": f, "windows": ws, "more": m} for f, ws, m in spsa.log_parts(log, 1000)]
+    assert len(parts) >= 10 and parts[0]["w"] == 0
+    assert asyncio.run(spsa.read_log_parts(_Parts(parts))) == log
+    assert asyncio.run(spsa.read_log_parts(_Parts([{"w": 0, "windows": [], "more": False}]))) == []
+    assert list(spsa.log_parts([])) == [(0, [], False)]
+    with pytest.raises(spsa.MalformedMessage, match="a part from window"):  # a part missing
+        asyncio.run(spsa.read_log_parts(_Parts(parts[:1] + parts[2:])))
+    with pytest.raises(spsa.MalformedMessage, match="a part from window"):  # a part again
+        asyncio.run(spsa.read_log_parts(_Parts(parts[:2] + parts[1:])))
+    with pytest.raises(spsa.MalformedMessage, match="more than 3000 B"):  # a peer that streams beyond the budget
+        asyncio.run(spsa.read_log_parts(_Parts(parts), max_bytes=3000))
+    with pytest.raises(spsa.MalformedMessage, match="a part of the log expected"):
+        asyncio.run(spsa.read_log_parts(_Parts(parts, kind=spsa.LOG_REQUEST.code)))
