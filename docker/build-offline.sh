@@ -41,5 +41,11 @@ for sdist in docker/wheelhouse/*.tar.gz; do
 done
 
 echo "building $TAG from $BASE ..." >&2
+previous="$(docker image inspect -f '{{.Id}}' "$TAG" 2>/dev/null || true)"
 DOCKER_BUILDKIT=0 docker build -q -f docker/Dockerfile --build-arg BASE="$BASE" -t "$TAG" . >&2
+# the image this tag named before is untagged by the build: removed, or every rebuild would leave ~2 GB behind
+# (kept where a container still uses it)
+if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$TAG")" ]; then
+    docker rmi "$previous" >/dev/null 2>&1 || true
+fi
 echo "$TAG"
