@@ -79,6 +79,7 @@ def cli() -> None:
 
 
 MMAP_THRESHOLD = 1 << 20
+ARENA_MAX = 2
 
 
 def _large_blocks_from_mmap() -> None:
@@ -86,10 +87,13 @@ def _large_blocks_from_mmap() -> None:
     default threshold starts at 128 KiB but rises to the size of each large block freed, up to 32 MiB: a round's
     transient tensors (an update's parts, the decoded chunks) then come from per-thread heaps that keep their
     memory, and a node's resident size grew round after round. Setting the threshold fixes it (no more
-    adjustment). Where the C library is not glibc, nothing is done."""
+    adjustment). The smaller blocks come from at most ARENA_MAX heaps (glibc's default: up to 8 per core, one
+    per thread that allocates; the worker threads that encode, decode and reduce each grew their own, kept
+    fragmented between rounds). Where the C library is not glibc, nothing is done."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
+        libc.mallopt(-8, ARENA_MAX)  # M_ARENA_MAX
     except (OSError, AttributeError):
         pass
 
