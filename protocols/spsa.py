@@ -158,11 +158,12 @@ def read_log(entries: Any, *, topic: str, window: int, accepts: Callable[[str, d
 
 def log_parts(log: list, part_bytes: int | None = None) -> Iterator[tuple[int, list, bool]]:
     """A log as it is served: (first window, whole windows, more follow), each part about ``part_bytes`` of signed
-    batches (default LOG_PART_BYTES; at least one window; an empty log is one empty part)."""
+    batches (default LOG_PART_BYTES; at least one window; an empty log is one empty part). A window counts 16 B
+    besides its batches, so a part holds at most part_bytes / 16 windows (its schema's bound: 2**20)."""
     part_bytes = part_bytes or LOG_PART_BYTES
     first, size = 0, 0
     for i, (_, wires) in enumerate(log):
-        size += sum(len(m["b"]) + len(m["s"]) + 8 for m in wires)
+        size += 16 + sum(len(m["b"]) + len(m["s"]) + 8 for m in wires)
         if size >= part_bytes:
             yield first, log[first:i + 1], i + 1 < len(log)
             first, size = i + 1, 0

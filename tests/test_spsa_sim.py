@@ -275,6 +275,9 @@ def test_a_log_is_read_from_its_parts_in_order_and_within_its_budget():
     assert asyncio.run(spsa.read_log_parts(_Parts(parts))) == log
     assert asyncio.run(spsa.read_log_parts(_Parts([{"w": 0, "windows": [], "more": False}]))) == []
     assert list(spsa.log_parts([])) == [(0, [], False)]
+    # windows without batches still fill a part: a part never holds more windows than its schema allows
+    empty = [[w, []] for w in range(5000)]
+    assert max(len(ws) for _, ws, _ in spsa.log_parts(empty, 16_000)) == 1000
     with pytest.raises(spsa.MalformedMessage, match="a part from window"):  # a part missing
         asyncio.run(spsa.read_log_parts(_Parts(parts[:1] + parts[2:])))
     with pytest.raises(spsa.MalformedMessage, match="a part from window"):  # a part again
