@@ -225,7 +225,8 @@ class Swarm:
         nodes = [self.start(f"{prefix}0")]
         nodes += [self.start(f"{prefix}{i}", bootstrap=[nodes[0].tcp_addr], wait=False) for i in range(1, n)]
         for node in nodes[1:]:
-            node.wait_ready()
+            # n - 1 processes import and start at once: on 2 cores 15 of them took over 30 s (the soak's 16 nodes)
+            node.wait_ready(max(30.0, 4.0 * n))
         if members_within is not None:
             ids = {x.peer_id for x in nodes}
             wait_for(lambda: all(x.member_ids() >= ids - {x.peer_id} for x in nodes), members_within,
