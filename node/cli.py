@@ -88,8 +88,9 @@ def _large_blocks_from_mmap() -> None:
     transient tensors (an update's parts, the decoded chunks) then come from per-thread heaps that keep their
     memory, and a node's resident size grew round after round. Setting the threshold fixes it (no more
     adjustment). The smaller blocks come from at most ARENA_MAX heaps (glibc's default: up to 8 per core, one
-    per thread that allocates; the worker threads that encode, decode and reduce each grew their own, kept
-    fragmented between rounds). Where the C library is not glibc, nothing is done."""
+    per thread that allocates: the event loop and the worker threads that encode, decode and reduce); with 16
+    nodes a node's RSS grew less with the cap at the same round rate (README, "Memory"). Where the C library is not
+    glibc, nothing is done."""
     try:
         libc = ctypes.CDLL("libc.so.6")
         libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
