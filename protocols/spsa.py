@@ -62,7 +62,7 @@ KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps 
 # a log is many small signed batches (5 objects per >= 220 B, ~40 B an object): one decoded object per 32 B beyond
 # 64 KiB, not the default 64 (a log past ~700 KB, about 900 windows of 4 peers, was refused as too dense, and no
 # joiner could replay it: found by the SPSA kill bench). Served in parts of whole windows (2.0.0; 1.0.0 sent the
-# whole log in one frame of at most 32 MiB, which bounded an open run's length to ~45,000 windows of 4 peers)
+# whole log in one frame of at most 32 MiB, which bounded an open run's length to ~40,000 windows of 4 peers)
 LOG_SPEC = ProtocolSpec("spsa-log", "2.0.0", max_frame=16 << 20, kinds=frozenset({1, 2}), item_bytes=32)
 LOG_PART_BYTES = 2 << 20  # a part of a served log: whole windows, until about this many bytes
 MAX_LOG_BYTES = 1 << 30  # the signed batches a joiner takes from one log (~1.5 M windows of 4 peers; the log is
@@ -156,14 +156,21 @@ def read_log(entries: Any, *, topic: str, window: int, accepts: Callable[[str, d
     return out
 
 
+def _window_bytes(wires: list) -> int:
+    """What a window of a log counts against a part's size and a joiner's budget: its signed batches, and 16 B of
+    its own (so windows without batches still count: a part holds at most part_bytes / 16 of them, and a peer
+    cannot stream empty windows past the budget)."""
+    return 16 + sum(len(m["b"]) + len(m["s"]) + 8 for m in wires)
+
+
 def log_parts(log: list, part_bytes: int | None = None) -> Iterator[tuple[int, list, bool]]:
-    """A log as it is served: (first window, whole windows, more follow), each part about ``part_bytes`` of signed
-    batches (default LOG_PART_BYTES; at least one window; an empty log is one empty part). A window counts 16 B
-    besides its batches, so a part holds at most part_bytes / 16 windows (its schema's bound: 2**20)."""
+    """A log as it is served: (first window, whole windows, more follow), each part about ``part_bytes``
+    (``_window_bytes``; default LOG_PART_BYTES; at least one window; an empty log is one empty part): at most
+    part_bytes / 16 windows (its schema's bound: 2**20)."""
     part_bytes = part_bytes or LOG_PART_BYTES
     first, size = 0, 0
     for i, (_, wires) in enumerate(log):
-        size += 16 + sum(len(m["b"]) + len(m["s"]) + 8 for m in wires)
+        size += _window_bytes(wires)
         if size >= part_bytes:
             yield first, log[first:i + 1], i + 1 < len(log)
             first, size = i + 1, 0
@@ -173,8 +180,9 @@ def log_parts(log: list, part_bytes: int | None = None) -> Iterator[tuple[int, l
 
 async def read_log_parts(stream: Stream, max_bytes: int = MAX_LOG_BYTES) -> list:
     """A peer's log from its parts (``log_parts``): each part must start where the last ended, and the whole may
-    hold at most ``max_bytes`` of signed batches (checked part by part, so a peer that streams forever costs one
-    part beyond it). Raises MalformedMessage; the caller verifies the windows (``read_log``)."""
+    hold at most ``max_bytes`` (``_window_bytes``: checked part by part, so a peer that streams forever, empty
+    windows included, costs one part beyond it). Raises MalformedMessage; the caller verifies the windows
+    (``read_log``)."""
     entries: list = []
     size = 0
     while True:
@@ -184,7 +192,7 @@ async def read_log_parts(stream: Stream, max_bytes: int = MAX_LOG_BYTES) -> list
         body = part.body  # its schema checked by the stream: [w, [{b, s}]] windows, bounded
         if body["w"] != len(entries):
             raise MalformedMessage(f"spsa-log: a part from window {body['w']} after {len(entries)} windows")
-        size += sum(len(m["b"]) + len(m["s"]) + 8 for _, wires in body["windows"] for m in wires)
+        size += sum(_window_bytes(wires) for _, wires in body["windows"])
         if size > max_bytes:
             raise MalformedMessage(f"spsa-log: more than {max_bytes} B of batches")
         entries += body["windows"]

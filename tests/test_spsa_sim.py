@@ -284,5 +284,9 @@ def test_a_log_is_read_from_its_parts_in_order_and_within_its_budget():
         asyncio.run(spsa.read_log_parts(_Parts(parts[:2] + parts[1:])))
     with pytest.raises(spsa.MalformedMessage, match="more than 3000 B"):  # a peer that streams beyond the budget
         asyncio.run(spsa.read_log_parts(_Parts(parts), max_bytes=3000))
+    # empty windows count too: a peer streaming them forever is stopped by the budget, not by our memory
+    endless = [{"w": f, "windows": [[w, []] for w in range(f, f + 1000)], "more": True} for f in range(0, 10_000, 1000)]
+    with pytest.raises(spsa.MalformedMessage, match="more than 100000 B"):
+        asyncio.run(spsa.read_log_parts(_Parts(endless), max_bytes=100_000))
     with pytest.raises(spsa.MalformedMessage, match="a part of the log expected"):
         asyncio.run(spsa.read_log_parts(_Parts(parts, kind=spsa.LOG_REQUEST.code)))
