@@ -89,7 +89,8 @@ def batch_at(data: torch.Tensor, seed: int, size: int, ctx: int) -> torch.Tensor
 @torch.no_grad()
 def evaluate(model: TinyGPT, data: torch.Tensor, batches: int = 8, size: int = 32) -> float:
     model.eval()
-    losses = [float(model.loss(batch_at(data, 10_000 + i, size, model.ctx))) for i in range(batches)]
+    device = next(model.parameters()).device  # the batches are drawn on the CPU; the model may live on a GPU
+    losses = [float(model.loss(batch_at(data, 10_000 + i, size, model.ctx).to(device))) for i in range(batches)]
     return sum(losses) / len(losses)
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from protocols import checkpoint
+from protocols import checkpoint, tinylm
 from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
 from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
 
@@ -355,6 +355,21 @@ def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
         assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
 
 
+def test_the_tiny_gpt_is_evaluated_on_the_device_its_model_lives_on():
+    """Found on an H200 (the CPU and GPU SPSA test below): the tiny GPT's evaluation drew its batches on the CPU
+    while the model was on the GPU, so every loop on the default task failed with device = "cuda". Checked here on
+    the meta device, which any machine has."""
+    seen = []
+
+    class Probe(tinylm.TinyGPT):
+        def loss(self, batch):
+            seen.append(batch.device)
+            return torch.zeros(())
+
+    tinylm.evaluate(Probe().to("meta"), tinylm.encode_text("the cat sat. " * 500), batches=3)
+    assert seen == [torch.device("meta")] * 3
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path runs where one is")
@@ -385,3 +400,26 @@ def test_spsa_and_sapo_on_a_cuda_gpu(tmp_path):
         assert final[0]["final_hash"] == final[1]["final_hash"] and final[0]["device"].startswith("cuda")
         for s in finished(sapo_nodes, "sapo", "SAPO on the GPU to finish"):
             assert s["round"] == 4 and s["external_items_scored"] > 0 and s["device"].startswith("cuda")
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU on this machine: the GPU path runs where one is")
+def test_spsa_peers_on_the_cpu_and_a_cuda_gpu_pass_each_others_audits(tmp_path):
+    """A CPU peer and a GPU peer of one run re-probe every step of each other (the GPU's kernels round the losses
+    differently): no honest byte is convicted and both end on the same weights."""
+    table = ('[loops.spsa]\nrun = "mixed"\ntask = "tinygpt"\nsteps = 96\nwindow = 24\nmin_peers = 2\n'
+             'audit_peers = 8\naudit_steps = 24\ndevice = "{}"\n')
+    cpu = loop_config(tmp_path / "cpu.toml", table.format("cpu"))
+    gpu = loop_config(tmp_path / "gpu.toml", table.format("cuda"))
+    swarm = Swarm(tmp_path / "nodes", config=cpu)
+    try:
+        a = swarm.start("a")
+        b = swarm.start("b", config=gpu, bootstrap=[a.tcp_addr])
+        final = finished((a, b), "spsa", "a CPU and a GPU SPSA peer to finish")
+        assert final[0]["final_hash"] == final[1]["final_hash"] and final[1]["device"].startswith("cuda")
+        for s in final:
+            assert s["audits"] == "on" and s["audited_steps"] >= 72, s
+            assert s.get("rejected_audit", 0) == 0 and s["convicted"] == {}, s
+    finally:
+        swarm.close()
