@@ -244,6 +244,32 @@ def audit_agrees(sent: int, plus: float, minus: float, eps: float, clip: float) 
     return (got < 0) == (g < 0) and lo <= abs(got) <= hi
 
 
+_fp32_said = False
+
+
+def exact_fp32() -> None:
+    """Float32 matmuls and cuDNN convolutions in full precision (no TF32) from here on, whatever a task set: an
+    auditor compares our losses with its own, computed on another device, within AUDIT_REL. Measured on an H200
+    (bench/bench_audit.py): fp32 on the GPU is within 2.6e-7 of the CPU, TF32 matmuls up to 4.6e-5 (an honest
+    peer failed 1 audit in 400); PyTorch turns TF32 on for convolutions by default. Process-wide: every loop of a
+    node that runs SPSA computes float32 without TF32. (The legacy flags: reading them raises once the newer
+    per-backend ``fp32_precision`` API has set them inconsistently.)"""
+    global _fp32_said
+    try:
+        tf32 = torch.get_float32_matmul_precision() != "highest" or torch.backends.cudnn.allow_tf32
+    except RuntimeError:  # flags set through both APIs: set them again below
+        tf32 = True
+    if not tf32:
+        return
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    if not _fp32_said:
+        _fp32_said = True
+        logger.info("spsa: float32 matmuls and convolutions run without TF32 in this process (audits compare our "
+                    "losses with other devices' within %g)", AUDIT_REL)
+
+
 def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
     g = torch.Generator(device="cpu").manual_seed(seed)
     return [torch.randn(shape, generator=g) for shape in shapes]
@@ -272,7 +298,8 @@ class Weights:
 
     @torch.no_grad()
     def losses(self, batch, seed: int, eps: float) -> tuple[float, float]:
-        """L+ and L- of a probe (the weights restored after, bit-exact)."""
+        """L+ and L- of a probe (the weights restored after, bit-exact), in full float32 precision."""
+        exact_fp32()
         z = perturbation(self.shapes, seed)
         self._load(z, eps)
         plus = float(self.loss(batch))

@@ -108,6 +108,36 @@ def small_model():
     return tinylm.TinyGPT(d=16, layers=1, heads=2, ctx=16)
 
 
+@pytest.fixture
+def torch_precision():
+    """Give the process its float32 precision flags back after a test that changes them."""
+    saved = torch.get_float32_matmul_precision()
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(saved)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = True  # PyTorch's default
+
+
+@pytest.mark.parametrize("api", ["legacy", "per-backend"])
+def test_probes_run_in_full_float32_whatever_the_task_set(api, torch_precision):
+    """A task that turns TF32 on (for speed, in its model() or loss()) must not make its honest peer fail audits:
+    on an H200 TF32 matmuls moved a loss by up to 4.6e-5 against the CPU, beyond the audit's 1e-5 (bench_audit)."""
+    data = tinylm.encode_text(tinylm.corpus(3, 5000, target=True))
+    weights = Weights(small_model())
+    if api == "legacy":
+        torch.set_float32_matmul_precision("high")
+        torch.backends.cudnn.allow_tf32 = True
+    else:  # the newer API, set inconsistently: reading the legacy flags then raises
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
+        torch.backends.cudnn.conv.fp32_precision = "tf32"
+        torch.backends.cudnn.rnn.fp32_precision = "ieee"
+    weights.probe(tinylm.batch_at(data, 1, 4, 16), 123, 1e-3)
+    assert torch.get_float32_matmul_precision() == "highest"
+    assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
+
+
 def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
     torch.set_num_threads(1)
     data = tinylm.encode_text(tinylm.corpus(3, 5000, target=True))
