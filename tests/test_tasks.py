@@ -357,7 +357,7 @@ def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
 
 def test_the_tiny_gpt_is_evaluated_on_the_device_its_model_lives_on():
     """Found on an H200 (the CPU and GPU SPSA test below): the tiny GPT's evaluation drew its batches on the CPU
-    while the model was on the GPU, so every loop on the default task failed with device = "cuda". Checked here on
+    while the model was on the GPU, so DiLoCo and SPSA on the default task failed with device = "cuda". Checked on
     the meta device, which any machine has."""
     seen = []
 
