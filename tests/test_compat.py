@@ -125,3 +125,84 @@ def test_lazy_libp2p_keeps_the_stack_out_until_asked_and_then_works():
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "True", "True"]
+
+
+async def _search_cut_short(wrap) -> tuple[asyncio.Future, list[str]]:
+    """One hivemind DHT search whose requests take 0.3 s, given 0.1 s by ``wrap``; what asyncio reported after."""
+    import gc
+
+    from transport._compat import load_hivemind
+
+    load_hivemind()
+    from hivemind.dht.routing import DHTID
+    from hivemind.dht.traverse import traverse_dht
+
+    loop = asyncio.get_running_loop()
+    reported: list[str] = []
+    old = loop.get_exception_handler()
+    loop.set_exception_handler(lambda _loop, context: reported.append(context["message"]))
+    try:
+        peers = [DHTID.generate() for _ in range(20)]
+
+        async def get_neighbors(peer, queries):
+            await asyncio.sleep(0.3)
+            return {q: (peers[:5], False) for q in queries}
+
+        search = asyncio.ensure_future(traverse_dht([DHTID.generate()], peers[:3], beam_size=4, num_workers=3,
+                                                    queries_per_call=1, get_neighbors=get_neighbors, visited_nodes={}))
+        await wrap(search)
+        await asyncio.wait_for(asyncio.shield(asyncio.wait([search])), 5)  # it ends, one way or the other
+        for _ in range(3):
+            gc.collect()
+            await asyncio.sleep(0.05)
+        return search, reported
+    finally:
+        loop.set_exception_handler(old)
+
+
+@pytest.mark.timeout(30)
+async def test_cancelling_a_hivemind_search_still_leaks_its_workers_tasks():
+    async def cancel_at_timeout(search):
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(search, 0.1)
+
+    search, reported = await _search_cut_short(cancel_at_timeout)
+    assert search.cancelled()
+    assert "Task was destroyed but it is pending!" in reported, "hivemind's search no longer leaks: simplify _dht_call"
+
+
+@pytest.mark.timeout(30)
+async def test_a_dht_call_past_its_timeout_ends_by_itself_and_leaks_nothing():
+    from dht.discovery import Discovery, DiscoveryConfig
+    from transport.errors import TransportError
+    from transport.identity import Identity
+
+    discovery = Discovery(None, Identity.generate(), DiscoveryConfig("s", [], dht_timeout=0.1), version="test")
+
+    async def our_call(search):
+        with pytest.raises(TransportError, match="DHT walk timed out"):
+            await discovery._dht_call("walk", search)
+        assert not search.done() and discovery.counters["dht_timeouts"] == 1
+
+    search, reported = await _search_cut_short(our_call)
+    assert not search.cancelled() and search.exception() is None and reported == []
+    assert discovery._detached == {}  # ended and forgotten
+
+
+@pytest.mark.timeout(30)
+async def test_dht_calls_left_running_are_bounded_and_ended_at_close():
+    from dht.discovery import MAX_DETACHED, Discovery, DiscoveryConfig
+    from transport.errors import TransportError
+    from transport.identity import Identity
+
+    discovery = Discovery(None, Identity.generate(), DiscoveryConfig("s", [], dht_timeout=0.05), version="test")
+    calls = [asyncio.ensure_future(asyncio.Event().wait()) for _ in range(MAX_DETACHED + 4)]  # never end
+    for call in calls:
+        with pytest.raises(TransportError):
+            await discovery._dht_call("get", call)
+    await asyncio.sleep(0)
+    assert [c.cancelled() for c in calls] == [True] * 4 + [False] * MAX_DETACHED  # the oldest went first
+    assert len(discovery._detached) == MAX_DETACHED
+    await discovery.close()
+    await asyncio.sleep(0)
+    assert all(c.cancelled() for c in calls) and discovery._detached == {}
