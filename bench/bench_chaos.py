@@ -41,6 +41,7 @@ ended with identical weights (DiLoCo, SPSA).
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import statistics
 import sys
@@ -629,8 +630,19 @@ def usage(pid: int) -> dict:
 
     proc = psutil.Process(pid)
     kids = proc.children(recursive=True)
-    return {"rss": proc.memory_info().rss / 1e6, "fds": proc.num_fds(),
+    return {"rss": proc.memory_info().rss / 1e6, "fds": proc.num_fds(), "sockets": sockets(pid),
             "kid_rss": sum(k.memory_info().rss for k in kids) / 1e6, "kid_fds": sum(k.num_fds() for k in kids)}
+
+
+def sockets(pid: int) -> int:
+    """How many of a process's open fds are sockets (the rest: files, pipes, event fds)."""
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += os.readlink(fd).startswith("socket:")
+        except OSError:  # closed meanwhile
+            pass
+    return count
 
 
 def log_kinds(text: str) -> dict[str, int]:
@@ -761,12 +773,25 @@ def print_soak(r: dict, args) -> None:
     print(f"{'measure':<34} | {'start':>16} | {'end':>16} | {'growth':>22} | goal")
     print("-" * 110)
     for key, label, unit in (("rss", "RSS, node process", "MB"), ("kid_rss", "RSS, its p2p daemon", "MB"),
-                             ("fds", "open fds, node process", ""), ("kid_fds", "open fds, its p2p daemon", "")):
-        s = [u[key] for u in r["start"]]
-        e = [u[key] for u in r["end"]]
+                             ("fds", "open fds, node process", ""), ("sockets", "  of which sockets", ""),
+                             ("kid_fds", "open fds, its p2p daemon", "")):
+        s = [u.get(key, 0) for u in r["start"]]
+        e = [u.get(key, 0) for u in r["end"]]
         g = growth(key)
         print(f"{label:<34} | {statistics.median(s):>8.0f} [{max(s):>5.0f}] | {statistics.median(e):>8.0f} "
               f"[{max(e):>5.0f}] | {statistics.median(g):>+10.1f}% [{max(g):>+6.1f}%] | < 10% {unit}")
+    # a count of connections and streams is a level that moves from moment to moment: its growth is also shown
+    # between the mean of each node's first and last K samples (K = 10: 5 minutes of 30-s samples)
+    k = min(10, len(r["samples"]) // 2)
+    if k:
+        for key, label in (("fds", "open fds, node"), ("kid_fds", "open fds, p2p daemon")):
+            first = [statistics.mean(us[i][key] for _, us in r["samples"][:k]) for i in range(r["n"])]
+            last = [statistics.mean(us[i][key] for _, us in r["samples"][-k:]) for i in range(r["n"])]
+            g = [(b - a) / a * 100 if a else 0.0 for a, b in zip(first, last)]
+            name = f"{label}, mean of {k} samples"
+            print(f"{name:<34} | {statistics.median(first):>8.1f} [{max(first):>5.0f}] | "
+                  f"{statistics.median(last):>8.1f} [{max(last):>5.0f}] | {statistics.median(g):>+10.1f}% "
+                  f"[{max(g):>+6.1f}%] | < 10%")
     done = [b - a for a, b in zip(r["rounds_first"], r["rounds_last"])]
     short = f" {r['short_rounds'][:20]}" if r["short_rounds"] else ""
     print(f"rounds: the swarm closed {r['closed']} (each node {min(r['rounds_last'])}-{max(r['rounds_last'])}); "
@@ -785,6 +810,11 @@ def print_soak(r: dict, args) -> None:
         return f"{when} {statistics.median(u['rss'] for u in us):.0f}/{max(u['rss'] for u in us):.0f}"
     print("RSS of the node processes over time (median/max MB; 'round 1': when every node closed its first round): "
           + ", ".join(mark(t, us) for t, us in marks))
+
+    def fds_mark(t: float, us: list[dict]) -> str:
+        when = "round 1" if t < 0 else f"{t / 60:.0f} min"
+        return f"{when} {statistics.median(u['fds'] for u in us):.0f}/{max(u['fds'] for u in us):.0f}"
+    print("open fds of the node processes over time (median/max): " + ", ".join(fds_mark(t, us) for t, us in marks))
 
 
 def print_rows(title: str, rows: list[tuple]) -> None:
