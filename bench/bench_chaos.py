@@ -652,7 +652,7 @@ def log_kinds(text: str) -> dict[str, int]:
 
     kinds: dict[str, int] = {}
     for line in text.splitlines():
-        m = re.search(r"\b(WARNING|ERROR|CRITICAL)\b\s+(.*)", line)
+        m = re.search(r"\b(WARN|WARNING|ERROR|CRITICAL)\b\s+(.*)", line)
         if line.startswith("Traceback"):
             key = "Traceback"
         elif m:
