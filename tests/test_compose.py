@@ -86,6 +86,7 @@ def test_the_compose_swarm_built_from_this_repository_closes_a_round(docker, tmp
     port = _free_port()
     project = f"swarmdtest{os.getpid()}"
     env = {**os.environ, "SWARMD_IMAGE": TAG, "SWARMD_DASHBOARD_PORT": str(port), "SWARMD_ROUNDS": "3",
+           "SWARMD_INNER_STEPS": "10",
            "SWARMD_SUBNET_PREFIX": f"172.29.{random.randint(100, 250)}"}
     compose = [*_compose_cmd(), "-p", project, "-f", str(ROOT / "docker" / "compose.yaml")]
     try:
