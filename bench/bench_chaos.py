@@ -666,8 +666,8 @@ def log_kinds(text: str) -> dict[str, int]:
 
 def soak_part(args, tmp: Path) -> dict:
     """n nodes on loopback run DiLoCo (tinygpt, until stopped) while a writer posts CRDT writes to random nodes; the
-    clock starts once every node closed ``--soak-warmup`` rounds (imports, the model, the first exchanges and the
-    first checkpoint done: the steady state's start) and runs ``--soak-minutes``."""
+    writes start once every node closed ``--soak-warmup`` rounds (imports, the model, the first exchanges and the
+    first checkpoint done: the steady state's start); the clock starts 2 rounds later and runs ``--soak-minutes``."""
     import random
     import threading
 
@@ -708,10 +708,14 @@ def soak_part(args, tmp: Path) -> dict:
         first_round = [usage(x.pid) for x in nodes]
         wait_for(lambda: all(v["round"] >= args.soak_warmup for v in poll(nodes)), 1800,
                  f"{n} nodes to close {args.soak_warmup} rounds", interval=2.0)
-        start = [usage(x.pid) for x in nodes]
-        first = [v["round"] for v in poll(nodes)]
+        # the writes start 2 rounds before the start sample: the soak's load from its first sample on (taken before
+        # the writes, the start sample read 53 open fds a node, against 65 a minute into them)
         writes = threading.Thread(target=writer, args=(nodes,), daemon=True)
         writes.start()
+        wait_for(lambda: all(v["round"] >= args.soak_warmup + 2 for v in poll(nodes)), 600,
+                 f"{n} nodes to close 2 rounds under the writes", interval=2.0)
+        start = [usage(x.pid) for x in nodes]
+        first = [v["round"] for v in poll(nodes)]
         t0, samples = time.monotonic(), []
         while time.monotonic() - t0 < seconds:
             time.sleep(min(30.0, max(0.0, seconds - (time.monotonic() - t0))))  # the soak's length, not a wait
@@ -768,7 +772,8 @@ def print_soak(r: dict, args) -> None:
     print(f"Soak: {r['n']} nodes on loopback, DiLoCo (tinygpt, {args.soak_inner_steps} inner steps, exchange "
           f"{args.soak_exchange}, min_peers {r['n']}, checkpoint every 10 rounds) and {args.soak_writes} CRDT "
           f"writes/s to random nodes, for {r['minutes']:.0f} min from the moment every node closed round "
-          f"{args.soak_warmup} (start: warm, past the first checkpoint with the defaults) to the end; per node, "
+          f"{args.soak_warmup} and then 2 more under the writes (start: warm, past the first checkpoint with the "
+          f"defaults, under the soak's load) to the end; per node, "
           f"median [max] over the {r['n']} nodes:")
     print(f"{'measure':<34} | {'start':>16} | {'end':>16} | {'growth':>22} | goal")
     print("-" * 110)
@@ -845,7 +850,8 @@ def main() -> None:
     parser.add_argument("--soak-nodes", type=int, default=16)
     parser.add_argument("--soak-minutes", type=float, default=30.0)
     parser.add_argument("--soak-inner-steps", type=int, default=20)
-    parser.add_argument("--soak-warmup", type=int, default=11, help="rounds closed everywhere before the start sample")
+    parser.add_argument("--soak-warmup", type=int, default=11,
+                        help="rounds closed everywhere before the writes start (the start sample: 2 rounds later)")
     parser.add_argument("--soak-exchange", default="scatter", choices=["auto", "all-to-all", "scatter"])
     parser.add_argument("--soak-writes", type=float, default=2.0, help="CRDT writes per second, to random nodes")
     args = parser.parse_args()
