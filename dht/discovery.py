@@ -444,7 +444,11 @@ class Discovery:
         envelope = seal(self.identity, (await self.my_record()).to_wire())
         async with await self.transport.open_stream(peer_id, HELLO_SPEC, timeout=self.config.dial_timeout) as stream:
             await stream.send(HELLO, envelope)
-            reply = await asyncio.wait_for(stream.read_required(), self.config.dial_timeout)
+            try:
+                reply = await asyncio.wait_for(stream.read_required(), self.config.dial_timeout)
+            except asyncio.TimeoutError:  # a TransportError like any unreachable peer's (it escaped the callers)
+                raise PeerUnreachable(f"{peer_id} did not answer our hello within "
+                                      f"{self.config.dial_timeout:.0f} s") from None
             if reply.kind != HELLO_ACK:
                 raise MalformedMessage("hello: expected HELLO_ACK")
             try:
@@ -520,7 +524,17 @@ class Discovery:
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._spawned_done)
+
+    def _spawned_done(self, task: asyncio.Task) -> None:
+        """A background task's failure that its own code did not expect: one rate-limited line, never asyncio's
+        "Task exception was never retrieved" with a traceback (seen: a hello's reply timing out)."""
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            e = task.exception()
+            self.counters["tasks_failed"] = self.counters.get("tasks_failed", 0) + 1
+            self._log.log(logging.WARNING, ("task_failed", type(e).__name__),
+                          "discovery: a background task failed: %s: %s", type(e).__name__, e)
 
     # ------------------------------------------------------------------ introspection
     @property
