@@ -30,15 +30,17 @@ import math
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from protocols import spsa  # noqa: E402
 from protocols import task as tasks  # noqa: E402
-from protocols.spsa import (AUDIT_REL, DEFAULT_TASK_OPTIONS, Weights, audit_agrees, encode_grad,  # noqa: E402
-                            step_seed)
+from protocols.spsa import (AUDIT_REL, DEFAULT_TASK_OPTIONS, SpsaConfig, Weights, audit_agrees,  # noqa: E402
+                            encode_grad, step_seed)
 
 OPTIONS = {  # the options bench_spsa.py measures learning with (hf-text: its small Llama, last layer perturbed)
     "tinygpt": DEFAULT_TASK_OPTIONS,
@@ -52,7 +54,7 @@ OPTIONS = {  # the options bench_spsa.py measures learning with (hf-text: its sm
                                 "num_attention_heads": 8, "num_key_value_heads": 8}},
 }
 STEPS_AT_MOST = {"hf-text-wide": 50}  # its 1-thread CPU forward takes ~0.3 s
-EPS, CLIP, LR = 1e-3, 100.0, 1e-3  # SpsaConfig's defaults
+EPS, CLIP, LR = SpsaConfig().eps, SpsaConfig().clip, SpsaConfig().lr  # the loop's defaults
 RUN, AUTHOR = "audit-bench", "12D3KooWAuthor"
 
 
@@ -71,11 +73,15 @@ class Side:
 
     def losses(self, batch, seed: int) -> tuple[float, float]:
         torch.set_num_threads(self.threads)
-        torch.set_float32_matmul_precision("high" if self.tf32 else "highest")
-        try:
-            return self.weights.losses(batch, seed, EPS)
-        finally:
-            torch.set_float32_matmul_precision("highest")
+        if not self.tf32:
+            return self.weights.losses(batch, seed, EPS)  # as the loop computes them: full fp32 (spsa.exact_fp32)
+        # what a task that turns TF32 on would get, were the loop not to turn it off: exact_fp32 left out
+        with mock.patch.object(spsa, "exact_fp32", lambda: None):
+            torch.set_float32_matmul_precision("high")
+            try:
+                return self.weights.losses(batch, seed, EPS)
+            finally:
+                torch.set_float32_matmul_precision("highest")
 
 
 def compare(task, a: Side, b: Side, steps: int) -> dict:

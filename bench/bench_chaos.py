@@ -780,8 +780,8 @@ def print_soak(r: dict, args) -> None:
     for key, label, unit in (("rss", "RSS, node process", "MB"), ("kid_rss", "RSS, its p2p daemon", "MB"),
                              ("fds", "open fds, node process", ""), ("sockets", "  of which sockets", ""),
                              ("kid_fds", "open fds, its p2p daemon", "")):
-        s = [u.get(key, 0) for u in r["start"]]
-        e = [u.get(key, 0) for u in r["end"]]
+        s = [u[key] for u in r["start"]]
+        e = [u[key] for u in r["end"]]
         g = growth(key)
         print(f"{label:<34} | {statistics.median(s):>8.0f} [{max(s):>5.0f}] | {statistics.median(e):>8.0f} "
               f"[{max(e):>5.0f}] | {statistics.median(g):>+10.1f}% [{max(g):>+6.1f}%] | < 10% {unit}")
@@ -810,16 +810,12 @@ def print_soak(r: dict, args) -> None:
     print("log lines by kind (WARNING/ERROR, summed over nodes): " +
           ("; ".join(f"{v}x {k}" for k, v in sorted(r["log_kinds"].items(), key=lambda kv: -kv[1])[:15]) or "none"))
     marks = [(-1.0, r["first_round"]), (0.0, r["start"])] + r["samples"][::max(1, len(r["samples"]) // 6)]
-    def mark(t: float, us: list[dict]) -> str:
-        when = "round 1" if t < 0 else f"{t / 60:.0f} min"
-        return f"{when} {statistics.median(u['rss'] for u in us):.0f}/{max(u['rss'] for u in us):.0f}"
+    def over_time(key: str) -> str:
+        return ", ".join(f"{'round 1' if t < 0 else f'{t / 60:.0f} min'} {statistics.median(u[key] for u in us):.0f}/"
+                         f"{max(u[key] for u in us):.0f}" for t, us in marks)
     print("RSS of the node processes over time (median/max MB; 'round 1': when every node closed its first round): "
-          + ", ".join(mark(t, us) for t, us in marks))
-
-    def fds_mark(t: float, us: list[dict]) -> str:
-        when = "round 1" if t < 0 else f"{t / 60:.0f} min"
-        return f"{when} {statistics.median(u['fds'] for u in us):.0f}/{max(u['fds'] for u in us):.0f}"
-    print("open fds of the node processes over time (median/max): " + ", ".join(fds_mark(t, us) for t, us in marks))
+          + over_time("rss"))
+    print("open fds of the node processes over time (median/max): " + over_time("fds"))
 
 
 def print_rows(title: str, rows: list[tuple]) -> None:
