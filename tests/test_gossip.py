@@ -40,7 +40,7 @@ def test_eight_nodes_receive_every_message_exactly_once_within_2_s(swarm):
                 return False
         return True
 
-    wait_for(all_received, 10, "every receiver to get all 50 messages")
+    wait_for(all_received, 10, "every receiver to get all 50 messages", interval=0.05)
     took = time.monotonic() - start
     assert took < 2.0, f"delivery took {took:.2f} s"
     for n in receivers:

@@ -55,7 +55,7 @@ def test_six_nodes_writing_concurrently_converge(swarm):
     for t in threads:
         t.join(60)
     last_write = time.monotonic()
-    final = wait_for(lambda: converged(nodes), 20, "all 6 nodes to reach the same heads")
+    final = wait_for(lambda: converged(nodes), 20, "all 6 nodes to reach the same heads", interval=0.05)
     took = time.monotonic() - last_write
     assert took < 5.0, f"converged {took:.1f} s after the last write"
 

@@ -132,7 +132,8 @@ def test_two_halves_say_they_are_split_and_converge_after_the_heal_without_a_res
 
             cut = time.monotonic()
             lab.partition([[0, 1, 2], [3, 4, 5]])
-            wait_for(lambda: all(n.status()["split"]["suspected"] for n in nodes), 30, "both halves to see the split")
+            wait_for(lambda: all(n.status()["split"]["suspected"] for n in nodes), 30, "both halves to see the split",
+                     interval=0.05)
             detected = time.monotonic() - cut
             s = nodes[0].status()["split"]
             assert s["lost"] == 3 and s["known"] == 5
@@ -150,7 +151,8 @@ def test_two_halves_say_they_are_split_and_converge_after_the_heal_without_a_res
 
             healed = time.monotonic()
             lab.heal()
-            wait_for(lambda: len({digest(n) for n in nodes}) == 1, 60, "the CRDT state to converge after the heal")
+            wait_for(lambda: len({digest(n) for n in nodes}) == 1, 60, "the CRDT state to converge after the heal",
+                     interval=0.05)
             converged = time.monotonic() - healed
             wait_for(lambda: not any(n.status()["split"]["suspected"] for n in nodes), 30, "the split to clear")
             assert all(n.member_ids() >= ids - {n.peer_id} for n in nodes)
