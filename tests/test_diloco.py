@@ -20,6 +20,8 @@ alpha = {alpha}
 min_peers = {min_peers}
 inner_lr = 1e-3
 deadline_low = 2.0
+[loops.diloco.task_options]
+batch = 8  # the tiny GPT's default 16 doubles the inner steps' CPU (~55% of a node's here) and tests nothing more
 """
 
 

@@ -3,6 +3,7 @@ weights that outlive the node (checkpoint, kill -9, resume; export), and peers t
 
 import contextlib
 import re
+import sysconfig
 import textwrap
 from pathlib import Path
 
@@ -285,7 +286,13 @@ def test_a_task_that_breaks_at_run_time_fails_its_loop_clearly_and_nan_losses_ar
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_directory(tmp_path):
-    options = ('vocab_size = 512\nseq_len = 32\nbatch = 4\neval_batches = 2\n'
+    # real text, a part of it: 40 modules of the standard library (~1 MB; all of it is ~5 MB, whose tokenizer each
+    # of the 4 task loads here, 2 nodes, the export and the check below, took ~4 s to train and apply)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for path in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))[:40]:
+        (corpus / path.name).write_bytes(path.read_bytes())
+    options = (f'vocab_size = 512\nseq_len = 32\nbatch = 4\neval_batches = 2\ncorpus = "{corpus}"\n'
                '[loops.diloco.task_options.config]\nhidden_size = 32\nintermediate_size = 64\n'
                'num_hidden_layers = 2\nnum_attention_heads = 2\nnum_key_value_heads = 2\n')
     swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, task="hf-text", rounds=2, h=8, options=options))
@@ -305,7 +312,8 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         tokenizer = PreTrainedTokenizerFast.from_pretrained(out)
         ids = tokenizer("def main():", return_tensors="pt").input_ids
         assert model(input_ids=ids).logits.shape[-1] == 512
-        task = load("hf-text", {"vocab_size": 512, "seq_len": 32, "batch": 4, "eval_batches": 2, "config": {
+        task = load("hf-text", {"vocab_size": 512, "seq_len": 32, "batch": 4, "eval_batches": 2,
+                                "corpus": str(corpus), "config": {
             "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2,
             "num_key_value_heads": 2}}, "diloco")
         assert abs(task.obj.evaluate(model) - final[1]["losses"][-1][1]) < 1e-3
