@@ -22,28 +22,45 @@ if ! docker image inspect "$BASE" >/dev/null 2>&1; then
     tar -C "$rootfs" -c . | docker import - "$BASE" >/dev/null
 fi
 
-echo "filling docker/wheelhouse ..." >&2
+fill_wheelhouse() {
+    echo "filling docker/wheelhouse ..." >&2
+    rm -f docker/wheelhouse/.filled
+    # our own package's metadata is built with the setuptools at hand when there is one (an isolated build env
+    # costs ~20 s per run)
+    if "$PY" -c "import setuptools" 2>/dev/null; then isolation=--no-build-isolation; else isolation=; fi
+    "$PY" -m pip download -q $isolation . -d docker/wheelhouse
+    # packages published only as source: built into wheels here, so the image needs no compiler (a wheel built
+    # before is kept). All in one pip run, with the setuptools at hand where there is one (one isolated run per
+    # sdist took ~60 s for the 7 of them; this ~16 s), else isolated.
+    local todo=() sdist name built
+    for sdist in docker/wheelhouse/*.tar.gz; do
+        [ -e "$sdist" ] || continue
+        name="$(basename "$sdist" .tar.gz)"  # python-baseconv-1.2.2 -> python_baseconv-1.2.2-*.whl
+        built="docker/wheelhouse/$(echo "${name%-*}" | tr '.-' '__')-${name##*-}-"
+        if compgen -G "${built}*.whl" >/dev/null; then rm -f "$sdist"; else todo+=("$sdist"); fi
+    done
+    if [ ${#todo[@]} -gt 0 ]; then
+        "$PY" -m pip wheel -q --no-deps $isolation -w docker/wheelhouse "${todo[@]}" ||
+            { [ -n "$isolation" ] && "$PY" -m pip wheel -q --no-deps -w docker/wheelhouse "${todo[@]}"; }
+        rm -f "${todo[@]}"
+    fi
+}
+
 mkdir -p docker/wheelhouse
-# our own package's metadata is built with the setuptools at hand when there is one (an isolated build env costs
-# ~20 s per run)
-if "$PY" -c "import setuptools" 2>/dev/null; then isolation=--no-build-isolation; else isolation=; fi
-"$PY" -m pip download -q $isolation . -d docker/wheelhouse
-# packages published only as source: built into wheels here, so the image needs no compiler
-# (once: pip download fetches the sdist again on every run; a wheel built before is kept). All in one pip run,
-# with the setuptools at hand where there is one (one isolated run per sdist took ~60 s for the 7 of them; this
-# ~16 s), else isolated.
-todo=()
-for sdist in docker/wheelhouse/*.tar.gz; do
-    [ -e "$sdist" ] || continue
-    name="$(basename "$sdist" .tar.gz)"  # python-baseconv-1.2.2 -> python_baseconv-1.2.2-*.whl
-    built="docker/wheelhouse/$(echo "${name%-*}" | tr '.-' '__')-${name##*-}-"
-    if compgen -G "${built}*.whl" >/dev/null; then rm -f "$sdist"; else todo+=("$sdist"); fi
-done
-if [ ${#todo[@]} -gt 0 ]; then
-    "$PY" -m pip wheel -q --no-deps $isolation -w docker/wheelhouse "${todo[@]}" ||
-        { [ -n "$isolation" ] && "$PY" -m pip wheel -q --no-deps -w docker/wheelhouse "${todo[@]}"; }
-    rm -f "${todo[@]}"
+# The wheelhouse holds the dependencies only (swarmd itself is installed from the copied sources), so it is refilled
+# only when pyproject.toml (the pinned dependencies) or the Python that fills it changed: resolving the ~140
+# packages against the index took ~70 s of CPU on every build, even with every wheel at hand. One build at a time
+# fills it (a second waits for the first, then finds it filled).
+exec 9>docker/wheelhouse/.lock
+flock 9
+stamp="$( (cat pyproject.toml; "$PY" -V) | sha256sum | cut -d' ' -f1)"
+if [ "$(cat docker/wheelhouse/.filled 2>/dev/null)" = "$stamp" ]; then
+    echo "docker/wheelhouse is already filled for this pyproject.toml" >&2
+else
+    fill_wheelhouse
+    echo "$stamp" > docker/wheelhouse/.filled
 fi
+exec 9>&-
 
 echo "building $TAG from $BASE ..." >&2
 previous="$(docker image inspect -f '{{.Id}}' "$TAG" 2>/dev/null || true)"

@@ -6,6 +6,8 @@ import torch
 
 from protocols import checkpoint
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def model_and_opt(seed: int, cls=torch.optim.AdamW):
     torch.manual_seed(seed)

@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from protocols import codecs as C
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
 NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk"]
 

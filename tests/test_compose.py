@@ -8,6 +8,8 @@ to install them, a dockerd that does not start). A dockerd this test starts is s
 
 from __future__ import annotations
 
+import faulthandler
+import fcntl
 import json
 import os
 import random
@@ -19,6 +21,7 @@ from pathlib import Path
 import pytest
 
 import debian
+from node import __version__ as swarmd_version
 from swarmproc import http_get, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -34,12 +37,21 @@ def _docker_ok() -> bool:
 
 @pytest.fixture(scope="module")
 def docker(tmp_path_factory):
-    """A running dockerd (ours if none ran), or a skip saying why there cannot be one."""
+    """A running dockerd (ours if none ran), or a skip saying why there cannot be one.
+
+    Held by one pytest-xdist worker at a time (a lock file both see): the image is built in one worker and the swarm
+    run in the other, and two dockerds on one machine would fight over /var/run/docker.pid."""
     if os.geteuid() != 0:
         pytest.skip("the container swarm test needs root (dockerd, debootstrap), as CI runs it")
     missing = debian.ensure(TOOLS)
     if missing:
         pytest.skip(f"Docker cannot run here: {' and '.join(missing)} missing and not installable with apt-get")
+    with open(tmp_path_factory.getbasetemp().parent / "swarmd-docker.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield from _dockerd(tmp_path_factory)
+
+
+def _dockerd(tmp_path_factory):
     started = None
     if not _docker_ok():
         log = tmp_path_factory.mktemp("dockerd") / "dockerd.log"
@@ -78,11 +90,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.timeout(900)
-def test_the_compose_swarm_built_from_this_repository_closes_a_round(docker, tmp_path):
+def build_image() -> None:
     built = subprocess.run([str(ROOT / "docker" / "build-offline.sh"), TAG], cwd=ROOT, capture_output=True,
                            text=True, timeout=720)
     assert built.returncode == 0, f"the image did not build:\n{built.stderr[-3000:]}"
+
+
+# Built first, in the worker beside the real-time tests (its work is pip's and dockerd's, with no deadline but the
+# build's own timeout), so that the swarm test, which runs last, finds every layer in Docker's cache.
+@pytest.mark.beside
+@pytest.mark.first
+@pytest.mark.timeout(900)
+def test_the_image_builds_offline_from_this_repository(docker):
+    # at niceness 19 beside the real-time tests the build may take longer than faulthandler_timeout (170 s), whose
+    # stack dump would be noise here: this test's own timeout (900 s) still holds
+    faulthandler.cancel_dump_traceback_later()
+    build_image()
+    out = subprocess.run(["docker", "run", "--rm", TAG, "--version"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == swarmd_version, out.stdout + out.stderr
+
+
+@pytest.mark.last
+@pytest.mark.timeout(900)
+def test_the_compose_swarm_built_from_this_repository_closes_a_round(docker, tmp_path):
+    build_image()  # this repository's tree as it is now: with the image built above, Docker's cache has every layer
     port = _free_port()
     project = f"swarmdtest{os.getpid()}"
     env = {**os.environ, "SWARMD_IMAGE": TAG, "SWARMD_DASHBOARD_PORT": str(port), "SWARMD_ROUNDS": "3",

@@ -2,6 +2,8 @@ import pytest
 
 from node.config import ConfigError, load_config, parse_host_port
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def test_embedded_default():
     c = load_config()

@@ -22,6 +22,8 @@ from crdt import (
 from crdt.ops import SIGN_DOMAIN, decode_body, encode_body, make_op
 from transport.identity import Identity, verify
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 NOW = 1_700_000_000_000
 IDS = [Identity.generate() for _ in range(4)]
 

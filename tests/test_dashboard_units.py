@@ -3,8 +3,12 @@ points, a large swarm's answer stays small, this node's curve is always in it.""
 
 from types import SimpleNamespace
 
+import pytest
+
 from node import dashboard
 from node.dashboard import Recorder, Series, _thin
+
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 
 def test_a_long_curve_keeps_its_whole_shape_in_a_bounded_number_of_points():

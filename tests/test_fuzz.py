@@ -9,6 +9,8 @@ import pytest
 
 from fuzz_targets import all_targets, inputs
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 N = 1500  # inputs per decoder here (seeds first, then seeded mutations)
 FLOOR = 64 << 10  # allocations below this are bookkeeping, not amplification
 

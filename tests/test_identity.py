@@ -6,6 +6,8 @@ import pytest
 from transport.errors import IdentityError
 from transport.identity import Identity, is_valid_peer_id, public_key_from_peer_id, verify
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def test_save_load_roundtrip_keeps_peer_id_and_mode(tmp_path):
     path = tmp_path / "identity.key"

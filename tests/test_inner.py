@@ -5,6 +5,8 @@ import torch
 
 from protocols.inner import SwarmAdamW
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def _run(opt_cls, grads, **kw):
     p = torch.nn.Parameter(torch.zeros(grads[0].shape))

@@ -8,6 +8,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = {"node", "dht", "crdt", "transport", "protocols", "configs"}
 

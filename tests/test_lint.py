@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

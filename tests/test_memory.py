@@ -12,6 +12,8 @@ from transport.identity import Identity
 from transport.memory import LinkSpec, MemoryNetwork, run_virtual
 from transport.ping import ping, serve_ping
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 ECHO = ProtocolSpec("echo", "1.0.0", max_frame=8 << 20, kinds=frozenset({1}))
 
 

@@ -9,6 +9,8 @@ from transport.identity import Identity
 from transport.errors import MalformedMessage
 from transport.nat import ip_of, parse_addrs, parse_reply
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def test_guess_private():
     assert guess_private(["/ip4/10.1.0.10/tcp/4001"], [])

@@ -8,6 +8,8 @@ import torch
 from protocols import outer, tinylm
 from transport.memory import run_virtual
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def test_fragments_are_strided_by_block_and_cover_everything():
     names = [n for n, _ in tinylm.TinyGPT(layers=4).named_parameters()]

@@ -1,6 +1,10 @@
 import logging
 
+import pytest
+
 from transport.penalties import PeerPenalties, RateLimitedLog
+
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 
 class Clock:

@@ -19,6 +19,8 @@ from transport._compat import load_hivemind
 from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
 from transport.identity import Identity
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 hm = load_hivemind()
 KEY = "swarmd/test/members"
 

@@ -10,6 +10,8 @@ from protocols import rounds
 from protocols.rounds import RoundWait, StartBarrier, hash_verdict, plan_wait
 from protocols.standing import Standing
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def test_majority_vote_breaks_ties_the_same_way_everywhere():
     assert rounds.majority(["a", "b", "b"]) == "b"

@@ -11,6 +11,8 @@ from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced
 from protocols import diloco
 from transport.memory import LinkSpec, run_virtual
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def _sim(tmp_path, peers: int, rounds: int = 8, dim: int = 256, **settings) -> DilocoSim:
     return DilocoSim(SimConfig(peers=peers, seed=7), ChurnConfig(rounds=rounds, dim=dim), tmp_path, **settings)

@@ -10,6 +10,8 @@ from node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
 from protocols import sapo
 from transport.memory import run_virtual
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def _sim(tmp_path, peers: int, rounds: int = 10, **settings) -> SapoSim:
     return SapoSim(SimConfig(peers=peers, seed=3), ChurnConfig(rounds=rounds), tmp_path, **settings)

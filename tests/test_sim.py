@@ -13,6 +13,8 @@ import pytest
 from node.sim import ChurnConfig, SimConfig, SimSwarm, diloco_churn, simulate
 from transport.memory import run_virtual
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

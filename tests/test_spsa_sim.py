@@ -12,6 +12,8 @@ from protocols import spsa
 from transport import framing
 from transport.memory import run_virtual
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 def _sim(tmp_path, peers: int, windows: int = 12, **settings) -> SpsaSim:
     return SpsaSim(SimConfig(peers=peers, seed=11), ChurnConfig(rounds=windows, inner_steps=16, dim=64), tmp_path,

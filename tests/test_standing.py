@@ -4,6 +4,8 @@ import pytest
 
 from protocols.standing import EARN, Standing
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 
 @pytest.mark.timeout(30)
 def test_a_fresh_key_earns_standing_only_by_contributing_and_loses_it_by_missing_rounds():

@@ -21,6 +21,8 @@ from transport.errors import MalformedMessage
 from transport.framing import ProtocolSpec, encode
 from transport.wire import WIRE, Map, Str, UnknownKind
 
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURE = ROOT / "tests" / "fixtures" / "wire.json"
 # every module that declares messages, and every module that serves a protocol

@@ -2,7 +2,11 @@
 
 import logging
 
+import pytest
+
 from node.services import WorkBoard
+
+pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 
 def test_work_in_progress_is_listed_logged_at_intervals_and_gone_when_done(caplog):
