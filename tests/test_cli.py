@@ -33,10 +33,12 @@ def assert_clean_error(result, code, *fragments):
         (["--no-such-flag"], ["no-such-flag"]),
     ],
 )
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_bad_input_exits_2(tmp_path, args, fragments):
     assert_clean_error(run_cli("start", "--data-dir", str(tmp_path), *args), 2, *fragments)
 
 
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_invalid_config_field(tmp_path):
     cfg = tmp_path / "bad.toml"
     cfg.write_text("[discovery]\nmax_peers = 0\n")
@@ -67,6 +69,7 @@ def test_two_nodes_on_one_data_dir(swarm):
     assert first.proc.poll() is None  # the first node is unharmed
 
 
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_keygen_and_id(tmp_path):
     created = run_cli("keygen", "--data-dir", str(tmp_path))
     assert created.returncode == 0, created.stderr
@@ -80,15 +83,18 @@ def test_keygen_and_id(tmp_path):
     assert replaced.returncode == 0 and replaced.stdout.strip() != peer_id
 
 
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_id_without_identity(tmp_path):
     assert_clean_error(run_cli("id", "--data-dir", str(tmp_path)), 1, "does not exist", "swarmd keygen")
 
 
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_status_without_a_node(tmp_path):
     assert_clean_error(run_cli("status", "--data-dir", str(tmp_path)), 1, "no running node")
     assert_clean_error(run_cli("peers", "--http", "127.0.0.1:9"), 1, "cannot read")
 
 
+@pytest.mark.beside  # a CLI run that exits at once: no deadline to meet
 def test_help_and_version():
     assert run_cli("--help").returncode == 0
     v = run_cli("--version")

@@ -14,6 +14,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.beside  # imports in a subprocess: no deadline to meet
 def test_protobuf_clash_still_exists_without_the_alias():
     r = _run(
         """
@@ -24,6 +25,7 @@ def test_protobuf_clash_still_exists_without_the_alias():
     assert r.returncode != 0 and "duplicate symbol" in r.stderr, "the crypto.pb clash is gone: drop the alias"
 
 
+@pytest.mark.beside  # imports in a subprocess: no deadline to meet
 def test_protobuf_alias_lets_both_stacks_load():
     r = _run(
         """
@@ -40,6 +42,7 @@ def test_protobuf_alias_lets_both_stacks_load():
     assert r.returncode == 0 and "ok" in r.stdout, r.stderr
 
 
+@pytest.mark.beside  # imports in a subprocess: no deadline to meet
 def test_hivemind_still_imports_torch_without_the_stubs():
     r = _run(
         """
@@ -54,6 +57,7 @@ def test_hivemind_still_imports_torch_without_the_stubs():
     assert r.stdout.strip() == "True", "hivemind.p2p no longer pulls in torch: the package stubs can go"
 
 
+@pytest.mark.beside  # imports in a subprocess: no deadline to meet
 def test_stubs_keep_torch_out_of_the_node():
     r = _run(
         """
@@ -98,6 +102,7 @@ async def test_p2pd_needs_the_64_byte_ed25519_key(tmp_path):
     await asyncio.sleep(0)
 
 
+@pytest.mark.beside  # imports in a subprocess: no deadline to meet
 def test_libp2p_package_init_is_still_heavy():
     r = _run(
         """

@@ -27,6 +27,8 @@ inner_steps = 20
 min_peers = 3
 inner_lr = 1e-3
 deadline_low = 2.0
+[loops.diloco.task_options]
+batch = 8  # half the tiny GPT's default: the same curves at half the CPU
 """
 
 

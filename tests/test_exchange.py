@@ -27,6 +27,7 @@ checkpoint_every = 0
 [loops.diloco.task_options]
 d = 128
 layers = 2
+batch = 8  # the update's size is the model's; the batch only costs CPU
 """
 
 
