@@ -225,11 +225,12 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_a_node_joining_at_step_100_replays_and_matches(tmp_path):
-    # 500 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
-    # ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute.
-    # Two peers before it (it bootstraps from the one that is not the run's first): a third would only share the
-    # same 2 cores
-    swarm = spsa_swarm(tmp_path, "late", 500, 2)
+    # 1000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
+    # ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute (two
+    # peers at batch 8 make ~40 steps a second here, and the late one took ~15 s to start and build its base model:
+    # with 500 steps it was let in at the run's last step). Two peers before it (it bootstraps from the one that is
+    # not the run's first): a third would only share the same 2 cores
+    swarm = spsa_swarm(tmp_path, "late", 1000, 2)
     try:
         nodes = swarm.start_chain(2, members_within=None)
         wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
