@@ -267,10 +267,9 @@ class Swarm:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         tcp = f"/ip4/127.0.0.1/tcp/{port}"
-        identity = Identity.generate()
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
-        identity.save(data_dir / "identity.key")
+        identity, _ = Identity.load_or_create(data_dir / "identity.key")  # a data dir used before keeps its own
         args = []
         for addr in listen:
             args += ["--listen", tcp if addr == "/ip4/127.0.0.1/tcp/0" else addr]
