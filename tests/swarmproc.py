@@ -72,6 +72,13 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
             period = min(period * 1.5, 0.25)
 
 
+def free_port() -> int:
+    """A TCP port on loopback that nothing listens on now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def http_get(url: str, timeout: float = 5.0):
     with urllib.request.urlopen(url, timeout=timeout) as resp:
         body = resp.read()
@@ -263,10 +270,7 @@ class Swarm:
         listen = tomllib.loads(self.config.read_text()).get("network", {}).get("listen", [])
         if "/ip4/127.0.0.1/tcp/0" not in listen:
             return None
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        tcp = f"/ip4/127.0.0.1/tcp/{port}"
+        tcp = f"/ip4/127.0.0.1/tcp/{free_port()}"
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
         identity, _ = Identity.load_or_create(data_dir / "identity.key")  # a data dir used before keeps its own

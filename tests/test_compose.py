@@ -13,7 +13,6 @@ import fcntl
 import json
 import os
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 import debian
 from node import __version__ as swarmd_version
-from swarmproc import http_get, wait_for
+from swarmproc import free_port, http_get, wait_for
 
 pytestmark = pytest.mark.swarm
 
@@ -84,12 +83,6 @@ def _compose_cmd() -> list[str]:
     return ["docker-compose"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def build_image() -> None:
     built = subprocess.run([str(ROOT / "docker" / "build-offline.sh"), TAG], cwd=ROOT, capture_output=True,
                            text=True, timeout=720)
@@ -114,7 +107,7 @@ def test_the_image_builds_offline_from_this_repository(docker):
 @pytest.mark.timeout(900)
 def test_the_compose_swarm_built_from_this_repository_closes_a_round(docker, tmp_path):
     build_image()  # this repository's tree as it is now: with the image built above, Docker's cache has every layer
-    port = _free_port()
+    port = free_port()
     project = f"swarmdtest{os.getpid()}"
     env = {**os.environ, "SWARMD_IMAGE": TAG, "SWARMD_DASHBOARD_PORT": str(port), "SWARMD_ROUNDS": "3",
            "SWARMD_INNER_STEPS": "10",

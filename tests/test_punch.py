@@ -11,16 +11,11 @@ from transport.framing import ProtocolSpec
 from transport.identity import Identity
 from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 from transport.punch import Splice, simultaneous_open
+from swarmproc import free_port
 
 pytestmark = pytest.mark.timeout(60)
 
 ECHO = ProtocolSpec("echo", "1.0.0", max_frame=1 << 20, kinds=frozenset({1}))
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def tcp_pair() -> tuple[socket.socket, socket.socket]:
