@@ -64,7 +64,8 @@ def settings_for(loop: str, nodes: int, rounds: int | None) -> list[str]:
     items = [f"loops.{section}.min_peers={nodes}",
              "state.admission_bits=12",  # one machine: cheap membership tickets (a real swarm keeps 22)
              f'node.swarm="demo-{secrets.token_hex(3)}"',  # its own swarm: never mixes with another demo's nodes
-             'node.log_level="warning"']
+             'node.log_level="warning"',
+             f"loops.{section}.threads=1"]  # several nodes on one machine: one compute thread each
     if rounds is not None:
         if section == "spsa":  # SPSA counts steps; a round is a window
             items.append(f"loops.spsa.steps={rounds * 96}")

@@ -121,6 +121,7 @@ class DilocoConfig(BaseModel):
     task: str = "tinygpt"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
     task_options: dict = {}  # keyword arguments of the task's factory
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    threads: int = Field(0, ge=0, le=4096)  # torch's CPU threads for the loop's compute (0: auto, protocols.task)
     checkpoint_every: int = Field(1, ge=0)  # rounds between checkpoints (0: only at the end)
     seed: int = 1  # the initial weights (every peer builds the same) and the data order
     rounds: int = Field(8, ge=0)  # outer rounds per fragment (0: until stopped)
@@ -378,7 +379,7 @@ class DilocoLoop(TaskLoop):
         await self._guarded(self._run)
 
     async def _run(self) -> None:
-        torch.set_num_threads(1)
+        self.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building the model"
         with self.work.track("model build"):
             await asyncio.to_thread(self._build)

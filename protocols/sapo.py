@@ -89,6 +89,7 @@ class SapoConfig(BaseModel):
     task: str = "arith"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
     task_options: dict = {}  # keyword arguments of the task's factory (the built-ins': the policy's size, lr, ...)
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    threads: int = Field(0, ge=0, le=4096)  # torch's CPU threads for the loop's compute (0: auto, protocols.task)
     checkpoint_every: int = Field(50, ge=0)  # rounds between checkpoints of the policy (0: only at the end)
     seed: int = Field(1, ge=0)
     rounds: int = Field(300, ge=0, le=10_000_000)  # 0: until stopped
@@ -257,7 +258,7 @@ class SapoLoop(TaskLoop):
         self.model = model if isinstance(model, torch.nn.Module) else None
 
     async def _run(self) -> None:
-        torch.set_num_threads(1)
+        self.threads = tasks.set_threads(self.cfg.threads)
         cfg, me = self.cfg, self._ctx.identity.peer_id
         seed = cfg.policy_seed if cfg.policy_seed is not None else policy_seed(cfg.seed, me)
         self.state = "building the policy"

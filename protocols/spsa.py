@@ -339,6 +339,7 @@ class SpsaConfig(BaseModel):
     task: str = "tinygpt"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
     task_options: dict | None = None  # keyword arguments of the task's factory (default: the built-in's, above)
     device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
+    threads: int = Field(0, ge=0, le=4096)  # torch's CPU threads for the loop's compute (0: auto, protocols.task)
     checkpoint_every: int = Field(8, ge=0)  # windows between checkpoints (0: only at the end)
     base_seed: int = 1  # the seed the task's model is built under (every peer builds the same base)
     steps: int = Field(200, ge=0, le=10**12)  # 0: until stopped
@@ -479,7 +480,7 @@ class SPSALoop(TaskLoop):
         await self._guarded(self._run)
 
     async def _run(self) -> None:
-        torch.set_num_threads(1)
+        self.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building base model"
         with self.work.track("base model build"):
             await asyncio.to_thread(self._build)

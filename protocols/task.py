@@ -42,6 +42,7 @@ import importlib
 import importlib.util
 import inspect
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -361,6 +362,28 @@ def pick_device(name: str) -> torch.device:
     if device.type == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise TaskError(f"device {name!r}: MPS is not available")
     return device
+
+
+def auto_threads() -> int:
+    """The CPU threads a loop's compute gets by default: what ``OMP_NUM_THREADS`` says where it is set (the usual
+    knob for running several processes on one machine; torch read it at import), else every core this process may
+    run on but one, which is left to the node's own work (network, encoding, hashing threads)."""
+    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
+        return int(os.environ["OMP_NUM_THREADS"])
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores - 1)
+
+
+def set_threads(threads: int) -> int:
+    """Give torch's CPU compute ``threads`` threads (0: :func:`auto_threads`); returns the number set. Process-wide:
+    loops of one node share it. The count changes no result a peer checks (``bench/bench_audit.py``: SPSA's losses
+    are bit-identical with 1 and 16 threads)."""
+    n = threads or auto_threads()
+    torch.set_num_threads(n)
+    return n
 
 
 def to_device(batch, device: torch.device):

@@ -43,6 +43,7 @@ class TaskLoop:
     def _init_task(self, task: Task) -> None:
         self.task = task
         self.device: torch.device | None = None
+        self.threads: int | None = None  # torch's CPU threads, set when the loop starts (task.set_threads)
         self.fp: dict | None = None  # {"layout": ..., "config": ...}, set once the model is built
         self.error: str | None = None
         self.refused: str | None = None
@@ -275,6 +276,7 @@ class TaskLoop:
         return {
             "task": self.task.spec,
             "device": str(self.device) if self.device else self.cfg.device,
+            "threads": self.threads,
             "fingerprint": self.fp,
             "error": self.error,
             "refused": self.refused,

@@ -120,7 +120,9 @@ class NodeProc:
             [*prefix, sys.executable, *entry, *args],
             stdout=self._log,
             stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+            # several nodes share this machine: one compute thread each unless a test says otherwise (the loops'
+            # default, threads = 0, reads OMP_NUM_THREADS; see protocols.task.auto_threads)
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})},
             cwd=REPO,
         )
         self.info: dict | None = None

@@ -188,6 +188,7 @@ def test_the_example_task_file_trains_across_two_nodes_and_exports(tmp_path):
         losses = [loss for _, loss in final[0]["losses"]]
         assert len(losses) == 3 and losses[-1] < losses[0]
         assert final[0]["checkpoint"]["round"] == 3 and final[0]["checkpoint"]["hash"] == final[0]["final_hash"]
+        assert final[0]["threads"] == 1  # threads = 0 (auto) follows OMP_NUM_THREADS=1, which the harness sets
         # the human summary names the loop's state, round, loss and bytes
         summary = run_cli("status", "--http", nodes[0].url).stdout
         assert re.search(r"diloco +done +round 3/3 +step \d+ +loss [\d.]+ +sent [\d.]+ MB, received [\d.]+ MB",
@@ -202,6 +203,30 @@ def test_the_example_task_file_trains_across_two_nodes_and_exports(tmp_path):
         assert abs(task.obj.evaluate(fresh) - losses[-1]) < 1e-4
     finally:
         swarm.close()
+
+
+@pytest.mark.beside
+def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
+    from protocols.task import auto_threads, set_threads
+
+    before = torch.get_num_threads()
+    try:
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        assert auto_threads() == 3 and set_threads(0) == 3 and torch.get_num_threads() == 3
+        assert set_threads(2) == 2 and torch.get_num_threads() == 2  # an explicit count wins
+        monkeypatch.delenv("OMP_NUM_THREADS")
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: set(range(8)))
+        assert auto_threads() == 7  # one core left to the node's own work
+        monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0})
+        assert auto_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "junk")  # not a count: ignored
+        assert auto_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+    with pytest.raises(Exception):
+        from protocols.diloco import DilocoConfig
+
+        DilocoConfig(threads=-1)
 
 
 @pytest.mark.swarm
