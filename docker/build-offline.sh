@@ -6,6 +6,8 @@
 #   docker/build-offline.sh [image tag, default swarmd:latest]
 #
 # Needs root, a running dockerd, debootstrap and a Debian mirror (SWARMD_DEBIAN_MIRROR, default deb.debian.org).
+# SWARMD_BUILD_CPU_SHARES: the build's CPU weight against other work on this host (docker build --cpu-shares;
+# default 1024, as any container; the test suite builds at 2, beside its timed tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 TAG="${1:-swarmd:latest}"
@@ -64,7 +66,8 @@ exec 9>&-
 
 echo "building $TAG from $BASE ..." >&2
 previous="$(docker image inspect -f '{{.Id}}' "$TAG" 2>/dev/null || true)"
-DOCKER_BUILDKIT=0 docker build -q -f docker/Dockerfile --build-arg BASE="$BASE" -t "$TAG" . >&2
+DOCKER_BUILDKIT=0 docker build -q -f docker/Dockerfile --build-arg BASE="$BASE" \
+    ${SWARMD_BUILD_CPU_SHARES:+--cpu-shares "$SWARMD_BUILD_CPU_SHARES"} -t "$TAG" . >&2
 # the image this tag named before is untagged by the build: removed, or every rebuild would leave ~2 GB behind
 # (kept where a container still uses it)
 if [ -n "$previous" ] && [ "$previous" != "$(docker image inspect -f '{{.Id}}' "$TAG")" ]; then

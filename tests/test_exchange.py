@@ -32,6 +32,7 @@ batch = 8  # the update's size is the model's; the batch only costs CPU
 
 
 # ------------------------------------------------------------------ the arithmetic
+@pytest.mark.beside
 def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
     n = 1_000_003
     k = exchange.part_count(n, 64)
@@ -51,6 +52,7 @@ def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
     assert 400 < drawn < 600 and all(exchange.audited("run", r, 0, 0, 1.0) for r in range(10))
 
 
+@pytest.mark.beside
 def test_audits_are_spread_so_no_peer_audits_many_parts():
     """Each audited part has an auditor other than its reducer, and no peer audits more than its share: an audit
     pulls that part's chunks, so two audits put a peer at 2.6 x S in at N = 8 instead of 2.2. Every peer computes
@@ -70,6 +72,7 @@ def test_audits_are_spread_so_no_peer_audits_many_parts():
     assert crowded > 30  # rounds in which the old rule gave one peer more audits than the plan does
 
 
+@pytest.mark.beside
 def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     g = torch.Generator().manual_seed(0)
     signal = torch.randn(10_000, generator=g)
@@ -85,6 +88,7 @@ def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     assert exchange.reduce_part({}, factors, 7).equal(torch.zeros(7))
 
 
+@pytest.mark.beside
 def test_a_part_reduces_to_the_same_bits_however_the_update_is_cut():
     """Peers compare reduced parts by hash: each value of a reduction must depend on its own inputs only, not on
     how large a part is. (torch's mean over a stack of 8 chunks summed parts of 7 values in another order than
@@ -104,6 +108,7 @@ def test_a_part_reduces_to_the_same_bits_however_the_update_is_cut():
     assert whole.equal(expected / 16)
 
 
+@pytest.mark.beside
 def test_a_part_names_the_members_whose_chunks_it_combines_in_a_bitmap_and_a_minority_is_not_a_part():
     ordered = exchange.order("run", 3, 0, [f"peer{i}" for i in range(11)])
     some = frozenset(ordered[i] for i in (0, 3, 8, 10))
@@ -116,6 +121,7 @@ def test_a_part_names_the_members_whose_chunks_it_combines_in_a_bitmap_and_a_min
     assert not exchange.majority(ordered[:2], ordered[:4])  # half is no majority
 
 
+@pytest.mark.beside
 def test_a_rounds_decisions_are_functions_of_what_arrived():
     """The round's decisions without a loop or a network (the DiLoCo loop is the I/O around them)."""
     members, refused = exchange.screen_members(
@@ -146,6 +152,7 @@ def test_a_rounds_decisions_are_functions_of_what_arrived():
     assert exchange.conform_action(exchange.unpack_set(ordered, b"\xff\xff"), ordered, b"h", b"h") == "not_followed"
 
 
+@pytest.mark.beside
 def test_a_chunk_larger_than_its_announced_norm_is_refused():
     chunk = torch.ones(100)
     assert exchange.chunk_ok(chunk, 100, 10.0) is None
@@ -154,6 +161,7 @@ def test_a_chunk_larger_than_its_announced_norm_is_refused():
     assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
 
 
+@pytest.mark.beside
 def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_any_pull():
     from types import SimpleNamespace
 

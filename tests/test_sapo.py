@@ -19,6 +19,7 @@ ARITH = load("arith", {}, "sapo")
 RULES = Rules(ARITH, SapoConfig(questions=64, completions=32))
 
 
+@pytest.mark.beside
 def test_questions_are_regenerated_exactly_and_answers_are_right():
     assert arith.question(7, 3) == arith.question(7, 3)
     assert len({arith.question(7, i).prompt for i in range(50)}) > 40
@@ -35,6 +36,7 @@ def items(round_=3, author=AUTHOR, n=2, comps=("12", "07")):
     return {"r": round_, "items": [{"spec": ["arith", q_seed, k], "comps": list(comps)} for k in range(n)]}
 
 
+@pytest.mark.beside
 def test_rollout_messages_are_validated():
     r, parsed = parse_items(items(), run=RUN, seed=SEED, author=AUTHOR, rules=RULES)
     assert r == 3 and [i for _, i, _ in parsed] == [0, 1] and parsed[0][2] == ["12", "07"]
@@ -70,6 +72,7 @@ def test_rollout_messages_are_validated():
     rejected([3, []])
 
 
+@pytest.mark.beside
 def test_rewards_come_from_our_verifier_not_the_sender():
     q_seed = question_seed(RUN, SEED, AUTHOR, 0)
     q = arith.question(q_seed, 5)
@@ -79,6 +82,7 @@ def test_rewards_come_from_our_verifier_not_the_sender():
     assert not score(ARITH, "arith", q_seed, 5, [wrong] * 8).informative  # all wrong: dropped before training
 
 
+@pytest.mark.beside
 def test_reasoning_gym_questions_are_regenerated_and_scored_by_its_own_scorer():
     task = load("reasoning-gym", {}, "sapo")
     assert task.obj.datasets == ["chain_sum", "products"]
@@ -99,6 +103,7 @@ def test_reasoning_gym_questions_are_regenerated_and_scored_by_its_own_scorer():
         load("reasoning-gym", {"datasets": ["nope"]}, "sapo")
 
 
+@pytest.mark.beside
 def test_grpo_step_raises_the_probability_of_rewarded_completions():
     torch.set_num_threads(1)
     policy = Policy(seed=3, d=32, layers=1, heads=2, lr=3e-3)
@@ -123,6 +128,7 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions():
     assert completions[0].count(q.answer) > 8
 
 
+@pytest.mark.beside
 def test_config_is_checked(tmp_path):
     with pytest.raises(ValidationError):
         SapoConfig(local=9, questions=8)

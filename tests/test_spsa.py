@@ -14,6 +14,7 @@ from swarmproc import Swarm, http_get, loop_config, wait_for
 RUN = "t"
 
 
+@pytest.mark.beside
 def test_byte_code():
     assert encode_grad(0.0, 10) & 0x7F == 0 and decode_grad(encode_grad(-3.0, 10)) < 0
     for g in (1e-3, 0.37, -2.5, 99.0):
@@ -25,6 +26,7 @@ def test_byte_code():
         encode_grad(float("nan"), 1)
 
 
+@pytest.mark.beside
 def test_a_window_screen_refuses_bytes_out_of_scale_and_caps_the_rest():
     honest = {f"p{i}": bytes(encode_grad(g * (1 + i / 10), 100) for g in (0.01, -0.02, 0.015, -0.01, 0.03, 0.02))
               for i in range(3)}
@@ -49,6 +51,7 @@ def _signed(who, topic: str, data: bytes, seq: int = 1) -> dict:
     return {"b": body, "s": who.sign(SIGN_DOMAIN + body)}
 
 
+@pytest.mark.beside
 def test_a_served_log_is_verified_whole_and_its_contributors_are_the_screened_batches():
     """SPSA's replay, without a loop: a joiner reads a peer's log (protocols/spsa.py read_log) and counts each
     window's contributors as the live peers did (log_contributors): the batches less those refused as out of
@@ -97,6 +100,7 @@ def test_a_served_log_is_verified_whole_and_its_contributors_are_the_screened_ba
     assert "not a batch" in refused([[0, [not_batch]]])
 
 
+@pytest.mark.beside
 def test_seeds_are_per_step_and_peer():
     assert step_seed(RUN, 1, "A") == step_seed(RUN, 1, "A")
     assert len({step_seed(RUN, s, p) for s in range(50) for p in "ABCD"}) == 200
@@ -120,6 +124,7 @@ def torch_precision():
         torch.backends.cudnn.allow_tf32 = True  # PyTorch's default
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("api", ["legacy", "per-backend"])
 def test_probes_run_in_full_float32_whatever_the_task_set(api, torch_precision):
     """A task that turns TF32 on (for speed, in its model() or loss()) must not make its honest peer fail audits:
@@ -138,6 +143,7 @@ def test_probes_run_in_full_float32_whatever_the_task_set(api, torch_precision):
     assert not torch.backends.cudnn.allow_tf32 and not torch.backends.cuda.matmul.allow_tf32
 
 
+@pytest.mark.beside
 def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
     torch.set_num_threads(1)
     data = tinylm.encode_text(tinylm.corpus(3, 5000, target=True))

@@ -61,12 +61,14 @@ def write_task(folder: Path, name: str = "tiny_task.py", extra: str = "", body: 
 
 
 # ------------------------------------------------------------------ the seam itself (in process)
+@pytest.mark.beside
 def test_readme_shows_the_example_task_file_as_it_is():
     readme = (REPO / "README.md").read_text()
     blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
     assert EXAMPLE.read_text() in blocks, "README's 'Train your own model' must show examples/my_task.py verbatim"
 
 
+@pytest.mark.beside
 def test_bad_task_files_give_one_line_errors_naming_the_file(tmp_path):
     def error(spec, options=None, kind="diloco"):
         with pytest.raises(TaskError) as e:
@@ -103,6 +105,7 @@ def test_bad_task_files_give_one_line_errors_naming_the_file(tmp_path):
         build_model(wrong, 1)
 
 
+@pytest.mark.beside
 @pytest.mark.parametrize("name,options", [("tinygpt", {"domain": "target"}), ("digits", {}), ("regression", {})])
 def test_builtin_batches_by_step_are_a_function_of_shard_seed_and_step(name, options):
     """What lets an SPSA peer re-probe another's step: anyone draws the same batch from (shard, seed, step)."""
@@ -119,6 +122,7 @@ def test_builtin_batches_by_step_are_a_function_of_shard_seed_and_step(name, opt
         assert same([next(stream) for _ in range(8)][7], first)
 
 
+@pytest.mark.beside
 def test_default_fragments_work_for_any_model_and_the_same_seed_builds_the_same_weights(tmp_path):
     task = load(f"{write_task(tmp_path)}:make_task", {"hidden": 64}, "diloco")
     model = build_model(task, 7)
@@ -133,6 +137,7 @@ def test_default_fragments_work_for_any_model_and_the_same_seed_builds_the_same_
     assert torch.equal(state, torch.random.get_rng_state())  # our seeding does not leak into the process
 
 
+@pytest.mark.beside
 def test_cli_refuses_a_bad_task_before_starting(tmp_path):
     path = loop_config(tmp_path / "c.toml", f'[loops.diloco]\ntask = "{tmp_path}/missing.py:make_task"\n')
     result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
@@ -388,6 +393,7 @@ def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
         assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
 
 
+@pytest.mark.beside
 def test_the_tiny_gpt_is_evaluated_on_the_device_its_model_lives_on():
     """Found on an H200 (the CPU and GPU SPSA test below): the tiny GPT's evaluation drew its batches on the CPU
     while the model was on the GPU, so DiLoCo and SPSA on the default task failed with device = "cuda". Checked on
