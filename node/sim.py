@@ -381,10 +381,11 @@ class DilocoSim(LoopSim):
 
         churn = self.churn
         self.task = self.tasks.load("regression", {"dim": churn.dim}, "diloco")
+        # threads=1 here and in the SPSA and SAPO sims below: many simulated peers share this one process
         defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, rounds=churn.rounds,
                         inner_steps=churn.inner_steps, min_peers=self.cfg.peers, checkpoint_every=1,
                         deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05,
-                        outer_lr=1.0, outer_momentum=0.0, device="cpu")
+                        outer_lr=1.0, outer_momentum=0.0, device="cpu", threads=1)
         self.dcfg = diloco.DilocoConfig(**{**defaults, **settings})
         self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
 
@@ -424,7 +425,7 @@ class SpsaSim(LoopSim):
         window = settings.get("window", churn.inner_steps)
         defaults = dict(run="sim", task="regression", task_options={"dim": churn.dim}, steps=churn.rounds * window,
                         window=window, min_peers=self.cfg.peers, checkpoint_every=1, deadline=2.0, hash_every=1,
-                        eval_every=1, lr=0.002, eps=1e-2, device="cpu")
+                        eval_every=1, lr=0.002, eps=1e-2, device="cpu", threads=1)
         self.dcfg = spsa.SpsaConfig(**{**defaults, **settings})
         self.loop_cls = _closing_after(spsa.SPSALoop, "_close_window", self.dcfg.window * churn.step_seconds)
 
@@ -454,7 +455,7 @@ class SapoSim(LoopSim):
         self.task = self.tasks.load("arith", options, "sapo")
         defaults = dict(run="sim", task="arith", task_options=options, rounds=churn.rounds, min_peers=self.cfg.peers,
                         questions=4, completions=4, local=2, external=2, deadline=2.0, checkpoint_every=2,
-                        report_every=1, device="cpu")
+                        report_every=1, device="cpu", threads=1)
         self.dcfg = sapo.SapoConfig(**{**defaults, **settings})
         self.loop_cls = _closing_after(sapo.SapoLoop, "_close_round", churn.inner_steps * churn.step_seconds)
 
