@@ -12,6 +12,7 @@ import collections
 import gc
 import logging
 import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -473,13 +474,42 @@ async def end_tasks(tasks: dict[asyncio.Task, str]) -> None:
             t.cancel()
         left = deadline - loop.time()
         if left <= 0:
-            logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned",
-                           ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S)
+            logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned (%s)",
+                           ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S,
+                           "; ".join(sorted(f"{tasks[t]} at {where(t)}" for t in pending)))
+            others = [t for t in asyncio.all_tasks() - set(tasks) - {asyncio.current_task()} if not t.done()]
+            if others:  # a stuck task is often waiting for one of these (a TaskGroup's children, a stream's reader)
+                logger.warning("shutdown: tasks still running then: %s%s",
+                               "; ".join(sorted(f"{t.get_name()} at {where(t)}" for t in others)[:MAX_STUCK_SHOWN]),
+                               f" (and {len(others) - MAX_STUCK_SHOWN} more)" if len(others) > MAX_STUCK_SHOWN else "")
             return
         _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
 
 
 SHUTDOWN_STEP_S = 5.0  # the most one step of a shutdown may take before it is abandoned (and named in the log)
+MAX_STUCK_SHOWN = 8  # tasks named, with where each waits, when a shutdown step is abandoned
+
+
+def where(task: asyncio.Task, depth: int = 3) -> str:
+    """Where a pending task waits: the innermost ``depth`` coroutine frames of its await chain, outer to inner
+    (``file:line function > ...``), the line that says what a stuck shutdown was waiting for."""
+    coro, frames = task.get_coro(), []
+    while coro is not None:
+        f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+        if f is None:
+            break
+        frames.append(f)
+        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+    return " > ".join(f"{_short(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}" for f in frames[-depth:]) or "?"
+
+
+def _short(path: str) -> str:
+    """A path relative to the sys.path entry it was imported from, where there is one."""
+    for root in sys.path:
+        root = root.rstrip("/")
+        if root and path.startswith(root + "/"):
+            return path[len(root) + 1:]
+    return path
 
 
 async def _bounded(what: str, step: Awaitable) -> None:

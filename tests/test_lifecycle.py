@@ -51,7 +51,9 @@ async def test_a_loop_that_never_ends_is_named_and_abandoned(monkeypatch, caplog
     with caplog.at_level(logging.WARNING, logger=core.logger.name), pytest.raises(asyncio.CancelledError):
         await asyncio.wait_for(runner, 5)
     assert ended == ["plain"]
-    assert any("deaf loop did not end" in r.getMessage() for r in caplog.records)
+    (line,) = [r.getMessage() for r in caplog.records if "deaf loop did not end" in r.getMessage()]
+    # the line says where it was stuck: the innermost frames of its await chain, our test's function among them
+    assert "deaf loop at " in line and "test_lifecycle.py:" in line and " run > " in line, line
     deaf.clear()
     (abandoned,) = [t for t in asyncio.all_tasks() if t.get_name() == "loop: deaf loop"]
     abandoned.cancel()
