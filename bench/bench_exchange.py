@@ -61,6 +61,7 @@ checkpoint_every = 0
 min_bandwidth = 5e6
 [loops.diloco.task_options]
 size = {size}
+sgd = {sgd}
 """
 
 
@@ -95,7 +96,7 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
 
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
-           parts: int = 16, lab: StarLab | None = None, codec: str = "none") -> dict:
+           parts: int = 16, lab: StarLab | None = None, codec: str = "none", sgd: bool = False) -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
@@ -103,7 +104,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
     config = loop_config(root / "diloco.toml", CONFIG.format(
         peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
-        rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts))
+        rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts, sgd=str(sgd).lower()))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = _start(swarm, peers, lab)
@@ -296,6 +297,8 @@ def main() -> None:
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
+    parser.add_argument("--inner-sgd", action="store_true", help="the vector trained by plain SGD (no optimizer "
+                        "state: a node's memory is then the exchange's; default AdamW, the loop's)")
     parser.add_argument("--link", type=float, default=0.0, metavar="MBIT",
                         help="each peer in its own network namespace, its link capped at MBIT both ways by tc tbf "
                              "(needs root; default: every peer on loopback)")
@@ -317,7 +320,7 @@ def main() -> None:
                 for mode in args.modes.split(","):
                     with lab() as star:
                         result[mode] = swarmd(mode, n, size, args.rounds, Path(tmp) / mode, args.audit, args.parts,
-                                              star, args.codec)
+                                              star, args.codec, args.inner_sgd)
                     print(f"N={n} {mode}: {result[mode]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:

@@ -23,5 +23,12 @@ class VectorTask:
         return (model.w * batch).mean()
 
 
-def make_task(size: int = 1_000_000) -> VectorTask:
-    return VectorTask(size)
+class SgdVectorTask(VectorTask):
+    """The same, trained by plain SGD (no optimizer state): what fits is then the exchange's memory, not AdamW's."""
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=1e-3)
+
+
+def make_task(size: int = 1_000_000, sgd: bool = False) -> VectorTask:
+    return SgdVectorTask(size) if sgd else VectorTask(size)
