@@ -17,6 +17,7 @@ from pathlib import Path
 import platformdirs
 
 from transport.multiaddrs import validate_peer_addr
+from transport.files import write_durably
 
 IDENTITY_FILE = "identity.key"
 LOCK_FILE = "swarmd.lock"
@@ -83,12 +84,7 @@ class DataDirLock:
 
 
 def _write_json(path: Path, name: str, obj) -> None:
-    tmp = path / (name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path / name)
+    write_durably(path / name, json.dumps(obj, indent=2).encode())
 
 
 def http_token(path: Path) -> str:

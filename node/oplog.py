@@ -24,6 +24,8 @@ from typing import Any
 
 import msgpack
 
+from transport.files import write_durably
+
 logger = logging.getLogger(__name__)
 
 HEADER = struct.Struct(">II")
@@ -76,7 +78,7 @@ class OpLog:
             logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records "
                            "(kept in %s.damaged)",
                            self.path, self.truncated_bytes, len(spans), self.path.name)
-        _replace(self.path, data, [(start, end) for _, start, end in spans])
+        write_durably(self.path, [data[start:end] for _, start, end in spans])
 
     def append(self, wires: list[Any]) -> None:
         if not wires:
@@ -112,7 +114,7 @@ class OpLog:
                 return False
             flags = select([wire for wire, _, _ in spans])
             kept = [(start, end) for (_, start, end), keep in zip(spans, flags, strict=True) if keep]
-            _replace(self.path, data, kept)
+            write_durably(self.path, [data[start:end] for start, end in kept])
             self._file.close()
             self._file = open(self.path, "ab")
             self.records, self.size = len(kept), sum(end - start for start, end in kept)
@@ -123,22 +125,6 @@ class OpLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-
-
-def _replace(path: Path, data: bytes, spans: list[tuple[int, int]]) -> None:
-    """Make ``path`` hold exactly these spans of ``data``, atomically: a new file, fsync'd, renamed over it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        for start, end in spans:
-            f.write(data[start:end])
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
 
 
 def _record_at(data: bytes, offset: int) -> tuple[Any, int] | None:

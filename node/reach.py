@@ -38,13 +38,13 @@ import collections
 import hashlib
 import json
 import logging
-import os
 import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from transport.files import write_durably
 from transport.framing import ProtocolSpec
 from transport.penalties import RateLimitedLog, TokenBuckets
 from transport.wire import WIRE, Bytes, List, Nil
@@ -104,10 +104,8 @@ class AddressBook:
     def save(self) -> None:
         if self.path is None or not self._dirty:
             return
-        tmp = self.path.with_suffix(".tmp")
         try:
-            tmp.write_text(json.dumps(self.book))
-            os.replace(tmp, self.path)
+            write_durably(self.path, json.dumps(self.book).encode())
             self._dirty = False
         except OSError as e:
             logger.warning("cannot save the address book: %s", e)

@@ -11,13 +11,14 @@ checked before it is used and exported without the config.
 from __future__ import annotations
 
 import json
-import os
 import time
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
+
+from transport.files import replace_durably, write_durably
 
 MODEL_PREFIX = "model."
 DIR = "checkpoints"
@@ -38,16 +39,14 @@ def save(path: Path, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     flat = {k: t.detach().to("cpu").contiguous() for k, t in tensors.items()}
     metadata = {k: json.dumps(v) for k, v in {**meta, "saved_at": time.time()}.items()}
     save_file(flat, str(tmp), metadata=metadata)
-    _replace_durably(tmp, path)
+    replace_durably(tmp, path)
 
 
 def save_marker(path: Path, value: dict) -> None:
     """A small JSON record of the loop's own (what it did since its last checkpoint), atomically: a crash leaves the
     old record or the new one."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value))
-    _replace_durably(tmp, path)
+    write_durably(path, json.dumps(value).encode())
 
 
 def load_marker(path: Path) -> dict | None:
@@ -57,18 +56,6 @@ def load_marker(path: Path) -> dict | None:
     except (OSError, ValueError):
         return None
     return value if isinstance(value, dict) else None
-
-
-def _replace_durably(tmp: Path, path: Path) -> None:
-    """``tmp`` fsync'd, renamed over ``path``, the directory fsync'd."""
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def read_meta(path: Path) -> dict:

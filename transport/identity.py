@@ -25,6 +25,7 @@ from libp2p.crypto.pb import crypto_pb2  # noqa: E402
 from libp2p.peer.id import ID  # noqa: E402
 
 from transport.errors import IdentityError  # noqa: E402
+from transport.files import write_durably  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
@@ -77,17 +78,7 @@ class Identity:
         path = Path(path)
         if path.exists() and not overwrite:
             raise IdentityError(f"identity file {path} already exists; refusing to overwrite it")
-        tmp = path.with_name(path.name + ".tmp")
-        try:
-            tmp.unlink()
-        except FileNotFoundError:
-            pass
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(self.to_p2pd_bytes())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_durably(path, self.to_p2pd_bytes(), mode=0o600)
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike) -> tuple[Identity, bool]:
