@@ -88,7 +88,7 @@ pretrain_steps = 200
 SAPO = """
 [loops.sapo]
 run = "{run}"
-seed = 1
+seed = {seed}
 rounds = {rounds}
 local = 4
 external = 4
@@ -177,8 +177,13 @@ def byzantine(args, tmp: Path) -> list[tuple]:
         rows += loop_rows("SPSA 1/4", "spsa", lambda n: SPSA.format(run="byz", steps=args.spsa_steps, peers=n), 4,
                           ["extreme", "random", "noise", "inverted"], tmp)
     if "sapo" in args.only:
-        rows += loop_rows("SAPO 1/8", "sapo", lambda n: SAPO.format(run="byz", rounds=args.sapo_rounds, peers=n), 8,
-                          ["garbage", "wrong"], tmp)
+        # one set of rows per seed (the run's questions and every policy's init): a SAPO run's reward at this size
+        # varies more between runs than the goal's 5%, so the rows are also compared averaged over the seeds
+        for seed in args.sapo_seeds:
+            label = "SAPO 1/8" if len(args.sapo_seeds) == 1 else f"SAPO s{seed}"
+            rows += loop_rows(label, "sapo", lambda n, seed=seed: SAPO.format(
+                run=f"byz{seed}", seed=seed, rounds=args.sapo_rounds, peers=n), 8, ["garbage", "wrong"],
+                tmp / f"sapo-seed{seed}")
     return rows
 
 
@@ -197,7 +202,20 @@ def print_byzantine(rows: list[tuple], args) -> None:
               f"{r['refused_by']:>4}/{r['honest']:<5} | {','.join(r['reasons']) or '-':<24} | "
               f"{r['penalised_by']:>6}/{r['honest']:<5} | {r['honest_refused']:>14} | {same:>12} | "
               f"{r['wall']:>5.0f}s")
-    sapo = [(b, r) for loop, b, r, _ in rows if loop.startswith("SAPO")]
+    seeds = sorted({loop for loop, *_ in rows if loop.startswith("SAPO s")})
+    if len(seeds) > 1:  # each row's metric and its baseline's, averaged over the seeds
+        print(f"SAPO over {len(seeds)} seeds ({', '.join(x.split()[1] for x in seeds)}): mean honest metric and the "
+              "ratio of the means (a row's mean over the baseline's mean)")
+        base = statistics.mean(base["metric"] for loop, _, r, base in rows if loop in seeds and r is base)
+        for name in dict.fromkeys(b for loop, b, _, _ in rows if loop in seeds):
+            runs = [r for loop, b, r, _ in rows if loop in seeds and b == name]
+            mean = statistics.mean(r["metric"] for r in runs)
+            ratios = [r["metric"] / base_r["metric"] for loop, b, r, base_r in rows if loop in seeds and b == name]
+            print(f"{'SAPO mean':<10} | {name:<20} | {mean:>13.4f} | {mean / base:>11.3f} | per seed: "
+                  + ", ".join(f"{x:.3f}" for x in ratios) + f" | refused by {sum(r['refused_by'] for r in runs)}"
+                  f"/{sum(r['honest'] for r in runs)}, penalised by {sum(r['penalised_by'] for r in runs)}"
+                  f"/{sum(r['honest'] for r in runs)}")
+    sapo = [(b if len(seeds) < 2 else f"{loop.split()[1]} {b}", r) for loop, b, r, _ in rows if loop.startswith("SAPO")]
     if sapo:
         print("SAPO: the last peer as a source, at the honest receivers (its completions' mean reward by their own "
               "verifiers, and the groups of it they trained on): " + "; ".join(
@@ -837,6 +855,8 @@ def main() -> None:
     parser.add_argument("--diloco-exchange", default="auto", choices=["auto", "all-to-all", "scatter"])
     parser.add_argument("--spsa-steps", type=int, default=256)
     parser.add_argument("--sapo-rounds", type=int, default=150)
+    parser.add_argument("--sapo-seeds", type=int, nargs="+", default=[1],
+                        help="SAPO's rows once per seed, then averaged over them (default: seed 1 only)")
     parser.add_argument("--kills", type=int, default=20, help="kills per phase")
     parser.add_argument("--kill-loops", nargs="+", default=["diloco"], choices=list(PHASES))
     every_phase = sorted({p for phases in PHASES.values() for p in phases})
