@@ -137,7 +137,11 @@ def run_swarm(loop: str, table: str, peers: int, root: Path, keys: Path, behavio
                "penalised_by": sum(sc.get(offender, 0) > 0 for sc in scores),
                "honest_refused": sum(len(set(s["offenders"]) - {offender}) for s in final) if behaviour else
                sum(len(s["offenders"]) for s in final),
-               "honest": len(honest)}
+               "honest": len(honest),
+               # what an honest peer was refused for, by whom: a false positive's reasons, kept for the table's notes
+               "honest_reasons": sorted({f"{p[:16]}: {','.join(sorted(e.get('refused', {})))}"
+                                         for s in final for p, e in s["offenders"].items()
+                                         if not behaviour or p != offender})}
         if loop == "sapo":
             curves = [[h[1] for h in http_get(n.url + "/sapo/history")["rounds"]] for n in honest]
             out["metric"] = statistics.mean(statistics.mean(c) for c in curves)  # cumulative reward / rounds
@@ -221,6 +225,9 @@ def print_byzantine(rows: list[tuple], args) -> None:
               "verifiers, and the groups of it they trained on): " + "; ".join(
                   f"{b}: reward {'-' if r['source_reward'] is None else round(r['source_reward'], 4)}, "
                   f"{r['source_used']} groups used" for b, r in sapo))
+    for loop, b, r, _ in rows:
+        if r.get("honest_reasons"):
+            print(f"honest peers refused in {loop} / {b}: " + "; ".join(r["honest_reasons"]))
     print("goal: every row within 5% of its baseline (loss ratio <= 1.05, reward ratio >= 0.95), the offender "
           "penalised and shown by the honest peers; 'honest refused' counts honest peers refused (goal 0)")
 
