@@ -78,7 +78,7 @@ class OpLog:
             logger.warning("op log %s: cut %d bytes of corrupt or torn tail after %d intact records "
                            "(kept in %s.damaged)",
                            self.path, self.truncated_bytes, len(spans), self.path.name)
-        write_durably(self.path, [data[start:end] for _, start, end in spans])
+        write_durably(self.path, (memoryview(data)[start:end] for _, start, end in spans))
 
     def append(self, wires: list[Any]) -> None:
         if not wires:
@@ -114,7 +114,7 @@ class OpLog:
                 return False
             flags = select([wire for wire, _, _ in spans])
             kept = [(start, end) for (_, start, end), keep in zip(spans, flags, strict=True) if keep]
-            write_durably(self.path, [data[start:end] for start, end in kept])
+            write_durably(self.path, (memoryview(data)[start:end] for start, end in kept))
             self._file.close()
             self._file = open(self.path, "ab")
             self.records, self.size = len(kept), sum(end - start for start, end in kept)
