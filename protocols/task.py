@@ -368,8 +368,9 @@ def auto_threads() -> int:
     """The CPU threads a loop's compute gets by default: what ``OMP_NUM_THREADS`` says where it is set (the usual
     knob for running several processes on one machine; torch read it at import), else every core this process may
     run on but one, which is left to the node's own work (network, encoding, hashing threads)."""
-    if os.environ.get("OMP_NUM_THREADS", "").strip().isdigit() and int(os.environ["OMP_NUM_THREADS"]) > 0:
-        return int(os.environ["OMP_NUM_THREADS"])
+    omp = os.environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) > 0:
+        return int(omp)
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
