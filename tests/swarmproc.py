@@ -294,7 +294,9 @@ class Swarm:
             node._log.close()
 
 
-def run_cli(*args: str, timeout: float = 30.0, env: dict | None = None) -> subprocess.CompletedProcess:
+def run_cli(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:
+    # A generous limit: the `beside` tests (tests/conftest.py) run their CLI calls at nice 19, where a run that takes
+    # 0.7 s of CPU alone may wait tens of seconds while the real-time tests fill both cores.
     return subprocess.run(
         [sys.executable, "-m", "node", *args],
         capture_output=True,

@@ -134,6 +134,11 @@ def test_config_is_checked(tmp_path):
         SapoConfig(local=9, questions=8)
     with pytest.raises(TaskError, match="multiple of heads"):
         load("arith", {"d": 30, "heads": 4}, "sapo")
+
+
+# not `beside`: the CLI run imports torch (~3.5 s of CPU), which the niced worker may wait on for longer than a run's
+# time limit while the real-time tests fill both cores
+def test_the_cli_refuses_a_bad_loop_config(tmp_path):
     path = loop_config(tmp_path / "bad.toml", "[loops.sapo]\nlocal = 0\nexternal = 0\n")
     result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
     assert result.returncode == 2 and "invalid loops.sapo: " in result.stderr and "at least 1" in result.stderr

@@ -137,7 +137,8 @@ def test_default_fragments_work_for_any_model_and_the_same_seed_builds_the_same_
     assert torch.equal(state, torch.random.get_rng_state())  # our seeding does not leak into the process
 
 
-@pytest.mark.beside
+# not `beside`: each CLI run imports torch (~3.5 s of CPU), which the niced worker may wait on for longer than a run's
+# time limit while the real-time tests fill both cores
 def test_cli_refuses_a_bad_task_before_starting(tmp_path):
     path = loop_config(tmp_path / "c.toml", f'[loops.diloco]\ntask = "{tmp_path}/missing.py:make_task"\n')
     result = run_cli("start", "--config", str(path), "--data-dir", str(tmp_path / "d"))
