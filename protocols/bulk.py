@@ -59,6 +59,7 @@ REQUEST_DOMAIN = b"swarmd/bulk/request/v1\x00"
 HEADER = struct.Struct(">BQ")
 MAX_REQUEST = 4096
 MAX_BLOB = 4 << 30
+DEFAULT_MAX_BYTES = 2 << 30  # blobs held, in all, unless a service reserves more (``reserve``)
 OK, UNKNOWN, REFUSED = 0, 1, 2
 CHUNK = 1 << 20
 STREAM_SPEC = ProtocolSpec("bulk", "1.0.0", max_frame=CHUNK + 64, kinds=frozenset({1, 2, 3}))
@@ -257,7 +258,7 @@ class BulkService:
 
     name = "bulk"
 
-    def __init__(self, gossip: Gossip, *, host: str = "127.0.0.1", port: int = 0, max_bytes: int = 2 << 30,
+    def __init__(self, gossip: Gossip, *, host: str = "127.0.0.1", port: int = 0, max_bytes: int = DEFAULT_MAX_BYTES,
                  on_blob: Callable[[Announcement, bytearray], None] | None = None, tcp: bool = True):
         self.gossip = gossip
         self.tcp = tcp  # False: no TCP server, blobs are served and pulled over the transport's streams only
@@ -365,6 +366,11 @@ class BulkService:
             "addrs": self.addrs})
         self.gossip.publish(TOPIC, body)
 
+    def reserve(self, nbytes: int) -> None:
+        """Let the store hold at least ``nbytes`` beyond its default: a service whose blobs outgrow the default
+        (a large model's updates, kept for a few rounds) says so when it knows their size."""
+        self.max_bytes = max(self.max_bytes, DEFAULT_MAX_BYTES + nbytes)
+
     def _keep(self, blob_hash: bytes, data: bytearray) -> None:
         old = self.blobs.get(blob_hash)
         self._held += len(data) - (len(old) if old is not None else 0)
@@ -372,6 +378,9 @@ class BulkService:
         self.blobs.move_to_end(blob_hash)
         while self._held > self.max_bytes and len(self.blobs) > 1:
             self._held -= len(self.blobs.popitem(last=False)[1])
+            self.counters["blobs_evicted"] += 1  # the oldest first: a peer that still wants it gets "not held"
+            self._log.log(logging.WARNING, "evicted", "bulk: over its %d bytes, the oldest blobs are dropped "
+                          "before their service releases them", self.max_bytes)
 
     def _validate(self, message: Message) -> Verdict:
         a = Announcement.parse(message)

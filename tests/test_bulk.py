@@ -232,3 +232,19 @@ async def test_a_pull_reports_its_progress_as_bytes_arrive():
     finally:
         server.close()
         await server.wait_closed()
+
+
+@pytest.mark.beside
+def test_the_store_drops_its_oldest_blobs_past_its_budget_and_a_service_can_reserve_more():
+    bulk = BulkService(None, max_bytes=1000)
+    first, second, third = bytearray(400), bytearray(b"\x01" * 400), bytearray(b"\x02" * 400)
+    for data in (first, second):
+        bulk.keep_prepared(content_hash(data), data)
+    assert bulk.status()["bytes"] == 800 and "blobs_evicted" not in bulk.status()
+    bulk.keep_prepared(content_hash(third), third)  # 1200 > 1000: the oldest goes, counted
+    assert content_hash(first) not in bulk.blobs and bulk.status()["bytes"] == 800
+    assert bulk.status()["blobs_evicted"] == 1
+    bulk.reserve(5000)  # a loop whose updates are large says so: the default budget plus what it reserved
+    assert bulk.max_bytes == 2 * 1024 ** 3 + 5000
+    bulk.reserve(10)  # a smaller reservation never shrinks it
+    assert bulk.max_bytes == 2 * 1024 ** 3 + 5000
