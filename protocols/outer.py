@@ -61,8 +61,8 @@ def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.
 
 def params_hash(tensors: list[torch.Tensor]) -> str:
     h = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy().tobytes())
+    for t in tensors:  # each array's buffer itself: a bytes copy of it was a transient the size of the weights
+        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy())
     return h.hexdigest()
 
 
@@ -75,12 +75,14 @@ class OuterNesterov:
         self.momentum = momentum
         self.buffers = [torch.zeros(n) for n in sizes]
 
-    def step(self, fragment: int, params_flat: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    def step(self, fragment: int, params_flat: torch.Tensor, grad: torch.Tensor, consume: bool = False) -> torch.Tensor:
+        """The new weights of ``fragment`` (a new tensor; ``params_flat`` is left as it is). With ``consume``,
+        ``grad`` is not needed afterwards: the new weights are computed in it (no temporary; the same values)."""
         buf = self.buffers[fragment]
         if grad.shape != buf.shape or params_flat.shape != buf.shape:
             raise ValueError("fragment size mismatch")
         buf.mul_(self.momentum).add_(grad)
-        step = grad.add(buf, alpha=self.momentum)  # one temporary the size of the fragment, not three
+        step = grad.add_(buf, alpha=self.momentum) if consume else grad.add(buf, alpha=self.momentum)
         return step.mul_(-self.lr).add_(params_flat)
 
 

@@ -323,7 +323,7 @@ class Weights:
     def hash(self) -> str:
         h = hashlib.blake2b(digest_size=16)
         for c in self.canonical:
-            h.update(c.contiguous().view(-1).numpy().tobytes())
+            h.update(c.contiguous().view(-1).numpy())
         return h.hexdigest()
 
 

@@ -204,7 +204,7 @@ def _message(topic: str, author: str, data: bytes):
 def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     """Each loop's pubsub validator on a real loop object (built-in task), as a node runs it: returns a verdict,
     never raises. DiLoCo's pulls of accepted updates are replaced by a no-op (the pull path is not a decoder)."""
-    from protocols import diloco, sapo, spsa
+    from protocols import bulk, diloco, sapo, spsa
     from protocols.gossip import Verdict
     from protocols.task import load
 
@@ -217,7 +217,7 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     targets = []
 
     d_cfg = diloco.DilocoConfig(run="fuzz", task="tinygpt", rounds=8, fragments=2)
-    d = diloco.DilocoLoop(None, None, d_cfg, load(d_cfg.task, d_cfg.options(), "diloco"))
+    d = diloco.DilocoLoop(None, bulk.BulkService(None), d_cfg, load(d_cfg.task, d_cfg.options(), "diloco"))
     d._ctx = ctx
     d._init_standing(ctx)
     d.state, d.rounds_done, d.participants = "running", [1, 1], {0: set(peers), 1: set(peers)}

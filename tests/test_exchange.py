@@ -166,11 +166,12 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
     from types import SimpleNamespace
 
     from protocols import diloco
+    from protocols.bulk import BulkService
     from protocols.task import load
     from transport.identity import Identity
 
     cfg = diloco.DilocoConfig(run="t", task="tinygpt", parts=4)
-    loop = diloco.DilocoLoop(None, None, cfg, load(cfg.task, cfg.options(), "diloco"))
+    loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
     loop._ctx = SimpleNamespace(identity=Identity.generate())
     loop._build()
     sizes = loop._part_bytes(0)
@@ -220,6 +221,11 @@ def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_up
             assert b["bytes_pulled"] <= 2.2 * 3 * update, (b["bytes_pulled"], update)
             assert b["bytes_served"] <= 2.2 * 3 * update
         assert sum(b["bytes_pulled"] for b in bulk) >= 4 * 1.2 * 3 * update
+        for b in bulk:
+            # held after the last close (round 2): all of round 2's blobs (our update, 3 x 2 chunks and 6 parts of
+            # U/8 pulled, our 2 reductions: 2.75 U) and of round 1 only our own (1.25 U), none of round 0
+            assert b["bytes"] <= 4.2 * update, (b["bytes"], update)
+            assert b.get("blobs_evicted", 0) == 0
         losses = [loss for _, loss in final[0]["losses"]]
         assert losses[-1] < losses[0]
     finally:

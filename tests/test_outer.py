@@ -37,6 +37,21 @@ def test_outer_nesterov_matches_torch_sgd():
     assert torch.allclose(ours, ref.detach(), atol=1e-6)
 
 
+def test_a_consuming_step_gives_the_same_bits_in_the_update_it_was_given():
+    torch.manual_seed(1)
+    a, b = outer.OuterNesterov([64]), outer.OuterNesterov([64])
+    theta = torch.randn(64)
+    for _ in range(3):
+        g = torch.randn(64)
+        given, before = g.clone(), g.clone()
+        new_a = a.step(0, theta, g)
+        new_b = b.step(0, theta, given, consume=True)
+        assert torch.equal(g, before)  # the plain step leaves its update as it was
+        assert new_b.data_ptr() == given.data_ptr() and torch.equal(new_a, new_b)
+        assert torch.equal(a.buffers[0], b.buffers[0])
+        theta = new_a
+
+
 def test_combine_rejects_bad_updates_and_resists_outliers():
     good = {f"p{i}": torch.full((10,), 1.0 + 0.01 * i) for i in range(4)}
     bad = {"nan": torch.full((10,), float("nan")), "short": torch.ones(9), "huge": torch.full((10,), 1e6)}
