@@ -69,6 +69,47 @@ AGREEMENT = ("parts_", "members_", "coordinator_", "views_", "view_", "own_updat
              "chunks_missing", "diverged", "deadline_missed")
 
 
+class PeakMemory:
+    """Each peer's peak memory while a run goes: the PSS (proportional set size: a page shared by k processes
+    counts 1/k in each, so hivemind's shared-memory tensors are not counted twice) of its process and every
+    process under it (a swarmd node and its p2p daemon; a hivemind peer, its averager and DHT processes), sampled
+    every 0.3 s in a thread."""
+
+    def __init__(self, pids: list[int]):
+        import threading
+
+        self.pids, self.peak = pids, [0] * len(pids)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _tree_pss(self, pid: int) -> int:
+        import psutil
+
+        total = 0
+        try:
+            root = psutil.Process(pid)
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            return 0
+        for proc in procs:
+            try:
+                total += proc.memory_full_info().pss
+            except psutil.Error:
+                pass
+        return total
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.3):
+            for i, pid in enumerate(self.pids):
+                self.peak[i] = max(self.peak[i], self._tree_pss(pid))
+
+    def stop(self) -> list[int]:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def _summed(final: list[dict]) -> dict:
     """The nodes' exchange and agreement counters (``/status`` -> services.diloco), summed."""
     out: dict[str, int] = {}
@@ -112,12 +153,14 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         def d(n):
             return n.status()["services"]["diloco"]
 
+        memory = PeakMemory([n.pid for n in nodes])
         wait_for(lambda: all(d(n)["state"] in ("running", "done") for n in nodes), 600, "every node running",
                  interval=0.1)
         t0 = time.monotonic()
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 1800,
                          f"{mode} x{peers} to finish", interval=0.1)
         wall = time.monotonic() - t0
+        peak = memory.stop()
         bulk = [n.status()["services"]["bulk"] for n in nodes]
         return {
             "round_s": max(s["exchange"]["round_seconds_median"] for s in final),
@@ -130,6 +173,8 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "fallback": sum(s.get("parts_fallback", 0) for s in final),
             "conformed": sum(s.get("parts_conformed", 0) for s in final),
             "resyncs": sum(s.get("resyncs", 0) for s in final),
+            "peak_gb": max(peak) / 1e9,
+            "evicted": sum(b.get("blobs_evicted", 0) for b in bulk),
             "agreement": _summed(final),  # printed to stderr, not in the table
             # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
             "phases": {k: max(s["exchange"].get("phase_seconds_median", {}).get(k, 0.0) for s in final)
@@ -262,6 +307,7 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
              for i in range(peers)]
     for p in procs:
         p.start()
+    memory = PeakMemory([p.pid for p in procs])
     try:
         times = []
         while len(times) < peers:
@@ -271,6 +317,7 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
                 if any(p.exitcode not in (None, 0) for p in procs):
                     raise RuntimeError("an averager process failed (see its traceback above)")
     finally:
+        peak = memory.stop()
         for p in procs:
             p.join(60)
             if p.is_alive():
@@ -280,7 +327,7 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
     return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round),
             "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
             "same": True, "mode": "butterfly", "fallback": 0,
-            "conformed": 0, "resyncs": 0}
+            "conformed": 0, "resyncs": 0, "peak_gb": max(peak) / 1e9, "evicted": 0}
 
 
 def main() -> None:
@@ -333,8 +380,9 @@ def main() -> None:
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
     print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
-          f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12}")
-    print("-" * 147)
+          f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12} | "
+          f"{'peak GB/peer':>12}")
+    print("-" * 162)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
@@ -344,7 +392,7 @@ def main() -> None:
             print(f"{n:>3} | {label:<22} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
-                  f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12}")
+                  f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f}")
     print("where a swarmd round goes (s; each phase's median at the node where it is longest): wait = our update "
           "announced -> every update announced; agree = the member agreement; reduce = chunks in, our parts reduced, "
           "the others' taken and audited; conform = the coordinator's parts list awaited and followed; combine = "
@@ -353,6 +401,9 @@ def main() -> None:
         for name, r in result.items():
             if "phases" in r:
                 print(f"{n:>3} | {name:<22} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+    print("peak GB/peer: the most memory one peer's processes held at once (PSS, sampled every 0.3 s; a swarmd "
+          "node with its p2p daemon, a hivemind peer with its averager and DHT processes); the bulk store dropped "
+          f"{sum(r.get('evicted', 0) for _, res in rows for r in res.values())} blobs early (goal 0)")
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 
