@@ -226,7 +226,8 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
 # the rule that turns a part's chunks into its combined bytes, and who audits which part: peers compare reduced
 # parts by hash and wait for a part's auditor, so every peer of a run must do both alike; it is part of the run's
 # fingerprint (DilocoConfig.shared), and a change of either changes it, so peers of two versions never mix in a run
-REDUCE_RULE = "clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan (3)"
+REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan (3); "
+               "all-to-all combines by the same rule (4)")
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

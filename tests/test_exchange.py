@@ -84,7 +84,7 @@ def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     bounds = exchange.part_bounds(10_000, 4)
     parts = torch.cat([exchange.reduce_part({a: u[a0:b0] for a, u in updates.items()}, factors, b0 - a0)
                        for a0, b0 in bounds])
-    assert not rejected and torch.allclose(parts, whole, atol=1e-6)
+    assert not rejected and torch.equal(parts, whole)  # all-to-all's combination is the same rule, bit for bit
     assert exchange.reduce_part({}, factors, 7).equal(torch.zeros(7))
 
 
