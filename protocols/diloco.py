@@ -629,24 +629,17 @@ class DilocoLoop(TaskLoop):
         squares = 0.0
         for (a, b), payload in zip(bounds, payloads):
             part = codecs.decode(payload, out=None if mine is None else mine[a:b])
-            squares += float(part.double().square().sum())
+            squares += float(part.norm()) ** 2  # (torch's fp32 norm of a part; no float64 copy of it)
             del part
         return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
 
-    def _own_chunk(self, pending: Pending, p: int, k: int) -> torch.Tensor:
-        """Part k of our update for a round, as the others decode it: from the whole update when we hold it
-        decoded (all-to-all), else from the part's encoded bytes that we serve."""
-        me = self._ctx.identity.peer_id
-        whole = pending.updates.get(me)
-        if whole is not None:
-            a, b = self._bounds(p)[k]
-            return whole[a:b]
-        return codecs.decode(self.bulk.blobs[pending.announced[me].parts[k]])
-
-    def _own_update(self, pending: Pending, p: int) -> torch.Tensor:
-        """Our whole update for a round, decoded (all-to-all needs it; a round we announced in scatter did not
-        keep it)."""
-        return torch.cat([self._own_chunk(pending, p, k) for k in range(len(self._bounds(p)))])
+    def _own_update(self, pending: Pending) -> torch.Tensor | None:
+        """Our whole update for a round, decoded from the parts we serve (all-to-all needs it; a round we announced
+        in scatter did not keep it decoded); None if the bulk store dropped one of them (``blobs_evicted``)."""
+        held = [self.bulk.blobs.get(h) for h in pending.announced[self._ctx.identity.peer_id].parts]
+        if any(x is None for x in held):
+            return None
+        return torch.cat([codecs.decode(x) for x in held])
 
     def _pseudo_gradient(self, p: int, local: torch.Tensor) -> torch.Tensor:
         """Our update for fragment p: the global weights minus our local ones, computed in ``local`` (a flat copy of
@@ -678,7 +671,13 @@ class DilocoLoop(TaskLoop):
                 return set(pending.announced)
         else:
             if me in pending.announced and me not in pending.updates:  # announced when the round was to scatter
-                pending.updates[me] = await asyncio.to_thread(self._own_update, pending, p)
+                own = await asyncio.to_thread(self._own_update, pending)
+                if own is not None:
+                    pending.updates[me] = own
+                else:
+                    self.counters["own_update_dropped"] += 1
+                    logger.warning("diloco round %d/%d: our update's bytes were dropped by the bulk store; the "
+                                   "round closes without it", r, p)
 
             def have() -> set[str]:
                 return set(pending.updates)

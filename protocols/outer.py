@@ -105,21 +105,20 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
             rejected[peer] = "non_finite"
         else:
             good[peer] = u.to(torch.float32)
+    norms = {peer: float(u.norm()) for peer, u in good.items()} if method == "clipped_mean" else {}
     if screen and method == "clipped_mean":
-        norms = {peer: float(u.norm()) for peer, u in good.items()}
         for peer in exchange.norm_outliers(norms):
             rejected[peer] = "norm_outlier"
             del good[peer], norms[peer]
         for peer in exchange.uncorrelated(good):
             rejected[peer] = "uncorrelated"
-            del good[peer]
+            del good[peer], norms[peer]
     if not good:
         return None, rejected
     if method == "clipped_mean":
         # the scatter exchange's rule on whole updates (``exchange.reduce_part``): the same bits whichever way a
         # round combines, and no stacked copies (a stack, its scaled copy and the mean held 2N + 1 updates at
         # once: 28 GB for 3 peers of a 1B model)
-        norms = {peer: float(u.norm()) for peer, u in good.items()}
         return exchange.reduce_part(good, exchange.clip_factors(norms, clip), size), rejected
     stacked = torch.stack([good[peer] for peer in sorted(good)])
     if method == "trimmed_mean":

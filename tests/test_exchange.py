@@ -3,6 +3,7 @@ exchange by it: the same weights everywhere, about 2x an update moved per peer, 
 killed in the middle of the exchange costs one deadline."""
 
 import collections
+import math
 from pathlib import Path
 
 import pytest
@@ -180,6 +181,36 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
     assert loop._announced({**body, "sizes": [sizes[0] + 10**6, *sizes[1:]]}, 0) is None  # we would allocate it
     assert loop._announced({**body, "parts": body["parts"] + [bytes(32)], "sizes": sizes + [8]}, 0) is None
     assert loop._announced({**body, "norm": float("nan")}, 0) is None
+
+
+@pytest.mark.beside
+def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_decoded_whole():
+    from types import SimpleNamespace
+
+    from protocols import diloco
+    from protocols.bulk import BulkService
+    from protocols.task import load
+    from transport.identity import Identity
+
+    cfg = diloco.DilocoConfig(run="t", task="tinygpt", parts=4, codec="int8")
+    loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
+    loop._ctx = SimpleNamespace(identity=Identity.generate())
+    loop._build()
+    with torch.no_grad():
+        for param in loop.params:
+            param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.01)
+    payloads, hashes, mine, norm, _ = loop._prepare_update(0, whole=True)
+    payloads2, hashes2, none, norm2, _ = loop._prepare_update(0, whole=False)
+    assert none is None and hashes2 == hashes and norm2 == norm  # scatter: the same bytes, nothing decoded kept
+    assert math.isclose(norm, float(mine.norm()), rel_tol=1e-5)  # measured part by part
+    pending = diloco.Pending()
+    pending.announced[loop._ctx.identity.peer_id] = diloco.Announced(tuple(hashes), tuple(map(len, payloads)), "b",
+                                                                     norm, ())
+    for h, payload in zip(hashes, payloads):
+        loop.bulk.keep_prepared(h, payload)
+    assert torch.equal(loop._own_update(pending), mine)  # a round that switched to all-to-all decodes it whole
+    loop.bulk.drop(hashes[1:2])
+    assert loop._own_update(pending) is None  # a part the store no longer holds: no update, not a wrong one
 
 
 # ------------------------------------------------------------------ real nodes
