@@ -162,8 +162,8 @@ def test_a_chunk_larger_than_its_announced_norm_is_refused():
     assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
 
 
-@pytest.mark.beside
-def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_any_pull():
+def built_loop(**settings):
+    """A DiLoCo loop on tinygpt with its model, fragments and optimizers built (no node around it)."""
     from types import SimpleNamespace
 
     from protocols import diloco
@@ -171,10 +171,16 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
     from protocols.task import load
     from transport.identity import Identity
 
-    cfg = diloco.DilocoConfig(run="t", task="tinygpt", parts=4)
+    cfg = diloco.DilocoConfig(run="t", task="tinygpt", **settings)
     loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
     loop._ctx = SimpleNamespace(identity=Identity.generate())
     loop._build()
+    return loop
+
+
+@pytest.mark.beside
+def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_any_pull():
+    loop = built_loop(parts=4)
     sizes = loop._part_bytes(0)
     body = {"parts": [bytes(32)] * len(sizes), "sizes": list(sizes), "base": "b", "norm": 1.0, "addrs": []}
     assert loop._announced(body, 0) is not None
@@ -185,17 +191,9 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
 
 @pytest.mark.beside
 def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_decoded_whole():
-    from types import SimpleNamespace
-
     from protocols import diloco
-    from protocols.bulk import BulkService
-    from protocols.task import load
-    from transport.identity import Identity
 
-    cfg = diloco.DilocoConfig(run="t", task="tinygpt", parts=4, codec="int8")
-    loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
-    loop._ctx = SimpleNamespace(identity=Identity.generate())
-    loop._build()
+    loop = built_loop(parts=4, codec="int8")
     with torch.no_grad():
         for param in loop.params:
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.01)
