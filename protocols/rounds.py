@@ -225,10 +225,19 @@ def draw(candidates: Mapping[str, Sequence[T]], want: int, per_source: int, rng:
     return chosen, capped
 
 
+
+def pick_local(own: Sequence[T], want: int, rng: random.Random, informative=lambda g: g.informative) -> list[T]:
+    """SAPO: the ``want`` (I) of our own groups we train on: the informative ones first (a group whose completions
+    all scored alike has zero advantage and carries no gradient), in random order, then the others, so I < G never
+    leaves an informative group of ours out while an uninformative one is in. With I = G it is all of them."""
+    shuffled = list(own)
+    rng.shuffle(shuffled)
+    return sorted(shuffled, key=lambda g: not informative(g))[:want]  # sorted is stable: random within each kind
+
 USELESS_FACTOR = 4.0  # a source is judged against a policy this many times worse than the others' median
-USELESS_ALPHA = 1e-6  # ... which scores nothing in the source's zero streak with at most this probability
-RECENT = 256  # completions a source's recent mean reward is over (an exponential average past the first ones)
-MIN_COMPLETIONS = 64  # a source's recent mean counts in the median once we scored this many of its completions
+USELESS_ALPHA = 1e-6  # ... which misses every item of the source's zero streak with at most this probability
+RECENT = 64  # items a source's recent hit rate is over (an exponential average past the first ones)
+MIN_ITEMS = 16  # a source's recent hit rate counts in the median once we scored this many of its items
 
 
 @dataclass
@@ -236,24 +245,29 @@ class Source:
     items: int = 0  # item sets (questions) of its we scored
     completions: int = 0
     reward: float = 0.0  # the sum of our verifier's rewards of its completions
-    recent: float = 0.0  # the mean reward of its last ~RECENT completions
+    hits: float = 0.0  # the fraction of its last ~RECENT items with a completion that scored above 0
     used: int = 0  # its groups we trained on
-    streak: int = 0  # its latest completions that all scored 0 (the run since its last one that did not)
+    streak: int = 0  # its latest items whose completions all scored 0 (the run since its last one that did not)
     penalised_at: int = 0  # the streak at which it was last judged useless (0: not in this streak)
 
 
 class Sources:
     """SAPO: what our verifier made of each peer's completions (``scored``), and which peers are useless.
 
-    A source is *useless* when its last ``streak`` completions all scored 0, and an honest policy whose mean reward
-    is a quarter of the median of the other sources' recent mean rewards (our own policy's included) would score
-    nothing that long with probability below ``USELESS_ALPHA``: ``(1 - median / 4) ** streak < 1e-6`` (a reward is
-    in [0, 1], so a policy of mean reward q scores above 0 with probability at least q). Garbage and wrong answers
-    get there; so does an honest policy more than 4x weaker than the typical peer's, whose completions teach nobody
-    anything either (a group whose completions all score 0 carries no advantage). A median, so one strong peer does
-    not make the others useless, and a flood of sources that score nothing lowers the bar for nobody. Nothing is
-    judged while the others score nothing too (the start of a run), and one completion scored above 0 ends the
-    streak. Bounded: at most ``max_sources`` peers (the one with the fewest items scored gives way)."""
+    Items, not completions, are the trials: the G completions of one question are not independent (a small policy
+    knows an answer or it does not: an honest policy whose right answers all fall on one kind of question scores 0
+    on every completion of the others), while the questions are drawn independently. An item *hits* when one of its
+    completions scores above 0. A source is *useless* when its last ``streak`` items all missed, and an honest policy
+    whose hit rate is a quarter of the median of the other sources' recent hit rates (our own policy's included)
+    would miss that many in a row with probability below ``USELESS_ALPHA``: ``(1 - median / 4) ** streak < 1e-6``.
+    That bound holds however a policy's right answers are spread over questions (counting completions as trials,
+    as this did first, is exact only for a policy whose every completion is right at random, independently).
+    Garbage and wrong answers get there; so does an
+    honest policy more than 4x weaker than the typical peer's, whose completions teach nobody anything either (a
+    group whose completions all score 0 carries no advantage). A median, so one strong peer does not make the
+    others useless, and a flood of sources that score nothing lowers the bar for nobody. Nothing is judged while
+    the others score nothing too (the start of a run), and one completion scored above 0 ends the streak.
+    Bounded: at most ``max_sources`` peers (the one with the fewest items scored gives way)."""
 
     def __init__(self, me: str, max_sources: int = 256):
         self.me = me
@@ -269,18 +283,18 @@ class Sources:
         """One item of ``author`` (our own included, as ``me``) scored by our verifier."""
         s = self.get(author)
         s.items += 1
-        for r in rewards:
-            s.completions += 1
-            s.reward += r
-            s.recent += (r - s.recent) / min(s.completions, RECENT)
-            if r > 0:
-                s.streak = s.penalised_at = 0
-            else:
-                s.streak += 1
+        s.completions += len(rewards)
+        s.reward += sum(rewards)
+        hit = any(r > 0 for r in rewards)
+        s.hits += (hit - s.hits) / min(s.items, RECENT)
+        if hit:
+            s.streak = s.penalised_at = 0
+        else:
+            s.streak += 1
 
     def bar(self, author: str) -> float | None:
-        """The median of the other sources' recent mean rewards (those we scored enough of), or None."""
-        others = sorted(s.recent for a, s in self.by_peer.items() if a != author and s.completions >= MIN_COMPLETIONS)
+        """The median of the other sources' recent hit rates (those we scored enough items of), or None."""
+        others = sorted(s.hits for a, s in self.by_peer.items() if a != author and s.items >= MIN_ITEMS)
         if not others:
             return None
         k = len(others) // 2
@@ -298,7 +312,7 @@ class Sources:
 
     def to_penalise(self, author: str) -> bool:
         """Useless, and first judged so in this streak or its streak doubled since: a penalty each time (a
-        statistical judgement that a weak honest peer can get too: so many completions, log2-many penalties)."""
+        statistical judgement that a weak honest peer can get too: so many items, log2-many penalties)."""
         if not self.useless(author):
             return False
         s = self.by_peer[author]

@@ -9,10 +9,11 @@ Each round r, every peer (``../shared/protocols.md`` 2.1, with the reference imp
    message: task specs instead of questions and answers, so no peer is trusted with ground truth;
 4. waits (at most ``deadline`` seconds) for new items from the peers of its last round whose word counts
    (``protocols.standing``: a fresh key is never waited for);
-5. builds its training set: ``local`` (I) of its own groups, and ``external`` (J) groups drawn uniformly from the
-   newest items each peer shared since we last drew from it, after regenerating each question from its spec and
-   re-scoring every completion with its own verifier; groups whose completions all scored the same carry no
-   advantage and are dropped, and at most ``max_per_source`` groups come from any one peer;
+5. builds its training set: ``local`` (I) of its own groups (the informative ones first: ``rounds.pick_local``),
+   and ``external`` (J) groups drawn uniformly from the newest items each peer shared since we last drew from it,
+   after regenerating each question from its spec and re-scoring every completion with its own verifier; groups
+   whose completions all scored the same carry no advantage and are dropped, and at most ``max_per_source`` groups
+   come from any one peer;
 6. takes one GRPO step (``protocols.grpo``: clipped ratio, no KL).
 
 Rounds are each peer's own: r in a message is its author's round (its seeds), and no peer's message moves
@@ -266,11 +267,11 @@ class SapoLoop(TaskLoop):
             await asyncio.to_thread(self._build, seed)
         self._resume_own()
         rng = random.Random(seed)
-        rounds = cfg.rounds or float("inf")
-        if self.round < rounds:
+        last = cfg.rounds or float("inf")
+        if self.round < last:
             await self._wait_for_peers()
         datasets = list(self.task.obj.datasets)
-        while self.round < rounds:
+        while self.round < last:
             r = self.round
             q_seed = question_seed(cfg.run, cfg.seed, me, r)
             specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
@@ -283,7 +284,7 @@ class SapoLoop(TaskLoop):
             await self._close_round(r)
             external, ext_reward, scored = await asyncio.to_thread(self._draw_external, rng)
             self._judge_sources(r, scored)
-            local = rng.sample(own, cfg.local)
+            local = rounds.pick_local(own, cfg.local, rng)
             step = await asyncio.to_thread(self._step, local + external)
             self.cumulative_reward += own_reward
             self.counters["items_used_local"] += sum(g.informative for g in local)
@@ -476,8 +477,9 @@ class SapoLoop(TaskLoop):
             self.counters["judged_useless"] += 1
             self._offended(author, "useless", r)
             self._ctx.transport.penalties.penalize(
-                author, "suspect", f"sapo: its last {s.streak} completions all scored 0 by our verifier, while "
-                f"the other sources' recent mean reward has a median of {self.sources.bar(author):.3f}")
+                author, "suspect", f"sapo: no completion of its last {s.streak} items scored above 0 by our "
+                f"verifier, while the other sources' recent items had one that did at a median rate of "
+                f"{self.sources.bar(author):.3f}")
 
     async def _report_progress(self, loss: float, own: float, ext: float | None) -> None:
         metrics = {"reward": float(own), "cumulative_reward": float(self.cumulative_reward),
@@ -564,10 +566,12 @@ class SapoLoop(TaskLoop):
             "peers_with_items": len(self.inbox),
             "standing": self.standing.status() if hasattr(self, "standing") else None,
             "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
-            # per source peer, as scored by our verifier: items, mean reward of their completions, groups we used,
-            # completions in a row that scored 0 (the latest), and whether that makes it useless (rounds.Sources)
+            # per source peer, as scored by our verifier: items, mean reward of their completions, the recent
+            # fraction of its items with a completion scored above 0, groups we used, items in a row with none (the
+            # latest), and whether that makes it useless (rounds.Sources)
             "sources": {a: {"items": s.items, "reward": round(s.reward / s.completions, 4) if s.completions else None,
-                            "used": s.used, "zero_streak": s.streak, "useless": self.sources.useless(a)}
+                            "hit_rate": round(s.hits, 4), "used": s.used, "zero_streak": s.streak,
+                            "useless": self.sources.useless(a)}
                         for a, s in sorted(self.sources.by_peer.items(), key=lambda kv: -kv[1].items)[:32]
                         if a != self.sources.me},
             **dict(sorted(self.counters.items())),

@@ -165,15 +165,40 @@ def test_sapo_draws_j_at_random_and_caps_each_source():
     assert set(counts) == {"x", "y", "z"} and min(counts.values()) > 550
 
 
+
+def test_sapo_local_groups_are_the_informative_ones_first():
+    import random
+    from types import SimpleNamespace
+
+    from protocols.rounds import pick_local
+
+    own = [SimpleNamespace(name=f"g{i}", informative=i in (1, 5, 6)) for i in range(8)]
+    for seed in range(50):
+        chosen = pick_local(own, 4, random.Random(seed))
+        assert len(chosen) == 4 and len(set(map(id, chosen))) == 4
+        assert {g.name for g in chosen[:3]} == {"g1", "g5", "g6"}  # every informative group, before any other
+        assert not chosen[3].informative
+    assert {g.name for g in pick_local(own, 2, random.Random(0))} <= {"g1", "g5", "g6"}
+    assert sorted(g.name for g in pick_local(own, 8, random.Random(0))) == sorted(g.name for g in own)  # I = G: all
+    assert pick_local(own, 0, random.Random(0)) == []
+    # within a kind the order is random: which uninformative group fills the 4th slot varies with the seed
+    assert len({pick_local(own, 4, random.Random(seed))[3].name for seed in range(50)}) == 5
+
 # ---------------------------------------------------------------------- SAPO's useless sources
-def _feed(sources, rates: dict, rounds: int, rng, per_round: int = 32, group: int = 4) -> list[tuple[int, str]]:
+def _feed(sources, rates: dict, rounds: int, rng, per_round: int = 32, group: int = 4, narrow=()
+          ) -> list[tuple[int, str]]:
     """Every source (author -> its policy's chance of a right answer) shares per_round completions a round, in
-    groups; returns (round, author) of every penalty, as the loop takes them at each round's close."""
+    groups; returns (round, author) of every penalty, as the loop takes them at each round's close. A ``narrow``
+    source's right answers fall on whole questions: each of its items is all right with its chance, else all wrong
+    (a small policy that knows some answers and not others)."""
     penalties = []
     for r in range(rounds):
         for author, p in rates.items():
             for _ in range(per_round // group):
-                sources.scored(author, [float(rng.random() < p) for _ in range(group)])
+                if author in narrow:
+                    sources.scored(author, [float(rng.random() < p)] * group)
+                else:
+                    sources.scored(author, [float(rng.random() < p) for _ in range(group)])
         penalties += [(r, a) for a in rates if sources.to_penalise(a)]
     return penalties
 
@@ -188,19 +213,38 @@ def test_a_source_that_never_scores_is_judged_useless_once_an_honest_policy_4x_w
     rates = {"me": 0.3, "a": 0.2, "b": 0.1, "garbage": 0.0}
     penalties = _feed(s, rates, 200, random.Random(1))
     assert {a for _, a in penalties} == {"garbage"}  # no honest source, ever
-    bar = s.bar("garbage")  # the median of the others' recent means: about b's and me's ... a's 0.2
-    assert 0.12 < bar < 0.28
+    # the median of the others' recent hit rates (items with a right answer, 4 completions each): a's 1 - 0.8 ** 4
+    bar = s.bar("garbage")
+    assert 0.45 < bar < 0.72
     need = math.log(1e-6) / math.log1p(-bar / 4)  # the zero streak an honest policy at bar / 4 reaches w.p. 1e-6
     first = penalties[0][0]
-    assert (first + 1) * 32 >= need * 0.8 and first * 32 <= need * 1.25
+    assert (first + 1) * 8 >= need * 0.8 and first * 8 <= need * 1.25  # 8 items a round
     # penalised when first judged and each time its streak doubled since: log2-many, not one a round
-    # (its streak at round r's close is 32 (r + 1)): 5 in 200 rounds, not one a round
+    # (its streak at round r's close is 8 (r + 1) items): 5 in 200 rounds, not one a round
     at = [r for r, _ in penalties]
     assert len(at) == 5 and all(b + 1 == 2 * (a + 1) for a, b in zip(at, at[1:]))
     assert s.useless("garbage") and not s.useless("me")  # we never judge ourselves
     # one right answer ends the streak: no longer useless until a new streak gets that long again
     s.scored("garbage", [0.0, 1.0])
     assert s.get("garbage").streak == 0 and not s.useless("garbage")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_an_honest_policy_whose_right_answers_fall_on_whole_questions_is_never_judged(seed):
+    """Completions of one question are not independent trials. A narrow policy (every completion right on 30% of
+    the questions, all wrong on the rest: mean reward 0.3) next to broad ones (each completion right half the time)
+    misses 13 questions in a row, 104 completions, about once in 100 tries. Counting completions, the first rule
+    judged it useless there (a policy at a quarter of the median reward, 0.125, would score something in 104
+    completions w.p. 1 - 1e-6): in each of these 5 seeds, 1 to 3 times in 300 rounds. Counting questions, it takes
+    49 misses in a row (a quarter of the median hit rate, 1 - 0.5 ** 8), about once in 4e7 tries."""
+    import random
+
+    from protocols.rounds import Sources
+
+    s = Sources("me")
+    rates = {"me": 0.5, "a": 0.5, "b": 0.5, "narrow": 0.3}
+    assert _feed(s, rates, 300, random.Random(seed), per_round=64, group=8, narrow={"narrow"}) == []
+    assert s.get("narrow").items == 2400 and 0.15 < s.get("narrow").hits < 0.45
 
 
 @pytest.mark.parametrize("seed", range(5))
