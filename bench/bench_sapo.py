@@ -10,7 +10,7 @@ over rounds, averaged over the 8 peers. Sharing must win on every seed.
 The task is any SAPO task of the seam: ``reasoning-gym`` by default (chain_sum and products over single digits,
 questions regenerated and scored by reasoning-gym on every receiver), ``--task arith`` for the built-in arithmetic.
 
-    python bench/bench_sapo.py [--rounds 500] [--seeds 1 2] [--peers 8] [--task reasoning-gym]
+    python bench/bench_sapo.py [--rounds 500] [--seeds 1 2] [--peers 8] [--task reasoning-gym] [--datasets sparse]
 """
 
 from __future__ import annotations
@@ -40,14 +40,31 @@ deadline = 10.0
 task = "{task}"
 device = "cpu"
 checkpoint_every = 0
-"""
+{datasets}"""
+
+# --datasets sparse: answers of 2-3 characters that a random policy gets right about 2% of the time, so most of a
+# peer's own groups score all 0 early on (about 1 in 5 is informative at a random init, against 2 in 5 with the
+# task's default single-digit datasets): the regime the SAPO paper's gain comes from (protocols.md 2.5)
+DATASETS = {
+    "default": None,  # the task's own (reasoning-gym: chain_sum and products over single digits)
+    "sparse": {"chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2},
+               "lcm": {"min_value": 2, "max_value": 12}},
+}
+
+
+def datasets_toml(datasets: dict | None) -> str:
+    if not datasets:
+        return ""
+    return "".join(f"\n[loops.sapo.task_options.datasets.{name}]\n"
+                   + "".join(f"{k} = {v!r}\n" for k, v in config.items()) for name, config in datasets.items())
 
 
 def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
-              task: str) -> dict:
+              task: str, datasets: dict | None = None) -> dict:
     run = f"bench-s{seed}-{local}-{external}"
     config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
-                                                             external=external, peers=peers, task=task))
+                                                             external=external, peers=peers, task=task,
+                                                             datasets=datasets_toml(datasets)))
     swarm = Swarm(root / run, config=config)
     for i in range(peers):  # the same identities in every configuration: same policy inits, same questions
         key = keys / f"n{i}.key"
@@ -90,16 +107,20 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--peers", type=int, default=8)
     parser.add_argument("--task", default="reasoning-gym")
+    parser.add_argument("--datasets", default="default", choices=sorted(DATASETS),
+                        help="reasoning-gym only: the task's own datasets, or sparse ones (2-3 character answers)")
     args = parser.parse_args()
+    datasets = DATASETS[args.datasets] if args.task == "reasoning-gym" else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-sapo-") as tmp:
         for seed in args.seeds:
             keys = Path(tmp) / f"keys-{seed}"
             keys.mkdir()
-            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers, args.task)
-            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers, args.task)
+            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers, args.task, datasets)
+            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers, args.task, datasets)
             rows.append((seed, base, shared))
-    what = {"reasoning-gym": "reasoning-gym chain_sum + products (its own scorer)",
+    what = {"reasoning-gym": "reasoning-gym " + (" + ".join(f"{k} {v}" for k, v in datasets.items()) if datasets
+                                                 else "chain_sum + products over single digits") + " (its own scorer)",
             "arith": "2-digit arithmetic (binary reward)"}.get(args.task, args.task)
     print(f"SAPO, {args.peers} peer processes, {args.rounds} rounds, 8 questions x 8 completions per round, {what}")
     print(f"{'seed':>4} | {'I/J':>4} | {'cumulative':>10} | {'first 50':>8} | {'last 50':>8} | "
