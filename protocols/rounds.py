@@ -225,7 +225,6 @@ def draw(candidates: Mapping[str, Sequence[T]], want: int, per_source: int, rng:
     return chosen, capped
 
 
-
 def pick_local(own: Sequence[T], want: int, rng: random.Random, informative=lambda g: g.informative) -> list[T]:
     """SAPO: the ``want`` (I) of our own groups we train on: the informative ones first (a group whose completions
     all scored alike has zero advantage and carries no gradient), in random order, then the others, so I < G never
@@ -233,6 +232,7 @@ def pick_local(own: Sequence[T], want: int, rng: random.Random, informative=lamb
     shuffled = list(own)
     rng.shuffle(shuffled)
     return sorted(shuffled, key=lambda g: not informative(g))[:want]  # sorted is stable: random within each kind
+
 
 USELESS_FACTOR = 4.0  # a source is judged against a policy this many times worse than the others' median
 USELESS_ALPHA = 1e-6  # ... which misses every item of the source's zero streak with at most this probability
@@ -262,12 +262,12 @@ class Sources:
     would miss that many in a row with probability below ``USELESS_ALPHA``: ``(1 - median / 4) ** streak < 1e-6``.
     That bound holds however a policy's right answers are spread over questions (counting completions as trials,
     as this did first, is exact only for a policy whose every completion is right at random, independently).
-    Garbage and wrong answers get there; so does an
-    honest policy more than 4x weaker than the typical peer's, whose completions teach nobody anything either (a
-    group whose completions all score 0 carries no advantage). A median, so one strong peer does not make the
-    others useless, and a flood of sources that score nothing lowers the bar for nobody. Nothing is judged while
-    the others score nothing too (the start of a run), and one completion scored above 0 ends the streak.
-    Bounded: at most ``max_sources`` peers (the one with the fewest items scored gives way)."""
+    Garbage and wrong answers get there; so does an honest policy more than 4x weaker than the typical peer's,
+    whose completions teach nobody anything either (a group whose completions all score 0 carries no advantage).
+    A median, so one strong peer does not make the others useless, and a flood of sources that score nothing
+    lowers the bar for nobody. Nothing is judged while the others score nothing too (the start of a run), and one
+    completion scored above 0 ends the streak. Bounded: at most ``max_sources`` peers (the one with the fewest
+    items scored gives way)."""
 
     def __init__(self, me: str, max_sources: int = 256):
         self.me = me
