@@ -60,10 +60,11 @@ checkpoint_every = 0
 """
 
 
-def toml_options(options: dict) -> str:
+def toml_options(options: dict, table: str = "loops.diloco.task_options") -> str:
+    """A loop's task options as TOML lines under ``[table]`` (written right after its header): values first, then
+    each nested dict as a sub-table, at any depth."""
     return "\n".join(f"{k} = {json.dumps(v)}" for k, v in options.items() if not isinstance(v, dict)) + "".join(
-        f"\n[loops.diloco.task_options.{k}]\n" + "\n".join(f"{a} = {json.dumps(b)}" for a, b in v.items())
-        for k, v in options.items() if isinstance(v, dict))
+        f"\n[{table}.{k}]\n" + toml_options(v, f"{table}.{k}") for k, v in options.items() if isinstance(v, dict))
 
 
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,

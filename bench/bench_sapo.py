@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
+from bench_diloco import toml_options  # noqa: E402
 from swarmproc import Swarm, http_get, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
@@ -55,19 +56,13 @@ DATASETS = {
 }
 
 
-def datasets_toml(datasets: dict | None) -> str:
-    if not datasets:
-        return ""
-    return "".join(f"\n[loops.sapo.task_options.datasets.{name}]\n"
-                   + "".join(f"{k} = {v!r}\n" for k, v in config.items()) for name, config in datasets.items())
-
-
 def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
               task: str, datasets: dict | None = None) -> dict:
     run = f"bench-s{seed}-{local}-{external}"
+    options = toml_options({"datasets": datasets} if datasets else {}, "loops.sapo.task_options")
     config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
                                                              external=external, peers=peers, task=task,
-                                                             datasets=datasets_toml(datasets)))
+                                                             datasets=options))
     swarm = Swarm(root / run, config=config)
     for i in range(peers):  # the same identities in every configuration: same policy inits, same questions
         key = keys / f"n{i}.key"

@@ -57,8 +57,7 @@ eval_every = 1
 def run_swarm(peers: int, steps: int, window: int, root: Path, task: str, options: dict) -> dict:
     config = loop_config(root / "spsa.toml", CONFIG.format(run=f"bench{peers}", steps=steps, window=window,
                                                            peers=peers, task=task,
-                                                           options=toml_options(options).replace(
-                                                               "loops.diloco", "loops.spsa")))
+                                                           options=toml_options(options, "loops.spsa.task_options")))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = swarm.start_chain(peers, members_within=None)
