@@ -56,7 +56,10 @@ class Browser:
              "--no-first-run", "--no-default-browser-check", "--disable-extensions", "--disable-background-networking",
              "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0", f"--user-data-dir={self.profile}",
              "--window-size=1280,1400", "about:blank"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+            # its scratch files (/tmp/org.chromium.Chromium.*: the singleton socket, killed before it removes it) go
+            # into the profile, removed by close(), not left behind in the system's temporary directory
+            env={**os.environ, "TMPDIR": str(self.profile)})
         port_file = self.profile / "DevToolsActivePort"
         deadline = time.monotonic() + timeout
         while not (port_file.exists() and port_file.read_text().strip()):
