@@ -120,6 +120,16 @@ def _summed(final: list[dict]) -> dict:
     return dict(sorted(out.items()))
 
 
+def _gossip_drops(gossip: list[dict]) -> dict:
+    """What the nodes' gossip dropped (``/status`` -> services.gossip), summed: a full send queue or subscriber,
+    or a topic's delivery queue full. A round's views and announcements that never reached a peer show here if they
+    were dropped, not merely late."""
+    out = {f"gossip_{k}": sum(g.get(k, 0) for g in gossip)
+           for k in ("send_queue_dropped", "subscriber_dropped", "stale", "iwant_sent", "iwant_served")}
+    out["gossip_dropped_full"] = sum(t.get("dropped_full", 0) for g in gossip for t in g.get("topics", {}).values())
+    return out
+
+
 def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     """N nodes on loopback (each bootstrapped from the first), or each on its own host of the star lab."""
     if lab is None:
@@ -161,7 +171,8 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
                          f"{mode} x{peers} to finish", interval=0.1)
         wall = time.monotonic() - t0
         peak = memory.stop()
-        bulk = [n.status()["services"]["bulk"] for n in nodes]
+        statuses = [n.status()["services"] for n in nodes]
+        bulk = [s["bulk"] for s in statuses]
         return {
             "round_s": max(s["exchange"]["round_seconds_median"] for s in final),
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
@@ -175,7 +186,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "resyncs": sum(s.get("resyncs", 0) for s in final),
             "peak_gb": max(peak) / 1e9,
             "evicted": sum(b.get("blobs_evicted", 0) for b in bulk),
-            "agreement": _summed(final),  # printed to stderr, not in the table
+            "agreement": {**_summed(final), **_gossip_drops([s["gossip"] for s in statuses])},  # stderr only
             # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
             "phases": {k: max(s["exchange"].get("phase_seconds_median", {}).get(k, 0.0) for s in final)
                        for k in ("wait", "agree", "reduce", "conform", "combine")

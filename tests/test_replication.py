@@ -54,10 +54,8 @@ def test_six_nodes_writing_concurrently_converge(swarm):
         t.start()
     for t in threads:
         t.join(60)
-    last_write = time.monotonic()
-    final = wait_for(lambda: converged(nodes), 20, "all 6 nodes to reach the same heads", interval=0.05)
-    took = time.monotonic() - last_write
-    assert took < 5.0, f"converged {took:.1f} s after the last write"
+    # convergence, not its speed: how long it takes is bench_crdt.py's table (16 nodes), never a timed assertion
+    final = wait_for(lambda: converged(nodes), 30, "all 6 nodes to reach the same heads", interval=0.05)
 
     objects = final["objects"]
     assert objects["events"]["total"] == sum((i + 1) * per_node for i in range(6))
