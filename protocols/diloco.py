@@ -51,6 +51,9 @@ from transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, 
 logger = logging.getLogger(__name__)
 
 CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset({1, 2}))
+MAX_FETCH = 64  # announcements asked of a round's coordinator at once
+FETCH_AFTER = 1.0  # s: how long a member view's unknown names are left to gossip before we ask its coordinator
+FETCH_WAIT = 3.0  # s: how long such a request may take (past the span if it must: the round waits on it)
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 REDUCING = 2  # scatter: parts decoded and reduced at once (the reductions run in worker threads)
@@ -75,6 +78,19 @@ _TAG = {"t": ["layout-hash", "config-hash"]}
 CKPT_REQUEST = WIRE.frame(CKPT_SPEC, 1, "diloco.checkpoint-request", Nil(), None, doc="your checkpoint, please")
 CKPT_REPLY = WIRE.frame(CKPT_SPEC, 2, "diloco.checkpoint-reply", Map.of(blob=Bytes(exact=32), size=Int(1, 4 << 30)),
                         {"blob": bytes(32), "size": 4096}, doc="the hash of the checkpoint blob, now announced")
+# a member view names an update announcement that gossip has not brought us (16 peers on two cores: late past the
+# span): we ask the view's coordinator, which holds it (it named it), for the signed message itself
+ANN_SPEC = ProtocolSpec("diloco-ann", "1.0.0", max_frame=MAX_MESSAGE + 2048, kinds=frozenset({1, 2, 3}))
+ANN_REQUEST = WIRE.frame(ANN_SPEC, 1, "diloco.announcement-request",
+                         Map.of(r=_R, p=_P, ids=List(Bytes(exact=8), MAX_FETCH)), {"r": 3, "p": 0, "ids": [bytes(8)]},
+                         doc="the update announcements of (r, p) you hold from these peers (short ids), please")
+ANN_REPLY = WIRE.frame(ANN_SPEC, 2, "diloco.announcement",
+                       Map.of(b=Bytes(MAX_MESSAGE + 1024), s=Bytes(exact=64)),
+                       {"b": msgpack.packb([1, "diloco/run", "12D3KooW...", 1, 1_800_000_000_000, b"update"]),
+                        "s": bytes(64)}, signed="swarmd/pubsub/v1",
+                       doc="one announcement as its author signed it (a pubsub message; one frame each): checked "
+                       "like one that came through the mesh")
+ANN_END = WIRE.frame(ANN_SPEC, 3, "diloco.announcements-end", Nil(), None, doc="no more announcements")
 CHECKPOINT = WIRE.blob("(bulk blob)", "diloco.checkpoint", Map.of(
     **{"global": List(Bytes(4 << 30), 1024), "momentum": List(Bytes(4 << 30), 1024),
        "rounds_done": List(Int(0, 2**31), 1024), "step": Int(0), "participants": Dict(Str(8), List(Str(128), 10_000),
@@ -205,6 +221,7 @@ class Pending:
     views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
     coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
     parts: dict[str, tuple] = field(default_factory=dict)  # last round's members' parts: (digest, sets, hashes)
+    signed: dict[str, dict] = field(default_factory=dict)  # peer -> its announcement as it signed it (wire form)
 
 
 @dataclass
@@ -298,6 +315,7 @@ class DilocoLoop(TaskLoop):
         self.final_hash: str | None = None
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
+        self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
         self._resync_from: list[str] = []
         self._encoded_size: dict[int, list[int]] = {}  # fragment -> bytes of each encoded part of an update
         self._sources: dict[str, asyncio.Semaphore] = {}
@@ -327,6 +345,7 @@ class DilocoLoop(TaskLoop):
         self._init_standing(ctx)
         self.gossip.subscribe(self.topic, max_size=MAX_MESSAGE, validator=self._validate, queue_size=0)
         await ctx.transport.serve(CKPT_SPEC, self._serve_checkpoint)
+        await ctx.transport.serve(ANN_SPEC, self._serve_announcements)
 
     async def close(self) -> None:
         pass
@@ -600,9 +619,11 @@ class DilocoLoop(TaskLoop):
         self._round_blobs[(r, p)].update(hashes)
         self._own_blobs[(r, p)].update(hashes)
         ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs))
-        self._publish(UPDATE, {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base,
-                               "norm": ann.norm, "addrs": list(ann.addrs)})
+        mid = self._publish(UPDATE, {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base,
+                                     "norm": ann.norm, "addrs": list(ann.addrs)})
         pending = self.pending[(r, p)]
+        if (signed := self.gossip.cache.get(mid)) is not None:  # for a peer our member view names, if it asks
+            pending.signed[self._ctx.identity.peer_id] = signed.wire()
         pending.sent_at = self.clock.monotonic()
         pending.announced[self._ctx.identity.peer_id] = ann
         if mine is not None:
@@ -646,8 +667,8 @@ class DilocoLoop(TaskLoop):
         our weights made for this: no second fragment-sized tensor)."""
         return torch.sub(self.global_flat[p], local, out=local)
 
-    def _publish(self, kind, body: dict) -> None:
-        self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
+    def _publish(self, kind, body: dict) -> bytes:
+        return self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
 
     async def _close_round(self, p: int, r: int) -> None:
         key = (r, p)
@@ -811,7 +832,11 @@ class DilocoLoop(TaskLoop):
             del self._published[old]
         for task in pending.prefetched.values():
             task.cancel()
-        self.pending.pop(key, None)
+        closed = self.pending.pop(key, None)
+        # the signed announcements of the last rounds, for a peer whose gossip did not bring one our view named
+        self._signed_closed[key] = closed.signed if closed is not None else {}
+        for old in [k for k in self._signed_closed if k[1] == p and k[0] < r - 2]:
+            del self._signed_closed[old]
         for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
             del self.round_hashes[old]
         self._drop_round_blobs(p, r)
@@ -879,8 +904,23 @@ class DilocoLoop(TaskLoop):
             return rounds.resolve_view(view, {rounds.short_id(a): a for a, ann in pending.announced.items()
                                               if ann.base == base and a not in pending.failed})
 
-        while (agreed := named())[1] and self.clock.monotonic() < end - rounds.TICK:
-            await outer.wait_event(self._event, end - self.clock.monotonic())
+        fetch, fetch_end = None, end
+        asked_at = self.clock.monotonic() + min(FETCH_AFTER, max(end - self.clock.monotonic(), 0.0) / 4)
+        try:
+            while (agreed := named())[1] and (self.clock.monotonic() < end - rounds.TICK or (
+                    fetch is not None and not fetch.done() and self.clock.monotonic() < fetch_end)):
+                if fetch is None and self.clock.monotonic() >= asked_at:
+                    # gossip has not brought some of the updates it names: ask the coordinator, which holds them
+                    # (a request and its answers: given FETCH_WAIT past the span if it needs it)
+                    known = {rounds.short_id(a) for a in pending.announced}
+                    fetch = asyncio.get_running_loop().create_task(
+                        self._fetch_announcements(chosen, r, p, sorted(set(view) - known)))
+                    fetch_end = max(end, self.clock.monotonic() + FETCH_WAIT)
+                wait = (fetch_end if fetch is not None else asked_at) - self.clock.monotonic()
+                await outer.wait_event(self._event, max(wait, rounds.TICK))
+        finally:
+            if fetch is not None and not fetch.done():
+                fetch.cancel()
         agreed, unknown = agreed
         if unknown:
             self.counters["view_peers_unknown"] += unknown
@@ -1568,6 +1608,54 @@ class DilocoLoop(TaskLoop):
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
 
+    async def _serve_announcements(self, stream: Stream) -> None:
+        """The update announcements of a round we hold (or closed lately), as their authors signed them, to a peer
+        of the run whose gossip did not bring them (it names them by short id, at most MAX_FETCH): one frame each,
+        then the end."""
+        message = await asyncio.wait_for(stream.read_required(), 10)
+        if message.kind != ANN_REQUEST.code:
+            raise MalformedMessage("diloco-ann: expected a request")
+        body = message.body
+        key = (body["r"], body["p"])
+        held = self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
+        wanted = set(body["ids"]) if self.standing.admitted(stream.peer_id) else set()
+        for author, signed in sorted(held.items()):
+            if rounds.short_id(author) in wanted:
+                await stream.send(ANN_REPLY.code, signed)
+                self.counters["announcements_served"] += 1
+        await stream.send(ANN_END.code, None)
+
+    async def _fetch_announcements(self, peer: str, r: int, p: int, ids: list[bytes]) -> None:
+        """Ask ``peer`` (a round's coordinator) for the announcements its member view names and gossip has not
+        brought us; each one is checked as if it came through the mesh (its author's signature, the freshness
+        window, our validator), so the coordinator can withhold an update but never forge one."""
+        wanted = set(ids[:MAX_FETCH])
+        try:
+            async with await self._ctx.transport.open_stream(peer, ANN_SPEC, timeout=5) as stream:
+                await stream.send(ANN_REQUEST.code, {"r": r, "p": p, "ids": sorted(wanted)})
+                for _ in range(len(wanted) + 1):
+                    reply = await asyncio.wait_for(stream.read_required(), 10)
+                    if reply.kind == ANN_END.code:
+                        break
+                    if reply.kind != ANN_REPLY.code:
+                        raise MalformedMessage("diloco-ann: expected an announcement")
+                    message = self.gossip.check_signed(reply.body, self.topic)
+                    if rounds.short_id(message.author) not in wanted:
+                        raise ProtocolViolation("diloco-ann: an announcement we did not ask for")
+                    wanted.discard(rounds.short_id(message.author))
+                    kind, body = WIRE.unpack(CARRIER, message.data)
+                    if kind is not UPDATE or (body["r"], body["p"]) != (r, p):
+                        raise ProtocolViolation("diloco-ann: not an update announcement of the round asked for")
+                    self._validate(message)
+                    if message.author in self.pending[(r, p)].announced:
+                        self.counters["announcements_fetched"] += 1
+                        self._event.set()
+        except (TransportError, ProtocolViolation, MalformedMessage, UnknownKind, asyncio.TimeoutError) as e:
+            self.counters["announcement_fetch_failed"] += 1
+            if isinstance(e, (ProtocolViolation, MalformedMessage, UnknownKind)):
+                self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco-ann: {e}")
+            logger.info("diloco round %d/%d: announcements from %s: %s", r, p, peer[-8:], e)
+
     async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
         """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
@@ -1706,6 +1794,7 @@ class DilocoLoop(TaskLoop):
                     self.counters["newcomer_updates_not_pulled"] += 1
                     return Verdict.IGNORE
             pending.announced[author] = ann
+            pending.signed[author] = message.wire()  # for a peer whose gossip did not bring it (a member view's)
             self._event.set()  # (a member view may be waiting for it)
             if not self.rounds_done or self._mode(p) == "all-to-all":
                 self._start_pull((r, p), pending, author)

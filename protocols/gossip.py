@@ -452,6 +452,26 @@ class Gossip:
         self._deliver(t, delivered)
         self._forward(message, exclude=peer)
 
+    def check_signed(self, wire: Any, topic: str) -> Message:
+        """A message of ``topic`` that came another way than the mesh (a loop fetched it from a peer that held
+        it), checked as the mesh checks one: its form, its size, its author's signature and the freshness window.
+        Raises MalformedMessage or ProtocolViolation. Not delivered, forwarded or remembered: the caller judges it
+        (its topic's validator)."""
+        message = decode_message(wire)
+        t = self.topics.get(topic)
+        if message.topic != topic or t is None:
+            raise ProtocolViolation(f"pubsub: a fetched message of {message.topic!r}, not {topic!r}")
+        if len(message.data) > t.max_size:
+            raise ProtocolViolation(f"pubsub: a fetched message of {len(message.data)} B exceeds {t.max_size} B",
+                                    kind="oversized")
+        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
+            raise ProtocolViolation(f"pubsub: bad signature on a fetched message claiming {message.author}",
+                                    kind="bad_signature")
+        now = self._now_ms()
+        if message.ts_ms > now + self.max_skew_ms or message.ts_ms < now - self.max_age_ms:
+            raise ProtocolViolation("pubsub: a fetched message outside the freshness window", kind="stale")
+        return message
+
     # ------------------------------------------------------------------ internals
     def _remember(self, message: Message, *, cache: bool = True) -> None:
         self.seen[message.id] = message.ts_ms + self.max_age_ms + 1000

@@ -305,7 +305,7 @@ def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(t
 
             def _publish(self, kind, body):
                 self.published |= kind is diloco.REDUCED and body["r"] == 2
-                super()._publish(kind, body)
+                return super()._publish(kind, body)
 
         class NeverGetsItsParts(_paced(diloco.DilocoLoop, 0.1)):
             def _validate(self, message):
@@ -360,3 +360,96 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
             (dict(counters), participants)
     else:
         assert counters["redone"] >= 2, dict(counters)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", ["scatter", "all-to-all"])
+def test_a_view_naming_an_announcement_that_never_came_is_resolved_from_the_coordinator(tmp_path, exchange):
+    """From round 2 on, one peer's gossip never delivers another peer's update announcement (16 peers on two cores:
+    a coordinator's view named announcements that had not reached some peers by the end of the span). In a round
+    whose coordinator holds it, its view names that update; the blind peer fetches the announcement, signed by its
+    author, from the coordinator and combines what the others combine. Before, it left that update out, ended on
+    other weights and resynced or redid its close."""
+    from protocols.gossip import Verdict
+    from transport.wire import WIRE
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=6, exchange=exchange, agree=True)
+        blind, unheard = sim.peers[1], sim.peers[2]
+
+        class Blind(_paced(diloco.DilocoLoop, 0.1)):
+            lost: set = set()
+
+            def _validate(self, message):
+                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
+                if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard \
+                        and body["r"] not in self.lost:
+                    self.lost.add(body["r"])  # gossip's copy (the first): seen, never delivered again
+                    return Verdict.IGNORE
+                return super()._validate(message)
+
+        sim.classes[blind] = Blind
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p).counters for p in sim.peers], _finals(sim)
+
+    counters, finals = run_virtual(main())
+    blind = counters[1]
+    assert blind.get("announcements_fetched", 0) >= 1, {k: v for k, v in blind.items() if "announce" in k}
+    assert blind.get("view_peers_unknown", 0) == 0, {k: v for k, v in blind.items() if "announce" in k or "view" in k}
+    splits = sum(c.get("diverged", 0) + c.get("resyncs", 0) + c.get("redone", 0) for c in counters)
+    assert len(finals) == 1 and splits == 0, (finals, counters)
+
+
+@pytest.mark.timeout(120)
+def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path):
+    """As above, but every other peer answers the blind peer's request with the announcement altered after its
+    author signed it (another norm): each is refused (its signature), the coordinator that served it is penalised,
+    and the blind peer goes on without that update (and resyncs as before the fetch: a lie costs only what a lost
+    message did)."""
+    import msgpack
+
+    from protocols.gossip import Verdict
+    from transport.wire import WIRE
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=5, exchange="scatter", agree=True)
+        blind, unheard = sim.peers[1], sim.peers[2]
+
+        class Blind(_paced(diloco.DilocoLoop, 0.1)):
+            lost: set = set()
+
+            def _validate(self, message):
+                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
+                if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard \
+                        and body["r"] not in self.lost:
+                    self.lost.add(body["r"])
+                    return Verdict.IGNORE
+                return super()._validate(message)
+
+        class Forger(_paced(diloco.DilocoLoop, 0.1)):
+            async def _serve_announcements(self, stream):
+                message = await stream.read_required()
+                key = (message.body["r"], message.body["p"])
+                held = self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
+                for author, signed in held.items():
+                    if diloco.rounds.short_id(author) in message.body["ids"]:
+                        fields = msgpack.unpackb(signed["b"])
+                        kind, body = WIRE.unpack(diloco.CARRIER, fields[5])
+                        fields[5] = WIRE.pack(kind, {**body, "norm": body["norm"] / 100})  # dodges clipping
+                        await stream.send(diloco.ANN_REPLY.code, {"b": msgpack.packb(fields), "s": signed["s"]})
+                await stream.send(diloco.ANN_END.code, None)
+
+        for peer in sim.peers:
+            sim.classes[peer] = Blind if peer == blind else Forger
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            penalties = sim.nodes[blind].transport.penalties
+            return sim.loop(blind).counters, {p: penalties.offences(p) for p in sim.peers if p != blind}
+
+    counters, offences = run_virtual(main())
+    assert counters.get("announcements_fetched", 0) == 0 and counters["announcement_fetch_failed"] >= 1, counters
+    assert counters["view_peers_unknown"] >= 1
+    assert any(o.get("invalid_message", 0) >= 1 for o in offences.values()), offences
