@@ -292,6 +292,8 @@ class DilocoLoop(TaskLoop):
         self.counters: collections.Counter = collections.Counter()
         self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
                                                initial=max(config.deadline_low, 10.0))
+        # scatter: when reduced parts come, seconds per byte of the update after the exchange began (see _span)
+        self.transfer = outer.AdaptiveDeadline(low=0.0, high=math.inf, initial=0.0)
         self.state = "starting"
         self.step = 0
         self.compute_seconds = 0.0
@@ -316,6 +318,7 @@ class DilocoLoop(TaskLoop):
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
+        self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._resync_from: list[str] = []
         self._encoded_size: dict[int, list[int]] = {}  # fragment -> bytes of each encoded part of an update
         self._sources: dict[str, asyncio.Semaphore] = {}
@@ -837,6 +840,8 @@ class DilocoLoop(TaskLoop):
         self._signed_closed[key] = closed.signed if closed is not None else {}
         for old in [k for k in self._signed_closed if k[1] == p and k[0] < r - 2]:
             del self._signed_closed[old]
+        for old in [k for k in self._ann_served if k[1] == p and k[0] < r - 2]:
+            del self._ann_served[old]
         for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
             del self.round_hashes[old]
         self._drop_round_blobs(p, r)
@@ -1060,8 +1065,14 @@ class DilocoLoop(TaskLoop):
 
     def _span(self, p: int) -> float:
         """The time a round's exchange step is given: the deadline, and each peer moving about 2 x one update at
-        ``min_bandwidth``; a peer that stalls costs the others one span at most."""
-        return max(self.cfg.deadline_low, self.deadline.value()) + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
+        ``min_bandwidth``, or longer where the reduced parts of recent rounds came later than that (``transfer``:
+        their arrival after the exchange began, per byte of the update, median + 4 MADs, at most deadline_high):
+        a span shorter than the swarm's transfers makes every peer reduce a late part itself (at 16 peers on 2
+        cores, 47-63 parts a run fell back and each peer pulled 2.9-3.3 x S). A peer that stalls costs the others
+        one span at most."""
+        size = self._update_bytes(p)
+        transfers = max(2 * size / self.cfg.min_bandwidth, min(self.transfer.value() * size, self.cfg.deadline_high))
+        return max(self.cfg.deadline_low, self.deadline.value()) + transfers
 
     def _bounds(self, p: int) -> list[tuple[int, int]]:
         """The value ranges fragment p's update is cut into (the same for every peer and round)."""
@@ -1196,7 +1207,8 @@ class DilocoLoop(TaskLoop):
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
         span = self._span(p)
-        end = self.clock.monotonic() + span
+        began = self.clock.monotonic()
+        end = began + span
         # the combined update, filled as parts come: a part taken from its reducer is decoded straight into its
         # place (no second copy of the update); one we reduced is copied in at the end (``parts`` -> our tensor)
         combined = torch.empty(n)
@@ -1306,6 +1318,7 @@ class DilocoLoop(TaskLoop):
             audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
+                self.transfer.observe((self.clock.monotonic() - began) / max(1, self._update_bytes(p)))
                 blob, size, m, addrs, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
                 if not exchange.take_reduced(m, digest, whose, members):
@@ -1618,7 +1631,18 @@ class DilocoLoop(TaskLoop):
         body = message.body
         key = (body["r"], body["p"])
         held = self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
-        wanted = set(body["ids"]) if self.standing.admitted(stream.peer_id) else set()
+        # to a peer of that round (it announced an update in it) or one whose word counts, once per round: a small
+        # request must not buy a stranger the same ~0.8 MB answer over and over
+        # (only rounds we hold are remembered: a key per round asked about would let anyone grow the dict)
+        asker = stream.peer_id
+        served = self._ann_served.setdefault(key, set()) if held else set()
+        wanted = set()
+        if held and (asker in held or self.standing.counts(asker)) and asker not in served \
+                and len(served) < MAX_PEER_ENTRIES:
+            served.add(asker)
+            wanted = set(body["ids"])
+        else:
+            self.counters["announcements_refused"] += 1
         for author, signed in sorted(held.items()):
             if rounds.short_id(author) in wanted:
                 await stream.send(ANN_REPLY.code, signed)
@@ -1904,6 +1928,8 @@ class DilocoLoop(TaskLoop):
             "losses": list(self.losses)[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
             "deadline_s": round(self.deadline.value(), 2),
+            # the exchange step's time limit for the last fragment (its transfers' part adapts: see _span)
+            "span_s": round(self._span(self.cfg.fragments - 1), 2) if self.rounds_done else None,
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
             **dict(sorted(self.counters.items())),
         }

@@ -453,3 +453,41 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
     assert counters.get("announcements_fetched", 0) == 0 and counters["announcement_fetch_failed"] >= 1, counters
     assert counters["view_peers_unknown"] >= 1
     assert any(o.get("invalid_message", 0) >= 1 for o in offences.values()), offences
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("adapt", [True, False])
+def test_a_span_shorter_than_the_swarms_transfers_grows_to_them(tmp_path, adapt):
+    """Scatter over slow links (400 kB/s each way) with a `min_bandwidth` that promises far more: the reduced parts
+    come later than the span the config gives. The span learns when they come (``DilocoLoop.transfer``) and
+    no part falls back once the adaptive deadline has settled; with that term held at 0 (``adapt`` False), every
+    peer reduces late parts itself round after round, pulling their chunks on top."""
+    from protocols.exchange import PART_MIN
+
+    async def main():
+        sim = DilocoSim(SimConfig(peers=4, seed=7, bandwidth=400e3), ChurnConfig(rounds=10, dim=4 * PART_MIN), tmp_path,
+                        exchange="scatter", audit=0.0, min_bandwidth=1e12, deadline_low=0.5)
+        fallbacks = []
+
+        class Loop(_paced(diloco.DilocoLoop, 0.1)):
+            async def _close_round(self, p, r):
+                if not adapt:
+                    self.transfer.offsets.clear()  # its value: 0 (fewer than 3 observations)
+                before = self.counters["parts_fallback"]
+                await super()._close_round(p, r)
+                fallbacks.append((r, self.counters["parts_fallback"] - before))
+
+        for peer in sim.peers:
+            sim.classes[peer] = Loop
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 600, "everyone to finish")
+            return fallbacks, _finals(sim), [sim.loop(p).counters for p in sim.peers]
+
+    fallbacks, finals, counters = run_virtual(main())
+    late = sum(n for r, n in fallbacks if r >= 5)
+    assert len(finals) == 1
+    if adapt:
+        assert late == 0, sorted(fallbacks)
+    else:
+        assert late >= 4, sorted(fallbacks)
