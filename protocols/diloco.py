@@ -292,8 +292,6 @@ class DilocoLoop(TaskLoop):
         self.counters: collections.Counter = collections.Counter()
         self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
                                                initial=max(config.deadline_low, 10.0))
-        # scatter: when reduced parts come, seconds per byte of the update after the exchange began (see _span)
-        self.transfer = outer.AdaptiveDeadline(low=0.0, high=math.inf, initial=0.0)
         self.state = "starting"
         self.step = 0
         self.compute_seconds = 0.0
@@ -1065,14 +1063,8 @@ class DilocoLoop(TaskLoop):
 
     def _span(self, p: int) -> float:
         """The time a round's exchange step is given: the deadline, and each peer moving about 2 x one update at
-        ``min_bandwidth``, or longer where the reduced parts of recent rounds came later than that (``transfer``:
-        their arrival after the exchange began, per byte of the update, median + 4 MADs, at most deadline_high):
-        a span shorter than the swarm's transfers makes every peer reduce a late part itself (at 16 peers on 2
-        cores, 47-63 parts a run fell back and each peer pulled 2.9-3.3 x S). A peer that stalls costs the others
-        one span at most."""
-        size = self._update_bytes(p)
-        transfers = max(2 * size / self.cfg.min_bandwidth, min(self.transfer.value() * size, self.cfg.deadline_high))
-        return max(self.cfg.deadline_low, self.deadline.value()) + transfers
+        ``min_bandwidth``; a peer that stalls costs the others one span at most."""
+        return max(self.cfg.deadline_low, self.deadline.value()) + 2 * self._update_bytes(p) / self.cfg.min_bandwidth
 
     def _bounds(self, p: int) -> list[tuple[int, int]]:
         """The value ranges fragment p's update is cut into (the same for every peer and round)."""
@@ -1207,8 +1199,7 @@ class DilocoLoop(TaskLoop):
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
         span = self._span(p)
-        began = self.clock.monotonic()
-        end = began + span
+        end = self.clock.monotonic() + span
         # the combined update, filled as parts come: a part taken from its reducer is decoded straight into its
         # place (no second copy of the update); one we reduced is copied in at the end (``parts`` -> our tensor)
         combined = torch.empty(n)
@@ -1318,7 +1309,6 @@ class DilocoLoop(TaskLoop):
             audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
-                self.transfer.observe((self.clock.monotonic() - began) / max(1, self._update_bytes(p)))
                 blob, size, m, addrs, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
                 if not exchange.take_reduced(m, digest, whose, members):
@@ -1928,8 +1918,6 @@ class DilocoLoop(TaskLoop):
             "losses": list(self.losses)[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
             "deadline_s": round(self.deadline.value(), 2),
-            # the exchange step's time limit for the last fragment (its transfers' part adapts: see _span)
-            "span_s": round(self._span(self.cfg.fragments - 1), 2) if self.rounds_done else None,
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
             **dict(sorted(self.counters.items())),
         }
