@@ -417,14 +417,7 @@ class Gossip:
         if t is None:
             self.counters["unsubscribed_topic"] += 1
             return  # not ours to judge or forward
-        if len(message.data) > t.max_size:
-            raise ProtocolViolation(f"pubsub: {len(message.data)} B on {t.name} exceeds {t.max_size} B",
-                                    kind="oversized")
-        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
-            raise ProtocolViolation(f"pubsub: bad signature on a message claiming {message.author}",
-                                    kind="bad_signature")
-        now = self._now_ms()
-        if message.ts_ms > now + self.max_skew_ms or message.ts_ms < now - self.max_age_ms:
+        if not self._checked(message, t):
             self.counters["stale"] += 1
             penalties.penalize(peer, "stale", "pubsub message outside the freshness window")
             return
@@ -461,16 +454,21 @@ class Gossip:
         t = self.topics.get(topic)
         if message.topic != topic or t is None:
             raise ProtocolViolation(f"pubsub: a fetched message of {message.topic!r}, not {topic!r}")
-        if len(message.data) > t.max_size:
-            raise ProtocolViolation(f"pubsub: a fetched message of {len(message.data)} B exceeds {t.max_size} B",
-                                    kind="oversized")
-        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
-            raise ProtocolViolation(f"pubsub: bad signature on a fetched message claiming {message.author}",
-                                    kind="bad_signature")
-        now = self._now_ms()
-        if message.ts_ms > now + self.max_skew_ms or message.ts_ms < now - self.max_age_ms:
+        if not self._checked(message, t):
             raise ProtocolViolation("pubsub: a fetched message outside the freshness window", kind="stale")
         return message
+
+    def _checked(self, message: Message, t: Topic) -> bool:
+        """A message's size and its author's signature (ProtocolViolation if either is wrong), then whether it is
+        inside the freshness window."""
+        if len(message.data) > t.max_size:
+            raise ProtocolViolation(f"pubsub: {len(message.data)} B on {t.name} exceeds {t.max_size} B",
+                                    kind="oversized")
+        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
+            raise ProtocolViolation(f"pubsub: bad signature on a message claiming {message.author}",
+                                    kind="bad_signature")
+        now = self._now_ms()
+        return now - self.max_age_ms <= message.ts_ms <= now + self.max_skew_ms
 
     # ------------------------------------------------------------------ internals
     def _remember(self, message: Message, *, cache: bool = True) -> None:

@@ -362,6 +362,27 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
         assert counters["redone"] >= 2, dict(counters)
 
 
+def _blind_to(unheard: str):
+    """A loop whose gossip never delivers ``unheard``'s update announcements from round 2 on: the first copy of
+    each is ignored (gossip marks it seen and never delivers it again); one fetched later is judged as any."""
+    from protocols.gossip import Verdict
+    from transport.wire import WIRE
+
+    class Blind(_paced(diloco.DilocoLoop, 0.1)):
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.lost: set[int] = set()
+
+        def _validate(self, message):
+            kind, body = WIRE.unpack(diloco.CARRIER, message.data)
+            if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard and body["r"] not in self.lost:
+                self.lost.add(body["r"])
+                return Verdict.IGNORE
+            return super()._validate(message)
+
+    return Blind
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("exchange", ["scatter", "all-to-all"])
 def test_a_view_naming_an_announcement_that_never_came_is_resolved_from_the_coordinator(tmp_path, exchange):
@@ -370,25 +391,12 @@ def test_a_view_naming_an_announcement_that_never_came_is_resolved_from_the_coor
     whose coordinator holds it, its view names that update; the blind peer fetches the announcement, signed by its
     author, from the coordinator and combines what the others combine. Before, it left that update out, ended on
     other weights and resynced or redid its close."""
-    from protocols.gossip import Verdict
-    from transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=6, exchange=exchange, agree=True)
         blind, unheard = sim.peers[1], sim.peers[2]
 
-        class Blind(_paced(diloco.DilocoLoop, 0.1)):
-            lost: set = set()
-
-            def _validate(self, message):
-                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
-                if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard \
-                        and body["r"] not in self.lost:
-                    self.lost.add(body["r"])  # gossip's copy (the first): seen, never delivered again
-                    return Verdict.IGNORE
-                return super()._validate(message)
-
-        sim.classes[blind] = Blind
+        sim.classes[blind] = _blind_to(unheard)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -410,23 +418,11 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
     message did)."""
     import msgpack
 
-    from protocols.gossip import Verdict
     from transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, exchange="scatter", agree=True)
         blind, unheard = sim.peers[1], sim.peers[2]
-
-        class Blind(_paced(diloco.DilocoLoop, 0.1)):
-            lost: set = set()
-
-            def _validate(self, message):
-                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
-                if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard \
-                        and body["r"] not in self.lost:
-                    self.lost.add(body["r"])
-                    return Verdict.IGNORE
-                return super()._validate(message)
 
         class Forger(_paced(diloco.DilocoLoop, 0.1)):
             async def _serve_announcements(self, stream):
@@ -442,7 +438,7 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
                 await stream.send(diloco.ANN_END.code, None)
 
         for peer in sim.peers:
-            sim.classes[peer] = Blind if peer == blind else Forger
+            sim.classes[peer] = _blind_to(unheard) if peer == blind else Forger
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
