@@ -1661,12 +1661,13 @@ class DilocoLoop(TaskLoop):
                     if kind is not UPDATE or (body["r"], body["p"]) != (r, p):
                         raise ProtocolViolation("diloco-ann: not an update announcement of the round asked for")
                     self._validate(message)
-                    if message.author in self.pending[(r, p)].announced:
+                    if (held := self.pending.get((r, p))) is not None and message.author in held.announced:
                         self.counters["announcements_fetched"] += 1
                         self._event.set()
         except (TransportError, ProtocolViolation, MalformedMessage, UnknownKind, asyncio.TimeoutError) as e:
             self.counters["announcement_fetch_failed"] += 1
-            if isinstance(e, (ProtocolViolation, MalformedMessage, UnknownKind)):
+            # the server's doing, except a stale one (an honest coordinator's, on a round slower than the window)
+            if isinstance(e, UnknownKind) or (isinstance(e, ProtocolViolation) and e.kind != "stale"):
                 self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco-ann: {e}")
             logger.info("diloco round %d/%d: announcements from %s: %s", r, p, peer[-8:], e)
 
