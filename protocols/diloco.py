@@ -1620,7 +1620,7 @@ class DilocoLoop(TaskLoop):
             raise MalformedMessage("diloco-ann: expected a request")
         body = message.body
         key = (body["r"], body["p"])
-        held = self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
+        held = self._signed_announcements(key)
         # to a peer of that round (it announced an update in it) or one whose word counts, once per round: a small
         # request must not buy a stranger the same ~0.8 MB answer over and over
         # (only rounds we hold are remembered: a key per round asked about would let anyone grow the dict)
@@ -1638,6 +1638,11 @@ class DilocoLoop(TaskLoop):
                 await stream.send(ANN_REPLY.code, signed)
                 self.counters["announcements_served"] += 1
         await stream.send(ANN_END.code, None)
+
+    def _signed_announcements(self, key: tuple[int, int]) -> dict[str, dict]:
+        """The update announcements of a (round, fragment) we hold, open or closed lately, as their authors signed
+        them (peer -> wire form; empty for a round we do not hold)."""
+        return self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
 
     async def _fetch_announcements(self, peer: str, r: int, p: int, ids: list[bytes]) -> None:
         """Ask ``peer`` (a round's coordinator) for the announcements its member view names and gossip has not

@@ -427,8 +427,7 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
         class Forger(_paced(diloco.DilocoLoop, 0.1)):
             async def _serve_announcements(self, stream):
                 message = await stream.read_required()
-                key = (message.body["r"], message.body["p"])
-                held = self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
+                held = self._signed_announcements((message.body["r"], message.body["p"]))
                 for author, signed in held.items():
                     if diloco.rounds.short_id(author) in message.body["ids"]:
                         fields = msgpack.unpackb(signed["b"])
