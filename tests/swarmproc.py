@@ -19,7 +19,7 @@ import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
 LOCAL_CONFIG = REPO / "configs" / "local.toml"
@@ -237,9 +237,13 @@ class Swarm:
             node.wait_ready()
         return node
 
-    def start_chain(self, n: int, prefix: str = "n", members_within: float | None = 30.0) -> list[NodeProc]:
+    def start_chain(self, n: int, prefix: str = "n", members_within: float | None = 30.0,
+                    more: Sequence[dict] = ()) -> list[NodeProc]:
         """n nodes at once, each bootstrapped from the first (they find each other through the DHT;
         tests/test_swarm.py tests a true chain); by default also wait until every node lists every other as a member.
+        ``more``: nodes of their own kind started in the same breath, also bootstrapped from the first (each a dict
+        of ``start``'s keywords with its ``name``: another config, entry point or arguments); they come after the n
+        in the list returned and are not waited for as members.
 
         The first node's address is known before it starts (its identity made here, a free loopback port picked
         here), so all n processes import and start together: the others no longer wait ~3.5 s for the first to be
@@ -253,15 +257,16 @@ class Swarm:
             listen, bootstrap = first
             nodes = [self.start(f"{prefix}0", *listen, wait=False)]
         nodes += [self.start(f"{prefix}{i}", bootstrap=[bootstrap], wait=False) for i in range(1, n)]
-        for node in nodes:
+        extra = [self.start(**{"bootstrap": [bootstrap], **spec}, wait=False) for spec in more]
+        for node in nodes + extra:
             # n processes import and start at once: on 2 cores 15 of them took over 30 s (the soak's 16 nodes)
             if node.info is None:
-                node.wait_ready(max(30.0, 4.0 * n))
+                node.wait_ready(max(30.0, 4.0 * (n + len(extra))))
         if members_within is not None:
             ids = {x.peer_id for x in nodes}
             wait_for(lambda: all(x.member_ids() >= ids - {x.peer_id} for x in nodes), members_within,
                      f"{n} nodes to list each other as members", interval=0.2)
-        return nodes
+        return nodes + extra
 
     def _prepared_first(self, name: str) -> tuple[list[str], str] | None:
         """For the node ``name``: its identity written into its data dir and the ``--listen`` arguments that put

@@ -147,7 +147,7 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
                                                          junk.expiration_time, subkeys=[owner_tag(mallory.peer_id)]))
         assert stored == [[False], [False]]  # refused by the storing node itself
         polls = [n.status()["dht"]["dht_polls"] for n in (a, b)]
-        wait_for(lambda: all(n.status()["dht"]["dht_polls"] >= p + 3 for n, p in zip((a, b), polls)), 30,
+        wait_for(lambda: all(n.status()["dht"]["dht_polls"] >= p + 2 for n, p in zip((a, b), polls)), 30,
                  "both nodes to keep polling the member list")
         for n in (a, b):
             assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1

@@ -91,6 +91,21 @@ def test_a_node_names_its_loops_and_exports_them_per_loop(swarm):
             assert name in exported, f"the Grafana panel query {expr!r} names {name}, which /metrics does not export"
 
 
+# DiLoCo's plainest end-to-end check, on this module's swarm (the same 3 nodes and 4 rounds of 20 steps it would
+# otherwise start again): one test of the loop and one of the dashboard cost one swarm
+@pytest.mark.timeout(240)
+def test_three_diloco_nodes_hold_identical_global_weights_after_every_round(swarm):
+    _, nodes = swarm
+    final = [d(n) for n in nodes]
+    rounds = [[(h["round"], h["fragment"], h["global_hash"]) for h in s["history"]] for s in final]
+    assert rounds[0] == rounds[1] == rounds[2]
+    assert len(rounds[0]) == 4 and len({h for _, _, h in rounds[0]}) == 4
+    assert all(h["participants"] == 3 for h in final[0]["history"])
+    losses = [loss for _, loss in final[0]["losses"]]
+    assert losses[-1] < losses[0]
+    assert final[0]["bytes_sent"] > 0 and final[0]["bytes_received"] >= 2 * final[0]["bytes_sent"] * 0.9
+
+
 @pytest.mark.timeout(240)
 def test_the_round_timeline_says_who_took_part(swarm):
     _, nodes = swarm

@@ -1,5 +1,6 @@
-"""DiLoCo and Streaming DiLoCo between real node processes: identical global weights after every round, a node
-killed mid-run does not stop the others, a late joiner converges to the same weights."""
+"""DiLoCo and Streaming DiLoCo between real node processes: a node killed mid-run does not stop the others, a peer
+that drifts or closes a round differently ends on the majority's weights, fresh keys cannot steer a run. (Identical
+global weights after every round among 3 nodes: tests/test_dashboard.py, on the swarm its dashboard tests watch.)"""
 
 from pathlib import Path
 
@@ -37,23 +38,6 @@ def d(node) -> dict:
 
 def rounds(node) -> list[tuple]:
     return [(h["round"], h["fragment"], h["global_hash"]) for h in d(node)["history"]]
-
-
-@pytest.mark.timeout(180)
-def test_three_nodes_hold_identical_global_weights_after_every_round(tmp_path):
-    swarm = diloco_swarm(tmp_path, run="plain", rounds=4)
-    try:
-        nodes = swarm.start_chain(3, members_within=None)
-        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 150,
-                         "3 nodes to finish 4 rounds")
-        assert rounds(nodes[0]) == rounds(nodes[1]) == rounds(nodes[2])
-        assert len(rounds(nodes[0])) == 4 and len({h for _, _, h in rounds(nodes[0])}) == 4
-        assert all(h["participants"] == 3 for h in final[0]["history"])
-        losses = [loss for _, loss in final[0]["losses"]]
-        assert losses[-1] < losses[0]
-        assert final[0]["bytes_sent"] > 0 and final[0]["bytes_received"] >= 2 * final[0]["bytes_sent"] * 0.9
-    finally:
-        swarm.close()
 
 
 @pytest.mark.timeout(180)

@@ -95,8 +95,9 @@ def test_the_address_book_is_bounded_skips_relayed_addresses_and_survives_a_rest
 
 
 # ------------------------------------------------------------------ six nodes, two halves
-def start_in(lab: SplitLab, swarm: Swarm, i: int, bootstrap=()):
-    return swarm.start(f"h{i}", bootstrap=list(bootstrap), prefix=lab.cmd(i), via=functools.partial(lab.call, i))
+def start_in(lab: SplitLab, swarm: Swarm, i: int, bootstrap=(), wait: bool = True):
+    return swarm.start(f"h{i}", bootstrap=list(bootstrap), prefix=lab.cmd(i), via=functools.partial(lab.call, i),
+                       wait=wait)
 
 
 def post(node, key: str, value) -> None:
@@ -122,7 +123,9 @@ def test_two_halves_say_they_are_split_and_converge_after_the_heal_without_a_res
         try:
             first = start_in(lab, swarm, 0)
             boot = f"/ip4/{lab.ip[0]}/tcp/4001/p2p/{first.peer_id}"
-            nodes = [first] + [start_in(lab, swarm, i, [boot]) for i in range(1, 6)]
+            nodes = [first] + [start_in(lab, swarm, i, [boot], wait=False) for i in range(1, 6)]  # together
+            for node in nodes[1:]:
+                node.wait_ready()
             ids = {n.peer_id for n in nodes}
             wait_for(lambda: all(n.member_ids() >= ids - {n.peer_id} for n in nodes), 60,
                      "6 nodes to list each other as members", interval=0.5)

@@ -359,10 +359,7 @@ def spsa_and_sapo(tmp_path: Path, spsa_table: str, sapo_table: str):
     sapo = loop_config(tmp_path / "sapo.toml", sapo_table)
     swarm = Swarm(tmp_path / "nodes", config=spsa)
     try:
-        a = swarm.start("a")
-        b = swarm.start("b", bootstrap=[a.tcp_addr])
-        c = swarm.start("c", config=sapo, bootstrap=[a.tcp_addr])
-        d = swarm.start("d", config=sapo, bootstrap=[c.tcp_addr])
+        a, b, c, d = swarm.start_chain(2, "spsa", None, more=[dict(name=n, config=sapo) for n in ("sapo0", "sapo1")])
         yield (a, b), (c, d)
     finally:
         swarm.close()
