@@ -1079,7 +1079,7 @@ class DilocoLoop(TaskLoop):
 
         Measured, not only configured: 4 peers on 200 kB/s links (the simulator) exchanging a 1 MB update with the
         default 10 MB/s had 0.2 s for ~10 s of transfers; their rounds closed with 1 to 3 of the 4 members (1.0 to
-        2.8 on average), 5 to 11 resyncs a run, and 8 runs of 8 ended on 2 different weights."""
+        2.8 on average), 5 to 11 resyncs a run, and 9 runs of 10 ended on 2 different weights."""
         moved = 2 * self._update_bytes(p)
         configured = moved / self.cfg.min_bandwidth
         transfer = min(moved / self._transfer_rate(), max(configured, self.cfg.deadline_high))
