@@ -451,28 +451,48 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
 
 
 
+# run in a process of its own, with one string-hash seed: a simulation is the same every time only for one (a set of
+# peer ids iterated somewhere orders its transfers); the fast cases here do not depend on it, this slow one does
+SLOW_LINKS = """
+import json, statistics, sys, pathlib
+from node.sim import ChurnConfig, DilocoSim, SimConfig
+from transport.memory import run_virtual
+
+async def main():
+    sim = DilocoSim(SimConfig(peers=4, seed=7, bandwidth=200e3),
+                    ChurnConfig(rounds=8, dim=262144, exchange="scatter"), pathlib.Path(sys.argv[1]))
+    async with sim:
+        await sim.start_all()
+        await sim.until(sim.finished, 3000, "everyone to finish")
+        loops = [sim.loop(p) for p in sim.peers]
+        return {"finals": sorted({lp.final_hash for lp in loops}),
+                "resyncs": sum(lp.counters["resyncs"] for lp in loops),
+                "members": statistics.mean(h["participants"] for lp in loops for h in lp.history),
+                "rates": [lp.status()["transfer_rate_bps"] for lp in loops]}
+
+print(json.dumps(run_virtual(main())))
+"""
+
+
 @pytest.mark.timeout(180)
 def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured_time(tmp_path):
     """4 peers on 200 kB/s links (up and down) exchanging a ~1 MB update by reduce-scatter with the default
     min_bandwidth of 10 MB/s: the exchange step got 0.2 s for ~10 s of transfers. Before: rounds closed with 1 to 3
-    of the 4 members (1.0 to 2.8 on average), 5 to 11 resyncs, and the run ended on 2 different weights (this seed:
-    5 runs of 6, each process with other string hashes, which change the schedule; 4 runs of 4 of other seeds).
-    Now the span takes the receive rate the last scatter steps measured: 10 runs of 10 of this seed ended on one
-    weights with 3.4 to 4 members a round (8 seeds: 27 runs of 28)."""
-    from statistics import mean
+    of the 4 members (1.0 to 2.8 on average), 5 to 11 resyncs, and the run ended on 2 different weights (9 runs of
+    10, 4 seeds, several string-hash seeds; with this test's hash seed: 2 weights, 5 resyncs, 1.9 members). Now the
+    span takes the receive rate the last scatter steps measured: 27 runs of 28 (8 seeds) ended on one weights, 23
+    of them with 0 or 1 resync and 3.4 to 4 members a round (this one: 0 resyncs, 4 members)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
 
-    async def main():
-        sim = DilocoSim(SimConfig(peers=4, seed=7, bandwidth=200e3),
-                        ChurnConfig(rounds=8, dim=262144, exchange="scatter"), tmp_path)
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 3000, "everyone to finish")
-            loops = [sim.loop(p) for p in sim.peers]
-            return (_finals(sim), sum(lp.counters["resyncs"] for lp in loops),
-                    [h["participants"] for lp in loops for h in lp.history],
-                    [lp.status()["transfer_rate_bps"] for lp in loops])
-
-    finals, resyncs, participants, rates = run_virtual(main())
-    assert len(finals) == 1 and resyncs <= 2, (finals, resyncs)
-    assert mean(participants) >= 3, participants
-    assert all(r is not None and r < 200e3 for r in rates), rates  # measured, and shown in /status
+    root = Path(__file__).resolve().parents[1]
+    run = subprocess.run([sys.executable, "-c", SLOW_LINKS, str(tmp_path)], capture_output=True, text=True,
+                         timeout=170, cwd=root, env={**os.environ, "PYTHONHASHSEED": "1", "PYTHONPATH": str(root)})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert len(out["finals"]) == 1 and out["resyncs"] <= 1, out
+    assert out["members"] >= 3.4, out
+    assert all(r is not None and r < 200e3 for r in out["rates"]), out  # measured, and shown in /status
