@@ -543,7 +543,7 @@ class Replicator:
                 self._log.log(logging.WARNING, "pending", "crdt: held ops waiting for unknown parents dropped so "
                               "far: %s (anti-entropy re-delivers honest ones)", dict(self.store.pending_dropped))
             peers = self._peers()
-            targets = [p for p in self._sync_soon if p in peers]
+            targets = [p for p in sorted(self._sync_soon) if p in peers]
             self._sync_soon.clear()
             if not targets and peers:
                 targets = [self._rng.choice(peers)]

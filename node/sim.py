@@ -95,7 +95,7 @@ class SimNode:
         return peer in self.neighbours and self.transport.net.reachable(self.peer_id, peer)
 
     def members(self) -> list[str]:
-        return [p for p in self.neighbours if self.transport.net.reachable(self.peer_id, p)]
+        return [p for p in sorted(self.neighbours) if self.transport.net.reachable(self.peer_id, p)]
 
     async def start(self) -> None:
         await self.transport.start()

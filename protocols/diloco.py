@@ -710,7 +710,7 @@ class DilocoLoop(TaskLoop):
 
             def have() -> set[str]:
                 return set(pending.updates)
-            for peer in set(pending.announced) - pending.pulling - set(pending.updates):
+            for peer in sorted(set(pending.announced) - pending.pulling - set(pending.updates)):
                 self._start_pull(key, pending, peer)  # announced while we were in the other mode
 
         def coming() -> set[str]:
@@ -944,7 +944,7 @@ class DilocoLoop(TaskLoop):
             self.counters["views_not_followed"] += 1
             return members
         if mode != "scatter":  # the updates themselves, pulled (most are already)
-            for peer in agreed - set(pending.updates) - pending.pulling:
+            for peer in sorted(agreed - set(pending.updates) - pending.pulling):
                 self._start_pull(key, pending, peer)
             await outer.wait_until(lambda: agreed - pending.failed <= set(pending.updates), self._event,
                                    end - self.clock.monotonic())

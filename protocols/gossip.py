@@ -290,7 +290,7 @@ class Gossip:
                 if link.task is not None:
                     link.task.cancel()
                 del self.links[peer_id]
-        for peer_id in members - set(self.links):
+        for peer_id in sorted(members - set(self.links)):
             if not penalties.is_banned(peer_id):
                 task = asyncio.create_task(self._open_link(peer_id))
                 self._link_tasks.add(task)
@@ -497,7 +497,7 @@ class Gossip:
         targets = set(t.mesh)
         if len(targets) < self.d_lo:  # a young mesh: fall back to every known subscriber
             targets |= {p for p, topics in self.peer_topics.items() if message.topic in topics}
-        for peer in targets:
+        for peer in sorted(targets):  # a fixed order: a simulation replays the same schedule
             if peer != exclude and peer != message.author and peer in self.links:
                 self.links[peer].send(MSG, message.wire())
                 self.counters["forwarded"] += 1
