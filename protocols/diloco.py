@@ -1079,8 +1079,9 @@ class DilocoLoop(TaskLoop):
         one span at most.
 
         Measured, not only configured: 4 peers on 200 kB/s links (the simulator) exchanging a 1 MB update with the
-        default 10 MB/s had 0.2 s for ~10 s of transfers; their rounds closed with 1 to 3 of the 4 members (1.0 to
-        2.8 on average), 5 to 11 resyncs a run, and 9 runs of 10 ended on 2 different weights."""
+        default 10 MB/s had 0.2 s for ~10 s of transfers: over seeds 1-8, 4 runs ended on 2 or 3 different weights,
+        none had fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 ended split, 4 had
+        0-1 resyncs and 3.4-4 members (README: the exchange)."""
         moved = 2 * self._update_bytes(p)
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(moved / self._transfer_rate(), max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
