@@ -13,11 +13,16 @@ Rows:
   kill -9 and restarted with their data dir): simulated seconds per round, participants per round, resyncs,
   whether every peer ends on the same weights, and the validation loss;
 - DiLoCo with one far peer (5 peers, one of them 0.5 s or 0.16 s away one way), in each exchange mode, with the
-  round's members agreed (the coordinator's view, the default) and, as the same-run baseline, each peer's own view.
+  round's members agreed (the coordinator's view, the default) and, as the same-run baseline, each peer's own view;
+- DiLoCo on slow links (4 peers, 200 and 100 kB/s up and down, an update of 262,144 values (0.27 MB in int8) by
+  reduce-scatter, 8 rounds of 1 s of inner steps, seeds 1-8) with the default ``min_bandwidth`` (10 MB/s: the
+  exchange step takes the rate it measures) and, as the same-run baseline, ``min_bandwidth`` set to the link's
+  rate (what a user who knows it sets).
 
 Each row says how long it took in wall time on this machine. Seeds are fixed: a row is the same in every run.
 
     python bench/bench_sim.py [--peers 100 1000] [--gossip-only 10000] [--diloco 16 64] [--rounds 12]
+                              [--far 0.5 0.16] [--slow 200e3 100e3] [--slow-seeds 8]
 """
 
 from __future__ import annotations
@@ -48,6 +53,8 @@ def main() -> None:
     parser.add_argument("--diloco", type=int, nargs="*", default=[16, 64])
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--far", type=float, nargs="*", default=[0.5, 0.16], help="one-way latencies of the far peer")
+    parser.add_argument("--slow", type=float, nargs="*", default=[200e3, 100e3], help="slow links' rates, bytes/s")
+    parser.add_argument("--slow-seeds", type=int, default=8)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -74,6 +81,11 @@ def main() -> None:
                   f"{r['same_final_weights']:>5}/{n:<6} | {r['loss_start']:>8.1f} -> {r['loss_end']:>7.2f} | "
                   f"{time.monotonic() - started:>6.0f}", flush=True)
 
+    far(args)
+    slow(args)
+
+
+def far(args) -> None:
     if not args.far:
         return
     print()
@@ -95,6 +107,36 @@ def main() -> None:
                       f"{r['resyncs']:>7} | {r['counters'].get('redone', 0):>6} | "
                       f"{r['far_closed']:>4} / {args.rounds:<3} | {r['same_final_weights']:>5}/{peers:<6} | "
                       f"{r['loss_end']:>8.3f} | {time.monotonic() - started:>6.0f}", flush=True)
+
+
+def slow(args) -> None:
+    if not args.slow:
+        return
+    print()
+    peers, seeds = 4, range(1, args.slow_seeds + 1)
+    churn = sim.ChurnConfig(rounds=8, dim=262144, exchange="scatter")
+    print(f"DiLoCo on slow links ({peers} peers, an update of {churn.dim:,} values in int8 by reduce-scatter, "
+          f"{churn.rounds} rounds of {churn.inner_steps * churn.step_seconds:.0f} s of inner steps), seeds "
+          f"{seeds.start}-{seeds.stop - 1}: the default min_bandwidth (10 MB/s: the measured rate) vs min_bandwidth "
+          "set to the link's rate (baseline)")
+    print(f"{'link kB/s':>9} | {'min_bandwidth':>13} | {'one weights':>11} | {'0-1 resyncs':>11} | "
+          f"{'resyncs':>7} | {'members mean':>12} | {'s/round':>7} | {'wall s':>6}")
+    for rate in args.slow:
+        for configured in (None, rate):
+            started = time.monotonic()
+            runs = []
+            for seed in seeds:
+                with tempfile.TemporaryDirectory(prefix="swarmd-sim-") as tmp:
+                    settings = {} if configured is None else {"min_bandwidth": configured}
+                    runs.append(run_virtual(sim.diloco_run(sim.SimConfig(peers=peers, seed=seed, bandwidth=rate),
+                                                           churn, Path(tmp), **settings)))
+            n = len(runs)
+            print(f"{rate / 1e3:>9.0f} | {'10 MB/s' if configured is None else 'the link':>13} | "
+                  f"{sum(r['same_final_weights'] == peers for r in runs):>5} of {n:<2} | "
+                  f"{sum(r['resyncs'] <= 1 for r in runs):>5} of {n:<2} | "
+                  f"{sum(r['resyncs'] for r in runs) / n:>7.1f} | "
+                  f"{sum(r['participants_mean'] for r in runs) / n:>12.2f} | "
+                  f"{sum(r['s_per_round'] for r in runs) / n:>7.2f} | {time.monotonic() - started:>6.0f}", flush=True)
 
 
 if __name__ == "__main__":

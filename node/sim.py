@@ -403,6 +403,7 @@ class DilocoSim(LoopSim):
             "same_final_weights": (finals.most_common(1)[0][1] if finals else 0),
             "participants_median": statistics.median(parts) if parts else 0,
             "participants_min": min(parts) if parts else 0,
+            "participants_mean": statistics.mean(parts) if parts else 0,
             "resyncs": sum(lp.counters.get("resyncs", 0) for lp in loops),
             "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops),
             "counters": dict(sum((collections.Counter(lp.counters) for lp in loops), collections.Counter())),
@@ -533,6 +534,18 @@ async def diloco_far(cfg: SimConfig, churn: ChurnConfig, root: Path, latency: fl
         report = sim.report(loop.time() - t0)
         report["far_closed"] = len(sim.loop(far).history)
         return report
+
+
+async def diloco_run(cfg: SimConfig, churn: ChurnConfig, root: Path, **settings) -> dict:
+    """A DiLoCo run of ``cfg.peers`` nodes on ``cfg``'s links, no faults (``settings``: the loop's config, e.g.
+    ``min_bandwidth``). Reports as ``diloco_churn``."""
+    loop = asyncio.get_running_loop()
+    sim = DilocoSim(cfg, churn, root, **settings)
+    async with sim:
+        await sim.start_all()
+        t0 = loop.time()
+        await sim.until(sim.finished, 3600, "the run to finish")
+        return sim.report(loop.time() - t0)
 
 
 async def until(cond, timeout: float, what: str, step: float) -> float:

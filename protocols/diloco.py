@@ -1078,11 +1078,12 @@ class DilocoLoop(TaskLoop):
         deadline_high, or at what ``min_bandwidth`` gives where that is more); a peer that stalls costs the others
         one span at most.
 
-        Measured, not only configured: 4 peers on 200 kB/s links (the simulator) exchanging a 1 MB update with the
-        default 10 MB/s had 0.2 s for ~10 s of transfers: over seeds 1-8, 4 runs ended on 2 or 3 different weights,
-        none had fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 ended split, 4 had
-        0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well (``_majority_parts``),
-        all 8 ended on one weights with no resync and 4 members a round (README: the exchange)."""
+        Measured, not only configured: 4 peers on 200 kB/s links (the simulator) exchanging a 0.27 MB update with
+        the default 10 MB/s had 0.05 s for seconds of transfers: over seeds 1-8, 4 runs ended on 2 or 3 different
+        weights, none had fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 ended
+        split, 4 had 0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well
+        (``_majority_parts``), all 8 ended on one weights with no resync and 4 members a round
+        (``bench/bench_sim.py --slow``)."""
         moved = 2 * self._update_bytes(p)
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(moved / self._transfer_rate(), max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))

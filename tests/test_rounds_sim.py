@@ -480,12 +480,13 @@ print(json.dumps(run_virtual(main())))
 
 @pytest.mark.timeout(180)
 def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured_time(tmp_path):
-    """4 peers on 200 kB/s links (up and down) exchanging a ~1 MB update by reduce-scatter with the default
-    min_bandwidth of 10 MB/s: the exchange step got 0.2 s for ~10 s of transfers, and rounds closed with 1 to 3 of
-    the 4 members. The span takes the receive rate the last scatter steps measured (this seed then: one final
-    weights, 1 resync, 3.4 members a round), and a coordinator replaces a part it reduced from fewer than a
-    majority's chunks before publishing its list (round 0's coordinator had reduced one from its own chunk alone,
-    the others kept theirs, and it resynced). Now: no resync, all 4 in every round (seeds 1-8: see the README).
+    """4 peers on 200 kB/s links (up and down) exchanging a 0.27 MB update (262,144 values in int8) by
+    reduce-scatter with the default min_bandwidth of 10 MB/s: the exchange step got 0.05 s for seconds of
+    transfers, and rounds closed with 1 to 3 of the 4 members. The span takes the receive rate the last scatter
+    steps measured (this seed then: one final weights, 1 resync, 3.4 members a round), and a coordinator replaces
+    a part it reduced from fewer than a majority's chunks before publishing its list (round 0's coordinator had
+    reduced one from its own chunk alone, the others kept theirs, and it resynced). Now: no resync, all 4 in every
+    round (seeds 1-8: ``bench/bench_sim.py --slow``).
 
     The same run under two string-hash seeds, side by side: a simulation replays one schedule whatever the
     process's hash seed (peer ids and blob hashes are str and bytes; a set of them iterated in hash order once made
