@@ -1493,11 +1493,12 @@ class DilocoLoop(TaskLoop):
     async def _majority_parts(self, key: tuple[int, int], pending: Pending, members: set[str], ordered: list[str],
                               digest: str, parts: dict, used: dict, compute, computed: dict, wait: float) -> None:
         """The coordinator's parts reduced from fewer than a majority's chunks (its reducer's part came too late,
-        and the chunks it had by then were few) are replaced by a reducer's part that combines a majority's, where
-        one can be pulled within ``wait``. The others never follow a minority part (``exchange.conform_action``):
-        they keep theirs, and a coordinator that kept it ended alone on other weights and resynced (the simulator,
-        4 peers on 200 kB/s links: round 0's coordinator, one part of 2 chunks of 4). Taken as any reducer's part
-        is (its blob is the one the reducer signed; audits judge reducers)."""
+        and the chunks it had by then were few) are replaced, within ``wait``, by a reducer's part that combines a
+        majority's, or else reduced again from the chunks that came since. The others never follow a minority part
+        (``exchange.conform_action``): they keep theirs, and a coordinator that kept it ended alone on other
+        weights and resynced (the simulator, 4 peers on 200 kB/s links: round 0's coordinator, a part of 1 or 2
+        chunks of 4). A reducer's part is taken as in the reduce step (its blob is the one the reducer signed;
+        audits judge reducers); one reduced again is checked by the others against the chunks it names."""
         r, p = key
         me = self._ctx.identity.peer_id
         until = self.clock.monotonic() + wait
