@@ -485,7 +485,7 @@ def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured
     transfers, and rounds closed with 1 to 3 of the 4 members. The span takes the receive rate the last scatter
     steps measured (this seed then: one final weights, 1 resync, 3.4 members a round), and a coordinator replaces
     a part it reduced from fewer than a majority's chunks before publishing its list (round 0's coordinator had
-    reduced one from its own chunk alone, the others kept theirs, and it resynced). Now: no resync, all 4 in every
+    reduced one from a minority's chunks, the others kept theirs, and it resynced). Now: no resync, all 4 in every
     round (seeds 1-8: ``bench/bench_sim.py --slow``).
 
     The same run under two string-hash seeds, side by side: a simulation replays one schedule whatever the
