@@ -1355,27 +1355,17 @@ class DilocoLoop(TaskLoop):
             audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
-                blob, size, m, addrs, bits = pending.reduced[k][reducer]
+                blob, _, m, _, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
                 if not exchange.take_reduced(m, digest, whose, members):
                     # the reducer lacked most chunks (or named no members of ours): not a part to take
                     self.counters["reduced_parts_partial"] += 1
                 else:
-                    # from its reducer, else from a member that pulled it already (the reducer may have died after
-                    # serving some of us: the others must end with the same bytes)
                     try:
-                        part = await self._fetch_part(key, reducer, blob, size, addrs, b - a,
-                                                      end - self.clock.monotonic(), holders=[
-                                                          (x, pending.announced[x].addrs) for x in ordered
-                                                          if x not in (me, reducer)],
-                                                      counter="parts_from_other_holders", out=combined[a:b])
-                        if part.dim() != 1 or part.numel() != b - a or not codecs.all_finite(part):
-                            raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
-                        got = (blob, m, part, whose)
-                    except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
-                        self._ctx.transport.penalties.penalize(reducer, "invalid_message",
-                                                               f"diloco reduced part: {e}")
-                        self.counters["reduced_parts_rejected"] += 1
+                        part = await self._pull_reduced(key, pending, ordered, reducer, pending.reduced[k][reducer],
+                                                        b - a, end, out=combined[a:b])
+                        if part is not None:
+                            got = (blob, m, part, whose)
                     except (BulkError, asyncio.TimeoutError):
                         pass  # no member could give it to us in time: we reduce it ourselves below
             if audit is not None:
@@ -1490,6 +1480,29 @@ class DilocoLoop(TaskLoop):
 
         await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
 
+    async def _pull_reduced(self, key: tuple[int, int], pending: Pending, ordered: list[str], reducer: str,
+                            reduced: tuple, elements: int, until: float,
+                            out: torch.Tensor | None = None) -> torch.Tensor | None:
+        """A reducer's part (``reduced``: its entry in ``pending.reduced``), pulled from the reducer, else from a
+        member that pulled it already (the reducer may have died after serving some of us: the others must end with
+        the same bytes), by ``until``, and decoded (into ``out`` where given). None: its bytes, which match the
+        reducer's hash, are not a part (the wrong shape, non-finite values): the reducer is penalised. Raises
+        BulkError or TimeoutError when no member could give it to us in time."""
+        me = self._ctx.identity.peer_id
+        blob, size, _, addrs, _ = reduced
+        try:
+            part = await self._fetch_part(key, reducer, blob, size, addrs, elements, until - self.clock.monotonic(),
+                                          holders=[(x, pending.announced[x].addrs) for x in ordered
+                                                   if x not in (me, reducer)],
+                                          counter="parts_from_other_holders", out=out)
+            if part.dim() != 1 or part.numel() != elements or not codecs.all_finite(part):
+                raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
+        except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
+            self._ctx.transport.penalties.penalize(reducer, "invalid_message", f"diloco reduced part: {e}")
+            self.counters["reduced_parts_rejected"] += 1
+            return None
+        return part
+
     async def _majority_parts(self, key: tuple[int, int], pending: Pending, members: set[str], ordered: list[str],
                               digest: str, parts: dict, used: dict, compute, computed: dict, wait: float) -> None:
         """The coordinator's parts reduced from fewer than a majority's chunks (its reducer's part came too late,
@@ -1499,31 +1512,23 @@ class DilocoLoop(TaskLoop):
         weights and resynced (the simulator, 4 peers on 200 kB/s links: round 0's coordinator, a part of 1 or 2
         chunks of 4). A reducer's part is taken as in the reduce step (its blob is the one the reducer signed;
         audits judge reducers); one reduced again is checked by the others against the chunks it names."""
-        r, p = key
         me = self._ctx.identity.peer_id
         until = self.clock.monotonic() + wait
-        bounds = self._bounds(p)
+        bounds = self._bounds(key[1])
 
         async def replace(k: int) -> None:
             a, b = bounds[k]
-            for reducer, (blob, size, m, addrs, bits) in sorted(pending.reduced[k].items()):
+            for reducer, reduced in sorted(pending.reduced[k].items()):
+                blob, _, m, _, bits = reduced
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
                 if reducer == me or not exchange.names_majority(whose, members):
                     continue
                 try:
-                    part = await self._fetch_part(key, reducer, blob, size, addrs, b - a,
-                                                  until - self.clock.monotonic(), holders=[
-                                                      (x, pending.announced[x].addrs) for x in ordered
-                                                      if x not in (me, reducer)],
-                                                  counter="parts_from_other_holders")
-                    if part.dim() != 1 or part.numel() != b - a or not codecs.all_finite(part):
-                        raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
-                except codecs.CodecError as e:
-                    self._ctx.transport.penalties.penalize(reducer, "invalid_message", f"diloco reduced part: {e}")
-                    self.counters["reduced_parts_rejected"] += 1
-                    continue
+                    part = await self._pull_reduced(key, pending, ordered, reducer, reduced, b - a, until)
                 except (BulkError, asyncio.TimeoutError):
                     break  # out of time
+                if part is None:
+                    continue
                 parts[k], used[k] = part, (blob, whose)
                 self.counters["minority_parts_replaced"] += 1
                 return
