@@ -450,9 +450,8 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
     assert any(o.get("invalid_message", 0) >= 1 for o in offences.values()), offences
 
 
-
-# run in a process of its own, with one string-hash seed: a simulation is the same every time only for one (a set of
-# peer ids iterated somewhere orders its transfers); the fast cases here do not depend on it, this slow one does
+# run in processes of their own, each with its own string-hash seed (set before the interpreter starts): the test
+# compares what two of them print
 SLOW_LINKS = """
 import asyncio, json, statistics, sys, pathlib
 from node.sim import ChurnConfig, DilocoSim, SimConfig
