@@ -194,6 +194,15 @@ class DilocoConfig(BaseModel):
                 "reduce_rule": exchange.REDUCE_RULE}
 
 
+@dataclass
+class Received:
+    """What a scatter step received so far (its rate is measured from it): bytes of chunks and parts, and when
+    the step started and the last of them came."""
+    start: float
+    bytes: int = 0
+    last: float = 0.0
+
+
 @dataclass(frozen=True)
 class Announced:
     """A peer's update for a (round, fragment), as its signed announcement describes it."""
@@ -320,7 +329,7 @@ class DilocoLoop(TaskLoop):
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
         self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
-        self._moving: dict[tuple[int, int], list[float]] = {}  # scatter step -> [start, bytes received, last]
+        self._moving: dict[tuple[int, int], Received] = {}  # scatter step -> what came in it so far
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
@@ -747,7 +756,7 @@ class DilocoLoop(TaskLoop):
         self._phase_times["agree"].append(started - agreeing)
         self._drop_redo(p)
         if mode == "scatter":
-            self._moving[key] = [started, 0, started]
+            self._moving[key] = Received(started, last=started)
             try:
                 combined, rejected = await self._scatter(key, pending, members)
             finally:
@@ -1095,13 +1104,12 @@ class DilocoLoop(TaskLoop):
             return self.cfg.min_bandwidth
         return min(self.cfg.min_bandwidth, statistics.median(self._rates))
 
-    def _measure_rate(self, moving: list[float]) -> None:
+    def _measure_rate(self, moving: Received) -> None:
         """One scatter step's receive rate: the bytes of the chunks and parts that came, over the time from the
         step's start to the last of them (a peer that never sends adds no time)."""
-        start, received, last = moving
-        if received < RATE_MIN_BYTES or last <= start:
+        if moving.bytes < RATE_MIN_BYTES or moving.last <= moving.start:
             return
-        self._rates.append(received / (last - start))
+        self._rates.append(moving.bytes / (moving.last - moving.start))
         rate = self._transfer_rate()
         if rate < self.cfg.min_bandwidth / 2 and not self._slow_link_said:
             self._slow_link_said = True  # once a run: the rate itself is in /status
@@ -1170,8 +1178,8 @@ class DilocoLoop(TaskLoop):
         self._round_blobs[key].add(blob)
         self.counters["bytes_received"] += size
         if (moving := self._moving.get(key)) is not None:
-            moving[1] += size
-            moving[2] = self.clock.monotonic()
+            moving.bytes += size
+            moving.last = self.clock.monotonic()
         if not decode:
             return body
         # the held blob itself (never changed, only dropped), not a copy
