@@ -1,0 +1,174 @@
+"""DiLoCo's settings swept in one process per setting, against the data-parallel reference of the same run.
+
+No network: N workers train copies of the task's model in one process for H inner steps each, their pseudo-gradients
+go through the loop's codec (``protocols.codecs``), are combined by the loop's rule (``outer.combine``, the
+all-to-all path: what the loop runs for an update under ``scatter_min_bytes``, as hf-text's 1.4M parameters in
+e3m0 are) and applied by the loop's outer optimizer (``outer.OuterNesterov``), with the loop's inner optimizers
+(``swarm-adamw`` or plain ``adamw``). What it leaves out is what ``bench_diloco.py`` measures with real processes:
+deadlines, late and missing peers, the wall time. It is the fast way to compare settings (a sweep of 15 runs of
+500 steps took 2 minutes on one GPU, each run in its own process); ``bench_diloco.py`` confirms a setting end to end.
+
+    python bench/bench_diloco_sim.py                          # the default settings, CPU, one process per core
+    python bench/bench_diloco_sim.py --device cuda --settings h13 h13-ef dp-lr1.5e-3
+    python bench/bench_diloco_sim.py --list                   # every named setting
+
+The reference ``dp`` is always run: one model on the N workers' batches at once (what DDP computes), the same AdamW.
+Bytes: what one peer sends in the run (each sync, its encoded update), against one fp32 gradient per step for DP.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# name -> (what it is, its settings); every DiLoCo setting: 4-bit e3m0 updates, swarm-adamw, plain averaging
+# (outer lr 1, no momentum) unless it says otherwise
+BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
+        "mom": 0.0}
+SETTINGS: dict[str, tuple[str, dict]] = {
+    "dp": ("data-parallel reference (N x batch)", {"dp": True}),
+    "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
+    "h13": ("H=13 e3m0, averaging, swarm-adamw", {}),
+    "h13-none": ("H=13 no compression (fp32)", {"codec": "none"}),
+    "h13-ef": ("H=13 e3m0 + error feedback", {"ef": True}),
+    "h13-adamw": ("H=13 e3m0 + error feedback, plain AdamW", {"ef": True, "inner": "adamw"}),
+    "h13-lr1.5e-3": ("H=13 e3m0 + error feedback, inner lr 1.5e-3", {"ef": True, "lr": 1.5e-3}),
+    "h13-m0.5": ("H=13 e3m0 + ef, outer Nesterov (1.0, 0.5)", {"ef": True, "mom": 0.5}),
+    "h13-m0.3": ("H=13 e3m0 + ef, outer Nesterov (1.2, 0.3)", {"ef": True, "olr": 1.2, "mom": 0.3}),
+    "h13-nesterov": ("H=13 e3m0 + ef, outer Nesterov (0.7, 0.9)", {"ef": True, "olr": 0.7, "mom": 0.9}),
+    "h20-ef": ("H=20 e3m0 + error feedback", {"h": 20, "ef": True}),
+    "h25-nesterov": ("H=25 e3m0 + ef, outer Nesterov (0.7, 0.9)", {"h": 25, "ef": True, "olr": 0.7, "mom": 0.9}),
+    "h50-nesterov": ("H=50 e3m0, outer Nesterov (0.7, 0.9) (the paper)", {"h": 50, "olr": 0.7, "mom": 0.9}),
+    "topk-h2": ("H=2 top-1.1% + error feedback", {"h": 2, "codec": "topk", "ratio": 0.011, "ef": True}),
+    "topk-h6": ("H=6 top-3.3% + error feedback", {"h": 6, "codec": "topk", "ratio": 0.033, "ef": True}),
+}
+DEFAULT = ["dp", "h13", "h13-none", "h13-ef", "h13-adamw", "h50-nesterov"]
+
+
+def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device: str) -> dict:
+    """One setting, in this process (one CPU thread)."""
+    import torch
+
+    from protocols import codecs, outer
+    from protocols import task as tasks
+    from protocols.inner import SwarmAdamW
+
+    s = {**BASE, **SETTINGS[name][1]}
+    torch.set_num_threads(1)
+    dev = torch.device(device)
+    task = tasks.load(task_spec, options, "diloco")
+    started = time.monotonic()
+    streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
+
+    def adamw(model: torch.nn.Module, swarm: bool) -> torch.optim.Optimizer:
+        kw = {"lr": s["lr"], "betas": (0.9, 0.95), "weight_decay": 0.1}
+        if swarm:
+            return SwarmAdamW(model.parameters(), peers=peers, **kw)
+        return torch.optim.AdamW(model.parameters(), **kw)
+
+    if s.get("dp"):
+        model = tasks.build_model(task, 1).to(dev)
+        opt = adamw(model, False)
+        model.train()
+        for _ in range(steps):
+            opt.zero_grad(set_to_none=True)
+            for stream in streams:  # the mean of the workers' losses: the gradient of the N x batch
+                (tasks.loss_value(task, model, tasks.to_device(next(stream), dev)) / peers).backward()
+            opt.step()
+        n = sum(p.numel() for _, p in tasks.trainable(model))
+        return {"loss": tasks.evaluate(task, model), "bytes": steps * n * 4, "syncs": steps, "refused": 0,
+                "wall": time.monotonic() - started}
+    codec = codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get(s["codec"])
+    models = [tasks.build_model(task, 1).to(dev) for _ in range(peers)]
+    params = [[p for _, p in tasks.trainable(m)] for m in models]
+    global_flat = outer.flatten(params[0])
+    opts = [adamw(m, s["inner"] == "swarm-adamw") for m in models]
+    feedback = [codecs.ErrorFeedback(codec) for _ in models]
+    outer_opt = outer.OuterNesterov([global_flat.numel()], s["olr"], s["mom"])
+    step = syncs = sent = refused = 0
+    while step < steps:
+        h = min(s["h"], steps - step)
+        for model, opt, stream in zip(models, opts, streams):
+            model.train()
+            for _ in range(h):
+                opt.zero_grad(set_to_none=True)
+                tasks.loss_value(task, model, tasks.to_device(next(stream), dev)).backward()
+                opt.step()
+        step, syncs = step + h, syncs + 1
+        updates = {}
+        for i, ps in enumerate(params):
+            delta = global_flat - outer.flatten(ps)
+            enc = feedback[i].encode(delta) if s["ef"] else codec.encode(delta)
+            if i == 0:
+                sent += len(enc.to_wire())
+            updates[f"w{i}"] = codec.decode_flat(enc, None)
+        combined, rejected = outer.combine(updates, global_flat.numel())
+        refused += len(rejected)
+        global_flat = outer_opt.step(0, global_flat, combined)
+        with torch.no_grad():
+            for ps in params:
+                outer.unflatten_into(global_flat, ps)
+    return {"loss": tasks.evaluate(task, models[0]), "bytes": sent, "syncs": syncs, "refused": refused,
+            "wall": time.monotonic() - started}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--settings", nargs="*", default=DEFAULT, help="named settings (--list); dp always runs")
+    parser.add_argument("--list", action="store_true", help="print the named settings and exit")
+    parser.add_argument("--steps", type=int, default=500, help="inner steps per worker (and DP steps)")
+    parser.add_argument("--peers", type=int, default=4)
+    parser.add_argument("--task", default="hf-text")
+    parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
+    parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (every setting on it)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="settings run at once")
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: run this setting, print its JSON
+    args = parser.parse_args()
+    if args.list:
+        for name, (what, _) in SETTINGS.items():
+            print(f"{name:14s} {what}")
+        return
+    options = json.loads(args.task_options)
+    if args.one:
+        print(json.dumps(one(args.one, args.steps, args.peers, args.task, options, args.device)))
+        return
+    unknown = [n for n in args.settings if n not in SETTINGS]
+    if unknown:
+        parser.error(f"unknown settings {unknown}; --list names them")
+    names = ["dp", *[n for n in dict.fromkeys(args.settings) if n != "dp"]]
+
+    def launch(name: str) -> dict:
+        cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--peers", str(args.peers),
+               "--task", args.task, "--task-options", args.task_options, "--device", args.device]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=24 * 3600)
+        if done.returncode != 0:
+            raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        results = dict(zip(names, pool.map(launch, names)))
+    ref = results["dp"]
+    print(f"DiLoCo settings, one process each: task {args.task} {args.task_options}, {args.peers} workers, "
+          f"{args.steps} inner steps each, device {args.device}, validation loss at the end")
+    head = f"{'setting':14s} | {'what':50s} | val loss |   vs DP | syncs | MB sent/peer | DP bytes / bytes |  wall"
+    print(head)
+    print("-" * len(head))
+    for name in names:
+        r = results[name]
+        print(f"{name:14s} | {SETTINGS[name][0]:50s} | {r['loss']:8.4f} | {(r['loss'] / ref['loss'] - 1) * 100:+6.1f}% "
+              f"| {r['syncs']:5d} | {r['bytes'] / 1e6:12.3f} | {ref['bytes'] / max(1, r['bytes']):15.0f}x "
+              f"| {r['wall']:4.0f}s")
+    print("DP bytes: one fp32 gradient per step; goal (issue 13): DiLoCo within 5% of dp at >= 100x fewer bytes")
+
+
+if __name__ == "__main__":
+    main()
