@@ -195,12 +195,29 @@ class DilocoConfig(BaseModel):
 
 
 @dataclass
+class StepEnd:
+    """When a scatter step's pulls give up: ``at``, which each part that comes in the step moves to ``grace`` after
+    that arrival, up to ``cap``: bytes still coming are not cut off at a rate that was guessed (before the first
+    measurement) or has changed since, and a peer that sends nothing costs ``grace`` after the last of the others'
+    bytes, not ``cap``. (Waits for messages keep the step's fixed end: every peer gives up on a late reducer's part
+    at about the same time, and the round's coordinator publishes its parts list when the others expect it.)"""
+    at: float
+    cap: float = 0.0
+    grace: float = 0.0
+
+    def arrived(self, now: float) -> None:
+        if self.cap > self.at:
+            self.at = min(self.cap, max(self.at, now + self.grace))
+
+
+@dataclass
 class Received:
     """What a scatter step received so far (its rate is measured from it): bytes of chunks and parts, and when
-    the step started and the last of them came."""
+    the step started and the last of them came; and the ends of its pulls, which arrivals move."""
     start: float
     bytes: int = 0
     last: float = 0.0
+    ends: list[StepEnd] = field(default_factory=list)  # the step's pulls' ends, which arrivals move
 
 
 @dataclass(frozen=True)
@@ -1143,8 +1160,37 @@ class DilocoLoop(TaskLoop):
             sem = self._sources[peer] = asyncio.Semaphore(2)
         return sem
 
+    async def _by(self, end: StepEnd, awaitable):
+        """``awaitable``'s result, or TimeoutError once ``end`` has passed (re-read as arrivals move it)."""
+        task = asyncio.ensure_future(awaitable)
+        try:
+            while True:
+                remaining = end.at - self.clock.monotonic()
+                if remaining <= 0:
+                    raise asyncio.TimeoutError()
+                try:
+                    return await asyncio.wait_for(asyncio.shield(task), max(0.05, remaining))
+                except asyncio.TimeoutError:
+                    if task.done():
+                        return task.result()  # (its own TimeoutError raised again)
+                    if end.at - self.clock.monotonic() <= rounds.TICK:
+                        raise
+        finally:
+            if not task.done():  # as wait_for: cancelled, and its end awaited
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+
+    def _pulls_end(self, key: tuple[int, int], at: float, grace: float) -> StepEnd:
+        """An end for pulls of the scatter step ``key`` made from ``at``: arrivals in the step move it by ``grace``
+        after each, up to deadline_high from now (or ``at`` where that is later)."""
+        now = self.clock.monotonic()
+        end = StepEnd(at, cap=max(at, now + self.cfg.deadline_high), grace=grace)
+        if (moving := self._moving.get(key)) is not None:
+            moving.ends.append(end)
+        return end
+
     async def _fetch_part(self, key: tuple[int, int], peer: str, blob: bytes, size: int, addrs, elements: int,
-                          timeout: float, holders: list[tuple[str, tuple]] = (),
+                          timeout: float | StepEnd, holders: list[tuple[str, tuple]] = (),
                           counter: str = "chunks_from_other_holders", out: torch.Tensor | None = None,
                           decode: bool = True) -> torch.Tensor | bytearray:
         """One encoded part that ``peer`` named, pulled and decoded (off the event loop when large): from ``peer``,
@@ -1155,18 +1201,17 @@ class DilocoLoop(TaskLoop):
         and the others could not: the round split (found by the simulator, and seen as the kill bench's survivors
         diverging); and a reducer that died after serving its part to some members left the others without it.
         With ``out`` (a float32 view of ``elements`` values) the part is decoded into it, not into a new tensor;
-        without ``decode``, the (hash-checked) bytes are returned as they came, to be decoded when used."""
-        end = self.clock.monotonic() + max(0.05, timeout)
+        without ``decode``, the (hash-checked) bytes are returned as they came, to be decoded when used. A
+        ``StepEnd`` as the timeout: its time, as arrivals move it."""
+        end = timeout if isinstance(timeout, StepEnd) else StepEnd(self.clock.monotonic() + max(0.05, timeout))
         sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
         body, failure = None, None
         for i, (source, where) in enumerate(sources):
-            remaining = end - self.clock.monotonic()
-            if remaining <= 0:
+            if end.at - self.clock.monotonic() <= 0:
                 break
             try:
                 async with self._source(source):
-                    body = await asyncio.wait_for(self.bulk.pull_from(blob, size, source, list(where)),
-                                                  max(0.05, remaining))
+                    body = await self._by(end, self.bulk.pull_from(blob, size, source, list(where)))
             except (BulkError, asyncio.TimeoutError) as e:
                 failure = failure or e
                 continue
@@ -1180,6 +1225,8 @@ class DilocoLoop(TaskLoop):
         if (moving := self._moving.get(key)) is not None:
             moving.bytes += size
             moving.last = self.clock.monotonic()
+            for step_end in moving.ends:
+                step_end.arrived(moving.last)
         if not decode:
             return body
         # the held blob itself (never changed, only dropped), not a copy
@@ -1254,6 +1301,10 @@ class DilocoLoop(TaskLoop):
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
         span = self._span(p)
         end = self.clock.monotonic() + span
+        # the pulls' end moves while parts still come: the span's transfer time is a guess before the first
+        # measurement (on a slower link than min_bandwidth round 0 had 1 s for ~11 s of transfers, and every peer
+        # ended it on its own weights: the simulator at 100 kB/s)
+        pulls = self._pulls_end(key, end, span)
         # the combined update, filled as parts come: a part taken from its reducer is decoded straight into its
         # place (no second copy of the update); one we reduced is copied in at the end (``parts`` -> our tensor)
         combined = torch.empty(n)
@@ -1262,11 +1313,13 @@ class DilocoLoop(TaskLoop):
         screened: dict[str, str] = {}
         computed: dict[int, tuple[bytes, torch.Tensor, int, frozenset[str]]] = {}  # our reductions (and whose)
 
-        async def compute(k: int, until: float, only: frozenset[str] | None = None) -> bool:
-            """Reduce part k from the members' chunks (``only`` those: False if one of them did not come). The
-            chunks are pulled as bytes and decoded only when the part is reduced, a few parts at a time
-            (``_reducing``): decoded, a round's chunks were a copy of the update held at once."""
+        async def compute(k: int, until: float | StepEnd, only: frozenset[str] | None = None) -> bool:
+            """Reduce part k from the members' chunks (``only`` those: False if one of them did not come) by
+            ``until``. The chunks are pulled as bytes and decoded only when the part is reduced, a few parts at a
+            time (``_reducing``): decoded, a round's chunks were a copy of the update held at once."""
             a, b = bounds[k]
+            if not isinstance(until, StepEnd):
+                until = self._pulls_end(key, until, span)
             got: dict[str, torch.Tensor | bytearray] = {}  # peer -> its chunk, decoded (whole) or as bytes
 
             async def one(peer: str) -> None:
@@ -1284,10 +1337,10 @@ class DilocoLoop(TaskLoop):
                         self.counters["chunks_missing"] += 1
                 else:
                     if early is not None:  # pulled as its announcement came (see _prefetch)
-                        pull = asyncio.wait_for(asyncio.shield(early), max(0.05, until - self.clock.monotonic()))
+                        pull = self._by(until, asyncio.shield(early))
                     else:
                         pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
-                                                until - self.clock.monotonic(), holders=[
+                                                until, holders=[
                                                     (x, pending.announced[x].addrs) for x in ordered if x != me],
                                                 decode=False)
                     try:
@@ -1350,7 +1403,7 @@ class DilocoLoop(TaskLoop):
         auditing = [k for k, auditor in plan.items() if auditor == me]
 
         async def reduce_mine(k: int) -> None:
-            await compute(k, end)
+            await compute(k, pulls)
             blob, _, size, whose = computed[k]
             own(k)
             self._publish(REDUCED, {"r": r, "p": p, "red": k, "blob": blob, "size": size, "m": digest,
@@ -1360,7 +1413,7 @@ class DilocoLoop(TaskLoop):
         async def take(k: int) -> None:
             reducer = exchange.reducer_of(ordered, k)
             a, b = bounds[k]
-            audit = asyncio.get_running_loop().create_task(compute(k, end)) if k in auditing else None
+            audit = asyncio.get_running_loop().create_task(compute(k, pulls)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
             if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
                 blob, _, m, _, bits = pending.reduced[k][reducer]
@@ -1371,7 +1424,7 @@ class DilocoLoop(TaskLoop):
                 else:
                     try:
                         part = await self._pull_reduced(key, pending, ordered, reducer, pending.reduced[k][reducer],
-                                                        b - a, end, out=combined[a:b])
+                                                        b - a, pulls, out=combined[a:b])
                         if part is not None:
                             got = (blob, m, part, whose)
                     except (BulkError, asyncio.TimeoutError):
@@ -1489,7 +1542,7 @@ class DilocoLoop(TaskLoop):
         await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
 
     async def _pull_reduced(self, key: tuple[int, int], pending: Pending, ordered: list[str], reducer: str,
-                            reduced: tuple, elements: int, until: float,
+                            reduced: tuple, elements: int, until: float | StepEnd,
                             out: torch.Tensor | None = None) -> torch.Tensor | None:
         """A reducer's part (``reduced``: its entry in ``pending.reduced``), pulled from the reducer, else from a
         member that pulled it already (the reducer may have died after serving some of us: the others must end with
@@ -1499,7 +1552,8 @@ class DilocoLoop(TaskLoop):
         me = self._ctx.identity.peer_id
         blob, size, _, addrs, _ = reduced
         try:
-            part = await self._fetch_part(key, reducer, blob, size, addrs, elements, until - self.clock.monotonic(),
+            part = await self._fetch_part(key, reducer, blob, size, addrs, elements,
+                                          until if isinstance(until, StepEnd) else until - self.clock.monotonic(),
                                           holders=[(x, pending.announced[x].addrs) for x in ordered
                                                    if x not in (me, reducer)],
                                           counter="parts_from_other_holders", out=out)
