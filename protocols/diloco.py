@@ -1595,8 +1595,9 @@ class DilocoLoop(TaskLoop):
                 self.counters["minority_parts_replaced"] += 1
                 return
             # no reducer's part of a majority (ours may be the part's own reduction, from the chunks that had come
-            # by the deadline): reduced again from those that came since (the others check it against the chunks)
-            if await compute(k, until) and exchange.names_majority(computed[k][3], members):
+            # by the deadline): reduced again from those that came since (the others check it against the chunks),
+            # by a fixed end (arrivals must not move it: the others wait for our parts list only so long)
+            if await compute(k, StepEnd(until)) and exchange.names_majority(computed[k][3], members):
                 parts[k], used[k] = computed[k][1], (computed[k][0], computed[k][3])
                 self.counters["minority_parts_reduced_again"] += 1
                 return
