@@ -98,14 +98,14 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
 
 
 def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
-                  device: str = "cpu") -> dict:
+                  device: str = "cpu", threads: int = 2) -> dict:
     """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW."""
     import torch
 
     from protocols import task as tasks
 
     started = time.monotonic()
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     task = tasks.load(task_spec, options, "diloco")
     device = torch.device(device)
     model = tasks.build_model(task, 1).to(device)

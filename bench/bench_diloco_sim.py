@@ -62,6 +62,11 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
     from protocols.inner import SwarmAdamW
 
     s = {**BASE, **SETTINGS[name][1]}
+    if s.get("dp"):  # the process bench's reference itself, on one thread
+        from bench_diloco import data_parallel
+
+        return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1),
+                "syncs": steps, "refused": 0}
     torch.set_num_threads(1)
     dev = torch.device(device)
     task = tasks.load(task_spec, options, "diloco")
@@ -74,18 +79,6 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             return SwarmAdamW(model.parameters(), peers=peers, **kw)
         return torch.optim.AdamW(model.parameters(), **kw)
 
-    if s.get("dp"):
-        model = tasks.build_model(task, 1).to(dev)
-        opt = adamw(model, False)
-        model.train()
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            for stream in streams:  # the mean of the workers' losses: the gradient of the N x batch
-                (tasks.loss_value(task, model, tasks.to_device(next(stream), dev)) / peers).backward()
-            opt.step()
-        n = sum(p.numel() for _, p in tasks.trainable(model))
-        return {"loss": tasks.evaluate(task, model), "bytes": steps * n * 4, "syncs": steps, "refused": 0,
-                "wall": time.monotonic() - started}
     codec = codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get(s["codec"])
     models = [tasks.build_model(task, 1).to(dev) for _ in range(peers)]
     params = [[p for _, p in tasks.trainable(m)] for m in models]
