@@ -17,7 +17,10 @@ step, what a data-parallel peer contributes), and the fraction of wall time a no
 round to close.
 
     python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}'] [--device cuda]
-                                 [--pretrain 300] [--only abcefd]
+                                 [--pretrain 300] [--only abcefd] [--lr-schedule cosine --warmup 25]
+
+``--lr-schedule cosine`` (with ``--warmup N``) gives every peer and the reference the same inner learning-rate
+schedule: a linear warm-up, then a cosine down to 0.1x at the run's last step (the loop's ``lr_schedule``).
 """
 
 from __future__ import annotations
@@ -48,6 +51,8 @@ alpha = {alpha}
 codec = "{codec}"
 inner_optimizer = "{inner}"
 inner_lr = 1e-3
+lr_schedule = "{schedule}"
+warmup_steps = {warmup}
 outer_lr = {outer_lr}
 outer_momentum = {momentum}
 min_peers = {peers}
@@ -69,9 +74,10 @@ def toml_options(options: dict, table: str = "loops.diloco.task_options") -> str
 
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
-        momentum: float = 0.9, device: str = "cpu", inner: str = "adamw") -> dict:
+        momentum: float = 0.9, device: str = "cpu", inner: str = "adamw", schedule: str = "constant",
+        warmup: int = 0) -> dict:
     table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap,
-                          alpha=alpha, inner=inner,
+                          alpha=alpha, inner=inner, schedule=schedule, warmup=warmup,
                           codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
@@ -98,11 +104,13 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
 
 
 def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
-                  device: str = "cpu", threads: int = 2) -> dict:
-    """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW."""
+                  device: str = "cpu", threads: int = 2, warmup: int = 0, cosine: bool = False) -> dict:
+    """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW (and
+    the same learning-rate schedule as the peers: ``warmup`` steps, then ``cosine`` decay to 0.1x or constant)."""
     import torch
 
     from protocols import task as tasks
+    from protocols.inner import lr_scale
 
     started = time.monotonic()
     torch.set_num_threads(threads)
@@ -112,7 +120,9 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
     streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
     model.train()
-    for _ in range(steps):
+    for step in range(steps):
+        for group in opt.param_groups:
+            group["lr"] = inner_lr * lr_scale(step, steps if cosine else 0, warmup)
         opt.zero_grad(set_to_none=True)
         for stream in streams:  # the mean of the peers' losses: the gradient of the 4 x batch
             (tasks.loss_value(task, model, tasks.to_device(next(stream), device)) / peers).backward()
@@ -132,27 +142,33 @@ def main() -> None:
     parser.add_argument("--pretrain", type=int, default=0, help="hf-text: every peer (and the reference) starts "
                         "from the same model pretrained this many steps, as the DiLoCo paper starts from a "
                         "pretrained checkpoint")
+    parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
+                        help="the inner lr schedule of every peer and of the reference (the loop's lr_schedule)")
+    parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of that schedule")
     args = parser.parse_args()
     s, task, options, dev = args.steps, args.task, json.loads(args.task_options), args.device
+    sched = {"schedule": args.lr_schedule, "warmup": args.warmup}
     if args.pretrain:
         options = {**options, "pretrain_steps": args.pretrain}
     results = {}
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-diloco-") as tmp:
         root = Path(tmp)
         runs = {
-            "a": ("(a) 1 peer alone", lambda: run("alone", 1, s, root / "a", task, options, h=50, device=dev)),
+            "a": ("(a) 1 peer alone", lambda: run("alone", 1, s, root / "a", task, options, h=50, device=dev,
+                                                **sched)),
             "b": ("(b) 4 peers DiLoCo H=50 e3m0", lambda: run("diloco", 4, s, root / "b", task, options, h=50,
-                                                             device=dev)),
+                                                             device=dev, **sched)),
             "c": ("(c) 4 peers Streaming DiLoCo P=2 tau=5 e3m0",
                   lambda: run("streaming", 4, s, root / "c", task, options, h=50, fragments=2, overlap=5, alpha=0.5,
-                              device=dev)),
+                              device=dev, **sched)),
             "e": ("(e) 4 peers DiLoCo H=25 e3m0, averaging",
                   lambda: run("averaging", 4, s, root / "e", task, options, h=25, outer_lr=1.0, momentum=0.0,
-                              device=dev)),
+                              device=dev, **sched)),
             "f": ("(f) 4 peers H=13 e3m0, averaging, swarm-adamw",
                   lambda: run("swarm", 4, s, root / "f", task, options, h=13, outer_lr=1.0, momentum=0.0,
-                              device=dev, inner="swarm-adamw")),
-            "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(s, 4, task, options, device=dev)),
+                              device=dev, inner="swarm-adamw", **sched)),
+            "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
+                s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine")),
         }
         for letter in "abcefd":
             if letter in args.only or letter == "d":
@@ -161,7 +177,8 @@ def main() -> None:
                 print(f"{name}: {results[name]}", file=sys.stderr, flush=True)
     dp = results["(d) data-parallel reference (4 x batch)"]
     print(f"DiLoCo, task {task} {json.dumps(options)} ({dp['params']:,} parameters), {s} inner steps per peer, "
-          f"device {dev}, validation loss at the end; inner optimizer AdamW unless the row says swarm-adamw")
+          f"device {dev}, validation loss at the end; inner optimizer AdamW unless the row says swarm-adamw; "
+          f"inner lr 1e-3, {args.lr_schedule}" + (f" after {args.warmup} warm-up steps" if args.warmup else ""))
     print(f"{'run':<46} | {'val loss':>8} | {'vs DP':>7} | {'MB sent/peer':>12} | {'DP bytes / bytes':>16} | "
           f"{'not blocked':>11} | {'same weights':>18} | {'wall':>6}")
     print("-" * 148)

@@ -32,10 +32,12 @@ REPO = Path(__file__).resolve().parent.parent
 # name -> (what it is, its settings); every DiLoCo setting: 4-bit e3m0 updates, swarm-adamw, plain averaging
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
-        "mom": 0.0}
+        "mom": 0.0, "warmup": 0, "cosine": False}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
+    "dp-cos": ("data-parallel reference, warm-up 25 + cosine", {"dp": True, "warmup": 25, "cosine": True}),
+    "h13-cos": ("H=13 e3m0, averaging, warm-up 25 + cosine", {"warmup": 25, "cosine": True}),
     "h13": ("H=13 e3m0, averaging, swarm-adamw", {}),
     "h13-none": ("H=13 no compression (fp32)", {"codec": "none"}),
     "h13-ef": ("H=13 e3m0 + error feedback", {"ef": True}),
@@ -59,13 +61,14 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
 
     from protocols import codecs, outer
     from protocols import task as tasks
-    from protocols.inner import SwarmAdamW
+    from protocols.inner import SwarmAdamW, lr_scale
 
     s = {**BASE, **SETTINGS[name][1]}
     if s.get("dp"):  # the process bench's reference itself, on one thread
         from bench_diloco import data_parallel
 
-        return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1),
+        return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1,
+                                 warmup=s["warmup"], cosine=s["cosine"]),
                 "syncs": steps, "refused": 0}
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -91,7 +94,9 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
         h = min(s["h"], steps - step)
         for model, opt, stream in zip(models, opts, streams):
             model.train()
-            for _ in range(h):
+            for k in range(h):
+                for group in opt.param_groups:
+                    group["lr"] = s["lr"] * lr_scale(step + k, steps if s["cosine"] else 0, s["warmup"])
                 opt.zero_grad(set_to_none=True)
                 tasks.loss_value(task, model, tasks.to_device(next(stream), dev)).backward()
                 opt.step()

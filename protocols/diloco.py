@@ -38,7 +38,7 @@ from protocols import codecs, exchange, outer, rounds
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService, content_hash
 from protocols.gossip import Gossip, Message, Verdict
-from protocols.inner import SwarmAdamW
+from protocols.inner import SwarmAdamW, lr_scale
 from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
 from protocols.taskloop import TAG, TaskLoop
@@ -156,6 +156,13 @@ class DilocoConfig(BaseModel):
     inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
     inner_lr: float = Field(4e-4, gt=0)
     weight_decay: float = Field(0.1, ge=0)
+    # the inner learning rate over the run (any inner optimizer's, the task's too: its groups' lr are the base):
+    # a linear warm-up over warmup_steps, then "constant", or "cosine" down to lr_final x the base at the run's
+    # last inner step (rounds x inner_steps; an open-ended run, rounds = 0, stays at the base after the warm-up).
+    # By the run's inner step, so a late joiner or a restarted peer takes the swarm's lr (protocols/inner.py)
+    lr_schedule: str = Field("constant", pattern=r"^(constant|cosine)$")
+    warmup_steps: int = Field(0, ge=0)
+    lr_final: float = Field(0.1, ge=0, le=1)
     outer_lr: float = Field(0.7, gt=0)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     min_peers: int = Field(1, ge=1)
@@ -417,6 +424,8 @@ class DilocoLoop(TaskLoop):
         else:
             self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
                                                weight_decay=self.cfg.weight_decay)
+        for group in self.inner_opt.param_groups:  # the schedule's base (as torch's schedulers keep it)
+            group.setdefault("initial_lr", group["lr"])
         self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
@@ -610,6 +619,18 @@ class DilocoLoop(TaskLoop):
         """One inner step, off the event loop (the seam a simulation paces with simulated compute time)."""
         await asyncio.to_thread(self._inner_step)
 
+    def lr_factor(self) -> float:
+        """The factor on the inner optimizer's base learning rate at our current inner step (``lr_schedule``)."""
+        total = self.cfg.rounds * self.cfg.inner_steps if self.cfg.lr_schedule == "cosine" else 0
+        return lr_scale(self.step, total, self.cfg.warmup_steps, self.cfg.lr_final)
+
+    def _schedule_lr(self) -> None:
+        if self.cfg.lr_schedule == "constant" and not self.cfg.warmup_steps:
+            return  # the optimizer's own lr, untouched
+        factor = self.lr_factor()
+        for group in self.inner_opt.param_groups:  # (a checkpoint from before the schedule has no initial_lr)
+            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+
     def _inner_step(self) -> None:
         self.model.train()
         batch = tasks.to_device(next(self.data), self.device)
@@ -624,6 +645,7 @@ class DilocoLoop(TaskLoop):
             self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
             return
         loss.backward()
+        self._schedule_lr()
         self.inner_opt.step()
         # the gradients are not held between steps: a round's exchange, whose transients are the node's peak of
         # memory, runs between two steps (4 bytes a parameter: 0.44 GB for a 109M model)
@@ -2080,6 +2102,8 @@ class DilocoLoop(TaskLoop):
             "round": rounds_done[-1] if rounds_done else 0,
             "total_rounds": self.cfg.rounds,
             "train_loss": None if self.train_loss is None else round(self.train_loss, 5),
+            "inner_lr": ([round(g["lr"], 8) for g in self.inner_opt.param_groups][:8]
+                         if getattr(self, "inner_opt", None) is not None else None),
             "withheld": {str(p): why for p, why in self.skipped.items()},
             **self._task_status(),
             "step": self.step,

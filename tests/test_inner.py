@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from protocols.inner import SwarmAdamW
+from protocols.inner import SwarmAdamW, lr_scale
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -82,3 +82,18 @@ def test_the_step_is_the_documented_formula():
         second = torch.minimum(vh / peers + (1 - 1 / peers) * mh * mh, vh)
         p -= lr * mh / (second.sqrt() + eps)
     torch.testing.assert_close(ours, p.float(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(30)
+def test_the_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_its_final_fraction():
+    # warm-up: step i of w takes (i + 1) / w of the base, reaching it at the last warm-up step
+    assert [lr_scale(i, 100, warmup=4) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr_scale(4, 100, warmup=4) == pytest.approx(1.0)  # the cosine starts at the base
+    assert lr_scale(52, 100, warmup=4, final=0.1) == pytest.approx(0.55)  # halfway: the mean of base and final
+    assert lr_scale(100, 100, warmup=4, final=0.1) == pytest.approx(0.1)
+    assert lr_scale(10_000, 100, warmup=4, final=0.1) == pytest.approx(0.1)  # past the end: stays at the final
+    values = [lr_scale(i, 100, warmup=4, final=0.0) for i in range(3, 101)]
+    assert all(a >= b for a, b in zip(values, values[1:]))  # never rises after the warm-up
+    # an open-ended run (total 0): the warm-up, then the base for ever
+    assert lr_scale(1, 0, warmup=4) == 0.5 and lr_scale(10**9, 0, warmup=4) == 1.0
+    assert lr_scale(0, 0) == 1.0 == lr_scale(7, 0)  # no schedule at all

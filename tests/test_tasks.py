@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from protocols import checkpoint, tinylm
+from protocols.inner import lr_scale
 from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
 from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
 
@@ -161,6 +162,7 @@ min_peers = {min_peers}
 deadline_low = {deadline_low}
 checkpoint_every = 1
 device = "cpu"
+{extra}
 
 [loops.diloco.task_options]
 {options}
@@ -172,10 +174,10 @@ def diloco(node) -> dict:
 
 
 def config(tmp_path: Path, name: str = "c", *, run="t", task="tinygpt", rounds=3, h=10, min_peers=2, options="",
-           deadline_low=2.0):
+           deadline_low=2.0, extra=""):
     return loop_config(tmp_path / f"{name}.toml", DILOCO.format(run=run, task=task, rounds=rounds, h=h,
                                                                 min_peers=min_peers, options=options,
-                                                                deadline_low=deadline_low))
+                                                                deadline_low=deadline_low, extra=extra))
 
 
 @pytest.mark.swarm
@@ -238,7 +240,10 @@ def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
-    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, rounds=6, h=10, min_peers=1, options="batch = 8"))
+    # with a learning-rate schedule: it goes by the run's step, so the restarted node carries on with it
+    schedule = 'lr_schedule = "cosine"\nwarmup_steps = 5\nlr_final = 0.2\ninner_lr = 1e-3'
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, rounds=6, h=10, min_peers=1, options="batch = 8",
+                                                    extra=schedule))
     try:
         node = swarm.start("solo")
         wait_for(lambda: (diloco(node)["checkpoint"] or {}).get("round", 0) >= 2, 120, "a checkpoint at round 2")
@@ -254,6 +259,9 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
         final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
         assert [h["round"] for h in final["history"]] == list(range(meta["round"], 6))
         assert final["checkpoint"]["round"] == 6
+        # the last of the 60 steps (index 59) took the cosine's end: 1e-3 x lr_scale(59, 60, 5, 0.2), not 1e-3
+        assert final["inner_lr"] == [round(1e-3 * lr_scale(59, 60, 5, 0.2), 8)]
+        assert final["inner_lr"][0] < 0.21e-3
     finally:
         swarm.close()
 
