@@ -46,7 +46,7 @@ from transport import clock
 from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec, unpack
-from transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, Str, UnknownKind
+from transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +72,7 @@ MAX_PARTS_LISTS = 64  # per round: part lists kept from counted peers that were 
 RATE_ROUNDS = 5
 RATE_MIN_BYTES = 1 << 16
 MAX_VIEW = 1024  # peers a member view names (a round of more members is not agreed on: each peer keeps its own)
+MAX_AHEAD = 16  # our rounds' hashes kept to compare with the others' when we are that many rounds ahead of them
 
 # ---------------------------------------------------------------------------------------------------- the wire
 CARRIER = "diloco/<run>"  # the run's pubsub topic
@@ -110,10 +111,13 @@ ROUND_HASH = WIRE.message(CARRIER, 3, "diloco.round-hash", Map.of(r=_R, p=_P, h=
     "r": 3, "p": 0, "h": "ab" * 16, **_TAG}, max_size=MAX_MESSAGE, doc="my global hash after closing round r")
 UPDATE = WIRE.message(CARRIER, 4, "diloco.update", Map.of(
     r=_R, p=_P, parts=List(Bytes(exact=32), MAX_PARTS, min=1), sizes=List(Int(1, MAX_PART_BYTES), MAX_PARTS, min=1),
-    base=_HASH, norm=Float(), addrs=_ADDRS, t=TAG), {
-    "r": 3, "p": 0, "parts": [bytes(32)], "sizes": [4096], "base": "ab" * 16, "norm": 1.5, "addrs": [], **_TAG},
-    max_size=MAX_MESSAGE, doc="my update for (r, p): its encoded parts' hashes and sizes, the base it was computed "
-    "from, its norm, where to pull it")
+    base=_HASH, norm=Float(), addrs=_ADDRS, bw=List(Tuple.of(Bytes(exact=8), Int(0, 2**31)),
+                                                    exchange.MAX_RATE_REPORTS), t=TAG, optional=("bw",)), {
+    "r": 3, "p": 0, "parts": [bytes(32)], "sizes": [4096], "base": "ab" * 16, "norm": 1.5, "addrs": [],
+    "bw": [[bytes(8), 1500]], **_TAG}, max_size=MAX_MESSAGE, version=2,
+    doc="my update for (r, p): its encoded parts' hashes and sizes, the base it was computed from, its norm, where to "
+    "pull it; and (bw, optional) the receive rates in kB/s I measured in my last exchange "
+    "from the last round's members (short ids), from which every peer weighs who reduces how many parts")
 _BITS = Bytes(max=MAX_VIEW // 8)  # a subset of the round's ordered members (exchange.pack_set)
 REDUCED = WIRE.message(CARRIER, 5, "diloco.reduced", Map.of(
     r=_R, p=_P, red=Int(0, MAX_PARTS - 1), blob=Bytes(exact=32), size=Int(1, MAX_PART_BYTES), m=Str(32),
@@ -236,6 +240,7 @@ class Announced:
     base: str  # the hash of the global fragment it was computed from
     norm: float  # the L2 norm of the whole (decoded) update: every reducer clips with the same factors
     addrs: tuple[str, ...]  # its bulk TCP addresses
+    rates: tuple[tuple[bytes, int], ...] = ()  # (short id, kB/s): what it received from those peers last round
 
 
 @dataclass
@@ -259,6 +264,7 @@ class Pending:
     coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
     parts: dict[str, tuple] = field(default_factory=dict)  # last round's members' parts: (digest, sets, hashes)
     signed: dict[str, dict] = field(default_factory=dict)  # peer -> its announcement as it signed it (wire form)
+    meter: exchange.RateMeter = field(default_factory=exchange.RateMeter)  # what we receive from whom, how fast
 
 
 @dataclass
@@ -352,9 +358,12 @@ class DilocoLoop(TaskLoop):
         self.final_hash: str | None = None
         self.rounds_done: list[int] = []
         self._published: dict[tuple[int, int], str] = {}
+        self._checked: set[tuple[int, int]] = set()  # our published rounds compared with the others' hashes
         self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
         self._moving: dict[tuple[int, int], Received] = {}  # scatter step -> what came in it so far
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
+        self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
+        self._assignment: dict[str, int] = {}  # the last scatter step: parts we reduced, members that reduced any
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._resync_from: list[str] = []
@@ -584,6 +593,7 @@ class DilocoLoop(TaskLoop):
         until = self.clock.monotonic() + self.deadline.value()
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
+        await self._wait_if_ahead(p, r, theirs)
         verdict = rounds.hash_verdict(ours, theirs(r))
         redo = self._drop_redo(p)
         if verdict is None or verdict.agrees:
@@ -596,6 +606,26 @@ class DilocoLoop(TaskLoop):
         logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
         if not await self._join_from_checkpoint(list(verdict.holders), rejoin=True):
             logger.error("diloco: no peer of the majority served its final weights; ending on ours")
+
+    async def _wait_if_ahead(self, p: int, r: int, theirs) -> None:
+        """We closed the run's last round while the peers that count are two or more rounds behind (we ran ahead
+        of them, closing rounds without them): wait while they progress (up to ``deadline_high`` without any) for
+        most of them to publish their hash of round r, so the last round is compared with theirs, not with none."""
+        me = self._ctx.identity.peer_id
+        peers = {a for a in self._closed_by[p] if a != me and self.standing.counts(a)}
+        seen = self._swarm_round(p)
+        if not peers or seen >= r - 1:
+            return
+        self.counters["waited_for_the_swarm"] += 1
+        logger.warning("diloco: we closed the last round (%d/%d) while the others are at round %d; waiting for "
+                       "their hashes of it", r, p, seen)
+        moved = self.clock.monotonic()
+        while len(set(theirs(r)) & peers) * 2 <= len(peers):
+            if (now_at := self._swarm_round(p)) > seen:
+                seen, moved = now_at, self.clock.monotonic()
+            elif self.clock.monotonic() - moved > self.cfg.deadline_high:
+                return
+            await asyncio.sleep(0.2)
 
     async def _after_round(self, done: int) -> None:
         """After the last fragment's round closed (every fragment has closed ``done`` rounds): evaluate, report,
@@ -674,9 +704,13 @@ class DilocoLoop(TaskLoop):
             self.bulk.keep_prepared(blob_hash, payload)  # served to whoever the round makes pull them
         self._round_blobs[(r, p)].update(hashes)
         self._own_blobs[(r, p)].update(hashes)
-        ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs))
-        mid = self._publish(UPDATE, {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base,
-                                     "norm": ann.norm, "addrs": list(ann.addrs)})
+        rates = self._rate_reports(p)
+        ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs), rates)
+        body = {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
+                "addrs": list(ann.addrs)}
+        if rates:
+            body["bw"] = [list(x) for x in rates]
+        mid = self._publish(UPDATE, body)
         pending = self.pending[(r, p)]
         if (signed := self.gossip.cache.get(mid)) is not None:  # for a peer our member view names, if it asks
             pending.signed[self._ctx.identity.peer_id] = signed.wire()
@@ -739,8 +773,13 @@ class DilocoLoop(TaskLoop):
         # only if its update is on its way). Half: a peer that did not see the join (gossip is not instant) goes
         # on at once and is that much ahead in the next round, whose deadline is deadline_low at least: the
         # others still make it in time
+        # plus the time our last exchange took: the peers ended it at different times (a slow uplink serves its
+        # receivers one after another), and so announce this round that much apart; with the deadline alone, a
+        # round after a slow exchange closed with whoever was first, and the swarm split (the simulator: one
+        # peer's uplink down to 50 kB/s mid-run, rounds of 1-2 members after it)
+        spread = min(self._close_times[-1], self.cfg.deadline_high) if self._close_times else 0.0
         wait = rounds.plan_wait(self.standing, base, f"{self.cfg.run}/{r}/{p}", fresh=fresh_round(r), now=blocked_from,
-                                deadline=self.deadline.value(), grace=self.cfg.deadline_low / 2, me=me)
+                                deadline=self.deadline.value() + spread, grace=self.cfg.deadline_low / 2, me=me)
         expected, slots, waited = wait.expected, wait.slots, wait.waited
         mode = self._mode(p)
         if mode == "scatter":  # an announcement is all a round waits for: the bytes move after the close
@@ -819,6 +858,7 @@ class DilocoLoop(TaskLoop):
             self._exchange_times.append(self.clock.monotonic() - pending.sent_at)
         self._close_times.append(self.clock.monotonic() - started)  # every update announced -> combined update in hand
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
+                              **(self._assignment if mode == "scatter" else {}),
                               "close_seconds": round(self._close_times[-1], 3),
                               "close_seconds_median": round(statistics.median(self._close_times), 3),
                               "round_seconds_median": round(statistics.median(self._exchange_times), 3)
@@ -888,11 +928,14 @@ class DilocoLoop(TaskLoop):
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish(ROUND_HASH, {"r": r, "p": p, "h": h})
         self._published[(r, p)] = h
-        for old in [k for k in self._published if k[1] == p and k[0] < r - 2]:
+        for old in [k for k in self._published if k[1] == p and k[0] < r - MAX_AHEAD]:
             del self._published[old]
+            self._checked.discard(old)
         for task in pending.prefetched.values():
             task.cancel()
         closed = self.pending.pop(key, None)
+        if closed is not None:
+            self._fold_rates(closed.meter)
         # the signed announcements of the last rounds, for a peer whose gossip did not bring one our view named
         self._signed_closed[key] = closed.signed if closed is not None else {}
         for old in [k for k in self._signed_closed if k[1] == p and k[0] < r - 2]:
@@ -1067,13 +1110,26 @@ class DilocoLoop(TaskLoop):
         return True
 
     def _check_previous(self, p: int, r: int) -> None:
-        """Compare the global hash we published for round r-1 with what the others published for it."""
-        ours = self._published.get((r - 1, p))
-        verdict = None if ours is None else rounds.hash_verdict(ours, self.round_hashes.get((r - 1, p), {}),
-                                                                 self.standing.vouched)
-        if verdict is None:
-            return
-        if verdict.agrees and self._ctx.identity.peer_id in self._contributed.pop((r - 1, p), ()):
+        """Compare the global hash we published for round r-1 with what the others published for it; where none
+        of them has (we are ahead of them: our deadlines passed before their updates came, and we close rounds
+        without them, faster than they do), the newest of our rounds not yet compared that they published a hash
+        for. Without that, a peer that ran ahead alone was never compared with anyone and ended the run on its own
+        weights (the simulator: one peer's uplink down to 50 kB/s mid-run, another peer ahead from then on)."""
+        for rr in sorted((k[0] for k in self._published if k[1] == p and k[0] < r), reverse=True):
+            if (rr, p) in self._checked:
+                return
+            verdict = rounds.hash_verdict(self._published[(rr, p)], self.round_hashes.get((rr, p), {}),
+                                          self.standing.vouched)
+            if verdict is not None:
+                self._checked.add((rr, p))
+                if rr < r - 1:
+                    self.counters["checked_behind_us"] += 1
+                self._judge_previous(p, r, rr, verdict)
+                return
+
+    def _judge_previous(self, p: int, r: int, rr: int, verdict: rounds.HashVerdict) -> None:
+        """Our hash for round rr (before r, the round we close) against the others': in the minority, resync."""
+        if verdict.agrees and self._ctx.identity.peer_id in self._contributed.pop((rr, p), ()):
             self._included += 1  # the others combined our update too: our word counts there
         if not verdict.agrees:
             # do the others still count us? yes if we started the run with them (unless a rejoin just failed to
@@ -1082,7 +1138,7 @@ class DilocoLoop(TaskLoop):
             self._rejoined_at = r
             self._included = 0
             self.counters["diverged"] += 1
-            logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", r - 1, p)
+            logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", rr, p)
             self._resync_from = list(verdict.holders)
 
     def _still_counted(self, r: int | None = None) -> bool:
@@ -1142,6 +1198,27 @@ class DilocoLoop(TaskLoop):
         if not self._rates:
             return self.cfg.min_bandwidth
         return min(self.cfg.min_bandwidth, statistics.median(self._rates))
+
+    def _fold_rates(self, meter: exchange.RateMeter) -> None:
+        """A closed round's receive rates per source (kB/s) become the ones we report with our next updates."""
+        rates = meter.rates()
+        if len(self._source_rates) + len(rates) > 4 * MAX_VIEW:
+            self._source_rates.clear()  # bounded: peers come and go; the next round measures again
+        for peer, rate in rates.items():
+            self._source_rates[peer] = min(2**31, int(rate // 1000))
+
+    def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
+        """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
+        last = self.participants.get(p, set())
+        known = sorted((rounds.short_id(a), self._source_rates[a]) for a in last if a in self._source_rates)
+        return tuple(known[:exchange.MAX_RATE_REPORTS])
+
+    def _owners(self, ordered: list[str], parts: int, announced: dict[str, Announced]) -> list[str]:
+        """Who reduces each part this round: the round's order, weighted by the rates its members' announcements
+        report (``exchange.rate_weights``: only peers the others receive slowly from reduce fewer parts)."""
+        weights = exchange.rate_weights(ordered, {a: dict(announced[a].rates) for a in ordered if a in announced},
+                                        rounds.short_id)
+        return exchange.reducers(ordered, parts, weights)
 
     def _measure_rate(self, moving: Received) -> None:
         """One scatter step's receive rate: the bytes of the chunks and parts that came, over the time from the
@@ -1228,15 +1305,23 @@ class DilocoLoop(TaskLoop):
         end = timeout if isinstance(timeout, StepEnd) else StepEnd(self.clock.monotonic() + max(0.05, timeout))
         sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
         body, failure = None, None
+        meter = pending.meter if (pending := self.pending.get(key)) is not None else None
         for i, (source, where) in enumerate(sources):
             if end.at - self.clock.monotonic() <= 0:
                 break
+            got = 0
+            if meter is not None:
+                meter.start(source, self.clock.monotonic())
             try:
                 async with self._source(source):
                     body = await self._by(end, self.bulk.pull_from(blob, size, source, list(where)))
+                got = size
             except (BulkError, asyncio.TimeoutError) as e:
                 failure = failure or e
                 continue
+            finally:
+                if meter is not None:
+                    meter.end(source, self.clock.monotonic(), got)
             if i:
                 self.counters[counter] += 1
             break
@@ -1420,8 +1505,10 @@ class DilocoLoop(TaskLoop):
             blob, decoded, _, whose = computed[k]
             parts[k], used[k] = decoded, (blob, whose)
 
-        mine = [k for k in range(len(bounds)) if exchange.reducer_of(ordered, k) == me]
-        plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit)  # part -> its auditor
+        owners = self._owners(ordered, len(bounds), pending.announced)  # part -> its reducer
+        mine = [k for k in range(len(bounds)) if owners[k] == me]
+        self._assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners))}
+        plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit, owners)  # -> auditor
         auditing = [k for k, auditor in plan.items() if auditor == me]
 
         async def reduce_mine(k: int) -> None:
@@ -1433,7 +1520,7 @@ class DilocoLoop(TaskLoop):
             self.counters["parts_reduced"] += 1
 
         async def take(k: int) -> None:
-            reducer = exchange.reducer_of(ordered, k)
+            reducer = owners[k]
             a, b = bounds[k]
             audit = asyncio.get_running_loop().create_task(compute(k, pulls)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
@@ -1642,8 +1729,9 @@ class DilocoLoop(TaskLoop):
         if len(ann.parts) != len(bounds):
             return
         ordered = exchange.order(self.cfg.run, r, p, likely)
+        owners = self._owners(ordered, len(bounds), pending.announced)
         for k, (a, b) in enumerate(bounds):
-            if exchange.reducer_of(ordered, k) == me and (peer, k) not in pending.prefetched:
+            if owners[k] == me and (peer, k) not in pending.prefetched:
                 # the bytes only: decoded when the part is reduced (a decoded chunk held from its announcement
                 # to the close was 4 bytes a value, 7.5 x its bytes with e3m0)
                 task = asyncio.get_running_loop().create_task(
@@ -1905,6 +1993,7 @@ class DilocoLoop(TaskLoop):
             # the peers that vouched for this state (they hold its hash) and the ones it was made with
             self.standing.found(set(peers) | {a for v in self.participants.values() for a in v})
             self._published.clear()  # what we said before the checkpoint no longer describes our weights
+            self._checked.clear()
             # updates already here for rounds we have yet to close stay: their base is checked when we close them
             self.pending = collections.defaultdict(Pending, {k: v for k, v in self.pending.items()
                                                              if k[0] >= self.rounds_done[k[1]]})
@@ -2086,7 +2175,8 @@ class DilocoLoop(TaskLoop):
         if not (len(parts) == len(sizes) == len(self._bounds(p))
                 and all(x <= self._max_part(p, k) for k, x in enumerate(sizes)) and norm >= 0):
             return None
-        return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]))
+        return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]),
+                         tuple((bytes(sid), int(rate)) for sid, rate in body.get("bw", ())))
 
     async def _report(self, loss: float) -> None:
         await self._write_progress(self.step, self._samples(self.step), loss, self.counters["bytes_sent"],

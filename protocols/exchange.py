@@ -53,7 +53,101 @@ def reducer_of(ordered: list[str], k: int) -> str:
     return ordered[k % len(ordered)]
 
 
-def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fraction: float) -> dict[int, str]:
+# who reduces how many parts, from the receive rates the members report in their announcements (``rate_weights``):
+# a member's weight is WEIGHT_FULL where the median of what the others measured from it is at least 1/SLOW_FACTOR
+# of the REFERENCE_QUANTILE of those medians (a typical fast member), less in proportion below, and 0 under
+# 1/(8 x SLOW_FACTOR) of it (no part at all, not a remainder's one). Only members several times slower lose
+# parts (equal members keep the round robin, and the noise of rates measured on a busy machine moves nothing),
+# and a member cannot claim a rate: others measure it. A transfer is timed as MIN_BUSY at least: one that fast is
+# no bottleneck, and shorter times are the event loop's and the link's latency, not the rate
+WEIGHT_FULL = 16
+SLOW_FACTOR = 4
+MIN_BUSY = 0.25
+REFERENCE_QUANTILE = 0.75
+MAX_RATE_REPORTS = 64  # peers an announcement reports rates for
+
+
+class RateMeter:
+    """The receive rate from each source in one round: its bytes over the time at least one pull from it was under
+    way (concurrent pulls from one source share its link: their overlap counts once). A pull that fails adds its
+    time and no bytes. Pure: the caller passes the times."""
+
+    def __init__(self) -> None:
+        self.active: dict[str, int] = {}
+        self.since: dict[str, float] = {}
+        self.busy: dict[str, float] = {}
+        self.bytes: dict[str, int] = {}
+
+    def start(self, peer: str, now: float) -> None:
+        if not self.active.get(peer):
+            self.since[peer] = now
+        self.active[peer] = self.active.get(peer, 0) + 1
+
+    def end(self, peer: str, now: float, nbytes: int) -> None:
+        if not self.active.get(peer):
+            return
+        self.active[peer] -= 1
+        if not self.active[peer]:
+            self.busy[peer] = self.busy.get(peer, 0.0) + max(0.0, now - self.since.pop(peer))
+        self.bytes[peer] = self.bytes.get(peer, 0) + nbytes
+
+    def rates(self) -> dict[str, float]:
+        """Bytes/s per source whose pulls have all ended (a source still pulling is left out), its time taken as
+        MIN_BUSY at least."""
+        return {peer: self.bytes.get(peer, 0) / max(busy, MIN_BUSY) for peer, busy in self.busy.items()
+                if not self.active.get(peer)}
+
+
+def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:
+    """Each member's weight in the part assignment (``reducers``), from ``reports`` (member -> {short id: the
+    receive rate it measured from that peer in its last exchange}); ``short`` maps a peer id to its short id. A
+    member nobody reported weighs WEIGHT_FULL. Empty when nothing was reported (the plain round robin)."""
+    members = sorted(members)
+    measured: dict[str, int] = {}
+    for x in members:
+        sid = short(x)
+        values = sorted(reports[m][sid] for m in members if m != x and m in reports and sid in reports[m])
+        if values:
+            measured[x] = values[(len(values) - 1) // 2]  # the lower median: one reporter cannot raise it
+    if not measured:
+        return {}
+    ranked = sorted(measured.values())
+    reference = ranked[min(len(ranked) - 1, int(REFERENCE_QUANTILE * len(ranked)))]
+    if reference <= 0:
+        return {}
+    weights = {x: (min(WEIGHT_FULL, (SLOW_FACTOR * WEIGHT_FULL * measured[x]) // reference) if x in measured
+                   else WEIGHT_FULL) for x in members}
+    # under 1/8 of a full weight (over 32x slower than the reference): no parts at all, not a remainder's one
+    return {x: w if w >= WEIGHT_FULL // 8 else 0 for x, w in weights.items()}
+
+
+def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = None) -> list[str]:
+    """The reducer of each part: each member gets its share of the parts by weight (largest remainders first, ties
+    in the round's order), interleaved by a smooth weighted round robin (each pick to the member furthest behind
+    its share). Equal weights, or none, or all 0: ``ordered[k % n]``, the plain round robin."""
+    n = len(ordered)
+    w = [max(0, int(weights.get(a, 0))) for a in ordered] if weights else [1] * n
+    total = sum(w)
+    if total <= 0:
+        w, total = [1] * n, n
+    quota = [parts * x // total for x in w]
+    for i in sorted(range(n), key=lambda i: (-(parts * w[i] % total), i))[:parts - sum(quota)]:
+        quota[i] += 1
+    current = [0] * n
+    out = []
+    for _ in range(parts):
+        best = -1
+        for i in range(n):
+            current[i] += quota[i]
+            if best < 0 or current[i] > current[best]:
+                best = i
+        current[best] -= parts
+        out.append(ordered[best])
+    return out
+
+
+def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fraction: float,
+               owners: list[str] | None = None) -> dict[int, str]:
     """The round's audited parts (``audited``) and their auditors: each by a peer other than its reducer, the
     next one after it in the round's order that audits fewer than ceil(audited / (N - 1)) parts, so no peer audits
     many (an audit pulls its part's chunks: about S/N x (N-1)/N more bytes in; with each part's auditor the peer
@@ -66,8 +160,9 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
     cap = -(-len(drawn) // (n - 1))
     load = [0] * n
     plan = {}
+    index = {a: i for i, a in enumerate(ordered)}
     for k in drawn:
-        reducer = k % n
+        reducer = k % n if owners is None else index[owners[k]]
         j = next((reducer + step) % n for step in range(1, n) if load[(reducer + step) % n] < cap)
         load[j] += 1
         plan[k] = ordered[j]
@@ -227,7 +322,7 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
 # parts by hash and wait for a part's auditor, so every peer of a run must do both alike; it is part of the run's
 # fingerprint (DilocoConfig.shared), and a change of either changes it, so peers of two versions never mix in a run
 REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan (3); "
-               "all-to-all combines by the same rule (4)")
+               "all-to-all combines by the same rule (4); parts assigned by reported rates (5)")
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

@@ -54,6 +54,68 @@ def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
 
 
 @pytest.mark.beside
+def test_parts_go_by_the_rates_the_others_measured_only_slow_peers_reduce_fewer():
+    """Who reduces how many parts (``reducers``) from the receive rates the members' announcements report
+    (``rate_weights``): equal peers, or no reports, keep the round robin; a peer the others receive 40x slower
+    from reduces nothing; a peer 8x slower about half its share; rate noise within 4x moves nothing; one liar
+    cannot make a fast peer slow or a slow one fast (the median of the others' reports)."""
+    members = [f"peer{i}" for i in range(4)]
+    ordered = exchange.order("run", 1, 0, members)
+    short = str.encode
+    round_robin = [exchange.reducer_of(ordered, k) for k in range(16)]
+    assert exchange.reducers(ordered, 16) == round_robin == exchange.reducers(ordered, 16, {})
+    assert exchange.rate_weights(members, {}, short) == {}
+
+    def reports(rate_of: dict[str, int], liar: str | None = None, lie: dict[str, int] | None = None):
+        out = {m: {short(x): rate_of[x] for x in members if x != m} for m in members}
+        if liar is not None:
+            out[liar].update({short(x): v for x, v in lie.items()})
+        return out
+
+    noisy = {"peer0": 2000, "peer1": 900, "peer2": 1500, "peer3": 700}  # within 4x of the fastest: all full
+    weights = exchange.rate_weights(members, reports(noisy), short)
+    assert set(weights.values()) == {exchange.WEIGHT_FULL}
+    assert exchange.reducers(ordered, 16, weights) == round_robin
+    slow = {"peer0": 2000, "peer1": 2000, "peer2": 2000, "peer3": 50}
+    weights = exchange.rate_weights(members, reports(slow), short)
+    assert weights["peer3"] == 0 and exchange.reducers(ordered, 16, weights).count("peer3") == 0
+    assert sorted(collections.Counter(exchange.reducers(ordered, 16, weights)).values()) == [5, 5, 6]
+    half = {**slow, "peer3": 250}  # 8x slower: half weight, about half a share (16 x 8 / 56)
+    weights = exchange.rate_weights(members, reports(half), short)
+    assert weights["peer3"] == exchange.WEIGHT_FULL // 2
+    assert exchange.reducers(ordered, 16, weights).count("peer3") == 2
+    # two slow of four: the reference is the fast ones (the 3rd quartile), not the median
+    two = {"peer0": 2000, "peer1": 2000, "peer2": 50, "peer3": 50}
+    assert exchange.reducers(ordered, 16, exchange.rate_weights(members, reports(two), short)).count("peer2") == 0
+    # one liar: calls a fast peer slow, the slow one fast; the others' median stands
+    lied = reports(slow, liar="peer1", lie={"peer0": 1, "peer3": 10**6})
+    assert exchange.rate_weights(members, lied, short) == exchange.rate_weights(members, reports(slow), short)
+    # a peer nobody measured (a newcomer) is taken as full; all weights 0 falls back to the round robin
+    assert exchange.rate_weights(members, {"peer0": {b"peer1": 5}}, short)["peer2"] == exchange.WEIGHT_FULL
+    assert exchange.reducers(ordered, 16, {m: 0 for m in members}) == round_robin
+    # the audit plan follows the owners: no part is audited by the peer that reduced it
+    owners = exchange.reducers(ordered, 16, exchange.rate_weights(members, reports(slow), short))
+    plan = exchange.audit_plan("run", 1, 0, ordered, 16, 1.0, owners)
+    assert sorted(plan) == list(range(16)) and all(plan[k] != owners[k] for k in plan)
+
+
+@pytest.mark.beside
+def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
+    meter = exchange.RateMeter()
+    meter.start("a", 0.0)
+    meter.start("a", 0.5)  # two chunks from a at once: they share its link
+    meter.end("a", 1.0, 100_000)
+    meter.start("b", 0.0)
+    meter.end("b", 0.01, 100_000)  # a transfer this fast is timed as MIN_BUSY: no bottleneck, no rate from noise
+    assert meter.rates() == {"b": 100_000 / exchange.MIN_BUSY}  # a is still pulling: no rate yet
+    meter.end("a", 2.0, 100_000)
+    meter.start("c", 1.0)
+    meter.end("c", 5.0, 0)  # a pull that failed: its time, no bytes
+    meter.end("d", 5.0, 10)  # an end without a start is ignored
+    assert meter.rates() == {"a": 100_000.0, "b": 100_000 / exchange.MIN_BUSY, "c": 0.0}
+
+
+@pytest.mark.beside
 def test_audits_are_spread_so_no_peer_audits_many_parts():
     """Each audited part has an auditor other than its reducer, and no peer audits more than its share: an audit
     pulls that part's chunks, so two audits put a peer at 2.6 x S in at N = 8 instead of 2.2. Every peer computes
