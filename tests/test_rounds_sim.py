@@ -516,6 +516,23 @@ print(json.dumps(run_virtual(main())))
 """
 
 
+def _links_change_after_two_rounds(tmp_path, seed: int, change) -> tuple[dict, set, object]:
+    """4 peers exchange a 0.27 MB update (262,144 values in int8) by reduce-scatter at 2 MB/s, 6 rounds; after the
+    first 2, ``change(sim, cfg)`` sets links. Returns each peer's loop, the final hashes, what ``change`` returned."""
+
+    async def main():
+        cfg = SimConfig(peers=4, seed=seed, bandwidth=2e6)
+        sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
+        async with sim:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 fast rounds")
+            changed = change(sim, cfg)
+            await sim.until(sim.finished, 3000, "everyone to finish")
+            return {p: sim.loop(p) for p in sim.peers}, _finals(sim), changed
+
+    return run_virtual(main())
+
+
 @pytest.mark.timeout(120)
 def test_links_that_slow_down_mid_run_cost_no_round(tmp_path):
     """4 peers exchange a 0.27 MB update by reduce-scatter at 2 MB/s for 2 rounds (the rate is measured), then every
@@ -524,20 +541,14 @@ def test_links_that_slow_down_mid_run_cost_no_round(tmp_path):
     end, which moved the waits for reducers' messages too and only before the first measurement, left this run
     with 6-8 resyncs and 2 members a round.)"""
 
-    async def main():
-        cfg = SimConfig(peers=4, seed=7, bandwidth=2e6)
-        sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
-        async with sim:
-            await sim.start_all()
-            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 fast rounds")
-            for p in sim.peers:
-                sim.net.set_link(p, LinkSpec(latency=cfg.latency, up=200e3, down=200e3, loss=cfg.loss))
-            await sim.until(sim.finished, 3000, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers], _finals(sim)
+    def slow_all(sim, cfg):
+        for p in sim.peers:
+            sim.net.set_link(p, LinkSpec(latency=cfg.latency, up=200e3, down=200e3, loss=cfg.loss))
 
-    loops, finals = run_virtual(main())
-    assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops) == 0, finals
-    assert all(h["participants"] == 4 for lp in loops for h in lp.history), [lp.history for lp in loops]
+    loops, finals, _ = _links_change_after_two_rounds(tmp_path, 7, slow_all)
+    assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
 
 
 @pytest.mark.timeout(120)
@@ -549,23 +560,17 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
     weights). The others measure it slow and report that with their updates, so from then on it reduces fewer parts
     (``exchange.rate_weights``): rounds of all 4, one final weights, no resync."""
 
-    async def main():
-        cfg = SimConfig(peers=4, seed=5, bandwidth=2e6)
-        sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
-        async with sim:
-            await sim.start_all()
-            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 fast rounds")
-            slow = sorted(sim.peers)[0]
-            before = {p: sim.loop(p).counters["parts_reduced"] for p in sim.peers}
-            sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
-            await sim.until(sim.finished, 3000, "everyone to finish")
-            after = {p: sim.loop(p).counters["parts_reduced"] - before[p] for p in sim.peers}
-            return [sim.loop(p) for p in sim.peers], _finals(sim), after, slow
+    def slow_one(sim, cfg):
+        slow = sorted(sim.peers)[0]
+        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
+        return slow, {p: sim.loop(p).counters["parts_reduced"] for p in sim.peers}
 
-    loops, finals, reduced, slow = run_virtual(main())
-    assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops) == 0, finals
-    assert all(h["participants"] == 4 for lp in loops for h in lp.history), [lp.history for lp in loops]
+    loops, finals, (slow, before) = _links_change_after_two_rounds(tmp_path, 5, slow_one)
+    assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
     # 4 rounds after the drop, 16 parts each: the slow peer's share, 4 a round, went mostly to the others
+    reduced = {p: lp.counters["parts_reduced"] - before[p] for p, lp in loops.items()}
     assert reduced[slow] <= 8 and all(reduced[p] > reduced[slow] + 4 for p in reduced if p != slow), reduced
 
 
