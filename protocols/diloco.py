@@ -1638,6 +1638,16 @@ class DilocoLoop(TaskLoop):
             action = exchange.conform_action(whose, members, computed[k][0] if could else None, hashes[k])
             if action == "not_followed":
                 self.counters["parts_not_followed"] += 1
+                # the coordinator's part combines a minority's chunks (its own pulls came late: a congested
+                # uplink delays a peer's requests too), and ours may combine other chunks than the other peers':
+                # every peer that does not follow it reduces the part from all the members' chunks (from any
+                # holder), the same bytes wherever all of them come in the span. Keeping ours, the peers ended
+                # on as many weights as there were peers (the simulator: a coordinator whose uplink fell to
+                # 50 kB/s mid-round)
+                everyone = frozenset(members)
+                if used[k][1] != everyone and await compute(k, self.clock.monotonic() + span, only=everyone):
+                    parts[k], used[k] = computed[k][1], (computed[k][0], everyone)
+                    self.counters["parts_of_all_members"] += 1
             elif action == "not_conformed":
                 self.counters["parts_not_conformed"] += 1  # a chunk it names did not come to us
             elif action == "mismatch":
@@ -1679,10 +1689,11 @@ class DilocoLoop(TaskLoop):
         """The coordinator's parts reduced from fewer than a majority's chunks (its reducer's part came too late,
         and the chunks it had by then were few) are replaced, within ``wait``, by a reducer's part that combines a
         majority's, or else reduced again from the chunks that came since. The others never follow a minority part
-        (``exchange.conform_action``): they keep theirs, and a coordinator that kept it ended alone on other
-        weights and resynced (the simulator, 4 peers on 200 kB/s links: round 0's coordinator, a part of 1 or 2
-        chunks of 4). A reducer's part is taken as in the reduce step (its blob is the one the reducer signed;
-        audits judge reducers); one reduced again is checked by the others against the chunks it names."""
+        (``exchange.conform_action``): they reduce it from all the members' chunks (``_conform``), and a
+        coordinator that kept it ended alone on other weights and resynced (the simulator, 4 peers on 200 kB/s
+        links: round 0's coordinator, a part of 1 or 2 chunks of 4). A reducer's part is taken as in the reduce
+        step (its blob is the one the reducer signed; audits judge reducers); one reduced again is checked by the
+        others against the chunks it names."""
         me = self._ctx.identity.peer_id
         until = self.clock.monotonic() + wait
         bounds = self._bounds(key[1])

@@ -516,13 +516,13 @@ print(json.dumps(run_virtual(main())))
 """
 
 
-def _links_change_after_two_rounds(tmp_path, seed: int, change) -> tuple[dict, set, object]:
-    """4 peers exchange a 0.27 MB update (262,144 values in int8) by reduce-scatter at 2 MB/s, 6 rounds; after the
-    first 2, ``change(sim, cfg)`` sets links. Returns each peer's loop, the final hashes, what ``change`` returned."""
+def _links_change_after_two_rounds(tmp_path, seed: int, change, rounds: int = 6) -> tuple[dict, set, object]:
+    """4 peers exchange a 0.27 MB update (262,144 values in int8) by reduce-scatter at 2 MB/s; after the first 2
+    rounds, ``change(sim, cfg)`` sets links. Returns each peer's loop, the final hashes, what ``change`` returned."""
 
     async def main():
         cfg = SimConfig(peers=4, seed=seed, bandwidth=2e6)
-        sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
+        sim = DilocoSim(cfg, ChurnConfig(rounds=rounds, dim=262144, exchange="scatter"), tmp_path)
         async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 fast rounds")
@@ -572,6 +572,22 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
     # 4 rounds after the drop, 16 parts each: the slow peer's share, 4 a round, went mostly to the others
     reduced = {p: lp.counters["parts_reduced"] - before[p] for p, lp in loops.items()}
     assert reduced[slow] <= 8 and all(reduced[p] > reduced[slow] + 4 for p in reduced if p != slow), reduced
+
+
+@pytest.mark.timeout(120)
+def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_all_chunks(tmp_path):
+    """The round's coordinator is the peer whose uplink falls to 50 kB/s in it (seed 4): its own pulls wait behind
+    its uploads, its parts list names parts reduced from a minority's chunks, which no one follows. Each of the
+    others had kept its own part, from the chunks that had reached it, and the round ended on four weights; now
+    each reduces such a part from all the members' chunks (from any holder), and the run ends on one weights."""
+
+    def slow_one(sim, cfg):
+        slow = sorted(sim.peers)[0]
+        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
+
+    loops, finals, _ = _links_change_after_two_rounds(tmp_path, 4, slow_one, rounds=8)
+    counters = {k: sum(lp.counters[k] for lp in loops.values()) for k in ("parts_of_all_members", "resyncs")}
+    assert counters["parts_of_all_members"] >= 4 and len(finals) == 1, (finals, counters)
 
 
 @pytest.mark.timeout(180)
