@@ -364,6 +364,7 @@ class DilocoLoop(TaskLoop):
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
         self._assignment: dict[str, int] = {}  # the last scatter step: parts we reduced, members that reduced any
+        self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._resync_from: list[str] = []
@@ -915,6 +916,11 @@ class DilocoLoop(TaskLoop):
         # for only as a newcomer, and the penalties ban a sender of garbage
         if members - {me}:
             self.participants[p] = set(members)
+            # their weights by the rates their announcements report: the next round's chain of coordinators puts
+            # the slow ones last (every peer that closed this round with these members computes the same)
+            self._chain_weights[p] = exchange.rate_weights(
+                members, {a: dict(pending.announced[a].rates) for a in members if a in pending.announced},
+                rounds.short_id)
         else:
             # a round that had no one else's update (every other one late or from other weights) says nothing
             # about who is in the run: the next round waits for the same peers as this one did, or each peer would
@@ -989,6 +995,11 @@ class DilocoLoop(TaskLoop):
         # late here and in time elsewhere is not first at some peers and skipped at others
         last = self.participants.get(p, self._initial)
         chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
+        # a coordinator publishes the round's parts list after its own pulls, which a congested uplink holds up
+        # behind its uploads (the simulator: a slow coordinator's parts combined a minority's chunks): members the
+        # others measured slow in the last round come last in the chain (stable: the round's order otherwise)
+        weights = self._chain_weights.get(p, {})
+        chain = tuple(sorted(chain, key=lambda a: weights.get(a, exchange.WEIGHT_FULL) < exchange.WEIGHT_FULL))
         # one span: the coordinator's view and the announcements it names come over gossip, which a loaded peer
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
         end = self.clock.monotonic() + self._span(p)

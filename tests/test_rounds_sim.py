@@ -590,6 +590,26 @@ def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_al
     assert counters["parts_of_all_members"] >= 4 and len(finals) == 1, (finals, counters)
 
 
+@pytest.mark.timeout(120)
+def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
+    """One peer's uplink falls to 50 kB/s after round 2 (seed 2). A coordinator's own pulls wait behind its uploads,
+    so a slow one publishes parts reduced from a minority's chunks: members the others measured slow in the last
+    round come last in the chain of coordinators (their rate weights, the same at every peer that closed that round
+    with them). This seed then runs clean: all 4 in every round, one final weights, no resync (with the round's
+    order alone: two final weights)."""
+
+    def slow_one(sim, cfg):
+        slow = sorted(sim.peers)[0]
+        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
+        return slow
+
+    loops, finals, slow = _links_change_after_two_rounds(tmp_path, 2, slow_one, rounds=8)
+    assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
+    assert any(lp._chain_weights.get(0, {}).get(slow, 16) < 16 for lp in loops.values())  # it was measured slow
+
+
 @pytest.mark.timeout(180)
 def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured_time(tmp_path):
     """4 peers on 200 kB/s links (up and down) exchanging a 0.27 MB update (262,144 values in int8) by
