@@ -2,11 +2,12 @@
 
 An update of ``n`` values is cut into ``part_count(n)`` parts of fixed element ranges (the same for every peer and
 round), each encoded on its own. At a round's close the participants are put in an order drawn from the round
-(``order``); part k is reduced by the k-th peer of that order (round robin) and audited, in a fraction of rounds,
-by the next one. A reducer combines the participants' chunks of its part with the same rule as the all-to-all path
-(each update scaled by its clip factor, from the norms every participant announced with its update, then the mean
-in sorted peer order), encodes the result with the run's codec and everyone adopts those bytes: every peer ends
-with the same combined update, bit for bit, whoever reduced what.
+(``order``); part k is reduced by the k-th peer of that order (round robin; a peer the others measured slow gets
+fewer parts: ``rate_weights``, ``reducers``) and audited, in a fraction of rounds, by a next one. A reducer
+combines the participants' chunks of its part with the same rule as the all-to-all path (each update scaled by its
+clip factor, from the norms every participant announced with its update, then the mean in sorted peer order),
+encodes the result with the run's codec and everyone adopts those bytes: every peer ends with the same combined
+update, bit for bit, whoever reduced what.
 
 The round's decisions are here too, as functions of what arrived (the DiLoCo loop is the I/O around them: pulls,
 publishes, waits): whose updates a round combines (``screen_members``), whether a reducer's part is one to take
