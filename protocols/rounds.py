@@ -133,7 +133,8 @@ class MemberAgreement:
 
     At its close each peer publishes its view: the members it would combine (the peers whose contribution it holds
     and waited for). ``chain`` is the last round's members whose word counts, in this round's order (drawn from the
-    round: no peer chooses its place); its first is the round's coordinator and every peer adopts the coordinator's
+    round: no peer chooses its place; the DiLoCo loop puts the members the others measured slow last, by the rates
+    of the last round's announcements); its first is the round's coordinator and every peer adopts the coordinator's
     view, ours included. The last round's members were agreed the same way, so the chain, and the coordinator, are
     the same at every peer, whichever updates reached it in time this round: peers that closed with different
     members (an update that reached one by its deadline and another just after it) still combine the same ones and
