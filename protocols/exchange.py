@@ -104,12 +104,15 @@ def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[s
     receive rate it measured from that peer in its last exchange}); ``short`` maps a peer id to its short id. A
     member nobody reported weighs WEIGHT_FULL. Empty when nothing was reported (the plain round robin)."""
     members = sorted(members)
-    measured: dict[str, int] = {}
-    for x in members:
-        sid = short(x)
-        values = sorted(reports[m][sid] for m in members if m != x and m in reports and sid in reports[m])
-        if values:
-            measured[x] = values[(len(values) - 1) // 2]  # the lower median: one reporter cannot raise it
+    by_short = {short(x): x for x in members}
+    values: dict[str, list[int]] = {}
+    for m in members:  # each report once (at most MAX_RATE_REPORTS a member): not every member x every reporter
+        for sid, rate in reports.get(m, {}).items():
+            x = by_short.get(sid)
+            if x is not None and x != m:
+                values.setdefault(x, []).append(rate)
+    # the lower median: one reporter cannot raise it
+    measured = {x: sorted(v)[(len(v) - 1) // 2] for x, v in values.items()}
     if not measured:
         return {}
     ranked = sorted(measured.values())
