@@ -110,7 +110,7 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     import torch
 
     from protocols import task as tasks
-    from protocols.inner import lr_scale
+    from protocols.inner import lr_scale, scale_lr
 
     started = time.monotonic()
     torch.set_num_threads(threads)
@@ -121,8 +121,7 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
     model.train()
     for step in range(steps):
-        for group in opt.param_groups:
-            group["lr"] = inner_lr * lr_scale(step, steps if cosine else 0, warmup)
+        scale_lr(opt, lr_scale(step, steps if cosine else 0, warmup))
         opt.zero_grad(set_to_none=True)
         for stream in streams:  # the mean of the peers' losses: the gradient of the 4 x batch
             (tasks.loss_value(task, model, tasks.to_device(next(stream), device)) / peers).backward()

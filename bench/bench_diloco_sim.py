@@ -61,7 +61,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
 
     from protocols import codecs, outer
     from protocols import task as tasks
-    from protocols.inner import SwarmAdamW, lr_scale
+    from protocols.inner import SwarmAdamW, lr_scale, scale_lr
 
     s = {**BASE, **SETTINGS[name][1]}
     if s.get("dp"):  # the process bench's reference itself, on one thread
@@ -95,8 +95,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
         for model, opt, stream in zip(models, opts, streams):
             model.train()
             for k in range(h):
-                for group in opt.param_groups:
-                    group["lr"] = s["lr"] * lr_scale(step + k, steps if s["cosine"] else 0, s["warmup"])
+                scale_lr(opt, lr_scale(step + k, steps if s["cosine"] else 0, s["warmup"]))
                 opt.zero_grad(set_to_none=True)
                 tasks.loss_value(task, model, tasks.to_device(next(stream), dev)).backward()
                 opt.step()

@@ -38,7 +38,7 @@ from protocols import codecs, exchange, outer, rounds
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService, content_hash
 from protocols.gossip import Gossip, Message, Verdict
-from protocols.inner import SwarmAdamW, lr_scale
+from protocols.inner import SwarmAdamW, lr_scale, scale_lr
 from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
 from protocols.task import Task, TaskError
 from protocols.taskloop import TAG, TaskLoop
@@ -434,8 +434,6 @@ class DilocoLoop(TaskLoop):
         else:
             self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
                                                weight_decay=self.cfg.weight_decay)
-        for group in self.inner_opt.param_groups:  # the schedule's base (as torch's schedulers keep it)
-            group.setdefault("initial_lr", group["lr"])
         self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
@@ -658,9 +656,7 @@ class DilocoLoop(TaskLoop):
     def _schedule_lr(self) -> None:
         if self.cfg.lr_schedule == "constant" and not self.cfg.warmup_steps:
             return  # the optimizer's own lr, untouched
-        factor = self.lr_factor()
-        for group in self.inner_opt.param_groups:  # (a checkpoint from before the schedule has no initial_lr)
-            group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
+        scale_lr(self.inner_opt, self.lr_factor())
 
     def _inner_step(self) -> None:
         self.model.train()

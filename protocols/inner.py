@@ -87,3 +87,10 @@ def lr_scale(step: int, total: int, warmup: int = 0, final: float = 0.1) -> floa
     span = max(1, total - warmup)
     done = min(1.0, (step - warmup) / span)
     return final + (1 - final) * 0.5 * (1 + math.cos(math.pi * done))
+
+
+def scale_lr(opt: torch.optim.Optimizer, factor: float) -> None:
+    """Each param group's lr set to ``factor`` x its base (``initial_lr``, as torch's schedulers keep it; the group's
+    lr when it has none yet, e.g. a checkpoint from before the schedule)."""
+    for group in opt.param_groups:
+        group["lr"] = group.setdefault("initial_lr", group["lr"]) * factor
