@@ -164,7 +164,7 @@ def codecs_table() -> list[dict]:
     x = torch.randn(16 * 1024 * 1024)
     mib = x.numel() * 4 / 2**20
     rows = []
-    for name in ("none", "fp16", "bf16", "int8", "e3m0", "topk"):
+    for name in ("none", "fp16", "bf16", "int8", "e3m0", "sign", "topk"):
         codec = codecs.get(name)
         start = time.perf_counter()
         wire = codec.encode(x).to_wire()

@@ -382,6 +382,61 @@ class E3M0Codec(Codec):
         return result
 
 
+class SignCodec(Codec):
+    """1-bit sign + a scale per block: x' = s * sign(x), s the block's mean absolute value stored as bfloat16 (the
+    scale that minimises the block's squared error for a sign code, as in signSGD with error feedback and 1-bit
+    Adam). About 1.1 bits a value at the default block (3.7x fewer bytes than e3m0), so a run may sync 3.7x as often
+    for the same bytes; it drops a value's magnitude, so pair it with error feedback (DiLoCo's ``error_feedback``).
+
+    Code layout: one bit per value, 1 = negative, eight values per byte, the first in the lowest bit. A zero is sent as
+    +s. A decoded block's norm is s * sqrt(block), at most the block's own norm (mean |x| <= its root mean square; up
+    to the scale's rounding to bfloat16)."""
+
+    id, name = 6, "sign"
+    finite_by_construction = True  # every |value| is its block's scale, and the scales are checked finite
+
+    def __init__(self, block: int = 128):
+        self.block = block
+
+    def _parts(self, x: torch.Tensor):
+        flat = _flat32(x)
+        n, b = flat.numel(), self.block
+        view = _blocked(flat, b)
+        counts = torch.full((view.shape[0],), float(b))
+        if n % b:
+            counts[-1] = n % b  # the last block's mean over its own values, not its zero padding
+        scales16 = (view.abs().sum(dim=1) / counts).to(torch.bfloat16)
+        bits = (flat < 0).to(torch.uint8)
+        if n % 8:
+            bits = torch.cat([bits, torch.zeros(8 - n % 8, dtype=torch.uint8)])
+        packed = (bits.view(-1, 8) << _BIT_SHIFTS).sum(dim=1, dtype=torch.uint8) if n else bits
+        return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(), b""),
+                packed.contiguous())
+
+    def decode_flat(self, enc: Encoded, out):
+        n, b = math.prod(enc.shape), enc.block
+        if b <= 0:
+            raise CodecError("sign: block must be positive")
+        blocks = -(-n // b)
+        _need(len(enc.data), (n + 7) // 8, "data")
+        _need(len(enc.scales), 2 * blocks, "scales")
+        result = _out(enc, out)
+        if n:
+            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
+            _check_finite(scales)
+            packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
+            # one table lookup per byte gives its eight values (+-1, lowest bit first)
+            octets = torch.index_select(_SIGN_OCTETS, 0, packed.to(torch.int32)).view(-1)
+            result.copy_(octets[:n])
+            _scale_blocks(result, scales, b)
+        return result
+
+
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+_SIGN_OCTETS = (1.0 - 2.0 * ((torch.arange(256, dtype=torch.int32)[:, None] >> torch.arange(8)) & 1)).to(
+    torch.float32).contiguous()
+
+
 class TopKCodec(Codec):
     """Top-k sparsification: the k = ceil(ratio * n) largest magnitudes, as uint32 indices + float32 values.
 
@@ -446,7 +501,7 @@ class ErrorFeedback:
 
 
 CODECS: dict[int, Codec] = {c.id: c for c in (NoneCodec(), Fp16Codec(), Bf16Codec(), Int8Codec(), E3M0Codec(),
-                                              TopKCodec())}
+                                              TopKCodec(), SignCodec())}
 BY_NAME: dict[str, Codec] = {c.name: c for c in CODECS.values()}
 
 

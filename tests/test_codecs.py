@@ -16,7 +16,7 @@ from protocols import codecs as C
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
-NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk"]
+NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk", "sign"]
 
 
 def tensors():
@@ -62,6 +62,13 @@ def test_error_bounds(params):
         elif name == "e3m0":
             s = block_scales(x, 128) * (1 + 2**-8)  # the scale travels as bfloat16
             assert bool((err <= (2**0.5 - 1) * flat.abs() + s * 2**-7 + 1e-30).all())
+        elif name == "sign":
+            assert torch.equal(y.reshape(-1) < 0, flat < 0)  # the sign of every value; a zero is sent as +s
+            n, mags = flat.numel(), y.reshape(-1).abs()
+            for a in range(0, n, 128):  # |value| is its block's mean |x| (rounded to bfloat16)
+                mean = flat[a:a + 128].abs().mean()
+                assert bool((mags[a:a + 128] == mags[a]).all())
+                assert abs(float(mags[a]) - float(mean)) <= 2**-8 * float(mean) + 1e-38
         elif name == "topk":
             k = max(1, math.ceil(0.01 * flat.numel())) if flat.numel() else 0
             kept = y.reshape(-1) != 0
@@ -156,18 +163,25 @@ def test_decode_into_preallocated_buffer():
         C.decode(C.encode(x, "int8"), out=torch.empty(10))
 
 
-def test_error_feedback_carries_what_was_dropped():
+@pytest.mark.parametrize("codec", [C.get("topk", ratio=0.05), C.get("sign")], ids=["topk", "sign"])
+def test_error_feedback_carries_what_was_dropped(codec):
     torch.manual_seed(0)
-    ef = C.ErrorFeedback(C.get("topk", ratio=0.05))
-    inputs = [torch.randn(400) for _ in range(50)]
+    ef = C.ErrorFeedback(codec)
+    inputs = [torch.randn(400) * (1 + torch.arange(400) / 100) for _ in range(50)]  # magnitudes unequal in a block
     sent = torch.zeros(400)
     for x in inputs:
         sent += C.decode(ef.encode(x).to_wire())
     total = torch.stack(inputs).sum(0)
     assert torch.allclose(sent + ef.residual, total, atol=1e-4)
     # without feedback the dropped mass is simply lost
-    plain = sum(C.decode(C.encode(x, C.get("topk", ratio=0.05))) for x in inputs)
+    plain = sum(C.decode(C.encode(x, codec)) for x in inputs)
     assert (plain - total).norm() > 3 * (sent - total).norm()
+
+
+def test_sign_codec_is_about_one_bit_a_value():
+    x = torch.randn(128_000)
+    assert len(C.encode(x, "sign")) < 0.145 * x.numel()  # 1/8 byte a value + a bfloat16 scale per 128
+    assert len(C.encode(x, "sign")) * 3.6 < len(C.encode(x, "e3m0"))
 
 
 def test_report_gives_ratio_and_error():
@@ -185,6 +199,7 @@ GOLDEN = {
     "int8": C.get("int8", block=4),
     "e3m0": C.get("e3m0", block=4),
     "topk": C.get("topk", ratio=0.3),
+    "sign": C.get("sign", block=4),
 }
 
 
@@ -226,7 +241,7 @@ def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
 
     from protocols import codecs
 
-    for codec_id, scales in ((3, b"\x00\x00\x80\x3f"), (4, b"\x80\x3f")):
+    for codec_id, scales in ((3, b"\x00\x00\x80\x3f"), (4, b"\x80\x3f"), (6, b"\x80\x3f")):
         tiny = msgpack.packb({"v": 1, "codec": codec_id, "dtype": 0, "shape": [1], "block": 2**31 - 1, "k": 0,
                               "scales": scales, "data": b"\x01"}, use_bin_type=True)
         with pytest.raises(codecs.CodecError, match="block"):
@@ -237,7 +252,7 @@ def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
     rng = random.Random(1234)
     x = torch.randn(3, 70, generator=torch.Generator().manual_seed(1))
     seeds = [msgpack.loads(codecs.get(name).encode(x).to_wire()) for name in ("none", "fp16", "bf16", "int8", "e3m0",
-                                                                                 "topk")]
+                                                                                 "topk", "sign")]
     values = [0, 1, -1, 2**31, 2**63 - 1, 7, 3.5, "x", b"\x00" * 9, [], [1, 2], None, True]
     for i in range(4000):
         obj = dict(rng.choice(seeds))
@@ -271,6 +286,15 @@ def test_blockwise_codecs_decode_to_their_defining_formula(n, block):
     code = torch.stack([packed & 0x0F, packed >> 4], dim=1).reshape(-1)[:n]
     value = torch.pow(2.0, -(code & 7).float()) * (1.0 - 2.0 * (code >> 3).float()) * scales[block_of]
     assert C.decode(enc.to_wire()).equal(value)
+    enc = C.SignCodec(block).encode(x)
+    scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).float()
+    packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
+    bit = ((packed[:, None] >> torch.arange(8, dtype=torch.uint8)) & 1).reshape(-1)[:n]
+    assert C.decode(enc.to_wire()).equal((1.0 - 2.0 * bit.float()) * scales[block_of])
+    padded = torch.zeros(-(-n // block) * block)
+    padded[:n] = x.abs()
+    means = padded.view(-1, block).sum(1) / torch.tensor([min(block, n - a) for a in range(0, n, block)]).float()
+    assert torch.equal(scales, means.to(torch.bfloat16).float())  # the block's mean |x| over its own values
     enc = C.Int8Codec(block).encode(x)
     scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
     q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8).float()
