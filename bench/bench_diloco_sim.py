@@ -32,7 +32,8 @@ REPO = Path(__file__).resolve().parent.parent
 # name -> (what it is, its settings); every DiLoCo setting: 4-bit e3m0 updates, swarm-adamw, plain averaging
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
-        "mom": 0.0, "warmup": 0, "cosine": False}
+        "mom": 0.0, "warmup": 0, "cosine": False,
+        "recode": False}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
@@ -46,6 +47,16 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "h13-m0.5": ("H=13 e3m0 + ef, outer Nesterov (1.0, 0.5)", {"ef": True, "mom": 0.5}),
     "h13-m0.3": ("H=13 e3m0 + ef, outer Nesterov (1.2, 0.3)", {"ef": True, "olr": 1.2, "mom": 0.3}),
     "h13-nesterov": ("H=13 e3m0 + ef, outer Nesterov (0.7, 0.9)", {"ef": True, "olr": 0.7, "mom": 0.9}),
+    "h4-none": ("H=4 no compression (fp32)", {"h": 4, "codec": "none"}),
+    "h7-none": ("H=7 no compression (fp32)", {"h": 7, "codec": "none"}),
+    "h4-sign-ef": ("H=4 1-bit sign + error feedback", {"h": 4, "codec": "sign", "ef": True}),
+    "h4-sign": ("H=4 1-bit sign, no error feedback", {"h": 4, "codec": "sign"}),
+    "h4-sign-ef-lr1.5e-3": ("H=4 sign + ef, inner lr 1.5e-3", {"h": 4, "codec": "sign", "ef": True, "lr": 1.5e-3}),
+    "h4-sign-ef-olr1.25": ("H=4 sign + ef, outer lr 1.25 (1 / sqrt(2 / pi))", {"h": 4, "codec": "sign", "ef": True,
+                                                                              "olr": 1.25}),
+    "h4-sign64-ef": ("H=4 sign (blocks of 64) + ef", {"h": 4, "codec": "sign64", "ef": True}),
+    "h4-sign-ef-rc": ("H=4 sign + ef, the mean re-encoded (scatter)", {"h": 4, "codec": "sign", "ef": True,
+                                                                       "recode": True}),
     "h20-ef": ("H=20 e3m0 + error feedback", {"h": 20, "ef": True}),
     "h25-nesterov": ("H=25 e3m0 + ef, outer Nesterov (0.7, 0.9)", {"h": 25, "ef": True, "olr": 0.7, "mom": 0.9}),
     "h50-nesterov": ("H=50 e3m0, outer Nesterov (0.7, 0.9) (the paper)", {"h": 50, "olr": 0.7, "mom": 0.9}),
@@ -82,7 +93,8 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             return SwarmAdamW(model.parameters(), peers=peers, **kw)
         return torch.optim.AdamW(model.parameters(), **kw)
 
-    codec = codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get(s["codec"])
+    codec = (codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get("sign", block=64)
+             if s["codec"] == "sign64" else codecs.get(s["codec"]))
     models = [tasks.build_model(task, 1).to(dev) for _ in range(peers)]
     params = [[p for _, p in tasks.trainable(m)] for m in models]
     global_flat = outer.flatten(params[0])
@@ -109,6 +121,8 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             updates[f"w{i}"] = codec.decode_flat(enc, None)
         combined, rejected = outer.combine(updates, global_flat.numel())
         refused += len(rejected)
+        if s["recode"]:  # the scatter path: each reducer sends its part of the mean encoded with the run's codec
+            combined = codec.decode_flat(codec.encode(combined), None)
         global_flat = outer_opt.step(0, global_flat, combined)
         with torch.no_grad():
             for ps in params:

@@ -61,6 +61,7 @@ MAX_LATE_PULLS = 4  # per round: counted peers' updates pulled after we closed i
 HISTORY = 1024  # closed rounds and evaluated losses kept for /status and the dashboard (a run may never end)
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
+FEEDBACK_CODECS = ("sign", "topk")  # error_feedback = "auto" turns it on for these
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
@@ -155,6 +156,11 @@ class DilocoConfig(BaseModel):
     overlap: int = Field(0, ge=0)  # tau: inner steps run while a fragment's update travels
     alpha: float = Field(0.0, ge=0, le=1)  # local weight when merging an overlapped fragment
     codec: str = "e3m0"
+    # error feedback: each peer adds what the codec dropped of its last update to its next one (Deep Gradient
+    # Compression, 1-bit Adam), so the swarm gets, over rounds, what a peer's steps moved. "auto": on for the codecs
+    # that drop magnitudes ("sign", "topk"), off for the others (with e3m0 it gained nothing: bench_diloco_sim.py).
+    # Each peer's own state (one fp32 copy of the weights), not part of the run's fingerprint
+    error_feedback: str = Field("auto", pattern=r"^(auto|on|off)$")
     # the inner optimizer when the task brings none: "swarm-adamw" (AdamW with its step sized for the round's
     # peers' batches, protocols/inner.py) or plain "adamw"; betas 0.9/0.95 and weight_decay either way
     inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
@@ -322,6 +328,10 @@ class DilocoLoop(TaskLoop):
         self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
         self.topic = f"diloco/{config.run}"
         self.codec = codecs.get(config.codec)
+        self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
+                                                          and config.codec in FEEDBACK_CODECS)
+        self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
+        self._residual_norms: dict[int, float] = {}
         self.pending: dict[tuple[int, int], Pending] = collections.defaultdict(Pending)
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
         self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
@@ -729,16 +739,25 @@ class DilocoLoop(TaskLoop):
             return None
         delta = self._pseudo_gradient(p, local)
         del local
+        residual = self.residual.get(p) if self.feedback else None
+        if residual is not None and residual.shape == delta.shape:
+            delta.add_(residual)  # what the codec dropped of our last update travels with this one
         bounds = self._bounds(p)
         payloads = [bytearray(self.codec.encode(delta[a:b]).to_wire()) for a, b in bounds]
-        del delta
+        if not self.feedback:
+            del delta
         # what the others will see of our update, decoded part by part into one tensor (or only measured)
         mine = torch.empty(bounds[-1][1]) if whole else None
         squares = 0.0
         for (a, b), payload in zip(bounds, payloads):
             part = codecs.decode(payload, out=None if mine is None else mine[a:b])
             squares += float(part.norm()) ** 2  # (torch's fp32 norm of a part; no float64 copy of it)
+            if self.feedback:
+                delta[a:b].sub_(part)  # the part of it the codec dropped: the next update's residual
             del part
+        if self.feedback:
+            self.residual[p] = delta
+            self._residual_norms[p] = round(float(delta.norm()), 6)
         return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
 
     def _own_update(self, pending: Pending) -> torch.Tensor | None:
@@ -1847,6 +1866,8 @@ class DilocoLoop(TaskLoop):
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
         for p in list(self._redo):  # their inputs were other weights
             self._drop_redo(p)
+        self.residual.clear()  # what the codec dropped of updates from other weights
+        self._residual_norms.clear()
         self.global_flat = global_flat
         self._global_version += 1
         self.outer_opt.buffers = momentum
@@ -2213,6 +2234,10 @@ class DilocoLoop(TaskLoop):
             "inner_lr": ([round(g["lr"], 8) for g in self.inner_opt.param_groups][:8]
                          if getattr(self, "inner_opt", None) is not None else None),
             "withheld": {str(p): why for p, why in self.skipped.items()},
+            "codec": self.cfg.codec,
+            # error feedback: the norm of what the codec dropped of our last update, per fragment (null: off)
+            "residual_norm": ({str(p): v for p, v in sorted(self._residual_norms.items())}
+                              if self.feedback else None),
             **self._task_status(),
             "step": self.step,
             "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),

@@ -645,3 +645,23 @@ def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured
     assert len(out["finals"]) == 1 and out["resyncs"] == 0, out
     assert out["members"] == 4, out
     assert all(r is not None and r < 200e3 for r in out["rates"]), out  # measured, and shown in /status
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("exchange", ["all-to-all", "scatter"])
+def test_one_bit_updates_with_error_feedback_train_where_without_it_they_stall(tmp_path, exchange):
+    """The 1-bit "sign" codec keeps a value's sign and its block's mean magnitude; error_feedback (on by default for
+    it) adds what was dropped to the peer's next update. Same swarm, same seeds: with it the regression's loss ends
+    lower than without it, every peer on the same weights, and /status shows each peer's residual."""
+    async def run(feedback: str):
+        sim = _sim(tmp_path / feedback, 4, rounds=10, exchange=exchange, codec="sign", error_feedback=feedback)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.report(0.0), [sim.loop(p).status() for p in sim.peers]
+
+    (with_ef, statuses), (without, plain) = run_virtual(run("auto")), run_virtual(run("off"))
+    assert with_ef["same_final_weights"] == without["same_final_weights"] == 4
+    assert with_ef["loss_end"] < 0.8 * without["loss_end"], (with_ef["loss_end"], without["loss_end"])
+    assert all(s["codec"] == "sign" and s["residual_norm"]["0"] > 0 for s in statuses)
+    assert all(s["residual_norm"] is None for s in plain)
