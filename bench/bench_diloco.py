@@ -5,7 +5,8 @@ task of the seam (default: ``hf-text``, a small Llama from a transformers config
 alpha 0.5, e3m0); (e) 4 peers DiLoCo, H=25, with the outer step as plain averaging (outer lr 1, no momentum: the
 best of a sweep at this short horizon); (f) 4 peers DiLoCo, H=13 (~100x fewer bytes than data parallelism with
 e3m0), averaging, with the ``swarm-adamw`` inner optimizer (protocols/inner.py: AdamW's step sized for the round's
-peers' batches; the loop's default); (d) the fair data-parallel reference, in this process: one model trained
+peers' batches; the loop's default); (g) 4 peers DiLoCo, H=4, the 1-bit ``sign`` codec with error feedback
+(~114x fewer bytes), averaging, swarm-adamw; (d) the fair data-parallel reference, in this process: one model trained
 synchronously on the 4 peers' batches at once (4 x batch per step, the same steps, AdamW with the same settings),
 which is what DDP computes. Rows (a)-(e) use plain AdamW inside, as the DiLoCo paper does.
 
@@ -17,7 +18,7 @@ step, what a data-parallel peer contributes), and the fraction of wall time a no
 round to close.
 
     python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}'] [--device cuda]
-                                 [--pretrain 300] [--only abcefd] [--lr-schedule cosine --warmup 25]
+                                 [--pretrain 300] [--only abcefgd] [--lr-schedule cosine --warmup 25]
 
 ``--lr-schedule cosine`` (with ``--warmup N``) gives every peer and the reference the same inner learning-rate
 schedule: a linear warm-up, then a cosine down to 0.1x at the run's last step (the loop's ``lr_schedule``).
@@ -137,7 +138,7 @@ def main() -> None:
     parser.add_argument("--task", default="hf-text")
     parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
     parser.add_argument("--device", default="cpu", help="every peer's and the reference's device: cpu, cuda, ...")
-    parser.add_argument("--only", default="abcefd", help="which runs, by letter (default: all)")
+    parser.add_argument("--only", default="abcefgd", help="which runs, by letter (default: all)")
     parser.add_argument("--pretrain", type=int, default=0, help="hf-text: every peer (and the reference) starts "
                         "from the same model pretrained this many steps, as the DiLoCo paper starts from a "
                         "pretrained checkpoint")
@@ -166,10 +167,13 @@ def main() -> None:
             "f": ("(f) 4 peers H=13 e3m0, averaging, swarm-adamw",
                   lambda: run("swarm", 4, s, root / "f", task, options, h=13, outer_lr=1.0, momentum=0.0,
                               device=dev, inner="swarm-adamw", **sched)),
+            "g": ("(g) 4 peers H=4 1-bit sign+ef, swarm-adamw",
+                  lambda: run("sign", 4, s, root / "g", task, options, h=4, codec="sign", outer_lr=1.0,
+                              momentum=0.0, device=dev, inner="swarm-adamw", **sched)),
             "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
                 s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine")),
         }
-        for letter in "abcefd":
+        for letter in "abcefgd":
             if letter in args.only or letter == "d":
                 name, go = runs[letter]
                 results[name] = go()
