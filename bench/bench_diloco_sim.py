@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parent.parent
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
         "mom": 0.0, "warmup": 0, "cosine": False,
-        "recode": False}
+        "recode": None}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
@@ -55,8 +55,10 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "h4-sign-ef-olr1.25": ("H=4 sign + ef, outer lr 1.25 (1 / sqrt(2 / pi))", {"h": 4, "codec": "sign", "ef": True,
                                                                               "olr": 1.25}),
     "h4-sign64-ef": ("H=4 sign (blocks of 64) + ef", {"h": 4, "codec": "sign64", "ef": True}),
-    "h4-sign-ef-rc": ("H=4 sign + ef, the mean re-encoded (scatter)", {"h": 4, "codec": "sign", "ef": True,
-                                                                       "recode": True}),
+    "h4-sign-ef-rc": ("H=4 sign + ef, the mean re-encoded in sign", {"h": 4, "codec": "sign", "ef": True,
+                                                                      "recode": "sign"}),
+    "h4-sign-ef-rce3m0": ("H=4 sign + ef, the mean re-encoded in e3m0", {"h": 4, "codec": "sign", "ef": True,
+                                                                         "recode": "e3m0"}),
     "h20-ef": ("H=20 e3m0 + error feedback", {"h": 20, "ef": True}),
     "h25-nesterov": ("H=25 e3m0 + ef, outer Nesterov (0.7, 0.9)", {"h": 25, "ef": True, "olr": 0.7, "mom": 0.9}),
     "h50-nesterov": ("H=50 e3m0, outer Nesterov (0.7, 0.9) (the paper)", {"h": 50, "olr": 0.7, "mom": 0.9}),
@@ -121,8 +123,9 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             updates[f"w{i}"] = codec.decode_flat(enc, None)
         combined, rejected = outer.combine(updates, global_flat.numel())
         refused += len(rejected)
-        if s["recode"]:  # the scatter path: each reducer sends its part of the mean encoded with the run's codec
-            combined = codec.decode_flat(codec.encode(combined), None)
+        if s["recode"]:  # the scatter path: each reducer sends its part of the mean encoded (reduced_codec)
+            recode = codecs.get(s["recode"])
+            combined = recode.decode_flat(recode.encode(combined), None)
         global_flat = outer_opt.step(0, global_flat, combined)
         with torch.no_grad():
             for ps in params:

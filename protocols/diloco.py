@@ -62,6 +62,7 @@ HISTORY = 1024  # closed rounds and evaluated losses kept for /status and the da
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
 FEEDBACK_CODECS = ("sign", "topk")  # error_feedback = "auto" turns it on for these
+REDUCED_AUTO = {"sign": "e3m0"}  # reduced_codec = "auto": the run's codec but for these
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
@@ -161,6 +162,10 @@ class DilocoConfig(BaseModel):
     # that drop magnitudes ("sign", "topk"), off for the others (with e3m0 it gained nothing: bench_diloco_sim.py).
     # Each peer's own state (one fp32 copy of the weights), not part of the run's fingerprint
     error_feedback: str = Field("auto", pattern=r"^(auto|on|off)$")
+    # the codec of a scatter round's combined parts (what each reducer sends everyone): "auto" is the run's codec,
+    # except e3m0 for "sign" (the sign of the peers' mean loses what they agree on: +2.8% validation loss in
+    # bench_diloco_sim's h4-sign-ef-rc; e3m0 keeps it at 3.7x a sign part's bytes in the all-gather)
+    reduced_codec: str = Field("auto", pattern=r"^(auto|none|fp16|bf16|int8|e3m0|sign)$")
     # the inner optimizer when the task brings none: "swarm-adamw" (AdamW with its step sized for the round's
     # peers' batches, protocols/inner.py) or plain "adamw"; betas 0.9/0.95 and weight_decay either way
     inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
@@ -208,7 +213,15 @@ class DilocoConfig(BaseModel):
         return {**self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
                                            "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
                                            "scatter_min_peers", "scatter_min_bytes", "audit", "agree"}),
-                "reduce_rule": exchange.REDUCE_RULE}
+                "reduce_rule": exchange.REDUCE_RULE,
+                # (only where it is not the run's codec: runs that never set it keep their fingerprint)
+                **({"reduced_codec": self.reduced()} if self.reduced() != self.codec else {})}
+
+    def reduced(self) -> str:
+        """The codec of a scatter round's combined parts (``reduced_codec`` resolved)."""
+        if self.reduced_codec != "auto":
+            return self.reduced_codec
+        return REDUCED_AUTO.get(self.codec, self.codec)
 
 
 @dataclass
@@ -328,6 +341,7 @@ class DilocoLoop(TaskLoop):
         self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
         self.topic = f"diloco/{config.run}"
         self.codec = codecs.get(config.codec)
+        self.reduced_codec = codecs.get(config.reduced())
         self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
                                                           and config.codec in FEEDBACK_CODECS)
         self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
@@ -378,7 +392,7 @@ class DilocoLoop(TaskLoop):
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._resync_from: list[str] = []
-        self._encoded_size: dict[int, list[int]] = {}  # fragment -> bytes of each encoded part of an update
+        self._encoded_size: dict[tuple[int, bool], list[int]] = {}  # (fragment, reduced) -> bytes of each part
         self._sources: dict[str, asyncio.Semaphore] = {}
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
@@ -427,10 +441,13 @@ class DilocoLoop(TaskLoop):
         self.rounds_done = [0] * self.cfg.fragments
         for p in range(self.cfg.fragments):
             self._update_bytes(p)  # once, here in the worker thread: the exchange mode depends on it
+            self._part_bytes(p, reduced=True)
         # the blobs a round's exchange keeps in the bulk store: per fragment our update, the chunks and parts we
         # pull and reduce (about 3 x an update in scatter), for this round and the last, and our own of the one
-        # before (``_drop_round_blobs``); room for 8 x an update, so a large model's are never dropped early
-        self.bulk.reserve(8 * sum(self._update_bytes(p) for p in range(self.cfg.fragments)))
+        # before (``_drop_round_blobs``); room for 8 x an update (x the combined parts' size where reduced_codec
+        # makes them larger), so a large model's are never dropped early
+        self.bulk.reserve(8 * sum(max(self._update_bytes(p), sum(self._part_bytes(p, reduced=True)))
+                                  for p in range(self.cfg.fragments)))
         self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,
                                              self.cfg.outer_momentum)
         if self.task.has("optimizer"):
@@ -1214,7 +1231,7 @@ class DilocoLoop(TaskLoop):
         split, 4 had 0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well
         (``_majority_parts``), all 8 ended on one weights with no resync and 4 members a round
         (``bench/bench_sim.py --slow``)."""
-        moved = 2 * self._update_bytes(p)
+        moved = self._update_bytes(p) + sum(self._part_bytes(p, reduced=True))  # the chunks in, the combined out
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(moved / self._transfer_rate(), max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
         return max(self.cfg.deadline_low, self.deadline.value()) + transfer
@@ -1264,11 +1281,14 @@ class DilocoLoop(TaskLoop):
         n = self.global_flat[p].numel()
         return exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
 
-    def _part_bytes(self, p: int) -> list[int]:
-        """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most."""
-        if p not in self._encoded_size:
-            self._encoded_size[p] = [len(self.codec.encode(torch.zeros(b - a)).to_wire()) for a, b in self._bounds(p)]
-        return self._encoded_size[p]
+    def _part_bytes(self, p: int, reduced: bool = False) -> list[int]:
+        """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most; with
+        ``reduced``, of each combined part a reducer may publish (``reduced_codec``)."""
+        if (p, reduced) not in self._encoded_size:
+            codec = self.reduced_codec if reduced else self.codec
+            self._encoded_size[(p, reduced)] = [len(codec.encode(torch.zeros(b - a)).to_wire())
+                                                for a, b in self._bounds(p)]
+        return self._encoded_size[(p, reduced)]
 
     def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
         pending.pulling.add(peer)
@@ -1517,7 +1537,8 @@ class DilocoLoop(TaskLoop):
                     del chunks[peer]
 
                 def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
-                    payload = bytearray(self.codec.encode(exchange.reduce_part(chunks, factors, b - a)).to_wire())
+                    combined = exchange.reduce_part(chunks, factors, b - a)
+                    payload = bytearray(self.reduced_codec.encode(combined).to_wire())
                     return payload, content_hash(payload), codecs.decode(payload)
 
                 payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
@@ -2170,7 +2191,7 @@ class DilocoLoop(TaskLoop):
             k = body["red"] if kind is REDUCED else body["aud"]
             pending = self.pending[(r, p)]
             if kind is REDUCED:
-                if body["size"] > self._max_part(p, k):
+                if body["size"] > self._max_part(p, k, reduced=True):
                     return Verdict.REJECT
                 held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]),
                                                    body["c"])
@@ -2199,12 +2220,12 @@ class DilocoLoop(TaskLoop):
         self._event.set()
         return Verdict.ACCEPT
 
-    def _max_part(self, p: int, k: int) -> int:
+    def _max_part(self, p: int, k: int, reduced: bool = False) -> int:
         """The most bytes part k of fragment p may claim (checked before anything is pulled, so a peer cannot make
-        us allocate for a size it made up)."""
+        us allocate for a size it made up); ``reduced``: a combined part's."""
         if not self.rounds_done:  # not built yet: only the absolute cap
             return MAX_PART_BYTES
-        sizes = self._part_bytes(p)
+        sizes = self._part_bytes(p, reduced)
         return sizes[k] + PART_SLACK if k < len(sizes) else 0
 
     def _announced(self, body: dict, p: int) -> Announced | None:

@@ -665,3 +665,21 @@ def test_one_bit_updates_with_error_feedback_train_where_without_it_they_stall(t
     assert with_ef["loss_end"] < 0.8 * without["loss_end"], (with_ef["loss_end"], without["loss_end"])
     assert all(s["codec"] == "sign" and s["residual_norm"]["0"] > 0 for s in statuses)
     assert all(s["residual_norm"] is None for s in plain)
+
+
+@pytest.mark.timeout(120)
+def test_a_scatter_round_of_one_bit_updates_sends_its_combined_parts_in_e3m0(tmp_path):
+    """With the sign codec a reducer's part of the mean goes out in e3m0 (reduced_codec = "auto"), not as the sign
+    of the mean, which drops how much the peers agree: the same swarm ends well below the 1-bit mean's loss, and
+    every peer on the same weights."""
+    async def run(reduced: str):
+        sim = _sim(tmp_path / reduced, 4, rounds=10, exchange="scatter", codec="sign", reduced_codec=reduced)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.report(0.0), sim.loop(sim.peers[0]).reduced_codec.name
+
+    (e3m0, name), (one_bit, _) = run_virtual(run("auto")), run_virtual(run("sign"))
+    assert name == "e3m0" and e3m0["same_final_weights"] == one_bit["same_final_weights"] == 4
+    assert e3m0["loss_end"] < 0.5 * one_bit["loss_end"], (e3m0["loss_end"], one_bit["loss_end"])
+    assert e3m0["counters"].get("parts_reduced", 0) > 0
