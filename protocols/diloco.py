@@ -1082,6 +1082,11 @@ class DilocoLoop(TaskLoop):
                 self._start_pull(key, pending, peer)
             await outer.wait_until(lambda: agreed - pending.failed <= set(pending.updates), self._event,
                                    end - self.clock.monotonic())
+            if missing := agreed - set(pending.updates):  # we combine without them: the others may not
+                self.counters["view_updates_missing"] += len(missing)
+                logger.warning("diloco round %d/%d: the update of %s, which %s's member view names, did not come "
+                               "within the span; combined without it", r, p, sorted(a[-8:] for a in missing),
+                               chosen[-8:])
             agreed &= set(pending.updates)
         self.counters["members_from_coordinator"] += 1
         pending.coordinator = chosen
