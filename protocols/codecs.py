@@ -289,18 +289,29 @@ class Bf16Codec(Fp16Codec):
     wire_dtype = torch.bfloat16
 
 
-class Int8Codec(Codec):
+class BlockCodec(Codec):
+    """A codec with a scale per block of ``block`` values (int8, e3m0, sign)."""
+
+    default_block = 128
+
+    def __init__(self, block: int | None = None):
+        self.block = self.default_block if block is None else block
+
+    def _blocks(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int, torch.Tensor]:
+        """``x`` as flat float32 values, their count, the block size, and the values zero-padded to whole blocks
+        as a (blocks, block) view."""
+        flat = _flat32(x)
+        return flat, flat.numel(), self.block, _blocked(flat, self.block)
+
+
+class Int8Codec(BlockCodec):
     """Blockwise absmax int8: per block of ``block`` elements, s = max abs, q = round(127 x / s)."""
 
     id, name = 3, "int8"
-
-    def __init__(self, block: int = 256):
-        self.block = block
+    default_block = 256
 
     def _parts(self, x: torch.Tensor):
-        flat = _flat32(x)
-        n, b = flat.numel(), self.block
-        view = _blocked(flat, b)
+        flat, n, b, view = self._blocks(x)
         scales = view.abs().amax(dim=1)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales))
         q = torch.round(view * (127.0 / safe).unsqueeze(1)).clamp_(-127, 127).to(torch.int8)
@@ -333,7 +344,25 @@ def _e3m0_pairs() -> torch.Tensor:
 _E3M0_PAIRS = _e3m0_pairs()
 
 
-class E3M0Codec(Codec):
+def _decode_by_table(enc: Encoded, out: torch.Tensor | None, name: str, table: torch.Tensor) -> torch.Tensor:
+    """A blockwise code with bfloat16 scales (e3m0, sign) decoded through ``table``: byte -> the values of the
+    codes it packs (``table.shape[1]`` a byte, the first in the lowest bits), then each block times its scale."""
+    n, b, per_byte = math.prod(enc.shape), enc.block, table.shape[1]
+    if b <= 0:
+        raise CodecError(f"{name}: block must be positive")
+    _need(len(enc.data), -(-n // per_byte), "data")
+    _need(len(enc.scales), 2 * -(-n // b), "scales")
+    result = _out(enc, out)
+    if n:
+        scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
+        _check_finite(scales)
+        packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
+        result.copy_(torch.index_select(table, 0, packed.to(torch.int32)).view(-1)[:n])
+        _scale_blocks(result, scales, b)
+    return result
+
+
+class E3M0Codec(BlockCodec):
     """4-bit sign + exponent: x' = sign * s * 2^-e, e in 0..7, s the block's absmax stored as bfloat16.
 
     Code layout: bit 3 is the sign (1 = negative), bits 0-2 the exponent; two codes per byte, low nibble first.
@@ -342,13 +371,8 @@ class E3M0Codec(Codec):
     id, name = 4, "e3m0"
     finite_by_construction = True  # every |value| is at most its block's scale, and the scales are checked finite
 
-    def __init__(self, block: int = 128):
-        self.block = block
-
     def _parts(self, x: torch.Tensor):
-        flat = _flat32(x)
-        n, b = flat.numel(), self.block
-        view = _blocked(flat, b)
+        flat, n, b, view = self._blocks(x)
         scales16 = view.abs().amax(dim=1).to(torch.bfloat16)
         scales = scales16.to(torch.float32)
         safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
@@ -364,25 +388,11 @@ class E3M0Codec(Codec):
                 data.contiguous())
 
     def decode_flat(self, enc: Encoded, out):
-        n, b = math.prod(enc.shape), enc.block
-        if b <= 0:
-            raise CodecError("e3m0: block must be positive")
-        blocks = -(-n // b)
-        _need(len(enc.data), (n + 1) // 2, "data")
-        _need(len(enc.scales), 2 * blocks, "scales")
-        result = _out(enc, out)
-        if n:
-            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-            _check_finite(scales)
-            packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
-            # one table lookup per byte gives both of its codes' values (sign * 2^-e, exact), low nibble first
-            pairs = torch.index_select(_E3M0_PAIRS, 0, packed.to(torch.int32)).view(-1)
-            result.copy_(pairs[:n])
-            _scale_blocks(result, scales, b)
-        return result
+        # one table lookup per byte gives both of its codes' values (sign * 2^-e, exact), low nibble first
+        return _decode_by_table(enc, out, self.name, _E3M0_PAIRS)
 
 
-class SignCodec(Codec):
+class SignCodec(BlockCodec):
     """1-bit sign + a scale per block: x' = s * sign(x), s the block's mean absolute value stored as bfloat16 (the
     scale that minimises the block's squared error for a sign code, as in signSGD with error feedback and 1-bit
     Adam). About 1.1 bits a value at the default block (3.7x fewer bytes than e3m0), so a run may sync 3.7x as often
@@ -395,13 +405,8 @@ class SignCodec(Codec):
     id, name = 6, "sign"
     finite_by_construction = True  # every |value| is its block's scale, and the scales are checked finite
 
-    def __init__(self, block: int = 128):
-        self.block = block
-
     def _parts(self, x: torch.Tensor):
-        flat = _flat32(x)
-        n, b = flat.numel(), self.block
-        view = _blocked(flat, b)
+        flat, n, b, view = self._blocks(x)
         counts = torch.full((view.shape[0],), float(b))
         if n % b:
             counts[-1] = n % b  # the last block's mean over its own values, not its zero padding
@@ -414,22 +419,8 @@ class SignCodec(Codec):
                 packed.contiguous())
 
     def decode_flat(self, enc: Encoded, out):
-        n, b = math.prod(enc.shape), enc.block
-        if b <= 0:
-            raise CodecError("sign: block must be positive")
-        blocks = -(-n // b)
-        _need(len(enc.data), (n + 7) // 8, "data")
-        _need(len(enc.scales), 2 * blocks, "scales")
-        result = _out(enc, out)
-        if n:
-            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-            _check_finite(scales)
-            packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
-            # one table lookup per byte gives its eight values (+-1, lowest bit first)
-            octets = torch.index_select(_SIGN_OCTETS, 0, packed.to(torch.int32)).view(-1)
-            result.copy_(octets[:n])
-            _scale_blocks(result, scales, b)
-        return result
+        # one table lookup per byte gives its eight values (+-1, lowest bit first)
+        return _decode_by_table(enc, out, self.name, _SIGN_OCTETS)
 
 
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
