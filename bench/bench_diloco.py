@@ -6,9 +6,11 @@ alpha 0.5, e3m0); (e) 4 peers DiLoCo, H=25, with the outer step as plain averagi
 best of a sweep at this short horizon); (f) 4 peers DiLoCo, H=13 (~100x fewer bytes than data parallelism with
 e3m0), averaging, with the ``swarm-adamw`` inner optimizer (protocols/inner.py: AdamW's step sized for the round's
 peers' batches; the loop's default); (g) 4 peers DiLoCo, H=4, the 1-bit ``sign`` codec with error feedback
-(~114x fewer bytes), averaging, swarm-adamw; (d) the fair data-parallel reference, in this process: one model trained
-synchronously on the 4 peers' batches at once (4 x batch per step, the same steps, AdamW with the same settings),
-which is what DDP computes. Rows (a)-(e) use plain AdamW inside, as the DiLoCo paper does.
+(~114x fewer bytes), averaging, swarm-adamw; (h) the same in the scatter exchange (reduce-scatter + all-gather,
+each reducer's part of the mean in e3m0: the loop's ``reduced_codec`` for sign); (d) the fair data-parallel
+reference, in this process: one model trained synchronously on the 4 peers' batches at once (4 x batch per step,
+the same steps, AdamW with the same settings), which is what DDP computes. Rows (a)-(e) use plain AdamW inside,
+as the DiLoCo paper does.
 
 ``--pretrain N`` starts every peer and the reference from the same model pretrained N steps (the DiLoCo paper's
 setting: it trains on from a pretrained checkpoint); without it, from random init.
@@ -18,7 +20,7 @@ step, what a data-parallel peer contributes), and the fraction of wall time a no
 round to close.
 
     python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}'] [--device cuda]
-                                 [--pretrain 300] [--only abcefgd] [--lr-schedule cosine --warmup 25]
+                                 [--pretrain 300] [--only abcefghd] [--lr-schedule cosine --warmup 25]
 
 ``--lr-schedule cosine`` (with ``--warmup N``) gives every peer and the reference the same inner learning-rate
 schedule: a linear warm-up, then a cosine down to 0.1x at the run's last step (the loop's ``lr_schedule``).
@@ -60,6 +62,7 @@ min_peers = {peers}
 eval_every = {eval_every}
 deadline_low = 5.0
 checkpoint_every = 0
+exchange = "{exchange}"
 
 [loops.diloco.task_options]
 {options}
@@ -76,9 +79,9 @@ def toml_options(options: dict, table: str = "loops.diloco.task_options") -> str
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
         momentum: float = 0.9, device: str = "cpu", inner: str = "adamw", schedule: str = "constant",
-        warmup: int = 0) -> dict:
+        warmup: int = 0, exchange: str = "auto") -> dict:
     table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap,
-                          alpha=alpha, inner=inner, schedule=schedule, warmup=warmup,
+                          alpha=alpha, inner=inner, schedule=schedule, warmup=warmup, exchange=exchange,
                           codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
@@ -99,6 +102,11 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
             "loss": final[0]["losses"][-1][1],
             "bytes": max(s.get("bytes_sent", 0) for s in final),
             "compute": min(s["compute_fraction"] for s in final),
+            # what a peer's bulk port served (its update to each peer that pulled it; in scatter also the chunks
+            # and its combined parts): the wire's bytes, where "bytes" counts one update a sync, as DP counts one
+            # gradient a step
+            "served": max(n.status()["services"]["bulk"].get("bytes_served", 0) for n in nodes),
+            "modes": sorted({s["exchange"].get("mode", "?") for s in final}),
         }
     finally:
         swarm.close()
@@ -138,7 +146,7 @@ def main() -> None:
     parser.add_argument("--task", default="hf-text")
     parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
     parser.add_argument("--device", default="cpu", help="every peer's and the reference's device: cpu, cuda, ...")
-    parser.add_argument("--only", default="abcefgd", help="which runs, by letter (default: all)")
+    parser.add_argument("--only", default="abcefghd", help="which runs, by letter (default: all)")
     parser.add_argument("--pretrain", type=int, default=0, help="hf-text: every peer (and the reference) starts "
                         "from the same model pretrained this many steps, as the DiLoCo paper starts from a "
                         "pretrained checkpoint")
@@ -170,10 +178,13 @@ def main() -> None:
             "g": ("(g) 4 peers H=4 1-bit sign+ef, swarm-adamw",
                   lambda: run("sign", 4, s, root / "g", task, options, h=4, codec="sign", outer_lr=1.0,
                               momentum=0.0, device=dev, inner="swarm-adamw", **sched)),
+            "h": ("(h) as (g), the scatter exchange",
+                  lambda: run("sign-scatter", 4, s, root / "h", task, options, h=4, codec="sign", outer_lr=1.0,
+                              momentum=0.0, device=dev, inner="swarm-adamw", exchange="scatter", **sched)),
             "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
                 s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine")),
         }
-        for letter in "abcefgd":
+        for letter in "abcefghd":
             if letter in args.only or letter == "d":
                 name, go = runs[letter]
                 results[name] = go()
