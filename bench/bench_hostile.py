@@ -396,7 +396,7 @@ def _loop_configs() -> dict[str, str]:
     from test_spsa import CONFIG as SPSA
 
     return {"diloco": DILOCO.format(run="{run}", rounds=6, h=20, fragments=1, overlap=0, alpha=0.0, min_peers=4,
-                                    deadline_low=2.0),
+                                    deadline_low=2.0, codec="e3m0"),
             "spsa": SPSA.format(run="{run}", steps=150, min_peers=4), "sapo": SAPO}
 
 

@@ -21,13 +21,15 @@ alpha = {alpha}
 min_peers = {min_peers}
 inner_lr = 1e-3
 deadline_low = {deadline_low}
+codec = "{codec}"
 [loops.diloco.task_options]
 batch = 8  # the tiny GPT's default 16 doubles the inner steps' CPU (~55% of a node's here) and tests nothing more
 """
 
 
 def diloco_swarm(tmp_path: Path, **params) -> Swarm:
-    defaults = dict(run="t", rounds=4, h=20, fragments=1, overlap=0, alpha=0.0, min_peers=3, deadline_low=2.0)
+    defaults = dict(run="t", rounds=4, h=20, fragments=1, overlap=0, alpha=0.0, min_peers=3, deadline_low=2.0,
+                    codec="e3m0")
     config = loop_config(tmp_path / "diloco.toml", CONFIG.format(**{**defaults, **params}))
     return Swarm(tmp_path / "nodes", config=config)
 
@@ -42,7 +44,8 @@ def rounds(node) -> list[tuple]:
 
 @pytest.mark.timeout(180)
 def test_streaming_survives_a_node_killed_mid_run(tmp_path):
-    swarm = diloco_swarm(tmp_path, run="stream", rounds=6, h=25, fragments=2, overlap=5, alpha=0.5)
+    # with the 1-bit sign codec and its error feedback (on by default for it): each fragment's residual kept apart
+    swarm = diloco_swarm(tmp_path, run="stream", rounds=6, h=25, fragments=2, overlap=5, alpha=0.5, codec="sign")
     try:
         nodes = swarm.start_chain(3, members_within=None)
         wait_for(lambda: d(nodes[0]).get("rounds", 0) >= 3, 120, "3 rounds")
@@ -57,6 +60,9 @@ def test_streaming_survives_a_node_killed_mid_run(tmp_path):
         assert history[-1]["participants"] == 2 and history[-1]["round"] == 5
         if rounds(alive[0]) != rounds(alive[1]):
             assert sum(s.get("resyncs", 0) for s in final) >= 1
+        assert all(s["codec"] == "sign" and s["residual_norm"] is not None for s in final)
+        # a peer that took a checkpoint starts its residuals afresh; one that did not holds one per fragment
+        assert all(sorted(s["residual_norm"]) == ["0", "1"] for s in final if not s.get("resyncs", 0))
     finally:
         swarm.close()
 
