@@ -441,11 +441,11 @@ class DilocoLoop(TaskLoop):
         self.rounds_done = [0] * self.cfg.fragments
         for p in range(self.cfg.fragments):
             self._update_bytes(p)  # once, here in the worker thread: the exchange mode depends on it
-            self._part_bytes(p, reduced=True)
         # the blobs a round's exchange keeps in the bulk store: per fragment our update, the chunks and parts we
         # pull and reduce (about 3 x an update in scatter), for this round and the last, and our own of the one
         # before (``_drop_round_blobs``); room for 8 x an update (x the combined parts' size where reduced_codec
-        # makes them larger), so a large model's are never dropped early
+        # makes them larger; their sizes computed here, in the worker thread, once), so a large model's are never
+        # dropped early
         self.bulk.reserve(8 * sum(max(self._update_bytes(p), sum(self._part_bytes(p, reduced=True)))
                                   for p in range(self.cfg.fragments)))
         self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,

@@ -6,7 +6,8 @@ round), each encoded on its own. At a round's close the participants are put in 
 fewer parts: ``rate_weights``, ``reducers``) and audited, in a fraction of rounds, by a next one. A reducer
 combines the participants' chunks of its part with the same rule as the all-to-all path (each update scaled by its
 clip factor, from the norms every participant announced with its update, then the mean in sorted peer order),
-encodes the result with the run's codec and everyone adopts those bytes: every peer ends with the same combined
+encodes the result with the run's ``reduced_codec`` (its codec, or e3m0 for 1-bit sign updates) and everyone
+adopts those bytes: every peer ends with the same combined
 update, bit for bit, whoever reduced what.
 
 The round's decisions are here too, as functions of what arrived (the DiLoCo loop is the I/O around them: pulls,
