@@ -113,9 +113,11 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
 
 
 def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
-                  device: str = "cpu", threads: int = 2, warmup: int = 0, cosine: bool = False) -> dict:
+                  device: str = "cpu", threads: int = 2, warmup: int = 0, cosine: bool = False,
+                  seed: int = 1) -> dict:
     """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW (and
-    the same learning-rate schedule as the peers: ``warmup`` steps, then ``cosine`` decay to 0.1x or constant)."""
+    the same learning-rate schedule as the peers: ``warmup`` steps, then ``cosine`` decay to 0.1x or constant).
+    ``seed``: the model's initialisation and the peers' data order (the loop's run seed; 1 in the configs)."""
     import torch
 
     from protocols import task as tasks
@@ -125,9 +127,9 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     torch.set_num_threads(threads)
     task = tasks.load(task_spec, options, "diloco")
     device = torch.device(device)
-    model = tasks.build_model(task, 1).to(device)
+    model = tasks.build_model(task, seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
+    streams = [tasks.data_iter(task, shard, seed) for shard in range(peers)]
     model.train()
     for step in range(steps):
         scale_lr(opt, lr_scale(step, steps if cosine else 0, warmup))

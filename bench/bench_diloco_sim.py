@@ -11,8 +11,12 @@ deadlines, late and missing peers, the wall time. It is the fast way to compare 
     python bench/bench_diloco_sim.py                          # the default settings, CPU, one process per core
     python bench/bench_diloco_sim.py --device cuda --settings h13 h13-ef dp-lr1.5e-3
     python bench/bench_diloco_sim.py --list                   # every named setting
+    python bench/bench_diloco_sim.py --settings h4-sign-ef --seeds 1 2 3   # each setting and dp once per seed
 
 The reference ``dp`` is always run: one model on the N workers' batches at once (what DDP computes), the same AdamW.
+A seed sets the model's initialisation and every worker's data order (the loop's run seed; 1, the default, is what
+the configs use); with several, each setting's gap to ``dp`` is taken per seed (the same seed's ``dp``) and the
+table gives its mean and its range over the seeds.
 Bytes: what one peer sends in the run (each sync, its encoded update), against one fp32 gradient per step for DP.
 """
 
@@ -68,8 +72,8 @@ SETTINGS: dict[str, tuple[str, dict]] = {
 DEFAULT = ["dp", "h13", "h13-none", "h13-ef", "h13-adamw", "h50-nesterov"]
 
 
-def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device: str) -> dict:
-    """One setting, in this process (one CPU thread)."""
+def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device: str, seed: int = 1) -> dict:
+    """One setting and seed, in this process (one CPU thread)."""
     import torch
 
     from protocols import codecs, outer
@@ -81,13 +85,13 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
         from bench_diloco import data_parallel
 
         return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1,
-                                 warmup=s["warmup"], cosine=s["cosine"]),
+                                 warmup=s["warmup"], cosine=s["cosine"], seed=seed),
                 "syncs": steps, "refused": 0}
     torch.set_num_threads(1)
     dev = torch.device(device)
     task = tasks.load(task_spec, options, "diloco")
     started = time.monotonic()
-    streams = [tasks.data_iter(task, shard, 1) for shard in range(peers)]
+    streams = [tasks.data_iter(task, shard, seed) for shard in range(peers)]
 
     def adamw(model: torch.nn.Module, swarm: bool) -> torch.optim.Optimizer:
         kw = {"lr": s["lr"], "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -97,7 +101,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
 
     codec = (codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get("sign", block=64)
              if s["codec"] == "sign64" else codecs.get(s["codec"]))
-    models = [tasks.build_model(task, 1).to(dev) for _ in range(peers)]
+    models = [tasks.build_model(task, seed).to(dev) for _ in range(peers)]
     params = [[p for _, p in tasks.trainable(m)] for m in models]
     global_flat = outer.flatten(params[0])
     opts = [adamw(m, s["inner"] == "swarm-adamw") for m in models]
@@ -143,7 +147,9 @@ def main() -> None:
     parser.add_argument("--task", default="hf-text")
     parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (every setting on it)")
-    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="settings run at once")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="run every setting (and dp) once per "
+                        "seed: the model's initialisation and the data order")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: run this setting, print its JSON
     args = parser.parse_args()
     if args.list:
@@ -152,36 +158,54 @@ def main() -> None:
         return
     options = json.loads(args.task_options)
     if args.one:
-        print(json.dumps(one(args.one, args.steps, args.peers, args.task, options, args.device)))
+        print(json.dumps(one(args.one, args.steps, args.peers, args.task, options, args.device, args.seeds[0])))
         return
     unknown = [n for n in args.settings if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; --list names them")
     names = ["dp", *[n for n in dict.fromkeys(args.settings) if n != "dp"]]
+    seeds = list(dict.fromkeys(args.seeds))
 
-    def launch(name: str) -> dict:
+    def launch(job: tuple[str, int]) -> dict:
+        name, seed = job
         cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--peers", str(args.peers),
-               "--task", args.task, "--task-options", args.task_options, "--device", args.device]
+               "--task", args.task, "--task-options", args.task_options, "--device", args.device,
+               "--seeds", str(seed)]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=24 * 3600)
         if done.returncode != 0:
-            raise SystemExit(f"{name} failed:\n{done.stderr[-4000:]}")
+            raise SystemExit(f"{name} (seed {seed}) failed:\n{done.stderr[-4000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
+    jobs = [(name, seed) for seed in seeds for name in names]
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        results = dict(zip(names, pool.map(launch, names)))
-    ref = results["dp"]
+        results = dict(zip(jobs, pool.map(launch, jobs)))
     print(f"DiLoCo settings, one process each: task {args.task} {args.task_options}, {args.peers} workers, "
-          f"{args.steps} inner steps each, device {args.device}, validation loss at the end")
-    head = f"{'setting':14s} | {'what':50s} | val loss |   vs DP | syncs | MB sent/peer | DP bytes / bytes |  wall"
-    print(head)
-    print("-" * len(head))
-    for name in names:
-        r = results[name]
-        print(f"{name:14s} | {SETTINGS[name][0]:50s} | {r['loss']:8.4f} | {(r['loss'] / ref['loss'] - 1) * 100:+6.1f}% "
-              f"| {r['syncs']:5d} | {r['bytes'] / 1e6:12.3f} | {ref['bytes'] / max(1, r['bytes']):15.0f}x "
-              f"| {r['wall']:4.0f}s")
+          f"{args.steps} inner steps each, device {args.device}, validation loss at the end, seed"
+          f"{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))}")
+    for line in table(names, seeds, results):
+        print(line)
     print("DP bytes: one fp32 gradient per step; goal (issue 13): DiLoCo within 5% of dp at >= 100x fewer bytes")
+
+
+def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dict]) -> list[str]:
+    """One row per setting. One seed: its loss and gap to dp. Several: the mean loss, the mean of the per-seed gaps
+    (each against the same seed's dp) and their range."""
+    many = len(seeds) > 1
+    head = (f"{'setting':14s} | {'what':50s} | " + ("mean val | mean vs DP | vs DP range      " if many else
+                                                     "val loss |   vs DP") +
+            " | syncs | MB sent/peer | DP bytes / bytes |  wall")
+    lines = [head, "-" * len(head)]
+    for name in names:
+        runs = [results[(name, seed)] for seed in seeds]
+        gaps = [(r["loss"] / results[("dp", seed)]["loss"] - 1) * 100 for r, seed in zip(runs, seeds)]
+        loss, gap = sum(r["loss"] for r in runs) / len(runs), sum(gaps) / len(gaps)
+        r, ref = runs[0], results[("dp", seeds[0])]
+        cells = (f"{loss:8.4f} | {gap:+9.1f}% | {min(gaps):+6.1f}% .. {max(gaps):+5.1f}%" if many else
+                 f"{loss:8.4f} | {gap:+6.1f}%")
+        lines.append(f"{name:14s} | {SETTINGS[name][0]:50s} | {cells} | {r['syncs']:5d} | {r['bytes'] / 1e6:12.3f} | "
+                     f"{ref['bytes'] / max(1, r['bytes']):15.0f}x | {max(x['wall'] for x in runs):4.0f}s")
+    return lines
 
 
 if __name__ == "__main__":
