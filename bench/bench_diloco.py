@@ -44,6 +44,7 @@ from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
 CONFIG = """
 [loops.diloco]
 run = "{run}"
+seed = {seed}
 task = "{task}"
 device = "{device}"
 rounds = {rounds}
@@ -79,10 +80,10 @@ def toml_options(options: dict, table: str = "loops.diloco.task_options") -> str
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
         momentum: float = 0.9, device: str = "cpu", inner: str = "adamw", schedule: str = "constant",
-        warmup: int = 0, exchange: str = "auto") -> dict:
-    table = CONFIG.format(run=name, device=device, rounds=steps // h, h=h, fragments=fragments, overlap=overlap,
-                          alpha=alpha, inner=inner, schedule=schedule, warmup=warmup, exchange=exchange,
-                          codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
+        warmup: int = 0, exchange: str = "auto", seed: int = 1) -> dict:
+    table = CONFIG.format(run=name, seed=seed, device=device, rounds=steps // h, h=h, fragments=fragments,
+                          overlap=overlap, alpha=alpha, inner=inner, schedule=schedule, warmup=warmup,
+                          exchange=exchange, codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
     swarm = Swarm(root / "nodes", config=config)
@@ -155,9 +156,11 @@ def main() -> None:
     parser.add_argument("--lr-schedule", default="constant", choices=["constant", "cosine"],
                         help="the inner lr schedule of every peer and of the reference (the loop's lr_schedule)")
     parser.add_argument("--warmup", type=int, default=0, help="warm-up steps of that schedule")
+    parser.add_argument("--seed", type=int, default=1, help="the run's seed (the model's initialisation and the "
+                        "data order), the reference's too")
     args = parser.parse_args()
     s, task, options, dev = args.steps, args.task, json.loads(args.task_options), args.device
-    sched = {"schedule": args.lr_schedule, "warmup": args.warmup}
+    sched = {"schedule": args.lr_schedule, "warmup": args.warmup, "seed": args.seed}
     if args.pretrain:
         options = {**options, "pretrain_steps": args.pretrain}
     results = {}
@@ -184,7 +187,8 @@ def main() -> None:
                   lambda: run("sign-scatter", 4, s, root / "h", task, options, h=4, codec="sign", outer_lr=1.0,
                               momentum=0.0, device=dev, inner="swarm-adamw", exchange="scatter", **sched)),
             "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
-                s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine")),
+                s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine",
+                seed=args.seed)),
         }
         for letter in "abcefghd":
             if letter in args.only or letter == "d":
@@ -194,7 +198,8 @@ def main() -> None:
     dp = results["(d) data-parallel reference (4 x batch)"]
     print(f"DiLoCo, task {task} {json.dumps(options)} ({dp['params']:,} parameters), {s} inner steps per peer, "
           f"device {dev}, validation loss at the end; inner optimizer AdamW unless the row says swarm-adamw; "
-          f"inner lr 1e-3, {args.lr_schedule}" + (f" after {args.warmup} warm-up steps" if args.warmup else ""))
+          f"inner lr 1e-3, {args.lr_schedule}" + (f" after {args.warmup} warm-up steps" if args.warmup else "")
+          + f", seed {args.seed}")
     print(f"{'run':<46} | {'val loss':>8} | {'vs DP':>7} | {'MB sent/peer':>12} | {'DP bytes / bytes':>16} | "
           f"{'not blocked':>11} | {'same weights':>18} | {'wall':>6}")
     print("-" * 148)
