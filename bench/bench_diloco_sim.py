@@ -205,6 +205,13 @@ def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dic
                  f"{loss:8.4f} | {gap:+6.1f}%")
         lines.append(f"{name:14s} | {SETTINGS[name][0]:50s} | {cells} | {r['syncs']:5d} | {r['bytes'] / 1e6:12.3f} | "
                      f"{ref['bytes'] / max(1, r['bytes']):15.0f}x | {max(x['wall'] for x in runs):4.0f}s")
+    if many:
+        lines.append("per seed (val loss, vs the same seed's dp):")
+        for name in names:
+            lines.append(f"{name:14s}   " + "  ".join(
+                f"{seed}: {results[(name, seed)]['loss']:.4f} "
+                f"{(results[(name, seed)]['loss'] / results[('dp', seed)]['loss'] - 1) * 100:+.1f}%"
+                for seed in seeds))
     return lines
 
 
