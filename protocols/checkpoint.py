@@ -3,9 +3,9 @@
 One file per loop and run, ``<data dir>/checkpoints/<loop>-<run>.safetensors``, replaced atomically (written to a
 temporary file, fsync'd, renamed, the directory fsync'd): a crash leaves the old file or the new one, never half of
 one. Tensors named ``model.<parameter name>`` are the model's weights (what ``swarmd export`` writes out); others
-(``outer.<n>``, ``state.<name>``) are the loop's own state. The metadata (strings) says which loop, run, round and
-step, the weights' hash, the run's fingerprint, and how to rebuild the task (spec and options), so a file can be
-checked before it is used and exported without the config.
+(``outer.<n>``, ``state.<name>``, DiLoCo's ``feedback.<n>``) are the loop's own state. The metadata (strings) says
+which loop, run, round and step, the weights' hash, the run's fingerprint, and how to rebuild the task (spec and
+options), so a file can be checked before it is used and exported without the config.
 """
 
 from __future__ import annotations

@@ -1882,6 +1882,9 @@ class DilocoLoop(TaskLoop):
         tensors = self._global_state()
         tensors.update({f"outer.{p}": b for p, b in enumerate(self.outer_opt.buffers)})
         tensors, opt_meta = self._with_optimizer(tensors, self.inner_opt)  # the inner optimizer's moments too
+        # what the codec dropped of our last update (error feedback): ours alone, as the inner moments are; a peer's
+        # checkpoint (``_checkpoint``) carries the swarm's state only
+        tensors.update({f"feedback.{p}": r for p, r in dict(self.residual).items()})
         h = self.global_hash()
         self._save(tensors, round=self.rounds_done[-1], rounds_done=list(self.rounds_done), step=self.step, hash=h,
                    participants={str(p): sorted(v) for p, v in self.participants.items()}, **opt_meta)
@@ -1925,9 +1928,15 @@ class DilocoLoop(TaskLoop):
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
         inner = self._restore_optimizer(self.inner_opt, tensors, meta)
+        if self.feedback:  # our last update's residual, where it fits its fragment (else it starts at zero)
+            for p, g in enumerate(global_flat):
+                r = tensors.get(f"feedback.{p}")
+                if r is not None and r.numel() == g.numel() and codecs.all_finite(r):
+                    self.residual[p] = r.to(torch.float32).reshape(-1).clone()
+                    self._residual_norms[p] = round(float(self.residual[p].norm()), 6)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
         self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"],
-                        "optimizer_state": inner}
+                        "optimizer_state": inner, "residual": sorted(self.residual)}
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
                       "hash": meta["hash"]}
         logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)", self.cfg.run,

@@ -240,8 +240,9 @@ def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
-    # with a learning-rate schedule: it goes by the run's step, so the restarted node carries on with it
-    schedule = 'lr_schedule = "cosine"\nwarmup_steps = 5\nlr_final = 0.2\ninner_lr = 1e-3'
+    # with a learning-rate schedule: it goes by the run's step, so the restarted node carries on with it; and 1-bit
+    # updates, whose error feedback residual is ours to keep too
+    schedule = 'lr_schedule = "cosine"\nwarmup_steps = 5\nlr_final = 0.2\ninner_lr = 1e-3\ncodec = "sign"'
     swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, rounds=6, h=10, min_peers=1, options="batch = 8",
                                                     extra=schedule))
     try:
@@ -251,10 +252,13 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
         path = checkpoint.latest(node.data_dir, "diloco")
         meta = checkpoint.read_meta(path)
         assert meta["fingerprint"] and meta["round"] >= 2
+        saved, _ = checkpoint.load(path)
+        assert float(saved["feedback.0"].norm()) > 0  # what the sign code dropped of the last update
         node = swarm.start("solo")
         resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
         assert resumed == {"source": "own checkpoint", "round": meta["round"], "step": meta["step"],
-                           "hash": meta["hash"], "optimizer_state": True}  # AdamW's moments came back too
+                           "hash": meta["hash"], "optimizer_state": True,  # AdamW's moments came back too
+                           "residual": [0]}  # and the residual of fragment 0
         assert meta["optimizer"]["class"] == "SwarmAdamW"  # the default inner optimizer
         final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
         assert [h["round"] for h in final["history"]] == list(range(meta["round"], 6))
