@@ -12,6 +12,12 @@ reference, in this process: one model trained synchronously on the 4 peers' batc
 the same steps, AdamW with the same settings), which is what DDP computes. Rows (a)-(e) use plain AdamW inside,
 as the DiLoCo paper does.
 
+The peers' batches are the reference's to the sample: a peer's data shard comes from its peer id
+(``protocols.task.shard_of``), so the bench gives the peers of every row the same four identities (keys from fixed
+seeds) and the reference those four shards; ``--seed`` then sets the model's initialisation and every shard's order
+on both sides. (Before 2026-11-27 the reference read shards 0-3 and the peers their random ones: the same
+distribution, other samples.)
+
 ``--pretrain N`` starts every peer and the reference from the same model pretrained N steps (the DiLoCo paper's
 setting: it trains on from a pretrained checkpoint); without it, from random init.
 
@@ -40,6 +46,22 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
+
+
+def peer_keys(n: int) -> list:
+    """The bench's peers' identities, the same in every row and run: their data shards are the reference's."""
+    import hashlib
+
+    from transport.identity import Identity
+
+    return [Identity.generate(hashlib.blake2b(f"bench_diloco peer {i}".encode(), digest_size=32).digest())
+            for i in range(n)]
+
+
+def peer_shards(n: int) -> list[int]:
+    from protocols import task as tasks
+
+    return [tasks.shard_of(key.peer_id) for key in peer_keys(n)]
 
 CONFIG = """
 [loops.diloco]
@@ -87,9 +109,14 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
     swarm = Swarm(root / "nodes", config=config)
+    keys = peer_keys(peers)
+    for i, key in enumerate(keys):  # start_chain's data dirs n0, n1, ...: each keeps the identity it finds
+        (root / "nodes" / f"n{i}").mkdir(parents=True, exist_ok=True)
+        key.save(root / "nodes" / f"n{i}" / "identity.key")
     started = time.monotonic()
     try:
         nodes = swarm.start_chain(peers, members_within=None)
+        assert [n.peer_id for n in nodes] == [k.peer_id for k in keys], "the peers did not take the bench's keys"
 
         def d(n):
             return n.status()["services"]["diloco"]
@@ -115,10 +142,11 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
 
 def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
                   device: str = "cpu", threads: int = 2, warmup: int = 0, cosine: bool = False,
-                  seed: int = 1) -> dict:
+                  seed: int = 1, shards: list[int] | None = None) -> dict:
     """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW (and
     the same learning-rate schedule as the peers: ``warmup`` steps, then ``cosine`` decay to 0.1x or constant).
-    ``seed``: the model's initialisation and the peers' data order (the loop's run seed; 1 in the configs)."""
+    ``seed``: the model's initialisation and the peers' data order (the loop's run seed; 1 in the configs);
+    ``shards``: the peers' data shards (default 0 .. peers - 1)."""
     import torch
 
     from protocols import task as tasks
@@ -130,7 +158,7 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     device = torch.device(device)
     model = tasks.build_model(task, seed).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
-    streams = [tasks.data_iter(task, shard, seed) for shard in range(peers)]
+    streams = [tasks.data_iter(task, shard, seed) for shard in (range(peers) if shards is None else shards)]
     model.train()
     for step in range(steps):
         scale_lr(opt, lr_scale(step, steps if cosine else 0, warmup))
@@ -188,7 +216,7 @@ def main() -> None:
                               momentum=0.0, device=dev, inner="swarm-adamw", exchange="scatter", **sched)),
             "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
                 s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine",
-                seed=args.seed)),
+                seed=args.seed, shards=peer_shards(4))),
         }
         for letter in "abcefghd":
             if letter in args.only or letter == "d":
