@@ -63,6 +63,7 @@ def peer_shards(n: int) -> list[int]:
 
     return [tasks.shard_of(key.peer_id) for key in peer_keys(n)]
 
+
 CONFIG = """
 [loops.diloco]
 run = "{run}"

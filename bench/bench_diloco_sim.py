@@ -12,6 +12,7 @@ deadlines, late and missing peers, the wall time. It is the fast way to compare 
     python bench/bench_diloco_sim.py --device cuda --settings h13 h13-ef dp-lr1.5e-3
     python bench/bench_diloco_sim.py --list                   # every named setting
     python bench/bench_diloco_sim.py --settings h4-sign-ef --seeds 1 2 3   # each setting and dp once per seed
+    python bench/bench_diloco_sim.py --settings h4-sign-ef --bench-shards  # the data of bench_diloco.py's peers
 
 The reference ``dp`` is always run: one model on the N workers' batches at once (what DDP computes), the same AdamW.
 A seed sets the model's initialisation and every worker's data order (the loop's run seed; 1, the default, is what
@@ -72,8 +73,9 @@ SETTINGS: dict[str, tuple[str, dict]] = {
 DEFAULT = ["dp", "h13", "h13-none", "h13-ef", "h13-adamw", "h50-nesterov"]
 
 
-def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device: str, seed: int = 1) -> dict:
-    """One setting and seed, in this process (one CPU thread)."""
+def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device: str, seed: int = 1,
+        shards: list[int] | None = None) -> dict:
+    """One setting and seed, in this process (one CPU thread); worker i reads data shard ``shards[i]`` (default i)."""
     import torch
 
     from protocols import codecs, outer
@@ -85,13 +87,13 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
         from bench_diloco import data_parallel
 
         return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1,
-                                 warmup=s["warmup"], cosine=s["cosine"], seed=seed),
+                                 warmup=s["warmup"], cosine=s["cosine"], seed=seed, shards=shards),
                 "syncs": steps, "refused": 0}
     torch.set_num_threads(1)
     dev = torch.device(device)
     task = tasks.load(task_spec, options, "diloco")
     started = time.monotonic()
-    streams = [tasks.data_iter(task, shard, seed) for shard in range(peers)]
+    streams = [tasks.data_iter(task, shard, seed) for shard in (range(peers) if shards is None else shards)]
 
     def adamw(model: torch.nn.Module, swarm: bool) -> torch.optim.Optimizer:
         kw = {"lr": s["lr"], "betas": (0.9, 0.95), "weight_decay": 0.1}
@@ -149,6 +151,8 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:N (every setting on it)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[1], help="run every setting (and dp) once per "
                         "seed: the model's initialisation and the data order")
+    parser.add_argument("--bench-shards", action="store_true", help="the workers (and dp) read the data shards of "
+                        "bench_diloco.py's peers (their fixed identities' shards) instead of shards 0 .. N-1")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: run this setting, print its JSON
     args = parser.parse_args()
@@ -158,7 +162,13 @@ def main() -> None:
         return
     options = json.loads(args.task_options)
     if args.one:
-        print(json.dumps(one(args.one, args.steps, args.peers, args.task, options, args.device, args.seeds[0])))
+        shards = None
+        if args.bench_shards:
+            from bench_diloco import peer_shards
+
+            shards = peer_shards(args.peers)
+        print(json.dumps(one(args.one, args.steps, args.peers, args.task, options, args.device, args.seeds[0],
+                             shards)))
         return
     unknown = [n for n in args.settings if n not in SETTINGS]
     if unknown:
@@ -170,7 +180,7 @@ def main() -> None:
         name, seed = job
         cmd = [sys.executable, __file__, "--one", name, "--steps", str(args.steps), "--peers", str(args.peers),
                "--task", args.task, "--task-options", args.task_options, "--device", args.device,
-               "--seeds", str(seed)]
+               "--seeds", str(seed), *(["--bench-shards"] if args.bench_shards else [])]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=24 * 3600)
         if done.returncode != 0:
@@ -182,7 +192,8 @@ def main() -> None:
         results = dict(zip(jobs, pool.map(launch, jobs)))
     print(f"DiLoCo settings, one process each: task {args.task} {args.task_options}, {args.peers} workers, "
           f"{args.steps} inner steps each, device {args.device}, validation loss at the end, seed"
-          f"{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))}")
+          f"{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))}"
+          + (", the process bench's peers' shards" if args.bench_shards else ""))
     for line in table(names, seeds, results):
         print(line)
     print("DP bytes: one fp32 gradient per step; goal (issue 13): DiLoCo within 5% of dp at >= 100x fewer bytes")
