@@ -392,7 +392,7 @@ class DilocoLoop(TaskLoop):
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._resync_from: list[str] = []
-        self._encoded_size: dict[tuple[int, bool], list[int]] = {}  # (fragment, reduced) -> bytes of each part
+        self._encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
         self._sources: dict[str, asyncio.Semaphore] = {}
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
@@ -1289,11 +1289,11 @@ class DilocoLoop(TaskLoop):
     def _part_bytes(self, p: int, reduced: bool = False) -> list[int]:
         """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most; with
         ``reduced``, of each combined part a reducer may publish (``reduced_codec``)."""
-        if (p, reduced) not in self._encoded_size:
-            codec = self.reduced_codec if reduced else self.codec
-            self._encoded_size[(p, reduced)] = [len(codec.encode(torch.zeros(b - a)).to_wire())
-                                                for a, b in self._bounds(p)]
-        return self._encoded_size[(p, reduced)]
+        codec = self.reduced_codec if reduced else self.codec
+        key = (p, codec.name)  # one encoding of zeros per codec: a run whose reduced_codec is its codec pays it once
+        if key not in self._encoded_size:
+            self._encoded_size[key] = [len(codec.encode(torch.zeros(b - a)).to_wire()) for a, b in self._bounds(p)]
+        return self._encoded_size[key]
 
     def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
         pending.pulling.add(peer)
