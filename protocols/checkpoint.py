@@ -119,10 +119,19 @@ def optimizer_entries(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tenso
 
 def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
     """Load what :func:`optimizer_entries` saved into ``opt`` (an optimizer of the same class over the same
-    parameters). Raises ValueError when it does not fit; ``opt`` is then unchanged."""
+    parameters, grouped the same way): its per-parameter state (moments, step counts) comes back; its settings (lr,
+    betas, weight decay: the param groups' values) stay ``opt``'s, those of the config or task it was built from
+    now, so a restart with a changed setting takes it. Raises ValueError when it does not fit; ``opt`` is then
+    unchanged."""
     if not isinstance(meta, dict) or meta.get("class") != type(opt).__name__:
         raise ValueError(f"saved for {meta.get('class') if isinstance(meta, dict) else '?'}, "
                          f"not {type(opt).__name__}")
+    current = opt.state_dict()["param_groups"]
+    saved_groups = meta.get("param_groups")
+    if (not isinstance(saved_groups, list) or len(saved_groups) != len(current)
+            or any(not isinstance(g, dict) or len(g.get("params") or ()) != len(c["params"])
+                   for g, c in zip(saved_groups, current))):
+        raise ValueError("saved for other parameter groups")
     params = [p for group in opt.param_groups for p in group["params"]]
     state: dict[int, dict] = {}
     for key, value in tensors.items():
@@ -140,6 +149,6 @@ def restore_optimizer(opt: torch.optim.Optimizer, tensors: dict[str, torch.Tenso
                 raise ValueError(f"parameter {idx}'s {name} has shape {tuple(value.shape)}, the parameter "
                                  f"{tuple(params[idx].shape)}")
     try:
-        opt.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
+        opt.load_state_dict({"state": state, "param_groups": current})
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(str(e)) from None

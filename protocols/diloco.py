@@ -1928,6 +1928,10 @@ class DilocoLoop(TaskLoop):
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
         inner = self._restore_optimizer(self.inner_opt, tensors, meta)
+        if inner and isinstance(self.inner_opt, SwarmAdamW):  # the last round's participants: state, not a setting
+            peers = (meta["optimizer"].get("param_groups") or [{}])[0].get("peers")
+            if isinstance(peers, int) and peers >= 1:
+                self.inner_opt.set_peers(peers)
         if self.feedback:  # our last update's residual, where it fits its fragment (else it starts at zero)
             for p, g in enumerate(global_flat):
                 r = tensors.get(f"feedback.{p}")

@@ -62,3 +62,25 @@ def test_state_that_does_not_fit_is_refused_and_leaves_the_optimizer_as_it_was()
     assert wider_opt.state_dict()["state"] == {}
     with pytest.raises(ValueError):
         checkpoint.restore_optimizer(opt, {"optimizer.99.exp_avg": torch.zeros(3)}, meta)
+
+
+def test_a_restored_optimizer_keeps_its_own_settings():
+    # the moments come back; lr, betas and weight decay are the config's of the restarted node, not the saved ones
+    model, opt = model_and_opt(0)
+    for i in range(3):
+        step(model, opt, i)
+    tensors, meta = checkpoint.optimizer_entries(opt)
+    torch.manual_seed(0)
+    fresh = torch.optim.AdamW(model.parameters(), lr=5e-3, betas=(0.9, 0.99), weight_decay=0.01)
+    checkpoint.restore_optimizer(fresh, tensors, meta)
+    group = fresh.param_groups[0]
+    assert (group["lr"], group["betas"], group["weight_decay"]) == (5e-3, (0.9, 0.99), 0.01)
+    for p in model.parameters():
+        assert torch.equal(fresh.state[p]["exp_avg"], opt.state[p]["exp_avg"])
+        assert torch.equal(fresh.state[p]["exp_avg_sq"], opt.state[p]["exp_avg_sq"])
+        assert float(fresh.state[p]["step"]) == 3
+    # grouped otherwise: refused, nothing loaded
+    split = torch.optim.AdamW([{"params": list(model.parameters())[:2]}, {"params": list(model.parameters())[2:]}])
+    with pytest.raises(ValueError, match="groups"):
+        checkpoint.restore_optimizer(split, tensors, meta)
+    assert split.state_dict()["state"] == {}
