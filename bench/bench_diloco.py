@@ -7,7 +7,9 @@ best of a sweep at this short horizon); (f) 4 peers DiLoCo, H=13 (~100x fewer by
 e3m0), averaging, with the ``swarm-adamw`` inner optimizer (protocols/inner.py: AdamW's step sized for the round's
 peers' batches; the loop's default); (g) 4 peers DiLoCo, H=4, the 1-bit ``sign`` codec with error feedback
 (~114x fewer bytes), averaging, swarm-adamw; (h) the same in the scatter exchange (reduce-scatter + all-gather,
-each reducer's part of the mean in e3m0: the loop's ``reduced_codec`` for sign); (d) the fair data-parallel
+each reducer's part of the mean in e3m0: the loop's ``reduced_codec`` for sign); (i) as (g) with the inner
+optimizer's betas (0.9, 0.99) and inner lr 1.5e-3 (the loop's ``inner_betas``, ``inner_lr``: a longer second-moment
+average steadies swarm-adamw's variance estimate; the reference keeps (0.9, 0.95) and 1e-3); (d) the fair data-parallel
 reference, in this process: one model trained synchronously on the 4 peers' batches at once (4 x batch per step,
 the same steps, AdamW with the same settings), which is what DDP computes. Rows (a)-(e) use plain AdamW inside,
 as the DiLoCo paper does.
@@ -26,7 +28,7 @@ step, what a data-parallel peer contributes), and the fraction of wall time a no
 round to close.
 
     python bench/bench_diloco.py [--steps 500] [--task hf-text] [--task-options '{"batch": 8}'] [--device cuda]
-                                 [--pretrain 300] [--only abcefghd] [--lr-schedule cosine --warmup 25]
+                                 [--pretrain 300] [--only abcefghid] [--lr-schedule cosine --warmup 25]
 
 ``--lr-schedule cosine`` (with ``--warmup N``) gives every peer and the reference the same inner learning-rate
 schedule: a linear warm-up, then a cosine down to 0.1x at the run's last step (the loop's ``lr_schedule``).
@@ -77,7 +79,8 @@ overlap = {overlap}
 alpha = {alpha}
 codec = "{codec}"
 inner_optimizer = "{inner}"
-inner_lr = 1e-3
+inner_lr = {inner_lr}
+inner_betas = {betas}
 lr_schedule = "{schedule}"
 warmup_steps = {warmup}
 outer_lr = {outer_lr}
@@ -103,9 +106,11 @@ def toml_options(options: dict, table: str = "loops.diloco.task_options") -> str
 def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict, *, h: int, fragments: int = 1,
         overlap: int = 0, alpha: float = 0.0, codec: str = "e3m0", outer_lr: float = 0.7,
         momentum: float = 0.9, device: str = "cpu", inner: str = "adamw", schedule: str = "constant",
-        warmup: int = 0, exchange: str = "auto", seed: int = 1) -> dict:
+        warmup: int = 0, exchange: str = "auto", seed: int = 1, inner_lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95)) -> dict:
     table = CONFIG.format(run=name, seed=seed, device=device, rounds=steps // h, h=h, fragments=fragments,
-                          overlap=overlap, alpha=alpha, inner=inner, schedule=schedule, warmup=warmup,
+                          overlap=overlap, alpha=alpha, inner=inner, inner_lr=inner_lr, betas=list(betas),
+                          schedule=schedule, warmup=warmup,
                           exchange=exchange, codec=codec, outer_lr=outer_lr, momentum=momentum, peers=peers,
                           eval_every=max(1, (steps // h) // 5), task=task, options=toml_options(options))
     config = loop_config(root / "diloco.toml", table)
@@ -143,7 +148,7 @@ def run(name: str, peers: int, steps: int, root: Path, task: str, options: dict,
 
 def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_lr: float = 1e-3,
                   device: str = "cpu", threads: int = 2, warmup: int = 0, cosine: bool = False,
-                  seed: int = 1, shards: list[int] | None = None) -> dict:
+                  seed: int = 1, shards: list[int] | None = None, betas: tuple[float, float] = (0.9, 0.95)) -> dict:
     """The fair reference: one model, the peers' batches at once each step (what DDP computes), same AdamW (and
     the same learning-rate schedule as the peers: ``warmup`` steps, then ``cosine`` decay to 0.1x or constant).
     ``seed``: the model's initialisation and the peers' data order (the loop's run seed; 1 in the configs);
@@ -158,7 +163,7 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     task = tasks.load(task_spec, options, "diloco")
     device = torch.device(device)
     model = tasks.build_model(task, seed).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=(0.9, 0.95), weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=inner_lr, betas=tuple(betas), weight_decay=0.1)
     streams = [tasks.data_iter(task, shard, seed) for shard in (range(peers) if shards is None else shards)]
     model.train()
     for step in range(steps):
@@ -178,7 +183,7 @@ def main() -> None:
     parser.add_argument("--task", default="hf-text")
     parser.add_argument("--task-options", default="{}", help="JSON object passed as the task's task_options")
     parser.add_argument("--device", default="cpu", help="every peer's and the reference's device: cpu, cuda, ...")
-    parser.add_argument("--only", default="abcefghd", help="which runs, by letter (default: all)")
+    parser.add_argument("--only", default="abcefghid", help="which runs, by letter (default: all)")
     parser.add_argument("--pretrain", type=int, default=0, help="hf-text: every peer (and the reference) starts "
                         "from the same model pretrained this many steps, as the DiLoCo paper starts from a "
                         "pretrained checkpoint")
@@ -215,11 +220,15 @@ def main() -> None:
             "h": ("(h) as (g), the scatter exchange",
                   lambda: run("sign-scatter", 4, s, root / "h", task, options, h=4, codec="sign", outer_lr=1.0,
                               momentum=0.0, device=dev, inner="swarm-adamw", exchange="scatter", **sched)),
+            "i": ("(i) as (g), inner betas (0.9, 0.99), lr 1.5e-3",
+                  lambda: run("sign-b2", 4, s, root / "i", task, options, h=4, codec="sign", outer_lr=1.0,
+                              momentum=0.0, device=dev, inner="swarm-adamw", inner_lr=1.5e-3, betas=(0.9, 0.99),
+                              **sched)),
             "d": ("(d) data-parallel reference (4 x batch)", lambda: data_parallel(
                 s, 4, task, options, device=dev, warmup=args.warmup, cosine=args.lr_schedule == "cosine",
                 seed=args.seed, shards=peer_shards(4))),
         }
-        for letter in "abcefghd":
+        for letter in "abcefghid":
             if letter in args.only or letter == "d":
                 name, go = runs[letter]
                 results[name] = go()
@@ -227,8 +236,8 @@ def main() -> None:
     dp = results["(d) data-parallel reference (4 x batch)"]
     print(f"DiLoCo, task {task} {json.dumps(options)} ({dp['params']:,} parameters), {s} inner steps per peer, "
           f"device {dev}, validation loss at the end; inner optimizer AdamW unless the row says swarm-adamw; "
-          f"inner lr 1e-3, {args.lr_schedule}" + (f" after {args.warmup} warm-up steps" if args.warmup else "")
-          + f", seed {args.seed}")
+          f"inner lr 1e-3 and betas (0.9, 0.95) unless the row says otherwise, {args.lr_schedule}"
+          + (f" after {args.warmup} warm-up steps" if args.warmup else "") + f", seed {args.seed}")
     print(f"{'run':<46} | {'val loss':>8} | {'vs DP':>7} | {'MB sent/peer':>12} | {'DP bytes / bytes':>16} | "
           f"{'not blocked':>11} | {'same weights':>18} | {'wall':>6}")
     print("-" * 148)

@@ -37,11 +37,14 @@ REPO = Path(__file__).resolve().parent.parent
 # name -> (what it is, its settings); every DiLoCo setting: 4-bit e3m0 updates, swarm-adamw, plain averaging
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
-        "mom": 0.0, "warmup": 0, "cosine": False,
+        "mom": 0.0, "warmup": 0, "cosine": False, "betas": (0.9, 0.95),
         "recode": None}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
+    "dp-b2.99": ("data-parallel reference, betas (0.9, 0.99)", {"dp": True, "betas": (0.9, 0.99)}),
+    "dp-b2.99-lr1.5e-3": ("data-parallel reference, betas (0.9, 0.99), lr 1.5e-3",
+                          {"dp": True, "betas": (0.9, 0.99), "lr": 1.5e-3}),
     "dp-cos": ("data-parallel reference, warm-up 25 + cosine", {"dp": True, "warmup": 25, "cosine": True}),
     "h13-cos": ("H=13 e3m0, averaging, warm-up 25 + cosine", {"warmup": 25, "cosine": True}),
     "h13": ("H=13 e3m0, averaging, swarm-adamw", {}),
@@ -57,6 +60,15 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "h4-sign-ef": ("H=4 1-bit sign + error feedback", {"h": 4, "codec": "sign", "ef": True}),
     "h4-sign": ("H=4 1-bit sign, no error feedback", {"h": 4, "codec": "sign"}),
     "h4-sign-ef-lr1.5e-3": ("H=4 sign + ef, inner lr 1.5e-3", {"h": 4, "codec": "sign", "ef": True, "lr": 1.5e-3}),
+    "h4-sign-ef-lr1.25e-3": ("H=4 sign + ef, inner lr 1.25e-3", {"h": 4, "codec": "sign", "ef": True, "lr": 1.25e-3}),
+    "h4-sign-ef-lr2e-3": ("H=4 sign + ef, inner lr 2e-3", {"h": 4, "codec": "sign", "ef": True, "lr": 2e-3}),
+    "h4-sign-ef-olr0.85": ("H=4 sign + ef, outer lr 0.85", {"h": 4, "codec": "sign", "ef": True, "olr": 0.85}),
+    "h4-sign-ef-b2.99": ("H=4 sign + ef, inner betas (0.9, 0.99)", {"h": 4, "codec": "sign", "ef": True,
+                                                                    "betas": (0.9, 0.99)}),
+    "h4-sign-ef-b2.99-lr1.5e-3": ("H=4 sign + ef, inner betas (0.9, 0.99), lr 1.5e-3",
+                                  {"h": 4, "codec": "sign", "ef": True, "betas": (0.9, 0.99), "lr": 1.5e-3}),
+    "h4-sign-ef-b1.95": ("H=4 sign + ef, inner betas (0.95, 0.95)", {"h": 4, "codec": "sign", "ef": True,
+                                                                     "betas": (0.95, 0.95)}),
     "h4-sign-ef-olr1.25": ("H=4 sign + ef, outer lr 1.25 (1 / sqrt(2 / pi))", {"h": 4, "codec": "sign", "ef": True,
                                                                               "olr": 1.25}),
     "h4-sign64-ef": ("H=4 sign (blocks of 64) + ef", {"h": 4, "codec": "sign64", "ef": True}),
@@ -87,7 +99,8 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
         from bench_diloco import data_parallel
 
         return {**data_parallel(steps, peers, task_spec, options, inner_lr=s["lr"], device=device, threads=1,
-                                 warmup=s["warmup"], cosine=s["cosine"], seed=seed, shards=shards),
+                                 warmup=s["warmup"], cosine=s["cosine"], seed=seed, shards=shards,
+                                 betas=s["betas"]),
                 "syncs": steps, "refused": 0}
     torch.set_num_threads(1)
     dev = torch.device(device)
@@ -96,7 +109,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
     streams = [tasks.data_iter(task, shard, seed) for shard in (range(peers) if shards is None else shards)]
 
     def adamw(model: torch.nn.Module, swarm: bool) -> torch.optim.Optimizer:
-        kw = {"lr": s["lr"], "betas": (0.9, 0.95), "weight_decay": 0.1}
+        kw = {"lr": s["lr"], "betas": tuple(s["betas"]), "weight_decay": 0.1}
         if swarm:
             return SwarmAdamW(model.parameters(), peers=peers, **kw)
         return torch.optim.AdamW(model.parameters(), **kw)
@@ -203,7 +216,8 @@ def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dic
     """One row per setting. One seed: its loss and gap to dp. Several: the mean loss, the mean of the per-seed gaps
     (each against the same seed's dp) and their range."""
     many = len(seeds) > 1
-    head = (f"{'setting':14s} | {'what':50s} | " + ("mean val | mean vs DP | vs DP range      " if many else
+    nw, ww = max(14, *map(len, names)), max(50, *(len(SETTINGS[n][0]) for n in names))
+    head = (f"{'setting':{nw}s} | {'what':{ww}s} | " + ("mean val | mean vs DP | vs DP range      " if many else
                                                      "val loss |   vs DP") +
             " | syncs | MB sent/peer | DP bytes / bytes |  wall")
     lines = [head, "-" * len(head)]
@@ -214,12 +228,13 @@ def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dic
         r, ref = runs[0], results[("dp", seeds[0])]
         cells = (f"{loss:8.4f} | {gap:+9.1f}% | {min(gaps):+6.1f}% .. {max(gaps):+5.1f}%" if many else
                  f"{loss:8.4f} | {gap:+6.1f}%")
-        lines.append(f"{name:14s} | {SETTINGS[name][0]:50s} | {cells} | {r['syncs']:5d} | {r['bytes'] / 1e6:12.3f} | "
-                     f"{ref['bytes'] / max(1, r['bytes']):15.0f}x | {max(x['wall'] for x in runs):4.0f}s")
+        lines.append(f"{name:{nw}s} | {SETTINGS[name][0]:{ww}s} | {cells} | {r['syncs']:5d} | "
+                     f"{r['bytes'] / 1e6:12.3f} | {ref['bytes'] / max(1, r['bytes']):15.0f}x | "
+                     f"{max(x['wall'] for x in runs):4.0f}s")
     if many:
         lines.append("per seed (val loss, vs the same seed's dp):")
         for name in names:
-            lines.append(f"{name:14s}   " + "  ".join(
+            lines.append(f"{name:{nw}s}   " + "  ".join(
                 f"{seed}: {results[(name, seed)]['loss']:.4f} "
                 f"{(results[(name, seed)]['loss'] / results[('dp', seed)]['loss'] - 1) * 100:+.1f}%"
                 for seed in seeds))

@@ -167,9 +167,13 @@ class DilocoConfig(BaseModel):
     # bench_diloco_sim's h4-sign-ef-rc; e3m0 keeps it at 3.7x a sign part's bytes in the all-gather)
     reduced_codec: str = Field("auto", pattern=r"^(auto|none|fp16|bf16|int8|e3m0|sign)$")
     # the inner optimizer when the task brings none: "swarm-adamw" (AdamW with its step sized for the round's
-    # peers' batches, protocols/inner.py) or plain "adamw"; betas 0.9/0.95 and weight_decay either way
+    # peers' batches, protocols/inner.py) or plain "adamw"; inner_betas and weight_decay either way. Each peer's
+    # own choice, not part of the run's fingerprint. A longer second-moment average (beta2 0.99) steadies
+    # swarm-adamw's estimate of the swarm's gradient variance from one peer's batches: bench_diloco_sim.py's
+    # h4-sign-ef-b2.99 rows, and the README
     inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
     inner_lr: float = Field(4e-4, gt=0)
+    inner_betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.1, ge=0)
     # the inner learning rate over the run (any inner optimizer's, the task's too: its groups' lr are the base):
     # a linear warm-up over warmup_steps, then "constant", or "cosine" down to lr_final x the base at the run's
@@ -204,18 +208,26 @@ class DilocoConfig(BaseModel):
 
     _peers = field_validator("peers")(check_peer_ids)
 
+    @field_validator("inner_betas")
+    @classmethod
+    def _betas(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0 <= b < 1 for b in v):
+            raise ValueError("inner_betas: two numbers in [0, 1), e.g. [0.9, 0.95]")
+        return v
+
     def options(self) -> dict:
         return dict(self.task_options)
 
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint), and the scatter's reduction
         rule (peers compare reduced parts by hash: two versions of the rule must not meet in one run)."""
+        reduced = self.reduced()
         return {**self.model_dump(include={"run", "seed", "rounds", "inner_steps", "fragments", "overlap", "alpha",
                                            "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
                                            "scatter_min_peers", "scatter_min_bytes", "audit", "agree"}),
                 "reduce_rule": exchange.REDUCE_RULE,
                 # (only where it is not the run's codec: runs that never set it keep their fingerprint)
-                **({"reduced_codec": self.reduced()} if self.reduced() != self.codec else {})}
+                **({"reduced_codec": reduced} if reduced != self.codec else {})}
 
     def reduced(self) -> str:
         """The codec of a scatter round's combined parts (``reduced_codec`` resolved)."""
@@ -456,11 +468,11 @@ class DilocoLoop(TaskLoop):
                 raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
                                 "expected a torch.optim.Optimizer")
         elif self.cfg.inner_optimizer == "swarm-adamw":
-            self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
+            self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
                                         weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
         else:
-            self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=(0.9, 0.95),
-                                               weight_decay=self.cfg.weight_decay)
+            self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr,
+                                               betas=self.cfg.inner_betas, weight_decay=self.cfg.weight_decay)
         self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
 
     def global_hash(self) -> str:
@@ -2272,6 +2284,8 @@ class DilocoLoop(TaskLoop):
             "train_loss": None if self.train_loss is None else round(self.train_loss, 5),
             "inner_lr": ([round(g["lr"], 8) for g in self.inner_opt.param_groups][:8]
                          if getattr(self, "inner_opt", None) is not None else None),
+            "inner_betas": ([list(g["betas"]) for g in self.inner_opt.param_groups if "betas" in g][:8]
+                            if getattr(self, "inner_opt", None) is not None else None),
             "withheld": {str(p): why for p, why in self.skipped.items()},
             "codec": self.cfg.codec,
             # error feedback: the norm of what the codec dropped of our last update, per fragment (null: off)

@@ -237,12 +237,24 @@ def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
         DilocoConfig(threads=-1)
 
 
+@pytest.mark.beside
+def test_inner_betas_are_two_numbers_in_0_1():
+    from protocols.diloco import DilocoConfig
+
+    for betas in ([0.9, 1.0], [0.9], [-0.1, 0.95], "0.9", [0.9, 0.95, 0.99]):
+        with pytest.raises(Exception, match="inner_betas"):
+            DilocoConfig(inner_betas=betas)
+    assert DilocoConfig(inner_betas=[0.9, 0.99]).inner_betas == (0.9, 0.99)
+    assert DilocoConfig().inner_betas == (0.9, 0.95)
+
+
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
     # with a learning-rate schedule: it goes by the run's step, so the restarted node carries on with it; and 1-bit
     # updates, whose error feedback residual is ours to keep too
-    schedule = 'lr_schedule = "cosine"\nwarmup_steps = 5\nlr_final = 0.2\ninner_lr = 1e-3\ncodec = "sign"'
+    schedule = ('lr_schedule = "cosine"\nwarmup_steps = 5\nlr_final = 0.2\ninner_lr = 1e-3\ncodec = "sign"\n'
+                'inner_betas = [0.9, 0.99]')
     swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, rounds=6, h=10, min_peers=1, options="batch = 8",
                                                     extra=schedule))
     try:
@@ -266,6 +278,7 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
         # the last of the 60 steps (index 59) took the cosine's end: 1e-3 x lr_scale(59, 60, 5, 0.2), not 1e-3
         assert final["inner_lr"] == [round(1e-3 * lr_scale(59, 60, 5, 0.2), 8)]
         assert final["inner_lr"][0] < 0.21e-3
+        assert final["inner_betas"] == [[0.9, 0.99]]  # the config's, into the optimizer and through the restart
     finally:
         swarm.close()
 
