@@ -1039,11 +1039,9 @@ class DilocoLoop(TaskLoop):
         # late here and in time elsewhere is not first at some peers and skipped at others
         last = self.participants.get(p, self._initial)
         chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
-        # a coordinator publishes the round's parts list after its own pulls, which a congested uplink holds up
-        # behind its uploads (the simulator: a slow coordinator's parts combined a minority's chunks): members the
-        # others measured slow in the last round come last in the chain (stable: the round's order otherwise)
-        weights = self._chain_weights.get(p, {})
-        chain = tuple(sorted(chain, key=lambda a: weights.get(a, exchange.WEIGHT_FULL) < exchange.WEIGHT_FULL))
+        # members the others measured slow in the last round come last in the chain (stable: the round's order
+        # otherwise): a slow coordinator's own pulls, and so its parts list, wait behind its uploads
+        chain = exchange.slow_last(chain, self._chain_weights.get(p, {}))
         # one span: the coordinator's view and the announcements it names come over gossip, which a loaded peer
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
         end = self.clock.monotonic() + self._span(p)

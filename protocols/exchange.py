@@ -100,6 +100,13 @@ class RateMeter:
                 if not self.active.get(peer)}
 
 
+def slow_last(chain, weights: dict[str, int]) -> tuple[str, ...]:
+    """A round's chain of coordinators with the members measured slow (a rate weight under WEIGHT_FULL) moved to
+    its end, each group in its order: a coordinator publishes the parts list after its own pulls, which a congested
+    uplink holds up behind its uploads (the simulator: a slow coordinator's parts combined a minority's chunks)."""
+    return tuple(sorted(chain, key=lambda a: weights.get(a, WEIGHT_FULL) < WEIGHT_FULL))
+
+
 def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:
     """Each member's weight in the part assignment (``reducers``), from ``reports`` (member -> {short id: the
     receive rate it measured from that peer in its last exchange}); ``short`` maps a peer id to its short id. A

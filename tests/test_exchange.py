@@ -100,6 +100,16 @@ def test_parts_go_by_the_rates_the_others_measured_only_slow_peers_reduce_fewer(
 
 
 @pytest.mark.beside
+def test_members_measured_slow_come_last_in_the_chain_of_coordinators_in_their_order():
+    chain = ("a", "b", "c", "d", "e")
+    full = exchange.WEIGHT_FULL
+    assert exchange.slow_last(chain, {}) == chain  # nothing measured: the round's order
+    assert exchange.slow_last(chain, {"a": full, "b": full, "c": full}) == chain
+    assert exchange.slow_last(chain, {"b": 3, "d": 1, "a": full}) == ("a", "c", "e", "b", "d")
+    assert exchange.slow_last(chain, {p: 0 for p in chain}) == chain  # all slow: the round's order again
+
+
+@pytest.mark.beside
 def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
     meter = exchange.RateMeter()
     meter.start("a", 0.0)
