@@ -39,6 +39,40 @@ def test_virtual_time_jumps_instead_of_sleeping():
 
 
 @pytest.mark.timeout(30)
+def test_a_worker_threads_result_lands_at_the_same_point_however_fast_the_thread_is():
+    """A thread's result is handed over at the loop's next wait, in the order the work was started: not wherever
+    the thread happened to finish among the callbacks the loop was running (a fast thread landed before callbacks
+    a slow one landed after, and a run under load replayed another schedule). The loop is kept busy (real time)
+    while the threads run, so a fast thread finishes mid-step."""
+
+    def run(delays: tuple[float, float]) -> list:
+        async def main():
+            loop = asyncio.get_running_loop()
+            order = []
+
+            async def work(name, delay):
+                await loop.run_in_executor(None, time.sleep, delay)
+                order.append((name, loop.time()))
+
+            async def busy():
+                for i in range(4):
+                    time.sleep(0.02)  # the loop's own work: real time, no virtual time
+                    order.append((f"step {i}", loop.time()))
+                    await asyncio.sleep(0)
+                await asyncio.sleep(1.0)
+                order.append(("timer", loop.time()))
+
+            await asyncio.gather(work("a", delays[0]), busy(), work("b", delays[1]))
+            return order
+
+        return run_virtual(main(), workers=2)
+
+    fast, slow, mixed = run((0.0, 0.0)), run((0.06, 0.08)), run((0.08, 0.0))
+    assert fast == slow == mixed, (fast, slow, mixed)
+    assert [t for _, t in fast] == [0.0] * 6 + [1.0]  # the threads' time is free; the timer's second is not
+
+
+@pytest.mark.timeout(30)
 def test_ping_costs_the_links_round_trip():
     async def main():
         net = MemoryNetwork(link=LinkSpec(latency=0.040))

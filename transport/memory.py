@@ -79,11 +79,17 @@ class _VirtualSelector(selectors.BaseSelector):
     def select(self, timeout=None):
         if self._loop.threads_in_flight():
             # a worker thread is computing: virtual time stands still, and nothing else runs until every thread
-            # has handed its result back (so results land at the same point of the schedule in every run)
-            events = []
+            # has finished; their results are handed over below, in the order the work was started (so they land
+            # at the same point of the schedule in every run)
+            events = {}
             while self._loop.threads_in_flight():
-                events.extend(self._real.select(None))
-            return events + self._real.select(0)
+                events.update((key.fd, (key, mask)) for key, mask in self._real.select(None))
+                self._loop._read_from_self()  # the wake-up pipe, drained (else the wait spins until the last)
+            self._loop.deliver()
+            events.update((key.fd, (key, mask)) for key, mask in self._real.select(0))
+            return list(events.values())
+        if self._loop.deliver():  # work that finished while the loop ran callbacks: its results' callbacks run now
+            return self._real.select(0)
         if timeout is not None and timeout <= 0:
             return self._real.select(0)
         if timeout is None:
@@ -108,8 +114,10 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def __init__(self, epoch: float = 1_800_000_000.0):
         self._now = 0.0
         self.epoch = epoch
-        # work handed to worker threads through run_in_executor and not finished: token -> its asyncio future
-        self._in_flight: dict[object, asyncio.Future | None] = {}
+        # work handed to worker threads through run_in_executor, in the order it was started: token -> its asyncio
+        # future, until the loop hands it its result; and the work finished (token -> its concurrent future)
+        self._in_flight: dict[object, asyncio.Future] = {}
+        self._finished: dict[object, concurrent.futures.Future] = {}
         self._lock = threading.Lock()
         self.clock = LoopClock(self, epoch)  # what transport.clock.current() hands to code on this loop
         super().__init__(selector=_VirtualSelector(self))
@@ -126,35 +134,61 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
         """Work the loop waits for: not finished, and still awaited. A cancelled one is not (its task was cancelled,
         as a killed simulated node's are): if it had not started it never will, and its result is dropped anyway."""
         with self._lock:
-            return sum(1 for f in self._in_flight.values() if f is None or not f.cancelled())
+            return sum(1 for token, f in self._in_flight.items() if token not in self._finished and not f.cancelled())
 
     def run_in_executor(self, executor, func, *args):
+        """asyncio's, but the result is handed to its future by the loop itself, at its next wait (``select``),
+        in the order the work was started: not by the worker thread as soon as it is done, which put it among the
+        callbacks of the current step when it was fast and after them when it was slow (a run under load replayed
+        another schedule than the same run alone)."""
+        self._check_closed()
+        if executor is None:
+            executor = self._default_executor
+            if executor is None:
+                executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmd-sim")
+                self.set_default_executor(executor)
+        fut = self.create_future()
         token = object()
-
-        def counted():
-            try:
-                return func(*args)
-            finally:
-                with self._lock:
-                    self._in_flight.pop(token, None)
-
         with self._lock:
-            self._in_flight[token] = None
+            self._in_flight[token] = fut
         try:
-            fut = super().run_in_executor(executor, counted)
+            work = executor.submit(func, *args)
         except BaseException:
-            with self._lock:
-                self._in_flight.pop(token, None)
+            self._forget(token)
             raise
-        with self._lock:
-            if token in self._in_flight:
-                self._in_flight[token] = fut
-        fut.add_done_callback(lambda f: self._forget(token) if f.cancelled() else None)
+
+        def finished(done: concurrent.futures.Future) -> None:  # in the worker thread (or here, if already done)
+            with self._lock:
+                if token in self._in_flight:  # (not cancelled meanwhile)
+                    self._finished[token] = done
+            self._write_to_self()  # wake the loop's wait
+
+        work.add_done_callback(finished)
+        fut.add_done_callback(lambda f: (work.cancel(), self._forget(token)) if f.cancelled() else None)
         return fut
 
     def _forget(self, token: object) -> None:
         with self._lock:
             self._in_flight.pop(token, None)
+            self._finished.pop(token, None)
+
+    def deliver(self) -> int:
+        """Finished work's results into their futures, in the order it was started (on the loop's thread); how
+        many were handed over."""
+        with self._lock:
+            done = [(self._in_flight.pop(token), self._finished.pop(token)) for token in list(self._in_flight)
+                    if token in self._finished]
+        handed = 0
+        for fut, work in done:
+            if fut.cancelled() or work.cancelled():
+                continue
+            exc = work.exception()
+            if exc is not None:
+                fut.set_exception(exc)
+            else:
+                fut.set_result(work.result())
+            handed += 1
+        return handed
 
 
 def run_virtual(main, *, epoch: float = 1_800_000_000.0, workers: int = 1):
