@@ -77,19 +77,18 @@ class _VirtualSelector(selectors.BaseSelector):
         self._real.close()
 
     def select(self, timeout=None):
-        if self._loop.threads_in_flight():
-            # a worker thread is computing: virtual time stands still, and nothing else runs until every thread
-            # has finished; their results are handed over below, in the order the work was started (so they land
-            # at the same point of the schedule in every run)
-            events = {}
-            while self._loop.threads_in_flight():
-                events.update((key.fd, (key, mask)) for key, mask in self._real.select(None))
-                self._loop._read_from_self()  # the wake-up pipe, drained (else the wait spins until the last)
-            self._loop.deliver()
+        # a worker thread is computing: virtual time stands still, and nothing else runs until every thread has
+        # finished; then the finished work's results are handed over, in the order it was started (so they land at
+        # the same point of the schedule in every run, also work that finished while the loop ran callbacks), and
+        # their callbacks run before the clock moves
+        waited = bool(self._loop.threads_in_flight())
+        events = {}
+        while self._loop.threads_in_flight():
+            events.update((key.fd, (key, mask)) for key, mask in self._real.select(None))
+            self._loop._read_from_self()  # the wake-up pipe, drained (else the wait spins until the last)
+        if self._loop.deliver() or waited:
             events.update((key.fd, (key, mask)) for key, mask in self._real.select(0))
             return list(events.values())
-        if self._loop.deliver():  # work that finished while the loop ran callbacks: its results' callbacks run now
-            return self._real.select(0)
         if timeout is not None and timeout <= 0:
             return self._real.select(0)
         if timeout is None:
@@ -175,6 +174,8 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
     def deliver(self) -> int:
         """Finished work's results into their futures, in the order it was started (on the loop's thread); how
         many were handed over."""
+        if not self._finished:  # (every select asks: nothing to lock for in the usual case)
+            return 0
         with self._lock:
             done = [(self._in_flight.pop(token), self._finished.pop(token)) for token in list(self._in_flight)
                     if token in self._finished]
