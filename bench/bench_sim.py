@@ -17,17 +17,22 @@ Rows:
 - DiLoCo on slow links (4 peers, 200 and 100 kB/s up and down, an update of 262,144 values (0.27 MB in int8) by
   reduce-scatter, 8 rounds of 1 s of inner steps, seeds 1-8) with the default ``min_bandwidth`` (10 MB/s: the
   exchange step takes the rate it measures) and, as the same-run baseline, ``min_bandwidth`` set to the link's
-  rate (what a user who knows it sets).
+  rate (what a user who knows it sets);
+- DiLoCo with one slow uplink (4 peers on 2 MB/s links exchanging the same update, 8 rounds; after round 2 one
+  peer's uplink falls to 50 kB/s), seeds 1-16: runs clean (all 4 in every round, one final weights, no resync),
+  resyncs, members a round and simulated seconds a round, next to the same seeds with no link falling (baseline).
 
 Each row says how long it took in wall time on this machine. Seeds are fixed: a row is the same in every run.
 
     python bench/bench_sim.py [--peers 100 1000] [--gossip-only 10000] [--diloco 16 64] [--rounds 12]
                               [--far 0.5 0.16] [--slow 200e3 100e3] [--slow-seeds 8]
+                              [--uplink 50e3] [--uplink-seeds 16]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import resource
 import sys
@@ -55,6 +60,9 @@ def main() -> None:
     parser.add_argument("--far", type=float, nargs="*", default=[0.5, 0.16], help="one-way latencies of the far peer")
     parser.add_argument("--slow", type=float, nargs="*", default=[200e3, 100e3], help="slow links' rates, bytes/s")
     parser.add_argument("--slow-seeds", type=int, default=8)
+    parser.add_argument("--uplink", type=float, nargs="*", default=[50e3],
+                        help="one peer's uplink after round 2, bytes/s (the others 2 MB/s)")
+    parser.add_argument("--uplink-seeds", type=int, default=16)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
 
@@ -83,6 +91,7 @@ def main() -> None:
 
     far(args)
     slow(args)
+    uplink(args)
 
 
 def far(args) -> None:
@@ -137,6 +146,53 @@ def slow(args) -> None:
                   f"{sum(r['resyncs'] for r in runs) / n:>7.1f} | "
                   f"{sum(r['participants_mean'] for r in runs) / n:>12.2f} | "
                   f"{sum(r['s_per_round'] for r in runs) / n:>7.2f} | {time.monotonic() - started:>6.0f}", flush=True)
+
+
+async def _uplink_run(seed: int, rate: float | None, churn, root: Path) -> dict:
+    """One run of the slow-uplink scenario: 4 peers at 2 MB/s; after every peer closed 2 rounds, the first peer's
+    uplink falls to ``rate`` (None: nothing changes, the baseline)."""
+    from transport.memory import LinkSpec
+
+    cfg = sim.SimConfig(peers=4, seed=seed, bandwidth=2e6)
+    s = sim.DilocoSim(cfg, churn, root)
+    async with s:
+        await s.start_all()
+        await s.until(lambda: all(s.loop(p).rounds_done[0] >= 2 for p in s.peers), 300, "2 fast rounds")
+        if rate is not None:
+            slow = sorted(s.peers)[0]
+            s.net.set_link(slow, LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth, loss=cfg.loss))
+        await s.until(s.finished, 3000, "everyone to finish")
+        loops = [s.loop(p) for p in s.peers]
+        members = [h["participants"] for lp in loops for h in lp.history]
+        resyncs = sum(lp.counters["resyncs"] for lp in loops)
+        finals = len({lp.final_hash for lp in loops})
+        return {"clean": finals == 1 and resyncs == 0 and min(members) == 4, "finals": finals, "resyncs": resyncs,
+                "members": sum(members) / len(members),
+                "s_per_round": asyncio.get_running_loop().time() / max(len(lp.history) for lp in loops)}
+
+
+def uplink(args) -> None:
+    if not args.uplink:
+        return
+    print()
+    seeds = range(1, args.uplink_seeds + 1)
+    churn = sim.ChurnConfig(rounds=8, dim=262144, exchange="scatter")
+    print(f"DiLoCo with one slow uplink (4 peers at 2 MB/s, an update of {churn.dim:,} values in int8 by "
+          f"reduce-scatter, {churn.rounds} rounds; after round 2 one peer's uplink falls), seeds {seeds.start}-"
+          f"{seeds.stop - 1}; baseline: the same seeds, no link falls")
+    print(f"{'uplink kB/s':>11} | {'clean':>8} | {'one weights':>11} | {'resyncs':>7} | {'members mean':>12} | "
+          f"{'s/round':>7} | {'wall s':>6}")
+    for rate in [None, *args.uplink]:
+        started = time.monotonic()
+        runs = []
+        for seed in seeds:
+            with tempfile.TemporaryDirectory(prefix="swarmd-sim-") as tmp:
+                runs.append(run_virtual(_uplink_run(seed, rate, churn, Path(tmp))))
+        n = len(runs)
+        print(f"{'2000 (base)' if rate is None else f'{rate / 1e3:.0f}':>11} | "
+              f"{sum(r['clean'] for r in runs):>2} of {n:<2} | {sum(r['finals'] == 1 for r in runs):>5} of {n:<2} | "
+              f"{sum(r['resyncs'] for r in runs):>7} | {sum(r['members'] for r in runs) / n:>12.2f} | "
+              f"{sum(r['s_per_round'] for r in runs) / n:>7.2f} | {time.monotonic() - started:>6.0f}", flush=True)
 
 
 if __name__ == "__main__":

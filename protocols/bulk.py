@@ -272,6 +272,8 @@ class BulkService:
         self._by_author_hashes: dict[str, collections.deque] = {}  # author -> its live announcements, oldest first
         self._rate = TokenBuckets(SERVE_RATE, SERVE_BURST)  # requests per requester
         self._serving: collections.Counter = collections.Counter()
+        self._served_at = 0.0  # when the last transfer we served ended (monotonic)
+        self._serving_blobs: collections.Counter = collections.Counter()  # blob hash -> transfers of it under way
         self._log = RateLimitedLog(logger, interval=30.0)
         self._hosts_cache: tuple[float, dict[str, set[str]]] | None = None
         self.counters: collections.Counter = collections.Counter()
@@ -522,12 +524,12 @@ class BulkService:
             writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
             if blob is not None:
                 peer = request["peer"]
-                self._serving[peer] += 1
+                self._begin_serving(peer, request["hash"])
                 try:
                     writer.write(memoryview(blob))
                     await writer.drain()
                 finally:
-                    self._serving[peer] -= 1
+                    self._served(peer, request["hash"])
                 self.counters["served"] += 1
                 self.counters["bytes_served"] += len(blob)
             await writer.drain()
@@ -556,16 +558,32 @@ class BulkService:
         await stream.send(HEAD, {"status": status, "size": len(blob) if blob is not None else 0})
         if blob is not None:
             view = memoryview(blob)
-            self._serving[stream.peer_id] += 1
+            self._begin_serving(stream.peer_id, request.body["hash"])
             try:
                 for offset in range(0, len(blob), CHUNK):
                     await stream.send(DATA, view[offset:offset + CHUNK])
             finally:
-                self._serving[stream.peer_id] -= 1
+                self._served(stream.peer_id, request.body["hash"])
             self.counters["served"] += 1
             self.counters["served_over_stream"] += 1
             self.counters["bytes_served"] += len(blob)
         await stream.close(linger=10.0)
+
+    def _begin_serving(self, peer: str, blob_hash: bytes) -> None:
+        self._serving[peer] += 1
+        self._serving_blobs[blob_hash] += 1
+
+    def _served(self, peer: str, blob_hash: bytes) -> None:
+        for counter, key in ((self._serving, peer), (self._serving_blobs, blob_hash)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+        self._served_at = self._clock().monotonic()
+
+    def serving_until(self, blobs) -> float | None:
+        """None while we serve one of ``blobs`` (hashes: peers are still waiting for those bytes of ours), else
+        when the last transfer we served ended (monotonic; 0.0: never)."""
+        return None if any(h in self._serving_blobs for h in blobs) else self._served_at
 
     def _check(self, request: Any) -> tuple[int, bytearray | None]:
         if not isinstance(request, dict) or set(request) != {"hash", "peer", "ts", "sig"}:

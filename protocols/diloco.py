@@ -73,6 +73,7 @@ MAX_PARTS_LISTS = 64  # per round: part lists kept from counted peers that were 
 # where that is below min_bandwidth; a step that moved less than RATE_MIN_BYTES measures latency, not the link
 RATE_ROUNDS = 5
 RATE_MIN_BYTES = 1 << 16
+SERVING_POLL = 0.25  # seconds between looks at whether we still serve a round's bytes, while a wait is past its end
 MAX_VIEW = 1024  # peers a member view names (a round of more members is not agreed on: each peer keeps its own)
 MAX_AHEAD = 16  # our rounds' hashes kept to compare with the others' when we are that many rounds ahead of them
 
@@ -1234,7 +1235,7 @@ class DilocoLoop(TaskLoop):
     def _update_bytes(self, p: int) -> int:
         return sum(self._part_bytes(p))
 
-    def _span(self, p: int) -> float:
+    def _span(self, p: int, members: list[str] = (), announced: dict[str, Announced] | None = None) -> float:
         """The time a round's exchange step is given: the deadline, and each peer moving about 2 x one update at
         ``min_bandwidth``, or at the rate our last scatter steps measured where that is lower (that time capped at
         deadline_high, or at what ``min_bandwidth`` gives where that is more); a peer that stalls costs the others
@@ -1247,8 +1248,16 @@ class DilocoLoop(TaskLoop):
         (``_majority_parts``), all 8 ended on one weights with no resync and 4 members a round
         (``bench/bench_sim.py --slow``)."""
         moved = self._update_bytes(p) + sum(self._part_bytes(p, reduced=True))  # the chunks in, the combined out
+        need = moved / self._transfer_rate()
+        if members and announced:
+            # and the round's slowest member, at the rate the others received from it last time, sending each of
+            # them its chunks (about 1/N of an update each): every peer's steps wait on it, not only ours
+            rates = exchange.measured_rates(members, {a: dict(announced[a].rates) for a in members
+                                                      if a in announced}, rounds.short_id)
+            if rates:
+                need = max(need, self._update_bytes(p) / len(members) / (max(1, min(rates.values())) * 1000))
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
-        transfer = min(moved / self._transfer_rate(), max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
+        transfer = min(need, max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
         return max(self.cfg.deadline_low, self.deadline.value()) + transfer
 
     def _transfer_rate(self) -> float:
@@ -1467,7 +1476,7 @@ class DilocoLoop(TaskLoop):
         digest = exchange.members_digest(members)
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
-        span = self._span(p)
+        span = self._span(p, ordered, pending.announced)
         end = self.clock.monotonic() + span
         # the pulls' end moves while parts still come: the span's transfer time is a guess before the first
         # measurement (on a slower link than min_bandwidth round 0 had 1 s for ~11 s of transfers, and every peer
@@ -1481,10 +1490,12 @@ class DilocoLoop(TaskLoop):
         screened: dict[str, str] = {}
         computed: dict[int, tuple[bytes, torch.Tensor, int, frozenset[str]]] = {}  # our reductions (and whose)
 
-        async def compute(k: int, until: float | StepEnd, only: frozenset[str] | None = None) -> bool:
+        async def compute(k: int, until: float | StepEnd, only: frozenset[str] | None = None,
+                          first: str | None = None) -> bool:
             """Reduce part k from the members' chunks (``only`` those: False if one of them did not come) by
             ``until``. The chunks are pulled as bytes and decoded only when the part is reduced, a few parts at a
-            time (``_reducing``): decoded, a round's chunks were a copy of the update held at once."""
+            time (``_reducing``): decoded, a round's chunks were a copy of the update held at once. ``first``: a
+            member that holds them all (the coordinator whose part we follow), asked before each chunk's owner."""
             a, b = bounds[k]
             if not isinstance(until, StepEnd):
                 until = self._pulls_end(key, until, span)
@@ -1504,8 +1515,18 @@ class DilocoLoop(TaskLoop):
                     else:  # dropped by the bulk store, over its budget (``blobs_evicted``): left out, as a late one
                         self.counters["chunks_missing"] += 1
                 else:
-                    if early is not None:  # pulled as its announcement came (see _prefetch)
+                    if early is not None and (first is None or early.done()):  # pulled as its announcement came
                         pull = self._by(until, asyncio.shield(early))
+                    elif first is not None and first not in (me, peer):
+                        # the coordinator reduced its part from this chunk, so it holds it (the hash is the one
+                        # the owner signed): when we follow its part, the owner is the slow source, its uplink the
+                        # one the round waits on (the simulator: one uplink down to 50 kB/s, and the others could
+                        # not check the coordinator's parts in time and kept theirs)
+                        pull = self._fetch_part(key, first, ann.parts[k], ann.sizes[k], pending.announced[first].addrs,
+                                                b - a, until, holders=[(peer, ann.addrs)] + [
+                                                    (x, pending.announced[x].addrs) for x in ordered
+                                                    if x not in (me, first, peer)],
+                                                counter="chunks_not_from_coordinator", decode=False)
                     else:
                         pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
                                                 until, holders=[
@@ -1683,7 +1704,7 @@ class DilocoLoop(TaskLoop):
                                         for k in range(len(used))],
                                   "h": [used[k][0] for k in range(len(used))]})
             return
-        await outer.wait_until(lambda: coordinator in pending.parts, self._event, span)
+        await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key])
         held = pending.parts.get(coordinator)
         if held is None:
             self.counters["parts_coordinator_missing"] += 1
@@ -1696,7 +1717,7 @@ class DilocoLoop(TaskLoop):
         async def conform(k: int) -> None:
             whose = exchange.unpack_set(ordered, sets[k])
             could = exchange.names_majority(whose, members) \
-                and await compute(k, self.clock.monotonic() + span, only=whose)
+                and await compute(k, self.clock.monotonic() + span, only=whose, first=coordinator)
             action = exchange.conform_action(whose, members, computed[k][0] if could else None, hashes[k])
             if action == "not_followed":
                 self.counters["parts_not_followed"] += 1
@@ -1721,6 +1742,25 @@ class DilocoLoop(TaskLoop):
                 self.counters["parts_conformed"] += 1
 
         await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
+
+    async def _wait_serving(self, done, span: float, blobs) -> bool:
+        """Wait until ``done()`` holds for ``span``, and while we are still serving one of ``blobs`` (the round's:
+        our chunks and parts, the chunks we pulled), and ``span`` after the last transfer ended, up to
+        deadline_high: the others cannot be done before those bytes reached them. A peer whose uplink is the
+        round's bottleneck finished its own pulls long before the others, and its wait for the coordinator's parts
+        list ran out while the coordinator was still pulling from it: it kept its own parts and resynced (the
+        simulator: one uplink down to 50 kB/s mid-run)."""
+        now = self.clock.monotonic()
+        end, cap = now + span, now + max(span, self.cfg.deadline_high)
+        while not done():
+            now = self.clock.monotonic()
+            if end - now <= rounds.TICK:
+                until = self.bulk.serving_until(blobs)
+                end = min(cap, now + SERVING_POLL if until is None else until + span)
+                if end - now <= rounds.TICK:
+                    return False
+            await outer.wait_event(self._event, end - now)
+        return True
 
     async def _pull_reduced(self, key: tuple[int, int], pending: Pending, ordered: list[str], reducer: str,
                             reduced: tuple, elements: int, until: float | StepEnd,

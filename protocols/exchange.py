@@ -107,10 +107,10 @@ def slow_last(chain, weights: dict[str, int]) -> tuple[str, ...]:
     return tuple(sorted(chain, key=lambda a: weights.get(a, WEIGHT_FULL) < WEIGHT_FULL))
 
 
-def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:
-    """Each member's weight in the part assignment (``reducers``), from ``reports`` (member -> {short id: the
-    receive rate it measured from that peer in its last exchange}); ``short`` maps a peer id to its short id. A
-    member nobody reported weighs WEIGHT_FULL. Empty when nothing was reported (the plain round robin)."""
+def measured_rates(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:
+    """The rate (kB/s) the others received from each member at, as ``reports`` (member -> {short id: the receive
+    rate it measured from that peer in its last exchange}) say: the lower median of the others' reports, so one
+    reporter cannot raise it, and a peer cannot report its own. Members nobody reported are left out."""
     members = sorted(members)
     by_short = {short(x): x for x in members}
     values: dict[str, list[int]] = {}
@@ -119,8 +119,15 @@ def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[s
             x = by_short.get(sid)
             if x is not None and x != m:
                 values.setdefault(x, []).append(rate)
-    # the lower median: one reporter cannot raise it
-    measured = {x: sorted(v)[(len(v) - 1) // 2] for x, v in values.items()}
+    return {x: sorted(v)[(len(v) - 1) // 2] for x, v in values.items()}
+
+
+def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:
+    """Each member's weight in the part assignment (``reducers``), from ``reports`` (member -> {short id: the
+    receive rate it measured from that peer in its last exchange}); ``short`` maps a peer id to its short id. A
+    member nobody reported weighs WEIGHT_FULL. Empty when nothing was reported (the plain round robin)."""
+    members = sorted(members)
+    measured = measured_rates(members, reports, short)
     if not measured:
         return {}
     ranked = sorted(measured.values())

@@ -110,6 +110,23 @@ def test_members_measured_slow_come_last_in_the_chain_of_coordinators_in_their_o
 
 
 @pytest.mark.beside
+def test_a_members_rate_is_the_lower_median_of_what_the_others_measured_from_it():
+    """What a round's span waits on (its slowest member at this rate) and what the part weights come from: one
+    reporter cannot raise a member's rate, a member's report of itself counts for nothing, an unknown id is
+    ignored, and a member nobody reported is left out."""
+    members = ["a", "b", "c", "d"]
+
+    def short(x):
+        return x.encode() * 8
+
+    reports = {"a": {short("b"): 50, short("c"): 2000, short("a"): 9999, b"zzzzzzzz": 1},
+               "c": {short("b"): 40, short("a"): 1900},
+               "d": {short("b"): 99_999, short("a"): 2100, short("c"): 1800}}
+    assert exchange.measured_rates(members, reports, short) == {"b": 50, "c": 1800, "a": 1900}
+    assert exchange.measured_rates(members, {}, short) == {}
+
+
+@pytest.mark.beside
 def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
     meter = exchange.RateMeter()
     meter.start("a", 0.0)
