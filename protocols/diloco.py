@@ -1254,8 +1254,10 @@ class DilocoLoop(TaskLoop):
             # them its chunks (about 1/N of an update each): every peer's steps wait on it, not only ours
             rates = exchange.measured_rates(members, {a: dict(announced[a].rates) for a in members
                                                       if a in announced}, rounds.short_id)
-            if rates:
-                need = max(need, self._update_bytes(p) / len(members) / (max(1, min(rates.values())) * 1000))
+            # (a member that sent nothing, its pulls failed, measured 0: a stall, which the span must not wait on)
+            sending = [rate for rate in rates.values() if rate > 0]
+            if sending:
+                need = max(need, self._update_bytes(p) / len(members) / (min(sending) * 1000))
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(need, max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
         return max(self.cfg.deadline_low, self.deadline.value()) + transfer
