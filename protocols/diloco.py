@@ -400,7 +400,9 @@ class DilocoLoop(TaskLoop):
         self._moving: dict[tuple[int, int], Received] = {}  # scatter step -> what came in it so far
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
-        self._assignment: dict[str, int] = {}  # the last scatter step: parts we reduced, members that reduced any
+        self._assignment: dict[str, float | None] = {}  # the last scatter step: parts we reduced, members that
+        # reduced any, its span and the slowest member's measured rate
+        self._slowest: int | None = None  # the last span's slowest member's rate (kB/s; None: none measured)
         self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
@@ -1258,6 +1260,7 @@ class DilocoLoop(TaskLoop):
             sending = [rate for rate in rates.values() if rate > 0]
             if sending:
                 need = max(need, self._update_bytes(p) / len(members) / (min(sending) * 1000))
+            self._slowest = min(sending) if sending else None
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(need, max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
         return max(self.cfg.deadline_low, self.deadline.value()) + transfer
@@ -1478,6 +1481,7 @@ class DilocoLoop(TaskLoop):
         digest = exchange.members_digest(members)
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
+        self._slowest = None
         span = self._span(p, ordered, pending.announced)
         end = self.clock.monotonic() + span
         # the pulls' end moves while parts still come: the span's transfer time is a guess before the first
@@ -1592,7 +1596,10 @@ class DilocoLoop(TaskLoop):
 
         owners = self._owners(ordered, len(bounds), pending.announced)  # part -> its reducer
         mine = [k for k in range(len(bounds)) if owners[k] == me]
-        self._assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners))}
+        # what the round's steps wait: the span, and the slowest member's rate (kB/s, as the others measured it) it
+        # took into account
+        self._assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners)),
+                            "span_seconds": round(span, 3), "slowest_member_kBps": self._slowest}
         plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit, owners)  # -> auditor
         auditing = [k for k, auditor in plan.items() if auditor == me]
 

@@ -330,6 +330,8 @@ def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_up
             assert s["exchange"]["mode"] == "scatter" and s["exchange"]["members"] == 4
             # who reduced how many parts (by the rates the peers measured: on loopback all within 4x, so all 4)
             assert s["exchange"]["members_reducing"] == 4 and s["exchange"]["parts_reducing"] >= 1, s["exchange"]
+            # the span its steps waited, and the slowest member's rate it took into account (measured since round 1)
+            assert s["exchange"]["span_seconds"] >= 2.0 and s["exchange"]["slowest_member_kBps"] > 0, s["exchange"]
             assert set(s["exchange"]["phase_seconds_median"]) == {"wait", "agree", "reduce", "conform"}
             assert s.get("parts_fallback", 0) == 0 and s.get("rejected_wrong_shape", 0) == 0
             assert s.get("chunks_prefetched", 0) > 0  # chunks of the parts we reduce move before the close
