@@ -402,7 +402,6 @@ class DilocoLoop(TaskLoop):
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
         self._assignment: dict[str, float | None] = {}  # the last scatter step: parts we reduced, members that
         # reduced any, its span and the slowest member's measured rate
-        self._slowest: int | None = None  # the last span's slowest member's rate (kB/s; None: none measured)
         self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
@@ -1237,7 +1236,15 @@ class DilocoLoop(TaskLoop):
     def _update_bytes(self, p: int) -> int:
         return sum(self._part_bytes(p))
 
-    def _span(self, p: int, members: list[str] = (), announced: dict[str, Announced] | None = None) -> float:
+    def _slowest_rate(self, members: list[str], announced: dict[str, Announced]) -> int | None:
+        """The lowest rate (kB/s) at which the others received from one of the round's members last time, as their
+        announcements report it (``exchange.measured_rates``); None if none was measured. A member measured at 0
+        (it sent nothing: its pulls failed) is a stall, not a rate to wait on, and is left out."""
+        rates = exchange.measured_rates(members, {a: dict(announced[a].rates) for a in members if a in announced},
+                                        rounds.short_id)
+        return min((rate for rate in rates.values() if rate > 0), default=None)
+
+    def _span(self, p: int, slowest: int | None = None, members: int = 1) -> float:
         """The time a round's exchange step is given: the deadline, and each peer moving about 2 x one update at
         ``min_bandwidth``, or at the rate our last scatter steps measured where that is lower (that time capped at
         deadline_high, or at what ``min_bandwidth`` gives where that is more); a peer that stalls costs the others
@@ -1248,19 +1255,17 @@ class DilocoLoop(TaskLoop):
         weights, none had fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 ended
         split, 4 had 0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well
         (``_majority_parts``), all 8 ended on one weights with no resync and 4 members a round
-        (``bench/bench_sim.py --slow``)."""
+        (``bench/bench_sim.py --slow``).
+
+        And, with ``slowest`` (kB/s: the slowest of the round's ``members`` members' rates, ``_slowest_rate``),
+        that member sending each peer its chunks (about 1/N of an update each) at that rate: every peer's steps
+        wait on it, not only ours. With our receive rate alone, the fast peers gave their steps 1.5 s of a round
+        that needed 4 s for a peer whose uplink had fallen to 50 kB/s, gave up on its chunks at different times
+        and ended on different weights (the simulator; ``bench/bench_sim.py --uplink``)."""
         moved = self._update_bytes(p) + sum(self._part_bytes(p, reduced=True))  # the chunks in, the combined out
         need = moved / self._transfer_rate()
-        if members and announced:
-            # and the round's slowest member, at the rate the others received from it last time, sending each of
-            # them its chunks (about 1/N of an update each): every peer's steps wait on it, not only ours
-            rates = exchange.measured_rates(members, {a: dict(announced[a].rates) for a in members
-                                                      if a in announced}, rounds.short_id)
-            # (a member that sent nothing, its pulls failed, measured 0: a stall, which the span must not wait on)
-            sending = [rate for rate in rates.values() if rate > 0]
-            if sending:
-                need = max(need, self._update_bytes(p) / len(members) / (min(sending) * 1000))
-            self._slowest = min(sending) if sending else None
+        if slowest:
+            need = max(need, self._update_bytes(p) / max(1, members) / (slowest * 1000))
         # the measured rate is never above min_bandwidth, so this is never less than what min_bandwidth gives
         transfer = min(need, max(moved / self.cfg.min_bandwidth, self.cfg.deadline_high))
         return max(self.cfg.deadline_low, self.deadline.value()) + transfer
@@ -1481,8 +1486,8 @@ class DilocoLoop(TaskLoop):
         digest = exchange.members_digest(members)
         factors = exchange.clip_factors({a: pending.announced[a].norm for a in members}, CLIP)
         # time for the transfers: each peer moves about 2 x one update; a peer that stalls costs one such span
-        self._slowest = None
-        span = self._span(p, ordered, pending.announced)
+        slowest = self._slowest_rate(ordered, pending.announced)
+        span = self._span(p, slowest, len(ordered))
         end = self.clock.monotonic() + span
         # the pulls' end moves while parts still come: the span's transfer time is a guess before the first
         # measurement (on a slower link than min_bandwidth round 0 had 1 s for ~11 s of transfers, and every peer
@@ -1523,7 +1528,7 @@ class DilocoLoop(TaskLoop):
                 else:
                     if early is not None and (first is None or early.done()):  # pulled as its announcement came
                         pull = self._by(until, asyncio.shield(early))
-                    elif first is not None and first not in (me, peer):
+                    elif first is not None and first not in (me, peer) and first in pending.announced:
                         # the coordinator reduced its part from this chunk, so it holds it (the hash is the one
                         # the owner signed): when we follow its part, the owner is the slow source, its uplink the
                         # one the round waits on (the simulator: one uplink down to 50 kB/s, and the others could
@@ -1599,7 +1604,7 @@ class DilocoLoop(TaskLoop):
         # what the round's steps wait: the span, and the slowest member's rate (kB/s, as the others measured it) it
         # took into account
         self._assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners)),
-                            "span_seconds": round(span, 3), "slowest_member_kBps": self._slowest}
+                            "span_seconds": round(span, 3), "slowest_member_kBps": slowest}
         plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit, owners)  # -> auditor
         auditing = [k for k, auditor in plan.items() if auditor == me]
 
