@@ -32,7 +32,6 @@ Each row says how long it took in wall time on this machine. Seeds are fixed: a 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import resource
 import sys
@@ -44,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from node import sim  # noqa: E402
-from transport.memory import run_virtual  # noqa: E402
+from transport.memory import LinkSpec, run_virtual  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -151,24 +150,20 @@ def slow(args) -> None:
 async def _uplink_run(seed: int, rate: float | None, churn, root: Path) -> dict:
     """One run of the slow-uplink scenario: 4 peers at 2 MB/s; after every peer closed 2 rounds, the first peer's
     uplink falls to ``rate`` (None: nothing changes, the baseline)."""
-    from transport.memory import LinkSpec
 
-    cfg = sim.SimConfig(peers=4, seed=seed, bandwidth=2e6)
-    s = sim.DilocoSim(cfg, churn, root)
-    async with s:
-        await s.start_all()
-        await s.until(lambda: all(s.loop(p).rounds_done[0] >= 2 for p in s.peers), 300, "2 fast rounds")
+    def fall(s, cfg):
         if rate is not None:
-            slow = sorted(s.peers)[0]
-            s.net.set_link(slow, LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth, loss=cfg.loss))
-        await s.until(s.finished, 3000, "everyone to finish")
-        loops = [s.loop(p) for p in s.peers]
-        members = [h["participants"] for lp in loops for h in lp.history]
-        resyncs = sum(lp.counters["resyncs"] for lp in loops)
-        finals = len({lp.final_hash for lp in loops})
-        return {"clean": finals == 1 and resyncs == 0 and min(members) == 4, "finals": finals, "resyncs": resyncs,
-                "members": sum(members) / len(members),
-                "s_per_round": asyncio.get_running_loop().time() / max(len(lp.history) for lp in loops)}
+            s.net.set_link(sorted(s.peers)[0], LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth,
+                                                        loss=cfg.loss))
+
+    run = await sim.diloco_links_change(sim.SimConfig(peers=4, seed=seed, bandwidth=2e6), churn, root, fall)
+    loops = run["loops"].values()
+    members = [h["participants"] for lp in loops for h in lp.history]
+    resyncs = sum(lp.counters["resyncs"] for lp in loops)
+    finals = len(run["finals"])
+    return {"clean": finals == 1 and resyncs == 0 and min(members) == 4, "finals": finals, "resyncs": resyncs,
+            "members": sum(members) / len(members),
+            "s_per_round": run["seconds"] / max(len(lp.history) for lp in loops)}
 
 
 def uplink(args) -> None:

@@ -536,6 +536,22 @@ async def diloco_far(cfg: SimConfig, churn: ChurnConfig, root: Path, latency: fl
         return report
 
 
+async def diloco_links_change(cfg: SimConfig, churn: ChurnConfig, root: Path, change, after: int = 2) -> dict:
+    """A DiLoCo run of ``cfg.peers`` nodes on ``cfg``'s links; once every peer closed ``after`` rounds,
+    ``change(sim, cfg)`` sets links (a link that falls, an uplink that slows). Returns each peer's loop
+    (``loops``), the final hashes (``finals``), what ``change`` returned (``changed``) and the simulated seconds
+    at the run's end (``seconds``)."""
+    sim = DilocoSim(cfg, churn, root)
+    async with sim:
+        await sim.start_all()
+        await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= after for p in sim.peers), 300,
+                        f"{after} rounds before the change")
+        changed = change(sim, cfg)
+        await sim.until(sim.finished, 3000, "everyone to finish")
+        return {"loops": {p: sim.loop(p) for p in sim.peers}, "finals": {n.loop.final_hash for n in sim.nodes.values()},
+                "changed": changed, "seconds": asyncio.get_running_loop().time()}
+
+
 async def diloco_run(cfg: SimConfig, churn: ChurnConfig, root: Path, **settings) -> dict:
     """A DiLoCo run of ``cfg.peers`` nodes on ``cfg``'s links, no faults (``settings``: the loop's config, e.g.
     ``min_bandwidth``). Reports as ``diloco_churn``."""

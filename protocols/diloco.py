@@ -1528,21 +1528,19 @@ class DilocoLoop(TaskLoop):
                 else:
                     if early is not None and (first is None or early.done()):  # pulled as its announcement came
                         pull = self._by(until, asyncio.shield(early))
-                    elif first is not None and first not in (me, peer) and first in pending.announced:
-                        # the coordinator reduced its part from this chunk, so it holds it (the hash is the one
-                        # the owner signed): when we follow its part, the owner is the slow source, its uplink the
-                        # one the round waits on (the simulator: one uplink down to 50 kB/s, and the others could
-                        # not check the coordinator's parts in time and kept theirs)
-                        pull = self._fetch_part(key, first, ann.parts[k], ann.sizes[k], pending.announced[first].addrs,
-                                                b - a, until, holders=[(peer, ann.addrs)] + [
-                                                    (x, pending.announced[x].addrs) for x in ordered
-                                                    if x not in (me, first, peer)],
-                                                counter="chunks_not_from_coordinator", decode=False)
                     else:
-                        pull = self._fetch_part(key, peer, ann.parts[k], ann.sizes[k], ann.addrs, b - a,
-                                                until, holders=[
-                                                    (x, pending.announced[x].addrs) for x in ordered if x != me],
-                                                decode=False)
+                        # from its owner, then any member that holds it; or first from ``first``: the coordinator
+                        # reduced its part from this chunk, so it holds it (the hash is the one the owner signed),
+                        # and when we follow its part the owner is the slow source, its uplink the one the round
+                        # waits on (the simulator: one uplink down to 50 kB/s, and the others could not check the
+                        # coordinator's parts in time and kept theirs)
+                        source = first if first not in (None, me, peer) and first in pending.announced else peer
+                        pull = self._fetch_part(key, source, ann.parts[k], ann.sizes[k],
+                                                pending.announced[source].addrs, b - a, until, holders=[
+                                                    (x, pending.announced[x].addrs)
+                                                    for x in dict.fromkeys([peer, *ordered]) if x not in (me, source)],
+                                                counter="chunks_from_other_holders" if source == peer
+                                                else "chunks_not_from_coordinator", decode=False)
                     try:
                         got[peer] = await pull
                     except (BulkError, asyncio.TimeoutError) as e:

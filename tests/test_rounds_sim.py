@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced
+from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change
 from protocols import diloco
 from transport.memory import LinkSpec, run_virtual
 
@@ -518,19 +518,11 @@ print(json.dumps(run_virtual(main())))
 
 def _links_change_after_two_rounds(tmp_path, seed: int, change, rounds: int = 6) -> tuple[dict, set, object]:
     """4 peers exchange a 0.27 MB update (262,144 values in int8) by reduce-scatter at 2 MB/s; after the first 2
-    rounds, ``change(sim, cfg)`` sets links. Returns each peer's loop, the final hashes, what ``change`` returned."""
-
-    async def main():
-        cfg = SimConfig(peers=4, seed=seed, bandwidth=2e6)
-        sim = DilocoSim(cfg, ChurnConfig(rounds=rounds, dim=262144, exchange="scatter"), tmp_path)
-        async with sim:
-            await sim.start_all()
-            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 fast rounds")
-            changed = change(sim, cfg)
-            await sim.until(sim.finished, 3000, "everyone to finish")
-            return {p: sim.loop(p) for p in sim.peers}, _finals(sim), changed
-
-    return run_virtual(main())
+    rounds, ``change(sim, cfg)`` sets links (``node.sim.diloco_links_change``). Returns each peer's loop, the final
+    hashes, what ``change`` returned."""
+    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=seed, bandwidth=2e6),
+                                          ChurnConfig(rounds=rounds, dim=262144, exchange="scatter"), tmp_path, change))
+    return run["loops"], run["finals"], run["changed"]
 
 
 @pytest.mark.timeout(120)
