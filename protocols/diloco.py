@@ -634,7 +634,7 @@ class DilocoLoop(TaskLoop):
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
             await asyncio.sleep(0.2)
         await self._wait_if_ahead(p, r, theirs)
-        verdict = rounds.hash_verdict(ours, theirs(r))
+        verdict = rounds.hash_verdict(ours, theirs(r), me=me, salt=f"{self.cfg.run}/{r}/{p}")
         redo = self._drop_redo(p)
         if verdict is None or verdict.agrees:
             return
@@ -1179,7 +1179,8 @@ class DilocoLoop(TaskLoop):
             if (rr, p) in self._checked:
                 return
             verdict = rounds.hash_verdict(self._published[(rr, p)], self.round_hashes.get((rr, p), {}),
-                                          self.standing.vouched)
+                                          self.standing.vouched, me=self._ctx.identity.peer_id,
+                                          salt=f"{self.cfg.run}/{rr}/{p}")
             if verdict is not None:
                 self._checked.add((rr, p))
                 if rr < r - 1:
@@ -1923,7 +1924,7 @@ class DilocoLoop(TaskLoop):
             trusted = {a: h for a, h in claims.items() if self._ctx.direct(a)}
         if not trusted:
             return []
-        top = rounds.majority(trusted.values())
+        top = rounds.majority(trusted, self.cfg.run)
         return sorted(a for a, h in trusted.items() if h == top)
 
     # ------------------------------------------------------------------ our own checkpoint (the data dir)

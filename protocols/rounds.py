@@ -33,10 +33,22 @@ from typing import TypeVar
 from protocols.standing import Standing
 
 
-def majority(votes: Iterable[str]) -> str:
-    """The weight hash most peers report; a tie goes to the larger hash, so every peer picks the same side."""
-    counts = collections.Counter(votes)
-    return max(counts.items(), key=lambda kv: (kv[1], kv[0]))[0]
+def majority(votes: Mapping[str, str], salt: str = "") -> str:
+    """The weight hash most voters report (``votes``: voter -> hash). A tie goes to the side of the voter drawn
+    first for ``salt`` (the run and round): every peer picks the same side, no peer picks it by what it sends, and
+    the pick does not hang on the weights' bytes. (Ties went to the larger hash: a peer could win every tie by
+    nudging its weights, and since a hash differs with the CPU's float kernels, the simulator's runs took other
+    sides on other machines.)"""
+    counts = collections.Counter(votes.values())
+    top = max(counts.values())
+    tied = {h for h, c in counts.items() if c == top}
+    if len(tied) == 1:
+        return next(iter(tied))
+    return votes[min((v for v, h in votes.items() if h in tied), key=lambda v: _tie_rank(salt, v))]
+
+
+def _tie_rank(salt: str, voter: str) -> bytes:
+    return hashlib.blake2b(f"tie/{salt}/{voter}".encode(), digest_size=16).digest()
 
 
 class StartBarrier:
@@ -179,13 +191,15 @@ class HashVerdict:
     holders: tuple[str, ...]  # the counted peers holding the majority's hash, sorted: whom to resync from
 
 
-def hash_verdict(ours: str, theirs: Mapping[str, str], counts=lambda peer: True) -> HashVerdict | None:
+def hash_verdict(ours: str, theirs: Mapping[str, str], counts=lambda peer: True, *, me: str, salt: str
+                 ) -> HashVerdict | None:
     """Our weights' hash after a round against the hashes peers published for it, only those of peers that
-    ``counts`` (a fresh key's word does not); None when no counted peer published one."""
-    counted = {a: h for a, h in theirs.items() if counts(a)}
+    ``counts`` (a fresh key's word does not); None when no counted peer published one. ``me``: our peer id (our
+    hash is a vote too), ``salt``: the run and round, for a tie (``majority``)."""
+    counted = {a: h for a, h in theirs.items() if a != me and counts(a)}
     if not counted:
         return None
-    top = majority([*counted.values(), ours])
+    top = majority({**counted, me: ours}, salt)
     return HashVerdict(top, top == ours, tuple(sorted(a for a, h in counted.items() if h == top)))
 
 

@@ -775,7 +775,8 @@ class SPSALoop(TaskLoop):
         return self._screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
-        verdict = rounds.hash_verdict(self.my_hashes[w][:16], self.hashes.get(w, {}), self.standing.vouched)
+        verdict = rounds.hash_verdict(self.my_hashes[w][:16], self.hashes.get(w, {}), self.standing.vouched,
+                                      me=self._ctx.identity.peer_id, salt=f"{self.cfg.run}/{w}")
         if verdict is not None and not verdict.agrees:
             self.counters["diverged"] += 1
             logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)

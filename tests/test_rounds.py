@@ -4,6 +4,7 @@ The loops' shells around it are tested by tests/test_rounds_sim.py (DiLoCo on th
 multi-process tests."""
 
 import collections
+
 import pytest
 
 from protocols import rounds
@@ -13,9 +14,18 @@ from protocols.standing import Standing
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 
-def test_majority_vote_breaks_ties_the_same_way_everywhere():
-    assert rounds.majority(["a", "b", "b"]) == "b"
-    assert rounds.majority(["a", "b"]) == rounds.majority(["b", "a"]) == "b"
+def test_majority_vote_breaks_ties_by_a_draw_of_the_voters_for_the_round_not_by_the_hashes():
+    assert rounds.majority({"a": "x", "b": "y", "c": "y"}) == "y"
+    # a tie: the side of the voter drawn first for the salt, whatever order the votes came in and whatever hashes
+    # the two sides hold (a peer cannot win ties by nudging its weights, and the pick is the same on every CPU)
+    votes = {"a": "x", "b": "y"}
+    first = min(votes, key=lambda v: rounds._tie_rank("run/3/0", v))
+    flipped = dict(reversed(votes.items()))
+    assert rounds.majority(votes, "run/3/0") == rounds.majority(flipped, "run/3/0") == votes[first]
+    assert rounds.majority({"a": "y", "b": "x"}, "run/3/0") == ("y" if first == "a" else "x")
+    # over rounds, each voter's side wins some ties
+    wins = collections.Counter(rounds.majority({"a": "x", "b": "y"}, f"run/{r}/0") for r in range(64))
+    assert wins["x"] > 16 and wins["y"] > 16, wins
 
 
 def test_start_barrier_announces_every_second_and_starts_a_grace_after_enough_are_ready():
@@ -87,15 +97,22 @@ def test_plan_wait_waits_for_counted_peers_and_gives_the_same_newcomer_slots_eve
 
 
 def test_hash_verdict_counts_only_the_peers_whose_word_counts():
-    assert hash_verdict("x", {}) is None
-    assert hash_verdict("x", {"f1": "y", "f2": "y"}, counts=lambda a: not a.startswith("f")) is None
-    v = hash_verdict("x", {"a": "x", "b": "y", "c": "y", "f": "x"}, counts=lambda a: a != "f")
-    assert not v.agrees and v.majority == "y" and v.holders == ("b", "c")
-    v = hash_verdict("x", {"b": "y"})  # our own hash is a vote too
-    assert v.majority == "y" and not v.agrees  # a tie: the larger hash, the same side at every peer
-    assert hash_verdict("x", {"a": "x", "b": "y"}).agrees
-    v = hash_verdict("y", {"a": "x", "b": "y"})
+    assert hash_verdict("x", {}, me="m", salt="s") is None
+    assert hash_verdict("x", {"f1": "y", "f2": "y"}, counts=lambda a: not a.startswith("f"), me="m", salt="s") is None
+    v = hash_verdict("x", {"a": "x", "b": "y", "c": "y", "d": "y", "f": "x", "g": "x"}, counts=lambda a: a < "f",
+                     me="m", salt="s")  # f and g do not count: 3 to 2, not 3 to 4
+    assert not v.agrees and v.majority == "y" and v.holders == ("b", "c", "d")
+    # our own hash is a vote too: a tie, decided by the draw, the same side at every peer
+    v = hash_verdict("x", {"b": "y"}, me="m", salt="s")
+    assert v.majority == rounds.majority({"m": "x", "b": "y"}, "s")
+    assert v.agrees == (v.majority == "x")
+    there = hash_verdict("y", {"m": "x"}, me="b", salt="s")  # the same round, seen from b
+    assert there.majority == v.majority
+    assert hash_verdict("x", {"a": "x", "b": "y"}, me="m", salt="s").agrees
+    v = hash_verdict("y", {"a": "x", "b": "y"}, me="m", salt="s")
     assert v.agrees and v.holders == ("b",)
+    # our own id among theirs (a message of ours that came back) is still one vote, ours
+    assert hash_verdict("y", {"m": "x", "a": "x", "b": "y"}, me="m", salt="s").agrees
 
 
 def test_every_peer_takes_the_coordinators_view_whatever_its_own():
