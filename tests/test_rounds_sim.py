@@ -579,7 +579,9 @@ def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_al
     had kept its own part, from the chunks that had reached it, and the round ended on four weights; now each
     reduces such a part from all the members' chunks (from any holder), and the run ends on one weights. (Seed 4
     showed it first; since the round's span waits on its slowest member (2026-11-27) seed 4 ends on two weights
-    again, the slow coordinator's minority parts unsolved there, and seed 9 shows this.)"""
+    again, the slow coordinator's minority parts unsolved there, and seed 9 shows this. Seed 9 ended on two weights
+    on an AVX-512 machine while a tie went to the larger weight hash; with ties drawn from the voters it ends on one
+    on every CPU, and seed 4 on one after 6 resyncs.)"""
 
     def slow_one(sim, cfg):
         slow = sorted(sim.peers)[0]
