@@ -18,6 +18,11 @@ with all its threads (what two CPU peers of different core counts compute). Wher
 against the GPU (fp32, PyTorch's default matmul precision), and the CPU against the GPU with TF32 matmuls allowed
 (what a task that calls ``torch.set_float32_matmul_precision("high")`` gets).
 
+And where this CPU has vector kernels (AVX2, AVX-512), the CPU with them against the CPU with torch's plain ones
+(``ATEN_CPU_CAPABILITY=default``, which torch reads once at import: that side runs in a child process), what two
+CPU peers of different generations compute. That row probes one set of weights (the task's initial ones, passed
+to the child in a safetensors file) with each step's batch and perturbation, without the trajectory.
+
     python bench/bench_audit.py [--steps 200] [--tasks tinygpt digits hf-text regression] [--json out.json]
 """
 
@@ -27,7 +32,10 @@ import argparse
 import copy
 import json
 import math
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from unittest import mock
@@ -36,6 +44,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from safetensors.torch import load_model, save_model  # noqa: E402
 
 from protocols import spsa  # noqa: E402
 from protocols import task as tasks  # noqa: E402
@@ -84,14 +93,10 @@ class Side:
                 torch.set_float32_matmul_precision("highest")
 
 
-def compare(task, a: Side, b: Side, steps: int) -> dict:
+def judged(losses: list[tuple[float, float, float, float]]) -> dict:
+    """Each step's losses on the two sides, (L+ a, L- a, L+ b, L- b), against the audit's allowance."""
     rel, used, unjudged, fail_ab, fail_ba = [], [], 0, 0, 0
-    t0 = time.perf_counter()
-    for step in range(steps):
-        batch = task.call("batch_at", 1, 1, step)
-        seed = step_seed(RUN, step, AUTHOR)
-        pa, ma = a.losses(batch, seed)
-        pb, mb = b.losses(batch, seed)
+    for pa, ma, pb, mb in losses:
         scale = max(abs(pa), abs(ma))
         rel.append(max(abs(pa - pb), abs(ma - mb)) / scale)
         ga, gb = (pa - ma) / (2 * EPS), (pb - mb) / (2 * EPS)
@@ -100,15 +105,82 @@ def compare(task, a: Side, b: Side, steps: int) -> dict:
         unjudged += abs(ga) <= noise
         fail_ab += not audit_agrees(encode_grad(gb, CLIP), pa, ma, EPS, CLIP)  # b's byte, a audits
         fail_ba += not audit_agrees(encode_grad(ga, CLIP), pb, mb, EPS, CLIP)  # a's byte, b audits
-        byte = {AUTHOR: encode_grad(ga, CLIP)}  # the swarm's update: both copies stay bit-identical
+    rel.sort()
+    used.sort()
+    return {"steps": len(losses), "rel_max": rel[-1], "rel_p99": rel[min(len(rel) - 1, math.ceil(0.99 * len(rel)) - 1)],
+            "rel_median": rel[len(rel) // 2], "allowance_used_max": used[-1], "unjudged": unjudged,
+            "fail_b_audited_by_a": fail_ab, "fail_a_audited_by_b": fail_ba}
+
+
+def compare(task, a: Side, b: Side, steps: int) -> dict:
+    losses = []
+    t0 = time.perf_counter()
+    for step in range(steps):
+        batch = task.call("batch_at", 1, 1, step)
+        seed = step_seed(RUN, step, AUTHOR)
+        pa, ma = a.losses(batch, seed)
+        pb, mb = b.losses(batch, seed)
+        losses.append((pa, ma, pb, mb))
+        byte = {AUTHOR: encode_grad((pa - ma) / (2 * EPS), CLIP)}  # the swarm's update: both copies stay identical
         a.weights.apply(RUN, step, byte, LR)
         b.weights.apply(RUN, step, byte, LR)
         assert a.weights.hash() == b.weights.hash()
-    rel.sort()
-    used.sort()
-    return {"steps": steps, "rel_max": rel[-1], "rel_p99": rel[min(len(rel) - 1, math.ceil(0.99 * len(rel)) - 1)],
-            "rel_median": rel[len(rel) // 2], "allowance_used_max": used[-1], "unjudged": unjudged,
-            "fail_b_audited_by_a": fail_ab, "fail_a_audited_by_b": fail_ba, "seconds": time.perf_counter() - t0}
+    return {**judged(losses), "seconds": time.perf_counter() - t0}
+
+
+PLAIN_KERNELS = "cpu plain kernels"  # ATEN_CPU_CAPABILITY=default
+
+
+def probe_losses(name: str, task, model, names: list[str], steps: int) -> list[tuple[float, float]]:
+    """L+ and L- of each step's probe at the model's weights as they are (no update applied)."""
+    side = Side("b", task, model, names, "cpu", torch.get_num_threads(), False)
+    out = []
+    for step in range(min(steps, STEPS_AT_MOST.get(name, steps))):
+        out.append(side.losses(task.call("batch_at", 1, 1, step), step_seed(RUN, step, AUTHOR)))
+    return out
+
+
+def kernels_row(name: str, task, model, names: list[str], steps: int) -> dict | None:
+    """This CPU's vector kernels against torch's plain ones (a child process), at the task's initial weights."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability == "DEFAULT":
+        return None
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="swarmd-audit-") as tmp:
+        path = Path(tmp) / "weights.safetensors"
+        save_model(model, str(path))
+        child = subprocess.run([sys.executable, __file__, "--plain-kernels-child", name, str(path), str(steps)],
+                               env={**os.environ, "ATEN_CPU_CAPABILITY": "default"}, capture_output=True, text=True,
+                               timeout=3600)
+    if child.returncode != 0:
+        raise RuntimeError(f"the plain-kernels child failed: {child.stderr[-2000:]}")
+    got = json.loads(child.stdout.strip().splitlines()[-1])
+    if got["capability"] != "DEFAULT":
+        raise RuntimeError(f"the child ran {got['capability']} kernels, not the plain ones")
+    theirs = [(float.fromhex(p), float.fromhex(m)) for p, m in got["losses"]]
+    ours = probe_losses(name, task, model, names, steps)
+    row = judged([(pa, ma, pb, mb) for (pa, ma), (pb, mb) in zip(ours, theirs, strict=True)])
+    return {**row, "pair": f"cpu {capability} vs {PLAIN_KERNELS}", "seconds": time.perf_counter() - t0}
+
+
+def build(name: str):
+    """The task, its model (seed 1) and the names of the parameters SPSA perturbs."""
+    builtin = "hf-text" if name.startswith("hf-text") else name
+    task = tasks.load(builtin, OPTIONS[name], tasks.SPSA)
+    model = tasks.build_model(task, 1).eval()
+    names = [n for n, _ in tasks.trainable(model)]
+    if task.has("perturbed"):
+        chosen = set(task.call("perturbed", model))
+        names = [n for n in names if n in chosen]
+    return task, model, names
+
+
+def plain_kernels_child(name: str, path: str, steps: int) -> None:
+    task, model, names = build(name)
+    load_model(model, path)
+    losses = probe_losses(name, task, model, names, steps)
+    print(json.dumps({"capability": torch.backends.cpu.get_cpu_capability(),
+                      "losses": [(float(p).hex(), float(m).hex()) for p, m in losses]}))
 
 
 def pairs(cuda: bool) -> list[tuple[str, tuple, tuple]]:
@@ -125,21 +197,21 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--tasks", nargs="+", default=["tinygpt", "digits", "regression", "hf-text", "hf-text-wide"])
     parser.add_argument("--json", default=None, help="also write the rows here")
+    parser.add_argument("--plain-kernels-child", nargs=3, metavar=("TASK", "WEIGHTS", "STEPS"),
+                        help=argparse.SUPPRESS)  # the plain-kernels side of kernels_row, in its own process
     args = parser.parse_args()
+    if args.plain_kernels_child:
+        name, path, steps = args.plain_kernels_child
+        plain_kernels_child(name, path, int(steps))
+        return
     cuda = torch.cuda.is_available()
     device_name = torch.cuda.get_device_name(0) if cuda else "none"
     print(f"torch {torch.__version__}, {torch.get_num_threads()} CPU threads, CUDA GPU: {device_name}; "
           f"allowance AUDIT_REL = {AUDIT_REL:g} of the loss; eps {EPS:g}; {args.steps} steps per row", flush=True)
     rows = []
     for name in args.tasks:
-        builtin = "hf-text" if name.startswith("hf-text") else name
         t0 = time.perf_counter()
-        task = tasks.load(builtin, OPTIONS[name], tasks.SPSA)
-        model = tasks.build_model(task, 1).eval()
-        names = [n for n, _ in tasks.trainable(model)]
-        if task.has("perturbed"):
-            chosen = set(task.call("perturbed", model))
-            names = [n for n in names if n in chosen]
+        task, model, names = build(name)
         n_params = sum(p.numel() for n, p in model.named_parameters() if n in set(names))
         print(f"{name}: built in {time.perf_counter() - t0:.1f}s, {n_params:,} parameters perturbed", flush=True)
         for label, a, b in pairs(cuda):
@@ -147,6 +219,10 @@ def main() -> None:
             row = compare(task, Side("a", task, model, names, *a), Side("b", task, model, names, *b), steps)
             rows.append({"task": name, "perturbed": n_params, "pair": label, **row})
             print(f"  {label}: {row}", flush=True)
+        row = kernels_row(name, task, model, names, args.steps)
+        if row is not None:
+            rows.append({"task": name, "perturbed": n_params, **row})
+            print(f"  {row['pair']}: {row}", flush=True)
     head = (f"{'task':13} | {'perturbed':>10} | {'devices':44} | {'rel diff max':>12} | {'p99':>9} | "
             f"{'x allowance':>11} | {'sign unjudged':>13} | {'honest audits failed':>20}")
     print("\n" + head + "\n" + "-" * len(head))
@@ -156,7 +232,8 @@ def main() -> None:
               f"{r['fail_b_audited_by_a'] + r['fail_a_audited_by_b']:>9}/{2 * r['steps']:<10}")
     print(f"\nrel diff: max over steps of |L_a - L_b| / |L| for L+ and L- (allowance {AUDIT_REL:g}); x allowance: the "
           "largest |g_a - g_b| as a multiple of what the audit allows rounding to move g by (< 1: inside it); "
-          "honest audits failed: each step audited both ways (goal 0)")
+          "honest audits failed: each step audited both ways (goal 0); plain kernels: torch's own without AVX2 or "
+          "AVX-512 (ATEN_CPU_CAPABILITY=default, a child process), at the initial weights, no trajectory")
     if args.json:
         Path(args.json).write_text(json.dumps({"device": device_name, "torch": torch.__version__, "rows": rows},
                                               indent=1))
