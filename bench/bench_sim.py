@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from node import sim  # noqa: E402
-from transport.memory import LinkSpec, run_virtual  # noqa: E402
+from transport.memory import run_virtual  # noqa: E402
 
 
 def rss_mb() -> float:
@@ -150,12 +150,7 @@ def slow(args) -> None:
 async def _uplink_run(seed: int, rate: float | None, churn, root: Path) -> dict:
     """One run of the slow-uplink scenario: 4 peers at 2 MB/s; after every peer closed 2 rounds, the first peer's
     uplink falls to ``rate`` (None: nothing changes, the baseline)."""
-
-    def fall(s, cfg):
-        if rate is not None:
-            s.net.set_link(sorted(s.peers)[0], LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth,
-                                                        loss=cfg.loss))
-
+    fall = sim.first_uplink_falls(rate) if rate is not None else (lambda s, cfg: None)
     run = await sim.diloco_links_change(sim.SimConfig(peers=4, seed=seed, bandwidth=2e6), churn, root, fall)
     loops = run["loops"].values()
     members = [h["participants"] for lp in loops for h in lp.history]

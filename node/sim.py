@@ -552,6 +552,18 @@ async def diloco_links_change(cfg: SimConfig, churn: ChurnConfig, root: Path, ch
                 "changed": changed, "seconds": asyncio.get_running_loop().time()}
 
 
+def first_uplink_falls(rate: float):
+    """A ``change`` for ``diloco_links_change``: the first peer's (by id) uplink falls to ``rate`` bytes/s, its
+    downlink and the others' links stay. The change returns that peer."""
+
+    def change(sim, cfg: SimConfig) -> str:
+        slow = sorted(sim.peers)[0]
+        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth, loss=cfg.loss))
+        return slow
+
+    return change
+
+
 async def diloco_run(cfg: SimConfig, churn: ChurnConfig, root: Path, **settings) -> dict:
     """A DiLoCo run of ``cfg.peers`` nodes on ``cfg``'s links, no faults (``settings``: the loop's config, e.g.
     ``min_bandwidth``). Reports as ``diloco_churn``."""

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 import torch
 
-from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change
+from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls
 from protocols import diloco
 from transport.memory import LinkSpec, run_virtual
 
@@ -559,8 +559,7 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
     The fewer parts hold on any seed."""
 
     def slow_one(sim, cfg):
-        slow = sorted(sim.peers)[0]
-        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
+        slow = first_uplink_falls(50e3)(sim, cfg)
         return slow, {p: sim.loop(p).counters["parts_reduced"] for p in sim.peers}
 
     loops, finals, (slow, before) = _links_change_after_two_rounds(tmp_path, 1, slow_one)
@@ -583,11 +582,7 @@ def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_al
     on an AVX-512 machine while a tie went to the larger weight hash; with ties drawn from the voters it ends on one
     on every CPU, and seed 4 on one after 6 resyncs.)"""
 
-    def slow_one(sim, cfg):
-        slow = sorted(sim.peers)[0]
-        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
-
-    loops, finals, _ = _links_change_after_two_rounds(tmp_path, 9, slow_one, rounds=8)
+    loops, finals, _ = _links_change_after_two_rounds(tmp_path, 9, first_uplink_falls(50e3), rounds=8)
     counters = {k: sum(lp.counters[k] for lp in loops.values()) for k in ("parts_of_all_members", "resyncs")}
     assert counters["parts_of_all_members"] >= 4 and len(finals) == 1, (finals, counters)
 
@@ -604,12 +599,7 @@ def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
     and of the peer being measured slow, not of the order's effect (issue 17, open). Since a round's span waits on
     its slowest member (2026-11-27, night) 13 of seeds 1-16 run clean (the test above)."""
 
-    def slow_one(sim, cfg):
-        slow = sorted(sim.peers)[0]
-        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
-        return slow
-
-    loops, finals, slow = _links_change_after_two_rounds(tmp_path, 18, slow_one, rounds=8)
+    loops, finals, slow = _links_change_after_two_rounds(tmp_path, 18, first_uplink_falls(50e3), rounds=8)
     assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
     assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
         [lp.history for lp in loops.values()]
@@ -694,15 +684,13 @@ def test_a_scatter_round_of_one_bit_updates_sends_its_combined_parts_in_e3m0(tmp
 _COURSE = """
 import json, sys, tempfile
 from pathlib import Path
-from node.sim import ChurnConfig, SimConfig, diloco_links_change
-from transport.memory import LinkSpec, run_virtual
-
-def slow_one(sim, cfg):
-    sim.net.set_link(sorted(sim.peers)[0], LinkSpec(latency=cfg.latency, up=50e3, down=cfg.bandwidth, loss=cfg.loss))
+from node.sim import ChurnConfig, SimConfig, diloco_links_change, first_uplink_falls
+from transport.memory import run_virtual
 
 with tempfile.TemporaryDirectory() as d:
     run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=9, bandwidth=2e6),
-                                          ChurnConfig(rounds=5, dim=262144, exchange="scatter"), Path(d), slow_one))
+                                          ChurnConfig(rounds=5, dim=262144, exchange="scatter"), Path(d),
+                                          first_uplink_falls(50e3)))
 loops = run["loops"]
 print(json.dumps({"seconds": run["seconds"], "finals": len(run["finals"]),
                   "counters": {p[-8:]: dict(sorted(lp.counters.items())) for p, lp in sorted(loops.items())},
