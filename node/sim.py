@@ -552,14 +552,15 @@ async def diloco_links_change(cfg: SimConfig, churn: ChurnConfig, root: Path, ch
                 "changed": changed, "seconds": asyncio.get_running_loop().time()}
 
 
-def first_uplink_falls(rate: float):
-    """A ``change`` for ``diloco_links_change``: the first peer's (by id) uplink falls to ``rate`` bytes/s, its
-    downlink and the others' links stay. The change returns that peer."""
+def first_uplink_falls(rate: float, count: int = 1):
+    """A ``change`` for ``diloco_links_change``: the first peer's (by id) uplink falls to ``rate`` bytes/s (the
+    first ``count`` peers'), their downlinks and the others' links stay. The change returns the first of them."""
 
     def change(sim, cfg: SimConfig) -> str:
-        slow = sorted(sim.peers)[0]
-        sim.net.set_link(slow, LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth, loss=cfg.loss))
-        return slow
+        slow = sorted(sim.peers)[:count]
+        for peer in slow:
+            sim.net.set_link(peer, LinkSpec(latency=cfg.latency, up=rate, down=cfg.bandwidth, loss=cfg.loss))
+        return slow[0]
 
     return change
 

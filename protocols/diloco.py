@@ -399,6 +399,7 @@ class DilocoLoop(TaskLoop):
         self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
         self._moving: dict[tuple[int, int], Received] = {}  # scatter step -> what came in it so far
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
+        self._heard: dict[str, float] = {}  # counted peer -> when a message of theirs last came (monotonic)
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
         self._assignment: dict[str, float | None] = {}  # the last scatter step: parts we reduced, members that
         # reduced any, its span and the slowest member's measured rate
@@ -851,6 +852,14 @@ class DilocoLoop(TaskLoop):
             return set(pending.announced) - pending.failed
 
         await self._wait_round(wait, self._event, have, coming)
+        # closing with our own update alone while the others are behind (a slow exchange, a checkpoint on its way)
+        # would leave them nothing to follow: wait on for them, up to deadline_high (rounds.RoundWait.hold_alone)
+        if alive := wait.hold_alone(have(), self._heard, now=self.clock.monotonic(), began=blocked_from,
+                                    longest=self.cfg.deadline_high):
+            self.counters["held_alone"] += 1
+            logger.info("diloco round %d/%d: no one else's update yet while %d peer(s) we wait for are still in the "
+                        "run; waiting up to deadline_high (%.0f s)", r, p, alive, self.cfg.deadline_high)
+            await self._wait_round(wait, self._event, have, coming)
         self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(have(), coming())
         if not waited <= have():
             self.counters["deadline_missed"] += 1
@@ -2098,7 +2107,8 @@ class DilocoLoop(TaskLoop):
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
         try, never a crash)."""
         self.state = "joining"
-        for peer in peers:
+        # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first)
+        for peer in exchange.fastest_first(peers, self._source_rates):
             try:
                 async with await self._ctx.transport.open_stream(peer, CKPT_SPEC, timeout=10) as stream:
                     await stream.send(CKPT_REQUEST.code, None)
@@ -2179,6 +2189,10 @@ class DilocoLoop(TaskLoop):
         if not 0 <= p < self.cfg.fragments or not 0 <= r <= (self.cfg.rounds + 1 if self.cfg.rounds else 2**31):
             return Verdict.REJECT
         author = message.author
+        if self.standing.counts(author) and not (kind is ROUND_HASH and self.cfg.rounds and r >= self.cfg.rounds):
+            # still in the run (a peer that ended it says so every 5 s: not one to wait for). Bounded: only peers
+            # whose word counts
+            self._heard[author] = self.clock.monotonic()
         if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
             if self.state != "running" and self._ctx.direct(author) \

@@ -8,7 +8,8 @@ simulator (node/sim.py) drive the same code through the shells.
 - :class:`StartBarrier`: when to announce readiness and when to start, together with the peers that are ready.
 - :class:`RoundWait` and :func:`plan_wait`: whom a round waits for (the peers whose word counts, and a few newcomers
   in slots drawn the same way everywhere), and how long (the deadline; a newcomer only a grace, unless its
-  contribution is on its way).
+  contribution is on its way); a round that would close with ours alone waits on while the peers it waits for
+  are still heard from (:meth:`RoundWait.hold_alone`).
 - :class:`MemberAgreement`: which peers' updates a round combines, the same at every peer (the round's coordinator's
   view), so a peer whose update reached some peers by their deadline and others not is in everyone's round or in
   no one's.
@@ -116,6 +117,21 @@ class RoundWait:
         if quiet & coming:
             return self.end - now
         return None
+
+    def hold_alone(self, have: set[str], heard: Mapping[str, float], *, now: float, began: float,
+                   longest: float) -> int:
+        """A round about to close with no one's contribution but ours (nothing of ``waited`` in ``have``) waits on
+        until ``longest`` s after it ``began`` while peers it waits for are still in the run (``heard``: when a
+        message of each last came; within 2 x ``longest``). Returns how many such peers (0: close now). A round
+        closed alone gives the others nothing to follow: a swarm with two slow uplinks of 4 split into solo runs,
+        each peer taking a checkpoint from one that had moved on by the time it came. Peers gone for good are not
+        heard from, so a peer left alone closes its rounds again at the deadline."""
+        if have & self.waited or self.end >= began + longest:
+            return 0
+        alive = sum(1 for a in self.waited if now - heard.get(a, -math.inf) <= 2 * longest)
+        if alive:
+            self.end = began + longest
+        return alive
 
     def newcomers_not_waited(self, have: set[str], coming: set[str] = frozenset()) -> int:
         """Newcomers whose slot was cut short by the grace (counted by the loops)."""

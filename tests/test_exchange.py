@@ -127,6 +127,14 @@ def test_a_members_rate_is_the_lower_median_of_what_the_others_measured_from_it(
 
 
 @pytest.mark.beside
+def test_a_checkpoint_is_taken_from_the_fastest_source_first_and_an_unmeasured_one_is_not_taken_for_slow():
+    rates = {"slow": 50, "fast": 2000, "mid": 400}
+    assert exchange.fastest_first(["slow", "mid", "fast"], rates) == ["fast", "mid", "slow"]
+    # not measured: as fast as the fastest, in the given order among equals; nothing measured: the given order
+    assert exchange.fastest_first(["slow", "new", "fast"], rates) == ["new", "fast", "slow"]
+    assert exchange.fastest_first(["b", "a"], {}) == ["b", "a"] and exchange.fastest_first([], rates) == []
+
+
 def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
     meter = exchange.RateMeter()
     meter.start("a", 0.0)

@@ -72,6 +72,24 @@ def test_a_quiet_newcomer_costs_the_grace_and_one_on_its_way_the_deadline():
     assert late.remaining(10.0, {"a"}, {"n"}) is None
 
 
+def test_a_round_with_no_one_but_us_waits_on_for_peers_still_heard_from_up_to_the_longest_wait():
+    # began at 100, deadline 3 (end 103), deadline_high 10: "a" was heard 5 s ago, "b" never
+    alone = RoundWait(frozenset({"a", "b"}), frozenset(), end=103.0, grace=1.0)
+    assert alone.hold_alone(set(), {"a": 98.0}, now=103.0, began=100.0, longest=10.0) == 1
+    assert alone.end == 110.0 and alone.remaining(103.0, set()) == pytest.approx(7.0)
+    assert alone.remaining(104.0, {"a"}) == pytest.approx(6.0)  # (then the usual rule: every waited peer, or the end)
+    assert alone.hold_alone(set(), {"a": 98.0}, now=110.0, began=100.0, longest=10.0) == 0  # held once, no more
+    # someone's contribution is here: not alone, the round closes as it would have
+    some = RoundWait(frozenset({"a", "b"}), frozenset(), end=103.0, grace=1.0)
+    assert some.hold_alone({"b"}, {"a": 98.0}, now=103.0, began=100.0, longest=10.0) == 0 and some.end == 103.0
+    # the peers we wait for went quiet over 2 x deadline_high ago (gone for good) or were never heard: close now
+    gone = RoundWait(frozenset({"a", "b"}), frozenset(), end=103.0, grace=1.0)
+    assert gone.hold_alone(set(), {"a": 82.9}, now=103.0, began=100.0, longest=10.0) == 0 and gone.end == 103.0
+    # a newcomer's slot counts as someone to wait for too
+    slot = RoundWait(frozenset(), frozenset({"n"}), end=103.0, grace=1.0)
+    assert slot.hold_alone(set(), {"n": 102.0}, now=103.0, began=100.0, longest=10.0) == 1
+
+
 def test_plan_wait_waits_for_counted_peers_and_gives_the_same_newcomer_slots_everywhere():
     def standing(me):
         s = Standing(me)
