@@ -135,6 +135,7 @@ def test_a_checkpoint_is_taken_from_the_fastest_source_first_and_an_unmeasured_o
     assert exchange.fastest_first(["b", "a"], {}) == ["b", "a"] and exchange.fastest_first([], rates) == []
 
 
+@pytest.mark.beside
 def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
     meter = exchange.RateMeter()
     meter.start("a", 0.0)
