@@ -19,15 +19,15 @@ Rows:
   exchange step takes the rate it measures) and, as the same-run baseline, ``min_bandwidth`` set to the link's
   rate (what a user who knows it sets);
 - DiLoCo with slow uplinks (4 peers on 2 MB/s links exchanging the same update, 8 rounds; after round 2 one
-  peer's uplink falls to 50 kB/s, then two peers'), seeds 1-16: runs clean (all 4 in every round, one final
-  weights, no resync), resyncs, members a round and simulated seconds a round, next to the same seeds with no link
-  falling (baseline).
+  peer's uplink falls to 50 kB/s, then two peers'; then the same from the start, before round 0: ``--uplink-after
+  2 0``), seeds 1-16: runs clean (all 4 in every round, one final weights, no resync), resyncs, members a round and
+  simulated seconds a round, next to the same seeds with no link falling (baseline).
 
 Each row says how long it took in wall time on this machine. Seeds are fixed: a row is the same in every run.
 
     python bench/bench_sim.py [--peers 100 1000] [--gossip-only 10000] [--diloco 16 64] [--rounds 12]
                               [--far 0.5 0.16] [--slow 200e3 100e3] [--slow-seeds 8]
-                              [--uplink 50e3] [--uplink-peers 1 2] [--uplink-seeds 16]
+                              [--uplink 50e3] [--uplink-peers 1 2] [--uplink-after 2 0] [--uplink-seeds 16]
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ def main() -> None:
                         help="one peer's uplink after round 2, bytes/s (the others 2 MB/s)")
     parser.add_argument("--uplink-peers", type=int, nargs="*", default=[1, 2],
                         help="how many peers' uplinks fall (a row each)")
+    parser.add_argument("--uplink-after", type=int, nargs="*", default=[2, 0],
+                        help="the rounds every peer closed before the uplinks fall (0: slow from the start)")
     parser.add_argument("--uplink-seeds", type=int, default=16)
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)
@@ -150,11 +152,12 @@ def slow(args) -> None:
                   f"{sum(r['s_per_round'] for r in runs) / n:>7.2f} | {time.monotonic() - started:>6.0f}", flush=True)
 
 
-async def _uplink_run(seed: int, rate: float | None, churn, root: Path, count: int = 1) -> dict:
-    """One run of the slow-uplink scenario: 4 peers at 2 MB/s; after every peer closed 2 rounds, the first
-    ``count`` peers' uplinks fall to ``rate`` (None: nothing changes, the baseline)."""
+async def _uplink_run(seed: int, rate: float | None, churn, root: Path, count: int = 1, after: int = 2) -> dict:
+    """One run of the slow-uplink scenario: 4 peers at 2 MB/s; after every peer closed ``after`` rounds, the
+    first ``count`` peers' uplinks fall to ``rate`` (None: nothing changes, the baseline)."""
     fall = sim.first_uplink_falls(rate, count) if rate is not None else (lambda s, cfg: None)
-    run = await sim.diloco_links_change(sim.SimConfig(peers=4, seed=seed, bandwidth=2e6), churn, root, fall)
+    run = await sim.diloco_links_change(sim.SimConfig(peers=4, seed=seed, bandwidth=2e6), churn, root, fall,
+                                        after=after)
     loops = run["loops"].values()
     members = [h["participants"] for lp in loops for h in lp.history]
     resyncs = sum(lp.counters["resyncs"] for lp in loops)
@@ -171,18 +174,21 @@ def uplink(args) -> None:
     seeds = range(1, args.uplink_seeds + 1)
     churn = sim.ChurnConfig(rounds=8, dim=262144, exchange="scatter")
     print(f"DiLoCo with slow uplinks (4 peers at 2 MB/s, an update of {churn.dim:,} values in int8 by "
-          f"reduce-scatter, {churn.rounds} rounds; after round 2 the uplinks of the first peers (by id) fall), seeds "
-          f"{seeds.start}-{seeds.stop - 1}; baseline: the same seeds, no link falls")
-    print(f"{'slow':>4} | {'uplink kB/s':>11} | {'clean':>8} | {'one weights':>11} | {'resyncs':>7} | "
+          f"reduce-scatter, {churn.rounds} rounds; once every peer closed 'from' rounds, the uplinks of the first "
+          f"peers (by id) fall; 0: slow from the start), seeds {seeds.start}-{seeds.stop - 1}; baseline: the same "
+          f"seeds, no link falls")
+    print(f"{'slow':>4} | {'from':>4} | {'uplink kB/s':>11} | {'clean':>8} | {'one weights':>11} | {'resyncs':>7} | "
           f"{'members mean':>12} | {'s/round':>7} | {'wall s':>6}")
-    for count, rate in [(0, None), *((c, r) for c in args.uplink_peers for r in args.uplink)]:
+    rows = [(0, None, 0), *((c, r, a) for a in args.uplink_after for c in args.uplink_peers for r in args.uplink)]
+    for count, rate, after in rows:
         started = time.monotonic()
         runs = []
         for seed in seeds:
             with tempfile.TemporaryDirectory(prefix="swarmd-sim-") as tmp:
-                runs.append(run_virtual(_uplink_run(seed, rate, churn, Path(tmp), count)))
+                runs.append(run_virtual(_uplink_run(seed, rate, churn, Path(tmp), count, after)))
         n = len(runs)
-        print(f"{count:>4} | {'2000 (base)' if rate is None else f'{rate / 1e3:.0f}':>11} | "
+        base = "2000 (base)" if rate is None else f"{rate / 1e3:.0f}"
+        print(f"{count:>4} | {'-' if rate is None else after:>4} | {base:>11} | "
               f"{sum(r['clean'] for r in runs):>2} of {n:<2} | {sum(r['finals'] == 1 for r in runs):>5} of {n:<2} | "
               f"{sum(r['resyncs'] for r in runs):>7} | {sum(r['members'] for r in runs) / n:>12.2f} | "
               f"{sum(r['s_per_round'] for r in runs) / n:>7.2f} | {time.monotonic() - started:>6.0f}", flush=True)

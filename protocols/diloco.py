@@ -77,6 +77,11 @@ SERVING_POLL = 0.25  # seconds between looks at whether we still serve a round's
 MAX_VIEW = 1024  # peers a member view names (a round of more members is not agreed on: each peer keeps its own)
 MAX_AHEAD = 16  # our rounds' hashes kept to compare with the others' when we are that many rounds ahead of them
 
+
+def _probe_hash(peer: str, size: int) -> bytes:
+    return content_hash(exchange.probe_payload(peer, size))
+
+
 # ---------------------------------------------------------------------------------------------------- the wire
 CARRIER = "diloco/<run>"  # the run's pubsub topic
 _R, _P = Int(0, 2**31), Int(0, 2**16)
@@ -401,6 +406,8 @@ class DilocoLoop(TaskLoop):
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
         self._heard: dict[str, float] = {}  # counted peer -> when a message of theirs last came (monotonic)
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
+        self._probe: asyncio.Task | None = None  # the founders' link probe, awaited before our first update
+        self._probe_blobs: list[bytes] = []  # the probe blobs we serve (until our first round closes)
         self._assignment: dict[str, float | None] = {}  # the last scatter step: parts we reduced, members that
         # reduced any, its span and the slowest member's measured rate
         self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
@@ -515,7 +522,12 @@ class DilocoLoop(TaskLoop):
             await asyncio.to_thread(self._build)
         self._resume_own()
         if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
+            if not self.rounds_done[0]:
+                await self._serve_probe()
             await self._start_barrier()
+            others = sorted(self._initial - {self._ctx.identity.peer_id})
+            if others and not self.rounds_done[0]:
+                self._probe = asyncio.get_running_loop().create_task(self._probe_links(others))
         self.started = self.clock.monotonic()
         h = self.cfg.inner_steps
         rounds = self._rounds()
@@ -729,6 +741,9 @@ class DilocoLoop(TaskLoop):
         event loop held gossip, the bulk service and the status endpoint."""
         if r < self.join_round.get(p, 0):
             return  # a late joiner follows this round without contributing
+        if self._probe is not None:  # our first update reports the probe's rates (at most PROBE_SECONDS in)
+            probe, self._probe = self._probe, None
+            await probe
         # in scatter no peer needs our whole update decoded: each chunk we reduce is decoded from its part when
         # it is reduced (a copy of the update less held all round)
         whole = self._mode(p) != "scatter"
@@ -1013,6 +1028,9 @@ class DilocoLoop(TaskLoop):
             # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
             self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
+        if self._probe_blobs:  # the others probed us before their first update
+            self.bulk.drop(self._probe_blobs)
+            self._probe_blobs = []
 
     def _drop_round_blobs(self, p: int, r: int) -> None:
         """After closing round r of fragment p: the blobs of rounds before r - 1 go, and of round r - 1 all but our
@@ -1296,9 +1314,63 @@ class DilocoLoop(TaskLoop):
 
     def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
         """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
-        last = self.participants.get(p, set())
+        last = self.participants.get(p, self._initial)  # round 0: the founders, as the link probe measured them
         known = sorted((rounds.short_id(a), self._source_rates[a]) for a in last if a in self._source_rates)
         return tuple(known[:exchange.MAX_RATE_REPORTS])
+
+    async def _serve_probe(self) -> None:
+        """Hold the blobs the others' link probe pulls from us (``exchange.probe_payload``), from before the start
+        barrier (a peer past it probes at once) until our first round closes."""
+        me = self._ctx.identity.peer_id
+
+        def make() -> list[tuple[bytes, bytearray]]:
+            out = []
+            for size in exchange.probe_sizes(self._update_bytes(0)):
+                payload = bytearray(exchange.probe_payload(me, size))
+                out.append((content_hash(payload), payload))
+            return out
+
+        for blob_hash, payload in await asyncio.to_thread(make):
+            self._probe_blobs.append(self.bulk.keep_prepared(blob_hash, payload))
+
+    async def _probe_links(self, peers: list[str]) -> None:
+        """The founders' rates before round 0 (``exchange.PROBE_SIZES``): from each peer we started with, the
+        probe blobs it serves, pulled in turn until one takes MIN_BUSY, all of them within PROBE_SECONDS, at once
+        from every peer (as a round pulls). The rates become the ones our first update reports, so round 0 already
+        gives a slow uplink fewer parts and its chunks their time (``_owners``, ``_span``), and a checkpoint is
+        taken from a fast holder (``exchange.fastest_first``)."""
+        sizes = exchange.probe_sizes(self._update_bytes(0))
+        end = self.clock.monotonic() + exchange.PROBE_SECONDS
+
+        async def one(peer: str) -> None:
+            pulls: list[tuple[int, float, bool]] = []
+            for size in sizes:
+                left = end - self.clock.monotonic()
+                if left <= 0:
+                    break
+                blob = await asyncio.to_thread(_probe_hash, peer, size)
+                t0 = self.clock.monotonic()
+                try:
+                    await self.bulk.pull_from(blob, size, peer, [], timeout=left)
+                    pulls.append((size, self.clock.monotonic() - t0, True))
+                except (BulkError, asyncio.TimeoutError):
+                    if self.clock.monotonic() - t0 >= 0.9 * left:  # still coming at the end: at most that fast
+                        pulls.append((size, self.clock.monotonic() - t0, False))
+                    break  # anything else (it serves no probe: an older node, not reached directly): no rate
+                finally:
+                    self.bulk.drop([blob])
+                if pulls[-1][1] >= exchange.MIN_BUSY:
+                    break
+            rate = exchange.probe_rate(pulls)
+            if rate is not None:
+                self._source_rates[peer] = min(2**31, int(rate // 1000))
+                self.counters["links_probed"] += 1
+
+        await asyncio.gather(*(one(peer) for peer in peers[:exchange.MAX_RATE_REPORTS]))
+        measured = sorted((self._source_rates[a], a) for a in peers if a in self._source_rates)
+        if measured:
+            logger.info("diloco: link probe: %d of %d peer(s) measured, %d to %d kB/s (slowest: %s)", len(measured),
+                        len(peers), measured[0][0], measured[-1][0], measured[0][1][-8:])
 
     def _owners(self, ordered: list[str], parts: int, announced: dict[str, Announced]) -> list[str]:
         """Who reduces each part this round: the round's order, weighted by the rates its members' announcements

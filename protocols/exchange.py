@@ -101,6 +101,41 @@ class RateMeter:
                 if not self.active.get(peer)}
 
 
+# the link probe before a run's first round: each founder times pulls of blobs the others serve for it (derived
+# from the server's id: nothing to announce, and no two peers' alike, so none is already held), PROBE_SIZES in
+# turn, until one takes MIN_BUSY (it timed the link, not the latency) or PROBE_SECONDS are spent. Without it round 0
+# had no rates: peers behind 50 kB/s uplinks got parts to reduce and the others' spans were a guess, the round
+# ended on 4 weights, and a run with two such uplinks of 4 never came back together (the simulator)
+PROBE_SIZES = (1 << 14, 1 << 18, 1 << 22)
+PROBE_SECONDS = 2.0
+
+
+def probe_sizes(update_bytes: int) -> list[int]:
+    """The probe blobs' sizes for a run whose encoded update is ``update_bytes`` (every peer of a run computes the
+    same): PROBE_SIZES, none over half an update (the bulk store holds a few updates)."""
+    cap = max(1, update_bytes // 2)
+    return sorted({min(size, cap) for size in PROBE_SIZES})
+
+
+def probe_payload(peer: str, size: int) -> bytes:
+    """The ``size`` bytes ``peer`` serves for the others to time its uplink with."""
+    return hashlib.shake_256(f"swarmd/link-probe/{peer}/{size}".encode()).digest(size)
+
+
+def probe_rate(pulls: Sequence[tuple[int, float, bool]]) -> float | None:
+    """Bytes/s from one source's probe pulls, in order ((size, seconds, completed)): the last completed one's rate
+    (the largest: the least latency in it); if none completed, the first one's size over its time (it was still
+    coming: the link is at most that fast); None without a pull."""
+    done = [(size, seconds) for size, seconds, completed in pulls if completed]
+    if done:
+        size, seconds = done[-1]
+        return size / max(seconds, 1e-3)
+    if pulls:
+        size, seconds, _ = pulls[0]
+        return size / max(seconds, 1e-3)
+    return None
+
+
 def slow_last(chain, weights: dict[str, int]) -> tuple[str, ...]:
     """A round's chain of coordinators with the members measured slow (a rate weight under WEIGHT_FULL) moved to
     its end, each group in its order: a coordinator publishes the parts list after its own pulls, which a congested

@@ -136,6 +136,25 @@ def test_a_checkpoint_is_taken_from_the_fastest_source_first_and_an_unmeasured_o
 
 
 @pytest.mark.beside
+def test_the_link_probe_times_the_last_pull_that_completed_or_else_the_first_one_still_coming():
+    # the sizes: the same at every peer of a run, none over half an update
+    assert exchange.probe_sizes(100 << 20) == list(exchange.PROBE_SIZES)
+    assert exchange.probe_sizes(262_144) == [1 << 14, 131_072] and exchange.probe_sizes(1) == [1]
+    # each peer serves its own bytes (none is held already by the peer that pulls it), the same each time
+    assert exchange.probe_payload("a", 64) == exchange.probe_payload("a", 64) != exchange.probe_payload("b", 64)
+    assert len(exchange.probe_payload("a", 1 << 14)) == 1 << 14
+    # a fast source: the small pull measured latency, the larger one the link
+    assert exchange.probe_rate([(1 << 14, 0.02, True), (1 << 18, 0.5, True)]) == (1 << 18) / 0.5
+    # a slow one: the first pull took MIN_BUSY, so it was the only one
+    assert exchange.probe_rate([(1 << 14, 1.0, True)]) == 1 << 14
+    # the larger pull was cut by the probe's time: the completed one counts
+    assert exchange.probe_rate([(1 << 14, 0.02, True), (1 << 18, 1.9, False)]) == (1 << 14) / 0.02
+    # none completed in the probe's time: at most that fast
+    assert exchange.probe_rate([(1 << 14, 2.0, False)]) == (1 << 14) / 2.0
+    assert exchange.probe_rate([]) is None
+
+
+@pytest.mark.beside
 def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
     meter = exchange.RateMeter()
     meter.start("a", 0.0)

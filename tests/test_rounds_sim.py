@@ -575,6 +575,28 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
     assert reduced[slow] <= 8 and all(reduced[p] > reduced[slow] + 4 for p in reduced if p != slow), reduced
 
 
+@pytest.mark.timeout(180)
+def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_round_keeps_all(tmp_path):
+    """4 peers exchange a 0.27 MB update by reduce-scatter at 2 MB/s, two of them behind 50 kB/s uplinks from the
+    start. Round 0 used to have no rates: the slow peers got parts to reduce, the others' spans were a guess for
+    2 MB/s, the round ended on 4 weights, and the hash draw sent the others to resync from a slow peer's uplink
+    (seeds 1-4, 8 rounds: 3, 1, 2 and 2 final weights, 8, 6, 8 and 12 resyncs). The founders' link probe
+    (``exchange.PROBE_SIZES``, before their first update) measures each peer's uplink, so round 0's span already
+    waits on the slowest member's rate and the slow ones reduce fewer parts: all 4 in every round, one final
+    weights, no resync (seeds 1-4 of 8 rounds too)."""
+
+    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=1, bandwidth=2e6),
+                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
+                                          first_uplink_falls(50e3, 2), after=0))
+    loops, slow = run["loops"], sorted(run["loops"])[:2]
+    assert len(run["finals"]) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, run["finals"]
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
+    assert all(lp.counters["links_probed"] == 3 for lp in loops.values())
+    fast = [p for p in loops if p not in slow]
+    assert max(loops[p].counters["parts_reduced"] for p in slow) < min(loops[p].counters["parts_reduced"] for p in fast)
+
+
 @pytest.mark.timeout(120)
 def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_all_chunks(tmp_path):
     """The round's coordinator is the peer whose uplink falls to 50 kB/s in it: its own pulls wait behind its
