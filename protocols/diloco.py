@@ -445,7 +445,9 @@ class DilocoLoop(TaskLoop):
         await ctx.transport.serve(ANN_SPEC, self._serve_announcements)
 
     async def close(self) -> None:
-        pass
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
 
     def _build(self) -> None:
         """The task's model on our device, its fragments, the global (CPU, fp32) copy, the optimizers, our data."""

@@ -104,6 +104,8 @@ def test_three_diloco_nodes_hold_identical_global_weights_after_every_round(swar
     losses = [loss for _, loss in final[0]["losses"]]
     assert losses[-1] < losses[0]
     assert final[0]["bytes_sent"] > 0 and final[0]["bytes_received"] >= 2 * final[0]["bytes_sent"] * 0.9
+    # each founder timed the other two's links before round 0 (the probe's blobs over the nodes' p2p streams)
+    assert all(s["links_probed"] == 2 for s in final), [s.get("links_probed") for s in final]
 
 
 @pytest.mark.timeout(240)
