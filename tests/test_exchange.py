@@ -137,9 +137,10 @@ def test_a_checkpoint_is_taken_from_the_fastest_source_first_and_an_unmeasured_o
 
 @pytest.mark.beside
 def test_the_link_probe_times_the_last_pull_that_completed_or_else_the_first_one_still_coming():
-    # the sizes: the same at every peer of a run, none over half an update
+    # the sizes: the same at every peer of a run, none over 1/16 of an update
     assert exchange.probe_sizes(100 << 20) == list(exchange.PROBE_SIZES)
-    assert exchange.probe_sizes(262_144) == [1 << 14, 131_072] and exchange.probe_sizes(1) == [1]
+    assert exchange.probe_sizes(1 << 20) == [1 << 14, 1 << 16] and exchange.probe_sizes(153_656) == [9_603]
+    assert exchange.probe_sizes(1) == [1]
     # each peer serves its own bytes (none is held already by the peer that pulls it), the same each time
     assert exchange.probe_payload("a", 64) == exchange.probe_payload("a", 64) != exchange.probe_payload("b", 64)
     assert len(exchange.probe_payload("a", 1 << 14)) == 1 << 14
