@@ -1338,9 +1338,9 @@ class DilocoLoop(TaskLoop):
     async def _probe_links(self, peers: list[str]) -> None:
         """The founders' rates before round 0 (``exchange.PROBE_SIZES``): from each peer we started with, the
         probe blobs it serves, pulled in turn until one takes MIN_BUSY, all of them within PROBE_SECONDS, at once
-        from every peer (as a round pulls). The rates become the ones our first update reports, so round 0 already
-        gives a slow uplink fewer parts and its chunks their time (``_owners``, ``_span``), and a checkpoint is
-        taken from a fast holder (``exchange.fastest_first``)."""
+        from every peer (as a round pulls). The rates become the ones our first update reports, so round 0's span
+        already gives a slow uplink's chunks their time (``_span``), its parts follow the reports (``_owners``), and
+        a checkpoint is taken from a fast holder (``exchange.fastest_first``)."""
         sizes = exchange.probe_sizes(self._update_bytes(0))
         end = self.clock.monotonic() + exchange.PROBE_SECONDS
 
