@@ -1314,6 +1314,18 @@ class DilocoLoop(TaskLoop):
         for peer, rate in rates.items():
             self._source_rates[peer] = min(2**31, int(rate // 1000))
 
+    def _rates_now(self, pending: Pending, peers) -> dict[str, int]:
+        """kB/s from each of ``peers`` as this round measured it so far (its pulls that ended), else as the last
+        round did; one measured by neither is left out."""
+        out = {}
+        for a in peers:
+            rate = pending.meter.so_far(a)
+            if rate is not None:
+                out[a] = int(rate // 1000)
+            elif a in self._source_rates:
+                out[a] = self._source_rates[a]
+        return out
+
     def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
         """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
         last = self.participants.get(p, self._initial)  # round 0: the founders, as the link probe measured them
@@ -1617,8 +1629,13 @@ class DilocoLoop(TaskLoop):
                         # reduced its part from this chunk, so it holds it (the hash is the one the owner signed),
                         # and when we follow its part the owner is the slow source, its uplink the one the round
                         # waits on (the simulator: one uplink down to 50 kB/s, and the others could not check the
-                        # coordinator's parts in time and kept theirs)
-                        source = first if first not in (None, me, peer) and first in pending.announced else peer
+                        # coordinator's parts in time and kept theirs). Of the two, the faster as measured
+                        # (``_rates_now``): when the coordinator is the slow one, its chunks of the fast peers' went
+                        # through its uplink too, and the others gave up on parts their owners could have sent at
+                        # once (the simulator: two uplinks of 4 falling mid-round, the coordinator's among them)
+                        source = peer
+                        if first not in (None, me, peer) and first in pending.announced:
+                            source = exchange.fastest_first([first, peer], self._rates_now(pending, (first, peer)))[0]
                         pull = self._fetch_part(key, source, ann.parts[k], ann.sizes[k],
                                                 pending.announced[source].addrs, b - a, until, holders=[
                                                     (x, pending.announced[x].addrs)
@@ -1799,6 +1816,15 @@ class DilocoLoop(TaskLoop):
                                   "c": [b"" if used[k][1] is None else exchange.pack_set(ordered, used[k][1])
                                         for k in range(len(used))],
                                   "h": [used[k][0] for k in range(len(used))]})
+            # a part we kept of a minority's chunks, the others do not follow: they reduce it from all the members'
+            # chunks (below), and so do we. Keeping it, we ended alone on other weights and resynced (the
+            # simulator: two uplinks of 4 falling mid-run, ours among them)
+            everyone = frozenset(members)
+            kept = [k for k in range(len(used)) if used[k][1] is not None and used[k][1] != everyone
+                    and not exchange.names_majority(used[k][1], members)]
+            if kept:
+                wait = self._conform_wait(key, pending, ordered, {k: everyone for k in kept}, None, span)
+                await asyncio.gather(*(self._of_all(k, members, parts, used, compute, computed, wait) for k in kept))
             return
         await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key])
         held = pending.parts.get(coordinator)
@@ -1810,10 +1836,21 @@ class DilocoLoop(TaskLoop):
             self.counters["parts_not_followed"] += 1
             return
 
+        everyone = frozenset(members)
+        followed, of_all = {}, {}  # part -> the chunks we take it from: those the coordinator names (from it
+        for k, h in enumerate(hashes):  # first), or where it names a minority's, everyone's (from their owners)
+            if h != used[k][0] and (whose := exchange.unpack_set(ordered, sets[k])) is not None:
+                if exchange.names_majority(whose, members):
+                    followed[k] = whose
+                else:
+                    of_all[k] = everyone
+        wait = max(self._conform_wait(key, pending, ordered, followed, coordinator, span),
+                   self._conform_wait(key, pending, ordered, of_all, None, span))
+
         async def conform(k: int) -> None:
             whose = exchange.unpack_set(ordered, sets[k])
             could = exchange.names_majority(whose, members) \
-                and await compute(k, self.clock.monotonic() + span, only=whose, first=coordinator)
+                and await compute(k, self.clock.monotonic() + wait, only=whose, first=coordinator)
             action = exchange.conform_action(whose, members, computed[k][0] if could else None, hashes[k])
             if action == "not_followed":
                 self.counters["parts_not_followed"] += 1
@@ -1823,10 +1860,7 @@ class DilocoLoop(TaskLoop):
                 # holder), the same bytes wherever all of them come in the span. Keeping ours, the peers ended
                 # on as many weights as there were peers (the simulator: a coordinator whose uplink fell to
                 # 50 kB/s mid-round)
-                everyone = frozenset(members)
-                if used[k][1] != everyone and await compute(k, self.clock.monotonic() + span, only=everyone):
-                    parts[k], used[k] = computed[k][1], (computed[k][0], everyone)
-                    self.counters["parts_of_all_members"] += 1
+                await self._of_all(k, members, parts, used, compute, computed, wait)
             elif action == "not_conformed":
                 self.counters["parts_not_conformed"] += 1  # a chunk it names did not come to us
             elif action == "mismatch":
@@ -1838,6 +1872,37 @@ class DilocoLoop(TaskLoop):
                 self.counters["parts_conformed"] += 1
 
         await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
+
+    async def _of_all(self, k: int, members: set[str], parts: dict, used: dict, compute, computed: dict,
+                      wait: float) -> None:
+        """Part k reduced from all the members' chunks (from any holder) within ``wait``, where ours combines
+        other chunks: what every peer does with a part the coordinator reduced from a minority's."""
+        everyone = frozenset(members)
+        if used[k][1] != everyone and await compute(k, self.clock.monotonic() + wait, only=everyone):
+            parts[k], used[k] = computed[k][1], (computed[k][0], everyone)
+            self.counters["parts_of_all_members"] += 1
+
+    def _conform_wait(self, key: tuple[int, int], pending: Pending, ordered: list[str],
+                      needed: dict[int, frozenset[str]], first: str | None, span: float) -> float:
+        """The time our pulls of the chunks of ``needed`` (part -> whose chunks) get, each from ``first`` or its
+        owner, whichever is faster (``_rates_now``), as ``compute`` pulls them: one span, or deadline_high where one
+        of those sources sends slowly (``exchange.transfer_wait``). A peer whose uplink fell mid-round serves them
+        slowly, all at once: with one span the others gave up on its chunks while they came, kept their own parts,
+        and the round split (the simulator: two uplinks of 4 falling to 50 kB/s mid-run; 1 of 16 draws clean)."""
+        me = self._ctx.identity.peer_id
+        sizes = {a: pending.announced[a].sizes for a in ordered if a in pending.announced}
+        need: dict[str, int] = collections.Counter()
+        for k, whose in needed.items():
+            for a in whose:
+                ann = pending.announced.get(a)
+                if a == me or ann is None or a in pending.updates or ann.parts[k] in self.bulk.blobs:
+                    continue
+                source = a
+                if first not in (None, me, a) and first in pending.announced:
+                    source = exchange.fastest_first([first, a], self._rates_now(pending, (first, a)))[0]
+                need[source] += sizes[a][k]
+        rates = {a: r for a in need if (r := pending.meter.so_far(a)) is not None}
+        return exchange.transfer_wait(need, rates, self._transfer_rate(), span, self.cfg.deadline_high)
 
     async def _wait_serving(self, done, span: float, blobs) -> bool:
         """Wait until ``done()`` holds for ``span``, and while we are still serving one of ``blobs`` (the round's:

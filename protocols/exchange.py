@@ -94,6 +94,13 @@ class RateMeter:
             self.busy[peer] = self.busy.get(peer, 0.0) + max(0.0, now - self.since.pop(peer))
         self.bytes[peer] = self.bytes.get(peer, 0) + nbytes
 
+    def so_far(self, peer: str) -> float | None:
+        """Bytes/s from ``peer`` over its pulls that ended so far (one still under way is not counted); None if
+        none has ended."""
+        if peer not in self.busy:
+            return None
+        return self.bytes.get(peer, 0) / max(self.busy[peer], MIN_BUSY)
+
     def rates(self) -> dict[str, float]:
         """Bytes/s per source whose pulls have all ended (a source still pulling is left out), its time taken as
         MIN_BUSY at least."""
@@ -170,6 +177,21 @@ def fastest_first(peers: Sequence[str], rates: Mapping[str, int]) -> list[str]:
     known = [rates[a] for a in peers if a in rates]
     top = max(known, default=0)
     return sorted(peers, key=lambda a: -rates.get(a, top))
+
+
+SLOW_SOURCE = 0.25  # a source sending to us at under this fraction of our typical rate is a slow one
+
+
+def transfer_wait(need: Mapping[str, int], rates: Mapping[str, float], typical: float, span: float,
+                  cap: float) -> float:
+    """The time to give pulls of ``need`` (source -> bytes we still need from it) when ``rates`` (source -> the
+    bytes/s this round measured from it) say how fast each sends to us: ``span``, or ``cap`` where a source sends
+    at under SLOW_SOURCE of the ``typical`` rate (the one ``span`` was planned with). Pulls from a slow source
+    complete together at the end of its queue (its uplink serves every requester at once, the others' pulls ahead
+    of ours), so neither arrivals nor our own bytes at its rate say when ours come. A source not measured, or
+    measured at 0 (its pulls failed: a stall, not a rate), is given ``span``."""
+    slow = any(0 < rates.get(a, 0) < SLOW_SOURCE * typical for a, n in need.items() if n > 0)
+    return max(span, cap) if slow else span
 
 
 def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[str, int]:

@@ -172,6 +172,35 @@ def test_a_rate_meter_counts_concurrent_pulls_from_a_source_once():
 
 
 @pytest.mark.beside
+def test_a_rate_meter_gives_a_sources_rate_so_far_while_pulls_from_it_are_still_under_way():
+    meter = exchange.RateMeter()
+    assert meter.so_far("a") is None  # nothing ended: not measured
+    meter.start("a", 0.0)
+    meter.end("a", 2.0, 100_000)
+    meter.start("a", 3.0)  # another pull from a under way: rates() leaves a out, so_far counts what ended
+    assert "a" not in meter.rates() and meter.so_far("a") == 50_000.0
+    meter.start("b", 0.0)
+    meter.end("b", 1.0, 0)  # failed: measured at 0
+    assert meter.so_far("b") == 0.0
+
+
+@pytest.mark.beside
+def test_pulls_from_a_slow_source_wait_up_to_the_cap_and_others_one_span():
+    """Pulls from a source this round measured sending at under a quarter of the typical rate complete together at
+    the end of its queue: they get the cap (deadline_high); a fast source, one not measured, and one measured at 0
+    (a stall) get the span."""
+    typical, span, cap = 1e6, 1.5, 10.0
+    assert exchange.transfer_wait({}, {}, typical, span, cap) == span
+    assert exchange.transfer_wait({"a": 16_000}, {"a": 900e3}, typical, span, cap) == span
+    assert exchange.transfer_wait({"a": 16_000}, {}, typical, span, cap) == span  # not measured
+    assert exchange.transfer_wait({"a": 16_000}, {"a": 0.0}, typical, span, cap) == span  # a stall
+    # one chunk from a slow source: its rate to us would bring it within the span, but others' pulls are ahead
+    assert exchange.transfer_wait({"a": 16_000, "b": 50_000}, {"a": 18e3, "b": 900e3}, typical, span, cap) == cap
+    assert exchange.transfer_wait({"a": 0}, {"a": 18e3}, typical, span, cap) == span  # nothing needed from it
+    assert exchange.transfer_wait({"a": 16_000}, {"a": 18e3}, typical, 12.0, cap) == 12.0  # never below the span
+
+
+@pytest.mark.beside
 def test_audits_are_spread_so_no_peer_audits_many_parts():
     """Each audited part has an auditor other than its reducer, and no peer audits more than its share: an audit
     pulls that part's chunks, so two audits put a peer at 2.6 x S in at N = 8 instead of 2.2. Every peer computes

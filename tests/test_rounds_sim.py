@@ -598,6 +598,30 @@ def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_rou
         [lp.exchange_view for lp in loops.values()]
 
 
+@pytest.mark.timeout(180)
+def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one_weights(tmp_path):
+    """4 peers at 2 MB/s; after round 2 two uplinks fall to 50 kB/s, the round's coordinator's among them. Its
+    parts list names chunks that reached it late; the others pulled them from the coordinator first (its uplink,
+    busy serving everyone at once) and gave up after one span with their bytes still coming: three of the four
+    kept parts of their own and the next round's vote sent three to resync (seed 1: 3 resyncs, one member a
+    round lost since). Now each pulls a chunk from the faster of the coordinator and its owner, as this round
+    measured them, waits up to deadline_high where a source sends slowly (``exchange.transfer_wait``), and the
+    coordinator, too, reduces a part it kept of a minority's chunks from everyone's: all 4 in every round, no
+    resync (``bench/bench_sim.py --uplink-after 2``: 14 of 16 seeds clean, 1 before)."""
+
+    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=1, bandwidth=2e6),
+                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
+                                          first_uplink_falls(50e3, 2), after=2))
+    loops = run["loops"]
+    counters = {k: sum(lp.counters[k] for lp in loops.values())
+                for k in ("resyncs", "parts_conformed", "parts_not_conformed")}
+    assert len(run["finals"]) == 1 and counters["resyncs"] == 0, (run["finals"], counters)
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
+    # the falling round was one the others had to conform to the coordinator's parts, and did
+    assert counters["parts_conformed"] >= 8 and counters["parts_not_conformed"] == 0, counters
+
+
 @pytest.mark.timeout(120)
 def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_all_chunks(tmp_path):
     """The round's coordinator is the peer whose uplink falls to 50 kB/s in it: its own pulls wait behind its
