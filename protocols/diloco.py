@@ -1820,6 +1820,8 @@ class DilocoLoop(TaskLoop):
             # chunks (below), and so do we. Keeping it, we ended alone on other weights and resynced (the
             # simulator: two uplinks of 4 falling mid-run, ours among them)
             everyone = frozenset(members)
+            # (a part over another view of the members, whose set is None, is taken as it is: its reducer, on
+            # that view, kept it)
             kept = [k for k in range(len(used)) if used[k][1] is not None and used[k][1] != everyone
                     and not exchange.names_majority(used[k][1], members)]
             if kept:
@@ -1837,13 +1839,19 @@ class DilocoLoop(TaskLoop):
             return
 
         everyone = frozenset(members)
-        followed, of_all = {}, {}  # part -> the chunks we take it from: those the coordinator names (from it
-        for k, h in enumerate(hashes):  # first), or where it names a minority's, everyone's (from their owners)
-            if h != used[k][0] and (whose := exchange.unpack_set(ordered, sets[k])) is not None:
-                if exchange.names_majority(whose, members):
+        # part -> the chunks we take it from: those the coordinator names (from it first) where ours differs, or,
+        # where it names a minority's, everyone's (from their owners), even where ours is the same as its part:
+        # the coordinator reduces such a part from everyone's too (a peer whose part was the coordinator's minority
+        # one kept it, and ended alone: the simulator, two uplinks falling mid-run, seed 15)
+        # (a part over another view of the members, whose set is None, only where ours differs, as before)
+        followed, of_all = {}, {}
+        for k, h in enumerate(hashes):
+            whose = exchange.unpack_set(ordered, sets[k])
+            if exchange.names_majority(whose, members):
+                if h != used[k][0]:
                     followed[k] = whose
-                else:
-                    of_all[k] = everyone
+            elif used[k][1] != everyone and (h != used[k][0] or whose is not None):
+                of_all[k] = everyone
         wait = max(self._conform_wait(key, pending, ordered, followed, coordinator, span),
                    self._conform_wait(key, pending, ordered, of_all, None, span))
 
@@ -1871,7 +1879,7 @@ class DilocoLoop(TaskLoop):
                 parts[k], used[k] = computed[k][1], (hashes[k], whose)
                 self.counters["parts_conformed"] += 1
 
-        await asyncio.gather(*(conform(k) for k in range(len(used)) if hashes[k] != used[k][0]))
+        await asyncio.gather(*(conform(k) for k in sorted({*followed, *of_all})))
 
     async def _of_all(self, k: int, members: set[str], parts: dict, used: dict, compute, computed: dict,
                       wait: float) -> None:

@@ -605,9 +605,10 @@ def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one
     busy serving everyone at once) and gave up after one span with their bytes still coming: three of the four
     kept parts of their own and the next round's vote sent three to resync (seed 1: 3 resyncs, one member a
     round lost since). Now each pulls a chunk from the faster of the coordinator and its owner, as this round
-    measured them, waits up to deadline_high where a source sends slowly (``exchange.transfer_wait``), and the
-    coordinator, too, reduces a part it kept of a minority's chunks from everyone's: all 4 in every round, no
-    resync (``bench/bench_sim.py --uplink-after 2``: 14 of 16 seeds clean, 1 before)."""
+    measured them, waits up to deadline_high where a source sends slowly (``exchange.transfer_wait``), and a
+    part the coordinator's list gives as a minority's chunks is reduced from everyone's by every peer, the
+    coordinator and a peer whose own part is that same minority one included: all 4 in every round, no resync
+    (``bench/bench_sim.py --uplink-after 2``: 16 of 16 seeds clean, 1 before)."""
 
     run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=1, bandwidth=2e6),
                                           ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
