@@ -96,10 +96,11 @@ class RateMeter:
 
     def so_far(self, peer: str) -> float | None:
         """Bytes/s from ``peer`` over its pulls that ended so far (one still under way is not counted); None if
-        none has ended."""
-        if peer not in self.busy:
+        none has ended, or if they took under MIN_BUSY in all: too fast to time, so not a slow source (a 16 KiB
+        chunk in 1 ms timed as MIN_BUSY is 64 kB/s, which would call every fast peer slow)."""
+        if self.busy.get(peer, 0.0) < MIN_BUSY:
             return None
-        return self.bytes.get(peer, 0) / max(self.busy[peer], MIN_BUSY)
+        return self.bytes.get(peer, 0) / self.busy[peer]
 
     def rates(self) -> dict[str, float]:
         """Bytes/s per source whose pulls have all ended (a source still pulling is left out), its time taken as

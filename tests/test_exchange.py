@@ -182,6 +182,9 @@ def test_a_rate_meter_gives_a_sources_rate_so_far_while_pulls_from_it_are_still_
     meter.start("b", 0.0)
     meter.end("b", 1.0, 0)  # failed: measured at 0
     assert meter.so_far("b") == 0.0
+    meter.start("c", 0.0)
+    meter.end("c", 0.001, 16_384)  # too fast to time: not a rate (as MIN_BUSY it would read 64 kB/s, "slow")
+    assert meter.so_far("c") is None
 
 
 @pytest.mark.beside
