@@ -1828,7 +1828,23 @@ class DilocoLoop(TaskLoop):
                 wait = self._conform_wait(key, pending, ordered, {k: everyone for k in kept}, None, span)
                 await asyncio.gather(*(self._of_all(k, members, parts, used, compute, computed, wait) for k in kept))
             return
-        await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key])
+        if not await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key]):
+            # a round with a member this round measured slow: the coordinator's own pulls may run to their cap
+            # (deadline_high from the step's start) and its list come after that; we wait for it up to there.
+            # With one span, a fast coordinator whose reduce step waited on the slow peer's chunks published its
+            # list after two of the others had stopped waiting, and they resynced (the simulator: one uplink of 4
+            # falling mid-run, seeds 7 and 15). The price: a coordinator that dies in such a round costs that
+            # wait, deadline_high at most, instead of one span
+            me = self._ctx.identity.peer_id
+            typical = self._transfer_rate()
+            slow = any(0 < (rate or 0) < exchange.SLOW_SOURCE * typical
+                       for rate in (pending.meter.so_far(a) for a in members if a != me))
+            moving = self._moving.get(key)
+            if slow and moving is not None:
+                self.counters["parts_wait_extended"] += 1
+                until = moving.start + self.cfg.deadline_high + span / 2
+                await outer.wait_until(lambda: coordinator in pending.parts, self._event,
+                                       until - self.clock.monotonic())
         held = pending.parts.get(coordinator)
         if held is None:
             self.counters["parts_coordinator_missing"] += 1

@@ -623,6 +623,26 @@ def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one
     assert counters["parts_conformed"] >= 8 and counters["parts_not_conformed"] == 0, counters
 
 
+@pytest.mark.timeout(180)
+def test_one_uplink_falling_mid_round_the_others_wait_for_a_late_coordinators_parts_list(tmp_path):
+    """After round 2 one uplink of 4 falls to 50 kB/s. The round's coordinator is fast, but its own reduce step
+    waits on the slow peer's chunks, and its parts list came at 15.75 s, after two of the others had stopped
+    waiting for it one span after their own step (at 14.02 s and 15.47 s): they kept their parts and resynced
+    (seed 7: 4 resyncs). In a round with a member measured slow, the others wait for the list as long as the
+    coordinator's pulls may run (deadline_high from the step's start): one weights, no resync, all 4 every round."""
+
+    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=7, bandwidth=2e6),
+                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
+                                          first_uplink_falls(50e3, 1), after=2))
+    loops = run["loops"]
+    counters = {k: sum(lp.counters[k] for lp in loops.values())
+                for k in ("resyncs", "parts_wait_extended", "parts_coordinator_missing")}
+    assert len(run["finals"]) == 1 and counters["resyncs"] == 0, (run["finals"], counters)
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
+    assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
+
+
 @pytest.mark.timeout(120)
 def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_all_chunks(tmp_path):
     """The round's coordinator is the peer whose uplink falls to 50 kB/s in it: its own pulls wait behind its
