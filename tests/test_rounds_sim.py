@@ -598,6 +598,20 @@ def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_rou
         [lp.exchange_view for lp in loops.values()]
 
 
+def _clean_after_uplinks_fall(tmp_path, seed: int, count: int, names) -> dict:
+    """4 rounds of 4 peers at 2 MB/s, the first ``count`` uplinks falling to 50 kB/s after round 2: asserts one
+    final weights, no resync and all 4 in every round; returns the counters ``names``, summed over the peers."""
+    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=seed, bandwidth=2e6),
+                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
+                                          first_uplink_falls(50e3, count), after=2))
+    loops = run["loops"]
+    counters = {k: sum(lp.counters[k] for lp in loops.values()) for k in ("resyncs", *names)}
+    assert len(run["finals"]) == 1 and counters["resyncs"] == 0, (run["finals"], counters)
+    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
+        [lp.history for lp in loops.values()]
+    return counters
+
+
 @pytest.mark.timeout(180)
 def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one_weights(tmp_path):
     """4 peers at 2 MB/s; after round 2 two uplinks fall to 50 kB/s, the round's coordinator's among them. Its
@@ -610,15 +624,7 @@ def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one
     coordinator and a peer whose own part is that same minority one included: all 4 in every round, no resync
     (``bench/bench_sim.py --uplink-after 2``: 16 of 16 seeds clean, 1 before)."""
 
-    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=1, bandwidth=2e6),
-                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
-                                          first_uplink_falls(50e3, 2), after=2))
-    loops = run["loops"]
-    counters = {k: sum(lp.counters[k] for lp in loops.values())
-                for k in ("resyncs", "parts_conformed", "parts_not_conformed")}
-    assert len(run["finals"]) == 1 and counters["resyncs"] == 0, (run["finals"], counters)
-    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
-        [lp.history for lp in loops.values()]
+    counters = _clean_after_uplinks_fall(tmp_path, 1, 2, ("parts_conformed", "parts_not_conformed"))
     # the falling round was one the others had to conform to the coordinator's parts, and did
     assert counters["parts_conformed"] >= 8 and counters["parts_not_conformed"] == 0, counters
 
@@ -631,15 +637,7 @@ def test_one_uplink_falling_mid_round_the_others_wait_for_a_late_coordinators_pa
     (seed 7: 4 resyncs). In a round with a member measured slow, the others wait for the list as long as the
     coordinator's pulls may run (deadline_high from the step's start): one weights, no resync, all 4 every round."""
 
-    run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=7, bandwidth=2e6),
-                                          ChurnConfig(rounds=4, dim=262144, exchange="scatter"), tmp_path,
-                                          first_uplink_falls(50e3, 1), after=2))
-    loops = run["loops"]
-    counters = {k: sum(lp.counters[k] for lp in loops.values())
-                for k in ("resyncs", "parts_wait_extended", "parts_coordinator_missing")}
-    assert len(run["finals"]) == 1 and counters["resyncs"] == 0, (run["finals"], counters)
-    assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
-        [lp.history for lp in loops.values()]
+    counters = _clean_after_uplinks_fall(tmp_path, 7, 1, ("parts_wait_extended", "parts_coordinator_missing"))
     assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
 
 
