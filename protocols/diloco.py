@@ -1326,6 +1326,13 @@ class DilocoLoop(TaskLoop):
                 out[a] = self._source_rates[a]
         return out
 
+    def _chunk_source(self, pending: Pending, owner: str, first: str | None) -> str:
+        """Whom to ask first for ``owner``'s chunk: ``first`` (a member that holds it) or its owner, whichever this
+        round measured faster (``_rates_now``; one not measured counts as fast; a tie keeps ``first``)."""
+        if first in (None, self._ctx.identity.peer_id, owner) or first not in pending.announced:
+            return owner
+        return exchange.fastest_first([first, owner], self._rates_now(pending, (first, owner)))[0]
+
     def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
         """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
         last = self.participants.get(p, self._initial)  # round 0: the founders, as the link probe measured them
@@ -1633,9 +1640,7 @@ class DilocoLoop(TaskLoop):
                         # (``_rates_now``): when the coordinator is the slow one, its chunks of the fast peers' went
                         # through its uplink too, and the others gave up on parts their owners could have sent at
                         # once (the simulator: two uplinks of 4 falling mid-round, the coordinator's among them)
-                        source = peer
-                        if first not in (None, me, peer) and first in pending.announced:
-                            source = exchange.fastest_first([first, peer], self._rates_now(pending, (first, peer)))[0]
+                        source = self._chunk_source(pending, peer, first)
                         pull = self._fetch_part(key, source, ann.parts[k], ann.sizes[k],
                                                 pending.announced[source].addrs, b - a, until, holders=[
                                                     (x, pending.announced[x].addrs)
@@ -1822,10 +1827,10 @@ class DilocoLoop(TaskLoop):
             everyone = frozenset(members)
             # (a part over another view of the members, whose set is None, is taken as it is: its reducer, on
             # that view, kept it)
-            kept = [k for k in range(len(used)) if used[k][1] is not None and used[k][1] != everyone
-                    and not exchange.names_majority(used[k][1], members)]
+            kept = [k for k in range(len(used))
+                    if used[k][1] is not None and not exchange.names_majority(used[k][1], members)]
             if kept:
-                wait = self._conform_wait(key, pending, ordered, {k: everyone for k in kept}, None, span)
+                wait = self._conform_wait(pending, {k: everyone for k in kept}, None, span)
                 await asyncio.gather(*(self._of_all(k, members, parts, used, compute, computed, wait) for k in kept))
             return
         if not await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key]):
@@ -1837,8 +1842,7 @@ class DilocoLoop(TaskLoop):
             # wait, deadline_high at most, instead of one span
             me = self._ctx.identity.peer_id
             typical = self._transfer_rate()
-            slow = any(0 < (rate or 0) < exchange.SLOW_SOURCE * typical
-                       for rate in (pending.meter.so_far(a) for a in members if a != me))
+            slow = any(exchange.slow_source(pending.meter.so_far(a), typical) for a in members if a != me)
             moving = self._moving.get(key)
             if slow and moving is not None:
                 self.counters["parts_wait_extended"] += 1
@@ -1868,8 +1872,8 @@ class DilocoLoop(TaskLoop):
                     followed[k] = whose
             elif used[k][1] != everyone and (h != used[k][0] or whose is not None):
                 of_all[k] = everyone
-        wait = max(self._conform_wait(key, pending, ordered, followed, coordinator, span),
-                   self._conform_wait(key, pending, ordered, of_all, None, span))
+        wait = max(self._conform_wait(pending, followed, coordinator, span),
+                   self._conform_wait(pending, of_all, None, span))
 
         async def conform(k: int) -> None:
             whose = exchange.unpack_set(ordered, sets[k])
@@ -1906,25 +1910,21 @@ class DilocoLoop(TaskLoop):
             parts[k], used[k] = computed[k][1], (computed[k][0], everyone)
             self.counters["parts_of_all_members"] += 1
 
-    def _conform_wait(self, key: tuple[int, int], pending: Pending, ordered: list[str],
-                      needed: dict[int, frozenset[str]], first: str | None, span: float) -> float:
+    def _conform_wait(self, pending: Pending, needed: dict[int, frozenset[str]], first: str | None,
+                      span: float) -> float:
         """The time our pulls of the chunks of ``needed`` (part -> whose chunks) get, each from ``first`` or its
-        owner, whichever is faster (``_rates_now``), as ``compute`` pulls them: one span, or deadline_high where one
+        owner, whichever is faster (``_chunk_source``), as ``compute`` pulls them: one span, or deadline_high where one
         of those sources sends slowly (``exchange.transfer_wait``). A peer whose uplink fell mid-round serves them
         slowly, all at once: with one span the others gave up on its chunks while they came, kept their own parts,
         and the round split (the simulator: two uplinks of 4 falling to 50 kB/s mid-run; 1 of 16 draws clean)."""
         me = self._ctx.identity.peer_id
-        sizes = {a: pending.announced[a].sizes for a in ordered if a in pending.announced}
         need: dict[str, int] = collections.Counter()
         for k, whose in needed.items():
             for a in whose:
                 ann = pending.announced.get(a)
                 if a == me or ann is None or a in pending.updates or ann.parts[k] in self.bulk.blobs:
                     continue
-                source = a
-                if first not in (None, me, a) and first in pending.announced:
-                    source = exchange.fastest_first([first, a], self._rates_now(pending, (first, a)))[0]
-                need[source] += sizes[a][k]
+                need[self._chunk_source(pending, a, first)] += ann.sizes[k]
         rates = {a: r for a in need if (r := pending.meter.so_far(a)) is not None}
         return exchange.transfer_wait(need, rates, self._transfer_rate(), span, self.cfg.deadline_high)
 

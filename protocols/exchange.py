@@ -183,6 +183,12 @@ def fastest_first(peers: Sequence[str], rates: Mapping[str, int]) -> list[str]:
 SLOW_SOURCE = 0.25  # a source sending to us at under this fraction of our typical rate is a slow one
 
 
+def slow_source(rate: float | None, typical: float) -> bool:
+    """Whether a source measured at ``rate`` bytes/s (None: not measured; 0: its pulls failed, a stall, not a rate)
+    sends to us at under SLOW_SOURCE of our ``typical`` rate."""
+    return 0 < (rate or 0) < SLOW_SOURCE * typical
+
+
 def transfer_wait(need: Mapping[str, int], rates: Mapping[str, float], typical: float, span: float,
                   cap: float) -> float:
     """The time to give pulls of ``need`` (source -> bytes we still need from it) when ``rates`` (source -> the
@@ -191,7 +197,7 @@ def transfer_wait(need: Mapping[str, int], rates: Mapping[str, float], typical: 
     complete together at the end of its queue (its uplink serves every requester at once, the others' pulls ahead
     of ours), so neither arrivals nor our own bytes at its rate say when ours come. A source not measured, or
     measured at 0 (its pulls failed: a stall, not a rate), is given ``span``."""
-    slow = any(0 < rates.get(a, 0) < SLOW_SOURCE * typical for a, n in need.items() if n > 0)
+    slow = any(slow_source(rates.get(a), typical) for a, n in need.items() if n > 0)
     return max(span, cap) if slow else span
 
 
