@@ -147,7 +147,7 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
 
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
-           parts: int = 16, lab: StarLab | None = None, codec: str = "none", sgd: bool = False) -> dict:
+           parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False) -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
@@ -155,7 +155,8 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
     config = loop_config(root / "diloco.toml", CONFIG.format(
         peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
-        rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts, sgd=str(sgd).lower()))
+        rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts if parts != "auto" else '"auto"',
+        sgd=str(sgd).lower()))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = _start(swarm, peers, lab)
@@ -181,6 +182,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "out": max(b.get("bytes_served", 0) for b in bulk) / rounds / size_bytes,
             "same": len({s["final_hash"] for s in final}) == 1,
             "mode": final[0]["exchange"].get("mode"),
+            "parts": final[0]["exchange"].get("parts"),  # the last round's part count
             "fallback": sum(s.get("parts_fallback", 0) for s in final),
             "conformed": sum(s.get("parts_conformed", 0) for s in final),
             "resyncs": sum(s.get("resyncs", 0) for s in final),
@@ -351,7 +353,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=15)
     parser.add_argument("--modes", default="all-to-all,scatter", help="swarmd's exchanges to run (scatter-own: "
                         "scatter with each peer's own view of a round's members, not the coordinator's)")
-    parser.add_argument("--parts", type=int, default=16, help="parts an update is cut into (the config's parts)")
+    parser.add_argument("--parts", default="auto", help="parts an update is cut into (the config's parts: auto, "
+                        "the default, or a number); several, comma-separated, each run in turn (a same-run baseline)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
@@ -375,11 +378,14 @@ def main() -> None:
             # a fresh lab for each run: nothing one run left queued or open meets the next
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
             if args.only != "hivemind":
+                choices = args.parts.split(",")
                 for mode in args.modes.split(","):
-                    with lab() as star:
-                        result[mode] = swarmd(mode, n, size, args.rounds, Path(tmp) / mode, args.audit, args.parts,
-                                              star, args.codec, args.inner_sgd)
-                    print(f"N={n} {mode}: {result[mode]}", file=sys.stderr, flush=True)
+                    for parts in choices:
+                        name = mode if len(choices) == 1 else f"{mode} ({parts})"
+                        with lab() as star:
+                            result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name, args.audit, parts,
+                                                  star, args.codec, args.inner_sgd)
+                        print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
                     result["hivemind"] = hivemind_averager(n, size, args.rounds, star)
@@ -389,18 +395,19 @@ def main() -> None:
              if args.link else "loopback")
     print(f"One update of S = {size / 1e6:.0f} MB among N peers, {where}, {args.rounds} rounds; bytes per peer per "
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
-    print(f"{'N':>3} | {'exchange':<22} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | {'out (xS)':>8} | "
+    print(f"{'N':>3} | {'exchange':<30} | {'parts':>5} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | "
+          f"{'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
           f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12} | "
           f"{'peak GB/peer':>12}")
-    print("-" * 162)
+    print("-" * 178)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
             codec = "" if args.codec == "none" else f", {args.codec}"
             label = name if name == "hivemind" else f"{name} (swarmd{codec})"
-            print(f"{n:>3} | {label:<22} | {r['round_s']:>8.2f} | "
+            print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
                   f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f}")
@@ -411,7 +418,7 @@ def main() -> None:
     for n, result in rows:
         for name, r in result.items():
             if "phases" in r:
-                print(f"{n:>3} | {name:<22} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+                print(f"{n:>3} | {name:<30} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
     print("peak GB/peer: the most memory one peer's processes held at once (PSS, sampled every 0.3 s; a swarmd "
           "node with its p2p daemon, a hivemind peer with its averager and DHT processes); the bulk store dropped "
           f"{sum(r.get('evicted', 0) for _, res in rows for r in res.values())} blobs early (goal 0)")

@@ -199,7 +199,10 @@ class DilocoConfig(BaseModel):
     # each peer moves about 2x its update whatever the number of peers), or "auto": scatter from
     # scatter_min_peers participants and scatter_min_bytes per encoded update (measured by bench/bench_exchange.py)
     exchange: str = Field("auto", pattern=r"^(auto|all-to-all|scatter)$")
-    parts: int = Field(16, ge=1, le=MAX_PARTS)  # parts an update is cut into (fewer for small fragments)
+    # parts an update is cut into (fewer for small fragments): a number, or "auto", which follows the last round's
+    # participants so that a scatter round's busiest peer moves at most 2.2 x its update, audits included
+    # (``exchange.auto_parts``: 16 up to 8 peers, 64 at 16, 128 at 32)
+    parts: int | str = "auto"
     scatter_min_peers: int = Field(4, ge=2)
     scatter_min_bytes: int = Field(1 << 20, ge=0)
     audit: float = Field(0.25, ge=0, le=1)  # fraction of reduced parts re-computed by a second peer
@@ -213,6 +216,13 @@ class DilocoConfig(BaseModel):
     agree: bool = True
 
     _peers = field_validator("peers")(check_peer_ids)
+
+    @field_validator("parts")
+    @classmethod
+    def _parts(cls, v: int | str) -> int | str:
+        if v != "auto" and not (isinstance(v, int) and 1 <= v <= MAX_PARTS):
+            raise ValueError(f'parts: "auto" or a number from 1 to {MAX_PARTS}')
+        return v
 
     @field_validator("inner_betas")
     @classmethod
@@ -299,6 +309,7 @@ class Pending:
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
     views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
     coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
+    count: int | None = None  # the round's part count, once it closes (``DilocoLoop._round_parts``)
     parts: dict[str, tuple] = field(default_factory=dict)  # last round's members' parts: (digest, sets, hashes)
     signed: dict[str, dict] = field(default_factory=dict)  # peer -> its announcement as it signed it (wire form)
     meter: exchange.RateMeter = field(default_factory=exchange.RateMeter)  # what we receive from whom, how fast
@@ -464,7 +475,9 @@ class DilocoLoop(TaskLoop):
         self._global_version += 1
         self.rounds_done = [0] * self.cfg.fragments
         for p in range(self.cfg.fragments):
-            self._update_bytes(p)  # once, here in the worker thread: the exchange mode depends on it
+            for count in self._part_counts(p):  # here in the worker thread: the exchange mode depends on them
+                self._part_bytes(p, False, count)
+                self._part_bytes(p, True, count)
         # the blobs a round's exchange keeps in the bulk store: per fragment our update, the chunks and parts we
         # pull and reduce (about 3 x an update in scatter), for this round and the last, and our own of the one
         # before (``_drop_round_blobs``); room for 8 x an update (x the combined parts' size where reduced_codec
@@ -791,7 +804,7 @@ class DilocoLoop(TaskLoop):
         residual = self.residual.get(p) if self.feedback else None
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual)  # what the codec dropped of our last update travels with this one
-        bounds = self._bounds(p)
+        bounds = self._bounds(p, self._want_parts(p))
         payloads = [bytearray(self.codec.encode(delta[a:b]).to_wire()) for a, b in bounds]
         if not self.feedback:
             del delta
@@ -894,6 +907,18 @@ class DilocoLoop(TaskLoop):
             del pending.announced[peer]
             self.counters["rejected_base"] += 1
             other_base[peer] = "base"
+        if mode == "scatter":
+            # the round's part count: the one most of its updates from our weights have (each peer cut its update
+            # as the last round's members call for: the same count wherever that round closed with the same
+            # members); ours first on a tie. An update cut otherwise is not counted here, ours included: its
+            # author closed the last round with other members, and follows this one
+            ours = self._round_parts(key)
+            counts = collections.Counter(len(ann.parts) for a, ann in pending.announced.items() if a in have())
+            pending.count = max(counts, key=lambda c: (counts[c], c == ours), default=ours)
+            for peer in [a for a, ann in pending.announced.items() if a in have() and len(ann.parts) != pending.count]:
+                del pending.announced[peer]
+                self.counters["rejected_part_count"] += 1
+                other_base[peer] = "part_count"
         contributing = r >= self.join_round.get(p, 0)
         self.counters["newcomer_updates"] += len(slots & have())
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
@@ -931,6 +956,7 @@ class DilocoLoop(TaskLoop):
             self._exchange_times.append(self.clock.monotonic() - pending.sent_at)
         self._close_times.append(self.clock.monotonic() - started)  # every update announced -> combined update in hand
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
+                              "parts": self._round_parts(key),
                               **(self._assignment if mode == "scatter" else {}),
                               "close_seconds": round(self._close_times[-1], 3),
                               "close_seconds_median": round(statistics.median(self._close_times), 3),
@@ -1413,18 +1439,50 @@ class DilocoLoop(TaskLoop):
                            "now gets the measured time (loops.%s.min_bandwidth = your link's rate gives it from the "
                            "first round)", rate / 1e3, self.cfg.min_bandwidth / 1e3, self.name)
 
-    def _bounds(self, p: int) -> list[tuple[int, int]]:
-        """The value ranges fragment p's update is cut into (the same for every peer and round)."""
+    def _want_parts(self, p: int) -> int:
+        """How many parts we cut our next update of fragment p into: ``parts``, or with "auto" as many as the last
+        round's participants call for (``exchange.auto_parts``: every peer that closed that round with the same
+        members cuts its update the same way, as with the exchange's mode)."""
         n = self.global_flat[p].numel()
-        return exchange.part_bounds(n, exchange.part_count(n, self.cfg.parts))
+        if self.cfg.parts != "auto":
+            return exchange.part_count(n, self.cfg.parts)
+        return exchange.part_count(n, exchange.auto_parts(len(self.participants.get(p, self._initial)), self.cfg.audit))
 
-    def _part_bytes(self, p: int, reduced: bool = False) -> list[int]:
-        """The size of each encoded part of fragment p (the codec fixes it): what a peer may announce, at most; with
-        ``reduced``, of each combined part a reducer may publish (``reduced_codec``)."""
+    def _part_counts(self, p: int) -> set[int]:
+        """The part counts an announcement for fragment p may have: ours, or with "auto" any that "auto" gives."""
+        n = self.global_flat[p].numel()
+        if self.cfg.parts != "auto":
+            return {exchange.part_count(n, self.cfg.parts)}
+        return {exchange.part_count(n, x) for x in exchange.AUTO_PARTS}
+
+    def _round_parts(self, key: tuple[int, int]) -> int:
+        """A round's part count: from its close on, the count most of its announcements have (``_close_round``);
+        before, our announcement's if we sent one, else what we would cut an update into now. An announcement with
+        another count (its author closed the last round with other members) is not counted in a scatter round, as
+        one from other weights is not."""
+        pending = self.pending.get(key)
+        if pending is not None and pending.count is not None:
+            return pending.count
+        mine = pending.announced.get(self._ctx.identity.peer_id) if pending is not None else None
+        return len(mine.parts) if mine is not None else self._want_parts(key[1])
+
+    def _bounds(self, p: int, count: int) -> list[tuple[int, int]]:
+        """The value ranges fragment p's update is cut into when it is cut into ``count`` parts."""
+        return exchange.part_bounds(self.global_flat[p].numel(), count)
+
+    def _part_bytes(self, p: int, reduced: bool = False, count: int | None = None) -> list[int]:
+        """The size of each encoded part of fragment p cut into ``count`` parts (default: ``_want_parts``; the codec
+        fixes it): what a peer may announce, at most; with ``reduced``, of each combined part a reducer may publish
+        (``reduced_codec``)."""
         codec = self.reduced_codec if reduced else self.codec
-        key = (p, codec.name)  # one encoding of zeros per codec: a run whose reduced_codec is its codec pays it once
+        count = self._want_parts(p) if count is None else count
+        # one encoding of zeros per codec, count and part length (the parts of a count differ by one value at most:
+        # two short encodings, not the whole fragment's); a run whose reduced_codec is its codec pays it once
+        key = (p, codec.name, count)
         if key not in self._encoded_size:
-            self._encoded_size[key] = [len(codec.encode(torch.zeros(b - a)).to_wire()) for a, b in self._bounds(p)]
+            bounds = self._bounds(p, count)
+            size = {m: len(codec.encode(torch.zeros(m)).to_wire()) for m in {b - a for a, b in bounds}}
+            self._encoded_size[key] = [size[b - a] for a, b in bounds]
         return self._encoded_size[key]
 
     def _start_pull(self, key: tuple[int, int], pending: Pending, peer: str) -> None:
@@ -1536,10 +1594,11 @@ class DilocoLoop(TaskLoop):
     async def _pull(self, key: tuple[int, int], peer: str, ann: Announced,
                     into: dict[str, torch.Tensor] | None = None) -> None:
         """All-to-all: the whole update of ``peer``, every part (into its round's pending updates, or ``into``)."""
-        bounds = self._bounds(key[1])
         try:
-            if len(ann.parts) != len(bounds):
-                raise codecs.CodecError(f"{len(ann.parts)} parts, not {len(bounds)}")
+            if len(ann.parts) not in self._part_counts(key[1]):
+                raise codecs.CodecError(f"{len(ann.parts)} parts, not one of {sorted(self._part_counts(key[1]))}")
+            # (whatever the count, the parts decoded one after another make the whole update)
+            bounds = self._bounds(key[1], len(ann.parts))
             chunks = await asyncio.gather(*(self._fetch_part(key, peer, h, size, ann.addrs, b - a, 300.0)
                                             for h, size, (a, b) in zip(ann.parts, ann.sizes, bounds)))
             update = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
@@ -1579,7 +1638,7 @@ class DilocoLoop(TaskLoop):
         r, p = key
         me = self._ctx.identity.peer_id
         n = self.global_flat[p].numel()
-        bounds = self._bounds(p)
+        bounds = self._bounds(p, self._round_parts(key))
         # before the digest: every peer refuses the same updates from the same announcements
         members, rejected = exchange.screen_members(
             {a: (len(pending.announced[a].parts), pending.announced[a].norm) for a in members}, len(bounds))
@@ -1839,14 +1898,16 @@ class DilocoLoop(TaskLoop):
             # With one span, a fast coordinator whose reduce step waited on the slow peer's chunks published its
             # list after two of the others had stopped waiting, and they resynced (the simulator: one uplink of 4
             # falling mid-run, seeds 7 and 15). The price: a coordinator that dies in such a round costs that
-            # wait, deadline_high at most, instead of one span
+            # wait, deadline_high (plus a span) at most, instead of one span
             me = self._ctx.identity.peer_id
             typical = self._transfer_rate()
             slow = any(exchange.slow_source(pending.meter.so_far(a), typical) for a in members if a != me)
             moving = self._moving.get(key)
             if slow and moving is not None:
                 self.counters["parts_wait_extended"] += 1
-                until = moving.start + self.cfg.deadline_high + span / 2
+                # and one more span at least: a list published by then may still be behind a slow coordinator's
+                # uploads (it came 10 ms after a peer had stopped waiting: two uplinks falling, seed 2)
+                until = max(moving.start + self.cfg.deadline_high + span / 2, self.clock.monotonic() + span)
                 await outer.wait_until(lambda: coordinator in pending.parts, self._event,
                                        until - self.clock.monotonic())
         held = pending.parts.get(coordinator)
@@ -1983,7 +2044,7 @@ class DilocoLoop(TaskLoop):
         others against the chunks it names."""
         me = self._ctx.identity.peer_id
         until = self.clock.monotonic() + wait
-        bounds = self._bounds(key[1])
+        bounds = self._bounds(key[1], self._round_parts(key))
 
         async def replace(k: int) -> None:
             a, b = bounds[k]
@@ -2023,7 +2084,7 @@ class DilocoLoop(TaskLoop):
         if peer == me or peer not in likely or len(likely) < 2:
             return
         ann = pending.announced[peer]
-        bounds = self._bounds(p)
+        bounds = self._bounds(p, self._round_parts(key))
         if len(ann.parts) != len(bounds):
             return
         ordered = exchange.order(self.cfg.run, r, p, likely)
@@ -2449,7 +2510,7 @@ class DilocoLoop(TaskLoop):
             k = body["red"] if kind is REDUCED else body["aud"]
             pending = self.pending[(r, p)]
             if kind is REDUCED:
-                if body["size"] > self._max_part(p, k, reduced=True):
+                if body["size"] > self._max_part(p, k, self._round_parts((r, p)), reduced=True):
                     return Verdict.REJECT
                 held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]),
                                                    body["c"])
@@ -2478,20 +2539,20 @@ class DilocoLoop(TaskLoop):
         self._event.set()
         return Verdict.ACCEPT
 
-    def _max_part(self, p: int, k: int, reduced: bool = False) -> int:
-        """The most bytes part k of fragment p may claim (checked before anything is pulled, so a peer cannot make
-        us allocate for a size it made up); ``reduced``: a combined part's."""
+    def _max_part(self, p: int, k: int, count: int, reduced: bool = False) -> int:
+        """The most bytes part k of fragment p cut into ``count`` parts may claim (checked before anything is
+        pulled, so a peer cannot make us allocate for a size it made up); ``reduced``: a combined part's."""
         if not self.rounds_done:  # not built yet: only the absolute cap
             return MAX_PART_BYTES
-        sizes = self._part_bytes(p, reduced)
+        sizes = self._part_bytes(p, reduced, count)
         return sizes[k] + PART_SLACK if k < len(sizes) else 0
 
     def _announced(self, body: dict, p: int) -> Announced | None:
         """An update announcement's parts, checked against the run (the schema checked types): every peer cuts an
         update the same way, no part may claim more bytes than the codec makes of it, a norm is not negative."""
         parts, sizes, norm = body["parts"], body["sizes"], body["norm"]
-        if not (len(parts) == len(sizes) == len(self._bounds(p))
-                and all(x <= self._max_part(p, k) for k, x in enumerate(sizes)) and norm >= 0):
+        if not (len(parts) == len(sizes) and len(parts) in self._part_counts(p)
+                and all(x <= self._max_part(p, k, len(parts)) for k, x in enumerate(sizes)) and norm >= 0):
             return None
         return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]),
                          tuple((bytes(sid), int(rate)) for sid, rate in body.get("bw", ())))

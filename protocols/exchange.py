@@ -42,6 +42,28 @@ def part_count(n: int, want: int) -> int:
     return max(1, min(want, MAX_PARTS, n // PART_MIN))
 
 
+# ``parts = "auto"``: the number of parts follows the swarm. A scatter round's busiest peer takes in (N - 1)/N x S of
+# chunks for the parts it reduces, as much of the others' combined parts, and, when it audits a part, that part's
+# N - 1 chunks: (N - 1)/parts x S more. With 16 parts at N = 16 that audit alone is about S (2.50 x S in at the
+# busiest peer, bench_exchange); so the parts double until the whole fits BYTES_BUDGET x S: 16 (AUTO_PARTS_MIN, the
+# fixed default before) up to N = 8, 32 to N = 12, 64 to N = 22, 128 to N = 44, then MAX_PARTS
+AUTO_PARTS_MIN = 16
+AUTO_PARTS = tuple(AUTO_PARTS_MIN << i for i in range((MAX_PARTS // AUTO_PARTS_MIN).bit_length()))  # 16 ... 256
+BYTES_BUDGET = 2.2  # x S, a scatter round's bytes in at its busiest peer, audits included
+
+
+def auto_parts(peers: int, audit: float) -> int:
+    """How many parts ``parts = "auto"`` cuts an update into for a round of about ``peers`` participants (the last
+    round's: every peer that closed it with the same members gets the same answer) when a fraction ``audit`` of the
+    reduced parts is audited: the fewest of AUTO_PARTS that keep a round within BYTES_BUDGET x S (above)."""
+    if audit <= 0 or peers < 2:
+        return AUTO_PARTS_MIN  # no audit: every peer moves 2 (N - 1)/N x S whatever the parts
+    for parts in AUTO_PARTS:
+        if 2 * (peers - 1) / peers + (peers - 1) / parts <= BYTES_BUDGET:
+            return parts
+    return MAX_PARTS
+
+
 def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 
@@ -246,34 +268,76 @@ def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = No
 
 def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fraction: float,
                owners: list[str] | None = None) -> dict[int, str]:
-    """The round's audited parts (``audited``) and their auditors: each by a peer other than its reducer, the
-    next one after it in the round's order that audits fewer than ceil(audited / (N - 1)) parts, so no peer audits
-    many (an audit pulls its part's chunks: about S/N x (N-1)/N more bytes in; with each part's auditor the peer
-    after its reducer, the peer after one whose two parts were both drawn audited both, and its bytes in went from
-    2.2 to 2.6 x S at N = 8). Every peer computes the same plan from the round and its agreed order."""
+    """The round's audited parts (``audited_parts``) and their auditors: each by a peer other than its reducer, the
+    first after it in the round's order that audits fewer than ceil(audited / N) parts (parts placed before move
+    where that makes room), so no peer audits more than its share: an audit pulls its part's chunks, (N - 1)/parts
+    x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts were
+    both drawn audited both, and its bytes in went from 2.2 to 2.6 x S at N = 8). Where every other peer already
+    has its share (a reducer of many of the drawn parts), the least loaded other peer audits. Every peer computes
+    the same plan from the round and its agreed order."""
     n = len(ordered)
     if n < 2:
         return {}
-    drawn = [k for k in range(parts) if audited(run, r, p, k, fraction)]
-    cap = -(-len(drawn) // (n - 1))
-    load = [0] * n
-    plan = {}
+    drawn = audited_parts(run, r, p, parts, fraction)
+    cap = -(-len(drawn) // n)
     index = {a: i for i, a in enumerate(ordered)}
+    reducer = {k: k % n if owners is None else index[owners[k]] for k in drawn}
+    held: list[list[int]] = [[] for _ in range(n)]  # peer -> the parts it audits
+
+    def others(k: int) -> list[int]:
+        return [(reducer[k] + step) % n for step in range(1, n)]
+
+    def place(k: int, seen: set[int]) -> bool:
+        """Give part k an auditor under the cap, moving parts already placed along the way where that frees one
+        (an augmenting path: a first-come choice left the last part of 16 with only its own reducer free)."""
+        for j in others(k):
+            if j in seen:
+                continue
+            seen.add(j)
+            if len(held[j]) < cap:
+                held[j].append(k)
+                return True
+            for moved in list(held[j]):
+                held[j].remove(moved)
+                if place(moved, seen):
+                    held[j].append(k)
+                    return True
+                held[j].append(moved)
+        return False
+
     for k in drawn:
-        reducer = k % n if owners is None else index[owners[k]]
-        j = next((reducer + step) % n for step in range(1, n) if load[(reducer + step) % n] < cap)
-        load[j] += 1
-        plan[k] = ordered[j]
-    return plan
+        if not place(k, set()):
+            held[min(others(k), key=lambda j: len(held[j]))].append(k)  # no room under the cap: the least loaded
+    return {k: ordered[j] for j in range(n) for k in held[j]}
+
+
+def audited_parts(run: str, r: int, p: int, parts: int, fraction: float) -> list[int]:
+    """The parts of this round that are audited, drawn from the round, so every peer agrees and no reducer knows
+    before the round closes (its parts come from the round's members) which of its parts will be checked. Where
+    ``fraction`` x ``parts`` is one or more, exactly that many (rounded up or down at random, so that many on
+    average): with each part drawn on its own, 64 parts at N = 16 had more than 16 audited in about 4 rounds of
+    10, and then some peer audited two. Below one, each part on its own (``audited``), as before: such a round
+    audits at most one part or so either way."""
+    if fraction >= 1.0:
+        return list(range(parts))
+    want = fraction * parts
+    if want < 1.0:
+        return [k for k in range(parts) if audited(run, r, p, k, fraction)]
+    count = int(want) + (_draw(f"audit-count/{run}/{r}/{p}") < want - int(want))
+    return sorted(sorted(range(parts), key=lambda k: _draw(f"audit/{run}/{r}/{p}/{k}"))[:count])
 
 
 def audited(run: str, r: int, p: int, k: int, fraction: float) -> bool:
-    """Whether part k of this round is audited: drawn from the round, so every peer agrees, and no reducer knows
-    before the round closes which of its parts will be checked."""
+    """Whether part k of this round is drawn for an audit on its own (rounds with under one audited part on
+    average: ``audited_parts``)."""
     if fraction >= 1.0:
         return True
-    h = int.from_bytes(hashlib.blake2b(f"audit/{run}/{r}/{p}/{k}".encode(), digest_size=8).digest(), "big")
-    return h < fraction * 2**64
+    return _draw(f"audit/{run}/{r}/{p}/{k}") < fraction
+
+
+def _draw(label: str) -> float:
+    """A number in [0, 1) drawn from ``label`` (the same at every peer)."""
+    return int.from_bytes(hashlib.blake2b(label.encode(), digest_size=8).digest(), "big") / 2**64
 
 
 def pack_set(ordered: list[str], subset) -> bytes:
@@ -419,8 +483,9 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
 # the rule that turns a part's chunks into its combined bytes, and who audits which part: peers compare reduced
 # parts by hash and wait for a part's auditor, so every peer of a run must do both alike; it is part of the run's
 # fingerprint (DilocoConfig.shared), and a change of either changes it, so peers of two versions never mix in a run
-REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan (3); "
-               "all-to-all combines by the same rule (4); parts assigned by reported rates (5)")
+REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan, "
+               "a fixed share of parts (6); all-to-all combines by the same rule (4); parts assigned by reported "
+               "rates (5)")
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

@@ -49,8 +49,13 @@ def test_parts_cover_the_update_and_every_peer_orders_a_round_the_same_way():
     assert all(owners.count(m) == 2 for m in members)
     plan = exchange.audit_plan("run", 3, 0, ordered, 10, 1.0)
     assert sorted(plan) == list(range(10)) and all(plan[k] != exchange.reducer_of(ordered, k) for k in plan)
-    drawn = sum(exchange.audited("run", r, 0, 0, 0.25) for r in range(2000))
-    assert 400 < drawn < 600 and all(exchange.audited("run", r, 0, 0, 1.0) for r in range(10))
+    drawn = [exchange.audited_parts("run", r, 0, 10, 0.25) for r in range(2000)]  # 2.5 a round: a fixed count
+    assert all(len(d) in (2, 3) for d in drawn) and 4800 < sum(map(len, drawn)) < 5200  # 2.5 a round on average
+    assert 400 < sum(0 in d for d in drawn) < 600  # each part in about a quarter of the rounds
+    assert exchange.audited_parts("run", 1, 0, 10, 1.0) == list(range(10))
+    few = [exchange.audited_parts("run", r, 0, 2, 0.25) for r in range(2000)]  # under one a round: each on its own
+    assert any(len(d) == 2 for d in few) and 900 < sum(map(len, few)) < 1100
+    assert not exchange.audited_parts("run", 1, 0, 10, 0)
 
 
 @pytest.mark.beside
@@ -213,14 +218,43 @@ def test_audits_are_spread_so_no_peer_audits_many_parts():
     for r in range(300):
         plan = exchange.audit_plan("run", r, 0, ordered, 16, 0.25)
         assert plan == exchange.audit_plan("run", r, 0, list(ordered), 16, 0.25)
-        assert sorted(plan) == [k for k in range(16) if exchange.audited("run", r, 0, k, 0.25)]
+        assert sorted(plan) == exchange.audited_parts("run", r, 0, 16, 0.25) and len(plan) == 4
         assert all(plan[k] != exchange.reducer_of(ordered, k) for k in plan)
         loads = collections.Counter(plan.values())
-        assert max(loads.values(), default=0) <= -(-len(plan) // 7)
+        assert max(loads.values(), default=0) <= -(-len(plan) // 8)
         # the peer after each part's reducer, the rule before: a peer whose successor's two parts were both drawn
         before = collections.Counter(ordered[(k + 1) % 8] for k in plan)
         crowded += max(before.values(), default=0) > max(loads.values(), default=0)
     assert crowded > 30  # rounds in which the old rule gave one peer more audits than the plan does
+
+
+@pytest.mark.beside
+def test_at_sixteen_peers_and_sixty_four_parts_every_peer_audits_one_part_and_a_lone_other_audits_them_all():
+    """``parts = "auto"`` gives 64 parts at N = 16: 16 audited parts a round (a fixed share), one per peer, so no
+    peer pulls two audited parts' chunks (0.23 x S each). Where every drawn part is one peer's and there is only
+    one other, that one audits them all (over its share: there is no one else)."""
+    ordered = exchange.order("run", 0, 0, [f"peer{i}" for i in range(16)])
+    for r in range(100):
+        plan = exchange.audit_plan("run", r, 0, ordered, 64, 0.25)
+        assert len(plan) == 16 and set(collections.Counter(plan.values()).values()) == {1}
+        assert all(plan[k] != exchange.reducer_of(ordered, k) for k in plan)
+    pair = ["peer0", "peer1"]
+    plan = exchange.audit_plan("run", 0, 0, pair, 4, 1.0, owners=["peer0"] * 4)
+    assert plan == {k: "peer1" for k in range(4)}
+
+
+@pytest.mark.beside
+def test_auto_parts_follow_the_swarm_so_the_busiest_peer_moves_at_most_the_budget():
+    """``parts = "auto"``: 16 parts up to N = 8 (as the fixed default was), more beyond, so that a round's busiest
+    peer, one audited part's chunks included, takes in at most BYTES_BUDGET x S; without audits 16 whatever N."""
+    assert [exchange.auto_parts(n, 0.25) for n in (1, 2, 4, 8, 9, 12, 13, 16, 32, 64)] == \
+        [16, 16, 16, 16, 32, 32, 64, 64, 128, 256]
+    for n in range(2, 45):
+        parts = exchange.auto_parts(n, 0.25)
+        assert 2 * (n - 1) / n + (n - 1) / parts <= exchange.BYTES_BUDGET
+        assert parts == 16 or 2 * (n - 1) / n + (n - 1) / (parts // 2) > exchange.BYTES_BUDGET  # the fewest
+    assert exchange.auto_parts(16, 0.0) == 16
+    assert exchange.auto_parts(1000, 0.25) == exchange.MAX_PARTS
 
 
 @pytest.mark.beside
@@ -321,7 +355,7 @@ def built_loop(**settings):
     from protocols.task import load
     from transport.identity import Identity
 
-    cfg = diloco.DilocoConfig(run="t", task="tinygpt", **settings)
+    cfg = diloco.DilocoConfig(**{"run": "t", "task": "tinygpt", **settings})
     loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
     loop._ctx = SimpleNamespace(identity=Identity.generate())
     loop._build()
@@ -337,6 +371,16 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
     assert loop._announced({**body, "sizes": [sizes[0] + 10**6, *sizes[1:]]}, 0) is None  # we would allocate it
     assert loop._announced({**body, "parts": body["parts"] + [bytes(32)], "sizes": sizes + [8]}, 0) is None
     assert loop._announced({**body, "norm": float("nan")}, 0) is None
+    # parts = "auto" (the default): a count "auto" gives for some swarm size is taken, any other is not
+    auto = built_loop(task="regression", task_options={"dim": 64 * exchange.PART_MIN})
+    counts = sorted(auto._part_counts(0))
+    assert counts == [16, 32, 64] and auto._want_parts(0) == 16  # (no more than 64 parts of PART_MIN values)
+    for count in counts:
+        sizes = auto._part_bytes(0, False, count)
+        assert auto._announced({**body, "parts": [bytes(32)] * count, "sizes": sizes}, 0) is not None
+    body["sizes"] = auto._part_bytes(0, False, 16)
+    odd = auto._part_bytes(0, False, 17)
+    assert auto._announced({**body, "parts": [bytes(32)] * len(odd), "sizes": odd}, 0) is None
 
 
 @pytest.mark.beside

@@ -632,13 +632,53 @@ def test_two_uplinks_falling_mid_round_the_coordinators_among_them_end_it_on_one
 @pytest.mark.timeout(180)
 def test_one_uplink_falling_mid_round_the_others_wait_for_a_late_coordinators_parts_list(tmp_path):
     """After round 2 one uplink of 4 falls to 50 kB/s. The round's coordinator is fast, but its own reduce step
-    waits on the slow peer's chunks, and its parts list came at 15.75 s, after two of the others had stopped
-    waiting for it one span after their own step (at 14.02 s and 15.47 s): they kept their parts and resynced
-    (seed 7: 4 resyncs). In a round with a member measured slow, the others wait for the list as long as the
-    coordinator's pulls may run (deadline_high from the step's start): one weights, no resync, all 4 every round."""
+    waits on the slow peer's chunks, and its parts list came after two of the others had stopped waiting for it
+    one span after their own step: they kept their parts and resynced (seed 7 with the audit draw before: 4
+    resyncs; seed 3 now: 2 final weights without the wait). In a round with a member measured slow, the others
+    wait for the list as long as the coordinator's pulls may run (deadline_high from the step's start): one
+    weights, no resync, all 4 every round."""
 
-    counters = _clean_after_uplinks_fall(tmp_path, 7, 1, ("parts_wait_extended", "parts_coordinator_missing"))
+    counters = _clean_after_uplinks_fall(tmp_path, 3, 1, ("parts_wait_extended", "parts_coordinator_missing"))
     assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
+
+
+@pytest.mark.timeout(180)
+def test_a_slow_coordinators_parts_list_that_comes_behind_its_uploads_is_still_waited_for(tmp_path):
+    """Two uplinks of 4 fall to 50 kB/s after round 2, the coordinator's among them (seed 2). It published its
+    parts list within the wait the others give it (deadline_high from the step's start), but the list went out
+    behind its chunk uploads and reached one peer 10 ms after that peer's first span of waiting had ended, itself
+    after the extended wait's end: that peer kept its parts (2 final weights). The extended wait now gives at
+    least one more span: one weights, no resync, all 4 every round."""
+
+    counters = _clean_after_uplinks_fall(tmp_path, 2, 2, ("parts_wait_extended", "parts_coordinator_missing"))
+    assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
+
+
+@pytest.mark.timeout(240)
+def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_the_budget(tmp_path):
+    """``parts = "auto"`` (the default) at 9 peers: every peer cuts its update into 32 parts (16 up to 8 peers),
+    so one audited part's chunks cost its auditor 8/32 of an update, and the busiest peer takes in at most
+    BYTES_BUDGET (2.2) x S a round (2.12 here; 2.38 with the 16 parts before, same seed, same final weights).
+    Nobody's update is refused for its part count."""
+    from protocols.exchange import BYTES_BUDGET, PART_MIN
+
+    async def main():
+        sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=3, dim=32 * PART_MIN), tmp_path,
+                        exchange="scatter")
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 600, "everyone to finish")
+            loops = [sim.loop(p) for p in sim.peers]
+            size = sum(loops[0]._part_bytes(0, False, 32))  # S: one encoded update
+            return loops, [lp.counters["bytes_received"] / 3 / size for lp in loops]
+
+    loops, received = run_virtual(main())
+    assert {lp.exchange_view["parts"] for lp in loops} == {32}
+    assert len({lp.final_hash for lp in loops}) == 1
+    assert all(h["participants"] == 9 for lp in loops for h in lp.history)
+    assert sum(lp.counters["parts_audited"] for lp in loops) >= 3 * 8  # 8 of 32 parts a round
+    assert sum(lp.counters["rejected_part_count"] + lp.counters["resyncs"] for lp in loops) == 0
+    assert max(received) <= BYTES_BUDGET, received
 
 
 @pytest.mark.timeout(120)
