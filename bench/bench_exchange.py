@@ -179,6 +179,9 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
             "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
+            # (stderr) each peer's bytes in, and those of the exchange alone (the link probe before round 0 aside)
+            "in_each": sorted(round(b.get("bytes_pulled", 0) / rounds / size_bytes, 3) for b in bulk),
+            "exchange_in_each": sorted(round(s.get("bytes_received", 0) / rounds / size_bytes, 3) for s in final),
             "out": max(b.get("bytes_served", 0) for b in bulk) / rounds / size_bytes,
             "same": len({s["final_hash"] for s in final}) == 1,
             "mode": final[0]["exchange"].get("mode"),
