@@ -310,6 +310,7 @@ class Pending:
     views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
     coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
     count: int | None = None  # the round's part count, once it closes (``DilocoLoop._round_parts``)
+    linked: frozenset = frozenset()  # scatter: the members connected to us when the round's step began
     parts: dict[str, tuple] = field(default_factory=dict)  # last round's members' parts: (digest, sets, hashes)
     signed: dict[str, dict] = field(default_factory=dict)  # peer -> its announcement as it signed it (wire form)
     meter: exchange.RateMeter = field(default_factory=exchange.RateMeter)  # what we receive from whom, how fast
@@ -933,6 +934,7 @@ class DilocoLoop(TaskLoop):
         self._drop_redo(p)
         if mode == "scatter":
             self._moving[key] = Received(started, last=started)
+            pending.linked = frozenset(self._ctx.members())
             try:
                 combined, rejected = await self._scatter(key, pending, members)
             finally:
@@ -1892,13 +1894,20 @@ class DilocoLoop(TaskLoop):
                 wait = self._conform_wait(pending, {k: everyone for k in kept}, None, span)
                 await asyncio.gather(*(self._of_all(k, members, parts, used, compute, computed, wait) for k in kept))
             return
-        if not await self._wait_serving(lambda: coordinator in pending.parts, span, self._round_blobs[key]):
+        def gone() -> bool:
+            """The coordinator was connected to us when the step began and is not now (killed, or cut off): it
+            publishes nothing more, and waiting on (while we serve our bytes, or for a slow member) would cost us
+            up to deadline_high. One we reach only through others (its list comes by gossip) is waited for."""
+            return coordinator in pending.linked and coordinator not in self._ctx.members()
+
+        if not await self._wait_serving(lambda: coordinator in pending.parts or gone(), span, self._round_blobs[key]) \
+                and not gone():
             # a round with a member this round measured slow: the coordinator's own pulls may run to their cap
             # (deadline_high from the step's start) and its list come after that; we wait for it up to there.
             # With one span, a fast coordinator whose reduce step waited on the slow peer's chunks published its
             # list after two of the others had stopped waiting, and they resynced (the simulator: one uplink of 4
-            # falling mid-run, seeds 7 and 15). The price: a coordinator that dies in such a round costs that
-            # wait, deadline_high (plus a span) at most, instead of one span
+            # falling mid-run, seeds 7 and 15). The price: a coordinator that hangs in such a round costs that
+            # wait, deadline_high (plus a span) at most, instead of one span; one that is gone, nothing more
             me = self._ctx.identity.peer_id
             typical = self._transfer_rate()
             slow = any(exchange.slow_source(pending.meter.so_far(a), typical) for a in members if a != me)
@@ -1908,8 +1917,13 @@ class DilocoLoop(TaskLoop):
                 # and one more span at least: a list published by then may still be behind a slow coordinator's
                 # uploads (it came 10 ms after a peer had stopped waiting: two uplinks falling, seed 2)
                 until = max(moving.start + self.cfg.deadline_high + span / 2, self.clock.monotonic() + span)
-                await outer.wait_until(lambda: coordinator in pending.parts, self._event,
-                                       until - self.clock.monotonic())
+                while coordinator not in pending.parts and not gone() \
+                        and (left := until - self.clock.monotonic()) > rounds.TICK:
+                    await outer.wait_event(self._event, min(left, SERVING_POLL))
+        if coordinator not in pending.parts and gone():
+            self.counters["parts_coordinator_gone"] += 1
+            logger.info("diloco round %d/%d: coordinator %s left while we waited for its parts list", r, p,
+                        coordinator[-8:])
         held = pending.parts.get(coordinator)
         if held is None:
             self.counters["parts_coordinator_missing"] += 1
@@ -2005,7 +2019,7 @@ class DilocoLoop(TaskLoop):
                 end = min(cap, now + SERVING_POLL if until is None else until + span)
                 if end - now <= rounds.TICK:
                     return False
-            await outer.wait_event(self._event, end - now)
+            await outer.wait_event(self._event, min(end - now, SERVING_POLL))  # (``done`` may not set the event)
         return True
 
     async def _pull_reduced(self, key: tuple[int, int], pending: Pending, ordered: list[str], reducer: str,
@@ -2510,7 +2524,10 @@ class DilocoLoop(TaskLoop):
             k = body["red"] if kind is REDUCED else body["aud"]
             pending = self.pending[(r, p)]
             if kind is REDUCED:
-                if body["size"] > self._max_part(p, k, self._round_parts((r, p)), reduced=True):
+                # the round's count once it closed; before, any count "auto" may give it (ours may not be the
+                # round's: an honest reducer's part must not be refused, and its author penalised, for that)
+                counts = [pending.count] if pending.count is not None else self._part_counts(p)
+                if body["size"] > max(self._max_part(p, k, c, reduced=True) for c in counts):
                     return Verdict.REJECT
                 held, value = pending.reduced[k], (body["blob"], body["size"], body["m"], tuple(body["addrs"]),
                                                    body["c"])

@@ -654,6 +654,50 @@ def test_a_slow_coordinators_parts_list_that_comes_behind_its_uploads_is_still_w
     assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
 
 
+@pytest.mark.timeout(180)
+def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_member_costs_no_long_wait(tmp_path):
+    """One uplink of 4 falls to 50 kB/s after round 2; round 3's coordinator is killed as it is about to publish
+    its parts list. The others waited for the list while they still served their bytes (the slow uplink's) and
+    then, in a round with a member measured slow, up to deadline_high from their step's start (the coordinator's
+    own pulls may run that long): round 3 closed 12.3 s after the kill. A coordinator that was connected to us
+    when the step began and is gone publishes nothing more: they stop waiting when it leaves (0.7 s)."""
+    from node.sim import first_uplink_falls
+
+    hung = None  # a future on the simulation's loop (made in main): the coordinator that hangs
+
+    class HangsAsCoordinator(_paced(diloco.DilocoLoop, 0.1)):
+        async def _conform(self, key, pending, members, ordered, digest, parts, used, compute, computed, span):
+            if key[0] == 3 and pending.coordinator == self._ctx.identity.peer_id and not hung.done():
+                hung.set_result(self._ctx.identity.peer_id)
+                await asyncio.sleep(3600)  # killed here
+            return await super()._conform(key, pending, members, ordered, digest, parts, used, compute, computed,
+                                          span)
+
+    async def main():
+        nonlocal hung
+        hung = asyncio.get_running_loop().create_future()
+        cfg = SimConfig(peers=4, seed=3, bandwidth=2e6)
+        sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
+        for peer in sim.peers:
+            sim.classes[peer] = HangsAsCoordinator
+        async with sim:
+            await sim.start_all()
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 rounds")
+            first_uplink_falls(50e3, 1)(sim, cfg)
+            victim = await asyncio.wait_for(hung, 300)
+            await sim.kill(victim)
+            killed_at = asyncio.get_running_loop().time()
+            survivors = [p for p in sim.peers if p != victim]
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 4 for p in survivors), 300, "round 3 closed")
+            closed_after = asyncio.get_running_loop().time() - killed_at
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in survivors), 600, "survivors done")
+            return closed_after, [sim.loop(p).counters for p in survivors]
+
+    closed_after, counters = run_virtual(main())
+    assert all(c["parts_coordinator_gone"] for c in counters), counters
+    assert closed_after < 2.0, closed_after  # 0.7 s; 12.3 s before (the wait ran out, then the round closed)
+
+
 @pytest.mark.timeout(240)
 def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_the_budget(tmp_path):
     """``parts = "auto"`` (the default) at 9 peers: every peer cuts its update into 32 parts (16 up to 8 peers),
