@@ -661,8 +661,6 @@ def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_membe
     then, in a round with a member measured slow, up to deadline_high from their step's start (the coordinator's
     own pulls may run that long): round 3 closed 12.3 s after the kill. A coordinator that was connected to us
     when the step began and is gone publishes nothing more: they stop waiting when it leaves (0.7 s)."""
-    from node.sim import first_uplink_falls
-
     hung = None  # a future on the simulation's loop (made in main): the coordinator that hangs
 
     class HangsAsCoordinator(_paced(diloco.DilocoLoop, 0.1)):
