@@ -913,10 +913,10 @@ class DilocoLoop(TaskLoop):
             # as the last round's members call for: the same count wherever that round closed with the same
             # members); ours first on a tie. An update cut otherwise is not counted here, ours included: its
             # author closed the last round with other members, and follows this one
-            ours = self._round_parts(key)
-            counts = collections.Counter(len(ann.parts) for a, ann in pending.announced.items() if a in have())
+            ours, present = self._round_parts(key), have()
+            counts = collections.Counter(len(ann.parts) for a, ann in pending.announced.items() if a in present)
             pending.count = max(counts, key=lambda c: (counts[c], c == ours), default=ours)
-            for peer in [a for a, ann in pending.announced.items() if a in have() and len(ann.parts) != pending.count]:
+            for peer in [a for a, ann in pending.announced.items() if a in present and len(ann.parts) != pending.count]:
                 del pending.announced[peer]
                 self.counters["rejected_part_count"] += 1
                 other_base[peer] = "part_count"
@@ -1917,9 +1917,8 @@ class DilocoLoop(TaskLoop):
                 # and one more span at least: a list published by then may still be behind a slow coordinator's
                 # uploads (it came 10 ms after a peer had stopped waiting: two uplinks falling, seed 2)
                 until = max(moving.start + self.cfg.deadline_high + span / 2, self.clock.monotonic() + span)
-                while coordinator not in pending.parts and not gone() \
-                        and (left := until - self.clock.monotonic()) > rounds.TICK:
-                    await outer.wait_event(self._event, min(left, SERVING_POLL))
+                await outer.wait_until(lambda: coordinator in pending.parts or gone(), self._event,
+                                       until - self.clock.monotonic(), poll=SERVING_POLL)
         if coordinator not in pending.parts and gone():
             self.counters["parts_coordinator_gone"] += 1
             logger.info("diloco round %d/%d: coordinator %s left while we waited for its parts list", r, p,

@@ -168,16 +168,18 @@ class AdaptiveDeadline:
         return max(self.low, min(self.high, med + self.k * max(mad, 0.05 * med)))
 
 
-async def wait_until(done: Callable[[], bool], arrived: asyncio.Event, timeout: float) -> bool:
-    """Wait until ``done()`` holds, checking again each time ``arrived`` is set, for at most ``timeout`` seconds.
-    Returns whether it holds: False means the deadline passed first."""
+async def wait_until(done: Callable[[], bool], arrived: asyncio.Event, timeout: float,
+                     poll: float | None = None) -> bool:
+    """Wait until ``done()`` holds, checking again each time ``arrived`` is set (and every ``poll`` seconds, for a
+    ``done`` that can turn true without it), for at most ``timeout`` seconds. Returns whether it holds: False means
+    the deadline passed first."""
     now = clock.current().monotonic
     deadline = now() + timeout
     while not done():
         remaining = deadline - now()
         if remaining <= TICK:
             return False
-        await wait_event(arrived, remaining)
+        await wait_event(arrived, remaining if poll is None else min(remaining, poll))
     return True
 
 
