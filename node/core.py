@@ -177,6 +177,7 @@ class Node:
         self.loop_lag = LoopLag()
         self.addresses: list[str] = []
         self.connected: dict[str, ConnectedPeer] = {}
+        self._list_failures = 0
         self.peer_state: dict[str, PeerState] = {}
 
     def _replication_peers(self) -> list[str]:
@@ -271,34 +272,46 @@ class Node:
         }
 
     # ------------------------------------------------------------------ background loops
+    LIST_FAILURES_KEPT = 3  # failed peer listings in a row after which our connections read as none
+
     async def _connection_monitor(self, interval: float = 2.0) -> None:
         while True:
-            try:
-                peers = {p.peer_id: p for p in await self.transport.peers()}
-            except TransportError as e:
-                logger.warning("cannot list peers: %s", e)
-                peers = {}
-            now = time.time()
-            for peer_id, conn in peers.items():
-                state = self.peer_state.setdefault(peer_id, PeerState())
-                if state.path != conn.path.value:
-                    if state.path != PathType.NONE.value or state.path_since is not None:
-                        logger.info("peer %s: path %s -> %s", peer_id, state.path, conn.path.value)
-                    state.path, state.path_since, state.relay = conn.path.value, now, conn.relay
-            for peer_id in set(self.connected) - set(peers):
-                state = self.peer_state.get(peer_id)
-                if state is not None:
-                    state.path, state.path_since, state.relay = PathType.NONE.value, now, None
-            self.connected = peers
-            for peer_id, member in self.discovery.members.items():  # remembered for re-dialling after a split
-                self.book.note(peer_id, member.record.addrs)
-            # forget state of peers that are neither connected nor members
-            for peer_id in [p for p in self.peer_state if p not in peers and p not in self.discovery.members]:
-                del self.peer_state[peer_id]
-            if self.addresses != (addrs := await self._safe_addresses()):
-                self.addresses = addrs
-                datadir.write_runtime(self.data_dir, self.runtime_info())
+            await self._refresh_connections()
             await asyncio.sleep(interval)
+
+    async def _refresh_connections(self) -> None:
+        """The connected peers and their paths, from the daemon's listing. A listing that fails keeps the last
+        one, up to ``LIST_FAILURES_KEPT`` in a row: read as "no one connected", one failed call made every peer
+        look gone at once (a round's coordinator no longer waited for, replication and pings stopped)."""
+        try:
+            peers = {p.peer_id: p for p in await self.transport.peers()}
+            self._list_failures = 0
+        except TransportError as e:
+            self._list_failures += 1
+            logger.warning("cannot list peers (%d in a row): %s", self._list_failures, e)
+            if self._list_failures < self.LIST_FAILURES_KEPT:
+                return
+            peers = {}
+        now = time.time()
+        for peer_id, conn in peers.items():
+            state = self.peer_state.setdefault(peer_id, PeerState())
+            if state.path != conn.path.value:
+                if state.path != PathType.NONE.value or state.path_since is not None:
+                    logger.info("peer %s: path %s -> %s", peer_id, state.path, conn.path.value)
+                state.path, state.path_since, state.relay = conn.path.value, now, conn.relay
+        for peer_id in set(self.connected) - set(peers):
+            state = self.peer_state.get(peer_id)
+            if state is not None:
+                state.path, state.path_since, state.relay = PathType.NONE.value, now, None
+        self.connected = peers
+        for peer_id, member in self.discovery.members.items():  # remembered for re-dialling after a split
+            self.book.note(peer_id, member.record.addrs)
+        # forget state of peers that are neither connected nor members
+        for peer_id in [p for p in self.peer_state if p not in peers and p not in self.discovery.members]:
+            del self.peer_state[peer_id]
+        if self.addresses != (addrs := await self._safe_addresses()):
+            self.addresses = addrs
+            datadir.write_runtime(self.data_dir, self.runtime_info())
 
     async def _safe_addresses(self) -> list[str]:
         try:

@@ -86,3 +86,41 @@ async def test_a_background_task_that_fails_unexpectedly_is_counted_and_said_onc
         assert reported == []  # retrieved: no "Task exception was never retrieved"
     finally:
         loop.set_exception_handler(old)
+
+
+async def test_a_failed_peer_listing_keeps_the_last_one_for_a_while(tmp_path):
+    """The daemon's peer listing can fail (its control socket busy or restarting). Read as "no one connected", one
+    failed call made every peer look gone at once: DiLoCo stopped waiting for a round's coordinator that was still
+    there, replication and pings stopped. The last listing stands for ``LIST_FAILURES_KEPT`` failures in a row."""
+    from pathlib import Path
+
+    from node.config import load_config
+    from node.core import Node
+    from transport.errors import TransportError
+    from transport.base import ConnectedPeer, PathType
+
+    node = Node(load_config(Path(__file__).resolve().parents[1] / "configs" / "local.toml"), Identity.generate(),
+                tmp_path)
+    listing = [ConnectedPeer("QmA", ("/ip4/127.0.0.1/tcp/1",), PathType.DIRECT)]
+    failing = [False]
+
+    async def peers():
+        if failing[0]:
+            raise TransportError("listing peers failed: control socket closed")
+        return listing
+
+    async def addresses(refresh=False):
+        return []
+
+    node.transport.peers, node.transport.addresses = peers, addresses
+    await node._refresh_connections()
+    assert set(node.connected) == {"QmA"}
+    failing[0] = True
+    for _ in range(Node.LIST_FAILURES_KEPT - 1):
+        await node._refresh_connections()
+        assert set(node.connected) == {"QmA"} and node.peer_state["QmA"].path == "direct"
+    await node._refresh_connections()  # the daemon is really gone: so are our connections
+    assert node.connected == {}
+    failing[0] = False
+    await node._refresh_connections()
+    assert set(node.connected) == {"QmA"} and node._list_failures == 0

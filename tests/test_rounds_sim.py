@@ -700,25 +700,25 @@ def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_membe
 def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_the_budget(tmp_path):
     """``parts = "auto"`` (the default) at 9 peers: every peer cuts its update into 32 parts (16 up to 8 peers),
     so one audited part's chunks cost its auditor 8/32 of an update, and the busiest peer takes in at most
-    BYTES_BUDGET (2.2) x S a round (2.12 here; 2.38 with the 16 parts before, same seed, same final weights).
+    BYTES_BUDGET (2.2) x S a round (2.12 here, in two rounds; 2.38 in three with the 16 parts before, same seed).
     Nobody's update is refused for its part count."""
     from protocols.exchange import BYTES_BUDGET, PART_MIN
 
     async def main():
-        sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=3, dim=32 * PART_MIN), tmp_path,
+        sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=2, dim=32 * PART_MIN), tmp_path,
                         exchange="scatter")
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 600, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
             size = sum(loops[0]._part_bytes(0, False, 32))  # S: one encoded update
-            return loops, [lp.counters["bytes_received"] / 3 / size for lp in loops]
+            return loops, [lp.counters["bytes_received"] / 2 / size for lp in loops]
 
     loops, received = run_virtual(main())
     assert {lp.exchange_view["parts"] for lp in loops} == {32}
     assert len({lp.final_hash for lp in loops}) == 1
     assert all(h["participants"] == 9 for lp in loops for h in lp.history)
-    assert sum(lp.counters["parts_audited"] for lp in loops) >= 3 * 8  # 8 of 32 parts a round
+    assert sum(lp.counters["parts_audited"] for lp in loops) >= 2 * 8  # 8 of 32 parts a round
     assert sum(lp.counters["rejected_part_count"] + lp.counters["resyncs"] for lp in loops) == 0
     assert max(received) <= BYTES_BUDGET, received
 

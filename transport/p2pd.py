@@ -269,7 +269,12 @@ class P2PDaemonTransport:
         lists each connection apart: a peer holds two while a relayed connection and a direct one overlap (a
         hole punch's hand-over, or a stream opened over the relay meanwhile), and the direct one is the one new
         streams use."""
-        infos = await self.hivemind_p2p.list_peers()
+        try:
+            infos = await self.hivemind_p2p.list_peers()
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # the daemon's control socket: a listing that failed, not a crash of our monitor
+            raise TransportError(f"listing peers failed: {_short(e)}") from None
         best: dict[str, ConnectedPeer] = {}
         for info in infos:
             peer_id = info.peer_id.to_base58()
