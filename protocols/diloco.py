@@ -308,6 +308,7 @@ class Pending:
     failed: set = field(default_factory=set)  # peers whose announced update could not be pulled or decoded
     refused: dict = field(default_factory=dict)  # peer -> why its update's bytes were unusable (its own fault)
     views: dict[str, frozenset[bytes]] = field(default_factory=dict)  # counted peers' member views (short ids)
+    view_at: dict[str, float] = field(default_factory=dict)  # when each view came
     coordinator: str | None = None  # whose member view we took (scatter: whose parts we take too)
     count: int | None = None  # the round's part count, once it closes (``DilocoLoop._round_parts``)
     linked: frozenset = frozenset()  # scatter: the members connected to us when the round's step began
@@ -882,7 +883,7 @@ class DilocoLoop(TaskLoop):
         def coming() -> set[str]:
             return set(pending.announced) - pending.failed
 
-        await self._wait_round(wait, self._event, have, coming)
+        await self._wait_asking(key, pending, wait, have, coming)
         # closing with our own update alone while the others are behind (a slow exchange, a checkpoint on its way)
         # would leave them nothing to follow: wait on for them, up to deadline_high (rounds.RoundWait.hold_alone)
         if alive := wait.hold_alone(have(), self._heard, now=self.clock.monotonic(), began=blocked_from,
@@ -1080,6 +1081,40 @@ class DilocoLoop(TaskLoop):
             kept = set().union(*self._round_blobs.values()) if self._round_blobs else set()
             self.bulk.drop(going - kept)
 
+    async def _wait_asking(self, key: tuple[int, int], pending: Pending, wait: rounds.RoundWait, have, coming
+                           ) -> None:
+        """The round's wait (``_wait_round``), and meanwhile: an update announcement we wait for that a counted
+        peer's member view names (it closed the round holding it) and gossip has not brought us a little after that
+        view came (FETCH_AFTER, or a quarter of deadline_low if less) is asked of that peer (one peer at a time,
+        each once; checked as any fetched announcement). Without it, a peer whose gossip lost one announcement
+        waited to its deadline every round, closed after the others had stopped waiting for it, and was left out,
+        round after round (the simulator: a peer blind to another's announcements)."""
+        r, p = key
+        after = min(FETCH_AFTER, self.cfg.deadline_low / 4)  # the wait may be no longer than deadline_low
+        asked: set[str] = set()
+        fetch: asyncio.Task | None = None
+        try:
+            while (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
+                now = self.clock.monotonic()
+                if fetch is None or fetch.done():
+                    lacking = {rounds.short_id(a) for a in wait.waited if a not in pending.announced}
+                    due = [(t, a) for a, t in pending.view_at.items()
+                           if a not in asked and lacking & pending.views[a]]
+                    ready = sorted((t, a) for t, a in due if now >= t + after)
+                    if ready:
+                        author = ready[0][1]
+                        asked.add(author)
+                        self.counters["announcements_asked_early"] += 1
+                        fetch = asyncio.get_running_loop().create_task(
+                            self._fetch_announcements(author, r, p, sorted(lacking & pending.views[author])))
+                        continue
+                    if due:
+                        left = min(left, max(min(t for t, _ in due) + after - now, rounds.TICK))
+                await outer.wait_event(self._event, left)
+        finally:
+            if fetch is not None and not fetch.done():
+                fetch.cancel()
+
     async def _agree(self, key: tuple[int, int], pending: Pending, members: set[str], base: str,
                      mode: str) -> set[str]:
         """The round's members, the same at every peer (``rounds.MemberAgreement``): we publish our view and take
@@ -1105,6 +1140,12 @@ class DilocoLoop(TaskLoop):
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
         end = self.clock.monotonic() + self._span(p)
         agreement = rounds.MemberAgreement(me, chain, end)
+        if chain and chain[0] == me and rounds.too_late_to_coordinate(me, chain, self.clock.monotonic(),
+                                                                      pending.view_at, self._span(p)):
+            agreement = agreement.after(self.clock.monotonic())
+            self.counters["coordinator_too_late"] += 1
+            logger.info("diloco round %d/%d: we coordinate it, but most of the chain stopped waiting for our view "
+                        "a span ago; taking the next coordinator's, as they did", r, p)
         while (left := agreement.remaining(self.clock.monotonic(), pending.views)) is not None:
             await outer.wait_event(self._event, left)
         chosen = agreement.coordinator(pending.views)
@@ -2506,7 +2547,10 @@ class DilocoLoop(TaskLoop):
             pending = self.pending[(r, p)]
             if author not in pending.views and len(pending.views) >= MAX_PEER_ENTRIES:
                 return Verdict.IGNORE
-            return self._once(pending.views, author, frozenset(body["m"]), "views_conflicting", "member views")
+            verdict = self._once(pending.views, author, frozenset(body["m"]), "views_conflicting", "member views")
+            if verdict is Verdict.ACCEPT:
+                pending.view_at[author] = self.clock.monotonic()
+            return verdict
         if kind is PARTS:
             # a round's coordinator is one of the last round's counted members (whose set we may not know yet
             # when a message for the next round comes): counted peers' only, the others' capped

@@ -187,6 +187,27 @@ class MemberAgreement:
                 return peer
         return None
 
+    def after(self, now: float) -> MemberAgreement:
+        """Ours when the others have stopped waiting for our view (``too_late_to_coordinate``): the first of the
+        rest of the chain whose view we hold, decided now, ours only if we hold none of theirs."""
+        return MemberAgreement(self.me, tuple(a for a in self.chain if a != self.me) + (self.me,), now)
+
+
+def too_late_to_coordinate(me: str, chain: Sequence[str], now: float, view_at: Mapping[str, float],
+                           span: float) -> bool:
+    """We come first in the chain (the round's coordinator) and are about to publish our view at ``now``: whether
+    most of the others in the chain have already stopped waiting for it. Each peer publishes its own view when it
+    closes the round and waits one ``span`` for the coordinator's; one whose view came to us (``view_at``) a span
+    or more ago has, by its clock, run out of that wait before ours could reach it, and taken the next peer of the
+    chain whose view it holds. We then take that one too (``MemberAgreement.after``), not our own view, which no
+    one else follows: a coordinator that closed late (an update announcement that never reached it, waited for
+    to its deadline) combined its own members alone, diverged and resynced. Spans differ a little from peer to
+    peer (each one's deadline adapts); a peer whose span is longer than ours may still take our view: only a
+    majority of the chain past its wait moves us."""
+    others = [a for a in chain if a != me]
+    past = sum(1 for a in others if a in view_at and now >= view_at[a] + span)
+    return 2 * past > len(others)
+
 
 def resolve_view(view: Iterable[bytes], known: Mapping[bytes, str]) -> tuple[set[str], int]:
     """The peers a view names, among ``known`` (short id -> peer, the peers whose contribution we hold), and how

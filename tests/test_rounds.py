@@ -161,6 +161,21 @@ def test_a_coordinator_that_never_says_its_view_costs_one_deadline_and_the_next_
     assert rounds.MemberAgreement("d", (), end=5.0).coordinator(set()) is None
 
 
+def test_a_coordinator_whose_view_comes_a_span_after_most_of_the_others_takes_the_next_coordinators():
+    chain, span = ("a", "b", "c", "d"), 2.0
+    came = {"b": 10.0, "c": 10.5, "d": 13.0}  # when each one's view reached a
+    # at 12.4 no one has waited a whole span for ours: we coordinate
+    assert not rounds.too_late_to_coordinate("a", chain, 12.4, came, span)
+    # at 12.5 b and c have (their wait began when they published, before their views reached us): most of three
+    assert rounds.too_late_to_coordinate("a", chain, 12.5, came, span)
+    assert not rounds.too_late_to_coordinate("a", chain, 12.5, {"b": 10.0, "d": 13.0}, span)  # one of three
+    assert not rounds.too_late_to_coordinate("a", ("a",), 99.0, {}, span)  # alone: nobody to follow
+    late = rounds.MemberAgreement("a", chain, end=14.5).after(12.5)
+    assert late.remaining(12.5, set()) is None  # decided now, not after a span more
+    assert late.coordinator({"c", "d"}) == "c" and late.coordinator({"b", "c"}) == "b"  # the others' choice
+    assert late.coordinator(set()) == "a"  # none of theirs held: ours after all
+
+
 def test_a_view_names_peers_by_short_ids_and_counts_the_names_it_cannot_resolve():
     known = {rounds.short_id(p): p for p in ("a", "b")}
     assert len(rounds.short_id("a")) == 8 and rounds.short_id("a") != rounds.short_id("b")
