@@ -1140,8 +1140,9 @@ class DilocoLoop(TaskLoop):
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
         end = self.clock.monotonic() + self._span(p)
         agreement = rounds.MemberAgreement(me, chain, end)
-        if chain and chain[0] == me and rounds.too_late_to_coordinate(me, chain, self.clock.monotonic(),
-                                                                      pending.view_at, self._span(p)):
+        late = chain and chain[0] == me and rounds.too_late_to_coordinate(me, chain, self.clock.monotonic(),
+                                                                          pending.view_at, self._span(p))
+        if late:
             agreement = agreement.after(self.clock.monotonic())
             self.counters["coordinator_too_late"] += 1
             logger.info("diloco round %d/%d: we coordinate it, but most of the chain stopped waiting for our view "
@@ -1149,7 +1150,7 @@ class DilocoLoop(TaskLoop):
         while (left := agreement.remaining(self.clock.monotonic(), pending.views)) is not None:
             await outer.wait_event(self._event, left)
         chosen = agreement.coordinator(pending.views)
-        if chosen is not None and chosen != chain[0]:
+        if chosen is not None and chosen != chain[0] and not late:
             self.counters["coordinator_missing"] += 1
             logger.info("diloco round %d/%d: no member view from its coordinator %s; %s's taken", r, p,
                         chain[0][-8:], chosen[-8:])
