@@ -229,6 +229,30 @@ def test_audits_are_spread_so_no_peer_audits_many_parts():
 
 
 @pytest.mark.beside
+def test_a_peer_that_reduces_more_than_an_even_share_audits_last_so_no_peer_passes_the_byte_budget():
+    """Rate weights can give a peer more than an even share of the parts (one peer measured 4x slower at N = 8:
+    it reduces 1 part of 16, one other 3). An audit pulls its part's chunks: the peer with 3 parts that also
+    audited took in 2.56 x S (its 3 parts' chunks, the other 13 parts, and the audited part's 7 chunks), over the
+    2.2 budget; it now audits only where no one else can, and the busiest peer takes in 2.19 x S."""
+    n, parts = 8, 16
+    members = [f"peer{i}" for i in range(n)]
+    for r in range(200):
+        ordered = exchange.order("run", r, 0, members)
+        weights = {a: exchange.WEIGHT_FULL for a in members} | {ordered[r % n]: exchange.WEIGHT_FULL // 4}
+        owners = exchange.reducers(ordered, parts, weights)
+        reduces = collections.Counter(owners)
+        assert max(reduces.values()) == 3 and min(reduces.values()) == 1
+        plan = exchange.audit_plan("run", r, 0, ordered, parts, 0.25, owners)
+        audits = collections.Counter(plan.values())
+        assert all(plan[k] != owners[k] for k in plan)
+
+        def bytes_in(a: str) -> float:  # x S
+            return (reduces[a] * (n - 1) + (parts - reduces[a]) + audits[a] * (n - 1)) / parts
+
+        assert max(bytes_in(a) for a in members) <= exchange.BYTES_BUDGET, (owners, plan)
+
+
+@pytest.mark.beside
 def test_at_sixteen_peers_and_sixty_four_parts_every_peer_audits_one_part_and_a_lone_other_audits_them_all():
     """``parts = "auto"`` gives 64 parts at N = 16: 16 audited parts a round (a fixed share), one per peer, so no
     peer pulls two audited parts' chunks (0.23 x S each). Where every drawn part is one peer's and there is only
