@@ -182,6 +182,9 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             # (stderr) each peer's bytes in, and those of the exchange alone (the link probe before round 0 aside)
             "in_each": sorted(round(b.get("bytes_pulled", 0) / rounds / size_bytes, 3) for b in bulk),
             "exchange_in_each": sorted(round(s.get("bytes_received", 0) / rounds / size_bytes, 3) for s in final),
+            # (stderr) what each peer's bytes in went to, over the run: (x S a round, parts reduced, parts audited)
+            "load_each": sorted((round(s.get("bytes_received", 0) / rounds / size_bytes, 3), s.get("parts_reduced", 0),
+                                 s.get("parts_audited", 0)) for s in final),
             "out": max(b.get("bytes_served", 0) for b in bulk) / rounds / size_bytes,
             "same": len({s["final_hash"] for s in final}) == 1,
             "mode": final[0]["exchange"].get("mode"),
