@@ -593,7 +593,8 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
         out["survivor_counters"] = [{k: c for k, c in d(x).items() if k in (
             "deadline_missed", "pull_failed", "chunks_missing", "resyncs", "diverged", "parts_fallback",
             "parts_from_other_holders", "late_updates", "joins_ignored", "peers_missed", "hash_mismatches",
-            "rejected_audit", "equivocation", "rejected_malformed")} for x in survivors]
+            "rejected_audit", "equivocation", "rejected_malformed", "coordinator_missing", "coordinator_too_late",
+            "announcements_asked_early", "parts_coordinator_gone", "parts_coordinator_missing")} for x in survivors]
         return out
     finally:
         stop.set()
