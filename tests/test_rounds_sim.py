@@ -453,6 +453,28 @@ def test_a_view_naming_an_announcement_that_never_came_is_resolved_from_the_coor
     assert len(finals) == 1 and splits == 0, (finals, counters)
 
 
+def _blind_run(tmp_path, asks: bool) -> list:
+    """Seed 3, 4 peers, 6 rounds: peer 0 never hears peer 1's announcements from round 2 on; ``asks``: whether it
+    asks for them while it waits to close (``asks=False``: as a peer whose asks find no answer). The loops."""
+
+    async def main():
+        sim = DilocoSim(SimConfig(peers=4, seed=3), ChurnConfig(rounds=6, dim=256), tmp_path, exchange="scatter",
+                        agree=True)
+        blind, unheard = sim.peers[0], sim.peers[1]
+
+        class Silent(_blind_to(unheard)):
+            async def _wait_asking(self, key, pending, wait, have, coming):
+                await self._wait_round(wait, self._event, have, coming)
+
+        sim.classes[blind] = _blind_to(unheard) if asks else Silent
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers]
+
+    return run_virtual(main())
+
+
 @pytest.mark.timeout(120)
 def test_a_peer_whose_gossip_lost_an_announcement_asks_for_it_while_it_waits_and_stays_in_every_round(tmp_path):
     """As above (seed 3: peer 0 never hears peer 1's announcements from round 2 on). The others close each round
@@ -462,17 +484,7 @@ def test_a_peer_whose_gossip_lost_an_announcement_asks_for_it_while_it_waits_and
     waiting for it, was left out of the rounds after (2 of 4 members in round 5) and resynced (4 resyncs and
     divergences; 7 of 16 such blind pairs over seeds 1-4 had a resync, divergence or redone close)."""
 
-    async def main():
-        sim = DilocoSim(SimConfig(peers=4, seed=3), ChurnConfig(rounds=6, dim=256), tmp_path, exchange="scatter",
-                        agree=True)
-        blind, unheard = sim.peers[0], sim.peers[1]
-        sim.classes[blind] = _blind_to(unheard)
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers]
-
-    loops = run_virtual(main())
+    loops = _blind_run(tmp_path, asks=True)
     blind = loops[0].counters
     assert blind["announcements_asked_early"] >= 4 and blind["announcements_fetched"] >= 4, blind
     assert all(h["participants"] == 4 for lp in loops for h in lp.history), [lp.history for lp in loops]
@@ -489,22 +501,7 @@ def test_a_coordinator_that_closes_after_the_others_stopped_waiting_for_its_view
     coordinator. Before, it took its own view, without that update, alone: it diverged, resynced, and was left out
     of the next rounds (4 resyncs and divergences)."""
 
-    async def main():
-        sim = DilocoSim(SimConfig(peers=4, seed=3), ChurnConfig(rounds=6, dim=256), tmp_path, exchange="scatter",
-                        agree=True)
-        blind, unheard = sim.peers[0], sim.peers[1]
-
-        class Silent(_blind_to(unheard)):
-            async def _wait_asking(self, key, pending, wait, have, coming):
-                await self._wait_round(wait, self._event, have, coming)
-
-        sim.classes[blind] = Silent
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers]
-
-    loops = run_virtual(main())
+    loops = _blind_run(tmp_path, asks=False)
     blind = loops[0].counters
     assert blind["coordinator_too_late"] >= 1 and blind["announcements_fetched"] >= 1, blind
     splits = sum(lp.counters[k] for lp in loops for k in ("diverged", "resyncs", "redone"))
