@@ -1138,12 +1138,12 @@ class DilocoLoop(TaskLoop):
         chain = exchange.slow_last(chain, self._chain_weights.get(p, {}))
         # one span: the coordinator's view and the announcements it names come over gossip, which a loaded peer
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
-        end = self.clock.monotonic() + self._span(p)
+        now, span = self.clock.monotonic(), self._span(p)
+        end = now + span
         agreement = rounds.MemberAgreement(me, chain, end)
-        late = chain and chain[0] == me and rounds.too_late_to_coordinate(me, chain, self.clock.monotonic(),
-                                                                          pending.view_at, self._span(p))
+        late = chain and chain[0] == me and rounds.too_late_to_coordinate(me, chain, now, pending.view_at, span)
         if late:
-            agreement = agreement.after(self.clock.monotonic())
+            agreement = agreement.after(now)
             self.counters["coordinator_too_late"] += 1
             logger.info("diloco round %d/%d: we coordinate it, but most of the chain stopped waiting for our view "
                         "a span ago; taking the next coordinator's, as they did", r, p)
