@@ -1100,9 +1100,9 @@ class DilocoLoop(TaskLoop):
                     lacking = {rounds.short_id(a) for a in wait.waited if a not in pending.announced}
                     due = [(t, a) for a, t in pending.view_at.items()
                            if a not in asked and lacking & pending.views[a]]
-                    ready = sorted((t, a) for t, a in due if now >= t + after)
-                    if ready:
-                        author = ready[0][1]
+                    ready = min(((t, a) for t, a in due if now >= t + after), default=None)
+                    if ready is not None:
+                        author = ready[1]  # the view that came first
                         asked.add(author)
                         self.counters["announcements_asked_early"] += 1
                         fetch = asyncio.get_running_loop().create_task(

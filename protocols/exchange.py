@@ -288,7 +288,7 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
     # below: 8 processes on 2 cores measure each other several times apart) already takes in more chunks: it
     # audits last. Reducing 3 of 16 parts at N = 8 and auditing one, it took in 2.56 x S; one of 2 parts, 2.19
     share = -(-parts // n)
-    busy = collections.Counter(owners) if owners is not None else collections.Counter()
+    busy = collections.Counter(owners or ())
 
     def others(k: int) -> list[int]:
         after = [(reducer[k] + step) % n for step in range(1, n)]
