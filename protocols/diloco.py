@@ -1828,7 +1828,12 @@ class DilocoLoop(TaskLoop):
             a, b = bounds[k]
             audit = asyncio.get_running_loop().create_task(compute(k, pulls)) if k in auditing else None
             got = None  # (blob, digest, part, whose chunks)
-            if await outer.wait_until(lambda: reducer in pending.reduced[k], self._event, end - self.clock.monotonic()):
+            # a reducer gone (killed, or cut off) publishes nothing more: we reduce its part ourselves at once, not
+            # at the span's end (the kill bench: a reducer killed mid-round cost the others the span, then the
+            # fallback's pulls, 2 deadlines and more on a loaded machine)
+            if await outer.wait_until(lambda: reducer in pending.reduced[k] or self._gone(pending, reducer),
+                                      self._event, end - self.clock.monotonic(), poll=SERVING_POLL) \
+                    and reducer in pending.reduced[k]:
                 blob, _, m, _, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
                 if not exchange.take_reduced(m, digest, whose, members):
@@ -1865,7 +1870,8 @@ class DilocoLoop(TaskLoop):
                     return
             elif got is not None and k in plan:
                 auditor = plan[k]
-                await outer.wait_until(lambda: auditor in pending.audits[k], self._event, end - self.clock.monotonic())
+                await outer.wait_until(lambda: auditor in pending.audits[k] or self._gone(pending, auditor),
+                                       self._event, end - self.clock.monotonic(), poll=SERVING_POLL)
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
                     self.counters["parts_disputed"] += 1
                     could = got[3] is not None and await compute(k, self.clock.monotonic() + span, only=got[3])
@@ -1937,10 +1943,9 @@ class DilocoLoop(TaskLoop):
                 await asyncio.gather(*(self._of_all(k, members, parts, used, compute, computed, wait) for k in kept))
             return
         def gone() -> bool:
-            """The coordinator was connected to us when the step began and is not now (killed, or cut off): it
-            publishes nothing more, and waiting on (while we serve our bytes, or for a slow member) would cost us
-            up to deadline_high. One we reach only through others (its list comes by gossip) is waited for."""
-            return coordinator in pending.linked and coordinator not in self._ctx.members()
+            """Waiting on a coordinator that is gone (while we serve our bytes, or for a slow member) would cost us
+            up to deadline_high."""
+            return self._gone(pending, coordinator)
 
         if not await self._wait_serving(lambda: coordinator in pending.parts or gone(), span, self._round_blobs[key]) \
                 and not gone():
@@ -2016,6 +2021,12 @@ class DilocoLoop(TaskLoop):
                 self.counters["parts_conformed"] += 1
 
         await asyncio.gather(*(conform(k) for k in sorted({*followed, *of_all})))
+
+    def _gone(self, pending: Pending, peer: str) -> bool:
+        """``peer`` was connected to us when the round's step began and is not now (killed, or cut off): it
+        publishes nothing more this round. One we reach only through others (its messages come by gossip) is
+        waited for."""
+        return peer in pending.linked and peer not in self._ctx.members()
 
     async def _of_all(self, k: int, members: set[str], parts: dict, used: dict, compute, computed: dict,
                       wait: float) -> None:

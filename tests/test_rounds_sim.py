@@ -280,6 +280,47 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
 
 
 @pytest.mark.timeout(120)
+def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(tmp_path):
+    """Scatter: a peer killed while it reduces its parts (its chunks served, no part published). It was connected
+    to the others when the round's step began and is not now: they reduce its parts themselves at once. Before,
+    they waited for its parts to the span's end (the deadline and the transfers' estimate), then reduced them: the
+    kill bench's longest round under a reducer's kill was 2 deadlines and more."""
+    from protocols.exchange import PART_MIN
+
+    died = asyncio.Event()
+
+    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
+        async def _scatter(self, key, pending, members):
+            if key[0] == 2:
+                await asyncio.sleep(0.3)  # its chunks are served meanwhile
+                died.set()
+                await asyncio.sleep(3600)  # killed here
+            return await super()._scatter(key, pending, members)
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
+        victim, survivors = sim.peers[3], sim.peers[:3]
+        sim.classes[victim] = DiesWhileReducing
+        async with sim:
+            await sim.start_all()
+            await died.wait()
+            await sim.kill(victim)
+            killed_at = asyncio.get_running_loop().time()
+            await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 3 for p in survivors), 300, "round 2 closed")
+            closed_after = asyncio.get_running_loop().time() - killed_at
+            spans = [sim.loop(p)._assignment["span_seconds"] for p in survivors]
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in survivors), 300, "survivors done")
+            return closed_after, spans, [sim.loop(p) for p in survivors]
+
+    closed_after, spans, loops = run_virtual(main())
+    assert len({lp.final_hash for lp in loops}) == 1
+    assert all(lp.counters.get("resyncs", 0) == 0 for lp in loops), [lp.counters for lp in loops]
+    assert all(lp.counters["parts_fallback"] >= 1 for lp in loops)
+    # well inside one span (the wait before)
+    assert closed_after < min(spans) / 2, (closed_after, spans)
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("agree", [True, False])
 def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(tmp_path, agree):
     """Scatter: in round 2 one reducer's pulls of one peer's chunks time out (so its parts combine three peers'
