@@ -41,6 +41,7 @@ ended with identical weights (DiLoCo, SPSA).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -878,8 +879,13 @@ def main() -> None:
                         help="rounds closed everywhere before the writes start (the start sample: 2 rounds later)")
     parser.add_argument("--soak-exchange", default="scatter", choices=["auto", "all-to-all", "scatter"])
     parser.add_argument("--soak-writes", type=float, default=2.0, help="CRDT writes per second, to random nodes")
+    parser.add_argument("--keep", type=Path, default=None,
+                        help="run in this directory and keep it (the nodes' data dirs and logs), not a temporary one")
     args = parser.parse_args()
-    with tempfile.TemporaryDirectory(prefix="swarmd-bench-chaos-") as tmp:
+    if args.keep is not None:
+        args.keep.mkdir(parents=True, exist_ok=True)
+    with (contextlib.nullcontext(str(args.keep)) if args.keep is not None
+          else tempfile.TemporaryDirectory(prefix="swarmd-bench-chaos-")) as tmp:
         if "split" in args.part:
             print_rows("Partitions and a dead bootstrap (network namespaces + iptables, the shipped defaults):",
                        split_part(args, Path(tmp)))
