@@ -426,6 +426,8 @@ class DilocoLoop(TaskLoop):
         self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
         self._slow_link_said = False
         self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
+        self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
+        self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
         self._resync_from: list[str] = []
         self._encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
         self._sources: dict[str, asyncio.Semaphore] = {}
@@ -458,9 +460,10 @@ class DilocoLoop(TaskLoop):
         await ctx.transport.serve(ANN_SPEC, self._serve_announcements)
 
     async def close(self) -> None:
-        if self._probe is not None:
-            self._probe.cancel()
-            await asyncio.gather(self._probe, return_exceptions=True)
+        running = [t for t in (self._probe, *self._asks) if t is not None]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
 
     def _build(self) -> None:
         """The task's model on our device, its fragments, the global (CPU, fp32) copy, the optimizers, our data."""
@@ -883,7 +886,18 @@ class DilocoLoop(TaskLoop):
         def coming() -> set[str]:
             return set(pending.announced) - pending.failed
 
-        await self._wait_asking(key, pending, wait, have, coming)
+        coordinator = self._chain(r, p)[:1] if self.cfg.agree else ()
+
+        def covered() -> bool:
+            """The round's coordinator's member view is here and names only peers whose contribution we hold: we
+            take its view (``_agree``), so waiting on for anyone else changes nothing. Without this, a joiner (its
+            deadline deadline_high, before it has measured one) waited that long for a peer killed meanwhile,
+            which the coordinator had left out, and fell behind the others (the simulator)."""
+            if not coordinator or coordinator[0] == me or coordinator[0] not in pending.views:
+                return False
+            return not rounds.resolve_view(pending.views[coordinator[0]], {rounds.short_id(a): a for a in have()})[1]
+
+        await self._wait_asking(key, pending, wait, have, coming, covered)
         # closing with our own update alone while the others are behind (a slow exchange, a checkpoint on its way)
         # would leave them nothing to follow: wait on for them, up to deadline_high (rounds.RoundWait.hold_alone)
         if alive := wait.hold_alone(have(), self._heard, now=self.clock.monotonic(), began=blocked_from,
@@ -891,7 +905,10 @@ class DilocoLoop(TaskLoop):
             self.counters["held_alone"] += 1
             logger.info("diloco round %d/%d: no one else's update yet while %d peer(s) we wait for are still in the "
                         "run; waiting up to deadline_high (%.0f s)", r, p, alive, self.cfg.deadline_high)
-            await self._wait_round(wait, self._event, have, coming)
+            while not covered() and (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
+                await outer.wait_event(self._event, left)
+        if covered() and not wait.waited <= have():
+            self.counters["closed_on_coordinator_view"] += 1
         self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(have(), coming())
         if not waited <= have():
             self.counters["deadline_missed"] += 1
@@ -1081,20 +1098,21 @@ class DilocoLoop(TaskLoop):
             kept = set().union(*self._round_blobs.values()) if self._round_blobs else set()
             self.bulk.drop(going - kept)
 
-    async def _wait_asking(self, key: tuple[int, int], pending: Pending, wait: rounds.RoundWait, have, coming
-                           ) -> None:
+    async def _wait_asking(self, key: tuple[int, int], pending: Pending, wait: rounds.RoundWait, have, coming,
+                           covered=lambda: False) -> None:
         """The round's wait (``_wait_round``), and meanwhile: an update announcement we wait for that a counted
         peer's member view names (it closed the round holding it) and gossip has not brought us a little after that
         view came (FETCH_AFTER, or a quarter of deadline_low if less) is asked of that peer (one peer at a time,
         each once; checked as any fetched announcement). Without it, a peer whose gossip lost one announcement
         waited to its deadline every round, closed after the others had stopped waiting for it, and was left out,
-        round after round (the simulator: a peer blind to another's announcements)."""
+        round after round (the simulator: a peer blind to another's announcements). Ends early once ``covered()``
+        (the coordinator's view is here and we hold everything it names)."""
         r, p = key
         after = min(FETCH_AFTER, self.cfg.deadline_low / 4)  # the wait may be no longer than deadline_low
         asked: set[str] = set()
         fetch: asyncio.Task | None = None
         try:
-            while (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
+            while not covered() and (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
                 now = self.clock.monotonic()
                 if fetch is None or fetch.done():
                     lacking = {rounds.short_id(a) for a in wait.waited if a not in pending.announced}
@@ -1129,13 +1147,7 @@ class DilocoLoop(TaskLoop):
             return members
         mine = sorted(rounds.short_id(a) for a in members)
         self._publish(MEMBERS, {"r": r, "p": p, "m": mine})
-        # the chain comes from the last round's members (agreed: the same set at every peer), so a peer that was
-        # late here and in time elsewhere is not first at some peers and skipped at others
-        last = self.participants.get(p, self._initial)
-        chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
-        # members the others measured slow in the last round come last in the chain (stable: the round's order
-        # otherwise): a slow coordinator's own pulls, and so its parts list, wait behind its uploads
-        chain = exchange.slow_last(chain, self._chain_weights.get(p, {}))
+        chain = self._chain(r, p)
         # one span: the coordinator's view and the announcements it names come over gossip, which a loaded peer
         # (16 nodes on 2 cores) delivers seconds late: a deadline alone split views there
         now, span = self.clock.monotonic(), self._span(p)
@@ -1210,6 +1222,17 @@ class DilocoLoop(TaskLoop):
             for ahead in (r + 1, r + 2):
                 self._publish(JOIN, {"r": ahead, "p": p, "join": True})
         return agreed
+
+    def _chain(self, r: int, p: int) -> tuple[str, ...]:
+        """Round r's chain of coordinators (``rounds.MemberAgreement``). It comes from the last round's members
+        (agreed: the same set at every peer), so a peer that was late here and in time elsewhere is not first at
+        some peers and skipped at others; members the others measured slow in the last round come last (stable:
+        the round's order otherwise): a slow coordinator's own pulls, and so its parts list, wait behind its
+        uploads."""
+        me = self._ctx.identity.peer_id
+        last = self.participants.get(p, self._initial)
+        chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
+        return exchange.slow_last(chain, self._chain_weights.get(p, {}))
 
     async def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
         """Before closing round r: if most counted peers' updates for it were computed from other weights than
@@ -2326,6 +2349,11 @@ class DilocoLoop(TaskLoop):
         payload = self._checkpoint()
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
+        # it may ask us next for the announcements of the round it is about to follow (``_join_from_checkpoint``)
+        self._ckpt_served.pop(stream.peer_id, None)
+        self._ckpt_served[stream.peer_id] = self.clock.monotonic()
+        while len(self._ckpt_served) > MAX_PEER_ENTRIES:
+            del self._ckpt_served[next(iter(self._ckpt_served))]
 
     async def _serve_announcements(self, stream: Stream) -> None:
         """The update announcements of a round we hold (or closed lately), as their authors signed them, to a peer
@@ -2343,7 +2371,10 @@ class DilocoLoop(TaskLoop):
         asker = stream.peer_id
         served = self._ann_served.setdefault(key, set()) if held else set()
         wanted = set()
-        if held and (asker in held or self.standing.counts(asker)) and asker not in served \
+        # (or one we just served a checkpoint, far larger than these: a joiner whose announcements of its first
+        # round came while it pulled the checkpoint, before it could hold them)
+        joiner = self.clock.monotonic() - self._ckpt_served.get(asker, -math.inf) <= self.cfg.deadline_high
+        if held and (asker in held or self.standing.counts(asker) or joiner) and asker not in served \
                 and len(served) < MAX_PEER_ENTRIES:
             served.add(asker)
             wanted = set(body["ids"])
@@ -2428,6 +2459,7 @@ class DilocoLoop(TaskLoop):
                     raise ValueError("checkpoint does not match any published global hash")
             except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
                     ValueError) as e:
+                self.counters["checkpoint_source_failed"] += 1
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
             self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
@@ -2450,6 +2482,18 @@ class DilocoLoop(TaskLoop):
                 self.join_round[p] = now + 1 if rejoin else next_fresh_round(now + 2)
                 self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
+            # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
+            # ahead of ours then, and not held: ask its server for them (a joiner that arrived as the swarm
+            # announced closed its first round alone at deadline_high, then fell behind and resynced: the
+            # simulator, 1 MB updates at 2 MB/s)
+            ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
+                         - {rounds.short_id(self._ctx.identity.peer_id)})
+            for p in range(self.cfg.fragments):
+                if ids and self.rounds_done[p] < self._rounds():
+                    ask = asyncio.get_running_loop().create_task(
+                        self._fetch_announcements(peer, self.rounds_done[p], p, ids))
+                    self._asks.add(ask)
+                    ask.add_done_callback(self._asks.discard)
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
                             "hash": ckpt["global_hash"]}
             self.state = "running"

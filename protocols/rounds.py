@@ -96,6 +96,7 @@ class RoundWait:
     end: float
     grace: float
     _grace_end: float | None = field(default=None, repr=False)
+    _held: bool = field(default=False, repr=False)  # ``hold_alone`` extended the wait
 
     @property
     def waited(self) -> frozenset[str]:
@@ -106,6 +107,13 @@ class RoundWait:
         if now >= self.end - TICK:
             return None
         if not self.expected <= have:
+            if self._held and have & self.waited and not (self.expected - have) & coming:
+                # held past the deadline because no one's contribution was here, and now one is: the hold is over,
+                # and only contributions on their way are waited for still. Waiting on for every expected peer, a
+                # peer whose uplink had served a joiner's checkpoint (so its pulls came after the deadline) waited
+                # for a peer killed meanwhile to deadline_high, closed after the others had stopped waiting for its
+                # view, and resynced (the simulator)
+                return None
             return self.end - now
         quiet = self.slots - have
         if not quiet:
@@ -122,7 +130,8 @@ class RoundWait:
                    longest: float) -> int:
         """A round about to close with no one's contribution but ours (nothing of ``waited`` in ``have``) waits on
         until ``longest`` s after it ``began`` while peers it waits for are still in the run (``heard``: when a
-        message of each last came; within 2 x ``longest``). Returns how many such peers (0: close now). A round
+        message of each last came; within 2 x ``longest``), and once someone's contribution is here, only for those on
+        their way (``remaining``'s ``coming``). Returns how many such peers (0: close now). A round
         closed alone gives the others nothing to follow: a swarm with two slow uplinks of 4 split into solo runs,
         each peer taking a checkpoint from one that had moved on by the time it came. Peers gone for good are not
         heard from, so a peer left alone closes its rounds again at the deadline."""
@@ -130,7 +139,7 @@ class RoundWait:
             return 0
         alive = sum(1 for a in self.waited if now - heard.get(a, -math.inf) <= 2 * longest)
         if alive:
-            self.end = began + longest
+            self.end, self._held = began + longest, True
         return alive
 
     def newcomers_not_waited(self, have: set[str], coming: set[str] = frozenset()) -> int:

@@ -77,7 +77,10 @@ def test_a_round_with_no_one_but_us_waits_on_for_peers_still_heard_from_up_to_th
     alone = RoundWait(frozenset({"a", "b"}), frozenset(), end=103.0, grace=1.0)
     assert alone.hold_alone(set(), {"a": 98.0}, now=103.0, began=100.0, longest=10.0) == 1
     assert alone.end == 110.0 and alone.remaining(103.0, set()) == pytest.approx(7.0)
-    assert alone.remaining(104.0, {"a"}) == pytest.approx(6.0)  # (then the usual rule: every waited peer, or the end)
+    # someone's contribution came: the hold is over; only contributions on their way are waited for still
+    assert alone.remaining(104.0, {"a"}, {"a", "b"}) == pytest.approx(6.0)
+    assert alone.remaining(104.0, {"a"}, {"a"}) is None  # "b" never announced (killed meanwhile)
+    assert alone.remaining(104.0, set(), {"b"}) == pytest.approx(6.0)  # still alone
     assert alone.hold_alone(set(), {"a": 98.0}, now=110.0, began=100.0, longest=10.0) == 0  # held once, no more
     # someone's contribution is here: not alone, the round closes as it would have
     some = RoundWait(frozenset({"a", "b"}), frozenset(), end=103.0, grace=1.0)

@@ -47,6 +47,46 @@ def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_pat
 
 
 @pytest.mark.timeout(120)
+def test_a_peer_killed_while_it_serves_a_checkpoint_costs_the_joiner_one_source_and_the_others_one_deadline(tmp_path):
+    """kill -9 of the peer a late joiner pulls its checkpoint from, mid-transfer (1 MB at 2 MB/s): the joiner takes
+    the next peer's and ends on the swarm's weights; the others wait for the dead peer one deadline, in one round."""
+    serving = None  # a future on the simulation's loop: the first peer that served a checkpoint
+
+    class DiesServing(_paced(diloco.DilocoLoop, 0.1)):
+        async def _serve_checkpoint(self, stream):
+            await super()._serve_checkpoint(stream)
+            if not serving.done():
+                serving.set_result(self._ctx.identity.peer_id)
+
+    async def main():
+        nonlocal serving
+        serving = asyncio.get_running_loop().create_future()
+        sim = DilocoSim(SimConfig(peers=5, seed=7, bandwidth=2e6), ChurnConfig(rounds=8, dim=262144), tmp_path,
+                        min_peers=4)
+        for peer in sim.peers:
+            sim.classes[peer] = DiesServing
+        first, late = sim.peers[:4], sim.peers[4]
+        async with sim:
+            await sim.start_all(first)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in first) >= 3, 300, "round 3")
+            await sim.start(late)
+            victim = await asyncio.wait_for(serving, 300)
+            await asyncio.sleep(0.1)  # its reply sent, the joiner's pull under way
+            joined_before = sim.loop(late).counters["joined_from_checkpoint"]
+            await sim.kill(victim)
+            await sim.until(sim.finished, 600, "everyone to finish")
+            live = [p for p in sim.peers if p != victim]
+            return joined_before, sim.loop(late).counters, {sim.loop(p).final_hash for p in live}, \
+                [sim.loop(p).counters for p in live if p != late]
+
+    joined_before, joiner, finals, survivors = run_virtual(main())
+    assert joined_before == 0 and joiner["checkpoint_source_failed"] == 1, joiner  # the kill hit its pull
+    assert joiner["joined_from_checkpoint"] == 1 and len(finals) == 1, (joiner, finals)
+    assert all(c.get("resyncs", 0) == 0 and c.get("diverged", 0) == 0 for c in survivors), survivors
+    assert all(c.get("deadline_missed", 0) <= 1 for c in survivors), survivors
+
+
+@pytest.mark.timeout(120)
 def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
@@ -504,7 +544,7 @@ def _blind_run(tmp_path, asks: bool) -> list:
         blind, unheard = sim.peers[0], sim.peers[1]
 
         class Silent(_blind_to(unheard)):
-            async def _wait_asking(self, key, pending, wait, have, coming):
+            async def _wait_asking(self, key, pending, wait, have, coming, covered=lambda: False):
                 await self._wait_round(wait, self._event, have, coming)
 
         sim.classes[blind] = _blind_to(unheard) if asks else Silent
