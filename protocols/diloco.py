@@ -905,8 +905,7 @@ class DilocoLoop(TaskLoop):
             self.counters["held_alone"] += 1
             logger.info("diloco round %d/%d: no one else's update yet while %d peer(s) we wait for are still in the "
                         "run; waiting up to deadline_high (%.0f s)", r, p, alive, self.cfg.deadline_high)
-            while not covered() and (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
-                await outer.wait_event(self._event, left)
+            await self._wait_round(wait, self._event, have, coming, covered)
         if covered() and not wait.waited <= have():
             self.counters["closed_on_coordinator_view"] += 1
         self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(have(), coming())

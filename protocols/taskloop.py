@@ -187,9 +187,10 @@ class TaskLoop:
         return {checkpoint.MODEL_PREFIX + k: v.detach().to("cpu").clone() for k, v in model.state_dict().items()}
 
     async def _wait_round(self, wait: RoundWait, arrived: asyncio.Event, have: Callable[[], set[str]],
-                          coming: Callable[[], set[str]] = set) -> None:
-        """Wait out a round as ``wait`` (protocols.rounds) says, looking again each time ``arrived`` is set."""
-        while (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
+                          coming: Callable[[], set[str]] = set, done: Callable[[], bool] = lambda: False) -> None:
+        """Wait out a round as ``wait`` (protocols.rounds) says, looking again each time ``arrived`` is set; or until
+        ``done()`` holds."""
+        while not done() and (left := wait.remaining(self.clock.monotonic(), have(), coming())) is not None:
             await wait_event(arrived, left)
 
     async def _write_progress(self, step: int, samples: int, loss: float, sent: float, round_: int,
