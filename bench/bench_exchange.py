@@ -66,7 +66,7 @@ sgd = {sgd}
 
 
 AGREEMENT = ("parts_", "members_", "coordinator_", "views_", "view_", "own_update", "reduced_parts", "audits_",
-             "announcement", "chunks_missing", "diverged", "deadline_missed", "minority_parts")
+             "announcement", "chunks_", "diverged", "deadline_missed", "minority_parts")
 
 
 class PeakMemory:

@@ -244,8 +244,12 @@ def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[s
 
 def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = None) -> list[str]:
     """The reducer of each part: each member gets its share of the parts by weight (largest remainders first, ties
-    in the round's order), interleaved by a smooth weighted round robin (each pick to the member furthest behind
-    its share). Equal weights, or none, or all 0: ``ordered[k % n]``, the plain round robin."""
+    in the round's order), as a change from the plain round robin ``ordered[k % n]``: a member over its share gives
+    up its last parts, and the members under theirs take them, in the round's order, lowest part first. So a change
+    of one member's weight moves only the parts its share gained or lost, and a guess of the owners made before
+    every member's rate report is in (the prefetch of a round's chunks) is still right for the others: with every
+    part placed by a smooth weighted round robin, one weight under full reshuffled the whole interleaving, and 40-56
+    of 550 chunks prefetched at N = 8 went unused. Equal weights, or none, or all 0: the plain round robin."""
     n = len(ordered)
     w = [max(0, int(weights.get(a, 0))) for a in ordered] if weights else [1] * n
     total = sum(w)
@@ -254,17 +258,17 @@ def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = No
     quota = [parts * x // total for x in w]
     for i in sorted(range(n), key=lambda i: (-(parts * w[i] % total), i))[:parts - sum(quota)]:
         quota[i] += 1
-    current = [0] * n
-    out = []
-    for _ in range(parts):
-        best = -1
-        for i in range(n):
-            current[i] += quota[i]
-            if best < 0 or current[i] > current[best]:
-                best = i
-        current[best] -= parts
-        out.append(ordered[best])
-    return out
+    owner = [k % n for k in range(parts)]
+    given_up = []
+    for i in range(n):
+        held = list(range(i, parts, n))
+        if len(held) > quota[i]:
+            given_up.extend(held[quota[i]:])
+    given_up.sort(reverse=True)
+    for i in range(n):
+        for _ in range(quota[i] - len(range(i, parts, n))):
+            owner[given_up.pop()] = i
+    return [ordered[i] for i in owner]
 
 
 def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fraction: float,

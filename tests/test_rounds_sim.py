@@ -732,6 +732,11 @@ def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_rou
     # the rounds' spans waited on the slow members (the others measured them at tens of kB/s)
     assert all(lp.exchange_view["slowest_member_kBps"] < 100 for lp in loops.values()), \
         [lp.exchange_view for lp in loops.values()]
+    # the fast peers reduce the slow ones' parts, and what they prefetched of their own before the close was
+    # theirs: no chunk pulled for nothing (20 of 189 unused here when each guess placed every part anew)
+    prefetched = {k: sum(lp.counters[k] for lp in loops.values())
+                  for k in ("chunks_prefetched", "chunks_prefetched_unused")}
+    assert prefetched["chunks_prefetched"] > 100 and prefetched["chunks_prefetched_unused"] == 0, prefetched
 
 
 def _clean_after_uplinks_fall(tmp_path, seed: int, count: int, names) -> dict:
