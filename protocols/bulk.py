@@ -226,7 +226,8 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
 
 async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, request: dict, *,
                        timeout: float = 120.0, progress: Callable[[int], None] | None = None) -> bytearray:
-    """Pull one blob from ``peer`` over a ``/swarmd/bulk`` stream and verify it. Raises BulkError / BadData /
+    """Pull one blob from ``peer`` over a ``/swarmd/bulk`` stream and verify it; ``progress(bytes so far)`` is
+    called with 0 once the source has answered (its HEAD), then as each frame comes. Raises BulkError / BadData /
     TransportError / ProtocolViolation."""
     async with asyncio.timeout(timeout):
         async with await transport.open_stream(peer, STREAM_SPEC, timeout=10) as stream:
@@ -238,6 +239,8 @@ async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, reques
                 raise BulkError(f"source answered status {head.body['status']}")
             if head.body["size"] != size:
                 raise BadData(f"source offers {head.body['size']} B, announced {size} B")
+            if progress is not None:
+                progress(0)  # the source answered: what comes from now is the transfer (its link's rate)
             body = bytearray()  # grows with what arrives, not with what was announced
             while len(body) < size:
                 chunk = await asyncio.wait_for(stream.read_required(), IDLE_TIMEOUT)
@@ -422,14 +425,16 @@ class BulkService:
         return body, peer
 
     async def pull_from(self, blob_hash: bytes, size: int, peer: str, addrs: list[str], *,
-                        timeout: float = 300.0) -> bytearray:
+                        timeout: float = 300.0, progress: Callable[[int], None] | None = None) -> bytearray:
         """The verified bytes of a blob that ``peer`` named (hash and size) in a message it signed, from that peer:
-        over its TCP address on a host we already reach it on, or over a direct libp2p stream; never a relay."""
+        over its TCP address on a host we already reach it on, or over a direct libp2p stream; never a relay
+        (``progress`` as for ``pull``)."""
         if blob_hash in self.blobs:
             return self.blobs[blob_hash]
         if not 0 < size <= MAX_BLOB:
             raise BulkError(f"size {size} out of range")
-        body, _ = await self._fetch(blob_hash, size, [(peer, a) for a in addrs[:8]] or [(peer, "")], timeout)
+        body, _ = await self._fetch(blob_hash, size, [(peer, a) for a in addrs[:8]] or [(peer, "")], timeout,
+                                    progress)
         self._keep(blob_hash, body)  # others of the round may ask us for it (its first holder may be gone)
         return body
 

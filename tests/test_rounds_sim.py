@@ -739,6 +739,33 @@ def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_rou
     assert prefetched["chunks_prefetched"] > 100 and prefetched["chunks_prefetched_unused"] == 0, prefetched
 
 
+@pytest.mark.timeout(120)
+def test_the_link_probe_measures_the_links_rate_not_their_latency(tmp_path):
+    """4 founders on 2 MB/s links 150 ms apart one way (a swarm across continents), one of them behind a 50 kB/s
+    uplink from the start. The probe is timed from the source's answer to the last byte: the fast links measure
+    about 2 MB/s and the slow uplink about 50 kB/s. Timed from the request, the stream's opening and the round
+    trip counted as transfer: every link measured 33-35 kB/s, under the slow uplink's rate (so round 0 took every
+    peer for slow, and with peers at different distances would have taken the far ones for slow)."""
+
+    async def main():
+        sim = DilocoSim(SimConfig(peers=4, seed=1, bandwidth=2e6, latency=0.15),
+                        ChurnConfig(rounds=1, dim=262144, exchange="scatter"), tmp_path)
+        async with sim:
+            await sim.start_all()
+            slow = first_uplink_falls(50e3)(sim, sim.cfg)  # (before the probe: it waits for every founder)
+            await sim.until(lambda: all(sim.loop(p).counters["links_probed"] >= 3 for p in sim.peers), 300,
+                            "every founder to probe the others")
+            return slow, {p: dict(sim.loop(p)._source_rates) for p in sim.peers}
+
+    slow, rates = run_virtual(main())
+    for peer, measured in rates.items():
+        for source, kBps in measured.items():
+            if source == slow:
+                assert 30 <= kBps <= 60, (peer, source, measured)
+            else:
+                assert 1500 <= kBps <= 2100, (peer, source, measured)
+
+
 def _clean_after_uplinks_fall(tmp_path, seed: int, count: int, names) -> dict:
     """4 rounds of 4 peers at 2 MB/s, the first ``count`` uplinks falling to 50 kB/s after round 2: asserts one
     final weights, no resync and all 4 in every round; returns the counters ``names``, summed over the peers."""
