@@ -260,14 +260,10 @@ def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = No
     for i in sorted(range(n), key=lambda i: (-(parts * w[i] % total), i))[:parts - sum(quota)]:
         quota[i] += 1
     owner = [k % n for k in range(parts)]
-    given_up = []
+    held = [range(i, parts, n) for i in range(n)]  # each member's parts in the round robin
+    given_up = sorted((k for i in range(n) for k in held[i][quota[i]:]), reverse=True)
     for i in range(n):
-        held = list(range(i, parts, n))
-        if len(held) > quota[i]:
-            given_up.extend(held[quota[i]:])
-    given_up.sort(reverse=True)
-    for i in range(n):
-        for _ in range(quota[i] - len(range(i, parts, n))):
+        for _ in range(quota[i] - len(held[i])):
             owner[given_up.pop()] = i
     return [ordered[i] for i in owner]
 
