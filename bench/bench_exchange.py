@@ -73,17 +73,21 @@ class PeakMemory:
     """Each peer's peak memory while a run goes: the PSS (proportional set size: a page shared by k processes
     counts 1/k in each, so hivemind's shared-memory tensors are not counted twice) of its process and every
     process under it (a swarmd node and its p2p daemon; a hivemind peer, its averager and DHT processes), sampled
-    every 0.3 s in a thread."""
+    every 0.3 s in a thread; and the CPU time (user + system) those processes used from ``mark()`` to ``stop()``
+    (a process that ended between two samples counts up to its last sample)."""
 
     def __init__(self, pids: list[int]):
         import threading
 
         self.pids, self.peak = pids, [0] * len(pids)
+        self._cpu: dict[int, float] = {}  # pid (every process of every tree) -> its CPU seconds at the last sample
+        self._marked: dict[int, float] | None = None
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
-    def _tree_pss(self, pid: int) -> int:
+    def _tree(self, pid: int) -> int:
         import psutil
 
         total = 0
@@ -95,19 +99,38 @@ class PeakMemory:
         for proc in procs:
             try:
                 total += proc.memory_full_info().pss
+                times = proc.cpu_times()
+                with self._lock:
+                    self._cpu[proc.pid] = times.user + times.system
             except psutil.Error:
                 pass
         return total
 
     def _run(self) -> None:
         while not self._stop.wait(0.3):
-            for i, pid in enumerate(self.pids):
-                self.peak[i] = max(self.peak[i], self._tree_pss(pid))
+            self._sample()
+
+    def _sample(self) -> None:
+        for i, pid in enumerate(self.pids):
+            self.peak[i] = max(self.peak[i], self._tree(pid))
+
+    def mark(self) -> None:
+        """Start counting CPU time here (what the processes used before, starting up, is left out)."""
+        self._sample()
+        with self._lock:
+            self._marked = dict(self._cpu)
 
     def stop(self) -> list[int]:
         self._stop.set()
         self._thread.join()
+        self._sample()
         return self.peak
+
+    def cpu_seconds(self) -> float:
+        """The CPU seconds every process used since ``mark()`` (since the start without one), all peers together."""
+        marked = self._marked or {}
+        with self._lock:
+            return sum(v - marked.get(pid, 0.0) for pid, v in self._cpu.items())
 
 
 def _summed(final: list[dict]) -> dict:
@@ -167,6 +190,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         memory = PeakMemory([n.pid for n in nodes])
         wait_for(lambda: all(d(n)["state"] in ("running", "done") for n in nodes), 600, "every node running",
                  interval=0.1)
+        memory.mark()
         t0 = time.monotonic()
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 1800,
                          f"{mode} x{peers} to finish", interval=0.1)
@@ -193,6 +217,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "conformed": sum(s.get("parts_conformed", 0) for s in final),
             "resyncs": sum(s.get("resyncs", 0) for s in final),
             "peak_gb": max(peak) / 1e9,
+            "cpu_s": memory.cpu_seconds() / rounds / peers,
             "evicted": sum(b.get("blobs_evicted", 0) for b in bulk),
             "agreement": {**_summed(final), **_gossip_drops([s["gossip"] for s in statuses])},  # stderr only
             # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
@@ -379,7 +404,7 @@ def main() -> None:
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
     for n in [int(x) for x in args.peers.split(",")]:
-        with tempfile.TemporaryDirectory(prefix="swarmd-bench-exchange-") as tmp:
+        with contextlib.nullcontext(tempfile.mkdtemp(prefix="swarmd-bench-exchange-")) as tmp:
             result = {}
             # a fresh lab for each run: nothing one run left queued or open meets the next
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
@@ -405,8 +430,8 @@ def main() -> None:
           f"{'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
           f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12} | "
-          f"{'peak GB/peer':>12}")
-    print("-" * 178)
+          f"{'peak GB/peer':>12} | {'CPU s/round/peer':>16}")
+    print("-" * 197)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
@@ -416,7 +441,8 @@ def main() -> None:
             print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
-                  f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f}")
+                  f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f} | "
+                  f"{format(r['cpu_s'], '.2f') if 'cpu_s' in r else '-':>16}")
     print("where a swarmd round goes (s; each phase's median at the node where it is longest): wait = our update "
           "announced -> every update announced; agree = the member agreement; reduce = chunks in, our parts reduced, "
           "the others' taken and audited; conform = the coordinator's parts list awaited and followed; combine = "
@@ -427,7 +453,10 @@ def main() -> None:
                 print(f"{n:>3} | {name:<30} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
     print("peak GB/peer: the most memory one peer's processes held at once (PSS, sampled every 0.3 s; a swarmd "
           "node with its p2p daemon, a hivemind peer with its averager and DHT processes); the bulk store dropped "
-          f"{sum(r.get('evicted', 0) for _, res in rows for r in res.values())} blobs early (goal 0)")
+          f"{sum(r.get('evicted', 0) for _, res in rows for r in res.values())} blobs early (goal 0); "
+          "CPU s/round/peer: the CPU time (user + system) of a swarmd node and its p2p daemon from every node "
+          "running to the last round's end, a round's inner step included, over rounds and peers (on loopback, "
+          "where every peer shares this machine's cores, it sets the round's time)")
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 
