@@ -19,7 +19,7 @@ Wire format (msgpack map, keys in this order; stable, with golden byte fixtures 
 | 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
 
 ``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes
-``encode(x).to_wire()`` gives), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
+``encode(x).to_wire()`` gives), ``encode_wire(x)`` into a new bytearray (one copy of the data, not three), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
 
 Non-finite input (NaN, +-inf) is refused by ``encode`` (an update holding them is a bug or an attack), and a
 payload that decodes to a non-finite value is refused by ``decode``. Every payload is checked before any large
@@ -63,7 +63,7 @@ class Encoded:
     block: int
     k: int
     scales: bytes
-    data: bytes
+    data: bytes | memoryview  # from the wire: a view of the payload's bytes (``from_wire``)
 
     def to_wire(self) -> bytes:
         return msgpack.packb(
@@ -98,12 +98,49 @@ def _wire_prefix(head: Encoded, data_len: int) -> bytes:
     return packed[:-2] + header
 
 
+_HEAD_MAX = 128 + 9 * MAX_NDIM  # the bytes of the map's fields before "scales" at most (small ints, a shape)
+_BIN = {0xC4: 1, 0xC5: 2, 0xC6: 4}  # msgpack's bin8/16/32: the bytes of their length
+
+
+def _bin_at(payload, i: int) -> tuple[int, int] | None:
+    """(length, where its bytes start) of the msgpack bin at ``payload[i]``; None if there is none."""
+    if i >= len(payload) or (width := _BIN.get(payload[i])) is None or i + 1 + width > len(payload):
+        return None
+    return int.from_bytes(payload[i + 1:i + 1 + width], "big"), i + 1 + width
+
+
+def _in_place(payload) -> dict | None:
+    """The payload's map with "data" a view of its bytes in the payload (no copy of the data: msgpack copied it
+    into a new bytes object, a fresh allocation of every part decoded), where the payload is laid out as our
+    encoder writes it: the fields, "scales" then "data" last. The fields before the data are parsed as they
+    are, strictly, with an empty data; None where that layout is not found (``from_wire`` then parses the whole)."""
+    at = bytes(payload[:_HEAD_MAX]).find(b"\xa6scales")
+    scales = _bin_at(payload, at + 7) if at >= 0 else None
+    if scales is None:
+        return None
+    end = scales[1] + scales[0]
+    data = _bin_at(payload, end + 5) if payload[end:end + 5] == b"\xa4data" else None
+    if data is None or data[1] + data[0] != len(payload):
+        return None
+    try:  # every byte but the data's, the data's bin an empty one: the same map, parsed the same way
+        obj = unpack(bytes(payload[:end + 5]) + b"\xc4\x00", what="tensor payload")
+    except MalformedMessage:
+        return None
+    if not isinstance(obj, dict) or tuple(obj) != KEYS or obj["data"] != b"":
+        return None
+    obj["data"] = memoryview(payload)[data[1]:].toreadonly()
+    return obj
+
+
 def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
-    """Strictly parse the wire format. Raises CodecError."""
-    try:
-        obj = unpack(payload, what="tensor payload")
-    except MalformedMessage as e:
-        raise CodecError(str(e)) from None
+    """Strictly parse the wire format. Raises CodecError. The data, a view into ``payload`` where it is laid out
+    as our encoder writes it (``_in_place``), is valid while ``payload`` is."""
+    obj = _in_place(payload)
+    if obj is None:
+        try:
+            obj = unpack(payload, what="tensor payload")
+        except MalformedMessage as e:
+            raise CodecError(str(e)) from None
     if not isinstance(obj, dict) or tuple(obj) != KEYS or obj["v"] != 1:
         raise CodecError("tensor payload must be a v1 map with keys " + ", ".join(KEYS))
     codec, dtype, shape, block, k = obj["codec"], obj["dtype"], obj["shape"], obj["block"], obj["k"]
@@ -119,7 +156,7 @@ def from_wire(payload: bytes, *, max_elements: int = MAX_ELEMENTS) -> Encoded:
         raise CodecError("bad shape")
     if type(block) is not int or type(k) is not int or not 0 <= block <= MAX_BLOCK or k < 0:
         raise CodecError(f"bad block or k (block at most {MAX_BLOCK})")
-    if not isinstance(obj["scales"], bytes) or not isinstance(obj["data"], bytes):
+    if not isinstance(obj["scales"], bytes) or not isinstance(obj["data"], (bytes, memoryview)):
         raise CodecError("scales and data must be bytes")
     return Encoded(codec, DTYPES[dtype], tuple(shape), block, k, obj["scales"], obj["data"])
 
@@ -192,6 +229,19 @@ def _copy_half(result: torch.Tensor, data: bytes, dtype: torch.dtype) -> None:
         result.copy_(torch.frombuffer(bytearray(data), dtype=torch.int16).view(dtype))
 
 
+def _write_wire(head: Encoded, data: torch.Tensor, out: bytearray | memoryview) -> int:
+    """The wire bytes of ``head`` with ``data`` (flat uint8) written into ``out``; returns how many."""
+    prefix = _wire_prefix(head, data.numel())
+    total = len(prefix) + data.numel()
+    if len(out) < total:
+        raise ValueError(f"out holds {len(out)} B, the encoding needs {total} B")
+    view = memoryview(out)
+    view[: len(prefix)] = prefix
+    if data.numel():
+        torch.frombuffer(view, dtype=torch.uint8, count=data.numel(), offset=len(prefix)).copy_(data)
+    return total
+
+
 def _need(actual: int, expected: int, what: str) -> None:
     if actual != expected:
         raise CodecError(f"{what} is {actual} bytes, expected {expected}")
@@ -220,15 +270,16 @@ class Codec:
         """Write the wire bytes of ``x`` into the preallocated ``out``; returns how many were written. The bytes are
         identical to ``encode(x).to_wire()``, without building the intermediate bytes objects."""
         head, data = self._parts(x)
-        prefix = _wire_prefix(head, data.numel())
-        total = len(prefix) + data.numel()
-        if len(out) < total:
-            raise ValueError(f"out holds {len(out)} B, the encoding needs {total} B")
-        view = memoryview(out)
-        view[: len(prefix)] = prefix
-        if data.numel():
-            torch.frombuffer(view, dtype=torch.uint8, count=data.numel(), offset=len(prefix)).copy_(data)
-        return total
+        return _write_wire(head, data, out)
+
+    def encode_wire(self, x: torch.Tensor) -> bytearray:
+        """The wire bytes of ``x`` (``encode(x).to_wire()``) in a new bytearray, written once: no bytes object of
+        the data and then of the whole message first (each a copy of the encoding; an update's bytes were copied
+        three times on their way to the bulk store)."""
+        head, data = self._parts(x)
+        out = bytearray(len(_wire_prefix(head, data.numel())) + data.numel())
+        _write_wire(head, data, out)
+        return out
 
     def decode_flat(self, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError

@@ -218,7 +218,7 @@ def test_golden_wire_bytes(name):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_encode_into_a_preallocated_buffer_gives_the_same_bytes(name):
+def test_encode_into_a_preallocated_buffer_or_a_new_one_gives_the_same_bytes(name):
     codec = C.get(name)
     buf = bytearray(1 << 22)
     for dtype in (torch.float32, torch.bfloat16):
@@ -226,6 +226,8 @@ def test_encode_into_a_preallocated_buffer_gives_the_same_bytes(name):
             x = torch.randn(n).to(dtype)
             written = codec.encode_into(x, buf)
             assert bytes(buf[:written]) == codec.encode(x).to_wire()
+            wire = codec.encode_wire(x)
+            assert type(wire) is bytearray and wire == buf[:written]
             assert written == codec.wire_size(x)
             assert torch.equal(C.decode(bytes(buf[:written])), C.decode(codec.encode(x).to_wire()))
     with pytest.raises(ValueError, match="needs"):
@@ -299,3 +301,51 @@ def test_blockwise_codecs_decode_to_their_defining_formula(n, block):
     scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.float32)
     q = torch.frombuffer(bytearray(enc.data), dtype=torch.int8).float()
     assert C.decode(enc.to_wire()).equal(q * (scales / 127.0)[block_of])
+
+
+def _parsed(payload, in_place: bool):
+    """from_wire's answer for ``payload`` (its fields, or the CodecError's text), with or without the fast path."""
+    saved = C._in_place
+    if not in_place:
+        C._in_place = lambda payload: None
+    try:
+        enc = C.from_wire(payload)
+        return (enc.codec, enc.dtype, enc.shape, enc.block, enc.k, bytes(enc.scales), bytes(enc.data))
+    except C.CodecError as e:
+        return ("error", str(e))
+    finally:
+        C._in_place = saved
+
+
+@pytest.mark.beside
+def test_a_payload_is_decoded_in_place_and_exactly_as_msgpack_parses_it():
+    # the data of every decoded part was copied by msgpack into a new bytes object first (a fresh allocation of a
+    # part's size, then a second copy into the tensor); now it is read where it lies in the received bytes
+    rng = torch.Generator().manual_seed(3)
+    for name in NAMES:
+        for shape in ((0,), (5,), (300,), (70_000,), (3, 7)):
+            payload = bytearray(C.get(name).encode_wire(torch.randn(shape, generator=rng)))
+            enc = C.from_wire(payload)
+            assert isinstance(enc.data, memoryview) and enc.data.obj is payload and enc.data.readonly
+            assert _parsed(payload, True) == _parsed(payload, False)
+            assert torch.equal(C.decode(payload), C.decode(bytes(payload)))
+    # other layouts of the same map (valid msgpack, not what our encoder writes) parse the whole, as before
+    x = C.get("int8").encode(torch.randn(1000, generator=rng))
+    fields = {"v": 1, "codec": x.codec, "dtype": C.DTYPE_IDS[x.dtype], "shape": list(x.shape), "block": x.block,
+              "k": x.k, "scales": x.scales, "data": x.data}
+    wide = msgpack.packb(fields)[:-len(x.data) - 3] + b"\xc6" + len(x.data).to_bytes(4, "big") + x.data  # bin32
+    assert msgpack.unpackb(wide) == fields and _parsed(wide, True) == _parsed(wide, False)
+    assert _parsed(wide, True)[0] == x.codec
+    # a shape whose bytes spell "scales" before the real key; data after a forged end: each parsed as msgpack would
+    tricky = msgpack.packb({**fields, "shape": [int.from_bytes(b"\xa6scales", "big")]})
+    assert _parsed(tricky, True) == _parsed(tricky, False)
+    # every one-byte change, cut and extension of a payload: the same answer, a tensor or the same refusal
+    payload = bytearray(C.get("e3m0").encode_wire(torch.randn(40, generator=rng)))
+    variants = [payload[:i] for i in range(len(payload))] + [payload + b"\x00", payload + payload]
+    for i in range(len(payload)):
+        for value in (0x00, 0x7F, 0xA4, 0xC4, 0xC5, 0xC6, 0xFF, payload[i] ^ 1):
+            changed = bytearray(payload)
+            changed[i] = value
+            variants.append(changed)
+    for variant in variants:
+        assert _parsed(variant, True) == _parsed(variant, False)
