@@ -812,7 +812,7 @@ class DilocoLoop(TaskLoop):
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual)  # what the codec dropped of our last update travels with this one
         bounds = self._bounds(p, self._want_parts(p))
-        payloads = [bytearray(self.codec.encode(delta[a:b]).to_wire()) for a, b in bounds]
+        payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
         if not self.feedback:
             del delta
         # what the others will see of our update, decoded part by part into one tensor (or only measured)
@@ -1825,8 +1825,9 @@ class DilocoLoop(TaskLoop):
 
                 def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
                     combined = exchange.reduce_part(chunks, factors, b - a)
-                    payload = bytearray(self.reduced_codec.encode(combined).to_wire())
-                    return payload, content_hash(payload), codecs.decode(payload)
+                    payload = self.reduced_codec.encode_wire(combined)
+                    # decoded into the reduction's own buffer, its values now in the payload
+                    return payload, content_hash(payload), codecs.decode(payload, out=combined)
 
                 payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
                 chunks.clear()

@@ -506,8 +506,10 @@ def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size
     peers = sorted(chunks)
     scale = torch.tensor([factors[a] for a in peers], dtype=torch.float32)  # the factors rounded to fp32, once
     out = chunks[peers[0]].to(torch.float32) * scale[0]
+    product = torch.empty_like(out) if len(peers) > 1 else None  # one buffer for every product, not one each
     for i, a in enumerate(peers[1:], 1):
-        out.add_(chunks[a].to(torch.float32) * scale[i])  # a product, then a sum: no fused multiply-add
+        torch.mul(chunks[a].to(torch.float32), scale[i], out=product)
+        out.add_(product)  # a product, then a sum: no fused multiply-add
     return out.div_(len(peers))
 
 
