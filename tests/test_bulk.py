@@ -248,3 +248,49 @@ def test_the_store_drops_its_oldest_blobs_past_its_budget_and_a_service_can_rese
     assert bulk.max_bytes == 2 * 1024 ** 3 + 5000
     bulk.reserve(10)  # a smaller reservation never shrinks it
     assert bulk.max_bytes == 2 * 1024 ** 3 + 5000
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(30)
+async def test_pulls_that_start_together_share_one_listing_of_the_connected_peers(tmp_path):
+    # a round's chunk pulls start together; each asked the p2p daemon for its own list of connections when the
+    # one-second cache was stale (6% of a node's main thread in a round at N = 8)
+    from transport.base import ConnectedPeer
+
+    class Clock:
+        now = 100.0
+
+        def monotonic(self):
+            return self.now
+
+        def time(self):
+            return self.now
+
+    class Transport:
+        calls = 0
+        answer = asyncio.Event()
+
+        async def peers(self):
+            self.calls += 1
+            await self.answer.wait()
+            return [ConnectedPeer("A", ("/ip4/10.0.0.1/tcp/1", "/ip4/10.0.0.9/tcp/2/p2p/R/p2p-circuit"), "outbound")]
+
+    transport, clock = Transport(), Clock()
+    service = BulkService(gossip=None)
+    service._ctx = NodeContext(Identity.generate(), transport, tmp_path, list, None, lambda p: True, clock=clock)
+    waiting = [asyncio.create_task(service._peer_hosts()) for _ in range(20)]
+    await asyncio.sleep(0)
+    transport.answer.set()
+    assert await asyncio.gather(*waiting) == [{"A": {"10.0.0.1"}}] * 20 and transport.calls == 1
+    assert await service._peer_hosts() == {"A": {"10.0.0.1"}} and transport.calls == 1  # fresh: from the cache
+    clock.now += 1.5
+    await service._peer_hosts()
+    assert transport.calls == 2
+    clock.now += 1.5  # a waiter cancelled (its pull's deadline) does not cancel the listing the others wait on
+    transport.answer.clear()
+    first, second = asyncio.create_task(service._peer_hosts()), asyncio.create_task(service._peer_hosts())
+    await asyncio.sleep(0)
+    first.cancel()
+    transport.answer.set()
+    assert await second == {"A": {"10.0.0.1"}} and transport.calls == 3
+    await service.close()
