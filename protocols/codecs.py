@@ -19,7 +19,9 @@ Wire format (msgpack map, keys in this order; stable, with golden byte fixtures 
 | 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
 
 ``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes
-``encode(x).to_wire()`` gives), ``encode_wire(x)`` into a new bytearray (one copy of the data, not three), and ``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor.
+``encode(x).to_wire()`` gives), ``encode_wire(x)`` into a new bytearray (one copy of the data, not three), and
+``decode(payload, out=buffer)`` decodes into a preallocated float32 tensor, reading the data where it lies in the
+payload.
 
 Non-finite input (NaN, +-inf) is refused by ``encode`` (an update holding them is a bug or an attack), and a
 payload that decodes to a non-finite value is refused by ``decode``. Every payload is checked before any large
