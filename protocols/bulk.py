@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import socket
 import struct
 import time
 from dataclasses import dataclass
@@ -120,6 +121,8 @@ class Announcement:
 
 
 GROW = 16 << 20  # the receive buffer starts at this (or the size) and doubles as bytes arrive
+LOWAT = 256 << 10  # a body's socket wakes us when this much has come at most (SO_RCVLOWAT), not at every packet
+WAKE_EVERY = 0.05  # s: ... or what the transfer's rate brings in that long, whichever is less
 IDLE_TIMEOUT = 30.0  # a source that sends nothing for this long is dropped
 
 
@@ -138,10 +141,26 @@ class _Receiver(asyncio.BufferedProtocol):
         self.transport = None
         self.status = None
         self.size = 0
-        self.last_progress = time.monotonic()
+        self.last_progress = self.started = time.monotonic()
+        self.lowat = 1  # the socket's SO_RCVLOWAT (``_wake_at``)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
+
+    def _wake_at(self, nbytes: int) -> None:
+        """Wake us when ``nbytes`` have come (SO_RCVLOWAT: the kernel holds the socket unreadable till then; an
+        end or an error wakes us at once). On a link slower than this machine bytes come a packet or two at a time,
+        and each came up to Python on its own. ``fetch`` sets it back to 1 when nothing came for a second (a source
+        slower than the rate so far)."""
+        nbytes = max(1, nbytes)
+        if nbytes == self.lowat:
+            return
+        sock = self.transport.get_extra_info("socket")
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
+            self.lowat = nbytes
+        except (OSError, AttributeError):
+            pass  # a transport without a socket option: every read wakes us, as before
 
     def get_buffer(self, sizehint: int):
         if self.body is None:
@@ -167,13 +186,20 @@ class _Receiver(asyncio.BufferedProtocol):
             self.size = size
             self.body = bytearray(min(size, GROW))
             self.view = memoryview(self.body)
+            self.started = time.monotonic()
             if size == 0:
                 self._finish(None)
             return
         self.got += nbytes
-        self.last_progress = time.monotonic()
+        now = self.last_progress = time.monotonic()
         if self.got == self.size:
             self._finish(None)
+            return
+        # wake us when WAKE_EVERY's bytes at the rate so far have come (at most LOWAT, and the rest at the end)
+        rate = self.got / max(now - self.started, 1e-3)
+        want = max(1, min(LOWAT, int(rate * WAKE_EVERY), self.size - self.got))
+        if want > 2 * self.lowat or 2 * want < self.lowat or self.size - self.got < self.lowat:
+            self._wake_at(want)
 
     def _finish(self, error: Exception | None) -> None:
         if not self.done.done():
@@ -208,6 +234,8 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
                 if progress is not None:
                     progress(protocol.got)
                 now = time.monotonic()
+                if protocol.lowat > 1 and now - protocol.last_progress > 1.0:
+                    protocol._wake_at(1)  # slower than it was: what has come, now (the rate is measured again)
                 if now > deadline:
                     raise BulkError(f"{addr}: not done after {timeout:.0f} s ({protocol.got} B)") from None
                 if now - protocol.last_progress > idle_timeout:

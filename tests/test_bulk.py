@@ -234,6 +234,41 @@ async def test_a_pull_reports_its_progress_as_bytes_arrive():
         await server.wait_closed()
 
 
+async def test_a_body_trickling_in_wakes_the_puller_a_few_times_not_at_every_packet(monkeypatch):
+    # on a link slower than the machine (the 100 Mbit/s lab) bytes came a packet or two at a time and each read
+    # came up to Python: SO_RCVLOWAT, set from the transfer's rate, now holds them in the kernel for ~50 ms at a time
+    import protocols.bulk as bulk
+
+    data = os.urandom(1 << 20)
+    reads = []
+    original = bulk._Receiver.buffer_updated
+
+    def counted(self, nbytes):
+        reads.append(nbytes)
+        original(self, nbytes)
+
+    monkeypatch.setattr(bulk._Receiver, "buffer_updated", counted)
+
+    async def trickle(reader, writer):
+        await reader.read(100)
+        writer.write(HEADER.pack(OK, len(data)))
+        for i in range(0, len(data), 4096):  # 256 pieces over ~0.5 s
+            writer.write(data[i:i + 4096])
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.close()
+
+    server = await asyncio.start_server(trickle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        body = await fetch(f"127.0.0.1:{port}", content_hash(data), len(data), b"req")
+        assert bytes(body) == data
+        assert len(reads) < 64, f"{len(reads)} reads for 256 pieces"  # 257 without the low-water mark
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 @pytest.mark.beside
 def test_the_store_drops_its_oldest_blobs_past_its_budget_and_a_service_can_reserve_more():
     bulk = BulkService(None, max_bytes=1000)
