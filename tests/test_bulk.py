@@ -329,3 +329,15 @@ async def test_pulls_that_start_together_share_one_listing_of_the_connected_peer
     transport.answer.set()
     assert await second == {"A": {"10.0.0.1"}} and transport.calls == 3
     await service.close()
+
+
+@pytest.mark.beside
+def test_a_blob_hashes_the_same_on_one_core_and_on_all():
+    # small blobs are hashed on one core, large ones on every core (``HASH_THREADS_FROM``): one BLAKE3 either way
+    import blake3
+
+    from protocols.bulk import HASH_THREADS_FROM
+
+    data = os.urandom(HASH_THREADS_FROM + 1)
+    for n in (0, 1, 1 << 20, HASH_THREADS_FROM - 1, HASH_THREADS_FROM, HASH_THREADS_FROM + 1):
+        assert content_hash(memoryview(data)[:n]) == blake3.blake3(data[:n]).digest()
