@@ -424,7 +424,7 @@ def main() -> None:
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
     for n in [int(x) for x in args.peers.split(",")]:
-        with contextlib.nullcontext(tempfile.mkdtemp(prefix="swarmd-bench-exchange-")) as tmp:
+        with tempfile.TemporaryDirectory(prefix="swarmd-bench-exchange-") as tmp:
             result = {}
             # a fresh lab for each run: nothing one run left queued or open meets the next
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
