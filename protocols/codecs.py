@@ -231,9 +231,9 @@ def _copy_half(result: torch.Tensor, data: bytes, dtype: torch.dtype) -> None:
         result.copy_(torch.frombuffer(bytearray(data), dtype=torch.int16).view(dtype))
 
 
-def _write_wire(head: Encoded, data: torch.Tensor, out: bytearray | memoryview) -> int:
-    """The wire bytes of ``head`` with ``data`` (flat uint8) written into ``out``; returns how many."""
-    prefix = _wire_prefix(head, data.numel())
+def _write_wire(prefix: bytes, data: torch.Tensor, out: bytearray | memoryview) -> int:
+    """The wire bytes ``prefix`` (``_wire_prefix``) then ``data`` (flat uint8) written into ``out``; returns how
+    many."""
     total = len(prefix) + data.numel()
     if len(out) < total:
         raise ValueError(f"out holds {len(out)} B, the encoding needs {total} B")
@@ -272,15 +272,16 @@ class Codec:
         """Write the wire bytes of ``x`` into the preallocated ``out``; returns how many were written. The bytes are
         identical to ``encode(x).to_wire()``, without building the intermediate bytes objects."""
         head, data = self._parts(x)
-        return _write_wire(head, data, out)
+        return _write_wire(_wire_prefix(head, data.numel()), data, out)
 
     def encode_wire(self, x: torch.Tensor) -> bytearray:
         """The wire bytes of ``x`` (``encode(x).to_wire()``) in a new bytearray, written once: no bytes object of
         the data and then of the whole message first (each a copy of the encoding; an update's bytes were copied
         three times on their way to the bulk store)."""
         head, data = self._parts(x)
-        out = bytearray(len(_wire_prefix(head, data.numel())) + data.numel())
-        _write_wire(head, data, out)
+        prefix = _wire_prefix(head, data.numel())
+        out = bytearray(len(prefix) + data.numel())
+        _write_wire(prefix, data, out)
         return out
 
     def decode_flat(self, enc: Encoded, out: torch.Tensor | None) -> torch.Tensor:
