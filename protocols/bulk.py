@@ -130,6 +130,7 @@ class Announcement:
 GROW = 16 << 20  # the receive buffer starts at this (or the size) and doubles as bytes arrive
 LOWAT = 256 << 10  # a body's socket wakes us when this much has come at most (SO_RCVLOWAT), not at every packet
 WAKE_EVERY = 0.05  # s: ... or what the transfer's rate brings in that long, whichever is less
+HOLD = 4 * WAKE_EVERY  # s: bytes held in the kernel this long without a read (a source that paused) are read then
 IDLE_TIMEOUT = 30.0  # a source that sends nothing for this long is dropped
 
 
@@ -150,6 +151,7 @@ class _Receiver(asyncio.BufferedProtocol):
         self.size = 0
         self.last_progress = self.started = time.monotonic()
         self.lowat = 1  # the socket's SO_RCVLOWAT (``_wake_at``)
+        self.release: asyncio.TimerHandle | None = None  # while it is over 1: ``_release``
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -157,8 +159,8 @@ class _Receiver(asyncio.BufferedProtocol):
     def _wake_at(self, nbytes: int) -> None:
         """Wake us when ``nbytes`` have come (SO_RCVLOWAT: the kernel holds the socket unreadable till then; an
         end or an error wakes us at once). On a link slower than this machine bytes come a packet or two at a time,
-        and each came up to Python on its own. ``fetch`` sets it back to 1 when nothing came for a second (a source
-        slower than the rate so far)."""
+        and each came up to Python on its own. Back to 1 when nothing was read for HOLD (``_release``: a source that
+        paused, or slowed below the rate so far): what has come is never held longer."""
         nbytes = max(1, nbytes)
         if nbytes == self.lowat:
             return
@@ -167,7 +169,19 @@ class _Receiver(asyncio.BufferedProtocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
             self.lowat = nbytes
         except (OSError, AttributeError):
-            pass  # a transport without a socket option: every read wakes us, as before
+            return  # a transport without a socket option: every read wakes us, as before
+        if nbytes > 1 and self.release is None:
+            self.release = asyncio.get_running_loop().call_later(HOLD, self._release)
+
+    def _release(self) -> None:
+        self.release = None
+        if self.done.done() or self.lowat == 1:
+            return
+        idle = time.monotonic() - self.last_progress
+        if idle >= HOLD:
+            self._wake_at(1)  # the rate is measured again from the next read
+        else:
+            self.release = asyncio.get_running_loop().call_later(HOLD - idle, self._release)
 
     def get_buffer(self, sizehint: int):
         if self.body is None:
@@ -209,6 +223,9 @@ class _Receiver(asyncio.BufferedProtocol):
             self._wake_at(want)
 
     def _finish(self, error: Exception | None) -> None:
+        if self.release is not None:
+            self.release.cancel()
+            self.release = None
         if not self.done.done():
             if error is None:
                 self.done.set_result(self.body)
@@ -217,6 +234,9 @@ class _Receiver(asyncio.BufferedProtocol):
         self.transport.close()
 
     def connection_lost(self, exc) -> None:
+        if self.release is not None:
+            self.release.cancel()
+            self.release = None
         if not self.done.done():
             self.done.set_exception(BulkError(f"connection closed after {self.got} B ({exc})"))
 
@@ -241,8 +261,6 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
                 if progress is not None:
                     progress(protocol.got)
                 now = time.monotonic()
-                if protocol.lowat > 1 and now - protocol.last_progress > 1.0:
-                    protocol._wake_at(1)  # slower than it was: what has come, now (the rate is measured again)
                 if now > deadline:
                     raise BulkError(f"{addr}: not done after {timeout:.0f} s ({protocol.got} B)") from None
                 if now - protocol.last_progress > idle_timeout:
