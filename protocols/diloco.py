@@ -242,6 +242,7 @@ class DilocoConfig(BaseModel):
                                            "codec", "outer_lr", "outer_momentum", "peers", "exchange", "parts",
                                            "scatter_min_peers", "scatter_min_bytes", "audit", "agree"}),
                 "reduce_rule": exchange.REDUCE_RULE,
+                "weights_hash": outer.WEIGHTS_HASH,
                 # (only where it is not the run's codec: runs that never set it keep their fingerprint)
                 **({"reduced_codec": reduced} if reduced != self.codec else {})}
 

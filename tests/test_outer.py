@@ -86,6 +86,24 @@ def test_flatten_unflatten_and_hash():
     assert torch.allclose(delta, torch.ones(17))
 
 
+def test_the_weights_hash_is_blake3_of_their_fp32_bytes_in_order_on_one_core_or_all():
+    import blake3
+
+    params = [torch.randn(3, 4), torch.randn(5).to(torch.bfloat16), torch.randn(7, dtype=torch.float64)]
+    fp32 = b"".join(t.to(torch.float32).contiguous().numpy().tobytes() for t in params)
+    assert outer.params_hash(params) == blake3.blake3(fp32).hexdigest(length=16)
+    assert len(outer.params_hash(params)) == 32  # the length peers' messages and checkpoints carry
+    assert outer.params_hash(params) != outer.params_hash(params[::-1])
+    # from HASH_THREADS_FROM bytes on, hashed on every core: the same hash
+    big = [torch.randn(outer.HASH_THREADS_FROM // 4 + 3), torch.randn(1_000)]
+    whole = b"".join(t.numpy().tobytes() for t in big)
+    assert outer.params_hash(big) == blake3.blake3(whole, max_threads=1).hexdigest(length=16)
+    # part of the run's fingerprint: peers that hash their weights otherwise are told they run another config
+    from protocols.diloco import DilocoConfig
+
+    assert DilocoConfig(run="x").shared()["weights_hash"] == outer.WEIGHTS_HASH == "blake3-128"
+
+
 def test_adaptive_deadline_follows_observed_arrivals():
     d = outer.AdaptiveDeadline(k=4, low=1.0, high=60.0, initial=10.0)
     assert d.value() == 10.0
