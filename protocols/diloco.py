@@ -473,7 +473,11 @@ class DilocoLoop(TaskLoop):
         self._setup_device()
         model = tasks.build_model(self.task, self.cfg.seed)
         named = tasks.trainable(model)
-        self.fp = tasks.fingerprint(self.task, self.cfg.shared(), named)
+        shared = self.cfg.shared()
+        self.fp = tasks.fingerprint(self.task, shared, named)
+        # the same run under the version before its weights hash was named (BLAKE2b): we resume its checkpoints
+        self.earlier_fps = [tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k != "weights_hash"},
+                                              named)]
         self.model = model.to(self.device)
         named = tasks.trainable(self.model)
         self.names = [n for n, _ in named]
@@ -2331,11 +2335,14 @@ class DilocoLoop(TaskLoop):
         if found is None:
             return
         tensors, meta = found
+        # saved by the version before the BLAKE3 weights hash (its fingerprint is one of earlier_fps): checked with
+        # that version's hash; from here on the weights go by ours (the start barrier compares global_hash())
+        earlier = meta.get("fingerprint") != self.fp
         try:
             global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
                            for frag in self.frag_index]
             momentum = [tensors[f"outer.{p}"].to(torch.float32) for p in range(self.cfg.fragments)]
-            if outer.params_hash(global_flat) != meta["hash"]:
+            if (outer.params_hash_before_blake3 if earlier else outer.params_hash)(global_flat) != meta["hash"]:
                 raise ValueError("its weights do not match the hash it was saved with")
             if [m.numel() for m in momentum] != [g.numel() for g in global_flat]:
                 raise ValueError("its outer momentum has the wrong size")
@@ -2355,12 +2362,16 @@ class DilocoLoop(TaskLoop):
                     self.residual[p] = r.to(torch.float32).reshape(-1).clone()
                     self._residual_norms[p] = round(float(self.residual[p].norm()), 6)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
-        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": meta["hash"],
+        digest = self.global_hash() if earlier else meta["hash"]
+        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": digest,
                         "optimizer_state": inner, "residual": sorted(self.residual)}
+        if earlier:
+            self.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
-                      "hash": meta["hash"]}
-        logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)", self.cfg.run,
-                    meta["round"], self.step, meta["hash"])
+                      "hash": digest}
+        logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)%s", self.cfg.run,
+                    meta["round"], self.step, digest,
+                    " (saved by the version before the BLAKE3 weights hash)" if earlier else "")
 
     def _checkpoint(self) -> bytes:
         none = codecs.get("none")

@@ -9,6 +9,7 @@ Everything is deterministic given its inputs: peers are always combined in sorte
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import math
 import re
 import statistics
@@ -74,6 +75,15 @@ def params_hash(tensors: list[torch.Tensor]) -> str:
     for t in tensors:  # each array's buffer itself: a bytes copy of it was a transient the size of the weights
         h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).view(torch.uint8).numpy())
     return h.hexdigest(length=16)
+
+
+def params_hash_before_blake3(tensors: list[torch.Tensor]) -> str:
+    """The weights' hash of the version before WEIGHTS_HASH (BLAKE2b-128 of the same bytes): only to check a
+    checkpoint saved by it, which a node still resumes from (``DilocoLoop._resume_own``)."""
+    h = hashlib.blake2b(digest_size=16)
+    for t in tensors:
+        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy())
+    return h.hexdigest()
 
 
 class OuterNesterov:

@@ -45,6 +45,9 @@ class TaskLoop:
         self.device: torch.device | None = None
         self.threads: int | None = None  # torch's CPU threads, set when the loop starts (task.set_threads)
         self.fp: dict | None = None  # {"layout": ..., "config": ...}, set once the model is built
+        # this run's fingerprints under earlier versions whose checkpoints of it we still resume from (the loop
+        # checks what changed: DiLoCo's weights hash)
+        self.earlier_fps: list[dict] = []
         self.error: str | None = None
         self.refused: str | None = None
         self.mismatched: collections.OrderedDict[str, list] = collections.OrderedDict()
@@ -155,7 +158,7 @@ class TaskLoop:
         except checkpoint.CheckpointError as e:
             logger.warning("%s: ignoring our checkpoint: %s", self.name, e)
             return None
-        if meta.get("fingerprint") != self.fp:
+        if meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps:
             logger.warning("%s: ignoring our checkpoint %s: it is of another task or config (%s)", self.name, path,
                            describe_mismatch(self.fp, [meta.get("fingerprint", {}).get(k, "?")
                                                        for k in ("layout", "config")]))

@@ -285,6 +285,52 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
+def test_a_checkpoint_saved_by_the_version_before_the_blake3_weights_hash_is_resumed(tmp_path):
+    """The weights' hash became BLAKE3 and the run's fingerprint names it (outer.WEIGHTS_HASH): a node upgraded in
+    the middle of a run still resumes from the checkpoint the version before saved (its fingerprint without the
+    name, its hash BLAKE2b), not from round 0."""
+    import tomllib
+
+    from protocols import outer
+    from protocols import task as tasks
+    from protocols.diloco import DilocoConfig
+
+    text = DILOCO.format(run="up", task="tinygpt", rounds=4, h=5, min_peers=1, options="", deadline_low=2.0,
+                         extra="")
+    swarm = Swarm(tmp_path / "nodes", config=loop_config(tmp_path / "up.toml", text))
+    try:
+        node = swarm.start("solo")
+        wait_for(lambda: (diloco(node)["checkpoint"] or {}).get("round", 0) >= 2, 120, "a checkpoint at round 2")
+        node.kill()
+        path = checkpoint.latest(node.data_dir, "diloco")
+        tensors, meta = checkpoint.load(path)
+        # what the version before wrote for the same run and weights
+        cfg = DilocoConfig(**tomllib.loads(text)["loops"]["diloco"])
+        task = tasks.load(cfg.task, cfg.options(), tasks.DILOCO)
+        named = tasks.trainable(tasks.build_model(task, cfg.seed))
+        shared = cfg.shared()
+        assert meta["fingerprint"] == tasks.fingerprint(task, shared, named)
+        weights = [outer.flatten([tensors["model." + name] for name, _ in named])]
+        assert meta["hash"] == outer.params_hash(weights)
+        before = {**meta, "fingerprint": tasks.fingerprint(task, {k: v for k, v in shared.items()
+                                                                  if k != "weights_hash"}, named),
+                  "hash": outer.params_hash_before_blake3(weights)}
+        assert before["fingerprint"] != meta["fingerprint"] and before["hash"] != meta["hash"]
+        checkpoint.save(path, tensors, before)
+        node = swarm.start("solo")
+        resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
+        assert resumed["source"] == "own checkpoint" and resumed["round"] == meta["round"], resumed
+        assert resumed["hash"] == meta["hash"]  # the same weights, by our hash
+        assert resumed["saved_by"] == "the version before the BLAKE3 weights hash"
+        final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
+        assert [h["round"] for h in final["history"]] == list(range(meta["round"], 4))
+        assert checkpoint.read_meta(path)["fingerprint"] == meta["fingerprint"]  # saved again as this version
+    finally:
+        swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
 def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffected(tmp_path):
     task = write_task(tmp_path)
     # an open-ended run (rounds = 0): it trains until the test stops it. Rounds take milliseconds of compute, so the
