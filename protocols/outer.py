@@ -16,10 +16,10 @@ import statistics
 from collections import deque
 from typing import Callable
 
-import blake3
 import torch
 
 from protocols import codecs, exchange
+from protocols.bulk import hasher
 from protocols.rounds import TICK
 from transport import clock
 
@@ -63,17 +63,23 @@ def pseudo_gradient(global_params: list[torch.Tensor], local_params: list[torch.
 # the hash of a run's weights (``params_hash``): peers compare it every round, so it is part of a run's fingerprint
 # (DilocoConfig.shared): peers that hash otherwise are told they run another config, not left to disagree
 WEIGHTS_HASH = "blake3-128"
-HASH_THREADS_FROM = 16 << 20  # bytes: hashed on every core from this size (as the bulk store's blobs), on one below
+
+
+def _fp32_bytes(tensors: list[torch.Tensor]):
+    """Each tensor's fp32 values as a uint8 array of its own buffer, in order: a bytes copy of each was a transient
+    the size of the weights."""
+    for t in tensors:
+        yield t.detach().to("cpu", torch.float32).contiguous().view(-1).view(torch.uint8).numpy()
 
 
 def params_hash(tensors: list[torch.Tensor]) -> str:
-    """The weights' hash: BLAKE3 of their fp32 bytes in order, 16 bytes as hex. Computed every round on the whole
-    model (and once more on the fragment that changed), while the training loop waits: BLAKE2b, before, took 72 ms
-    for 100 MB of weights on the 2-core machine (about 3 s a round for a 1B-parameter model), BLAKE3 7.5 ms."""
-    total = 4 * sum(t.numel() for t in tensors)
-    h = blake3.blake3(max_threads=blake3.blake3.AUTO if total >= HASH_THREADS_FROM else 1)
-    for t in tensors:  # each array's buffer itself: a bytes copy of it was a transient the size of the weights
-        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).view(torch.uint8).numpy())
+    """The weights' hash: BLAKE3 of their fp32 bytes in order, 16 bytes as hex, on every core from the bulk store's
+    threshold (``bulk.hasher``). Computed every round on the whole model (and once more on the fragment that
+    changed), while the training loop waits: BLAKE2b, before, took 72 ms for 100 MB of weights on the 2-core
+    machine (about 3 s a round for a 1B-parameter model), BLAKE3 7.5 ms."""
+    h = hasher(4 * sum(t.numel() for t in tensors))
+    for data in _fp32_bytes(tensors):
+        h.update(data)
     return h.hexdigest(length=16)
 
 
@@ -81,8 +87,8 @@ def params_hash_before_blake3(tensors: list[torch.Tensor]) -> str:
     """The weights' hash of the version before WEIGHTS_HASH (BLAKE2b-128 of the same bytes): only to check a
     checkpoint saved by it, which a node still resumes from (``DilocoLoop._resume_own``)."""
     h = hashlib.blake2b(digest_size=16)
-    for t in tensors:
-        h.update(t.detach().to("cpu", torch.float32).contiguous().view(-1).numpy())
+    for data in _fp32_bytes(tensors):
+        h.update(data)
     return h.hexdigest()
 
 

@@ -95,7 +95,9 @@ def test_the_weights_hash_is_blake3_of_their_fp32_bytes_in_order_on_one_core_or_
     assert len(outer.params_hash(params)) == 32  # the length peers' messages and checkpoints carry
     assert outer.params_hash(params) != outer.params_hash(params[::-1])
     # from HASH_THREADS_FROM bytes on, hashed on every core: the same hash
-    big = [torch.randn(outer.HASH_THREADS_FROM // 4 + 3), torch.randn(1_000)]
+    from protocols.bulk import HASH_THREADS_FROM
+
+    big = [torch.randn(HASH_THREADS_FROM // 4 + 3), torch.randn(1_000)]
     whole = b"".join(t.numpy().tobytes() for t in big)
     assert outer.params_hash(big) == blake3.blake3(whole, max_threads=1).hexdigest(length=16)
     # part of the run's fingerprint: peers that hash their weights otherwise are told they run another config
