@@ -5,8 +5,9 @@ How a node finds the swarm
    the bootstrap's DHT so each adds the other to its routing table, and walks the DHT towards its own id.
 2. It stores its :class:`NodeRecord` under ``swarmd/<swarm>/members`` with its owner tag as the subkey, signed by its
    Ed25519 key, expiring after ``record_ttl``; it re-stores it every ``refresh_interval``.
-3. It reads the members key every ``poll_interval`` (and right after joining), dials members it is not connected to
-   (up to ``max_peers``), and says hello to them.
+3. It reads the members key every ``poll_interval`` (and right after joining; less often in a swarm of thousands,
+   see :meth:`Discovery.poll_every`), dials members it is not connected to (up to ``max_peers``), and says hello
+   to them.
 4. Hello (``/swarmd/hello/1.0.0``) swaps signed records over a direct stream, so a newcomer is visible to every member
    it greets at once, not a poll later.
 
@@ -18,6 +19,7 @@ the storing peer is not known).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import random
 import time
@@ -50,6 +52,7 @@ WIRE.frame(HELLO_SPEC, HELLO_ACK, "hello.ack", OneOf((_ENVELOPE, Nil())), _EXAMP
 WIRE.frame(HELLO_SPEC, INTRODUCE, "hello.introduce", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
            doc="a newcomer's own sealed record, passed on one hop by a member it greeted")
 MAX_MEMBERS = 10_000
+POLL_GROWTH_MEMBERS = 1_000  # the member poll slows by its base interval for each this many members (poll_every)
 
 
 MAX_DETACHED = 16  # DHT calls past their timeout left running to end by themselves (see Discovery._dht_call)
@@ -133,6 +136,8 @@ class Discovery:
         self._introduce_rate = TokenBuckets(20.0, 100.0, max_keys=2 * MAX_MEMBERS)
         self._dialing: set[str] = set()
         self._greeted: set[str] = set()  # peers that hold our record from a hello
+        self._my_record: NodeRecord | None = None  # the last we made (my_record)
+        self._parsed: dict[bytes, tuple[object, NodeRecord]] = {}  # the last poll's records: subkey -> (value, parsed)
         self._tasks: set[asyncio.Task] = set()
         self._detached: dict[asyncio.Future, None] = {}  # DHT calls past their timeout, ending by themselves
         self._log = RateLimitedLog(logger, interval=30.0)
@@ -222,9 +227,17 @@ class Discovery:
 
     # ------------------------------------------------------------------ our record
     async def my_record(self) -> NodeRecord:
+        """Our record. Its ``issued`` time changes only with what it says, so a refresh re-signs the same value with
+        a later expiry: every member that reads it checks the signature again, but not the value (see
+        ``Ed25519RecordValidator``), and its poll does not parse it again."""
         addrs = tuple(a.rsplit("/p2p/", 1)[0] for a in await self.transport.addresses())
-        return NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16], self._clock(),
-                          self.policy)
+        record = NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16],
+                            self._clock(), self.policy)
+        last = self._my_record
+        if last is not None and dataclasses.replace(record, issued=last.issued) == last:
+            return last
+        self._my_record = record
+        return record
 
     # ------------------------------------------------------------------ admission rule
     def policy_ok(self, peer_id: str) -> bool:
@@ -345,7 +358,7 @@ class Discovery:
     async def _poll_loop(self) -> None:
         while True:
             try:
-                await asyncio.wait_for(self._poll_now.wait(), self.config.poll_interval * random.uniform(0.8, 1.2))
+                await asyncio.wait_for(self._poll_now.wait(), self.poll_every() * random.uniform(0.8, 1.2))
             except asyncio.TimeoutError:
                 pass
             self._poll_now.clear()
@@ -356,21 +369,38 @@ class Discovery:
             except Exception as e:
                 self._log.log(logging.WARNING, "poll", "member poll failed: %s", e)
 
+    def poll_every(self) -> float:
+        """Seconds between member polls: ``poll_interval``, and once more of it for every ``POLL_GROWTH_MEMBERS``
+        members we know (a poll returns every member's record, and every member polls), up to half of how long a
+        record outlives its owner's last refresh (``record_ttl`` - 1.1 x ``refresh_interval``, the refresh's
+        jitter included), so no member's record expires between two polls. Newcomers do not wait for a poll: a
+        hello and its one-hop introductions show them at once."""
+        base = self.config.poll_interval
+        ceiling = (self.config.record_ttl - 1.1 * self.config.refresh_interval) / 2
+        return max(base, min(base * (1 + len(self.members) / POLL_GROWTH_MEMBERS), ceiling))
+
     async def poll(self) -> None:
         result = await self._dht_call("get", self.dht.get(self.members_key, latest=True))
         self.counters["dht_polls"] += 1
         now = self._clock()
         entries = result.value if result is not None and isinstance(result.value, dict) else {}
+        parsed: dict[bytes, tuple[object, NodeRecord]] = {}
         for subkey, item in list(entries.items())[:MAX_MEMBERS]:
-            try:
-                record = NodeRecord.from_wire(item.value)
-            except MalformedMessage:
-                self.counters["records_rejected"] += 1
-                continue
-            if not isinstance(subkey, bytes) or subkey != owner_tag(record.peer_id):
-                self.counters["records_rejected"] += 1  # signed by someone, but about someone else
-                continue
+            known = self._parsed.get(subkey) if isinstance(subkey, bytes) else None
+            if known is not None and known[0] == item.value:
+                record = known[1]  # the same record as the poll before: parsed and checked then
+            else:
+                try:
+                    record = NodeRecord.from_wire(item.value)
+                except MalformedMessage:
+                    self.counters["records_rejected"] += 1
+                    continue
+                if not isinstance(subkey, bytes) or subkey != owner_tag(record.peer_id):
+                    self.counters["records_rejected"] += 1  # signed by someone, but about someone else
+                    continue
+            parsed[subkey] = (item.value, record)
             self._upsert(record, expires=item.expiration_time, source="dht", now=now)
+        self._parsed = parsed
         self._expire(now)
         await self._greet_new_members()
 

@@ -21,9 +21,10 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import hashlib
 import re
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -73,19 +74,62 @@ def dht_key_id(key: str) -> bytes:
     return DHTID.generate(source=key).to_bytes()
 
 
+def _digest(*parts: bytes) -> bytes:
+    """A 32-byte BLAKE2b digest of ``parts``, each prefixed by its length (no two lists of parts share one)."""
+    h = hashlib.blake2b(digest_size=32)
+    for part in parts:
+        h.update(len(part).to_bytes(4, "big"))
+        h.update(part)
+    return h.digest()
+
+
+class _Recent:
+    """A bounded set of digests, the least recently seen dropped first (``size`` 0: holds nothing)."""
+
+    def __init__(self, size: int):
+        self._size = size
+        self._items: OrderedDict[bytes, None] = OrderedDict()
+
+    def seen(self, digest: bytes | None) -> bool:
+        if digest is None or digest not in self._items:
+            return False
+        self._items.move_to_end(digest)
+        return True
+
+    def add(self, digest: bytes | None) -> None:
+        if digest is None or self._size <= 0:
+            return
+        self._items[digest] = None
+        if len(self._items) > self._size:
+            self._items.popitem(last=False)
+
+
 class Ed25519RecordValidator(_hm.RecordValidatorBase):
     """hivemind record validator for Ed25519-owned records. Never raises on bad input: it answers False."""
 
     def __init__(self, identity: Identity, protected_keys: dict[str, ValueCheck] | list[str] = (),
-                 *, max_ttl: float = 600.0):
+                 *, max_ttl: float = 600.0, remember: int = 20_000):
         """``protected_keys``: our keys, each with a check of (owner peer id, decoded value) -> bool (a list: any
-        value that decodes). Records on any other key are refused."""
+        value that decodes). Records on any other key are refused. ``remember``: how many accepted records to know
+        again without re-checking (0: check every time)."""
         self._identity = identity
         self.local_owner_tag = owner_tag(identity.peer_id)
         checks = protected_keys if isinstance(protected_keys, dict) else {k: _any_value for k in protected_keys}
         self._protected = {dht_key_id(k): check for k, check in checks.items()}
         self.max_ttl = max_ttl
         self.refused: Counter = Counter()  # by reason, for /status
+        # Every member poll returns every member's record, and most are ones an earlier poll checked. A record
+        # accepted once is accepted again without its checks: the digest covers every byte the signature and the
+        # value check read (the time bound is checked every time). A member's refresh changes only the expiry its
+        # signature covers, so its value's check (a strict parse: half the cost) is remembered apart, by owner,
+        # key and value bytes. Accepted ones only: a flood of bad records can neither fill these nor be answered
+        # from them.
+        self._accepted = _Recent(remember)
+        self._values_ok = _Recent(remember)
+        self._remember = remember
+        # "verified" (signature checked; "value_remembered" of those: their value's check was not redone) or
+        # "remembered" (the whole record known), for /status
+        self.checks: Counter = Counter()
 
     def validate(self, record) -> bool:
         try:
@@ -112,13 +156,30 @@ class Ed25519RecordValidator(_hm.RecordValidatorBase):
             return "unsigned"
         owner = owners.pop().decode()
         stripped = dataclasses.replace(record, value=record.value[:-_SIG_SUFFIX_LEN])
-        if not ident.verify(owner, self._signed_bytes(stripped), signature):
+        if len(signature) != ident.SIGNATURE_SIZE:
             return "bad_signature"
-        try:
-            value = unpack_record(stripped.value, max_size=MAX_RECORD_VALUE)
-        except (MalformedMessage, FrameTooLarge):
-            return "malformed"
-        return None if check(owner, value) else "malformed"
+        signed = self._signed_bytes(stripped)
+        remember = self._remember > 0
+        whole = _digest(signature, signed) if remember else None
+        if self._accepted.seen(whole):
+            self.checks["remembered"] += 1
+            return None
+        self.checks["verified"] += 1
+        if not ident.verify(owner, signed, signature):
+            return "bad_signature"
+        value_digest = _digest(record.key, owner.encode(), stripped.value) if remember else None
+        if self._values_ok.seen(value_digest):
+            self.checks["value_remembered"] += 1
+        else:
+            try:
+                value = unpack_record(stripped.value, max_size=MAX_RECORD_VALUE)
+            except (MalformedMessage, FrameTooLarge):
+                return "malformed"
+            if not check(owner, value):
+                return "malformed"
+            self._values_ok.add(value_digest)
+        self._accepted.add(whole)
+        return None
 
     def sign_value(self, record) -> bytes:
         if self.local_owner_tag not in (record.subkey or b""):

@@ -409,10 +409,12 @@ class Node:
             "dht": {
                 "routing_table_size": self.discovery.routing_table_size(),
                 "members_key": self.discovery.members_key,
+                "poll_every_s": round(self.discovery.poll_every(), 2),
                 **self.discovery.counters,
                 "admission_rule": self.discovery.policy,
                 "other_rule": self.discovery.policy_mismatch()[:16],
                 "records_refused": dict(self.discovery.validator.refused) if self.discovery.validator else {},
+                "records_checked": dict(self.discovery.validator.checks) if self.discovery.validator else {},
             },
             "members": len(known[0]),  # others
             "peers_omitted": len(known[0] | known[1]) - len(peers),

@@ -65,6 +65,13 @@ class NodeCollector:
             for reason, count in node.discovery.validator.refused.items():
                 refused.add_metric([reason], count)
             yield refused
+            checked = CounterMetricFamily(
+                "swarmd_dht_records_checked",
+                "DHT records our validator checked: signature and value verified, or remembered from an earlier check",
+                labels=["how"])
+            for how, count in node.discovery.validator.checks.items():
+                checked.add_metric([how], count)
+            yield checked
 
         traffic = CounterMetricFamily("swarmd_bytes", "Bytes on swarmd protocol streams",
                                       labels=["protocol", "direction"])

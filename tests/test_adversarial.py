@@ -151,7 +151,12 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
                  "both nodes to keep polling the member list")
         for n in (a, b):
             assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1
-        assert "swarmd_dht_records_refused" in http_get(a.url + "/metrics")
+        # a member's record, unchanged from one poll to the next (re-stored every 20 s), is checked once, then
+        # remembered
+        wait_for(lambda: all(n.status()["dht"]["records_checked"].get("remembered", 0) >= 1 for n in (a, b)), 60,
+                 "a record read again to be known from its first check")
+        metrics = http_get(a.url + "/metrics")
+        assert "swarmd_dht_records_refused" in metrics and 'swarmd_dht_records_checked_total{how="verified"}' in metrics
         await node.shutdown()
     finally:
         await attacker.close()

@@ -124,3 +124,100 @@ async def test_a_failed_peer_listing_keeps_the_last_one_for_a_while(tmp_path):
     failing[0] = False
     await node._refresh_connections()
     assert set(node.connected) == {"QmA"} and node._list_failures == 0
+
+
+@pytest.mark.timeout(30)
+async def test_a_member_poll_parses_only_the_records_that_changed_since_the_poll_before(monkeypatch):
+    """Every poll returns every member's record (10,000 at most), and most are the ones the poll before read: those
+    are not parsed again, and one that changed, or that came under another member's subkey, is."""
+    from types import SimpleNamespace
+
+    import dht.discovery as discovery_module
+    from dht.records import owner_tag
+
+    alice, bob, carol = (Identity.generate() for _ in range(3))
+
+    def wire(who, issued, port=1):
+        return NodeRecord(who.peer_id, (f"/ip4/127.0.0.1/tcp/{port}",), "t", (), issued).to_wire()
+
+    table = {owner_tag(p.peer_id): wire(p, 1.0) for p in (alice, bob, carol)}
+
+    class StandInDHT:  # what hivemind's get returns: each call decodes the values afresh
+        async def get(self, key, latest):
+            return SimpleNamespace(value={k: SimpleNamespace(value=dict(v), expiration_time=2e9)
+                                          for k, v in table.items()})
+
+    class NoPeers(SilentTransport):
+        penalties = SimpleNamespace(is_banned=lambda peer_id: True)  # nobody is dialled
+
+        async def peers(self):
+            return []
+
+    parsed = []
+    from_wire = NodeRecord.from_wire.__func__
+    monkeypatch.setattr(discovery_module.NodeRecord, "from_wire",
+                        classmethod(lambda cls, obj: parsed.append(obj.get("peer")) or from_wire(cls, obj)))
+    discovery = Discovery(NoPeers(), Identity.generate(), DiscoveryConfig("s", [], max_peers=0), version="test")
+    discovery.dht = StandInDHT()
+    await discovery.poll()
+    assert sorted(parsed) == sorted(p.peer_id for p in (alice, bob, carol)) and len(discovery.members) == 3
+
+    parsed.clear()
+    await discovery.poll()
+    assert parsed == [] and len(discovery.members) == 3
+
+    table[owner_tag(bob.peer_id)] = wire(bob, 2.0, port=2)  # bob re-stored his record
+    table[owner_tag(carol.peer_id)] = wire(alice, 1.0)  # alice's record under carol's subkey
+    await discovery.poll()
+    assert sorted(parsed) == sorted([bob.peer_id, alice.peer_id])
+    assert discovery.members[bob.peer_id].record.addrs == ("/ip4/127.0.0.1/tcp/2",)
+    assert discovery.counters["records_rejected"] == 1
+
+    parsed.clear()
+    await discovery.poll()  # a refused record is parsed (and refused) again; bob's new one is not
+    assert parsed == [alice.peer_id] and discovery.counters["records_rejected"] == 2
+
+
+def test_the_member_poll_slows_as_the_swarm_grows_but_never_lets_a_record_expire_between_polls():
+    from dht.discovery import MAX_MEMBERS, POLL_GROWTH_MEMBERS
+
+    config = DiscoveryConfig("s", [])  # the defaults: poll 5 s, refresh 20 s, records live 60 s
+    discovery = Discovery(SilentTransport(), Identity.generate(), config, version="test")
+
+    def with_members(n):
+        discovery.members = dict.fromkeys(range(n))
+        return discovery.poll_every()
+
+    assert with_members(0) == 5.0 and with_members(8) == 5.0 * (1 + 8 / POLL_GROWTH_MEMBERS)
+    assert with_members(POLL_GROWTH_MEMBERS) == 10.0
+    # a record is re-stored at most 1.1 x 20 s after the last store, and lives 60 s from it: a poll every
+    # 19 s x 1.2 (its own jitter) still reads each record before it expires
+    assert with_members(MAX_MEMBERS) == (60 - 1.1 * 20) / 2 == 19.0
+    assert with_members(MAX_MEMBERS) * 1.2 + 1.1 * config.refresh_interval < config.record_ttl
+    # a configured interval above that bound is kept as it is (the operator's choice); one below is never lowered
+    discovery.config = DiscoveryConfig("s", [], poll_interval=30.0)
+    assert with_members(0) == with_members(MAX_MEMBERS) == 30.0
+    discovery.config = DiscoveryConfig("s", [], record_ttl=10.0, refresh_interval=5.0, poll_interval=1.0)
+    assert with_members(0) == 1.0 and with_members(MAX_MEMBERS) == (10 - 5.5) / 2
+
+
+async def test_our_record_keeps_its_issued_time_until_what_it_says_changes():
+    """A refresh re-signs the same value with a later expiry, so the members reading it check only the signature."""
+    clock = [100.0]
+    addrs = ["/ip4/127.0.0.1/tcp/4001"]
+
+    class Moving(SilentTransport):
+        async def addresses(self):
+            return list(addrs)
+
+    discovery = Discovery(Moving(), Identity.generate(), DiscoveryConfig("s", []), version="test",
+                          clock=lambda: clock[0])
+    first = await discovery.my_record()
+    clock[0] = 120.0
+    assert await discovery.my_record() == first and first.issued == 100.0
+    addrs.append("/ip4/10.0.0.2/tcp/4001")  # a new address: a new record, issued now
+    clock[0] = 140.0
+    moved = await discovery.my_record()
+    assert moved.issued == 140.0 and moved.addrs == tuple(addrs)
+    clock[0] = 160.0
+    assert (await discovery.my_record()).issued == 140.0

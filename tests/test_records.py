@@ -107,6 +107,71 @@ def test_member_entries_must_be_one_record_about_their_signer_with_a_bounded_exp
         assert checker.refused[reason] == before + 1, reason
 
 
+def test_a_record_accepted_once_is_known_again_but_any_changed_byte_is_checked_in_full():
+    """Every member poll returns every member's record: the validator remembers the ones it accepted (a bounded
+    number), keyed by every byte the signature and the value check read, and still redoes the time-bound check."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    alice, mallory = Identity.generate(), Identity.generate()
+    now = hm.get_dht_time()
+
+    def signed(who=alice, issued=1.0, expiration=now + 60):
+        value = MSGPackSerializer.dumps(NodeRecord(who.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), issued).to_wire())
+        rec = record(who, value=value, expiration=expiration)
+        return dataclasses.replace(rec, value=Ed25519RecordValidator(who, [KEY]).sign_value(rec))
+
+    checker = Ed25519RecordValidator(Identity.generate(), {KEY: member_value_ok}, remember=2)
+    good = signed()
+    assert checker.validate(good) and checker.validate(good)
+    assert checker.checks == {"verified": 1, "remembered": 1}
+
+    # one changed byte anywhere the signature covers, or another signature over the same bytes: checked in full
+    sig_at = len(good.value) - 2
+    other_sig = good.value[:sig_at - 10] + (b"B" if good.value[sig_at - 10:sig_at - 9] != b"B" else b"C") + \
+        good.value[sig_at - 9:]
+    for changed, accepted in [
+        (dataclasses.replace(good, expiration_time=good.expiration_time + 1), False),  # signed over the old expiry
+        (dataclasses.replace(good, value=b"\x00" + good.value[1:]), False),
+        (dataclasses.replace(good, value=other_sig), False),
+        (signed(issued=2.0), True),
+    ]:
+        before = checker.checks["verified"]
+        assert checker.validate(changed) is accepted
+        assert checker.checks["verified"] == before + 1
+    assert checker.refused["bad_signature"] == 3
+    for _ in range(3):  # refused records are never remembered: each is checked again
+        assert not checker.validate(dataclasses.replace(good, value=other_sig))
+    assert checker.refused["bad_signature"] == 6
+
+    # mallory re-signs alice's exact value under her own subkey: a new record, checked, refused as not about her
+    stolen = record(mallory, value=Ed25519RecordValidator(alice, [KEY]).strip_value(good), expiration=now + 60)
+    stolen = dataclasses.replace(stolen, value=Ed25519RecordValidator(mallory, [KEY]).sign_value(stolen))
+    assert not checker.validate(stolen) and checker.refused["malformed"] == 1
+
+    # the time bound is not remembered: a record known as good is refused once its expiry is too far ahead
+    checker.max_ttl = 10
+    assert not checker.validate(good) and checker.refused["expiry_too_far"] == 1
+    checker.max_ttl = 600
+
+    # bounded: with room for 2, the oldest of 3 accepted records is checked in full again
+    third = signed(issued=3.0)
+    assert checker.validate(third)
+    before = checker.checks["verified"]
+    assert checker.validate(third) and checker.validate(signed(issued=2.0))
+    assert checker.checks["verified"] == before
+    assert checker.validate(good) and checker.checks["verified"] == before + 1
+
+    never = Ed25519RecordValidator(Identity.generate(), {KEY: member_value_ok}, remember=0)
+    assert never.validate(good) and never.validate(good) and never.checks == {"verified": 2}
+
+    # a member's refresh re-signs the same value with a later expiry: its signature is checked, its value's check
+    # is remembered (by owner and value bytes: the same value under mallory's name was refused above)
+    fresh = Ed25519RecordValidator(Identity.generate(), {KEY: member_value_ok})
+    assert fresh.validate(signed()) and fresh.validate(signed(expiration=now + 90))
+    assert fresh.checks == {"verified": 2, "value_remembered": 1}
+    assert not fresh.validate(stolen) and fresh.refused["malformed"] == 1
+
+
 def test_strip_value_does_not_mangle_payloads_that_look_like_signatures():
     alice = Identity.generate()
     v = Ed25519RecordValidator(alice, [KEY])
