@@ -205,7 +205,10 @@ class Node:
     # ------------------------------------------------------------------ lifecycle
     async def run(self, on_ready: Callable[[Node], None] | None = None) -> None:
         self.started_at, self._started_mono = time.time(), time.monotonic()
+        for name in datadir.remove_stale_sockets(self.data_dir):
+            logger.info("removed %s, left by this data dir's last run (it was killed before it could close)", name)
         await self.transport.start()
+        datadir.write_sockets(self.data_dir, self.transport.unix_sockets)
         try:
             await serve_ping(self.transport)
             await self.reach.start()
@@ -258,6 +261,7 @@ class Node:
         finally:
             # ends inbound handlers, which may still be writing to the op log
             await _bounded("the transport's close", self.transport.close())
+            datadir.remove_stale_sockets(self.data_dir)  # closed: any socket a close did not remove
             self.replicator.close()
             self.reach.close()
 

@@ -5,6 +5,9 @@ Layout::
     <data dir>/identity.key   Ed25519 key (mode 0600)
     <data dir>/swarmd.lock    held with flock(LOCK_EX) while a node runs; holds its pid
     <data dir>/node.json      written when the node is up: pid, peer id, addresses, status URL; removed at exit
+    <data dir>/p2p-sockets.json  the unix sockets its p2p daemon and client listen on (in /tmp, named by hivemind),
+                              while it runs: a node killed before it could close leaves them, and its next start
+                              removes them
 """
 
 from __future__ import annotations
@@ -12,6 +15,9 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
+import socket
+import stat
 from pathlib import Path
 
 import platformdirs
@@ -25,6 +31,9 @@ RUNTIME_FILE = "node.json"
 TOKEN_FILE = "http.token"  # the local HTTP endpoint's write secret (mode 0600): only who can read the data dir writes
 RELAYS_FILE = "relays.json"  # relays found through the DHT, reserved on at the next start
 MAX_RELAYS = 8
+SOCKETS_FILE = "p2p-sockets.json"
+# the only paths a sockets file may name for removal: hivemind's P2P makes these (hivemind/p2p/p2p_daemon.py)
+_P2P_SOCKET = re.compile(r"/tmp/hivemind-(?:p2pd|p2pclient)-[A-Za-z0-9_-]{1,64}\.sock")
 
 
 class DataDirError(Exception):
@@ -164,3 +173,48 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def write_sockets(path: Path, sockets: list[str]) -> None:
+    _write_json(path, SOCKETS_FILE, sockets)
+
+
+def remove_stale_sockets(path: Path) -> list[str]:
+    """Remove the unix sockets that this data dir's last run left in /tmp (it was killed before it could close),
+    or that a close left, and return them; the list is forgotten. Called at start with the data dir's lock held,
+    and after the transport's close. A path is removed only if it is one that hivemind names, is a socket of
+    ours, and nothing accepts a connection on it."""
+    try:
+        with open(path / SOCKETS_FILE) as f:
+            listed = json.load(f)
+    except FileNotFoundError:
+        return []
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        listed = []
+    removed = []
+    for name in listed[:8] if isinstance(listed, list) else []:
+        if not isinstance(name, str) or not _P2P_SOCKET.fullmatch(name):
+            continue
+        try:
+            st = os.lstat(name)
+        except OSError:
+            continue
+        if not stat.S_ISSOCK(st.st_mode) or st.st_uid != os.getuid() or _listening(name):
+            continue
+        try:
+            os.unlink(name)
+        except OSError:
+            continue
+        removed.append(name)
+    (path / SOCKETS_FILE).unlink(missing_ok=True)
+    return removed
+
+
+def _listening(name: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(name)
+        except OSError:
+            return False
+        return True

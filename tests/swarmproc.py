@@ -297,6 +297,10 @@ class Swarm:
                 node.proc.kill()
                 node.proc.wait(5)
             node._log.close()
+        from node import datadir
+
+        for node in self.nodes:  # what a node killed with SIGKILL (and not started again) left in /tmp
+            datadir.remove_stale_sockets(node.data_dir)
 
 
 def run_cli(*args: str, timeout: float = 120.0, env: dict | None = None) -> subprocess.CompletedProcess:

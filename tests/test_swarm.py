@@ -56,6 +56,28 @@ def test_restart_with_same_data_dir_keeps_peer_id(swarm):
     assert (swarm.root / "b" / "identity.key").stat().st_mode & 0o777 == 0o600
 
 
+@pytest.mark.timeout(90)
+def test_a_node_killed_with_sigkill_has_the_sockets_it_left_in_tmp_removed_at_its_next_start(swarm):
+    """SIGKILL gives the node no time to close: the unix socket its p2p client listens on stays in /tmp (the suite's
+    kill -9 tests left about 250 of them). The data dir remembers the sockets of its run; the next start removes
+    those that nothing listens on, and a clean stop leaves none."""
+    import json
+    import os
+
+    a = swarm.start("a")
+    listed = json.loads((a.data_dir / "p2p-sockets.json").read_text())
+    assert len(listed) == 2 and all(os.path.exists(p) for p in listed), listed  # the daemon's and the client's
+    client = next(p for p in listed if "p2pclient" in p)
+    a.kill()
+    assert os.path.exists(client)  # what SIGKILL leaves
+    again = swarm.start("a")
+    assert not os.path.exists(client) and f"removed {client}" in again.log()
+    ours = json.loads((a.data_dir / "p2p-sockets.json").read_text())
+    assert client not in ours and all(os.path.exists(p) for p in ours)
+    assert again.stop() == 0
+    assert not (a.data_dir / "p2p-sockets.json").exists() and not any(os.path.exists(p) for p in ours)
+
+
 @pytest.mark.timeout(60)
 def test_unreachable_bootstrap_keeps_retrying_and_shows_it(swarm):
     # a valid address where nobody listens

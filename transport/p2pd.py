@@ -221,6 +221,14 @@ class P2PDaemonTransport:
         return self._p2p is not None and (child is None or child.returncode is None)
 
     @property
+    def unix_sockets(self) -> list[str]:
+        """The unix socket paths the p2p daemon and our client listen on (removed by a clean close)."""
+        if self._p2p is None:
+            return []
+        return [str(m)[len("/unix"):] for m in (self._p2p._daemon_listen_maddr, self._p2p._client_listen_maddr)
+                if str(m).startswith("/unix/")]
+
+    @property
     def daemon_pid(self) -> int | None:
         child = getattr(self._p2p, "_child", None)
         return None if child is None else child.pid
