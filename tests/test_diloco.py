@@ -155,12 +155,16 @@ def test_a_peer_that_closed_the_last_round_differently_takes_the_majoritys_final
         late = nodes[3]
         wait_for(lambda: d(late).get("rounds", 0) >= 2, 150, "two rounds closed")
         with late.paused():
+            # what the others did before the pause is not what this test checks: under load a round-1 update can
+            # reach a peer after its deadline, and that peer then resyncs
+            resynced_before = [d(n).get("resyncs", 0) for n in nodes[:3]]
             wait_for(lambda: all(d(n)["state"] == "done" for n in nodes[:3]), 120, "the others to finish")
         final = wait_for(lambda: d(late)["state"] == "done" and [d(n) for n in nodes], 120, "the late one to finish")
         assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
         # it takes the round's coordinator's members (the others', without its own update), or the others' final
         # weights from one of them, or redoes its last close without its own update
         assert final[3].get("own_update_left_out", 0) + final[3].get("resyncs", 0) + final[3].get("redone", 0) >= 1
-        assert all(s.get("resyncs", 0) == 0 for s in final[:3])
+        # and the late one's last close never moves the others off the weights they finished on
+        assert [s.get("resyncs", 0) for s in final[:3]] == resynced_before
     finally:
         swarm.close()
