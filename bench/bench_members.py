@@ -1,8 +1,10 @@
 """Member poll benchmark: what reading the members key costs a node as the swarm grows.
 
 Every node reads the swarm's members key from the DHT (``Discovery.poll``), and the answer holds every member's
-signed record (up to 10,000). Here one process runs a DHT node on a real p2p daemon that stores M member records,
-each signed by its own key, and another runs a real :class:`~dht.discovery.Discovery` that polls it through the DHT.
+signed record (up to 10,000). Here one process runs the key's replicas (``--replicas``, 5: a node stores its
+record on hivemind's ``num_replicas`` nearest nodes, and a poll reads every one of them), DHT nodes on real p2p
+daemons that each hold M member records signed by their own keys, and another process runs a real
+:class:`~dht.discovery.Discovery` that polls them through the DHT.
 Between two polls, the share of members that a node's ``refresh_interval`` (20 s) would have re-stored in its
 ``Discovery.poll_every()`` re-store their records: the same value, re-signed with a later expiry.
 
@@ -13,7 +15,7 @@ each record's signature and value checked in full and parsed again by the poll a
 against the same DHT, so the ratio is measured under the same load. "Share of a core" is a poll's CPU over the
 interval between polls.
 
-    python bench/bench_members.py [--members 100 1000 10000] [--polls 6]
+    python bench/bench_members.py [--members 100 1000 5000] [--polls 6] [--replicas 5]
 """
 
 from __future__ import annotations
@@ -55,8 +57,9 @@ def _signer_for(identities):
     return Signer
 
 
-def _serve(members: int, conn) -> None:
-    """The storing node: its own DHT node on its own p2p daemon, holding ``members`` signed member records."""
+def _serve(members: int, replicas: int, conn) -> None:
+    """The key's storing nodes: ``replicas`` DHT nodes, each on its own p2p daemon, each holding ``members`` signed
+    member records (a node stores its record on 5, hivemind's ``num_replicas``, and a poll asks each of them)."""
     import random
 
     import uvloop
@@ -75,9 +78,14 @@ def _serve(members: int, conn) -> None:
         key = "swarmd/bench/members"
         identities = {i: Identity.generate() for i in range(members)}
         signer = _signer_for(identities)(key, identities)
-        transport = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
-        await transport.start()
-        node = await hm.DHTNode.create(p2p=transport.hivemind_p2p, record_validator=signer, num_replicas=1)
+        transports, nodes = [], []
+        for _ in range(replicas):  # the key's replicas: each holds every record, and a poll reads each of them
+            transport = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+            await transport.start()
+            transports.append(transport)
+            nodes.append(await hm.DHTNode.create(p2p=transport.hivemind_p2p, record_validator=signer,
+                                                 num_replicas=1))
+        serializer = nodes[0].protocol.serializer
 
         async def store(which) -> None:
             records = {i: NodeRecord(identities[i].peer_id, (f"/ip4/10.{i >> 16 & 255}.{i >> 8 & 255}.{i & 255}/tcp/"
@@ -85,15 +93,15 @@ def _serve(members: int, conn) -> None:
                                      "0.1.0", ("diloco",), 1.0, "ab" * 8).to_wire() for i in which}
             expiration = hm.get_dht_time() + 120
             key_id = DHTID.generate(source=key)
-            for i, wire in records.items():  # into our own storage, signed as the DHT's store would sign it
+            for i, wire in records.items():  # into each replica's storage, signed as the DHT's store would sign it
                 tag = owner_tag(identities[i].peer_id)  # kept as it is, signed serialized (hivemind's rpc_store)
                 signed = signer.sign_value(hm.DHTRecord(
-                    key_id.to_bytes(), node.protocol.serializer.dumps(tag), node.protocol.serializer.dumps(wire),
-                    expiration))
-                node.protocol.storage.store_subkey(key_id, tag, signed, expiration)
+                    key_id.to_bytes(), serializer.dumps(tag), serializer.dumps(wire), expiration))
+                for node in nodes:
+                    node.protocol.storage.store_subkey(key_id, tag, signed, expiration)
 
         await store(list(identities))
-        conn.send((key, (await transport.addresses())[0]))
+        conn.send((key, [(await t.addresses())[0] for t in transports]))
         while True:
             command = await asyncio.get_running_loop().run_in_executor(None, conn.recv)
             if command == "stop":
@@ -102,8 +110,9 @@ def _serve(members: int, conn) -> None:
                 # a refresh: the same value, re-signed with a later expiry (Discovery.my_record)
                 await store(random.sample(list(identities), int(members * command[1])))
             conn.send(resource.getrusage(resource.RUSAGE_SELF))
-        await node.shutdown()
-        await transport.close()
+        for node, transport in zip(nodes, transports):
+            await node.shutdown()
+            await transport.close()
 
     uvloop.run(main())
 
@@ -112,7 +121,7 @@ def _cpu(usage) -> float:
     return usage.ru_utime + usage.ru_stime
 
 
-async def _measure(members: int, polls: int) -> dict:
+async def _measure(members: int, replicas: int, polls: int) -> dict:
     from dht.discovery import Discovery, DiscoveryConfig
     from transport._compat import load_hivemind
     from transport.identity import Identity
@@ -120,20 +129,21 @@ async def _measure(members: int, polls: int) -> dict:
 
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()
-    server = ctx.Process(target=_serve, args=(members, theirs), daemon=True)
+    server = ctx.Process(target=_serve, args=(members, replicas, theirs), daemon=True)
     server.start()
     try:
-        key, addr = await asyncio.get_running_loop().run_in_executor(None, ours.recv)
+        key, addrs = await asyncio.get_running_loop().run_in_executor(None, ours.recv)
         transport = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
         await transport.start()
-        discovery = Discovery(transport, transport.identity, DiscoveryConfig("bench", [addr], max_peers=0),
+        discovery = Discovery(transport, transport.identity, DiscoveryConfig("bench", addrs, max_peers=0),
                               version="bench")
         await discovery.start()
         assert discovery.members_key == key
-        peer_id = await transport.connect(addr, timeout=10)  # into each other's routing tables (no hello: the
-        hm = load_hivemind()  # storing node is a bare DHT node)
-        if await discovery.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False) is None:
-            raise RuntimeError("the storing node did not answer a DHT ping")
+        hm = load_hivemind()
+        for addr in addrs:  # into each other's routing tables (no hello: the storing nodes are bare DHT nodes)
+            peer_id = await transport.connect(addr, timeout=10)
+            if await discovery.dht.protocol.call_ping(hm.PeerID.from_base58(peer_id), validate=False) is None:
+                raise RuntimeError("a storing node did not answer a DHT ping")
         discovery.members = dict.fromkeys(range(members))  # what a node of this swarm knows: its poll interval
         every = discovery.poll_every()
         discovery.members = {}
@@ -174,14 +184,17 @@ async def _ask(conn, command):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--members", type=int, nargs="+", default=[100, 1000, 10000])
+    parser.add_argument("--members", type=int, nargs="+", default=[100, 1000, 5000])
     parser.add_argument("--polls", type=int, default=6, help="polls measured per mode (alternated)")
+    parser.add_argument("--replicas", type=int, default=5, help="the nodes that store the members key (hivemind's "
+                        "num_replicas, as discovery stores it)")
     args = parser.parse_args()
     import uvloop
 
-    results = [uvloop.run(_measure(m, args.polls)) for m in args.members]
+    results = [uvloop.run(_measure(m, args.replicas, args.polls)) for m in args.members]
     print(f"# bench_members {datetime.datetime.now().isoformat(timespec='seconds')}: median of {args.polls} polls per "
-          f"mode; before: a poll every {BEFORE_EVERY:.0f} s, every record checked and parsed; now: a poll every "
+          f"mode; the key on {args.replicas} storing nodes; before: a poll every {BEFORE_EVERY:.0f} s, every record "
+          f"checked and parsed; now: a poll every "
           f"poll_every() s, the records re-stored since the poll before ({REFRESH:.0f} s refresh) checked")
     print("members | poll every s, before | now  | re-stored | poll CPU ms, before | now    | "
           "share of a core, before | now    | ratio | serving CPU ms a poll, before | now")

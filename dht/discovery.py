@@ -24,9 +24,10 @@ import logging
 import random
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Awaitable, Callable
 
-from dht.records import Ed25519RecordValidator, NodeRecord, member_value_ok, open_envelope, owner_tag, seal
+from dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok, open_envelope, owner_tag,
+                         seal)
 from transport.framing import unpack_record
 from transport._compat import load_hivemind
 from transport.base import Stream
@@ -114,9 +115,16 @@ class Discovery:
         clock: Callable[[], float] = time.time,
         on_greeted: Callable[[str], None] = lambda peer_id: None,
         policy: str = "",
+        admitted: Callable[[NodeRecord], bool] | None = None,
+        ticket: Callable[[], Awaitable[int | None]] | None = None,
     ):
+        """``admitted``: the swarm's admission rule for the records under the members key (its ticket or the
+        allowlist, crdt.admission), checked by every node that stores or reads them (None: any record about its
+        signer); ``ticket``: our own ticket, said in our record."""
         self.transport = transport
         self.policy = policy  # the digest of our admission rule (crdt.admission), said in our record
+        self._admitted = admitted
+        self._ticket = ticket
         self.identity = identity
         self.config = config
         self.version = version
@@ -145,8 +153,9 @@ class Discovery:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         hm = load_hivemind()
+        check = member_value_ok if self._admitted is None else member_check(self._admitted)
         self.validator = validator = Ed25519RecordValidator(
-            self.identity, {self.members_key: member_value_ok}, max_ttl=max(600.0, 4 * self.config.record_ttl))
+            self.identity, {self.members_key: check}, max_ttl=max(600.0, 4 * self.config.record_ttl))
         self.dht = await hm.DHTNode.create(
             p2p=self.transport.hivemind_p2p,
             record_validator=validator,
@@ -231,8 +240,9 @@ class Discovery:
         a later expiry: every member that reads it checks the signature again, but not the value (see
         ``Ed25519RecordValidator``), and its poll does not parse it again."""
         addrs = tuple(a.rsplit("/p2p/", 1)[0] for a in await self.transport.addresses())
+        ticket = None if self._ticket is None else await self._ticket()
         record = NodeRecord(self.identity.peer_id, addrs[:16], self.version, tuple(self._loops())[:16],
-                            self._clock(), self.policy)
+                            self._clock(), self.policy, ticket)
         last = self._my_record
         if last is not None and dataclasses.replace(record, issued=last.issued) == last:
             return last

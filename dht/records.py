@@ -48,7 +48,7 @@ _SIG_SUFFIX_LEN = len(_SIG_PREFIX) + _SIG_B64_LEN + 1
 MAX_RECORD_VALUE = 8 * 1024
 
 
-ValueCheck = Callable[[str, Any], bool]
+ValueCheck = Callable[[str, Any], "bool | str"]  # True, or False / a refusal reason
 
 
 def _any_value(owner: str, value: Any) -> bool:
@@ -61,6 +61,22 @@ def member_value_ok(owner: str, value: Any) -> bool:
         return NodeRecord.from_wire(value).peer_id == owner
     except MalformedMessage:
         return False
+
+
+def member_check(admitted: Callable[[NodeRecord], bool]) -> ValueCheck:
+    """The members key's check in a swarm that prices identities: one node record about its signer, and
+    ``admitted`` by the swarm's rule (its ticket, or the allowlist); a record that is not is refused as
+    "unadmitted"."""
+    def check(owner: str, value: Any) -> bool:
+        try:
+            record = NodeRecord.from_wire(value)
+        except MalformedMessage:
+            return False
+        if record.peer_id != owner:
+            return False
+        return True if admitted(record) else "unadmitted"
+
+    return check
 
 
 def owner_tag(peer_id: str) -> bytes:
@@ -175,8 +191,9 @@ class Ed25519RecordValidator(_hm.RecordValidatorBase):
                 value = unpack_record(stripped.value, max_size=MAX_RECORD_VALUE)
             except (MalformedMessage, FrameTooLarge):
                 return "malformed"
-            if not check(owner, value):
-                return "malformed"
+            verdict = check(owner, value)
+            if verdict is not True:
+                return verdict if isinstance(verdict, str) else "malformed"
             self._values_ok.add(value_digest)
         self._accepted.add(whole)
         return None
@@ -248,13 +265,16 @@ MAX_LOOPS = 16
 MAX_TEXT = 64
 MAX_POLICY = 32
 _RECORD_FIELDS = {"v", "peer", "addrs", "version", "loops", "issued"}
+MAX_TICKET = 2**64 - 1  # crdt.admission's nonces are 8 bytes
 RECORD = WIRE.blob("(DHT value, hello)", "dht.record", Map.of(
-    optional=("adm",), v=Int(1, 1), peer=Str(128), addrs=List(Str(512), MAX_ADDRS), version=Str(MAX_TEXT),
-    loops=List(Str(MAX_TEXT, min=1), MAX_LOOPS), issued=OneOf((Float(), Int(0))), adm=Str(MAX_POLICY, min=1)), {
+    optional=("adm", "tk"), v=Int(1, 1), peer=Str(128), addrs=List(Str(512), MAX_ADDRS), version=Str(MAX_TEXT),
+    loops=List(Str(MAX_TEXT, min=1), MAX_LOOPS), issued=OneOf((Float(), Int(0))), adm=Str(MAX_POLICY, min=1),
+    tk=Int(0, MAX_TICKET)), {
     "v": 1, "peer": "12D3KooW...", "addrs": ["/ip4/203.0.113.7/tcp/4001/p2p/12D3KooW..."], "version": "0.1.0",
-    "loops": ["diloco/run"], "issued": 1_800_000_000.5, "adm": "0123456789abcdef"}, max_size=8192,
+    "loops": ["diloco/run"], "issued": 1_800_000_000.5, "adm": "0123456789abcdef", "tk": 48_211}, max_size=8192,
     signed="swarmd/envelope/v1", doc="a node's record of itself, sealed ({p: this, s: its signature}) in the DHT and "
-    "in hello; adm: the digest of its admission rule (crdt.admission), absent in records of nodes before it")
+    "in hello; adm: the digest of its admission rule (crdt.admission), absent in records of nodes before it; tk: its "
+    "admission ticket in an open swarm (the work that puts a price on an identity), which the members key asks for")
 
 
 @dataclass(frozen=True)
@@ -267,6 +287,7 @@ class NodeRecord:
     loops: tuple[str, ...]
     issued: float  # issuer's wall clock (seconds)
     policy: str = ""  # the digest of its admission rule ("": not said, a node from before it was)
+    ticket: int | None = None  # its admission ticket (crdt.admission), in an open swarm
 
     def to_wire(self) -> dict:
         wire = {
@@ -279,13 +300,18 @@ class NodeRecord:
         }
         if self.policy:
             wire["adm"] = self.policy
+        if self.ticket is not None:
+            wire["tk"] = self.ticket
         return wire
 
     @classmethod
     def from_wire(cls, obj: Any) -> NodeRecord:
         """Strict parse: exact field set and types, bounded sizes. Raises MalformedMessage."""
-        if not isinstance(obj, dict) or set(obj) - {"adm"} != _RECORD_FIELDS:
+        if not isinstance(obj, dict) or set(obj) - {"adm", "tk"} != _RECORD_FIELDS:
             raise MalformedMessage("node record: wrong fields")
+        ticket = obj.get("tk")
+        if "tk" in obj and (type(ticket) is not int or not 0 <= ticket <= MAX_TICKET):
+            raise MalformedMessage("node record: bad admission ticket")
         policy = obj.get("adm", "")
         if not isinstance(policy, str) or len(policy) > MAX_POLICY or ("adm" in obj and not policy):
             raise MalformedMessage("node record: bad admission digest")
@@ -310,7 +336,7 @@ class NodeRecord:
             raise MalformedMessage("node record: bad loops")
         if type(issued) is not float or issued != issued:
             raise MalformedMessage("node record: bad issued time")
-        return cls(peer, addrs, version, tuple(loops), issued, policy)
+        return cls(peer, addrs, version, tuple(loops), issued, policy, ticket)
 
 
 def now() -> float:

@@ -149,6 +149,11 @@ class Node:
             loops=self.loop_names,
             on_greeted=lambda peer_id: self.discovery.policy_ok(peer_id) and self.replicator.sync_soon(peer_id),
             policy=admission.policy(),
+            # the members key asks for the same price of an identity as the replicated state: a record with a
+            # ticket (or from the allowlist); our own ticket is the replicator's
+            admitted=lambda record: admission.admits(record.peer_id, "members",
+                                                     admission.payload(record.peer_id, record.ticket)) is None,
+            ticket=lambda: self.replicator.member_ticket(),
         )
         self.replicator = Replicator(
             identity,

@@ -150,6 +150,7 @@ class Replicator:
         self.store = OpStore(schema or BASE_SCHEMA, self._verify, max_skew_ms=max_skew_ms, admission=self.admission,
                              max_authors=max_authors)
         self.ticket_file = data_dir / "admission.ticket"
+        self._member_ticket: int | None = None
         self.log = log if log is not None else OpLog(data_dir / "crdt.log")
         self._peers = peers
         self._compatible = compatible
@@ -195,6 +196,15 @@ class Replicator:
         if me not in self.store.chains and not self.admission.closed:
             ticket = await asyncio.to_thread(self._ticket)
         await self.write("members", self.admission.payload(me, ticket))
+
+    async def member_ticket(self) -> int | None:
+        """Our admission ticket for our member record (None in a closed swarm): minted off the event loop the first
+        time (about 2 s at 22 bits), then kept."""
+        if self.admission.closed:
+            return None
+        if self._member_ticket is None:
+            self._member_ticket = await asyncio.to_thread(self._ticket)
+        return self._member_ticket
 
     def _ticket(self) -> int:
         """Our admission ticket (crdt.admission): minted once per identity and swarm, kept in the data dir."""

@@ -146,11 +146,32 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
             stored.append(await node.protocol.call_store(peer, [DHTID.from_bytes(junk.key)], [signed],
                                                          junk.expiration_time, subkeys=[owner_tag(mallory.peer_id)]))
         assert stored == [[False], [False]]  # refused by the storing node itself
+
+        # a well-formed record of mallory's without an admission ticket: refused too (the members key asks for the
+        # same price of an identity as the replicated state); with a ticket for this swarm's rule it is stored
+        from crdt.admission import Admission
+        from dht.records import NodeRecord
+
+        def sealed(ticket):
+            wire = NodeRecord(mallory.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), 1.0, "", ticket).to_wire()
+            rec = hm.DHTRecord(dht_key_id(key), subkey, MSGPackSerializer.dumps(wire), hm.get_dht_time() + 300)
+            return rec, lax.sign_value(rec)
+
+        import tomllib
+
+        bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
+        for ticket, expected in ((None, False), (Admission(a.status()["swarm"], bits).mint(mallory.peer_id), True)):
+            rec, value = sealed(ticket)
+            answers = [await node.protocol.call_store(hm.PeerID.from_base58(v.peer_id), [DHTID.from_bytes(rec.key)],
+                                                      [value], rec.expiration_time,
+                                                      subkeys=[owner_tag(mallory.peer_id)]) for v in (a, b)]
+            assert answers == [[expected], [expected]], (ticket, answers)
         polls = [n.status()["dht"]["dht_polls"] for n in (a, b)]
         wait_for(lambda: all(n.status()["dht"]["dht_polls"] >= p + 2 for n, p in zip((a, b), polls)), 30,
                  "both nodes to keep polling the member list")
         for n in (a, b):
             assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1
+            assert n.status()["dht"]["records_refused"].get("unadmitted", 0) >= 1
         # a member's record, unchanged from one poll to the next (re-stored every 20 s), is checked once, then
         # remembered
         wait_for(lambda: all(n.status()["dht"]["records_checked"].get("remembered", 0) >= 1 for n in (a, b)), 60,

@@ -210,9 +210,13 @@ async def test_our_record_keeps_its_issued_time_until_what_it_says_changes():
         async def addresses(self):
             return list(addrs)
 
+    async def ticket():
+        return 48_211
+
     discovery = Discovery(Moving(), Identity.generate(), DiscoveryConfig("s", []), version="test",
-                          clock=lambda: clock[0])
+                          clock=lambda: clock[0], ticket=ticket)
     first = await discovery.my_record()
+    assert first.ticket == 48_211 and first.to_wire()["tk"] == 48_211  # our admission ticket, said in our record
     clock[0] = 120.0
     assert await discovery.my_record() == first and first.issued == 100.0
     addrs.append("/ip4/10.0.0.2/tcp/4001")  # a new address: a new record, issued now

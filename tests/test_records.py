@@ -267,3 +267,45 @@ async def test_real_dht_nodes_refuse_forged_member_records():
     finally:
         await tm.close()
         await ta.close()
+
+
+def test_the_members_key_asks_for_an_admitted_identity_a_ticket_or_the_allowlist():
+    """Identities are free: without a price, ~9,000 fresh keys each storing one record push the members key past
+    what a DHT answer can carry (4 MB), and every node's member poll then reads nothing. The key asks for what the
+    replicated state asks for (crdt.admission): a work ticket in an open swarm, the allowlist in a closed one."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from crdt.admission import Admission
+    from dht.records import member_check
+
+    alice, mallory = Identity.generate(), Identity.generate()
+    now = hm.get_dht_time()
+
+    def rule_of(admission):
+        return member_check(lambda r: admission.admits(r.peer_id, "members",
+                                                       admission.payload(r.peer_id, r.ticket)) is None)
+
+    def signed(who, ticket):
+        wire = NodeRecord(who.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), 1.0, "", ticket).to_wire()
+        rec = record(who, value=MSGPackSerializer.dumps(wire), expiration=now + 60)
+        return dataclasses.replace(rec, value=Ed25519RecordValidator(who, [KEY]).sign_value(rec))
+
+    open_swarm = Admission("s", 10)
+    ticket = open_swarm.mint(alice.peer_id)
+    checker = Ed25519RecordValidator(Identity.generate(), {KEY: rule_of(open_swarm)})
+    assert checker.validate(signed(alice, ticket))
+    wrong = next(n for n in range(ticket + 1, ticket + 100_000) if not open_swarm.ticket_ok(alice.peer_id, n))
+    # no ticket, alice's ticket (a ticket is for one identity), a nonce that is no ticket
+    for bad in (signed(mallory, None), signed(mallory, ticket), signed(alice, wrong)):
+        assert not checker.validate(bad)
+    assert checker.refused == {"unadmitted": 3}
+    assert NodeRecord.from_wire(MSGPackSerializer.loads(
+        Ed25519RecordValidator(alice, [KEY]).strip_value(signed(alice, ticket)))).ticket == ticket
+
+    closed = Admission("s", 22, allow=[alice.peer_id])  # no ticket asked, the list decides
+    checker = Ed25519RecordValidator(Identity.generate(), {KEY: rule_of(closed)})
+    assert checker.validate(signed(alice, None)) and not checker.validate(signed(mallory, None))
+    assert checker.refused == {"unadmitted": 1}
+    for bad in (-1, 2**64, 1.5, "7"):  # a ticket is an 8-byte nonce
+        with pytest.raises(MalformedMessage):
+            NodeRecord.from_wire({**NodeRecord(alice.peer_id, (), "0.1", (), 1.0).to_wire(), "tk": bad})
