@@ -151,6 +151,7 @@ class Replicator:
                              max_authors=max_authors)
         self.ticket_file = data_dir / "admission.ticket"
         self._member_ticket: int | None = None
+        self._ticket_lock = asyncio.Lock()
         self.log = log if log is not None else OpLog(data_dir / "crdt.log")
         self._peers = peers
         self._compatible = compatible
@@ -194,16 +195,17 @@ class Replicator:
             return
         ticket = None
         if me not in self.store.chains and not self.admission.closed:
-            ticket = await asyncio.to_thread(self._ticket)
+            ticket = await self.member_ticket()
         await self.write("members", self.admission.payload(me, ticket))
 
     async def member_ticket(self) -> int | None:
-        """Our admission ticket for our member record (None in a closed swarm): minted off the event loop the first
-        time (about 2 s at 22 bits), then kept."""
+        """Our admission ticket (None in a closed swarm), for our members add and our member record: minted off the
+        event loop the first time (about 2 s at 22 bits), then kept."""
         if self.admission.closed:
             return None
-        if self._member_ticket is None:
-            self._member_ticket = await asyncio.to_thread(self._ticket)
+        async with self._ticket_lock:  # one minting, whoever asks first (our member op, our member record)
+            if self._member_ticket is None:
+                self._member_ticket = await asyncio.to_thread(self._ticket)
         return self._member_ticket
 
     def _ticket(self) -> int:
