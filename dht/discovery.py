@@ -11,7 +11,8 @@ How a node finds the swarm
 4. Hello (``/swarmd/hello/1.0.0``) swaps signed records over a direct stream, so a newcomer is visible to every member
    it greets at once, not a poll later.
 
-The members key is protected: its entries must be signed by the peer their subkey names. Records from the network
+The members key is protected: its entries must be signed by the peer their subkey names, and admitted by the swarm's
+rule (``admitted``: the record's work ticket, or the allowlist; the price of an identity). Records from the network
 are parsed strictly; a bad one is dropped and counted against the peer that sent it (hello) or ignored (DHT, where
 the storing peer is not known).
 """
