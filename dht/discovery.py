@@ -12,7 +12,8 @@ How a node finds the swarm
    it greets at once, not a poll later.
 
 The members key is protected: its entries must be signed by the peer their subkey names, and admitted by the swarm's
-rule (``admitted``: the record's work ticket, or the allowlist; the price of an identity). Records from the network
+rule (``admitted``: the record's work ticket, or the allowlist; the price of an identity), as must a record that
+comes in a hello or an introduction (but for a few that say another rule: ``MAX_UNADMITTED``). Records from the network
 are parsed strictly; a bad one is dropped and counted against the peer that sent it (hello) or ignored (DHT, where
 the storing peer is not known).
 """
@@ -54,6 +55,9 @@ WIRE.frame(HELLO_SPEC, HELLO_ACK, "hello.ack", OneOf((_ENVELOPE, Nil())), _EXAMP
 WIRE.frame(HELLO_SPEC, INTRODUCE, "hello.introduce", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
            doc="a newcomer's own sealed record, passed on one hop by a member it greeted")
 MAX_MEMBERS = 10_000
+# members taken from a hello without our swarm's admission, because their record says another rule (an honest node
+# configured otherwise is still seen and named, `dht.other_rule`); anyone can claim another rule, so few of them
+MAX_UNADMITTED = 64
 POLL_GROWTH_MEMBERS = 1_000  # the member poll slows by its base interval for each this many members (poll_every)
 
 
@@ -80,6 +84,7 @@ class Member:
     expires: float  # wall clock
     last_seen: float  # wall clock of the last hello, ping or DHT refresh
     source: str  # "dht" | "hello"
+    admitted: bool = True  # False: greeted us with another admission rule and no ticket for ours (MAX_UNADMITTED)
 
 
 @dataclass
@@ -411,6 +416,9 @@ class Discovery:
                     continue
             parsed[subkey] = (item.value, record)
             self._upsert(record, expires=item.expiration_time, source="dht", now=now)
+            member = self.members.get(record.peer_id)
+            if member is not None:
+                member.admitted = True  # the DHT's records passed the validator, which asks for admission
         self._parsed = parsed
         self._expire(now)
         await self._greet_new_members()
@@ -507,8 +515,30 @@ class Discovery:
         record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
         if record.peer_id != peer_id:
             raise ProtocolViolation(f"hello: record is about {record.peer_id}, sent by {peer_id}", kind="forged")
+        admitted = self._admitted is None or self._admitted(record)
+        if not admitted and not self._take_unadmitted(record):
+            self.counters["records_unadmitted"] = self.counters.get("records_unadmitted", 0) + 1
+            self._log.log(logging.INFO, ("unadmitted", source), "a %s record of %s carries no admission to this "
+                          "swarm (a work ticket for its peer id, or a place in state.allow): not taken as a member",
+                          source, peer_id)
+            return False
         now = self._clock()
-        return self._upsert(record, expires=now + self.config.record_ttl, source=source, now=now)
+        is_new = self._upsert(record, expires=now + self.config.record_ttl, source=source, now=now)
+        member = self.members.get(peer_id)
+        if member is not None:
+            member.admitted = admitted
+        return is_new
+
+    def _take_unadmitted(self, record: NodeRecord) -> bool:
+        """Whether to take a record without our admission anyway: only one that says another rule than ours (an
+        honest node configured otherwise: its ticket is for its rule, and we want to see and name it), and only
+        up to MAX_UNADMITTED of them, so that fresh keys claiming some other rule cannot fill our member list."""
+        if not record.policy or not self.policy or record.policy == self.policy:
+            return False
+        known = self.members.get(record.peer_id)
+        if known is not None and not known.admitted:
+            return True  # already holds one of the places
+        return sum(not m.admitted for m in self.members.values()) < MAX_UNADMITTED
 
     async def _on_hello(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10.0)

@@ -106,8 +106,20 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
         assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) == b""
         wait_for(lambda: http_get(victim.url + "/status")["penalties"].get("bad_signature") == 1, 10,
                  "the forged introduction to be penalised")
-        # the newcomer's own sealed record, passed on by anyone, is accepted (it is what honest members forward)
+        # the newcomer's own sealed record, passed on by anyone, is accepted (it is what honest members forward)...
+        import tomllib
+
+        from crdt.admission import Admission
+
+        bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
+        ticket = Admission(http_get(victim.url + "/status")["swarm"], bits).mint(newcomer.peer_id)
+        # ...if it carries the swarm's admission: without a ticket it is answered but not taken
         body = msgpack.packb([INTRODUCE, seal(newcomer, record)])
+        assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) != b""
+        assert http_get(victim.url + "/status")["dht"]["records_unadmitted"] == 1
+        assert newcomer.peer_id not in {p["peer_id"] for p in http_get(victim.url + "/status")["peers"]}
+        admitted = {**record, "tk": ticket}
+        body = msgpack.packb([INTRODUCE, seal(newcomer, admitted)])
         assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) != b""
         peers = {p["peer_id"]: p for p in http_get(victim.url + "/status")["peers"]}
         assert peers[newcomer.peer_id]["source"] == "introduced" and not peers[newcomer.peer_id]["member"]

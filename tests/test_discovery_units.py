@@ -225,3 +225,34 @@ async def test_our_record_keeps_its_issued_time_until_what_it_says_changes():
     assert moved.issued == 140.0 and moved.addrs == tuple(addrs)
     clock[0] = 160.0
     assert (await discovery.my_record()).issued == 140.0
+
+
+def test_a_hello_or_an_introduction_without_the_swarms_admission_adds_no_member_but_a_few_of_another_rule():
+    """The members key asks for an admitted identity; so do hellos and introductions, or fresh keys could fill a
+    node's member list (10,000 at most) by greeting it, at no price. A record that says another admission rule is
+    taken all the same (its ticket is for its rule: an honest node configured otherwise is to be seen and named),
+    but only MAX_UNADMITTED of those."""
+    from dht.discovery import MAX_UNADMITTED
+    from dht.records import seal
+
+    discovery = Discovery(SilentTransport(), Identity.generate(), DiscoveryConfig("s", []), version="test",
+                          policy="ours", admitted=lambda record: record.ticket == 7)
+
+    def envelope(who, ticket, policy="ours"):
+        return seal(who, NodeRecord(who.peer_id, ("/ip4/127.0.0.1/tcp/1",), "t", (), 1.0, policy, ticket).to_wire())
+
+    free = Identity.generate()
+    assert discovery._accept_envelope(free.peer_id, envelope(free, None)) is False
+    assert discovery._accept_envelope(free.peer_id, envelope(free, 8), source="introduced") is False
+    assert discovery._accept_envelope(free.peer_id, envelope(free, None, policy="")) is False  # says no rule
+    assert discovery.members == {} and discovery.counters["records_unadmitted"] == 3
+    paid = Identity.generate()
+    assert discovery._accept_envelope(paid.peer_id, envelope(paid, 7)) is True
+    assert discovery.members[paid.peer_id].admitted
+
+    others = [Identity.generate() for _ in range(MAX_UNADMITTED + 3)]
+    taken = [discovery._accept_envelope(o.peer_id, envelope(o, None, policy="theirs")) for o in others]
+    assert taken == [True] * MAX_UNADMITTED + [False] * 3
+    assert discovery.policy_mismatch() == sorted(o.peer_id for o in others[:MAX_UNADMITTED])
+    assert discovery._accept_envelope(others[0].peer_id, envelope(others[0], None, policy="theirs")) is False  # known
+    assert len(discovery.members) == 1 + MAX_UNADMITTED and discovery.counters["records_unadmitted"] == 6
