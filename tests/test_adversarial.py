@@ -188,6 +188,9 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         # remembered
         wait_for(lambda: all(n.status()["dht"]["records_checked"].get("remembered", 0) >= 1 for n in (a, b)), 60,
                  "a record read again to be known from its first check")
+        # a swarm of 2: the member poll runs at the configured interval (it slows by one interval per 1,000 members)
+        poll_interval = tomllib.loads(swarm.config.read_text())["discovery"]["poll_interval"]
+        assert poll_interval <= a.status()["dht"]["poll_every_s"] <= poll_interval * 1.01
         metrics = http_get(a.url + "/metrics")
         assert "swarmd_dht_records_refused" in metrics and 'swarmd_dht_records_checked_total{how="verified"}' in metrics
         await node.shutdown()
