@@ -55,24 +55,27 @@ def _any_value(owner: str, value: Any) -> bool:
     return True
 
 
+def _member_record(owner: str, value: Any) -> NodeRecord | None:
+    """The node record a members-key value holds, if it is one record about the peer that signed it."""
+    try:
+        record = NodeRecord.from_wire(value)
+    except MalformedMessage:
+        return None
+    return record if record.peer_id == owner else None
+
+
 def member_value_ok(owner: str, value: Any) -> bool:
     """The members key's check: the value is one node record, about the peer that signed it."""
-    try:
-        return NodeRecord.from_wire(value).peer_id == owner
-    except MalformedMessage:
-        return False
+    return _member_record(owner, value) is not None
 
 
 def member_check(admitted: Callable[[NodeRecord], bool]) -> ValueCheck:
     """The members key's check in a swarm that prices identities: one node record about its signer, and
     ``admitted`` by the swarm's rule (its ticket, or the allowlist); a record that is not is refused as
     "unadmitted"."""
-    def check(owner: str, value: Any) -> bool:
-        try:
-            record = NodeRecord.from_wire(value)
-        except MalformedMessage:
-            return False
-        if record.peer_id != owner:
+    def check(owner: str, value: Any) -> bool | str:
+        record = _member_record(owner, value)
+        if record is None:
             return False
         return True if admitted(record) else "unadmitted"
 
