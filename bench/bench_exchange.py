@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import itertools
 import multiprocessing as mp
 import statistics
 import sys
@@ -43,6 +44,8 @@ from natlab import StarLab, unavailable  # noqa: E402
 from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
+[node]
+memory = "{memory}"
 [loops.diloco]
 run = "x{peers}{mode_short}"
 task = "{task}"
@@ -81,6 +84,7 @@ class PeakMemory:
 
         self.pids, self.peak = pids, [0] * len(pids)
         self._cpu: dict[int, float] = {}  # pid (every process of every tree) -> its CPU seconds at the last sample
+        self._daemons: set[int] = set()  # the pids of p2p daemons among them
         self._marked: dict[int, float] | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -100,8 +104,11 @@ class PeakMemory:
             try:
                 total += proc.memory_full_info().pss
                 times = proc.cpu_times()
+                daemon = proc.name() == "p2pd"
                 with self._lock:
                     self._cpu[proc.pid] = times.user + times.system
+                    if daemon:
+                        self._daemons.add(proc.pid)
             except psutil.Error:
                 pass
         return total
@@ -126,11 +133,13 @@ class PeakMemory:
         self._sample()
         return self.peak
 
-    def cpu_seconds(self) -> float:
-        """The CPU seconds every process used since ``mark()`` (since the start without one), all peers together."""
+    def cpu_seconds(self, daemons_only: bool = False) -> float:
+        """The CPU seconds every process (or only the p2p daemons) used since ``mark()`` (since the start without
+        one), all peers together."""
         marked = self._marked or {}
         with self._lock:
-            return sum(v - marked.get(pid, 0.0) for pid, v in self._cpu.items())
+            return sum(v - marked.get(pid, 0.0) for pid, v in self._cpu.items()
+                       if not daemons_only or pid in self._daemons)
 
 
 def _summed(final: list[dict]) -> dict:
@@ -148,7 +157,8 @@ def _gossip_drops(gossip: list[dict]) -> dict:
     or a topic's delivery queue full. A round's views and announcements that never reached a peer show here if they
     were dropped, not merely late."""
     out = {f"gossip_{k}": sum(g.get(k, 0) for g in gossip)
-           for k in ("send_queue_dropped", "subscriber_dropped", "stale", "iwant_sent", "iwant_served")}
+           for k in ("send_queue_dropped", "subscriber_dropped", "stale", "iwant_sent", "iwant_served", "duplicates",
+                     "forwarded")}
     out["gossip_dropped_full"] = sum(t.get("dropped_full", 0) for g in gossip for t in g.get("topics", {}).values())
     return out
 
@@ -170,7 +180,8 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
 
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
-           parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False) -> dict:
+           parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False,
+           memory: str = "reuse") -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
@@ -179,7 +190,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts if parts != "auto" else '"auto"',
-        sgd=str(sgd).lower()))
+        sgd=str(sgd).lower(), memory=memory))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = _start(swarm, peers, lab)
@@ -218,6 +229,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "resyncs": sum(s.get("resyncs", 0) for s in final),
             "peak_gb": max(peak) / 1e9,
             "cpu_s": memory.cpu_seconds() / rounds / peers,
+            "p2pd_cpu_s": memory.cpu_seconds(daemons_only=True) / rounds / peers,
             "evicted": sum(b.get("blobs_evicted", 0) for b in bulk),
             "agreement": {**_summed(final), **_gossip_drops([s["gossip"] for s in statuses])},  # stderr only
             # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
@@ -230,6 +242,8 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
 
 
 E2E = """
+[node]
+memory = "{memory}"
 [loops.diloco]
 run = "e2e"
 task = "hf-text"
@@ -254,10 +268,11 @@ num_key_value_heads = 12
 """
 
 
-def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
+def e2e(peers: int, layers: int, rounds: int, h: int, root: Path, memory: str = "reuse") -> None:
     import psutil
 
-    config = loop_config(root / "diloco.toml", E2E.format(peers=peers, layers=layers, rounds=rounds, h=h))
+    config = loop_config(root / "diloco.toml", E2E.format(peers=peers, layers=layers, rounds=rounds, h=h,
+                                                           memory=memory))
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = swarm.start_chain(peers, members_within=None)
@@ -277,7 +292,8 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
         wall = time.monotonic() - started
         s0 = final[0]
         print(f"DiLoCo end to end: {peers} peers, Llama hidden 768 x {layers} layers, {s0['parameters']:,} parameters, "
-              f"H = {h}, {rounds} rounds, codec e3m0 ({s0['bytes_sent'] / rounds / 1e6:.1f} MB per update)")
+              f"H = {h}, {rounds} rounds, codec e3m0 ({s0['bytes_sent'] / rounds / 1e6:.1f} MB per update), "
+              f"node.memory = {memory}")
         print(f"exchange: {s0['exchange']}")
         refused = {k: sum(s.get(k, 0) for s in final) for k in sorted({k for s in final for k in s})
                    if k.startswith("rejected_")}
@@ -299,19 +315,22 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path) -> None:
         swarm.close()
 
 
-def _tree_cpu() -> float:
-    """The CPU seconds (user + system) this process and every process under it have used."""
+def _tree_cpu() -> tuple[float, float]:
+    """The CPU seconds (user + system) this process and every process under it have used, and those of the p2p
+    daemons among them."""
     import psutil
 
     me = psutil.Process()
-    total = 0.0
+    total = daemons = 0.0
     for proc in (me, *me.children(recursive=True)):
         try:
             times = proc.cpu_times()
             total += times.user + times.system
+            if proc.name() == "p2pd":
+                daemons += times.user + times.system
         except psutil.Error:
             pass
-    return total
+    return total, daemons
 
 
 def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out, host=None) -> None:
@@ -353,7 +372,8 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
         control.allow_allreduce()
         control.result()
         times.append(time.monotonic() - t0)
-    out.put((times, _tree_cpu() - cpu_from))
+    cpu_to = _tree_cpu()
+    out.put((times, cpu_to[0] - cpu_from[0], cpu_to[1] - cpu_from[1]))
     barrier.wait()
     averager.shutdown()
     dht.shutdown()
@@ -385,10 +405,12 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
             if p.is_alive():
                 p.kill()
         manager.shutdown()
-    cpu = sum(c for _, c in times) / rounds / peers
-    times = [t for t, _ in times]
+    cpu = sum(c for _, c, _ in times) / rounds / peers
+    daemons = sum(d for _, _, d in times) / rounds / peers
+    times = [t for t, _, _ in times]
     per_round = [max(t[r] for t in times) for r in range(rounds)]
     return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round), "cpu_s": cpu,
+            "p2pd_cpu_s": daemons,
             "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
             "same": True, "mode": "butterfly", "fallback": 0,
             "conformed": 0, "resyncs": 0, "peak_gb": max(peak) / 1e9, "evicted": 0}
@@ -406,6 +428,8 @@ def main() -> None:
                         "scatter with each peer's own view of a round's members, not the coordinator's)")
     parser.add_argument("--parts", default="auto", help="parts an update is cut into (the config's parts: auto, "
                         "the default, or a number); several, comma-separated, each run in turn (a same-run baseline)")
+    parser.add_argument("--memory", default="reuse", help="the nodes' allocator (node.memory: reuse, the default, "
+                        "or release); both, comma-separated, each run in turn (a same-run baseline)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
@@ -418,8 +442,9 @@ def main() -> None:
     if args.link and unavailable():
         parser.error(f"--link: {unavailable()}")
     if args.e2e:
-        with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
-            e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp))
+        for memory in args.memory.split(","):
+            with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
+                e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp), memory)
         return
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
@@ -429,13 +454,14 @@ def main() -> None:
             # a fresh lab for each run: nothing one run left queued or open meets the next
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
             if args.only != "hivemind":
-                choices = args.parts.split(",")
+                choices, memories = args.parts.split(","), args.memory.split(",")
                 for mode in args.modes.split(","):
-                    for parts in choices:
-                        name = mode if len(choices) == 1 else f"{mode} ({parts})"
+                    for parts, memory in itertools.product(choices, memories):
+                        name = mode + "".join(f" ({x})" for x, many in ((parts, choices), (memory, memories))
+                                              if len(many) > 1)
                         with lab() as star:
-                            result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name, args.audit, parts,
-                                                  star, args.codec, args.inner_sgd)
+                            result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name.replace(" ", ""),
+                                                  args.audit, parts, star, args.codec, args.inner_sgd, memory)
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
@@ -450,8 +476,8 @@ def main() -> None:
           f"{'out (xS)':>8} | "
           f"{'vs hivemind':>11} | "
           f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12} | "
-          f"{'peak GB/peer':>12} | {'CPU s/round/peer':>16}")
-    print("-" * 197)
+          f"{'peak GB/peer':>12} | {'CPU s/round/peer':>16} | {'of which p2pd':>13}")
+    print("-" * 213)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
@@ -462,7 +488,8 @@ def main() -> None:
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
                   f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f} | "
-                  f"{format(r['cpu_s'], '.2f') if 'cpu_s' in r else '-':>16}")
+                  f"{format(r['cpu_s'], '.2f') if 'cpu_s' in r else '-':>16} | "
+                  f"{format(r['p2pd_cpu_s'], '.2f') if 'p2pd_cpu_s' in r else '-':>13}")
     print("where a swarmd round goes (s; each phase's median at the node where it is longest): wait = our update "
           "announced -> every update announced; agree = the member agreement; reduce = chunks in, our parts reduced, "
           "the others' taken and audited; conform = the coordinator's parts list awaited and followed; combine = "
@@ -478,7 +505,9 @@ def main() -> None:
           "running to the last round's end, a round's inner step included (of a hivemind peer and its processes "
           "from the first round's start to the last's end, matchmaking included), over rounds and peers; the "
           "kernel's work for a process's sockets counts as its system time. Where the peers' CPU time over this "
-          "machine's cores is about the round's time, the round is CPU-bound here (every peer on this machine)")
+          "machine's cores is about the round's time, the round is CPU-bound here (every peer on this machine); of "
+          "which p2pd: the p2p daemons' part of it (swarmd's carries its gossip, DHT and state sync, the bulk bytes "
+          "going over direct TCP; hivemind's carries its all-reduce's bytes too)")
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 

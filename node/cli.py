@@ -6,7 +6,6 @@ locked, no node running); 2 bad input (flags, config, addresses). Errors are one
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import json
 import logging
@@ -18,7 +17,7 @@ from pathlib import Path
 
 import click
 
-from node import __version__, datadir
+from node import __version__, allocator, datadir
 from node.config import ConfigError, load_config, parse_host_port
 from node.doctor import diagnose
 from node.services import work_text
@@ -78,27 +77,6 @@ def cli() -> None:
     """swarmd: a peer-to-peer daemon for decentralized training."""
 
 
-MMAP_THRESHOLD = 1 << 20
-ARENA_MAX = 2
-
-
-def _large_blocks_from_mmap() -> None:
-    """Every allocation of 1 MiB or more gets its own mapping, given back to the system when freed. glibc's
-    default threshold starts at 128 KiB but rises to the size of each large block freed, up to 32 MiB: a round's
-    transient tensors (an update's parts, the decoded chunks) then come from per-thread heaps that keep their
-    memory, and a node's resident size grew round after round. Setting the threshold fixes it (no more
-    adjustment). The smaller blocks come from at most ARENA_MAX heaps (glibc's default: up to 8 per core, one
-    per thread that allocates: the event loop and the worker threads that encode, decode and reduce); with 16
-    nodes a node's RSS grew less with the cap at the same round rate (README, "Memory"). Where the C library is not
-    glibc, nothing is done."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD
-        libc.mallopt(-8, ARENA_MAX)  # M_ARENA_MAX
-    except (OSError, AttributeError):
-        pass
-
-
 @cli.command()
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config (default: embedded).")
 @click.option("--data-dir", help="Where the identity and state live (default: platform user data dir).")
@@ -114,8 +92,8 @@ def _large_blocks_from_mmap() -> None:
               help="Any config setting, dotted, value in TOML (repeatable): --set loops.diloco.rounds=20")
 def start(config_path, settings, **flags) -> None:
     """Run a node until SIGINT/SIGTERM. Without --bootstrap it starts a new swarm."""
-    _large_blocks_from_mmap()
     config = _load(config_path, flags, settings)
+    allocator.configure(config.node.memory)  # before the task builds its model (node/allocator.py)
     prepared = _prepare_loops(config, Path(config_path).resolve().parent if config_path else None)
     _setup_logging(config.node.log_level)
     data_dir = datadir.ensure(datadir.resolve(config.node.data_dir))

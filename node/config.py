@@ -31,6 +31,9 @@ class NodeSection(_Section):
     data_dir: str = ""  # empty: the platform's user data dir (platformdirs)
     swarm: str = "swarmd"
     log_level: Literal["debug", "info", "warning", "error"] = "info"
+    # how the C library keeps freed large blocks (node/allocator.py): reuse them next round (fewer page faults,
+    # more resident memory) or give them back at once
+    memory: Literal["reuse", "release"] = "reuse"
 
     @field_validator("swarm")
     @classmethod

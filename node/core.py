@@ -20,7 +20,7 @@ from typing import Awaitable, Callable
 
 from crdt.admission import Admission
 from dht.discovery import Discovery, DiscoveryConfig
-from node import __version__, datadir
+from node import __version__, allocator, datadir
 from node.config import Config, parse_host_port
 from node.dashboard import Recorder
 from node.http import StatusServer
@@ -445,6 +445,7 @@ class Node:
             },
             "errors": dict(stats.errors),
             "event_loop": {**self.loop_lag.view(), "inbound_frames_waited": self.transport.inbound.waits},
+            "allocator": allocator.applied(),  # node.memory as applied (mode None: not set in this process)
             "penalties": dict(self.transport.penalties.totals),
             "banned": self.transport.penalties.banned(),
             "http": self.http.url,

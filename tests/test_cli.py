@@ -108,3 +108,16 @@ def test_a_node_without_loops_does_not_load_torch(swarm):
     with open(f"/proc/{node.pid}/maps") as maps:
         libraries = maps.read()
     assert "libtorch" not in libraries
+
+
+@pytest.mark.timeout(60)
+def test_the_node_sets_its_allocator_as_configured_and_shows_it(swarm):
+    default = swarm.start("reuse")
+    released = swarm.start("release", "--set", 'node.memory="release"')
+    with open(f"/proc/{default.pid}/maps") as maps:
+        glibc = "libc.so.6" in maps.read()
+    assert default.status()["allocator"]["mode"] == "reuse"
+    assert released.status()["allocator"]["mode"] == "release"
+    if glibc:  # (musl or another C library: the mode is shown, nothing is set)
+        assert default.status()["allocator"]["mmap_threshold"] == 32 << 20
+        assert released.status()["allocator"]["mmap_threshold"] == 1 << 20
