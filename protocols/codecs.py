@@ -396,6 +396,7 @@ def _e3m0_pairs() -> torch.Tensor:
 
 
 _E3M0_PAIRS = _e3m0_pairs()
+_SQRT2 = torch.tensor(2.0).sqrt().item()  # sqrt(2) as an fp32 value (what the encoder multiplies by)
 
 
 def _decode_by_table(enc: Encoded, out: torch.Tensor | None, name: str, table: torch.Tensor) -> torch.Tensor:
@@ -410,8 +411,15 @@ def _decode_by_table(enc: Encoded, out: torch.Tensor | None, name: str, table: t
     if n:
         scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
         _check_finite(scales)
-        packed = torch.frombuffer(bytearray(enc.data), dtype=torch.uint8)
-        result.copy_(torch.index_select(table, 0, packed.to(torch.int32)).view(-1)[:n])
+        # each byte's values written straight into the result, the bytes read where they lie: numpy's take with
+        # the uint8 codes as indices (mode "clip" clips nothing, a byte always names one of the table's 256 rows,
+        # and lets numpy write into ``out`` unbuffered): 3x faster than torch's index_select on the codes widened
+        # to int32, into a new tensor, then copied
+        codes, values, rows = np.frombuffer(enc.data, dtype=np.uint8), result.numpy(), table.numpy()
+        full = n // per_byte
+        np.take(rows, codes[:full], axis=0, out=values[: full * per_byte].reshape(full, per_byte), mode="clip")
+        if full * per_byte < n:  # the last byte's first codes
+            values[full * per_byte:] = rows[codes[full]][: n - full * per_byte]
         _scale_blocks(result, scales, b)
     return result
 
@@ -426,14 +434,19 @@ class E3M0Codec(BlockCodec):
     finite_by_construction = True  # every |value| is at most its block's scale, and the scales are checked finite
 
     def _parts(self, x: torch.Tensor):
+        """The exponent is e = round(-log2(|x| / s)), taken from the float's own exponent bits: with
+        y = |x| * (sqrt(2) / s), e = 127 - (y's biased exponent), clamped to 0..7 (zeros and subnormals give 7).
+        One IEEE multiply, then integer operations: the same bytes on every CPU (a vectorized log2 is not
+        correctly rounded, and an auditor's reduction is compared with its reducer's byte for byte), and 2x
+        faster than the log2 (a 109M-parameter update took 1.1 s to encode, the biggest item of a node's round)."""
         flat, n, b, view = self._blocks(x)
-        scales16 = view.abs().amax(dim=1).to(torch.bfloat16)
+        magnitude = view.abs()
+        scales16 = magnitude.amax(dim=1).to(torch.bfloat16)
         scales = scales16.to(torch.float32)
-        safe = torch.where(scales > 0, scales, torch.ones_like(scales)).unsqueeze(1)
-        ratio = (view.abs() / safe).clamp_(min=2.0**-8)
-        exponent = torch.round(-torch.log2(ratio)).clamp_(0, 7).to(torch.uint8)
-        codes = exponent | ((view < 0).to(torch.uint8) << 3)
-        codes = codes.reshape(-1)
+        factor = torch.where(scales > 0, _SQRT2 / scales, torch.full_like(scales, _SQRT2)).unsqueeze(1)
+        exponent_bits = magnitude.mul_(factor).view(torch.int32) >> 23  # y >= 0: no sign bit
+        codes = (127 - exponent_bits).clamp_(0, 7).to(torch.uint8) | ((view < 0).to(torch.uint8) << 3)
+        codes = codes.reshape(-1)  # whole blocks: an even count when the block is even
         if codes.numel() % 2:
             codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
         packed = codes[0::2] | (codes[1::2] << 4)

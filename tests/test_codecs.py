@@ -95,6 +95,27 @@ def test_e3m0_codes_and_zero_blocks():
     assert torch.equal(C.decode(C.encode(torch.zeros(300), "e3m0")), torch.zeros(300))  # a zero block's scale is 0
 
 
+def test_e3m0_picks_the_nearest_power_of_two_in_log_space_by_the_floats_exponent():
+    # the encoder reads the exponent from the bits of |x| * sqrt(2) / s (no log2, whose vectorized forms are not
+    # correctly rounded); each code must still be round(-log2(|x| / s)), clamped to 0..7, as an exact float64
+    # reference gives it, except for values within a rounding of a boundary between two codes
+    g = torch.Generator().manual_seed(7)
+    x = torch.randn(1 << 18, generator=g) * torch.rand(1 << 18, generator=g) ** 4  # 8 codes, all used
+    x[:64] = 0.0
+    x[64:128] = -1e-30
+    block = C.E3M0Codec.default_block
+    y = C.decode(C.encode(x, "e3m0"))
+    assert torch.equal(torch.sign(y[x != 0]), torch.sign(x[x != 0]))
+    scales = y.abs().view(-1, block).amax(dim=1).double().repeat_interleave(block)  # each block's max: code 0
+    ratio = x.abs().double() / scales
+    exact = torch.round(-torch.log2(ratio.clamp(min=2.0**-8))).clamp(0, 7)
+    got = torch.round(-torch.log2(y.abs().double() / scales))
+    tie = ((torch.log2(ratio) + 0.5) - torch.round(torch.log2(ratio) + 0.5)).abs() < 1e-6
+    assert (got != exact)[~tie].sum() == 0
+    assert set(got.tolist()) == set(range(8))
+    assert C.get("e3m0").encode_wire(x) == C.get("e3m0").encode_wire(x.clone())
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_refused(name, bad):
