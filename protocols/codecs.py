@@ -397,6 +397,9 @@ def _e3m0_pairs() -> torch.Tensor:
 
 _E3M0_PAIRS = _e3m0_pairs()
 _SQRT2 = torch.tensor(2.0).sqrt().item()  # sqrt(2) as an fp32 value (what the encoder multiplies by)
+# how e3m0 picks a value's code: peers compare reduced parts (in the run's reduced codec) byte for byte, so it is part
+# of a run's fingerprint where that codec is e3m0 (DilocoConfig.shared): nodes of two encoders never mix in a run
+E3M0_ENCODER = "exponent bits of |x| sqrt(2) / s"
 
 
 def _decode_by_table(enc: Encoded, out: torch.Tensor | None, name: str, table: torch.Tensor) -> torch.Tensor:

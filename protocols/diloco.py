@@ -244,7 +244,9 @@ class DilocoConfig(BaseModel):
                 "reduce_rule": exchange.REDUCE_RULE,
                 "weights_hash": outer.WEIGHTS_HASH,
                 # (only where it is not the run's codec: runs that never set it keep their fingerprint)
-                **({"reduced_codec": reduced} if reduced != self.codec else {})}
+                **({"reduced_codec": reduced} if reduced != self.codec else {}),
+                # the reduced parts' bytes depend on how e3m0 picks its codes (codecs.E3M0_ENCODER)
+                **({"e3m0_encoder": codecs.E3M0_ENCODER} if reduced == "e3m0" else {})}
 
     def reduced(self) -> str:
         """The codec of a scatter round's combined parts (``reduced_codec`` resolved)."""
@@ -475,9 +477,13 @@ class DilocoLoop(TaskLoop):
         named = tasks.trainable(model)
         shared = self.cfg.shared()
         self.fp = tasks.fingerprint(self.task, shared, named)
-        # the same run under the version before its weights hash was named (BLAKE2b): we resume its checkpoints
-        self.earlier_fps = [tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k != "weights_hash"},
-                                              named)]
+        # the same run under the versions before: before the e3m0 encoder was named (the log2 encoder), and before
+        # that, before the weights hash was named (BLAKE2b). We resume their checkpoints (the weights are the same
+        # run's), never mix with their nodes in a round
+        before_encoder = {k: v for k, v in shared.items() if k != "e3m0_encoder"}
+        self._fp_before_blake3 = tasks.fingerprint(
+            self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)
+        self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), self._fp_before_blake3]
         self.model = model.to(self.device)
         named = tasks.trainable(self.model)
         self.names = [n for n, _ in named]
@@ -2336,8 +2342,9 @@ class DilocoLoop(TaskLoop):
             return
         tensors, meta = found
         # saved by the version before the BLAKE3 weights hash (its fingerprint is one of earlier_fps): checked with
-        # that version's hash; from here on the weights go by ours (the start barrier compares global_hash())
-        earlier = meta.get("fingerprint") != self.fp
+        # that version's hash; from here on the weights go by ours (the start barrier compares global_hash()). One
+        # saved by the version before the e3m0 encoder's name has our hash: nothing to convert
+        earlier = meta.get("fingerprint") == self._fp_before_blake3
         try:
             global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
                            for frag in self.frag_index]

@@ -106,6 +106,18 @@ def test_the_weights_hash_is_blake3_of_their_fp32_bytes_in_order_on_one_core_or_
     assert DilocoConfig(run="x").shared()["weights_hash"] == outer.WEIGHTS_HASH == "blake3-128"
 
 
+def test_the_e3m0_encoder_is_named_in_a_runs_fingerprint_where_parts_are_reduced_in_e3m0():
+    # peers compare reduced parts byte for byte: nodes whose e3m0 picks other codes for a boundary value must not
+    # meet in a run (they would call each other liars); runs that never reduce in e3m0 keep their fingerprint
+    from protocols import codecs
+    from protocols.diloco import DilocoConfig
+
+    assert DilocoConfig(run="x").shared()["e3m0_encoder"] == codecs.E3M0_ENCODER  # the default codec
+    assert DilocoConfig(run="x", codec="sign").shared()["e3m0_encoder"] == codecs.E3M0_ENCODER  # reduced in e3m0
+    assert "e3m0_encoder" not in DilocoConfig(run="x", codec="int8").shared()
+    assert "e3m0_encoder" not in DilocoConfig(run="x", codec="e3m0", reduced_codec="int8").shared()
+
+
 def test_adaptive_deadline_follows_observed_arrivals():
     d = outer.AdaptiveDeadline(k=4, low=1.0, high=60.0, initial=10.0)
     assert d.value() == 10.0

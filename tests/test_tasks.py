@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from protocols import checkpoint, tinylm
+from protocols import checkpoint, codecs, tinylm
 from protocols.inner import lr_scale
 from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
 from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
@@ -285,10 +285,12 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
-def test_a_checkpoint_saved_by_the_version_before_the_blake3_weights_hash_is_resumed(tmp_path):
-    """The weights' hash became BLAKE3 and the run's fingerprint names it (outer.WEIGHTS_HASH): a node upgraded in
-    the middle of a run still resumes from the checkpoint the version before saved (its fingerprint without the
-    name, its hash BLAKE2b), not from round 0."""
+@pytest.mark.parametrize("version", ["before the e3m0 encoder", "before the BLAKE3 weights hash"])
+def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
+    """The weights' hash became BLAKE3 and the run's fingerprint names it (outer.WEIGHTS_HASH); later the fingerprint
+    named how e3m0 picks its codes (codecs.E3M0_ENCODER; this run's codec, and so its reduced codec, is e3m0). A node
+    upgraded in the middle of a run still resumes from the checkpoint a version before saved (its fingerprint without
+    the names it lacked; before BLAKE3, its hash BLAKE2b), not from round 0."""
     import tomllib
 
     from protocols import outer
@@ -315,16 +317,19 @@ def test_a_checkpoint_saved_by_the_version_before_the_blake3_weights_hash_is_res
         assert meta["fingerprint"] == tasks.fingerprint(task, shared, named)
         weights = [outer.flatten([tensors["model." + name] for name, _ in named])]
         assert meta["hash"] == outer.params_hash(weights)
-        before = {**meta, "fingerprint": tasks.fingerprint(task, {k: v for k, v in shared.items()
-                                                                  if k != "weights_hash"}, named),
-                  "hash": outer.params_hash_before_blake3(weights)}
-        assert before["fingerprint"] != meta["fingerprint"] and before["hash"] != meta["hash"]
+        assert shared["e3m0_encoder"] == codecs.E3M0_ENCODER
+        blake2 = version == "before the BLAKE3 weights hash"
+        lacked = {"e3m0_encoder", "weights_hash"} if blake2 else {"e3m0_encoder"}
+        before = {**meta, "fingerprint": tasks.fingerprint(task, {k: v for k, v in shared.items() if k not in lacked},
+                                                           named),
+                  "hash": outer.params_hash_before_blake3(weights) if blake2 else meta["hash"]}
+        assert before["fingerprint"] != meta["fingerprint"]
         checkpoint.save(path, tensors, before)
         node = swarm.start("solo")
         resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
         assert resumed["source"] == "own checkpoint" and resumed["round"] == meta["round"], resumed
         assert resumed["hash"] == meta["hash"]  # the same weights, by our hash
-        assert resumed["saved_by"] == "the version before the BLAKE3 weights hash"
+        assert resumed.get("saved_by") == ("the version before the BLAKE3 weights hash" if blake2 else None)
         final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
         assert [h["round"] for h in final["history"]] == list(range(meta["round"], rounds))
         assert checkpoint.read_meta(path)["fingerprint"] == meta["fingerprint"]  # saved again as this version
