@@ -5,11 +5,13 @@ parts, the pulled chunks, their decoded values, the reductions, the combined upd
 between two costs:
 
 - ``reuse`` (the default): blocks up to 32 MiB (glibc's ceiling for this threshold) come from one heap, and a
-  freed block stays there for the next round (the heap gives memory back only when 64 MiB or more is free at its
-  top). A round then finds its buffers already mapped: no page faults, no unmapping. Measured (2026-11-29, 2-core
-  machine): a node's page faults fell from 66,000 to 1,700 a round (8 peers, 25 MB updates), its CPU time by 27%;
-  DiLoCo end to end (4 peers, 109M parameters, e3m0) took 4.1-4.6 s a round against 6.1-6.4, with a peak RSS of
-  4.8-5.0 GB against 4.4-4.5.
+  freed block stays there for the next round (the heap gives memory back only when 1 GiB or more is free at its
+  top: with 64 MiB, the chunks a 109M-parameter round decodes, 27 MB each and 8 at once, were given back and
+  faulted in again, and rounds took 1.5x as long for the same peak). A round then finds its buffers already
+  mapped: no page faults, no unmapping. Measured (2026-11-29, 2-core machine): a node's page faults fell from
+  66,000 to 1,700 a round (8 peers, 25 MB updates), its CPU time by 20-28%; DiLoCo end to end (4 peers, 109M
+  parameters, e3m0) took 2.6 s from every update in to the combined one against 3.8-4.0 with ``release``, its peak
+  RSS 4.6-4.7 GB against 4.4-4.5 (README, Benchmarks: "The allocator").
 - ``release``: every block of 1 MiB or more gets its own mapping, given back to the system when freed, and the
   smaller blocks come from at most 2 heaps. The least resident memory, at the cost of faulting every page of
   every large buffer in again each round (and unmapping it, which stops the process's other threads' CPUs).
@@ -25,7 +27,7 @@ import ctypes.util
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD, M_ARENA_MAX = -1, -3, -8
 MODES = {
-    "reuse": {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 64 << 20, M_ARENA_MAX: 1},
+    "reuse": {M_MMAP_THRESHOLD: 32 << 20, M_TRIM_THRESHOLD: 1 << 30, M_ARENA_MAX: 1},
     "release": {M_MMAP_THRESHOLD: 1 << 20, M_ARENA_MAX: 2},
 }
 _NAMES = {M_TRIM_THRESHOLD: "trim_threshold", M_MMAP_THRESHOLD: "mmap_threshold", M_ARENA_MAX: "arenas"}
