@@ -72,6 +72,11 @@ AGREEMENT = ("parts_", "members_", "coordinator_", "views_", "view_", "own_updat
              "announcement", "chunks_", "diverged", "deadline_missed", "minority_parts")
 
 
+def _is_p2p_daemon(proc) -> bool:
+    """Whether a process is a p2p daemon (swarmd's and hivemind's both run hivemind's bundled ``p2pd``)."""
+    return proc.name() == "p2pd"
+
+
 class PeakMemory:
     """Each peer's peak memory while a run goes: the PSS (proportional set size: a page shared by k processes
     counts 1/k in each, so hivemind's shared-memory tensors are not counted twice) of its process and every
@@ -104,7 +109,7 @@ class PeakMemory:
             try:
                 total += proc.memory_full_info().pss
                 times = proc.cpu_times()
-                daemon = proc.name() == "p2pd"
+                daemon = _is_p2p_daemon(proc)
                 with self._lock:
                     self._cpu[proc.pid] = times.user + times.system
                     if daemon:
@@ -326,7 +331,7 @@ def _tree_cpu() -> tuple[float, float]:
         try:
             times = proc.cpu_times()
             total += times.user + times.system
-            if proc.name() == "p2pd":
+            if _is_p2p_daemon(proc):
                 daemons += times.user + times.system
         except psutil.Error:
             pass
