@@ -29,7 +29,10 @@ import argparse
 import contextlib
 import functools
 import itertools
+import json
+import math
 import multiprocessing as mp
+import os
 import statistics
 import sys
 import tempfile
@@ -184,6 +187,24 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     return nodes
 
 
+@contextlib.contextmanager
+def _daemon_env(spec: str):
+    """The nodes started inside run their p2p daemons with the Go settings of ``spec`` (``NAME=value`` joined by
+    ``+``; a user's GOGC wins over swarmd's, and a node's environment is this process's); "default" leaves
+    swarmd's own."""
+    settings = dict(x.split("=", 1) for x in spec.split("+")) if spec != "default" else {}
+    before = {name: os.environ.get(name) for name in settings}
+    os.environ.update(settings)
+    try:
+        yield
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
            parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False,
            memory: str = "reuse") -> dict:
@@ -214,8 +235,11 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         peak = memory.stop()
         statuses = [n.status()["services"] for n in nodes]
         bulk = [s["bulk"] for s in statuses]
+        for i, s in enumerate(final):
+            if s["exchange"].get("round_seconds_median") is None:  # no round with our update in it: say whose
+                print(f"node {i} closed no round with its own update in it: {json.dumps(s)[:4000]}", file=sys.stderr)
         return {
-            "round_s": max(s["exchange"]["round_seconds_median"] for s in final),
+            "round_s": max(s["exchange"]["round_seconds_median"] or math.inf for s in final),
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
             "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
@@ -435,6 +459,10 @@ def main() -> None:
                         "the default, or a number); several, comma-separated, each run in turn (a same-run baseline)")
     parser.add_argument("--memory", default="reuse", help="the nodes' allocator (node.memory: reuse, the default, "
                         "or release); both, comma-separated, each run in turn (a same-run baseline)")
+    parser.add_argument("--daemon-env", default="default", help="the Go runtime's settings for swarmd's p2p "
+                        "daemons: default (swarmd's own: transport.p2pd.DAEMON_GOGC) or assignments joined by +, "
+                        "e.g. GOMEMLIMIT=48MiB+GOGC=100 (the setting before 2026-11-29); several, comma-separated, "
+                        "each run in turn (a same-run baseline)")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
@@ -459,12 +487,12 @@ def main() -> None:
             # a fresh lab for each run: nothing one run left queued or open meets the next
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
             if args.only != "hivemind":
-                choices, memories = args.parts.split(","), args.memory.split(",")
+                choices, memories, daemons = args.parts.split(","), args.memory.split(","), args.daemon_env.split(",")
                 for mode in args.modes.split(","):
-                    for parts, memory in itertools.product(choices, memories):
-                        name = mode + "".join(f" ({x})" for x, many in ((parts, choices), (memory, memories))
-                                              if len(many) > 1)
-                        with lab() as star:
+                    for parts, memory, daemon in itertools.product(choices, memories, daemons):
+                        name = mode + "".join(f" ({x})" for x, many in ((parts, choices), (memory, memories),
+                                                                        (daemon, daemons)) if len(many) > 1)
+                        with lab() as star, _daemon_env(daemon):
                             result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name.replace(" ", ""),
                                                   args.audit, parts, star, args.codec, args.inner_sgd, memory)
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)

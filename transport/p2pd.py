@@ -78,6 +78,15 @@ class P2PDaemonConfig:
 _EXTRA_FLAGS: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_flags", default={})
 _EXTRA_ENV: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_env", default={})
 ENV = "/usr/bin/env"
+# the p2p daemon's garbage collector (Go's GOGC), unless the user sets their own: a collection once the
+# heap has grown by half of what was live after the last one (Go's default: by all of it). Until 2026-11-29 the
+# daemon ran with a soft heap limit instead (GOMEMLIMIT=48MiB: 80 -> 67 MB RSS per daemon at 16 nodes), which sat
+# just above its live heap: the collector ran almost without a pause, more so the more connections (their buffers
+# are most of that heap). Measured with 24 idle nodes, per daemon: 6.5% of a core and 71 MB with the limit; 3.4% and
+# 100 MB with neither; 3.7% and 83 MB with GOGC 50 (4.8% and 77 MB with 30). In the exchange bench (8 nodes, 25 MB
+# updates) the limit cost 0.09 s of daemon CPU a round against 0.05; and 32 nodes on 2 cores did not all start
+# (bench_join) with it. GOGC has no such cliff: the collector's work follows the heap, whatever the connections
+DAEMON_GOGC = "50"
 
 
 def _install_flag_hook(hm) -> None:
@@ -133,13 +142,12 @@ class P2PDaemonTransport:
         with os.fdopen(fd, "wb") as f:
             f.write(self.identity.to_p2pd_bytes())
         # the daemon's own environment (through `env` on its command line, see _install_flag_hook): no
-        # SO_REUSEPORT (a taken port is an error), and a soft heap limit for the Go runtime (measured with 16 nodes:
-        # 80 -> 67 MB RSS per daemon, idle CPU 2.0 -> 2.6 %); a user's own GOMEMLIMIT wins. Behind a NAT, dials
-        # leave from the listen port (SO_REUSEPORT), so the NAT maps one predictable port that hole punching can
-        # aim at (``transport.nat``)
+        # SO_REUSEPORT (a taken port is an error), and its garbage collector's pace (DAEMON_GOGC; a user's own GOGC
+        # wins, and a GOMEMLIMIT of theirs applies too). Behind a NAT, dials leave from the listen port
+        # (SO_REUSEPORT), so the NAT maps one predictable port that hole punching can aim at (``transport.nat``)
         env = {"LIBP2P_TCP_REUSEPORT": "true" if self.config.relay_client else "false"}
-        if "GOMEMLIMIT" not in os.environ:
-            env["GOMEMLIMIT"] = "48MiB"
+        if "GOGC" not in os.environ:
+            env["GOGC"] = DAEMON_GOGC
         _install_flag_hook(hm)
         token = _EXTRA_FLAGS.set(self._daemon_flags())
         env_token = _EXTRA_ENV.set(env)
