@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
@@ -187,22 +188,12 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     return nodes
 
 
-@contextlib.contextmanager
 def _daemon_env(spec: str):
     """The nodes started inside run their p2p daemons with the Go settings of ``spec`` (``NAME=value`` joined by
     ``+``; a user's GOGC wins over swarmd's, and a node's environment is this process's); "default" leaves
-    swarmd's own."""
+    swarmd's own. This process's environment is as it was afterwards."""
     settings = dict(x.split("=", 1) for x in spec.split("+")) if spec != "default" else {}
-    before = {name: os.environ.get(name) for name in settings}
-    os.environ.update(settings)
-    try:
-        yield
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    return mock.patch.dict(os.environ, settings)
 
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
