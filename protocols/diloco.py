@@ -306,6 +306,10 @@ class Pending:
     reduced: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     audits: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     entries: int = 0  # reduced + audit messages held
+    # part k -> set when a reduced part or an audit verdict for it comes: what a part's wait in ``_scatter`` wakes
+    # on (each of a round's up to MAX_PARTS waits woke on every message of the round: at 16 peers and 64 parts,
+    # thousands of wake-ups a round)
+    part_events: dict[int, asyncio.Event] = field(default_factory=lambda: collections.defaultdict(asyncio.Event))
     sent_at: float | None = None  # when we announced our update
     prefetched: dict[tuple[str, int], asyncio.Task] = field(default_factory=dict)  # (peer, part) -> its chunk's bytes
     prefetch_used: set[tuple[str, int]] = field(default_factory=set)  # the prefetched chunks a reduction took
@@ -1877,7 +1881,7 @@ class DilocoLoop(TaskLoop):
             # at the span's end (the kill bench: a reducer killed mid-round cost the others the span, then the
             # fallback's pulls, 2 deadlines and more on a loaded machine)
             if await outer.wait_until(lambda: reducer in pending.reduced[k] or self._gone(pending, reducer),
-                                      self._event, end - self.clock.monotonic(), poll=SERVING_POLL) \
+                                      pending.part_events[k], end - self.clock.monotonic(), poll=SERVING_POLL) \
                     and reducer in pending.reduced[k]:
                 blob, _, m, _, bits = pending.reduced[k][reducer]
                 whose = exchange.unpack_set(ordered, bits) if m == digest else None
@@ -1916,7 +1920,7 @@ class DilocoLoop(TaskLoop):
             elif got is not None and k in plan:
                 auditor = plan[k]
                 await outer.wait_until(lambda: auditor in pending.audits[k] or self._gone(pending, auditor),
-                                       self._event, end - self.clock.monotonic(), poll=SERVING_POLL)
+                                       pending.part_events[k], end - self.clock.monotonic(), poll=SERVING_POLL)
                 if pending.audits[k].get(auditor) is False:  # disputed: see for ourselves
                     self.counters["parts_disputed"] += 1
                     could = got[3] is not None and await compute(k, self.clock.monotonic() + span, only=got[3])
@@ -2688,6 +2692,7 @@ class DilocoLoop(TaskLoop):
                 return Verdict.IGNORE
             held[author] = value
             pending.entries += 1
+            pending.part_events[k].set()
             self._event.set()
             return Verdict.ACCEPT
         return Verdict.REJECT
