@@ -58,6 +58,8 @@ REACH_SPEC = ProtocolSpec("reach", "1.0.0", max_frame=16 + 9 * MAX_REPORTED + 64
 # ``per_round`` + 1) keeps one stream to each. A stream opened per ask was most of an idle node's CPU at 16 nodes
 # (its p2p daemon's and its own: 54% of a core for the 16 against 25% with no asks; bench notes in the README)
 REACH_KEPT_SPEC = ProtocolSpec("reach", "1.1.0", max_frame=REACH_SPEC.max_frame, kinds=REACH_SPEC.kinds)
+KEPT_IDLE = 4.0  # seconds: an asker asks on a kept stream only this soon after its last ask (a server keeps it 5 s
+# at least: ``Reach.keep_open``)
 for _spec, _name in ((REACH_SPEC, "reach"), (REACH_KEPT_SPEC, "reach.kept")):
     WIRE.frame(_spec, ASK, f"{_name}.ask", Nil(), None, doc="whom did you reach lately?")
     WIRE.frame(_spec, ANSWER, f"{_name}.answer", List(Bytes(exact=8), MAX_REPORTED), [bytes(8)],
@@ -140,7 +142,7 @@ class Reach:
         self._redial: dict[str, tuple[float, float]] = {}  # lost peer -> (next attempt, backoff)
         self._isolated_since: float | None = None
         self._dialing: dict[str, asyncio.Task] = {}
-        self._links: dict[str, Stream] = {}  # peer -> the reach/1.1.0 stream we ask it on, between asks
+        self._links: dict[str, tuple[Stream, float]] = {}  # peer -> (our reach/1.1.0 stream to it, its last ask)
         self._one_shot: set[str] = set()  # connected peers that serve reach/1.0.0 only (a node before 1.1.0)
         self.counters: collections.Counter = collections.Counter()
         self._started = clock()
@@ -212,7 +214,10 @@ class Reach:
         """Ask ``peer_id`` whom it reached, on a new stream or (``keep``) on the one kept from our last ask, which
         we keep again. A kept stream the peer has closed meanwhile (it restarted, or we asked later than its
         ``keep_open``) is replaced by a new one within the same ask."""
-        reply, stream = None, self._links.pop(peer_id, None)
+        reply, (stream, used) = None, self._links.pop(peer_id, (None, 0.0))
+        if stream is not None and self._clock() - used > KEPT_IDLE:
+            await stream.close()  # its server may be closing it: not asked on while it ends
+            stream = None
         try:
             async with asyncio.timeout(self.interval):
                 if stream is not None:
@@ -240,7 +245,7 @@ class Reach:
             self.transport.penalties.penalize(peer_id, "malformed", "reach: a malformed answer")
             return
         if keep and stream.spec.id == REACH_KEPT_SPEC.id:
-            self._links[peer_id] = stream
+            self._links[peer_id] = (stream, self._clock())
         else:
             await stream.close()
         now = self._clock()
@@ -335,7 +340,7 @@ class Reach:
             # each of them asked every interval: one stream each, kept between asks
             keep = len(candidates) <= self.per_round
             for p in [p for p in self._links if p not in targets or not keep]:
-                await self._links.pop(p).close()
+                await self._links.pop(p)[0].close()
             self._one_shot &= connected
             await asyncio.gather(*(self._ask(p, keep) for p in targets))
             if targets and self._isolated_since is not None:
