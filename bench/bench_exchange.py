@@ -72,6 +72,20 @@ sgd = {sgd}
 """
 
 
+# the nodes' own settings with ``--intervals default``: the shipped intervals (member poll 5 s, CRDT anti-entropy 5 s,
+# ...), as a user runs a node; ``tests`` is the test suite's loopback node (tests/swarmproc.py LOOPBACK_NODE: poll
+# 3 s, anti-entropy 1 s), which the bench used before 2026-11-29 (16 idle nodes: 66% of a core against 54-59%)
+NODE_DEFAULTS = """
+[network]
+listen = ["/ip4/127.0.0.1/tcp/0"]
+reachability = "public"
+[state]
+admission_bits = 12
+[http]
+listen = "127.0.0.1:0"
+"""
+
+
 AGREEMENT = ("parts_", "members_", "coordinator_", "views_", "view_", "own_update", "reduced_parts", "audits_",
              "announcement", "chunks_", "diverged", "deadline_missed", "minority_parts")
 
@@ -198,16 +212,22 @@ def _daemon_env(spec: str):
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
            parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False,
-           memory: str = "reuse") -> dict:
+           memory: str = "reuse", intervals: str = "default") -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
     mode = mode.removesuffix("-own")
-    config = loop_config(root / "diloco.toml", CONFIG.format(
+    table = CONFIG.format(
         peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts if parts != "auto" else '"auto"',
-        sgd=str(sgd).lower(), memory=memory))
+        sgd=str(sgd).lower(), memory=memory)
+    if intervals == "tests":
+        config = loop_config(root / "diloco.toml", table)
+    else:
+        config = root / "diloco.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(NODE_DEFAULTS + table)
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = _start(swarm, peers, lab)
@@ -454,6 +474,9 @@ def main() -> None:
                         "daemons: default (swarmd's own: transport.p2pd.DAEMON_GOGC) or assignments joined by +, "
                         "e.g. GOMEMLIMIT=48MiB+GOGC=100 (the setting before 2026-11-29); several, comma-separated, "
                         "each run in turn (a same-run baseline)")
+    parser.add_argument("--intervals", default="default", help="the nodes' background intervals: default (the "
+                        "shipped ones, as a user runs a node) or tests (the test suite's faster member poll and CRDT "
+                        "anti-entropy, the bench's before 2026-11-29); both, comma-separated, each run in turn")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
@@ -465,6 +488,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.link and unavailable():
         parser.error(f"--link: {unavailable()}")
+    if not set(args.intervals.split(",")) <= {"default", "tests"}:
+        parser.error("--intervals: default, tests, or both")
     if args.e2e:
         for memory in args.memory.split(","):
             with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
@@ -479,13 +504,16 @@ def main() -> None:
             lab = (lambda: StarLab(n, rate_mbit=args.link)) if args.link else contextlib.nullcontext
             if args.only != "hivemind":
                 choices, memories, daemons = args.parts.split(","), args.memory.split(","), args.daemon_env.split(",")
+                every = args.intervals.split(",")
                 for mode in args.modes.split(","):
-                    for parts, memory, daemon in itertools.product(choices, memories, daemons):
+                    for parts, memory, daemon, intervals in itertools.product(choices, memories, daemons, every):
                         name = mode + "".join(f" ({x})" for x, many in ((parts, choices), (memory, memories),
-                                                                        (daemon, daemons)) if len(many) > 1)
+                                                                        (daemon, daemons), (intervals, every))
+                                              if len(many) > 1)
                         with lab() as star, _daemon_env(daemon):
                             result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name.replace(" ", ""),
-                                                  args.audit, parts, star, args.codec, args.inner_sgd, memory)
+                                                  args.audit, parts, star, args.codec, args.inner_sgd, memory,
+                                                  intervals)
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
