@@ -339,8 +339,8 @@ class Reach:
             targets = sorted(candidates, key=lambda p: self.confirmed.get(p, 0.0))[:self.per_round]
             # each of them asked every interval: one stream each, kept between asks
             keep = len(candidates) <= self.per_round
-            for p in [p for p in self._links if p not in targets or not keep]:
-                await self._links.pop(p)[0].close()
+            stale = [self._links.pop(p)[0] for p in [p for p in self._links if p not in targets or not keep]]
+            await asyncio.gather(*(stream.close() for stream in stale))
             self._one_shot &= connected
             await asyncio.gather(*(self._ask(p, keep) for p in targets))
             if targets and self._isolated_since is not None:
