@@ -866,13 +866,10 @@ def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_membe
     assert closed_after < 2.0, closed_after  # 0.7 s; 12.3 s before (the wait ran out, then the round closed)
 
 
-@pytest.mark.timeout(240)
-def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_the_budget(tmp_path):
-    """``parts = "auto"`` (the default) at 9 peers: every peer cuts its update into 32 parts (16 up to 8 peers),
-    so one audited part's chunks cost its auditor 8/32 of an update, and the busiest peer takes in at most
-    BYTES_BUDGET (2.2) x S a round (2.12 here, in two rounds; 2.38 in three with the 16 parts before, same seed).
-    Nobody's update is refused for its part count."""
-    from protocols.exchange import BYTES_BUDGET, PART_MIN
+def _nine_peers_two_scatter_rounds(tmp_path) -> list:
+    """9 peers, 2 scatter rounds of an update of 32 x PART_MIN values (32 parts with ``parts = "auto"``): the
+    peers' loops at the end."""
+    from protocols.exchange import PART_MIN
 
     async def main():
         sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=2, dim=32 * PART_MIN), tmp_path,
@@ -880,11 +877,22 @@ def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_t
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 600, "everyone to finish")
-            loops = [sim.loop(p) for p in sim.peers]
-            size = sum(loops[0]._part_bytes(0, False, 32))  # S: one encoded update
-            return loops, [lp.counters["bytes_received"] / 2 / size for lp in loops]
+            return [sim.loop(p) for p in sim.peers]
 
-    loops, received = run_virtual(main())
+    return run_virtual(main())
+
+
+@pytest.mark.timeout(240)
+def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_the_budget(tmp_path):
+    """``parts = "auto"`` (the default) at 9 peers: every peer cuts its update into 32 parts (16 up to 8 peers),
+    so one audited part's chunks cost its auditor 8/32 of an update, and the busiest peer takes in at most
+    BYTES_BUDGET (2.2) x S a round (2.12 here, in two rounds; 2.38 in three with the 16 parts before, same seed).
+    Nobody's update is refused for its part count."""
+    from protocols.exchange import BYTES_BUDGET
+
+    loops = _nine_peers_two_scatter_rounds(tmp_path)
+    size = sum(loops[0]._part_bytes(0, False, 32))  # S: one encoded update
+    received = [lp.counters["bytes_received"] / 2 / size for lp in loops]
     assert {lp.exchange_view["parts"] for lp in loops} == {32}
     assert len({lp.final_hash for lp in loops}) == 1
     assert all(h["participants"] == 9 for lp in loops for h in lp.history)
@@ -902,7 +910,6 @@ def test_a_scatter_rounds_waits_wake_on_their_own_parts_messages_not_on_every_me
     Each now wakes on its own part's messages (and a poll for a reducer gone): 43 and 97. Same weights, every
     peer in every round."""
     from protocols import outer
-    from protocols.exchange import PART_MIN
 
     wakes = []
     plain = outer.wait_event
@@ -912,16 +919,7 @@ def test_a_scatter_rounds_waits_wake_on_their_own_parts_messages_not_on_every_me
         await plain(arrived, timeout)
 
     monkeypatch.setattr(outer, "wait_event", counted)
-
-    async def main():
-        sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=2, dim=32 * PART_MIN), tmp_path,
-                        exchange="scatter")
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 600, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers]
-
-    loops = run_virtual(main())
+    loops = _nine_peers_two_scatter_rounds(tmp_path)
     assert {lp.exchange_view["parts"] for lp in loops} == {32}
     assert len({lp.final_hash for lp in loops}) == 1
     assert all(h["participants"] == 9 for lp in loops for h in lp.history)
