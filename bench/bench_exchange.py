@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT))
 
 from natlab import StarLab, unavailable  # noqa: E402
-from swarmproc import Swarm, loop_config, wait_for  # noqa: E402
+from swarmproc import LOOPBACK_NODE, Swarm, loop_config, wait_for  # noqa: E402
 
 CONFIG = """
 [node]
@@ -117,7 +117,6 @@ class PeakMemory:
         self.pids, self.peak = pids, [0] * len(pids)
         self._rss_high = [0] * len(pids)  # each peer's highest RSS at a PSS reading
         self._pss_at = [-math.inf] * len(pids)  # when each peer's PSS was last read (monotonic)
-        self.pss_reads = 0
         self._procs: dict[int, tuple[float, list]] = {}  # peer -> (when listed, its processes)
         self._cpu: dict[int, float] = {}  # pid (every process of every tree) -> its CPU seconds at the last sample
         self._daemons: set[int] = set()  # the pids of p2p daemons among them
@@ -156,7 +155,6 @@ class PeakMemory:
             return 0
         self._rss_high[i] = max(self._rss_high[i], rss)
         self._pss_at[i] = now
-        self.pss_reads += 1
         total = 0
         for proc in procs:
             try:
@@ -251,12 +249,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts if parts != "auto" else '"auto"',
         sgd=str(sgd).lower(), memory=memory)
-    if intervals == "tests":
-        config = loop_config(root / "diloco.toml", table)
-    else:
-        config = root / "diloco.toml"
-        config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(NODE_DEFAULTS + table)
+    config = loop_config(root / "diloco.toml", table, LOOPBACK_NODE if intervals == "tests" else NODE_DEFAULTS)
     swarm = Swarm(root / "nodes", config=config)
     try:
         nodes = _start(swarm, peers, lab)

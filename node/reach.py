@@ -174,7 +174,7 @@ class Reach:
 
     async def _on_asks(self, stream: Stream) -> None:
         """reach/1.1.0: asks on one stream until the asker closes it, or asks nothing for ``keep_open``."""
-        await self._answer(stream, await asyncio.wait_for(stream.read_required(), 10.0))
+        await self._on_ask(stream)
         while True:
             try:
                 message = await asyncio.wait_for(stream.read(), self.keep_open())

@@ -40,10 +40,11 @@ listen = "127.0.0.1:0"
 """
 
 
-def loop_config(path: Path, loop_table: str) -> Path:
-    """Write a loopback node config with ``loop_table`` (e.g. a [loops.spsa] table) appended; returns ``path``."""
+def loop_config(path: Path, loop_table: str, node: str = LOOPBACK_NODE) -> Path:
+    """Write a loopback node config (``node``: its node tables) with ``loop_table`` (e.g. a [loops.spsa] table)
+    appended; returns ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(LOOPBACK_NODE + loop_table)
+    path.write_text(node + loop_table)
     return path
 
 
