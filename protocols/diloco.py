@@ -2490,10 +2490,8 @@ class DilocoLoop(TaskLoop):
                 if reply.kind != CKPT_REPLY.code:
                     raise MalformedMessage("diloco-ckpt: expected a reply")
                 blob = reply.body["blob"]
-                # its announcement names it a source: another peer's checkpoint of the same state has the same hash
-                # and may be announced already, by a source that is gone (the one that failed us just before)
                 for _ in range(100):
-                    if any(source == peer for source, _ in self.bulk.sources.get(blob, ())):
+                    if blob in self.bulk.announcements:
                         break
                     await asyncio.sleep(0.05)
                 size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
