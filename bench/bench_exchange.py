@@ -121,6 +121,7 @@ class PeakMemory:
         self._cpu: dict[int, float] = {}  # pid (every process of every tree) -> its CPU seconds at the last sample
         self._daemons: set[int] = set()  # the pids of p2p daemons among them
         self._marked: dict[int, float] | None = None
+        self._main: list[list[float]] = []  # [at mark, at stop]: each peer's main thread's CPU seconds
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -171,17 +172,38 @@ class PeakMemory:
         for i in range(len(self.pids)):
             self.peak[i] = max(self.peak[i], self._tree(i, force))
 
+    def _main_threads(self) -> list[float]:
+        """Each peer's main thread's CPU seconds (user + system) so far: for a swarmd node, its event loop (the
+        rest of the process is the worker threads the loop hands work to)."""
+        out = []
+        for pid in self.pids:
+            try:
+                with open(f"/proc/{pid}/task/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
+            except (OSError, IndexError, ValueError):
+                out.append(math.nan)
+        return out
+
     def mark(self) -> None:
         """Start counting CPU time here (what the processes used before, starting up, is left out)."""
         self._sample()
+        self._main = [self._main_threads()]
         with self._lock:
             self._marked = dict(self._cpu)
 
     def stop(self) -> list[int]:
+        self._main.append(self._main_threads())
         self._stop.set()
         self._thread.join()
         self._sample(force=True)
         return self.peak
+
+    def main_thread_seconds(self) -> float:
+        """The CPU seconds the peers' main threads used from ``mark()`` to ``stop()``, all peers together."""
+        if len(self._main) != 2:
+            return math.nan
+        return sum(b - a for a, b in zip(*self._main))
 
     def cpu_seconds(self, daemons_only: bool = False) -> float:
         """The CPU seconds every process (or only the p2p daemons) used since ``mark()`` (since the start without
@@ -210,6 +232,26 @@ def _gossip_drops(gossip: list[dict]) -> dict:
            for k in ("send_queue_dropped", "subscriber_dropped", "stale", "iwant_sent", "iwant_served", "duplicates",
                      "forwarded")}
     out["gossip_dropped_full"] = sum(t.get("dropped_full", 0) for g in gossip for t in g.get("topics", {}).values())
+    return out
+
+
+def _frames_in(nodes: list) -> dict[str, float]:
+    """The frames the nodes received on each of their p2p protocols so far (``/metrics``:
+    swarmd_messages_total, direction "in"), all nodes together, by the protocol's name (``/swarmd/<name>/...``)."""
+    import re
+    import urllib.request
+
+    def read(url: str) -> str:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+            return resp.read().decode()
+
+    out: dict[str, float] = {}
+    for n in nodes:
+        for line in n.via(read, n.url).splitlines():
+            if line.startswith("swarmd_messages_total{") and 'direction="in"' in line:
+                proto = re.search(r'protocol="/swarmd/([^/"]+)', line)
+                if proto:
+                    out[proto.group(1)] = out.get(proto.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
     return out
 
 
@@ -261,11 +303,13 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         wait_for(lambda: all(d(n)["state"] in ("running", "done") for n in nodes), 600, "every node running",
                  interval=0.1)
         memory.mark()
+        frames = _frames_in(nodes)
         t0 = time.monotonic()
         # (every 0.5 s: a node's status is read on the cores the peers share; the rounds' times are the nodes' own)
         final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 1800,
                          f"{mode} x{peers} to finish", interval=0.5)
         wall = time.monotonic() - t0
+        frames = {k: (v - frames.get(k, 0.0)) / rounds / peers for k, v in _frames_in(nodes).items()}
         peak = memory.stop()
         statuses = [n.status()["services"] for n in nodes]
         bulk = [s["bulk"] for s in statuses]
@@ -293,6 +337,9 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             "peak_gb": max(peak) / 1e9,
             "cpu_s": memory.cpu_seconds() / rounds / peers,
             "p2pd_cpu_s": memory.cpu_seconds(daemons_only=True) / rounds / peers,
+            # (where a node's CPU goes, per node and round) its event loop's thread, the p2p daemon's, and frames in
+            "main_cpu_s": memory.main_thread_seconds() / rounds / peers,
+            "frames_in": dict(sorted(frames.items(), key=lambda kv: -kv[1])),
             "evicted": sum(b.get("blobs_evicted", 0) for b in bulk),
             "agreement": {**_summed(final), **_gossip_drops([s["gossip"] for s in statuses])},  # stderr only
             # each phase's median at the node where it took longest (protocols/diloco.py: _phase_times)
@@ -573,6 +620,16 @@ def main() -> None:
         for name, r in result.items():
             if "phases" in r:
                 print(f"{n:>3} | {name:<30} | " + " | ".join(f"{k} {v:.2f}" for k, v in r["phases"].items()))
+    print("where a swarmd node's CPU goes, per node and round (ms): its event loop's thread, its other threads (the "
+          "work handed off the loop: inner step, encoding, hashes, checks, reductions), its p2p daemon; and the "
+          "frames it received on each p2p protocol (the bulk bytes go over direct TCP, outside them)")
+    for n, result in rows:
+        for name, r in result.items():
+            if "main_cpu_s" in r:
+                other = r["cpu_s"] - r["p2pd_cpu_s"] - r["main_cpu_s"]
+                frames = ", ".join(f"{k} {v:.1f}" for k, v in r["frames_in"].items() if v >= 0.05)
+                print(f"{n:>3} | {name:<30} | loop {1e3 * r['main_cpu_s']:.0f} | other threads {1e3 * other:.0f} | "
+                      f"p2pd {1e3 * r['p2pd_cpu_s']:.0f} | frames in: {frames}")
     print("peak GB/peer: the most memory one peer's processes held at once (PSS, read at each new high of "
           "the peer's RSS, sampled every 0.3 s, and every 5 s; a swarmd "
           "node with its p2p daemon, a hivemind peer with its averager and DHT processes); the bulk store dropped "
