@@ -175,13 +175,14 @@ class PeakMemory:
     def _main_threads(self) -> list[float]:
         """Each peer's main thread's CPU seconds (user + system) so far: for a swarmd node, its event loop (the
         rest of the process is the worker threads the loop hands work to)."""
+        import psutil
+
         out = []
         for pid in self.pids:
             try:
-                with open(f"/proc/{pid}/task/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-                out.append((int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK"))
-            except (OSError, IndexError, ValueError):
+                main = next(t for t in psutil.Process(pid).threads() if t.id == pid)
+                out.append(main.user_time + main.system_time)
+            except (psutil.Error, StopIteration):
                 out.append(math.nan)
         return out
 
@@ -238,20 +239,15 @@ def _gossip_drops(gossip: list[dict]) -> dict:
 def _frames_in(nodes: list) -> dict[str, float]:
     """The frames the nodes received on each of their p2p protocols so far (``/metrics``:
     swarmd_messages_total, direction "in"), all nodes together, by the protocol's name (``/swarmd/<name>/...``)."""
-    import re
-    import urllib.request
-
-    def read(url: str) -> str:
-        with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-            return resp.read().decode()
+    from prometheus_client.parser import text_string_to_metric_families
 
     out: dict[str, float] = {}
     for n in nodes:
-        for line in n.via(read, n.url).splitlines():
-            if line.startswith("swarmd_messages_total{") and 'direction="in"' in line:
-                proto = re.search(r'protocol="/swarmd/([^/"]+)', line)
-                if proto:
-                    out[proto.group(1)] = out.get(proto.group(1), 0.0) + float(line.rsplit(" ", 1)[1])
+        for family in text_string_to_metric_families(n.get("/metrics")):
+            for sample in family.samples:
+                if sample.name == "swarmd_messages_total" and sample.labels.get("direction") == "in":
+                    name = sample.labels["protocol"].split("/")[2]
+                    out[name] = out.get(name, 0.0) + sample.value
     return out
 
 
