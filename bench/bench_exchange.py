@@ -46,6 +46,7 @@ sys.path.insert(0, str(ROOT))
 
 from natlab import StarLab, unavailable  # noqa: E402
 from swarmproc import LOOPBACK_NODE, Swarm, loop_config, wait_for  # noqa: E402
+from vector_task import periods  # noqa: E402  (bench/ is this script's own directory)
 
 CONFIG = """
 [node]
@@ -69,6 +70,8 @@ min_bandwidth = 5e6
 [loops.diloco.task_options]
 size = {size}
 sgd = {sgd}
+together = "{together}"
+peers = {peers}
 """
 
 
@@ -277,7 +280,7 @@ def _daemon_env(spec: str):
 
 def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audit: float = 0.0,
            parts: str = "auto", lab: StarLab | None = None, codec: str = "none", sgd: bool = False,
-           memory: str = "reuse", intervals: str = "default") -> dict:
+           memory: str = "reuse", intervals: str = "default", together: bool = False) -> dict:
     # "scatter-own": scatter with each peer's own view of a round's members (agree = false), the baseline of the
     # agreed members
     agree = "false" if mode.endswith("-own") else "true"
@@ -286,7 +289,9 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         peers=peers, mode=mode, mode_short=mode[0], agree=agree, codec=codec,
         task=f"{ROOT / 'bench' / 'vector_task.py'}:make_task",
         rounds=rounds, audit=audit, size=size_bytes // 4, parts=parts if parts != "auto" else '"auto"',
-        sgd=str(sgd).lower(), memory=memory)
+        sgd=str(sgd).lower(), memory=memory, together=root / "together" if together else "")
+    if together:
+        (root / "together").mkdir(parents=True)
     config = loop_config(root / "diloco.toml", table, LOOPBACK_NODE if intervals == "tests" else NODE_DEFAULTS)
     swarm = Swarm(root / "nodes", config=config)
     try:
@@ -312,8 +317,15 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         for i, s in enumerate(final):
             if s["exchange"].get("round_seconds_median") is None:  # no round with our update in it: say whose
                 print(f"node {i} closed no round with its own update in it: {json.dumps(s)[:4000]}", file=sys.stderr)
+        span = max(s["exchange"]["round_seconds_median"] or math.inf for s in final)
+        period = periods(str(root / "together"), peers) if together else []
         return {
-            "round_s": max(s["exchange"]["round_seconds_median"] or math.inf for s in final),
+            # --together: a round's period, from the last peer ready with its update to the last ready with the next
+            # (the median over rounds), as hivemind's rounds are timed (the slowest peer's, from the trigger that
+            # every peer waited for); else a node's span from announcing its update to the combined one
+            "round_s": statistics.median(period) if period else span,
+            "span_s": span,
+            "periods": len(period),
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
             "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
@@ -465,7 +477,7 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
         [torch.randn(size)], dht, prefix="bench", target_group_size=peers, min_group_size=peers,
         min_matchmaking_time=2.0, request_timeout=10.0, start=True)
     times = []
-    cpu_from = None
+    cpu_from, window = None, 0.0
     for _ in range(rounds):
         barrier.wait()
         if cpu_from is None:  # the rounds' CPU time: from here (the DHT and averager started) to the last one's end
@@ -474,12 +486,14 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
         while control.stage != AveragingStage.AWAITING_TRIGGER and not control.done():
             time.sleep(0.01)
         barrier.wait()
+        c0 = _tree_cpu()[0]
         t0 = time.monotonic()
         control.allow_allreduce()
         control.result()
         times.append(time.monotonic() - t0)
+        window += _tree_cpu()[0] - c0  # the all-reduce's own CPU, from the trigger to its end
     cpu_to = _tree_cpu()
-    out.put((times, cpu_to[0] - cpu_from[0], cpu_to[1] - cpu_from[1]))
+    out.put((times, cpu_to[0] - cpu_from[0], cpu_to[1] - cpu_from[1], window))
     barrier.wait()
     averager.shutdown()
     dht.shutdown()
@@ -511,11 +525,13 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
             if p.is_alive():
                 p.kill()
         manager.shutdown()
-    cpu = sum(c for _, c, _ in times) / rounds / peers
-    daemons = sum(d for _, _, d in times) / rounds / peers
-    times = [t for t, _, _ in times]
+    cpu = sum(c for _, c, _, _ in times) / rounds / peers
+    daemons = sum(d for _, _, d, _ in times) / rounds / peers
+    window = sum(w for _, _, _, w in times) / rounds / peers
+    times = [t for t, _, _, _ in times]
     per_round = [max(t[r] for t in times) for r in range(rounds)]
     return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round), "cpu_s": cpu,
+            "window_cpu_s": window,
             "p2pd_cpu_s": daemons,
             "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
             "same": True, "mode": "butterfly", "fallback": 0,
@@ -548,6 +564,13 @@ def main() -> None:
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
     parser.add_argument("--inner-sgd", action="store_true", help="the vector trained by plain SGD (no optimizer "
                         "state: a node's memory is then the exchange's; default AdamW, the loop's)")
+    parser.add_argument("--together", action="store_true", help="swarmd's peers start each round together, as "
+                        "hivemind's averagers do: a barrier among them after each inner step (the vector trained by "
+                        "plain SGD), and s/round is then a round's period from the last peer ready with its update "
+                        "to the last ready with the next (the exchange, the outer step and one SGD step), the median "
+                        "over rounds, as hivemind's is timed from the trigger every peer waited for; default: each "
+                        "node's span from announcing its update to the combined one, waiting for the others "
+                        "included")
     parser.add_argument("--link", type=float, default=0.0, metavar="MBIT",
                         help="each peer in its own network namespace, its link capped at MBIT both ways by tc tbf "
                              "(needs root; default: every peer on loopback)")
@@ -579,7 +602,7 @@ def main() -> None:
                         with lab() as star, _daemon_env(daemon):
                             result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name.replace(" ", ""),
                                                   args.audit, parts, star, args.codec, args.inner_sgd, memory,
-                                                  intervals)
+                                                  intervals, args.together)
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
@@ -601,7 +624,8 @@ def main() -> None:
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
             codec = "" if args.codec == "none" else f", {args.codec}"
-            label = name if name == "hivemind" else f"{name} (swarmd{codec})"
+            together = ", together" if args.together else ""
+            label = name if name == "hivemind" else f"{name} (swarmd{codec}{together})"
             print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
@@ -637,6 +661,14 @@ def main() -> None:
           "machine's cores is about the round's time, the round is CPU-bound here (every peer on this machine); of "
           "which p2pd: the p2p daemons' part of it (swarmd's carries its gossip, DHT and state sync, the bulk bytes "
           "going over direct TCP; hivemind's carries its all-reduce's bytes too)")
+    for n, result in rows:
+        h = result.get("hivemind", {}).get("window_cpu_s")
+        for name, r in result.items():
+            if r.get("periods"):
+                print(f"{n:>3} | {name:<30} | together: the median of {r['periods']} rounds' periods (last ready -> "
+                      f"last ready) {r['round_s']:.2f} s; a node's span from announcing its update to the combined "
+                      f"one {r['span_s']:.2f} s; CPU a round a peer {r['cpu_s']:.2f} s (every bit of a round)"
+                      + (f", hivemind's from its trigger to its all-reduce's end {h:.2f} s" if h else ""))
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")
 
 

@@ -2,6 +2,10 @@
 codec an update is exactly 4 x size bytes (plus a few bytes of header per part), and an inner step costs O(size),
 so a round's time is the exchange's."""
 
+import os
+import time
+from pathlib import Path
+
 import torch
 
 
@@ -38,5 +42,55 @@ class SgdVectorTask(VectorTask):
         return torch.optim.SGD(params, lr=1e-3)
 
 
-def make_task(size: int = 1_000_000, sgd: bool = False) -> VectorTask:
+class TogetherVectorTask(SgdVectorTask):
+    """Plain SGD, and after each inner step a barrier among the run's ``peers`` nodes (files in the directory
+    ``together``, which they share on this machine): every peer's update starts on its way at the same moment, as
+    hivemind's averagers trigger their all-reduce together after a barrier in the benchmark. Each node writes when
+    it reached the barrier (``time.monotonic``, one clock for every process on this machine), so the bench reads a
+    round's period, from the last peer ready to the last peer ready again, out of the files (``periods``)."""
+
+    def __init__(self, size: int, together: str, peers: int):
+        super().__init__(size)
+        self.dir, self.peers, self.steps = Path(together), peers, 0
+
+    def optimizer(self, params) -> torch.optim.Optimizer:
+        opt = super().optimizer(params)
+        opt.register_step_post_hook(lambda *_: self._barrier())
+        return opt
+
+    def _barrier(self) -> None:
+        """(In the node's worker thread: its event loop serves the others meanwhile.) The last to arrive (counted
+        under a file lock) creates the step's release file, which the others poll every millisecond with one
+        ``stat`` (listing the directory at each poll cost a node 3% of a core). Up to 60 s: a node that skips a
+        step (a resync) must not hang the others; ``periods`` leaves out a step that not every node reached."""
+        import fcntl
+
+        self.steps += 1
+        step = f"{self.steps:06d}"
+        tmp = self.dir / f".{step}.{os.getpid()}"
+        tmp.write_text(repr(time.monotonic()))
+        with open(self.dir / ".lock", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            tmp.rename(self.dir / f"{step}.{os.getpid()}")
+            if sum(1 for name in os.listdir(self.dir) if name.startswith(step + ".")) >= self.peers:
+                (self.dir / f".go.{step}").touch()
+        release, end = str(self.dir / f".go.{step}"), time.monotonic() + 60.0
+        while not os.path.exists(release) and time.monotonic() < end:
+            time.sleep(0.001)
+
+
+def periods(together: str, peers: int) -> list[float]:
+    """Each round's period from the files of ``TogetherVectorTask``: from the moment the last of the peers was ready
+    with its update (trained) to the moment the last was ready with the next one: the exchange, the outer step
+    and one (SGD) inner step of every peer, the slowest peer's."""
+    ready: dict[int, list[float]] = {}
+    for f in Path(together).glob("[0-9]*.*"):
+        ready.setdefault(int(f.name.split(".")[0]), []).append(float(f.read_text()))
+    steps = sorted(k for k, v in ready.items() if len(v) == peers)
+    return [max(ready[b]) - max(ready[a]) for a, b in zip(steps, steps[1:]) if b == a + 1]
+
+
+def make_task(size: int = 1_000_000, sgd: bool = False, together: str = "", peers: int = 0) -> VectorTask:
+    if together:
+        return TogetherVectorTask(size, together, peers)
     return SgdVectorTask(size) if sgd else VectorTask(size)
