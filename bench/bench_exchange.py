@@ -5,11 +5,16 @@ DecentralizedAverager (butterfly all-reduce) of the same bytes, in the same run.
 swarmd: N nodes run DiLoCo on ``bench/vector_task.py`` (one parameter vector of S/4 values, codec ``none``: an
 update is S bytes; ``--codec e3m0``, the loop's default, sends about S/7.5 for the same values), one inner step per
 round, so a round's time is its exchange; bytes = what each node's bulk service pulled and served,
-per round, in units of S; time = a node's median span from announcing its update to holding the round's combined
-update (the slowest node's; it includes waiting for the slowest peer's update), and "after all in": from the
-round's close (every update announced) to the combined update (for all-to-all, the pulls run before the close).
+per round, in units of S. The peers start each round together, as hivemind's do: after each (SGD) inner step they
+wait for each other at a barrier, and time = a round's period, from the moment the last peer was ready with its
+trained weights to the moment the last was ready again (our update's preparation, the exchange, the outer step and
+one SGD step; the median over rounds). ``--free``: the bench before 2026-11-29 (evening): the peers train (AdamW)
+and announce as they go, and time = a node's median span from announcing its update to holding the round's combined
+update (the slowest node's), which leaves out our own update's preparation and the steps on either side. "after
+all in": from the round's close (every update announced, the members agreed) to the combined update.
 hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
-timed from the trigger after matchmaking to the all-reduce's end (median of the rounds).
+timed from the trigger after matchmaking (every peer waits at a barrier for it) to the all-reduce's end (the
+slowest peer's; the median of the rounds).
 
     python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind] [--link 100]
     python bench/bench_exchange.py --e2e [--layers 15]     # DiLoCo end to end, 4 peers, a ~109M-parameter Llama
@@ -564,13 +569,15 @@ def main() -> None:
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
     parser.add_argument("--inner-sgd", action="store_true", help="the vector trained by plain SGD (no optimizer "
                         "state: a node's memory is then the exchange's; default AdamW, the loop's)")
-    parser.add_argument("--together", action="store_true", help="swarmd's peers start each round together, as "
-                        "hivemind's averagers do: a barrier among them after each inner step (the vector trained by "
-                        "plain SGD), and s/round is then a round's period from the last peer ready with its update "
-                        "to the last ready with the next (the exchange, the outer step and one SGD step), the median "
-                        "over rounds, as hivemind's is timed from the trigger every peer waited for; default: each "
-                        "node's span from announcing its update to the combined one, waiting for the others "
-                        "included")
+    parser.add_argument("--free", action="store_true", help="swarmd's peers train and announce as they go (the "
+                        "vector trained by AdamW), and s/round is a node's span from announcing its update to the "
+                        "combined one, waiting for the others included: the bench before 2026-11-29 (evening), which "
+                        "left our own update's preparation and the peers' steps out of the time. Default: the peers "
+                        "start each round together, as hivemind's averagers do (a barrier among them after each inner "
+                        "step, the vector trained by plain SGD), and s/round is a round's period from the last peer "
+                        "ready with its update to the last ready with the next (the exchange, the outer step and one "
+                        "SGD step), the median over rounds, as hivemind's is timed from the trigger every peer "
+                        "waited for")
     parser.add_argument("--link", type=float, default=0.0, metavar="MBIT",
                         help="each peer in its own network namespace, its link capped at MBIT both ways by tc tbf "
                              "(needs root; default: every peer on loopback)")
@@ -602,7 +609,7 @@ def main() -> None:
                         with lab() as star, _daemon_env(daemon):
                             result[name] = swarmd(mode, n, size, args.rounds, Path(tmp) / name.replace(" ", ""),
                                                   args.audit, parts, star, args.codec, args.inner_sgd, memory,
-                                                  intervals, args.together)
+                                                  intervals, not args.free)
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
@@ -624,7 +631,7 @@ def main() -> None:
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
             codec = "" if args.codec == "none" else f", {args.codec}"
-            together = ", together" if args.together else ""
+            together = "" if args.free else ", together"
             label = name if name == "hivemind" else f"{name} (swarmd{codec}{together})"
             print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
