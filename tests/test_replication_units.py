@@ -1,0 +1,90 @@
+"""CRDT pushes over kept streams (node.replication: KEPT_*), on the in-memory network in virtual time: a node's
+small pushes to a peer reuse one stream, a kept stream to a peer that restarted is given up for a new one
+(nothing is lost), and a stream unused for KEPT_IDLE is closed by us before the responder's
+30 s read timeout would end it as a failure."""
+
+import asyncio
+
+import pytest
+
+from node.replication import KEPT_IDLE
+from node.sim import SimConfig, SimSwarm
+from transport.memory import run_virtual
+
+
+def _swarm() -> SimSwarm:
+    # 3 nodes, all linked; anti-entropy every 5 s as the default config (it also closes idle kept streams)
+    return SimSwarm(SimConfig(peers=3, degree=2, latency=0.005, bandwidth=None, seed=7))
+
+
+async def _write(node, i: int) -> None:
+    await node.replicator.write("progress", {"step": i, "samples": i, "loss": 1.0, "bytes": 0, "round": i})
+
+
+@pytest.mark.timeout(60)
+def test_small_pushes_to_a_peer_reuse_one_stream():
+    async def main():
+        swarm = _swarm()
+        await swarm.start()
+        try:
+            a, b, c = swarm.nodes
+            opened = {n.peer_id: n.replicator.counters["push_streams_opened"] for n in swarm.nodes}
+            for i in range(20):
+                await _write(a, i)
+                await swarm.until(lambda: swarm.converged(), 10, f"write {i} everywhere")
+            return ({n.peer_id: n.replicator.counters["push_streams_opened"] - opened[n.peer_id]
+                     for n in swarm.nodes}, a.peer_id, sorted(a.replicator._kept),
+                    [n.transport.stats.errors["stream_failed"] for n in swarm.nodes],
+                    a.replicator.counters["ops_sent"])
+        finally:
+            await swarm.stop()
+
+    opened, author, kept, failed, sent = run_virtual(main())
+    # 20 writes of the author, each pushed to both peers (and relayed between them): at most one new stream from a
+    # node to each peer over the whole run (none at all where the swarm's forming already kept one)
+    assert all(n <= 2 for n in opened.values()), opened
+    assert len(kept) == 2 and author not in kept
+    assert sent >= 40 and failed == [0, 0, 0]
+
+
+@pytest.mark.timeout(60)
+def test_a_kept_stream_to_a_restarted_peer_is_replaced_and_nothing_is_lost():
+    async def main():
+        swarm = _swarm()
+        await swarm.start()
+        try:
+            a, b, c = swarm.nodes
+            await _write(a, 0)
+            await swarm.until(lambda: swarm.converged(), 10, "the first write everywhere")
+            assert b.peer_id in a.replicator._kept
+            b = await swarm.restart(b)  # as kill -9 and a start: the stream a kept to it ends with the old process
+            await _write(a, 1)
+            await swarm.until(lambda: swarm.converged(), 30, "the write everywhere after the restart")
+            steps = {n.replicator.store.value("progress")[a.peer_id]["step"] for n in swarm.nodes}
+            return a.replicator.counters["kept_push_failed"], steps, b.peer_id in a.replicator._kept
+        finally:
+            await swarm.stop()
+
+    failed, steps, kept_again = run_virtual(main())
+    assert failed == 1  # the push over the dead stream failed once, and went over a new one, now kept
+    assert steps == {1} and kept_again
+
+
+@pytest.mark.timeout(60)
+def test_an_idle_kept_stream_is_closed_before_the_responder_times_it_out():
+    async def main():
+        swarm = _swarm()
+        await swarm.start()
+        try:
+            a = swarm.nodes[0]
+            await _write(a, 0)
+            await swarm.until(lambda: swarm.converged(), 10, "the write everywhere")
+            held = len(a.replicator._kept)
+            await asyncio.sleep(KEPT_IDLE + 10.0)  # the anti-entropy loop (every 4-6 s) closes what is idle
+            return held, len(a.replicator._kept), [n.transport.stats.errors["stream_failed"] for n in swarm.nodes]
+        finally:
+            await swarm.stop()
+
+    held, left, failed = run_virtual(main())
+    assert held == 2 and left == 0
+    assert failed == [0, 0, 0]  # closed by us: a clean end at the responder, not its 30 s timeout
