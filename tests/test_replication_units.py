@@ -12,34 +12,40 @@ from node.sim import SimConfig, SimSwarm
 from transport.memory import run_virtual
 
 
-def _swarm() -> SimSwarm:
-    # 3 nodes, all linked; anti-entropy every 5 s as the default config (it also closes idle kept streams)
-    return SimSwarm(SimConfig(peers=3, degree=2, latency=0.005, bandwidth=None, seed=7))
+def _with_swarm(scenario):
+    """``scenario(swarm)`` on 3 started nodes, all linked, in virtual time (anti-entropy every 5 s, as the default
+    config: it also closes idle kept streams); returns what it returns."""
+    async def main():
+        swarm = SimSwarm(SimConfig(peers=3, degree=2, latency=0.005, bandwidth=None, seed=7))
+        await swarm.start()
+        try:
+            return await scenario(swarm)
+        finally:
+            await swarm.stop()
+
+    return run_virtual(main())
 
 
-async def _write(node, i: int) -> None:
+async def _write_everywhere(swarm: SimSwarm, node, i: int) -> None:
     await node.replicator.write("progress", {"step": i, "samples": i, "loss": 1.0, "bytes": 0, "round": i})
+    await swarm.until(lambda: swarm.converged(), 30, f"write {i} everywhere")
+
+
+def _failed_streams(swarm: SimSwarm) -> list[int]:
+    return [n.transport.stats.errors["stream_failed"] for n in swarm.nodes]
 
 
 @pytest.mark.timeout(60)
 def test_small_pushes_to_a_peer_reuse_one_stream():
-    async def main():
-        swarm = _swarm()
-        await swarm.start()
-        try:
-            a, b, c = swarm.nodes
-            opened = {n.peer_id: n.replicator.counters["push_streams_opened"] for n in swarm.nodes}
-            for i in range(20):
-                await _write(a, i)
-                await swarm.until(lambda: swarm.converged(), 10, f"write {i} everywhere")
-            return ({n.peer_id: n.replicator.counters["push_streams_opened"] - opened[n.peer_id]
-                     for n in swarm.nodes}, a.peer_id, sorted(a.replicator._kept),
-                    [n.transport.stats.errors["stream_failed"] for n in swarm.nodes],
-                    a.replicator.counters["ops_sent"])
-        finally:
-            await swarm.stop()
+    async def scenario(swarm):
+        a = swarm.nodes[0]
+        opened = {n.peer_id: n.replicator.counters["push_streams_opened"] for n in swarm.nodes}
+        for i in range(20):
+            await _write_everywhere(swarm, a, i)
+        return ({n.peer_id: n.replicator.counters["push_streams_opened"] - opened[n.peer_id] for n in swarm.nodes},
+                a.peer_id, sorted(a.replicator._kept), _failed_streams(swarm), a.replicator.counters["ops_sent"])
 
-    opened, author, kept, failed, sent = run_virtual(main())
+    opened, author, kept, failed, sent = _with_swarm(scenario)
     # 20 writes of the author, each pushed to both peers (and relayed between them): at most one new stream from a
     # node to each peer over the whole run (none at all where the swarm's forming already kept one)
     assert all(n <= 2 for n in opened.values()), opened
@@ -49,42 +55,29 @@ def test_small_pushes_to_a_peer_reuse_one_stream():
 
 @pytest.mark.timeout(60)
 def test_a_kept_stream_to_a_restarted_peer_is_replaced_and_nothing_is_lost():
-    async def main():
-        swarm = _swarm()
-        await swarm.start()
-        try:
-            a, b, c = swarm.nodes
-            await _write(a, 0)
-            await swarm.until(lambda: swarm.converged(), 10, "the first write everywhere")
-            assert b.peer_id in a.replicator._kept
-            b = await swarm.restart(b)  # as kill -9 and a start: the stream a kept to it ends with the old process
-            await _write(a, 1)
-            await swarm.until(lambda: swarm.converged(), 30, "the write everywhere after the restart")
-            steps = {n.replicator.store.value("progress")[a.peer_id]["step"] for n in swarm.nodes}
-            return a.replicator.counters["kept_push_failed"], steps, b.peer_id in a.replicator._kept
-        finally:
-            await swarm.stop()
+    async def scenario(swarm):
+        a, b, _ = swarm.nodes
+        await _write_everywhere(swarm, a, 0)
+        assert b.peer_id in a.replicator._kept
+        b = await swarm.restart(b)  # as kill -9 and a start: the stream a kept to it ends with the old process
+        await _write_everywhere(swarm, a, 1)
+        steps = {n.replicator.store.value("progress")[a.peer_id]["step"] for n in swarm.nodes}
+        return a.replicator.counters["kept_push_failed"], steps, b.peer_id in a.replicator._kept
 
-    failed, steps, kept_again = run_virtual(main())
+    failed, steps, kept_again = _with_swarm(scenario)
     assert failed == 1  # the push over the dead stream failed once, and went over a new one, now kept
     assert steps == {1} and kept_again
 
 
 @pytest.mark.timeout(60)
 def test_an_idle_kept_stream_is_closed_before_the_responder_times_it_out():
-    async def main():
-        swarm = _swarm()
-        await swarm.start()
-        try:
-            a = swarm.nodes[0]
-            await _write(a, 0)
-            await swarm.until(lambda: swarm.converged(), 10, "the write everywhere")
-            held = len(a.replicator._kept)
-            await asyncio.sleep(KEPT_IDLE + 10.0)  # the anti-entropy loop (every 4-6 s) closes what is idle
-            return held, len(a.replicator._kept), [n.transport.stats.errors["stream_failed"] for n in swarm.nodes]
-        finally:
-            await swarm.stop()
+    async def scenario(swarm):
+        a = swarm.nodes[0]
+        await _write_everywhere(swarm, a, 0)
+        held = len(a.replicator._kept)
+        await asyncio.sleep(KEPT_IDLE + 10.0)  # the anti-entropy loop (every 4-6 s) closes what is idle
+        return held, len(a.replicator._kept), _failed_streams(swarm)
 
-    held, left, failed = run_virtual(main())
+    held, left, failed = _with_swarm(scenario)
     assert held == 2 and left == 0
     assert failed == [0, 0, 0]  # closed by us: a clean end at the responder, not its 30 s timeout
