@@ -57,7 +57,15 @@ def test_streaming_survives_a_node_killed_mid_run(tmp_path):
         # round's hash check sends one side (the same one on both, ties included) to a checkpoint, and they end equal
         assert final[0]["final_hash"] == final[1]["final_hash"]
         history = final[0]["history"]
-        assert history[-1]["participants"] == 2 and history[-1]["round"] == 5
+        assert history[-1]["round"] == 5
+        assert any(h["participants"] == 2 for h in history)  # the two survivors closed rounds together
+        if history[-1]["participants"] != 2:
+            # on a starved machine one survivor's last update can miss the deadline: the last round closes without
+            # it (at the coordinator, whose member view the other takes), and the final hash check gives both the
+            # same weights (a fresh-clone run 2 minutes slower than usual ended so once, 2026-11-29). Only a missed
+            # deadline, an update left out of the view or a resync may explain it
+            late = ("deadline_missed", "own_update_left_out", "resyncs")
+            assert sum(s.get(k, 0) for s in final for k in late) >= 1, [{k: s.get(k) for k in late} for s in final]
         if rounds(alive[0]) != rounds(alive[1]):
             assert sum(s.get("resyncs", 0) for s in final) >= 1
         assert all(s["codec"] == "sign" and s["residual_norm"] is not None for s in final)
