@@ -39,16 +39,17 @@ def _failed_streams(swarm: SimSwarm) -> list[int]:
 def test_small_pushes_to_a_peer_reuse_one_stream():
     async def scenario(swarm):
         a = swarm.nodes[0]
-        opened = {n.peer_id: n.replicator.counters["push_streams_opened"] for n in swarm.nodes}
+        opened = {n.peer_id: n.transport.stats.streams_out for n in swarm.nodes}
         for i in range(20):
             await _write_everywhere(swarm, a, i)
-        return ({n.peer_id: n.replicator.counters["push_streams_opened"] - opened[n.peer_id] for n in swarm.nodes},
+        return ({n.peer_id: n.transport.stats.streams_out - opened[n.peer_id] for n in swarm.nodes},
                 a.peer_id, sorted(a.replicator._kept), _failed_streams(swarm), a.replicator.counters["ops_sent"])
 
     opened, author, kept, failed, sent = _with_swarm(scenario)
-    # 20 writes of the author, each pushed to both peers (and relayed between them): at most one new stream from a
-    # node to each peer over the whole run (none at all where the swarm's forming already kept one)
-    assert all(n <= 2 for n in opened.values()), opened
+    # 20 writes of the author, each pushed to both peers (and relayed between them; a stream a push, 40 and more
+    # streams from the author before): at most one new stream from a node to each peer for the pushes over the
+    # whole run (none where the swarm's forming already kept one), and an anti-entropy sync's stream or two
+    assert all(n <= 4 for n in opened.values()), opened
     assert len(kept) == 2 and author not in kept
     assert sent >= 40 and failed == [0, 0, 0]
 
