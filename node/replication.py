@@ -452,17 +452,17 @@ class Replicator:
         kept = self._kept.pop(peer_id, None) if small else None
         if kept is not None:
             stream, used = kept
-            try:
-                if self.clock.monotonic() - used < KEPT_IDLE:
+            if self.clock.monotonic() - used < KEPT_IDLE:  # else its responder may be ending it: not used
+                try:
                     await self._push_on(stream, ops, reply_timeout=KEPT_REPLY)
                     await self._keep(peer_id, stream)
                     return
-            except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                self.counters["kept_push_failed"] += 1
-                logger.debug("push to %s over the kept stream failed: %r; over a new one", peer_id, e)
-            except BaseException:
-                await stream.close()
-                raise
+                except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                    self.counters["kept_push_failed"] += 1
+                    logger.debug("push to %s over the kept stream failed: %r; over a new one", peer_id, e)
+                except BaseException:
+                    await stream.close()
+                    raise
             await stream.close()
         stream = await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0)
         self.counters["push_streams_opened"] += 1
