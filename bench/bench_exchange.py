@@ -325,10 +325,12 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
         span = max(s["exchange"]["round_seconds_median"] or math.inf for s in final)
         period = periods(str(root / "together"), peers) if together else []
         return {
-            # --together: a round's period, from the last peer ready with its update to the last ready with the next
-            # (the median over rounds), as hivemind's rounds are timed (the slowest peer's, from the trigger that
-            # every peer waited for); else a node's span from announcing its update to the combined one
-            "round_s": statistics.median(period) if period else span,
+            # the peers started together (the default): a round's period, from the last peer ready with its update to
+            # the last ready with the next (the median over rounds), as hivemind's rounds are timed (the slowest
+            # peer's, from the trigger that every peer waited for); --free: a node's span from announcing its update
+            # to the combined one
+            # (no period when a node skipped a barrier, a resync: NaN, not the span under the "together" label)
+            "round_s": (statistics.median(period) if period else math.nan) if together else span,
             "span_s": span,
             "periods": len(period),
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
