@@ -255,6 +255,8 @@ class Codec:
     # True where decode_flat's values are finite by construction once its own checks pass (decode then skips the
     # pass over every value that checks it)
     finite_by_construction = False
+    # True where decode(encode(x)) is x bit for bit (float32 x): a caller has the decoded values without decoding
+    lossless = False
 
     def _parts(self, x: torch.Tensor) -> tuple[Encoded, torch.Tensor]:
         """The encoding without its data, and the data as a flat uint8 tensor (no copy to bytes yet)."""
@@ -299,6 +301,7 @@ class Codec:
 
 class NoneCodec(Codec):
     id, name = 0, "none"
+    lossless = True
 
     def _parts(self, x: torch.Tensor):
         _flat32(x)
@@ -427,6 +430,15 @@ def _decode_by_table(enc: Encoded, out: torch.Tensor | None, name: str, table: t
     return result
 
 
+ENCODE_SLICE = 1 << 18  # values e3m0 encodes at once (1 MB of fp32: its temporaries stay in a core's cache)
+
+
+def _slice_step(block: int) -> int:
+    """Values per slice for a block size: whole blocks, an even count (a byte holds two codes), about ENCODE_SLICE."""
+    step = max(1, ENCODE_SLICE // block) * block
+    return step if step % 2 == 0 else 2 * step
+
+
 class E3M0Codec(BlockCodec):
     """4-bit sign + exponent: x' = sign * s * 2^-e, e in 0..7, s the block's absmax stored as bfloat16.
 
@@ -441,8 +453,26 @@ class E3M0Codec(BlockCodec):
         y = |x| * (sqrt(2) / s), e = 127 - (y's biased exponent), clamped to 0..7 (zeros and subnormals give 7).
         One IEEE multiply, then integer operations: the same bytes on every CPU (a vectorized log2 is not
         correctly rounded, and an auditor's reduction is compared with its reducer's byte for byte), and 2x
-        faster than the log2 (a 109M-parameter update took 1.1 s to encode, the biggest item of a node's round)."""
-        flat, n, b, view = self._blocks(x)
+        faster than the log2 (a 109M-parameter update took 1.1 s to encode, the biggest item of a node's round).
+        Encoded ENCODE_SLICE values at a time (whole blocks, an even count: the slices' codes and scales, laid end
+        to end, are the whole's), so that the dozen passes over each slice find it in the cache: 25 MB of values
+        in 25 ms against 43 on one core, the same bytes."""
+        flat = _flat32(x)
+        n, b = flat.numel(), self.block
+        step = _slice_step(b)
+        if n <= step:
+            scales16, data = self._slice(flat)
+        else:
+            pieces = [self._slice(flat[a:a + step]) for a in range(0, n, step)]
+            scales16 = torch.cat([s for s, _ in pieces])
+            data = torch.cat([d for _, d in pieces])
+        return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(), b""),
+                data)
+
+    def _slice(self, flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The bfloat16 scales and packed codes of ``flat``'s values (zero-padded to whole blocks)."""
+        n, b = flat.numel(), self.block
+        view = flat.view(-1, b) if n % b == 0 else _blocked(flat, b)
         magnitude = view.abs()
         scales16 = magnitude.amax(dim=1).to(torch.bfloat16)
         scales = scales16.to(torch.float32)
@@ -453,9 +483,7 @@ class E3M0Codec(BlockCodec):
         if codes.numel() % 2:
             codes = torch.cat([codes, torch.zeros(1, dtype=torch.uint8)])
         packed = codes[0::2] | (codes[1::2] << 4)
-        data = packed[: (n + 1) // 2]
-        return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(), b""),
-                data.contiguous())
+        return scales16, packed[: (n + 1) // 2].contiguous()
 
     def decode_flat(self, enc: Encoded, out):
         # one table lookup per byte gives both of its codes' values (sign * 2^-e, exact), low nibble first
