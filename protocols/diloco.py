@@ -817,17 +817,27 @@ class DilocoLoop(TaskLoop):
         """(In a worker thread, while the loop waits for it: nothing else changes the weights meanwhile.) Our update
         for fragment p, encoded part by part: the payloads, their hashes, the update as the others will decode it
         (if ``whole``; else None), its L2 norm, and the global weights' hash it was computed from; None if our
-        weights are not finite."""
-        local = outer.flatten([self.params[i] for i in self.frag_index[p]])
-        if not codecs.all_finite(local):
-            return None
-        delta = self._pseudo_gradient(p, local)
-        del local
-        residual = self.residual.get(p) if self.feedback else None
+        update is not finite (our weights, since the global ones are: the codec refuses NaN and infinity, and that
+        check is the only pass made for it)."""
+        delta = self._pseudo_gradient(p, [self.params[i] for i in self.frag_index[p]])
+        lossless = self.codec.lossless  # what the others decode is ``delta`` itself, bit for bit
+        residual = self.residual.get(p) if self.feedback and not lossless else None
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual)  # what the codec dropped of our last update travels with this one
         bounds = self._bounds(p, self._want_parts(p))
-        payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
+        try:
+            payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
+        except codecs.CodecError:
+            return None
+        if lossless:
+            # nothing to decode: the parts' values are ours (and no residual: the codec drops nothing)
+            squares = sum(float(delta[a:b].norm()) ** 2 for a, b in bounds)
+            if self.feedback:
+                self.residual.pop(p, None)
+                self._residual_norms[p] = 0.0
+            mine = delta if whole else None
+            del delta
+            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
         if not self.feedback:
             del delta
         # what the others will see of our update, decoded part by part into one tensor (or only measured)
@@ -852,10 +862,20 @@ class DilocoLoop(TaskLoop):
             return None
         return torch.cat([codecs.decode(x) for x in held])
 
-    def _pseudo_gradient(self, p: int, local: torch.Tensor) -> torch.Tensor:
-        """Our update for fragment p: the global weights minus our local ones, computed in ``local`` (a flat copy of
-        our weights made for this: no second fragment-sized tensor)."""
-        return torch.sub(self.global_flat[p], local, out=local)
+    def _pseudo_gradient(self, p: int, local: list[torch.Tensor]) -> torch.Tensor:
+        """Our update for fragment p: the global weights minus ``local``, our parameters of that fragment, in one new
+        flat fp32 tensor on the CPU, each parameter subtracted where it lies (one pass; before, a flat copy of our
+        weights was made first, and the difference computed in it)."""
+        glob = self.global_flat[p]
+        out = torch.empty_like(glob)
+        at = 0
+        for t in local:
+            n = t.numel()
+            torch.sub(glob[at:at + n], t.detach().reshape(-1).to("cpu", torch.float32), out=out[at:at + n])
+            at += n
+        if at != glob.numel():
+            raise ValueError(f"{at} parameter values for a fragment of {glob.numel()}")
+        return out
 
     def _publish(self, kind, body: dict) -> bytes:
         return self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
@@ -1816,7 +1836,8 @@ class DilocoLoop(TaskLoop):
                     except codecs.CodecError:
                         bad[peer] = "undecodable"
                         continue
-                    why = exchange.chunk_ok(chunk, b - a, pending.announced[peer].norm)
+                    # (decoded: codecs.decode refused non-finite values; a whole update was decoded so too)
+                    why = exchange.chunk_ok(chunk, b - a, pending.announced[peer].norm, checked=True)
                     if why is not None:
                         bad[peer] = why
                     else:
@@ -1841,6 +1862,8 @@ class DilocoLoop(TaskLoop):
                 def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
                     combined = exchange.reduce_part(chunks, factors, b - a)
                     payload = self.reduced_codec.encode_wire(combined)
+                    if self.reduced_codec.lossless:  # its values are the payload's, bit for bit
+                        return payload, content_hash(payload), combined
                     # decoded into the reduction's own buffer, its values now in the payload
                     return payload, content_hash(payload), codecs.decode(payload, out=combined)
 
@@ -2139,8 +2162,9 @@ class DilocoLoop(TaskLoop):
                                           holders=[(x, pending.announced[x].addrs) for x in ordered
                                                    if x not in (me, reducer)],
                                           counter="parts_from_other_holders", out=out)
-            if part.dim() != 1 or part.numel() != elements or not codecs.all_finite(part):
-                raise codecs.CodecError("a reduced part of the wrong shape or with non-finite values")
+            # (decoded by codecs.decode, which refuses non-finite values)
+            if part.dim() != 1 or part.numel() != elements:
+                raise codecs.CodecError("a reduced part of the wrong shape")
         except codecs.CodecError as e:  # the bytes match the reducer's hash: the reducer's fault
             self._ctx.transport.penalties.penalize(reducer, "invalid_message", f"diloco reduced part: {e}")
             self.counters["reduced_parts_rejected"] += 1

@@ -160,8 +160,8 @@ def merge_into(params: list[torch.Tensor], global_flat: torch.Tensor, alpha: flo
     """Set a fragment's parameters after its round: alpha * local + (1 - alpha) * global, or the global weights as
     they are when alpha is 0, when ``broken`` (our training went wrong) or when a local value is not finite (0 x a
     non-finite value is NaN, not 0: a peer whose weights blew up would never get them back)."""
-    if broken or not all(codecs.all_finite(t) for t in params):
-        alpha = 0.0
+    if alpha != 0.0 and (broken or not all(codecs.all_finite(t) for t in params)):
+        alpha = 0.0  # (with alpha 0 the local values are not read: no pass over them to check)
     merged = global_flat if alpha == 0.0 else mix(flatten(params), global_flat, alpha)
     with torch.no_grad():
         unflatten_into(merged, params)

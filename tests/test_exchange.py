@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from protocols import exchange, outer
+from protocols import codecs, exchange, outer
 from swarmproc import REPO, Swarm, loop_config, wait_for
 
 CONFIG = """
@@ -406,6 +406,37 @@ def test_a_chunk_larger_than_its_announced_norm_is_refused():
     assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
 
 
+@pytest.mark.beside
+@pytest.mark.parametrize("k,n", [(3, 100), (8, exchange.GRAM_BLOCK), (8, 3 * exchange.GRAM_BLOCK + 17), (16, 70_001)])
+def test_the_screens_dot_products_are_exact_to_rounding_and_symmetric(k, n):
+    g = torch.Generator().manual_seed(k * n)
+    base = torch.randn(n, generator=g)
+    vectors = [base + torch.randn(n, generator=g) for _ in range(k)]
+    exact = torch.stack(vectors).double()
+    exact = (exact @ exact.T).tolist()
+    gram = exchange.gram(vectors)
+    for i in range(k):
+        for j in range(k):
+            assert gram[i][j] == gram[j][i]
+            assert math.isclose(gram[i][j], exact[i][j], rel_tol=1e-5, abs_tol=1e-3 * math.sqrt(n))
+    # and the screen on them refuses what it refused before: one vector of noise among those that agree
+    noise = torch.randn(n, generator=g)
+    named = {f"p{i}": v for i, v in enumerate(vectors)}
+    assert set(exchange.uncorrelated({**named, "noise": noise})) == ({"noise"} if n > 100 else set())
+
+
+@pytest.mark.beside
+def test_a_decoded_chunk_is_not_checked_for_finite_values_twice():
+    nan = torch.full((100,), float("nan"))
+    assert exchange.chunk_ok(nan, 100, 10.0) == "non_finite"
+    # ``checked``: codecs.decode refused such values already; the norm check still runs
+    assert exchange.chunk_ok(torch.ones(100), 100, 5.0, checked=True) == "norm_understated"
+    assert exchange.chunk_ok(torch.ones(100), 100, 10.0, checked=True) is None
+    with pytest.raises(codecs.CodecError):
+        codecs.decode(codecs.get("none").encode_wire(torch.ones(100)).replace(
+            torch.ones(1).numpy().tobytes(), nan[:1].numpy().tobytes(), 1))
+
+
 def built_loop(**settings):
     """A DiLoCo loop on tinygpt with its model, fragments and optimizers built (no node around it)."""
     from types import SimpleNamespace
@@ -444,10 +475,12 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
 
 
 @pytest.mark.beside
-def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_decoded_whole():
+@pytest.mark.parametrize("codec", ["int8", "none"])
+def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_decoded_whole(codec):
+    # (none: lossless, so the update is not decoded at all; what the others decode must still be it, bit for bit)
     from protocols import diloco
 
-    loop = built_loop(parts=4, codec="int8")
+    loop = built_loop(parts=4, codec=codec)
     with torch.no_grad():
         for param in loop.params:
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.01)
@@ -463,6 +496,19 @@ def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_dec
     assert torch.equal(loop._own_update(pending), mine)  # a round that switched to all-to-all decodes it whole
     loop.bulk.drop(hashes[1:2])
     assert loop._own_update(pending) is None  # a part the store no longer holds: no update, not a wrong one
+    expected = torch.cat([loop.global_flat[0] - torch.cat([loop.params[i].detach().reshape(-1)
+                                                            for i in loop.frag_index[0]])])
+    if codec == "none":  # the pseudo-gradient, computed without a flat copy of our weights first
+        assert torch.equal(mine, expected)
+
+
+@pytest.mark.beside
+@pytest.mark.parametrize("codec", ["e3m0", "none"])
+def test_an_update_from_weights_that_are_not_finite_is_not_prepared(codec):
+    loop = built_loop(parts=4, codec=codec)
+    with torch.no_grad():
+        loop.params[-1].view(-1)[0] = float("inf")
+    assert loop._prepare_update(0, whole=False) is None  # the codec's own check: no pass of ours before it
 
 
 # ------------------------------------------------------------------ real nodes
