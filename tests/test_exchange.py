@@ -426,7 +426,7 @@ def test_the_screens_dot_products_are_exact_to_rounding_and_symmetric(k, n):
 
 
 @pytest.mark.beside
-def test_a_decoded_chunk_is_not_checked_for_finite_values_twice():
+def test_a_chunk_the_codec_decoded_skips_the_finite_check_the_codec_made_but_not_the_norm_check():
     nan = torch.full((100,), float("nan"))
     assert exchange.chunk_ok(nan, 100, 10.0) == "non_finite"
     # ``checked``: codecs.decode refused such values already; the norm check still runs
@@ -496,10 +496,9 @@ def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_dec
     assert torch.equal(loop._own_update(pending), mine)  # a round that switched to all-to-all decodes it whole
     loop.bulk.drop(hashes[1:2])
     assert loop._own_update(pending) is None  # a part the store no longer holds: no update, not a wrong one
-    expected = torch.cat([loop.global_flat[0] - torch.cat([loop.params[i].detach().reshape(-1)
-                                                            for i in loop.frag_index[0]])])
     if codec == "none":  # the pseudo-gradient, computed without a flat copy of our weights first
-        assert torch.equal(mine, expected)
+        local = torch.cat([loop.params[i].detach().reshape(-1) for i in loop.frag_index[0]])
+        assert torch.equal(mine, loop.global_flat[0] - local)
 
 
 @pytest.mark.beside
