@@ -454,30 +454,63 @@ def norm_outliers(norms: dict[str, float], limit: float = OUTLIER_NORM) -> set[s
     return {a for a, v in norms.items() if v > limit * med}
 
 
-GRAM_BLOCK = 1 << 15  # values of each vector a step of ``gram`` multiplies at once (8 x 128 KB: in the cache)
+GRAM_BLOCK = 1 << 15  # values of each vector a step of ``gram`` multiplies at once (8 x 256 KB: in the cache)
+GRAM_BITS = 19  # each value quantized to an integer of at most 2**19: a block's products sum to at most 2**53
+GRAM_TINY = 2.0 ** -100  # a vector whose every value is smaller counts as zeros (its integers' scale: 2**119 at most)
+GRAM_FLUSH = 1000  # blocks summed in int64 before they are added to Python integers (1000 x 2**53 < 2**63)
 
 
-def gram(vectors: Sequence[torch.Tensor]) -> list[list[float]]:
-    """Every pair's dot product, the squared norms on the diagonal: a symmetric k x k matrix (nested lists). Block
-    by block over the values (GRAM_BLOCK of each vector copied into one k x GRAM_BLOCK matrix, which one matrix
-    product multiplies by its transpose), the blocks' products summed in order in float64. Each vector is read
-    from memory once, not once per pair: 8 chunks of 390,625 values (a 25 MB update's part at N = 8) take 1.5 ms
-    against 3.9 with a dot product per pair over the whole chunks, 16 of them 6.1 against 14.4 (one core), and a
-    peer's work for the screen no longer grows with the swarm's size. Its low bits, like those of any BLAS product
-    (and of the dot products before it), may differ with torch's thread count and the CPU's vector width: two
-    peers screening the same chunks can disagree only on a cosine within rounding of the limit."""
+def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
+    """Every pair's dot product, the squared norms on the diagonal, bit for bit the same on every CPU and with any
+    thread count. Returns (G, shifts): G is a symmetric k x k matrix of Python integers, the exact dot products of
+    the vectors quantized, each to ``round(v * 2**-shift)`` (``shift`` from its largest magnitude, so that value
+    becomes an integer of at most 2**GRAM_BITS: about 6 significant digits of it), and ``G[i][j] * 2**(shifts[i] +
+    shifts[j])`` is within that quantization of the dot product of the vectors themselves. Why exact: a peer's
+    screen must decide as every other peer's does (an auditor that screens otherwise than a part's reducer disputes
+    an honest part). A float dot product's low bits follow its summation order, which BLAS chooses by thread count
+    and CPU vector width (the float32 products before 2026-12-01 differed between 1 and 2 threads for 16 vectors,
+    and with ATEN_CPU_CAPABILITY=default), and a cosine within rounding of the limit would then fall either side.
+    Here every product and every partial sum of a block is an integer below 2**53, exact in float64 whatever the
+    order; the blocks' sums are added as integers. Block by block over the values (GRAM_BLOCK of each vector in one
+    k x GRAM_BLOCK float64 matrix, which one matrix product multiplies by its transpose): each vector is read from
+    memory once, not once per pair. A vector of zeros (or of no values) has shift 0 and zero products."""
     k = len(vectors)
     if not k:
-        return []
+        return [], []
     n = vectors[0].numel()
-    acc = torch.zeros(k, k, dtype=torch.float64)
-    block = torch.empty(k, min(GRAM_BLOCK, n))
-    for start in range(0, n, GRAM_BLOCK):
+    shifts, scales = [], []
+    for v in vectors:
+        low, high = torch.aminmax(v) if n else (torch.zeros(()), torch.zeros(()))  # one pass, no |v| copy
+        top = max(float(high), -float(low))
+        if not (GRAM_TINY <= top < math.inf):  # not finite, zeros, or too small to point anywhere: no products
+            shifts.append(0)
+            scales.append(0.0)
+            continue
+        shift = math.frexp(top)[1] - GRAM_BITS  # top < 2**(shift + GRAM_BITS): its integer is at most 2**GRAM_BITS
+        shifts.append(shift)
+        scales.append(math.ldexp(1.0, -shift))  # a power of two: the scaling itself is exact
+    scale = torch.tensor(scales, dtype=torch.float64).unsqueeze(1)
+    total = [[0] * k for _ in range(k)]
+    acc = torch.zeros(k, k, dtype=torch.int64)
+    block = torch.zeros(k, min(GRAM_BLOCK, n), dtype=torch.float64)  # a vector without products: its row stays 0
+    used = [i for i in range(k) if scales[i]]
+    for index, start in enumerate(range(0, n, GRAM_BLOCK)):
         rows = block[:, :min(GRAM_BLOCK, n - start)]
-        for i, v in enumerate(vectors):
-            rows[i].copy_(v[start:start + rows.shape[1]])
-        acc += torch.mm(rows, rows.T).double()
-    return acc.tolist()
+        for i in used:
+            rows[i].copy_(vectors[i][start:start + rows.shape[1]])
+        rows.mul_(scale).round_()  # times a power of two (exact), then half to even: the same integers everywhere
+        acc += torch.mm(rows, rows.T).to(torch.int64)  # integers below 2**53: exact, as is their conversion
+        if (index + 1) % GRAM_FLUSH == 0:
+            _add_into(total, acc)
+    _add_into(total, acc)
+    return total, shifts
+
+
+def _add_into(total: list[list[int]], acc: torch.Tensor) -> None:
+    for row, values in zip(total, acc.tolist()):
+        for j, value in enumerate(values):
+            row[j] += value
+    acc.zero_()
 
 
 def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS) -> dict[str, float]:
@@ -488,24 +521,37 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
     honest peer. Only in a round where more than half of the updates pass (there is a common direction to judge
     by): where most honest updates are mostly noise, nobody is refused. Returns {peer: that median}. Needs 3 peers
     (with 2, neither is more suspect than the other) and enough values for noise to be told apart (n >= 100); the
-    dot products from ``gram``, no stacked copy of the vectors."""
+    dot products from ``gram`` (exact: every peer decides alike), no stacked copy of the vectors."""
     if len(vectors) < 3:
         return {}
     peers = sorted(vectors)
     n = vectors[peers[0]].numel()
+    if sigmas / math.sqrt(max(n, 1)) > 0.5:
+        return {}  # too few values to tell noise from an update (no products needed)
+    g, _ = gram([vectors[a] for a in peers])
+    return uncorrelated_in(g, dict(zip(peers, range(len(peers)))), n, sigmas)
+
+
+def uncorrelated_in(g: list[list[int]], rows: dict[str, int], n: int, sigmas: float = NOISE_SIGMAS) -> dict[str, float]:
+    """``uncorrelated`` on the peers ``rows`` names, from ``gram``'s integers (``rows``: each peer's row in ``g``;
+    a caller that took them for every update screens a subset of them without another pass over the values). The
+    cosines are IEEE operations on those integers, correctly rounded: the same on every machine."""
+    if len(rows) < 3:
+        return {}
     limit = sigmas / math.sqrt(max(n, 1))
     if limit > 0.5:
-        return {}  # too few values to tell noise from an update
-    g = gram([vectors[a].to(torch.float32) for a in peers])
-    sq = [g[i][i] for i in range(len(peers))]
-    cos: dict[int, list[float]] = {i: [] for i in range(len(peers))}
-    for i in range(len(peers)):
-        for j in range(i + 1, len(peers)):
-            if sq[i] > 0 and sq[j] > 0:
-                c = g[i][j] / math.sqrt(sq[i] * sq[j])
-                cos[i].append(c)
-                cos[j].append(c)
-    medians = {a: statistics.median_high(cos[i]) for i, a in enumerate(peers) if sq[i] > 0 and cos[i]}
+        return {}
+    peers = sorted(rows)
+    index = [rows[a] for a in peers]
+    sq = [g[i][i] for i in index]
+    cos: dict[int, list[float]] = {x: [] for x in range(len(peers))}
+    for x in range(len(peers)):
+        for y in range(x + 1, len(peers)):
+            if sq[x] > 0 and sq[y] > 0:
+                c = float(g[index[x]][index[y]]) / math.sqrt(float(sq[x]) * float(sq[y]))
+                cos[x].append(c)
+                cos[y].append(c)
+    medians = {a: statistics.median_high(cos[x]) for x, a in enumerate(peers) if sq[x] > 0 and cos[x]}
     # a round whose updates mostly point nowhere in common (small models, noisy data, few inner steps: a peer's
     # update is mostly its own noise) has no direction to measure anyone against: refuse nobody. Only where most
     # updates agree is one that does not an outlier
@@ -514,12 +560,20 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
     return {a: round(m, 5) for a, m in medians.items() if m < limit}
 
 
+def gram_norms(g: list[list[int]], shifts: list[int]) -> list[float]:
+    """Each vector's L2 norm from ``gram``: sqrt(G[i][i]) x 2**shift, correctly rounded operations on exact
+    integers, so every machine gets the same float (torch's norm sums in an order that its kernels choose by
+    CPU); within the quantization (about 1e-6 relative) of the norm of the values themselves."""
+    return [math.ldexp(math.sqrt(g[i][i]), shift) for i, shift in enumerate(shifts)]
+
+
 # the rule that turns a part's chunks into its combined bytes, and who audits which part: peers compare reduced
 # parts by hash and wait for a part's auditor, so every peer of a run must do both alike; it is part of the run's
 # fingerprint (DilocoConfig.shared), and a change of either changes it, so peers of two versions never mix in a run
 REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan, "
                "a fixed share of parts, reducers of over an even share last (7); all-to-all combines by the same "
-               "rule (4); parts assigned by reported rates (5); the screen's dot products by blocks (gram, 1)")
+               "rule (4); parts assigned by reported rates (5); the screen's dot products exact, on values "
+               "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1)")
 
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:

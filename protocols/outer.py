@@ -131,14 +131,21 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
             rejected[peer] = "non_finite"
         else:
             good[peer] = u.to(torch.float32)
-    norms = {peer: float(u.norm()) for peer, u in good.items()} if method == "clipped_mean" else {}
-    if screen and method == "clipped_mean":
-        for peer in exchange.norm_outliers(norms):
-            rejected[peer] = "norm_outlier"
-            del good[peer], norms[peer]
-        for peer in exchange.uncorrelated(good):
-            rejected[peer] = "uncorrelated"
-            del good[peer], norms[peer]
+    norms: dict[str, float] = {}
+    if method == "clipped_mean" and good:
+        # one exact pass gives every norm and every pair's product: the same floats on every peer's CPU, so the
+        # peers of an all-to-all round clip and screen alike and end on the same bytes
+        peers = sorted(good)
+        g, shifts = exchange.gram([good[peer] for peer in peers])
+        norms = dict(zip(peers, exchange.gram_norms(g, shifts)))
+        rows = dict(zip(peers, range(len(peers))))
+        if screen:
+            for peer in exchange.norm_outliers(norms):
+                rejected[peer] = "norm_outlier"
+                del good[peer], norms[peer], rows[peer]
+            for peer in exchange.uncorrelated_in(g, rows, size):
+                rejected[peer] = "uncorrelated"
+                del good[peer], norms[peer]
     if not good:
         return None, rejected
     if method == "clipped_mean":

@@ -3,9 +3,15 @@ exchange by it: the same weights everywhere, about 2x an update moved per peer, 
 killed in the middle of the exchange costs one deadline."""
 
 import collections
+import hashlib
+import json
 import math
+import os
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -322,7 +328,9 @@ def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     g = torch.Generator().manual_seed(0)
     signal = torch.randn(10_000, generator=g)
     updates = {f"p{i}": (signal + torch.randn(10_000, generator=g)) * (1 + 4 * (i == 3)) for i in range(5)}
-    norms = {a: float(u.norm()) for a, u in updates.items()}
+    # all-to-all's norms, from the exact products (a scatter round's are the ones each peer announced)
+    norms = dict(zip(sorted(updates), exchange.gram_norms(*exchange.gram([updates[a] for a in sorted(updates)]))))
+    assert all(math.isclose(norms[a], float(u.norm()), rel_tol=1e-5) for a, u in updates.items())
     factors = exchange.clip_factors(norms)
     assert factors["p3"] < 1 and all(factors[a] == 1 for a in norms if a != "p3")
     whole, rejected = outer.combine(updates, 10_000)
@@ -406,23 +414,98 @@ def test_a_chunk_larger_than_its_announced_norm_is_refused():
     assert exchange.chunk_ok(torch.full((100,), float("nan")), 100, 10.0) == "non_finite"
 
 
+def _numpy_vectors(k: int, n: int, seed: int) -> list[torch.Tensor]:
+    """k vectors that share a direction, drawn by numpy (torch's randn draws other values with other CPU kernels:
+    these are the same bits wherever the test runs)."""
+    rng = np.random.default_rng(seed)
+    base = rng.standard_normal(n, dtype=np.float32)
+    return [torch.from_numpy(base + 3 * rng.standard_normal(n, dtype=np.float32)) for _ in range(k)]
+
+
 @pytest.mark.beside
 @pytest.mark.parametrize("k,n", [(3, 100), (8, exchange.GRAM_BLOCK), (8, 3 * exchange.GRAM_BLOCK + 17), (16, 70_001)])
-def test_the_screens_dot_products_are_exact_to_rounding_and_symmetric(k, n):
-    g = torch.Generator().manual_seed(k * n)
-    base = torch.randn(n, generator=g)
-    vectors = [base + torch.randn(n, generator=g) for _ in range(k)]
-    exact = torch.stack(vectors).double()
-    exact = (exact @ exact.T).tolist()
-    gram = exchange.gram(vectors)
+def test_the_screens_dot_products_are_the_exact_products_of_the_values_quantized(k, n, monkeypatch):
+    vectors = _numpy_vectors(k, n, k * n)
+    vectors[1] = vectors[1] * 2.0 ** -40  # another scale: its own shift
+    g, shifts = exchange.gram(vectors)
+    # the reference: each vector rounded to integers of at most 2**19 by numpy, multiplied in int64 (exact)
+    q = []
+    for v, shift in zip(vectors, shifts):
+        a = v.numpy().astype(np.float64)
+        assert shift == math.frexp(float(np.abs(a).max()))[1] - exchange.GRAM_BITS
+        q.append(np.round(np.ldexp(a, -shift)).astype(np.int64))
+        assert np.abs(q[-1]).max() <= 2 ** exchange.GRAM_BITS
+    exact = np.stack(q) @ np.stack(q).T
+    assert g == [[int(x) for x in row] for row in exact]  # the products of the integers, not close to them: equal
+    real = torch.stack(vectors).double()
+    real = (real @ real.T).tolist()
     for i in range(k):
         for j in range(k):
-            assert gram[i][j] == gram[j][i]
-            assert math.isclose(gram[i][j], exact[i][j], rel_tol=1e-5, abs_tol=1e-3 * math.sqrt(n))
+            value = math.ldexp(g[i][j], shifts[i] + shifts[j])  # back in the values' own units
+            scale = math.sqrt(real[i][i] * real[j][j])
+            assert abs(value - real[i][j]) <= 1e-5 * scale
+    norms = exchange.gram_norms(g, shifts)
+    assert all(math.isclose(norms[i], math.sqrt(real[i][i]), rel_tol=1e-5) for i in range(k))
+    monkeypatch.setattr(exchange, "GRAM_FLUSH", 2)  # the int64 sums handed to Python integers every 2 blocks
+    assert exchange.gram(vectors) == (g, shifts)
     # and the screen on them refuses what it refused before: one vector of noise among those that agree
-    noise = torch.randn(n, generator=g)
+    noise = torch.randn(n, generator=torch.Generator().manual_seed(n))
     named = {f"p{i}": v for i, v in enumerate(vectors)}
     assert set(exchange.uncorrelated({**named, "noise": noise})) == ({"noise"} if n > 100 else set())
+
+
+@pytest.mark.beside
+def test_a_vector_of_zeros_too_small_or_not_finite_has_no_products():
+    ones = torch.ones(1000)
+    for odd in (torch.zeros(1000), torch.full((1000,), exchange.GRAM_TINY / 2), torch.full((1000,), math.inf)):
+        g, shifts = exchange.gram([ones, odd])
+        assert shifts == [-18, 0] and g == [[1000 * 2 ** 36, 0], [0, 0]]
+    assert exchange.gram([]) == ([], [])
+    assert exchange.gram([torch.ones(0)]) == ([[0]], [0])
+
+
+# what the other process computes: the screen's products and an all-to-all combination with a clipped update
+_SAME_EVERYWHERE = """
+import json, sys, torch
+sys.path.insert(0, "tests")
+from test_exchange import _screened
+print(json.dumps(_screened()))
+"""
+
+
+def _screened() -> dict:
+    vectors = _numpy_vectors(16, 98_321, 7)
+    vectors[3] = vectors[3] * 5  # clipped in the combination
+    g, shifts = exchange.gram(vectors)
+    named = {f"p{i:02}": v for i, v in enumerate(vectors)}
+    combined, rejected = outer.combine(named, vectors[0].numel())
+    return {"gram": g, "shifts": shifts, "norms": [x.hex() for x in exchange.gram_norms(g, shifts)],
+            "rejected": rejected, "combined": hashlib.sha256(combined.numpy().tobytes()).hexdigest()}
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+def test_the_screen_and_an_all_to_all_combination_are_the_same_bits_with_any_threads_and_cpu_kernels():
+    """Peers run on other CPUs and thread counts: the screen's products and the all-to-all's norms must not follow
+    them (the float32 products before 2026-12-01 differed between 1 and 2 threads for 16 vectors, and between
+    MKL's SSE4.2, AVX2 and AVX-512 kernels). Here: 1 and 2 threads, and another process whose MKL and ATen use
+    their SSE4.2 and scalar kernels."""
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _screened()
+        torch.set_num_threads(2)
+        two = _screened()
+    finally:
+        torch.set_num_threads(before)
+    assert one == two
+    env = {**os.environ, "MKL_ENABLE_INSTRUCTIONS": "SSE4_2", "ATEN_CPU_CAPABILITY": "default",
+           "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", _SAME_EVERYWHERE], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    other = json.loads(out.stdout)
+    assert other == json.loads(json.dumps(one))  # (JSON: the rejections' dict as the other process wrote it)
 
 
 @pytest.mark.beside
