@@ -243,6 +243,7 @@ class DilocoConfig(BaseModel):
                                            "scatter_min_peers", "scatter_min_bytes", "audit", "agree"}),
                 "reduce_rule": exchange.REDUCE_RULE,
                 "weights_hash": outer.WEIGHTS_HASH,
+                "outer_step": outer.OUTER_STEP,
                 # (only where it is not the run's codec: runs that never set it keep their fingerprint)
                 **({"reduced_codec": reduced} if reduced != self.codec else {}),
                 # the reduced parts' bytes depend on how e3m0 picks its codes (codecs.E3M0_ENCODER)
@@ -488,6 +489,12 @@ class DilocoLoop(TaskLoop):
         self._fp_before_blake3 = tasks.fingerprint(
             self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)
         self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), self._fp_before_blake3]
+        # and before the screen's exact products and the outer step's unfused operations (2026-12-01): the rule's
+        # text before, no outer step named. (Its weights stepped with fused multiply-adds on AVX2 CPUs: the same
+        # run's weights to resume from, where the start barrier finds the swarm at the same round and hash)
+        before_exact = {**{k: v for k, v in shared.items() if k != "outer_step"},
+                        "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
+        self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
         self.model = model.to(self.device)
         named = tasks.trainable(self.model)
         self.names = [n for n, _ in named]

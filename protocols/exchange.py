@@ -575,6 +575,13 @@ REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (
                "rule (4); parts assigned by reported rates (5); the screen's dot products exact, on values "
                "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1)")
 
+# the rule's text before the screen's products were exact (9803d69 and before, back to 9ccee58): a checkpoint that
+# version saved is resumed (DilocoLoop._build's earlier fingerprints), its nodes never met in a round
+REDUCE_RULE_BEFORE_EXACT = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by "
+                            "audit_plan, a fixed share of parts, reducers of over an even share last (7); all-to-all "
+                            "combines by the same rule (4); parts assigned by reported rates (5); the screen's dot "
+                            "products by blocks (gram, 1)")
+
 
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:
     """The combined part: the clip-scaled chunks summed one by one in sorted peer order, then divided by their

@@ -92,6 +92,12 @@ def params_hash_before_blake3(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+# how the outer step rounds: the new weights' bits depend on it, so it is part of a run's fingerprint
+# (DilocoConfig.shared): peers of versions that step otherwise never meet in one run
+OUTER_STEP = "nesterov, each product and sum rounded on its own, no fused multiply-add (2)"
+STEP_SLICE = 1 << 16  # values of a fragment the outer step takes at a time (its product buffer: 256 KB)
+
+
 class OuterNesterov:
     """SGD with Nesterov momentum on flat fragments, as torch.optim.SGD(nesterov=True): buf = mu*buf + g;
     theta -= lr * (g + mu*buf). Defaults from DiLoCo: lr 0.7, momentum 0.9."""
@@ -108,8 +114,20 @@ class OuterNesterov:
         if grad.shape != buf.shape or params_flat.shape != buf.shape:
             raise ValueError("fragment size mismatch")
         buf.mul_(self.momentum).add_(grad)
-        step = grad.add_(buf, alpha=self.momentum) if consume else grad.add(buf, alpha=self.momentum)
-        return step.mul_(-self.lr).add_(params_flat)
+        step = grad if consume else torch.empty_like(grad)
+        # g + mu * buf as a product, then a sum, then -lr x that plus theta: each operation rounded on its own.
+        # torch's add(alpha=) is one fused multiply-add in its AVX2 and AVX-512 kernels and a product and a sum in
+        # its scalar ones (CPUs without AVX2), so peers on other CPUs stepped to other bits from the same update.
+        # Slice by slice, through one small product buffer: no temporary the size of the fragment
+        product = torch.empty(min(STEP_SLICE, buf.numel()), dtype=buf.dtype, device=buf.device)
+        for start in range(0, buf.numel(), STEP_SLICE):
+            end = min(start + STEP_SLICE, buf.numel())
+            into = product[:end - start]
+            torch.mul(buf[start:end], self.momentum, out=into)
+            out = torch.add(grad[start:end], into, out=step[start:end])
+            torch.mul(out, -self.lr, out=into)
+            torch.add(into, params_flat[start:end], out=out)
+        return step
 
 
 def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,

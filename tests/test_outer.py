@@ -1,9 +1,16 @@
 """Outer-step primitives for DiLoCo: fragments, outer Nesterov, robust combination, adaptive deadlines."""
 
 import asyncio
+import hashlib
+import os
+import subprocess
+import sys
 
+import numpy as np
 import pytest
 import torch
+
+from pathlib import Path
 
 from protocols import outer, tinylm
 from transport.memory import run_virtual
@@ -50,6 +57,49 @@ def test_a_consuming_step_gives_the_same_bits_in_the_update_it_was_given():
         assert new_b.data_ptr() == given.data_ptr() and torch.equal(new_a, new_b)
         assert torch.equal(a.buffers[0], b.buffers[0])
         theta = new_a
+
+
+_STEPS = """
+import hashlib, sys
+sys.path.insert(0, "tests")
+from test_outer import _stepped
+print(_stepped())
+"""
+
+
+def _stepped() -> str:
+    """Three outer steps of a fragment over two step slices and a bit, from values numpy draws (the same bits on
+    every CPU), one of them consuming its update: the hash of the weights and momentum they end on."""
+    rng = np.random.default_rng(11)
+    n = 2 * outer.STEP_SLICE + 12_345
+    theta = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+    opt = outer.OuterNesterov([n])
+    for r in range(3):
+        theta = opt.step(0, theta, torch.from_numpy(rng.standard_normal(n, dtype=np.float32)), consume=r == 1)
+    return hashlib.sha256(theta.numpy().tobytes() + opt.buffers[0].numpy().tobytes()).hexdigest()
+
+
+@pytest.mark.timeout(120)
+def test_the_outer_step_is_the_same_bits_with_torchs_scalar_kernels():
+    """A CPU without AVX2 runs torch's scalar kernels: its outer step must land on the bits an AVX2 or AVX-512
+    CPU's does (add(alpha=) fused the product and the sum in the vector kernels only, so before 2026-12-01 such
+    peers ended on other weights from the same combined update)."""
+    out = subprocess.run([sys.executable, "-c", _STEPS], cwd=Path(__file__).resolve().parent.parent,
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _stepped()
+
+
+def test_the_outer_step_is_each_operation_rounded_on_its_own():
+    rng = np.random.default_rng(5)
+    n = outer.STEP_SLICE + 7
+    theta, g = (torch.from_numpy(rng.standard_normal(n, dtype=np.float32)) for _ in range(2))
+    opt = outer.OuterNesterov([n], lr=0.7, momentum=0.9)
+    opt.buffers[0] = torch.from_numpy(rng.standard_normal(n, dtype=np.float32))
+    buf = opt.buffers[0] * torch.tensor(0.9) + g  # the reference, an operation at a time
+    want = ((g + buf * torch.tensor(0.9)) * torch.tensor(-0.7)) + theta
+    assert torch.equal(opt.step(0, theta, g), want) and torch.equal(opt.buffers[0], buf)
 
 
 def test_combine_rejects_bad_updates_and_resists_outliers():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from protocols import checkpoint, codecs, tinylm
+from protocols import checkpoint, codecs, exchange, tinylm
 from protocols.inner import lr_scale
 from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
 from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
@@ -285,10 +285,12 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("version", ["before the e3m0 encoder", "before the BLAKE3 weights hash"])
+@pytest.mark.parametrize("version", ["before the e3m0 encoder", "before the BLAKE3 weights hash",
+                                     "before the exact screen"])
 def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
     """The weights' hash became BLAKE3 and the run's fingerprint names it (outer.WEIGHTS_HASH); later the fingerprint
-    named how e3m0 picks its codes (codecs.E3M0_ENCODER; this run's codec, and so its reduced codec, is e3m0). A node
+    named how e3m0 picks its codes (codecs.E3M0_ENCODER; this run's codec, and so its reduced codec, is e3m0); later
+    the reduction rule's text changed and the outer step was named (outer.OUTER_STEP). A node
     upgraded in the middle of a run still resumes from the checkpoint a version before saved (its fingerprint without
     the names it lacked; before BLAKE3, its hash BLAKE2b), not from round 0."""
     import tomllib
@@ -320,8 +322,11 @@ def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
         assert shared["e3m0_encoder"] == codecs.E3M0_ENCODER
         blake2 = version == "before the BLAKE3 weights hash"
         lacked = {"e3m0_encoder", "weights_hash"} if blake2 else {"e3m0_encoder"}
-        before = {**meta, "fingerprint": tasks.fingerprint(task, {k: v for k, v in shared.items() if k not in lacked},
-                                                           named),
+        older = {k: v for k, v in shared.items() if k not in lacked}
+        if version == "before the exact screen":  # the rule's text before, and no outer step named
+            older = {**{k: v for k, v in shared.items() if k != "outer_step"},
+                     "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
+        before = {**meta, "fingerprint": tasks.fingerprint(task, older, named),
                   "hash": outer.params_hash_before_blake3(weights) if blake2 else meta["hash"]}
         assert before["fingerprint"] != meta["fingerprint"]
         checkpoint.save(path, tensors, before)
