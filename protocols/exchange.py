@@ -469,7 +469,8 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
     screen must decide as every other peer's does (an auditor that screens otherwise than a part's reducer disputes
     an honest part). A float dot product's low bits follow its summation order, which BLAS chooses by thread count
     and CPU vector width (the float32 products before 2026-12-01 differed between 1 and 2 threads for 16 vectors,
-    and with ATEN_CPU_CAPABILITY=default), and a cosine within rounding of the limit would then fall either side.
+    and between MKL's SSE4.2, AVX2 and AVX-512 kernels), and a cosine within rounding of the limit would then fall
+    either side.
     Here every product and every partial sum of a block is an integer below 2**53, exact in float64 whatever the
     order; the blocks' sums are added as integers. Block by block over the values (GRAM_BLOCK of each vector in one
     k x GRAM_BLOCK float64 matrix, which one matrix product multiplies by its transpose): each vector is read from
