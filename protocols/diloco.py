@@ -67,6 +67,9 @@ PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by 
 MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
 MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
+# the fingerprint's entries that say how peers compute together, not which run and weights: a checkpoint saved
+# under other rules is the same run's weights (resumed; checked by our weights hash), its nodes never in our rounds
+RULES = frozenset({"reduce_rule", "outer_step", "e3m0_encoder", "weights_hash"})
 CLIP = 2.0  # the clipped mean's limit, x the median norm (outer.combine's default)
 MAX_PARTS_LISTS = 64  # per round: part lists kept from counted peers that were not members of the last round
 # a scatter step's transfers are given time at the median of our last RATE_ROUNDS steps' measured receive rates,
@@ -495,6 +498,7 @@ class DilocoLoop(TaskLoop):
         before_exact = {**{k: v for k, v in shared.items() if k != "outer_step"},
                         "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
         self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
+        self.resumable_fp = tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k not in RULES}, named)
         self.model = model.to(self.device)
         named = tasks.trainable(self.model)
         self.names = [n for n, _ in named]
@@ -2380,6 +2384,9 @@ class DilocoLoop(TaskLoop):
         # that version's hash; from here on the weights go by ours (the start barrier compares global_hash()). One
         # saved by the version before the e3m0 encoder's name has our hash: nothing to convert
         earlier = meta.get("fingerprint") == self._fp_before_blake3
+        # saved under other rules than ours and than the versions we list (a later or earlier version that names
+        # this run by its resumable fingerprint): the same run's weights, checked by our hash
+        other_rules = meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps
         try:
             global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
                            for frag in self.frag_index]
@@ -2409,6 +2416,8 @@ class DilocoLoop(TaskLoop):
                         "optimizer_state": inner, "residual": sorted(self.residual)}
         if earlier:
             self.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
+        elif other_rules:
+            self.resumed["saved_by"] = "a version with other rules (the same run)"
         self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
                       "hash": digest}
         logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)%s", self.cfg.run,

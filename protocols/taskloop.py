@@ -48,6 +48,10 @@ class TaskLoop:
         # this run's fingerprints under earlier versions whose checkpoints of it we still resume from (the loop
         # checks what changed: DiLoCo's weights hash)
         self.earlier_fps: list[dict] = []
+        # this run's fingerprint without the rules of how its peers compute together (a loop sets it: DiLoCo's
+        # reduction rule, outer step, encoder, weights hash), saved in each checkpoint: a later version whose rules
+        # changed still resumes its weights (never meets its nodes in a round: the full fingerprint differs)
+        self.resumable_fp: dict | None = None
         self.error: str | None = None
         self.refused: str | None = None
         self.mismatched: collections.OrderedDict[str, list] = collections.OrderedDict()
@@ -141,7 +145,8 @@ class TaskLoop:
 
     def _meta(self, **extra) -> dict:
         return {"loop": self.name, "run": self.cfg.run, "fingerprint": self.fp, "task": self.task.spec,
-                "task_options": self.task.options, **extra}
+                "task_options": self.task.options,
+                **({"resumable": self.resumable_fp} if self.resumable_fp is not None else {}), **extra}
 
     def _save(self, tensors: dict[str, torch.Tensor], **meta) -> None:
         path = self._checkpoint_path()
@@ -158,7 +163,8 @@ class TaskLoop:
         except checkpoint.CheckpointError as e:
             logger.warning("%s: ignoring our checkpoint: %s", self.name, e)
             return None
-        if meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps:
+        same_run = self.resumable_fp is not None and meta.get("resumable") == self.resumable_fp
+        if meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps and not same_run:
             logger.warning("%s: ignoring our checkpoint %s: it is of another task or config (%s)", self.name, path,
                            describe_mismatch(self.fp, [meta.get("fingerprint", {}).get(k, "?")
                                                        for k in ("layout", "config")]))

@@ -286,11 +286,12 @@ def test_checkpoint_kill_9_and_restart_resumes_at_the_saved_round(tmp_path):
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("version", ["before the e3m0 encoder", "before the BLAKE3 weights hash",
-                                     "before the exact screen"])
+                                     "before the exact screen", "with other rules"])
 def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
     """The weights' hash became BLAKE3 and the run's fingerprint names it (outer.WEIGHTS_HASH); later the fingerprint
     named how e3m0 picks its codes (codecs.E3M0_ENCODER; this run's codec, and so its reduced codec, is e3m0); later
-    the reduction rule's text changed and the outer step was named (outer.OUTER_STEP). A node
+    the reduction rule's text changed and the outer step was named (outer.OUTER_STEP); and a version whose rules
+    we do not list resumes a checkpoint that names the run as ours does (its "resumable" fingerprint). A node
     upgraded in the middle of a run still resumes from the checkpoint a version before saved (its fingerprint without
     the names it lacked; before BLAKE3, its hash BLAKE2b), not from round 0."""
     import tomllib
@@ -326,7 +327,13 @@ def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
         if version == "before the exact screen":  # the rule's text before, and no outer step named
             older = {**{k: v for k, v in shared.items() if k != "outer_step"},
                      "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
-        before = {**meta, "fingerprint": tasks.fingerprint(task, older, named),
+        if version == "with other rules":  # a version we do not list, which names the run as we do
+            assert meta["resumable"] == tasks.fingerprint(
+                task, {k: v for k, v in shared.items() if k not in ("reduce_rule", "outer_step", "e3m0_encoder",
+                                                                     "weights_hash")}, named)
+            older = {**shared, "reduce_rule": "another rule", "outer_step": "another step"}
+        kept = {k: v for k, v in meta.items() if k != "resumable" or version == "with other rules"}  # (not before)
+        before = {**kept, "fingerprint": tasks.fingerprint(task, older, named),
                   "hash": outer.params_hash_before_blake3(weights) if blake2 else meta["hash"]}
         assert before["fingerprint"] != meta["fingerprint"]
         checkpoint.save(path, tensors, before)
@@ -334,7 +341,9 @@ def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
         resumed = wait_for(lambda: diloco(node)["resumed"], 60, "the restarted node to resume")
         assert resumed["source"] == "own checkpoint" and resumed["round"] == meta["round"], resumed
         assert resumed["hash"] == meta["hash"]  # the same weights, by our hash
-        assert resumed.get("saved_by") == ("the version before the BLAKE3 weights hash" if blake2 else None)
+        assert resumed.get("saved_by") == ("the version before the BLAKE3 weights hash" if blake2 else
+                                           "a version with other rules (the same run)"
+                                           if version == "with other rules" else None)
         final = wait_for(lambda: diloco(node)["state"] == "done" and diloco(node), 120, "the run to finish")
         assert [h["round"] for h in final["history"]] == list(range(meta["round"], rounds))
         assert checkpoint.read_meta(path)["fingerprint"] == meta["fingerprint"]  # saved again as this version
