@@ -5,12 +5,11 @@ import hashlib
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-
-from pathlib import Path
 
 from protocols import outer, tinylm
 from transport.memory import run_virtual
@@ -60,7 +59,7 @@ def test_a_consuming_step_gives_the_same_bits_in_the_update_it_was_given():
 
 
 _STEPS = """
-import hashlib, sys
+import sys
 sys.path.insert(0, "tests")
 from test_outer import _stepped
 print(_stepped())
