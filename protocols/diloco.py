@@ -2386,7 +2386,7 @@ class DilocoLoop(TaskLoop):
         earlier = meta.get("fingerprint") == self._fp_before_blake3
         # saved under other rules than ours and than the versions we list (a later or earlier version that names
         # this run by its resumable fingerprint): the same run's weights, checked by our hash
-        other_rules = meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps
+        other_rules = not self._listed(meta)
         try:
             global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
                            for frag in self.frag_index]

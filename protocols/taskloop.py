@@ -164,12 +164,17 @@ class TaskLoop:
             logger.warning("%s: ignoring our checkpoint: %s", self.name, e)
             return None
         same_run = self.resumable_fp is not None and meta.get("resumable") == self.resumable_fp
-        if meta.get("fingerprint") != self.fp and meta.get("fingerprint") not in self.earlier_fps and not same_run:
+        if not self._listed(meta) and not same_run:
             logger.warning("%s: ignoring our checkpoint %s: it is of another task or config (%s)", self.name, path,
                            describe_mismatch(self.fp, [meta.get("fingerprint", {}).get(k, "?")
                                                        for k in ("layout", "config")]))
             return None
         return tensors, meta
+
+    def _listed(self, meta: dict) -> bool:
+        """Whether a checkpoint's metadata carries our fingerprint or one of the earlier versions' we list (else it
+        can only be the same run by its resumable fingerprint, saved under rules we do not list)."""
+        return meta.get("fingerprint") == self.fp or meta.get("fingerprint") in self.earlier_fps
 
     def _with_optimizer(self, tensors: dict[str, torch.Tensor], opt) -> tuple[dict[str, torch.Tensor], dict]:
         """``tensors`` plus ``opt``'s state (if it is a torch optimizer), and the meta that goes with it."""
