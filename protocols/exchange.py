@@ -523,24 +523,27 @@ def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS)
     by): where most honest updates are mostly noise, nobody is refused. Returns {peer: that median}. Needs 3 peers
     (with 2, neither is more suspect than the other) and enough values for noise to be told apart (n >= 100); the
     dot products from ``gram`` (exact: every peer decides alike), no stacked copy of the vectors."""
-    if len(vectors) < 3:
-        return {}
     peers = sorted(vectors)
-    n = vectors[peers[0]].numel()
-    if sigmas / math.sqrt(max(n, 1)) > 0.5:
-        return {}  # too few values to tell noise from an update (no products needed)
+    n = vectors[peers[0]].numel() if peers else 0
+    if len(peers) < 3 or _noise_limit(n, sigmas) is None:
+        return {}  # (no products needed)
     g, _ = gram([vectors[a] for a in peers])
     return uncorrelated_in(g, dict(zip(peers, range(len(peers)))), n, sigmas)
+
+
+def _noise_limit(n: int, sigmas: float) -> float | None:
+    """The cosine a vector of n values must reach: sigmas / sqrt(n); None where that is over 0.5 (too few values to
+    tell noise from an update)."""
+    limit = sigmas / math.sqrt(max(n, 1))
+    return None if limit > 0.5 else limit
 
 
 def uncorrelated_in(g: list[list[int]], rows: dict[str, int], n: int, sigmas: float = NOISE_SIGMAS) -> dict[str, float]:
     """``uncorrelated`` on the peers ``rows`` names, from ``gram``'s integers (``rows``: each peer's row in ``g``;
     a caller that took them for every update screens a subset of them without another pass over the values). The
     cosines are IEEE operations on those integers, correctly rounded: the same on every machine."""
-    if len(rows) < 3:
-        return {}
-    limit = sigmas / math.sqrt(max(n, 1))
-    if limit > 0.5:
+    limit = _noise_limit(n, sigmas)
+    if len(rows) < 3 or limit is None:
         return {}
     peers = sorted(rows)
     index = [rows[a] for a in peers]
