@@ -3,7 +3,8 @@
 The algorithm (``../shared/protocols.md`` 3.4), per step t and peer i:
 
 - seed(t, i) = BLAKE2b-64(run id || t || peer id) >> 1; seeds are derived, never sent;
-- z = randn in the fixed parameter order (sorted names), from a CPU generator seeded with it;
+- z ~ N(0, I) in the fixed parameter order (sorted names), from a CPU generator seeded with it: 16-bit integer
+  draws looked up in a table of normal quantiles, the same bits on every CPU (``PERTURBATION``);
 - probe from the canonical weights, restoring them by copy (bit-exact; the in-place +-eps trick drifts in fp32):
   L+ at theta + eps*z, L- at theta - eps*z, g = (L+ - L-) / (2 eps), clipped to +-clip;
 - one byte: bit 7 the sign, bits 0-6 q = round(4 log2(|g| / 1e-4)) clamped to 0..127 (quarter-octave steps,
@@ -270,9 +271,50 @@ def exact_fp32() -> None:
                     "losses with other devices' within %g)", AUDIT_REL)
 
 
-def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
+# z: each value a draw of Z_BITS bits from the seeded CPU generator (torch.randint: integer arithmetic, the same
+# on every CPU) looked up in a table of the standard normal's quantiles at the midpoints of 2^Z_BITS bins of equal
+# probability (float32; symmetric, |z| <= 4.325, variance 0.99998). torch.randn drew other low bits with torch's
+# scalar kernels (a CPU without AVX2) than with its AVX2 ones (38% of 100,000 values), so peers on other CPUs
+# applied other perturbations; this is the same bits everywhere, and costs what randn did
+Z_BITS = 16
+
+
+def _normal_quantiles(bits: int) -> torch.Tensor:
+    n = 1 << bits
+    normal = statistics.NormalDist()
+    return torch.tensor([normal.inv_cdf((i + 0.5) / n) for i in range(n)], dtype=torch.float32)
+
+
+NORMAL_TABLE = _normal_quantiles(Z_BITS)
+# how z is drawn and how a step applies it, with the table's hash (a platform whose libm rounded a quantile
+# otherwise would hash otherwise): the weights' bits depend on both, so they are part of a run's fingerprint
+# (SpsaConfig.shared) and peers of versions that draw or step otherwise never meet in one run
+PERTURBATION = (f"z = table[randint(0, 2^{Z_BITS}, int32)] per parameter in order from one seeded CPU generator, "
+                f"table[i] = float32(inv_cdf((i + 1/2) / 2^{Z_BITS})) blake2b-64 "
+                f"{hashlib.blake2b(NORMAL_TABLE.numpy().tobytes(), digest_size=8).hexdigest()}; a step adds "
+                "coeff x z, the product and the sum each rounded on its own (1)")
+
+
+DRAW_CHUNK = 1 << 20  # values whose indices are drawn at a time (a 4 MB buffer; the same draws as all at once)
+
+
+def _perturbation_flat(numel: int, seed: int) -> torch.Tensor:
+    """The first ``numel`` values of the perturbation of ``seed``, as one flat tensor."""
     g = torch.Generator(device="cpu").manual_seed(seed)
-    return [torch.randn(shape, generator=g) for shape in shapes]
+    z = torch.empty(numel, dtype=torch.float32)
+    index = torch.empty(min(DRAW_CHUNK, numel), dtype=torch.int32)
+    for start in range(0, numel, DRAW_CHUNK):
+        end = min(start + DRAW_CHUNK, numel)
+        drawn = torch.randint(0, 1 << Z_BITS, (end - start,), generator=g, dtype=torch.int32,
+                              out=index[:end - start])
+        torch.index_select(NORMAL_TABLE, 0, drawn, out=z[start:end])
+    return z
+
+
+def perturbation(shapes: list[torch.Size], seed: int) -> list[torch.Tensor]:
+    """The perturbation of a probe's seed, one tensor per shape in order (views of one new flat tensor)."""
+    sizes = [math.prod(shape) for shape in shapes]
+    return [part.view(shape) for part, shape in zip(_perturbation_flat(sum(sizes), seed).split(sizes), shapes)]
 
 
 class Weights:
@@ -314,10 +356,14 @@ class Weights:
         if not updates:
             return
         m = len(updates)
+        sizes = [c.numel() for c in self.canonical]
         for peer_id in sorted(updates):
             coeff = -lr / m * decode_grad(updates[peer_id])
-            for c, z in zip(self.canonical, perturbation(self.shapes, step_seed(run, step, peer_id))):
-                c.add_(z, alpha=coeff)
+            # a product, then a sum: add(alpha=) is one fused multiply-add in torch's AVX2 and AVX-512 kernels and
+            # two roundings in its scalar ones, so the weights' bits would depend on the CPU
+            step_z = _perturbation_flat(sum(sizes), step_seed(run, step, peer_id)).mul_(coeff)
+            for c, z in zip(self.canonical, step_z.split(sizes)):
+                c.add_(z.view(c.shape))
         self._load(None, 0.0)
 
     def hash(self) -> str:
@@ -366,7 +412,8 @@ class SpsaConfig(BaseModel):
 
     def shared(self) -> dict:
         """The settings every peer of a run must share (part of the run's fingerprint)."""
-        return self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip", "peers"})
+        return {**self.model_dump(include={"run", "base_seed", "steps", "window", "eps", "lr", "clip", "peers"}),
+                "perturbation": PERTURBATION}
 
 
 NEWCOMER_GRACE = 2.0  # seconds a window waits for a newcomer's batch once every counting peer's is in

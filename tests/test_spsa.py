@@ -1,13 +1,20 @@
 """Seed-based SPSA: the pure pieces (bit-exact restore and replay), and the loop across real node processes."""
 
 import asyncio
+import hashlib
+import os
+import statistics
+import subprocess
+import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from protocols import tinylm
-from protocols.spsa import BATCH, JOIN, Weights, capped, decode_grad, encode_grad, screen_window, step_seed
+from protocols.spsa import (BATCH, JOIN, NORMAL_TABLE, PERTURBATION, Z_BITS, SpsaConfig, Weights, capped, decode_grad,
+                            encode_grad, perturbation, screen_window, step_seed)
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
 
@@ -164,6 +171,78 @@ def test_probe_restores_weights_bit_exactly_and_replay_matches_live():
         replayed.apply(RUN, step, dict(reversed(list(updates.items()))), 3e-3)  # arrival order does not matter
     assert live.hash() == replayed.hash() != before
     assert g != 0.0
+
+
+_APPLIED = """
+import sys
+sys.path.insert(0, "tests")
+from test_spsa import _applied
+print(_applied())
+"""
+
+
+def _applied() -> str:
+    """The hash of a perturbation drawn for 4 shapes (one of them below 16 values, where torch.randn agreed across
+    kernels, and one a scalar), and of weights numpy drew (the same bits on every CPU) after 3 peers' bytes are
+    applied for 2 steps."""
+    shapes = [torch.Size([3, 5]), torch.Size([100_003]), torch.Size([]), torch.Size([64, 129])]
+    rng = np.random.default_rng(7)
+    weights = Weights.__new__(Weights)
+    weights.shapes = shapes
+    weights.canonical = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).reshape(s) for s in shapes]
+    weights.params = [c.clone() for c in weights.canonical]
+    for step in range(2):
+        weights.apply(RUN, step, {p: encode_grad(g, 100) for p, g in (("A", 0.3), ("B", -1.7), ("C", 0.02))}, 3e-3)
+    z = perturbation(shapes, step_seed(RUN, 5, "A"))
+    return hashlib.sha256(b"".join(t.numpy().tobytes() for t in z) + weights.hash().encode()).hexdigest()
+
+
+@pytest.mark.timeout(120)
+def test_perturbations_and_steps_are_the_same_bits_with_torchs_scalar_kernels():
+    """A CPU without AVX2 runs torch's scalar kernels: it must draw the perturbations and step to the weights an
+    AVX2 or AVX-512 CPU does. Before 2026-12-01 z was torch.randn (38% of 100,000 values drew other low bits under
+    the scalar kernels) and a step was add(alpha=) (fused in the vector kernels only): such a peer kept disagreeing
+    with the others' weights hash."""
+    out = subprocess.run([sys.executable, "-c", _APPLIED], cwd=Path(__file__).resolve().parent.parent,
+                         env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
+                         capture_output=True, text=True, timeout=100)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == _applied()
+
+
+@pytest.mark.beside
+def test_the_perturbation_is_normal_quantiles_and_a_step_rounds_each_operation_on_its_own(monkeypatch):
+    table = NORMAL_TABLE
+    n = 1 << Z_BITS
+    assert table.dtype == torch.float32 and table.numel() == n and torch.equal(table, -table.flip(0))
+    assert torch.all(table[1:] > table[:-1])  # quantiles: strictly increasing
+    normal = statistics.NormalDist()
+    assert table[0].item() == pytest.approx(normal.inv_cdf(0.5 / n), rel=1e-6)
+    assert table.double().var(unbiased=False).item() == pytest.approx(1.0, abs=1e-4)
+    # the table's bits, named in every run's fingerprint: a platform that computes other quantiles says so here
+    assert "blake2b-64 08b303df34892367" in PERTURBATION
+    assert SpsaConfig(run="x").shared()["perturbation"] == PERTURBATION
+    z = perturbation([torch.Size([2000, 50])], 1)[0]
+    assert z.shape == (2000, 50) and abs(z.mean().item()) < 0.01 and abs(z.std().item() - 1) < 0.01
+    assert not torch.equal(z, perturbation([torch.Size([2000, 50])], 2)[0])
+    assert torch.equal(z, perturbation([torch.Size([2000, 50])], 1)[0])
+    # drawn a chunk of indices at a time: the same values whatever the chunk, across the parameters' boundaries
+    shapes = [torch.Size([999]), torch.Size([40, 60]), torch.Size([1])]
+    whole = perturbation(shapes, 9)
+    monkeypatch.setattr("protocols.spsa.DRAW_CHUNK", 1000)
+    assert all(torch.equal(a, b) for a, b in zip(whole, perturbation(shapes, 9)))
+    assert torch.equal(torch.cat([t.view(-1) for t in whole]), perturbation([torch.Size([100_000])], 9)[0][:3400])
+    # a step: -lr/M x dec(b) x z, then added, each rounded on its own (no fused multiply-add)
+    rng = np.random.default_rng(3)
+    weights = Weights.__new__(Weights)
+    weights.shapes = [torch.Size([70_001])]
+    weights.canonical = [torch.from_numpy(rng.standard_normal(70_001, dtype=np.float32))]
+    weights.params = [weights.canonical[0].clone()]
+    before = weights.canonical[0].clone()
+    weights.apply(RUN, 4, {"A": encode_grad(0.9, 100)}, 3e-3)
+    coeff = torch.tensor(-3e-3 * decode_grad(encode_grad(0.9, 100)), dtype=torch.float32)
+    want = before + perturbation(weights.shapes, step_seed(RUN, 4, "A"))[0] * coeff
+    assert torch.equal(weights.canonical[0], want) and torch.equal(weights.params[0], want)
 
 
 CONFIG = """
