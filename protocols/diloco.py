@@ -54,6 +54,10 @@ CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset
 MAX_FETCH = 64  # announcements asked of a round's coordinator at once
 FETCH_AFTER = 1.0  # s: how long a member view's unknown names are left to gossip before we ask its coordinator
 FETCH_WAIT = 3.0  # s: how long such a request may take (past the span if it must: the round waits on it)
+# how far a peer's initial weights may be from ours for us to start from them, relative to each parameter's largest
+# magnitude: torch draws the same seed's initial weights with other low bits under other CPU kernels (about 1e-6 of
+# that measured, scalar against AVX2); weights a peer chose are further
+INITIAL_TOLERANCE = 1e-5
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 REDUCING = 2  # scatter: parts decoded and reduced at once (the reductions run in worker threads)
@@ -421,6 +425,8 @@ class DilocoLoop(TaskLoop):
         self._rejoined_at = -EARN - 1  # the round of our last resync
         self.started = None
         self.ready: dict[str, str] = {}
+        self._initial_refused: set[str] = set()  # peers whose initial weights we asked for (see _take_initial)
+        self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()
         self.final_hash: str | None = None
@@ -2301,6 +2307,10 @@ class DilocoLoop(TaskLoop):
                         hashes.pop(a, None)
                 self.state = "waiting for peers"
             base = self.global_hash()
+            target = self._initial_choice(base)
+            if target is not None and await self._take_initial(target):
+                self._publish(READY, {"r": 0, "p": 0, "ready": self.global_hash()})  # at once: our new weights
+                continue
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
@@ -2315,6 +2325,60 @@ class DilocoLoop(TaskLoop):
                 self.state = "running"
                 return
             await asyncio.sleep(0.1)
+
+    def _initial_choice(self, base: str) -> str | None:
+        """The initial weights to start from, where they are not ours: the hash most of the directly connected
+        ready peers and we hold (ties: the smallest), or None. Peers of one run build the task's initial weights
+        from the same seed, but torch draws other low bits under other CPU kernels (its scalar ones, on a CPU
+        without AVX2, or an ARM CPU's): without this such peers never started together. Only before the first
+        round, from the task's weights (not from a checkpoint of a later round)."""
+        if any(self.rounds_done) or self.step:
+            return None
+        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
+        others = sum(h != base for h in direct.values())
+        if others:  # in /status: ready peers that hold other initial weights than ours (the most seen at once)
+            self.counters["initial_other_weights_peers"] = max(others, self.counters["initial_other_weights_peers"])
+        held = collections.Counter(h for a, h in direct.items() if a not in self._initial_refused)
+        held[base] += 1
+        top = min(held, key=lambda h: (-held[h], h))
+        return None if top == base else top
+
+    async def _take_initial(self, target: str) -> bool:
+        """Take a holder's initial weights of hash ``target`` if each of their parameters is within rounding of
+        ours (INITIAL_TOLERANCE of its largest magnitude): so a peer can move our start by rounding at most, never
+        to weights of its choosing. A holder that serves none, or other ones, is not asked again."""
+        holders = sorted(a for a, h in self.ready.items()
+                         if h == target and self._ctx.direct(a) and a not in self._initial_refused)
+        for peer in exchange.fastest_first(holders, self._source_rates):
+            self._initial_refused.add(peer)  # asked once, whatever comes of it (bounded: only ready peers)
+            try:
+                ckpt, global_flat, _ = await self._pull_checkpoint(peer)  # its momentum is not taken: ours is 0
+                if any(ckpt["rounds_done"]) or ckpt["step"] or ckpt["global_hash"] != target:
+                    raise ValueError("not the initial weights it announced")
+                apart = max(outer.relative_difference(ours, theirs, [self.params[i].numel() for i in frag])
+                            for ours, theirs, frag in zip(self.global_flat, global_flat, self.frag_index))
+            except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
+                    ValueError) as e:
+                self.counters["initial_weights_unusable"] += 1
+                logger.warning("diloco: initial weights from %s unusable: %s", peer, e)
+                continue
+            if apart > INITIAL_TOLERANCE:
+                # not a penalty: an honest peer's differ this much where the task's model() trains (its pretraining
+                # steps carry the CPU's rounding far: 0.19 of a parameter's scale after 200 steps of the tiny GPT)
+                self.counters["initial_weights_refused"] += 1
+                logger.warning("diloco: not starting from the initial weights of %s: %.3g of a parameter's scale "
+                               "from ours (another CPU's rounding is below %g; a model() that trains carries it "
+                               "further): we start with the peers that hold ours, or join the run later by a "
+                               "checkpoint", peer, apart, INITIAL_TOLERANCE)
+                continue
+            self._adopt(global_flat, [torch.zeros_like(g) for g in global_flat], ckpt["rounds_done"], 0, {})
+            self._initial_refused.discard(peer)
+            self.counters["initial_weights_taken"] += 1
+            self.initial_weights = {"source": peer, "hash": target, "apart": apart}
+            logger.info("diloco: starting from %s's initial weights %s (%.3g of a parameter's scale from ours: "
+                        "another CPU's rounding)", peer, target, apart)
+            return True
+        return False
 
     def _trusted_claimers(self, claims: dict[str, str]) -> list[str]:
         """Whom to follow when peers say the run is ahead of us: the peers whose word counts (closed run: the
@@ -2516,6 +2580,30 @@ class DilocoLoop(TaskLoop):
                 self._ctx.transport.penalties.penalize(peer, "invalid_message", f"diloco-ann: {e}")
             logger.info("diloco round %d/%d: announcements from %s: %s", r, p, peer[-8:], e)
 
+    async def _pull_checkpoint(self, peer: str) -> tuple[dict, list[torch.Tensor], list[torch.Tensor]]:
+        """A peer's checkpoint (its fields, its global weights, its momentum), checked: schema, sizes, hash."""
+        async with await self._ctx.transport.open_stream(peer, CKPT_SPEC, timeout=10) as stream:
+            await stream.send(CKPT_REQUEST.code, None)
+            reply = await asyncio.wait_for(stream.read_required(), 30)
+        if reply.kind != CKPT_REPLY.code:
+            raise MalformedMessage("diloco-ckpt: expected a reply")
+        blob = reply.body["blob"]
+        for _ in range(100):
+            if blob in self.bulk.announcements:
+                break
+            await asyncio.sleep(0.05)
+        size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
+        with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
+            body, _ = await self.bulk.pull(blob, progress=work.update)
+        ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
+        global_flat = [codecs.decode(w) for w in ckpt["global"]]
+        momentum = [codecs.decode(w) for w in ckpt["momentum"]]
+        if [g.numel() for g in global_flat] != [g.numel() for g in self.global_flat]:
+            raise ValueError("checkpoint of another model")
+        if outer.params_hash(global_flat) != ckpt["global_hash"]:
+            raise ValueError("checkpoint weights do not match their hash")
+        return ckpt, global_flat, momentum
+
     async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
         """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
@@ -2524,26 +2612,7 @@ class DilocoLoop(TaskLoop):
         # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first)
         for peer in exchange.fastest_first(peers, self._source_rates):
             try:
-                async with await self._ctx.transport.open_stream(peer, CKPT_SPEC, timeout=10) as stream:
-                    await stream.send(CKPT_REQUEST.code, None)
-                    reply = await asyncio.wait_for(stream.read_required(), 30)
-                if reply.kind != CKPT_REPLY.code:
-                    raise MalformedMessage("diloco-ckpt: expected a reply")
-                blob = reply.body["blob"]
-                for _ in range(100):
-                    if blob in self.bulk.announcements:
-                        break
-                    await asyncio.sleep(0.05)
-                size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
-                with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
-                    body, _ = await self.bulk.pull(blob, progress=work.update)
-                ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
-                global_flat = [codecs.decode(w) for w in ckpt["global"]]
-                momentum = [codecs.decode(w) for w in ckpt["momentum"]]
-                if [g.numel() for g in global_flat] != [g.numel() for g in self.global_flat]:
-                    raise ValueError("checkpoint of another model")
-                if outer.params_hash(global_flat) != ckpt["global_hash"]:
-                    raise ValueError("checkpoint weights do not match their hash")
+                ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
                 done = ckpt["rounds_done"]
                 published = self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
                 published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
@@ -2798,6 +2867,7 @@ class DilocoLoop(TaskLoop):
             "history": list(self.history)[-64:],
             "losses": list(self.losses)[-40:],
             "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
+            "initial_weights": self.initial_weights,
             "deadline_s": round(self.deadline.value(), 2),
             "transfer_rate_bps": round(self._transfer_rate()) if self._rates else None,
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},

@@ -130,6 +130,27 @@ class OuterNesterov:
         return step
 
 
+def relative_difference(ours: torch.Tensor, theirs: torch.Tensor, sizes: list[int]) -> float:
+    """The largest difference between two flat fragments of the parameters of ``sizes``, each parameter's relative
+    to its largest magnitude in ``ours``: 0 for the same values; inf where theirs are not finite, or differ from a
+    parameter of ours that is all zeros (zeros are drawn alike by every CPU)."""
+    if ours.shape != theirs.shape or sum(sizes) != ours.numel():
+        raise ValueError("fragment size mismatch")
+    worst, offset = 0.0, 0
+    for n in sizes:
+        a, b = ours[offset:offset + n], theirs[offset:offset + n]
+        offset += n
+        if not n:
+            continue
+        if not codecs.all_finite(b):
+            return math.inf
+        apart = float((a - b).abs().max())
+        if apart:
+            scale = float(a.abs().max())
+            worst = max(worst, apart / scale if scale else math.inf)
+    return worst
+
+
 def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,
             trim: float = 0.2, screen: bool = True) -> tuple[torch.Tensor | None, dict[str, str]]:
     """Combine peers' pseudo-gradients robustly. Returns (combined or None, {peer: rejection reason}).

@@ -176,3 +176,51 @@ def test_a_peer_that_closed_the_last_round_differently_takes_the_majoritys_final
         assert [s.get("resyncs", 0) for s in final[:3]] == resynced_before
     finally:
         swarm.close()
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_whose_cpu_draws_other_initial_weights_starts_with_the_others(tmp_path):
+    """torch draws a seed's initial weights with other low bits under its scalar kernels (a CPU without AVX2) than
+    under AVX2: such a node held other weights than the others from the start, so with min_peers = 3 no node ever
+    started. It takes the initial weights most of its peers hold, once they are within rounding of its own."""
+    swarm = diloco_swarm(tmp_path, run="cpus", rounds=2, h=10)
+    try:
+        nodes = swarm.start_chain(2, members_within=None,
+                                  more=[{"name": "scalar", "env": {"ATEN_CPU_CAPABILITY": "default"}}])
+        final = wait_for(lambda: all(d(n)["state"] == "done" for n in nodes) and [d(n) for n in nodes], 200,
+                         "3 nodes of two kinds of kernels to finish")
+        assert len({s["final_hash"] for s in final}) == 1
+        assert final[0]["history"][0]["participants"] == 3  # started together
+        # which side takes which depends on whose readiness a node hears first (ties go to the smaller hash): the
+        # scalar node takes the others' weights, or they take its own (2026-12-01: both seen)
+        takers = [(n, s) for n, s in zip(nodes, final) if s["initial_weights"] is not None]
+        assert takers and all(s.get("initial_weights_taken") == 1 and s.get("initial_other_weights_peers", 0) >= 1
+                              and 0 < s["initial_weights"]["apart"] < 1e-5
+                              and s["initial_weights"]["source"] in {m.peer_id for m in nodes} - {n.peer_id}
+                              for n, s in takers)
+        scalar_took = final[2]["initial_weights"] is not None
+        assert {n.peer_id for n, _ in takers} == ({nodes[2].peer_id} if scalar_took else
+                                                   {nodes[0].peer_id, nodes[1].peer_id})
+    finally:
+        swarm.close()
+
+
+@pytest.mark.timeout(180)
+def test_initial_weights_beyond_rounding_are_not_taken(tmp_path):
+    """A model() that trains (here 10 pretraining steps) carries another CPU's rounding far beyond rounding (0.004 of
+    a parameter's scale): no node takes such weights at the start, so no peer can hand the founders weights of its
+    choosing. With min_peers = 3 the run then does not start (its nodes say why); with fewer, the node of the
+    other kernels joins the others' run by a checkpoint, as any late joiner."""
+    config = CONFIG.format(run="far", rounds=3, h=10, fragments=1, overlap=0, alpha=0.0, min_peers=3,
+                           deadline_low=2.0, codec="e3m0") + "pretrain_steps = 10\n"
+    swarm = Swarm(tmp_path / "nodes", config=loop_config(tmp_path / "diloco.toml", config))
+    try:
+        nodes = swarm.start_chain(2, members_within=None,
+                                  more=[{"name": "scalar", "env": {"ATEN_CPU_CAPABILITY": "default"}}])
+        # the scalar node asks both holders of the majority's weights, and takes neither's
+        scalar = wait_for(lambda: (s := d(nodes[2])).get("initial_weights_refused", 0) >= 2 and s, 120,
+                          "the scalar node to refuse both others' initial weights")
+        assert scalar["initial_other_weights_peers"] == 2 and scalar["initial_weights"] is None
+        assert all(d(n)["state"] == "waiting for peers" and d(n)["initial_weights"] is None for n in nodes)
+    finally:
+        swarm.close()

@@ -2,6 +2,7 @@
 
 import asyncio
 import hashlib
+import math
 import os
 import subprocess
 import sys
@@ -99,6 +100,24 @@ def test_the_outer_step_is_each_operation_rounded_on_its_own():
     buf = opt.buffers[0] * torch.tensor(0.9) + g  # the reference, an operation at a time
     want = ((g + buf * torch.tensor(0.9)) * torch.tensor(-0.7)) + theta
     assert torch.equal(opt.step(0, theta, g), want) and torch.equal(opt.buffers[0], buf)
+
+
+def test_relative_difference_is_per_parameter_and_refuses_what_no_rounding_gives():
+    ours = torch.cat([torch.full((4,), 2.0), torch.zeros(3), torch.full((5,), 0.01)])
+    sizes = [4, 3, 5]
+    assert outer.relative_difference(ours, ours.clone(), sizes) == 0.0
+    theirs = ours.clone()
+    theirs[2] += 2e-5  # 1e-5 of that parameter's scale
+    theirs[9] += 1e-8  # 1e-6 of the small one's: judged on its own scale, not the fragment's
+    assert outer.relative_difference(ours, theirs, sizes) == pytest.approx(1e-5, rel=1e-2)
+    theirs[9] += 1e-4
+    assert outer.relative_difference(ours, theirs, sizes) == pytest.approx(1e-2, rel=1e-2)
+    for where, value in ((5, 1e-9), (0, float("nan")), (8, float("inf"))):  # off zeros; non-finite
+        bad = ours.clone()
+        bad[where] = value
+        assert outer.relative_difference(ours, bad, sizes) == math.inf
+    with pytest.raises(ValueError):
+        outer.relative_difference(ours, ours[:-1], sizes)
 
 
 def test_combine_rejects_bad_updates_and_resists_outliers():
