@@ -425,7 +425,7 @@ class DilocoLoop(TaskLoop):
         self._rejoined_at = -EARN - 1  # the round of our last resync
         self.started = None
         self.ready: dict[str, str] = {}
-        self._initial_refused: set[str] = set()  # peers whose initial weights we asked for (see _take_initial)
+        self._initial_refused: set[str] = set()  # peers whose initial weights we asked for, not taken (_take_initial)
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()

@@ -3,7 +3,7 @@
 The algorithm (``../shared/protocols.md`` 3.4), per step t and peer i:
 
 - seed(t, i) = BLAKE2b-64(run id || t || peer id) >> 1; seeds are derived, never sent;
-- z ~ N(0, I) in the fixed parameter order (sorted names), from a CPU generator seeded with it: 16-bit integer
+- z ~ N(0, I) in the fixed parameter order (the model's), from a CPU generator seeded with it: 16-bit integer
   draws looked up in a table of normal quantiles, the same bits on every CPU (``PERTURBATION``);
 - probe from the canonical weights, restoring them by copy (bit-exact; the in-place +-eps trick drifts in fp32):
   L+ at theta + eps*z, L- at theta - eps*z, g = (L+ - L-) / (2 eps), clipped to +-clip;

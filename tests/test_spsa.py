@@ -181,16 +181,20 @@ print(_applied())
 """
 
 
+def _numpy_weights(shapes: list[torch.Size], seed: int) -> Weights:
+    """Weights of parameters that numpy drew (the same bits on every CPU), with no model to probe."""
+    rng = np.random.default_rng(seed)
+    params = [torch.nn.Parameter(torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).reshape(s))
+              for s in shapes]
+    return Weights(torch.nn.Module(), params, loss=lambda batch: 0.0)
+
+
 def _applied() -> str:
     """The hash of a perturbation drawn for 4 shapes (one of them below 16 values, where torch.randn agreed across
     kernels, and one a scalar), and of weights numpy drew (the same bits on every CPU) after 3 peers' bytes are
     applied for 2 steps."""
     shapes = [torch.Size([3, 5]), torch.Size([100_003]), torch.Size([]), torch.Size([64, 129])]
-    rng = np.random.default_rng(7)
-    weights = Weights.__new__(Weights)
-    weights.shapes = shapes
-    weights.canonical = [torch.from_numpy(rng.standard_normal(s, dtype=np.float32)).reshape(s) for s in shapes]
-    weights.params = [c.clone() for c in weights.canonical]
+    weights = _numpy_weights(shapes, 7)
     for step in range(2):
         weights.apply(RUN, step, {p: encode_grad(g, 100) for p, g in (("A", 0.3), ("B", -1.7), ("C", 0.02))}, 3e-3)
     z = perturbation(shapes, step_seed(RUN, 5, "A"))
@@ -233,11 +237,7 @@ def test_the_perturbation_is_normal_quantiles_and_a_step_rounds_each_operation_o
     assert all(torch.equal(a, b) for a, b in zip(whole, perturbation(shapes, 9)))
     assert torch.equal(torch.cat([t.view(-1) for t in whole]), perturbation([torch.Size([100_000])], 9)[0][:3400])
     # a step: -lr/M x dec(b) x z, then added, each rounded on its own (no fused multiply-add)
-    rng = np.random.default_rng(3)
-    weights = Weights.__new__(Weights)
-    weights.shapes = [torch.Size([70_001])]
-    weights.canonical = [torch.from_numpy(rng.standard_normal(70_001, dtype=np.float32))]
-    weights.params = [weights.canonical[0].clone()]
+    weights = _numpy_weights([torch.Size([70_001])], 3)
     before = weights.canonical[0].clone()
     weights.apply(RUN, 4, {"A": encode_grad(0.9, 100)}, 3e-3)
     coeff = torch.tensor(-3e-3 * decode_grad(encode_grad(0.9, 100)), dtype=torch.float32)
