@@ -40,7 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import rounds
+from protocols import outer, rounds
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, decode_message
@@ -51,6 +51,7 @@ from transport.base import Stream
 from transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from transport.framing import ProtocolSpec
 from transport.identity import verify
+from transport.penalties import RateLimitedLog
 from transport.wire import WIRE, Bool, Bytes, Int, List, Map, Nil, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
@@ -89,6 +90,26 @@ READY = WIRE.message(CARRIER, 3, "spsa.ready", Map.of(w=_W, ready=Str(32, min=32
                      {"w": 0, "ready": "ab" * 16, **_TAG}, max_size=256, doc="I hold these base weights and can start")
 JOIN = WIRE.message(CARRIER, 4, "spsa.join", Map.of(w=_W, join=Bool(only=True), t=TAG), {"w": 8, "join": True, **_TAG},
                     max_size=256, doc="I contribute from window w (a late joiner)")
+
+# a late joiner replays the log onto the base model, so it needs the base the others hold, bit for bit: a task that
+# builds it by training (its pretraining steps) or by random init draws other low bits on another CPU's kernels
+# (torch's scalar ones, an ARM CPU's), and such a joiner replayed onto other weights and never agreed with the run.
+# It asks the peer it replays from for that peer's base (whose hash it gives, so equal bases cost a round trip)
+BASE_PART_BYTES = 4 << 20
+BASE_SPEC = ProtocolSpec("spsa-base", "1.0.0", max_frame=BASE_PART_BYTES + 1024, kinds=frozenset({1, 2, 3}))
+_HASH = Str(32, min=32)
+BASE_REQUEST = WIRE.frame(BASE_SPEC, 1, "spsa.base-request", Map.of(have=_HASH), {"have": "ab" * 16},
+                          doc="your base model, please, unless its hash (base_state_hash) is this one, mine")
+BASE_HEAD = WIRE.frame(BASE_SPEC, 2, "spsa.base-head", Map.of(hash=_HASH, size=Int(0, 1 << 42)),
+                       {"hash": "cd" * 16, "size": 1 << 20},
+                       doc="my base model's hash and its size in bytes; its bytes follow in parts unless the hash is "
+                       "the one you have")
+BASE_PART = WIRE.frame(BASE_SPEC, 3, "spsa.base-part", Map.of(data=Bytes(BASE_PART_BYTES)), {"data": bytes(8)},
+                       doc="the base model's next bytes: the model's state dict in order, each tensor's values "
+                       "little-endian in its own dtype, the perturbed parameters as float32")
+BASE_SERVES = 2  # bases served at once (each is the whole model's bytes: a flood of asks waits its turn)
+BASE_SERVE_EVERY = 30.0  # seconds before the same peer is served the whole base again
+BASE_SERVE_RATE = 256e3  # bytes a second an asker must read at least (a slot is not held longer)
 
 
 # ------------------------------------------------------------------ the pure parts
@@ -367,10 +388,101 @@ class Weights:
         self._load(None, 0.0)
 
     def hash(self) -> str:
-        h = hashlib.blake2b(digest_size=16)
-        for c in self.canonical:
-            h.update(c.contiguous().view(-1).numpy())
-        return h.hexdigest()
+        return tensors_hash(self.canonical)
+
+
+def tensors_hash(tensors: list[torch.Tensor]) -> str:
+    """The hash of float32 CPU tensors (a Weights' canonical ones, or a base's): their bytes in order."""
+    h = hashlib.blake2b(digest_size=16)
+    for c in tensors:
+        h.update(c.contiguous().view(-1).numpy())
+    return h.hexdigest()
+
+
+# ------------------------------------------------------------------ the base model, as peers serve it
+def base_layout(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[tuple[str, int | None, torch.Tensor]]:
+    """What a base model is on the wire: each entry of the model's state dict in order, as (name, the index of the
+    perturbed parameter it is, or None, its tensor). A perturbed parameter (or a tensor tied to one) is served
+    from the base's canonical float32 weights, the rest (frozen parameters, buffers) as the model holds them: the
+    loop never changes them."""
+    perturbed = {(p.data_ptr(), tuple(p.shape)): i for i, p in enumerate(params) if p.numel()}
+    return [(name, perturbed.get((t.data_ptr(), tuple(t.shape))) if t.numel() else None, t)
+            for name, t in model.state_dict().items()]
+
+
+def base_size(layout: list) -> int:
+    """A base's bytes on the wire (base_layout)."""
+    return sum(t.numel() * (4 if i is not None else t.element_size()) for _, i, t in layout)
+
+
+def base_arrays(layout: list, base: list[torch.Tensor]) -> list:
+    """The base's bytes, entry by entry (uint8 arrays, little-endian values; no copy where a tensor is on the
+    CPU already)."""
+    return [_bytes_of(base[i] if i is not None else t) for _, i, t in layout]
+
+
+def _bytes_of(t: torch.Tensor):
+    return t.detach().to("cpu").contiguous().view(-1).view(torch.uint8).numpy()
+
+
+def base_digest(arrays: list) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    for a in arrays:
+        h.update(a)
+    return h.hexdigest()
+
+
+def base_parts(arrays: list, part_bytes: int = BASE_PART_BYTES) -> Iterator[bytes]:
+    """The base's bytes cut in parts of ``part_bytes`` (the last one shorter), small tensors packed together."""
+    buf = bytearray()
+    for a in arrays:
+        view, at = memoryview(a), 0
+        while at < len(view):
+            take = min(part_bytes - len(buf), len(view) - at)
+            buf += view[at:at + take]
+            at += take
+            if len(buf) == part_bytes:
+                yield bytes(buf)
+                buf = bytearray()
+    if buf:
+        yield bytes(buf)
+
+
+class BaseReceiver:
+    """A base model's bytes as they arrive, written straight into tensors shaped as ours (allocated up front: our
+    own model's size, which a peer's must equal before anything is allocated)."""
+
+    def __init__(self, layout: list):
+        self.tensors = [torch.empty(t.shape, dtype=torch.float32 if i is not None else t.dtype) for _, i, t in layout]
+        self._views = [_bytes_of(t) for t in self.tensors]
+        self.size = sum(v.nbytes for v in self._views)
+        self.received = 0
+        self._entry, self._at = 0, 0
+
+    def add(self, data: bytes) -> None:
+        if self.received + len(data) > self.size:
+            raise MalformedMessage(f"spsa-base: more than the {self.size} B announced")
+        src, at = memoryview(data), 0
+        while at < len(src):
+            while not len(self._views[self._entry]):  # an empty tensor: no bytes of its own
+                self._entry += 1
+            view = self._views[self._entry]
+            take = min(len(view) - self._at, len(src) - at)
+            view[self._at:self._at + take] = src[at:at + take]
+            at, self._at = at + take, self._at + take
+            if self._at == len(view):
+                self._entry, self._at = self._entry + 1, 0
+        self.received += len(data)
+
+    @property
+    def done(self) -> bool:
+        return self.received == self.size
+
+    def digest(self) -> str:
+        return base_digest(self._views)
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(t).all()) for t in self.tensors if t.is_floating_point())
 
 
 # ------------------------------------------------------------------ the loop
@@ -456,6 +568,13 @@ class SPSALoop(TaskLoop):
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
         self.weights: Weights | None = None
         self.base_hash: str | None = None
+        self._base: list[torch.Tensor] = []  # the base's perturbed parameters (canonical float32)
+        self._base_layout: list = []  # the model's state dict as a base is served (base_layout)
+        self.base_state_hash: str | None = None  # of the whole base as served (base_digest)
+        self.base_taken: dict | None = None  # the base we replay onto, where a peer's replaced ours (/status)
+        self._base_serving = asyncio.Semaphore(BASE_SERVES)
+        self._base_served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
+        self._base_log = RateLimitedLog(logger, interval=30.0)
         self.final = False  # every window applied (the run ended)
         self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
@@ -487,6 +606,7 @@ class SPSALoop(TaskLoop):
         self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
+        await ctx.transport.serve(BASE_SPEC, self._serve_base)
 
     async def close(self) -> None:
         pass
@@ -514,6 +634,7 @@ class SPSALoop(TaskLoop):
         self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.per_step
                                                 else "data"}, perturbed)
         self.names = names
+        self._base_layout = base_layout(model, [p for _, p in perturbed])
         self.weights = Weights(model, [p for _, p in perturbed],
                                loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
                                                                                                     self.device)))
@@ -533,6 +654,7 @@ class SPSALoop(TaskLoop):
             await asyncio.to_thread(self._build)
         self.base_hash = self.weights.hash()
         self._base = [c.clone() for c in self.weights.canonical]
+        self.base_state_hash = await asyncio.to_thread(lambda: base_digest(base_arrays(self._base_layout, self._base)))
         self._resume_own()
         total = self._total()
         if self.window < total:
@@ -905,13 +1027,14 @@ class SPSALoop(TaskLoop):
             behind = 0
             for peer_id in list(peers):
                 try:
+                    base_taken = await self._base_from(peer_id)  # the log replays onto its base: ours, or its own
                     async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
                         await stream.send(LOG_REQUEST.code, None)
                         entries = await read_log_parts(stream)
                     if len(entries) < at_least:  # it has not closed every window we had: ours would be lost
                         behind += 1
                         continue
-                    replayed = await self._replay(entries)
+                    replayed = await self._replay(entries, from_base=base_taken)
                     break
                 except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                     logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
@@ -940,17 +1063,17 @@ class SPSALoop(TaskLoop):
                     len(replayed), self.replay_seconds, self.window, self.join_at)
         return True
 
-    async def _replay(self, entries: list) -> list[set[str]]:
+    async def _replay(self, entries: list, from_base: bool = False) -> list[set[str]]:
         """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply
         their steps to the weights in a worker thread (the node keeps serving; ``/status`` shows how far it is);
         the last window is left to the live loop (one-window lag). Where the log begins with ours (we resumed from
         our own checkpoint: its weights have every window of our log but the last applied), only the windows after
         ours are applied, so a restart costs the windows it missed, not the whole run; otherwise we start from the
-        base weights. Returns each window's contributors, as standing records them (its batches less the ones
-        refused as out of scale)."""
+        base weights (always, ``from_base``: we just took another peer's base). Returns each window's contributors,
+        as standing records them (its batches less the ones refused as out of scale)."""
         verified = read_log(entries, topic=self.topic, window=self.cfg.window,
                             accepts=lambda author, body: self._foreign(author, body) is None)
-        kept = self._kept_prefix(entries)
+        kept = 0 if from_base else self._kept_prefix(entries)
         if not kept:
             self._reset_to_base()
         for w, batches in verified:
@@ -969,6 +1092,106 @@ class SPSALoop(TaskLoop):
                     work.update(w + 1 - start)
             await asyncio.to_thread(apply)
         return contributors
+
+    async def _base_from(self, peer: str) -> bool:
+        """Ask ``peer``, whose log we are about to replay, for its base model, and take it where it is not ours (the
+        same trust as in its log: the peers we replay from are the ones whose word counts, or two direct ones).
+        True if we took it. A peer that serves no base (a version before bases were served, or one still building
+        its own) leaves ours as it is, as before; one whose base is not ours but does not send it raises (its log
+        would replay onto the wrong weights: the caller tries another peer), and one that sends a base other than
+        it announced is penalised (raises)."""
+        size = base_size(self._base_layout)
+        head = None
+        try:
+            async with await self._ctx.transport.open_stream(peer, BASE_SPEC, timeout=10) as stream:
+                await stream.send(BASE_REQUEST.code, {"have": self.base_state_hash})
+                head = await asyncio.wait_for(stream.read_required(), 30)
+                if head.kind != BASE_HEAD.code:
+                    raise MalformedMessage("spsa-base: the base's head expected")
+                if head.body["hash"] == self.base_state_hash:
+                    return False
+                if head.body["size"] != size:  # before anything is allocated: a base is our own model's size
+                    raise ProtocolViolation(f"spsa-base: {head.body['size']} B, our base model is {size} B")
+                receiver = BaseReceiver(self._base_layout)
+                with self.work.track(f"base model pull from {peer[-8:]}", total=size, unit="B") as work:
+                    while not receiver.done:
+                        part = await asyncio.wait_for(stream.read_required(), 60)
+                        if part.kind != BASE_PART.code:
+                            raise MalformedMessage("spsa-base: a part of the base expected")
+                        receiver.add(part.body["data"])
+                        work.update(receiver.received)
+            digest, finite = await asyncio.to_thread(lambda: (receiver.digest(), receiver.finite()))
+            if digest != head.body["hash"]:
+                raise ProtocolViolation("spsa-base: the base's bytes do not match the hash it announced")
+            if not finite:
+                raise ProtocolViolation("spsa-base: a base with non-finite values")
+        except (TransportError, asyncio.TimeoutError) as e:
+            if head is not None:
+                self.counters["base_pull_failed"] += 1
+                raise TransportError(f"its base model is not ours, and did not come: {e or type(e).__name__}") \
+                    from None
+            self.counters["base_ask_failed"] += 1
+            self._base_log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
+                               "replaying onto ours", peer, e or type(e).__name__)
+            return False
+        except ProtocolViolation as e:
+            self.counters["base_unusable"] += 1
+            self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
+            self._base_log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
+            raise
+        await asyncio.to_thread(self._take_base, receiver.tensors, peer, digest)  # passes over the whole model
+        return True
+
+    def _take_base(self, tensors: list[torch.Tensor], peer: str, digest: str) -> None:
+        """A peer's base model in place of ours: its perturbed parameters as our base, the rest into the model."""
+        base: list[torch.Tensor | None] = [None] * len(self._base)
+        for (_, i, _), value in zip(self._base_layout, tensors):
+            if i is not None:
+                base[i] = value
+        if any(b is None for b in base):  # every parameter is in the state dict: not expected
+            raise ProtocolViolation("spsa-base: a perturbed parameter missing")
+        with torch.no_grad():
+            for (_, i, t), value in zip(self._base_layout, tensors):
+                if i is None:
+                    t.copy_(value)  # the model's own tensor (frozen parameter or buffer): its device and dtype
+        apart = max((outer.relative_difference(ours.view(-1), theirs.view(-1), [ours.numel()])
+                     for ours, theirs in zip(self._base, base)), default=0.0)
+        self._base = base
+        self.base_state_hash = digest
+        self.base_hash = tensors_hash(base)
+        self.base_taken = {"source": peer, "hash": self.base_hash, "apart": apart}
+        self.counters["bases_taken"] += 1
+        logger.info("spsa: replaying onto the base model of %s (%s; %.3g of a parameter's scale from ours: built "
+                    "on another CPU, or trained another way)", peer, self.base_hash, apart)
+
+    async def _serve_base(self, stream: Stream) -> None:
+        message = await asyncio.wait_for(stream.read_required(), 10)
+        if message.kind != BASE_REQUEST.code:
+            raise MalformedMessage("spsa-base: expected a request")
+        digest, layout, base = self.base_state_hash, self._base_layout, self._base  # taking a base replaces them
+        if digest is None or self.state == "replaying":
+            return  # not built yet, or being replaced: the stream ends, and the asker replays onto its own
+        size = base_size(layout)
+        await stream.send(BASE_HEAD.code, {"hash": digest, "size": size})
+        if message.body["have"] == digest:
+            return
+        # the whole model's bytes: to one peer once in BASE_SERVE_EVERY, to BASE_SERVES peers at once
+        peer, now = stream.peer_id, self.clock.monotonic()
+        if now - self._base_served.get(peer, -math.inf) < BASE_SERVE_EVERY or self._base_serving.locked():
+            self.counters["base_serve_refused"] += 1
+            self._base_log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (served it "
+                               "lately, or %d others are being served)", peer, BASE_SERVES)
+            return
+        self._base_served.pop(peer, None)
+        self._base_served[peer] = now
+        while len(self._base_served) > MAX_PEER_ENTRIES:
+            del self._base_served[next(iter(self._base_served))]
+        async with self._base_serving:
+            # an asker that reads slowly holds a slot: at most as long as 256 kB/s takes
+            async with asyncio.timeout(30 + size / BASE_SERVE_RATE):
+                for part in base_parts(base_arrays(layout, base)):
+                    await stream.send(BASE_PART.code, {"data": part})
+        self.counters["base_served"] += 1
 
     def _kept_prefix(self, entries: list) -> int:
         """How many windows of our own log the served log begins with, byte for byte (0: none, or it differs)."""
@@ -1102,6 +1325,7 @@ class SPSALoop(TaskLoop):
             "weights_hash": self.final_hash or (self.weights.hash() if self.weights is not None else None),
             "final_hash": self.final_hash,
             "base_hash": self.base_hash,
+            "base_taken": self.base_taken,
             "losses": list(self.losses)[-40:],
             "log_windows": len(self.log),
             "replay_seconds": self.replay_seconds,

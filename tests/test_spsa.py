@@ -309,19 +309,27 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
 
 @pytest.mark.swarm
 @pytest.mark.timeout(240)
-def test_a_node_joining_at_step_100_replays_and_matches(tmp_path):
-    # 1000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
-    # ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute (two
-    # peers at batch 8 make ~40 steps a second here, and the late one took ~15 s to start and build its base model:
-    # with 500 steps it was let in at the run's last step). Two peers before it (it bootstraps from the one that is
-    # not the run's first): a third would only share the same 2 cores
+def test_a_node_joining_at_step_100_on_another_cpu_replays_onto_the_runs_base_and_matches(tmp_path):
+    """The late node runs torch's scalar kernels (a CPU without AVX2), which pretrain the base model with other low
+    bits: it replayed onto its own base and never agreed with the run (the code before 2026-12-02). It takes the base
+    of the peer it replays from.
+
+    1000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
+    ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute (two
+    peers at batch 8 make ~40 steps a second here, and the late one took ~15 s to start and build its base model:
+    with 500 steps it was let in at the run's last step). Two peers before it (it bootstraps from the one that is
+    not the run's first): a third would only share the same 2 cores"""
     swarm = spsa_swarm(tmp_path, "late", 1000, 2)
     try:
         nodes = swarm.start_chain(2, members_within=None)
         wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
-        late = swarm.start("late", bootstrap=[nodes[-1].tcp_addr])
+        late = swarm.start("late", bootstrap=[nodes[-1].tcp_addr], env={"ATEN_CPU_CAPABILITY": "default"})
         wait_for(lambda: spsa(late)["state"] in ("running", "done"), 120, "the late node to replay")
-        assert spsa(late)["replayed_windows"] >= 4
+        joined = spsa(late)
+        assert joined["replayed_windows"] >= 4
+        taken = joined["base_taken"]  # another base than its own, from a peer it replayed from
+        assert taken["source"] in {n.peer_id for n in nodes} and taken["apart"] > 0 and joined["bases_taken"] == 1
+        assert joined["base_hash"] == taken["hash"] == spsa(nodes[0])["base_hash"]
         final = wait_for(lambda: all(spsa(n)["state"] == "done" for n in nodes + [late])
                          and [spsa(n) for n in nodes + [late]], 200, "everyone to finish")
         assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]

@@ -10,6 +10,7 @@ import torch
 from node.sim import ChurnConfig, SimConfig, SpsaSim
 from protocols import spsa
 from transport import framing
+from transport.errors import MalformedMessage
 from transport.memory import run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
@@ -292,3 +293,110 @@ def test_a_log_is_read_from_its_parts_in_order_and_within_its_budget():
         asyncio.run(spsa.read_log_parts(_Parts(endless), max_bytes=100_000))
     with pytest.raises(spsa.MalformedMessage, match="a part of the log expected"):
         asyncio.run(spsa.read_log_parts(_Parts(parts, kind=spsa.LOG_REQUEST.code)))
+
+
+def _built_elsewhere(base):
+    """A loop class whose base model has other low bits than the others' (as one built under another CPU's kernels:
+    torch's scalar ones, or an ARM CPU's, draw and pretrain a seed's model that way)."""
+    class Elsewhere(base):
+        def _build(self):
+            super()._build()
+            with torch.no_grad():
+                for p in self.weights.params:
+                    p.add_(2 ** -30)  # the regression task's base is zeros
+            self.weights.canonical = [p.detach().to(torch.float32).clone() for p in self.weights.params]
+    return Elsewhere
+
+
+@pytest.mark.timeout(120)
+def test_a_late_joiner_built_on_another_cpu_replays_onto_the_runs_base_and_ends_with_the_others(tmp_path):
+    """A late joiner replays the log onto its base model: where its base has other bits than the run's, it replayed
+    onto other weights and never agreed with the run (each hash check sent it to replay again). It takes the base
+    of the peer it replays from; the founders, whose bases are one, only compare hashes."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
+        late = sim.peers[3]
+        sim.classes[late] = _built_elsewhere(sim.loop_cls)
+        async with sim:
+            await sim.start_all(sim.peers[:3])
+            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return _finals(sim), sim.loop(late).status(), [sim.loop(p).counters for p in sim.peers], sim.peers[:3]
+
+    finals, joiner, counters, founders = run_virtual(main())
+    assert len(finals) == 1
+    taken = joiner["base_taken"]
+    assert taken["source"] in founders and taken["apart"] > 0 and joiner["base_hash"] == taken["hash"]
+    assert counters[3]["bases_taken"] == 1 and counters[3].get("diverged", 0) == 0
+    assert sum(c.get("base_served", 0) for c in counters[:3]) == 1  # the founders' bases: one, never pulled
+    assert all("bases_taken" not in c for c in counters[:3])
+    assert joiner["participants"] == 4  # it contributed at the end
+
+
+@pytest.mark.timeout(120)
+def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalised(tmp_path):
+    """The peer a joiner replays from first serves base bytes other than the hash it announced: refused (its
+    penalty), and the joiner takes the next peer's base and log."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
+        liar, late = sim.peers[0], sim.peers[3]
+
+        class Liar(sim.loop_cls):
+            async def _serve_base(self, stream):
+                honest = self._base
+                self._base = [b + 1.0 for b in honest]  # the bytes change, the hash it announces does not
+                try:
+                    await super()._serve_base(stream)
+                finally:
+                    self._base = honest
+
+        class Joiner(_built_elsewhere(sim.loop_cls)):
+            def _run_started_without_us(self):
+                return sorted(super()._run_started_without_us(), key=lambda p: p != liar)  # the liar first
+
+        sim.classes[liar], sim.classes[late] = Liar, Joiner
+        async with sim:
+            await sim.start_all(sim.peers[:3])
+            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return (_finals(sim), sim.loop(late).status(), sim.nodes[late].transport.penalties.score(liar),
+                    sim.peers[1:3])
+
+    finals, joiner, score, honest = run_virtual(main())
+    assert len(finals) == 1
+    assert joiner["base_unusable"] == 1 and score > 0
+    assert joiner["bases_taken"] == 1 and joiner["base_taken"]["source"] in honest
+
+
+def test_a_base_travels_in_parts_into_tensors_of_every_dtype_and_no_further():
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.randn(3, 5))
+    model.frozen = torch.nn.Parameter(torch.randn(7).to(torch.bfloat16), requires_grad=False)
+    model.register_buffer("mask", torch.tensor([True, False, True]))
+    model.register_buffer("nothing", torch.zeros(0))
+    model.register_buffer("count", torch.tensor(5, dtype=torch.int64))
+    model.tied = model.w  # a second name for a perturbed parameter: served from the base too
+    base = [model.w.detach().clone() + 1]  # the base differs from the model's current (perturbed) weights
+    layout = spsa.base_layout(model, [model.w])
+    assert [(name, i) for name, i, _ in layout] == [("w", 0), ("frozen", None), ("tied", 0), ("mask", None),
+                                                    ("nothing", None), ("count", None)]
+    arrays = spsa.base_arrays(layout, base)
+    size = 2 * 15 * 4 + 7 * 2 + 3 + 0 + 8
+    assert sum(a.nbytes for a in arrays) == size
+    parts = list(spsa.base_parts(arrays, part_bytes=7))
+    assert b"".join(parts) == b"".join(a.tobytes() for a in arrays) and max(map(len, parts)) == 7
+    receiver = spsa.BaseReceiver(layout)
+    assert receiver.size == size
+    for part in parts:
+        receiver.add(part)
+    assert receiver.done and receiver.digest() == spsa.base_digest(arrays) and receiver.finite()
+    got = receiver.tensors
+    assert torch.equal(got[0], base[0]) and torch.equal(got[2], base[0]) and torch.equal(got[1], model.frozen)
+    assert torch.equal(got[3], model.mask) and got[4].numel() == 0 and int(got[5]) == 5
+    with pytest.raises(MalformedMessage):  # one byte past the size its head gave
+        receiver.add(b"\x00")
+    nan = spsa.BaseReceiver(layout)
+    nan.add(torch.full((15,), float("nan")).numpy().tobytes() + b"".join(parts)[60:])
+    assert not nan.finite()
