@@ -54,10 +54,7 @@ CKPT_SPEC = ProtocolSpec("diloco-ckpt", "1.0.0", max_frame=4096, kinds=frozenset
 MAX_FETCH = 64  # announcements asked of a round's coordinator at once
 FETCH_AFTER = 1.0  # s: how long a member view's unknown names are left to gossip before we ask its coordinator
 FETCH_WAIT = 3.0  # s: how long such a request may take (past the span if it must: the round waits on it)
-# how far a peer's initial weights may be from ours for us to start from them, relative to each parameter's largest
-# magnitude: torch draws the same seed's initial weights with other low bits under other CPU kernels (about 1e-6 of
-# that measured, scalar against AVX2); weights a peer chose are further
-INITIAL_TOLERANCE = 1e-5
+INITIAL_TOLERANCE = outer.ROUNDING  # how far a peer's initial weights may be from ours for us to start from them
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 REDUCING = 2  # scatter: parts decoded and reduced at once (the reductions run in worker threads)

@@ -130,6 +130,12 @@ class OuterNesterov:
         return step
 
 
+# how far a peer's initial weights (DiLoCo) or base model (SPSA) may be from ours for us to start from them, relative
+# to each parameter's largest magnitude: torch draws the same seed's initial weights with other low bits under other
+# CPU kernels (about 1e-6 of that measured, scalar against AVX2); weights a peer chose are further
+ROUNDING = 1e-5
+
+
 def relative_difference(ours: torch.Tensor, theirs: torch.Tensor, sizes: list[int]) -> float:
     """The largest difference between two flat fragments of the parameters of ``sizes``, each parameter's relative
     to its largest magnitude in ``ours``: 0 for the same values; inf where theirs are not finite, or differ from a

@@ -575,6 +575,8 @@ class SPSALoop(TaskLoop):
         self._base_serving = asyncio.Semaphore(BASE_SERVES)
         self._base_served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
         self._base_log = RateLimitedLog(logger, interval=30.0)
+        self._replacing_base = False  # a peer's base is being taken in place of ours (none is served meanwhile)
+        self._base_refused: set[str] = set()  # peers whose base we asked for at the start, not taken
         self.final = False  # every window applied (the run ended)
         self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
@@ -974,6 +976,11 @@ class SPSALoop(TaskLoop):
                     for a in ahead:
                         window.batches.pop(a, None)
                 self.state = "waiting for peers"
+            target = self._start_choice(start)
+            if target is not None and await self._take_start_base(target):
+                self._start_hash = start = self.weights.hash()
+                self._publish(READY, {"w": self.window, "ready": start})  # at once: our new base
+                continue
             ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
@@ -985,6 +992,62 @@ class SPSALoop(TaskLoop):
             if self.ready and any(h != start for h in self.ready.values()):
                 self.counters["base_mismatch_peers"] = sum(h != start for h in self.ready.values())
             await asyncio.sleep(0.1)
+
+    def _start_choice(self, start: str) -> str | None:
+        """The base to found the run on, where it is not ours: the hash most of the directly connected ready peers
+        and we hold (ties: the smallest), or None. A task's model() that loads pretrained weights and draws a new
+        head with nn.init, or builds a model from a seed, gives other low bits under other CPU kernels (torch's
+        scalar ones, an ARM CPU's): without this such peers never founded a run together. Only at window 0, from the
+        base (not from a checkpoint of a later window); see _take_start_base for what is taken."""
+        if self.window or self.log:
+            return None
+        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
+        held = collections.Counter(h for a, h in direct.items() if a not in self._base_refused)
+        held[start] += 1
+        top = min(held, key=lambda h: (-held[h], h))
+        return None if top == start else top
+
+    async def _take_start_base(self, target: str) -> bool:
+        """Take a holder's base of hash ``target`` if each of its tensors is within rounding of ours (outer.ROUNDING
+        of its largest magnitude; integer ones equal): so a peer can move our start by rounding at most, never to
+        weights of its choosing. Beyond that (a base pretrained on each peer: its steps carry the rounding far) it is
+        refused, without a penalty: we wait, or join the run once it has begun, onto its log server's base. A holder
+        is asked once."""
+        holders = sorted(a for a, h in self.ready.items()
+                         if h == target and self._ctx.direct(a) and a not in self._base_refused)
+        for peer in holders:
+            self._base_refused.add(peer)  # asked once, whatever comes of it (bounded: only ready peers)
+            try:
+                fetched = await self._fetch_base(peer)
+                if fetched is None:
+                    raise ValueError("it served no base")
+                tensors, digest = fetched
+                perturbed = {i: t for (_, i, _), t in zip(self._base_layout, tensors) if i is not None}
+                if tensors_hash([perturbed[i] for i in sorted(perturbed)]) != target:
+                    raise ValueError("not the base it said it was ready with")  # it may have taken another since
+                apart = await asyncio.to_thread(self._base_apart, tensors)
+            except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
+                if not isinstance(e, ProtocolViolation):  # (counted and penalised where it was found)
+                    self.counters["base_unusable"] += 1
+                self._base_log.log(logging.WARNING, ("start", peer), "spsa: the base model of %s unusable: %s",
+                                   peer, e)
+                continue
+            if apart > outer.ROUNDING:
+                self.counters["base_refused"] += 1
+                self._base_log.log(logging.WARNING, ("far", peer), "spsa: not starting from the base model of %s: "
+                                   "%.3g of a parameter's scale from ours (another CPU's rounding is below %g; a "
+                                   "model() that trains carries it further): we start with the peers that hold ours, "
+                                   "or join the run once it has begun", peer, apart, outer.ROUNDING)
+                continue
+            self._replacing_base = True
+            try:
+                await asyncio.to_thread(self._take_base, tensors, digest, peer, "start", apart)
+                self._reset_to_base()
+            finally:
+                self._replacing_base = False
+            self._base_refused.discard(peer)
+            return True
+        return False
 
     def _reset_to_base(self) -> None:
         """Back to the base weights with an empty log (before replaying a peer's log)."""
@@ -1100,6 +1163,19 @@ class SPSALoop(TaskLoop):
         its own) leaves ours as it is, as before; one whose base is not ours but does not send it raises (its log
         would replay onto the wrong weights: the caller tries another peer), and one that sends a base other than
         it announced is penalised (raises)."""
+        fetched = await self._fetch_base(peer)
+        if fetched is None:
+            return False
+        self._replacing_base = True
+        try:
+            await asyncio.to_thread(self._take_base, *fetched, peer, "join")  # passes over the whole model
+        finally:
+            self._replacing_base = False
+        return True
+
+    async def _fetch_base(self, peer: str) -> tuple[list[torch.Tensor], str] | None:
+        """``peer``'s base model (its tensors in base_layout's order, and its hash), checked against the hash it
+        announced, or None where it holds ours or serves none (see _base_from)."""
         size = base_size(self._base_layout)
         head = None
         try:
@@ -1109,7 +1185,7 @@ class SPSALoop(TaskLoop):
                 if head.kind != BASE_HEAD.code:
                     raise MalformedMessage("spsa-base: the base's head expected")
                 if head.body["hash"] == self.base_state_hash:
-                    return False
+                    return None
                 if head.body["size"] != size:  # before anything is allocated: a base is our own model's size
                     raise ProtocolViolation(f"spsa-base: {head.body['size']} B, our base model is {size} B")
                 receiver = BaseReceiver(self._base_layout)
@@ -1132,44 +1208,60 @@ class SPSALoop(TaskLoop):
                     from None
             self.counters["base_ask_failed"] += 1
             self._base_log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
-                               "replaying onto ours", peer, e or type(e).__name__)
-            return False
+                               "keeping ours", peer, e or type(e).__name__)
+            return None
         except ProtocolViolation as e:
             self.counters["base_unusable"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
             self._base_log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
             raise
-        await asyncio.to_thread(self._take_base, receiver.tensors, peer, digest)  # passes over the whole model
-        return True
+        return receiver.tensors, digest
 
-    def _take_base(self, tensors: list[torch.Tensor], peer: str, digest: str) -> None:
-        """A peer's base model in place of ours: its perturbed parameters as our base, the rest into the model."""
+    def _base_apart(self, tensors: list[torch.Tensor]) -> float:
+        """How far a fetched base is from ours: the largest difference of a floating tensor relative to its largest
+        magnitude in ours (outer.relative_difference), inf where another tensor (integer buffers, masks) differs."""
+        apart = 0.0
+        for (_, i, t), theirs in zip(self._base_layout, tensors):
+            ours = self._base[i] if i is not None else t.detach().to("cpu")
+            if not ours.is_floating_point():
+                if not torch.equal(ours, theirs):
+                    return math.inf
+                continue
+            apart = max(apart, outer.relative_difference(ours.reshape(-1).to(torch.float32),
+                                                         theirs.reshape(-1).to(torch.float32), [ours.numel()]))
+        return apart
+
+    def _take_base(self, tensors: list[torch.Tensor], digest: str, peer: str, when: str,
+                   apart: float | None = None) -> None:
+        """A peer's base model in place of ours: its perturbed parameters as our base, the rest into the model.
+        ``when``: "start" (the founders' base, within rounding of ours) or "join" (the base of the log we replay)."""
         base: list[torch.Tensor | None] = [None] * len(self._base)
         for (_, i, _), value in zip(self._base_layout, tensors):
             if i is not None:
                 base[i] = value
         if any(b is None for b in base):  # every parameter is in the state dict: not expected
             raise ProtocolViolation("spsa-base: a perturbed parameter missing")
+        if apart is None:
+            apart = self._base_apart(tensors)
         with torch.no_grad():
             for (_, i, t), value in zip(self._base_layout, tensors):
                 if i is None:
                     t.copy_(value)  # the model's own tensor (frozen parameter or buffer): its device and dtype
-        apart = max((outer.relative_difference(ours.view(-1), theirs.view(-1), [ours.numel()])
-                     for ours, theirs in zip(self._base, base)), default=0.0)
         self._base = base
         self.base_state_hash = digest
         self.base_hash = tensors_hash(base)
-        self.base_taken = {"source": peer, "hash": self.base_hash, "apart": apart}
+        self.base_taken = {"source": peer, "hash": self.base_hash, "apart": apart, "when": when}
         self.counters["bases_taken"] += 1
-        logger.info("spsa: replaying onto the base model of %s (%s; %.3g of a parameter's scale from ours: built "
-                    "on another CPU, or trained another way)", peer, self.base_hash, apart)
+        logger.info("spsa: %s the base model of %s (%s; %.3g of a parameter's scale from ours: built on another CPU%s)",
+                    "starting from" if when == "start" else "replaying onto", peer, self.base_hash, apart,
+                    "" if when == "start" else ", or trained another way")
 
     async def _serve_base(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
         if message.kind != BASE_REQUEST.code:
             raise MalformedMessage("spsa-base: expected a request")
         digest, layout, base = self.base_state_hash, self._base_layout, self._base  # taking a base replaces them
-        if digest is None or self.state == "replaying":
+        if digest is None or self._replacing_base:
             return  # not built yet, or being replaced: the stream ends, and the asker replays onto its own
         size = base_size(layout)
         await stream.send(BASE_HEAD.code, {"hash": digest, "size": size})

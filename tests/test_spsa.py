@@ -336,3 +336,27 @@ def test_a_node_joining_at_step_100_on_another_cpu_replays_onto_the_runs_base_an
         assert all(s["participants"] == 3 for s in final)  # the late node contributed at the end
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_founder_whose_cpu_draws_another_base_starts_with_the_others(tmp_path):
+    """A base model built from the seed (no pretraining: as a model() that loads pretrained weights and draws a
+    fresh head) has other low bits under torch's scalar kernels: with min_peers = 3 such a node never founded the run
+    with two AVX-512 nodes, and nobody started. It takes the base most ready peers hold, within rounding of its own
+    (or they take its own, where a node heard it first: ties go to the smaller hash)."""
+    config = loop_config(tmp_path / "spsa.toml", CONFIG.format(run="cpus", steps=100, min_peers=3).replace(
+        "pretrain_steps = 30", "pretrain_steps = 0"))
+    swarm = Swarm(tmp_path / "nodes", config=config)
+    try:
+        nodes = swarm.start_chain(2, members_within=None,
+                                  more=[{"name": "scalar", "env": {"ATEN_CPU_CAPABILITY": "default"}}])
+        final = wait_for(lambda: all(spsa(n)["state"] == "done" for n in nodes) and [spsa(n) for n in nodes], 200,
+                         "3 nodes of two kinds of kernels to finish")
+        assert len({s["final_hash"] for s in final}) == 1 and len({s["base_hash"] for s in final}) == 1
+        assert all(s["participants"] == 3 for s in final)
+        takers = [s for s in final if s["base_taken"] is not None]  # (the code before: the same test waits out 200 s)
+        assert takers and all(s["base_taken"]["when"] == "start" and 0 < s["base_taken"]["apart"] < 1e-5
+                              for s in takers)
+    finally:
+        swarm.close()

@@ -400,3 +400,52 @@ def test_a_base_travels_in_parts_into_tensors_of_every_dtype_and_no_further():
     nan = spsa.BaseReceiver(layout)
     nan.add(torch.full((15,), float("nan")).numpy().tobytes() + b"".join(parts)[60:])
     assert not nan.finite()
+
+
+def _base_of(base, scale: float):
+    """A loop class whose base model is the regression task's zeros moved to 0.5 (every peer's alike), times
+    ``scale`` (1: as the others; 1 + 2^-20: another CPU's rounding; 1.01: a base trained otherwise)."""
+    class Based(base):
+        def _build(self):
+            super()._build()
+            with torch.no_grad():
+                for p in self.weights.params:
+                    p.fill_(0.5).mul_(scale)
+            self.weights.canonical = [p.detach().to(torch.float32).clone() for p in self.weights.params]
+    return Based
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("scale", [1 + 2 ** -20, 1.01])
+def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_path, scale):
+    """A base that differs by another CPU's rounding (a model() that draws a fresh head with nn.init, a model built
+    from a seed) no longer keeps its peer from founding the run with the others: the peer whose base most ready
+    peers do not hold takes theirs. A base further apart is refused (no peer can hand the founders weights of its
+    choosing), and with min_peers counting its peer nobody starts."""
+    async def main():
+        sim = _sim(tmp_path, 3, windows=6)
+        odd = sim.peers[2]
+        for p in sim.peers:
+            sim.classes[p] = _base_of(sim.loop_cls, scale if p == odd else 1.0)
+        async with sim:
+            await sim.start_all()
+            if scale > 1.001:
+                await sim.until(lambda: sim.loop(odd).counters.get("base_refused", 0) >= 2, 120, "two refusals")
+                await asyncio.sleep(5.0)
+            else:
+                await sim.until(sim.finished, 300, "everyone to finish")
+            loops = [sim.loop(p) for p in sim.peers]
+            return _finals(sim), [lp.status() for lp in loops], [lp.state for lp in loops], sim.peers
+
+    finals, status, states, peers = run_virtual(main())
+    if scale > 1.001:
+        assert states == ["waiting for peers"] * 3 and status[2]["base_refused"] == 2
+        assert all(s["base_taken"] is None for s in status)
+        return
+    assert len(finals) == 1 and all(s["log_windows"] == 6 and s["participants"] == 3 for s in status)
+    takers = [s for s in status if s["base_taken"] is not None]
+    # the odd peer takes the two others' base (most hold it), or, where it heard one of them first (a 1-1 view: the
+    # smaller hash), they may take its own: either way one base, within rounding
+    assert takers and all(s["base_taken"]["when"] == "start" and 0 < s["base_taken"]["apart"] < 1e-5
+                          and s["base_taken"]["source"] in peers for s in takers)
+    assert len({s["base_hash"] for s in status}) == 1
