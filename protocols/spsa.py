@@ -1188,6 +1188,8 @@ class SPSALoop(TaskLoop):
                     return None
                 if head.body["size"] != size:  # before anything is allocated: a base is our own model's size
                     raise ProtocolViolation(f"spsa-base: {head.body['size']} B, our base model is {size} B")
+                if not self._ctx.direct(peer):  # a whole model's bytes never cross a relay (nor would it send them)
+                    raise TransportError("it is reached through a relay only")
                 receiver = BaseReceiver(self._base_layout)
                 with self.work.track(f"base model pull from {peer[-8:]}", total=size, unit="B") as work:
                     while not receiver.done:
@@ -1267,12 +1269,14 @@ class SPSALoop(TaskLoop):
         await stream.send(BASE_HEAD.code, {"hash": digest, "size": size})
         if message.body["have"] == digest:
             return
-        # the whole model's bytes: to one peer once in BASE_SERVE_EVERY, to BASE_SERVES peers at once
+        # the whole model's bytes: over a direct connection only (never through a relay), to one peer once in
+        # BASE_SERVE_EVERY, to BASE_SERVES peers at once
         peer, now = stream.peer_id, self.clock.monotonic()
-        if now - self._base_served.get(peer, -math.inf) < BASE_SERVE_EVERY or self._base_serving.locked():
+        if not self._ctx.direct(peer) or now - self._base_served.get(peer, -math.inf) < BASE_SERVE_EVERY \
+                or self._base_serving.locked():
             self.counters["base_serve_refused"] += 1
-            self._base_log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (served it "
-                               "lately, or %d others are being served)", peer, BASE_SERVES)
+            self._base_log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
+                               "relay, served it lately, or %d others are being served)", peer, BASE_SERVES)
             return
         self._base_served.pop(peer, None)
         self._base_served[peer] = now

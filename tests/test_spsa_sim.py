@@ -370,6 +370,37 @@ def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalise
     assert joiner["bases_taken"] == 1 and joiner["base_taken"]["source"] in honest
 
 
+@pytest.mark.timeout(120)
+def test_a_base_never_crosses_a_relay(tmp_path):
+    """A base is a whole model's bytes: a peer reached through a relay only is not sent one (it gets the head, then
+    the stream ends), and the joiner takes the next peer's base."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
+        relayed, late = sim.peers[0], sim.peers[3]
+
+        class ThroughARelay(sim.loop_cls):
+            async def start(self, ctx):
+                seen = ctx.direct
+                ctx.direct = lambda p: p != late and seen(p)  # (the joiner's connection to it, as it sees it)
+                await super().start(ctx)
+
+        class Joiner(_built_elsewhere(sim.loop_cls)):
+            def _run_started_without_us(self):
+                return sorted(super()._run_started_without_us(), key=lambda p: p != relayed)  # it first
+
+        sim.classes[relayed], sim.classes[late] = ThroughARelay, Joiner
+        async with sim:
+            await sim.start_all(sim.peers[:3])
+            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return _finals(sim), sim.loop(late).status(), sim.loop(relayed).counters, sim.peers[1:3]
+
+    finals, joiner, server, direct = run_virtual(main())
+    assert len(finals) == 1
+    assert server["base_serve_refused"] == 1 and server.get("base_served", 0) == 0
+    assert joiner["base_pull_failed"] == 1 and joiner["base_taken"]["source"] in direct
+
 def test_a_base_travels_in_parts_into_tensors_of_every_dtype_and_no_further():
     model = torch.nn.Module()
     model.w = torch.nn.Parameter(torch.randn(3, 5))
