@@ -1422,6 +1422,7 @@ class SPSALoop(TaskLoop):
             "final_hash": self.final_hash,
             "base_hash": self.base_hash,
             "base_taken": self.base_taken,
+            "base_bytes": base_size(self._base_layout),  # what a peer that takes our base pulls
             "losses": list(self.losses)[-40:],
             "log_windows": len(self.log),
             "replay_seconds": self.replay_seconds,
