@@ -40,7 +40,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import outer, rounds
+from protocols import checkpoint, outer, rounds
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, decode_message
@@ -107,6 +107,7 @@ BASE_HEAD = WIRE.frame(BASE_SPEC, 2, "spsa.base-head", Map.of(hash=_HASH, size=I
 BASE_PART = WIRE.frame(BASE_SPEC, 3, "spsa.base-part", Map.of(data=Bytes(BASE_PART_BYTES)), {"data": bytes(8)},
                        doc="the base model's next bytes: the model's state dict in order, each tensor's values "
                        "little-endian in its own dtype, the perturbed parameters as float32")
+BASE_PREFIX = "state.base."  # a checkpoint's copy of the base we replay onto, where it is a peer's
 BASE_SERVES = 2  # bases served at once (each is the whole model's bytes: a flood of asks waits its turn)
 BASE_SERVE_EVERY = 30.0  # seconds before the same peer is served the whole base again
 BASE_SERVE_RATE = 256e3  # bytes a second an asker must read at least (a slot is not held longer)
@@ -803,8 +804,12 @@ class SPSALoop(TaskLoop):
         log = msgpack.packb(self.log, use_bin_type=True)
         tensors["state.log"] = torch.frombuffer(bytearray(log), dtype=torch.uint8) if log else torch.zeros(0,
                                                                                                      dtype=torch.uint8)
+        if self.base_taken is not None:  # the base we replay onto is a peer's, not the one we build: kept too
+            for name, b in zip(self.names, self._base):
+                tensors[BASE_PREFIX + name] = b.clone()
         h = self.weights.hash()
-        self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final)
+        self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final,
+                   **({"base_taken": self.base_taken} if self.base_taken is not None else {}))
         self.counters["checkpoints_saved"] += 1
 
     def _resume_own(self) -> None:
@@ -833,6 +838,7 @@ class SPSALoop(TaskLoop):
             self._reset_to_base()
             return
         self.log = log
+        self._resume_base(tensors, meta)
         for w, wires in log[-KEEP_APPLIED:]:
             self.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
@@ -842,6 +848,26 @@ class SPSALoop(TaskLoop):
                       "hash": saved_hash}
         logger.info("spsa: resuming run %s from our checkpoint at window %d (weights %s)", self.cfg.run,
                     self.window, saved_hash)
+
+    def _resume_base(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+        """The base our checkpoint kept, where we had taken a peer's (``_take_base``): its perturbed parameters,
+        and the model's other tensors as saved (the base put its own there), so a restart replays onto the run's
+        base and probes the run's model, not the ones this CPU builds."""
+        taken = meta.get("base_taken")
+        base = [tensors.get(BASE_PREFIX + n) for n in self.names]
+        if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self._base)):
+            return
+        others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self._base_layout if i is None]
+        if any(v is None or v.shape != t.shape or v.dtype != t.dtype for t, v in others):
+            logger.warning("spsa: our checkpoint's base does not fit the model; replaying onto the one we build")
+            return
+        with torch.no_grad():
+            for t, v in others:
+                t.copy_(v)
+        self._base = [b.to(torch.float32) for b in base]
+        self.base_hash = tensors_hash(self._base)
+        self.base_state_hash = base_digest(base_arrays(self._base_layout, self._base))
+        self.base_taken = taken
 
     # ------------------------------------------------------------------ windows
     def _publish(self, kind, body: dict) -> None:

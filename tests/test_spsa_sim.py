@@ -335,6 +335,33 @@ def test_a_late_joiner_built_on_another_cpu_replays_onto_the_runs_base_and_ends_
 
 
 @pytest.mark.timeout(120)
+def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
+    """Its checkpoint keeps the base it took (and the model's other tensors as that base put them), so a restart
+    resumes onto the run's base: it replays only the windows it missed, with no second pull."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=16, min_peers=3)
+        late = sim.peers[3]
+        sim.classes[late] = _built_elsewhere(sim.loop_cls)
+        async with sim:
+            await sim.start_all(sim.peers[:3])
+            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
+            await sim.start(late)
+            await sim.until(lambda: sim.loop(late).saved and sim.loop(late).window >= sim.loop(late).join_at + 1,
+                            120, "the joiner to contribute and save")
+            first = sim.loop(late).status()
+            await sim.kill(late)
+            await asyncio.sleep(3.0)  # the others close a window or two without it
+            await sim.start(late, restart=True)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return _finals(sim), first, sim.loop(late).status()
+
+    finals, first, again = run_virtual(main())
+    assert len(finals) == 1
+    assert first["bases_taken"] == 1 and again["base_taken"] == first["base_taken"]
+    assert again.get("bases_taken", 0) == 0 and again["base_hash"] == first["base_hash"]  # no second pull
+    assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
+
+@pytest.mark.timeout(120)
 def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalised(tmp_path):
     """The peer a joiner replays from first serves base bytes other than the hash it announced: refused (its
     penalty), and the joiner takes the next peer's base and log."""
