@@ -18,7 +18,10 @@ window w+1 (step t uses the bytes of step t - window), so a window can be comput
 A window's participants are the peers whose batch for it arrived before its deadline; every ``hash_every``
 windows peers publish a hash of their weights, and a peer that disagrees with the majority counts it and resyncs by
 replaying the log. The log (every applied, signed batch) lets a late joiner rebuild the base model, verify each
-batch's signature and replay to the same weights bit for bit.
+batch's signature and replay to the same weights bit for bit; where its CPU builds the base with other low bits
+(another CPU's kernels draw and pretrain a seed's model otherwise), it replays onto the base of the peer it replays
+from (``spsa-base``: ``_base_from``), and founders whose bases differ by rounding start from the one most of them
+hold (``_start_choice``).
 """
 
 from __future__ import annotations
