@@ -422,7 +422,7 @@ class DilocoLoop(TaskLoop):
         self._rejoined_at = -EARN - 1  # the round of our last resync
         self.started = None
         self.ready: dict[str, str] = {}
-        self._initial_refused: set[str] = set()  # peers whose initial weights we asked for, not taken (_take_initial)
+        self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()
@@ -2328,26 +2328,24 @@ class DilocoLoop(TaskLoop):
         ready peers and we hold (ties: the smallest), or None. Peers of one run build the task's initial weights
         from the same seed, but torch draws other low bits under other CPU kernels (its scalar ones, on a CPU
         without AVX2, or an ARM CPU's): without this such peers never started together. Only before the first
-        round, from the task's weights (not from a checkpoint of a later round)."""
+        round, from the task's weights (not from a checkpoint of a later round). Holders are asked a bounded number
+        of times (rounds.StartWeights): hashes a flood of fresh keys announce cost a start a few asks at most."""
         if any(self.rounds_done) or self.step:
             return None
         direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
         others = sum(h != base for h in direct.values())
         if others:  # in /status: ready peers that hold other initial weights than ours (the most seen at once)
             self.counters["initial_other_weights_peers"] = max(others, self.counters["initial_other_weights_peers"])
-        held = collections.Counter(h for a, h in direct.items() if a not in self._initial_refused)
-        held[base] += 1
-        top = min(held, key=lambda h: (-held[h], h))
-        return None if top == base else top
+        return self._start_weights.choice(base, direct)
 
     async def _take_initial(self, target: str) -> bool:
         """Take a holder's initial weights of hash ``target`` if each of their parameters is within rounding of
         ours (INITIAL_TOLERANCE of its largest magnitude): so a peer can move our start by rounding at most, never
         to weights of its choosing. A holder that serves none, or other ones, is not asked again."""
-        holders = sorted(a for a, h in self.ready.items()
-                         if h == target and self._ctx.direct(a) and a not in self._initial_refused)
-        for peer in exchange.fastest_first(holders, self._source_rates):
-            self._initial_refused.add(peer)  # asked once, whatever comes of it (bounded: only ready peers)
+        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
+        for peer in exchange.fastest_first(self._start_weights.holders(target, direct), self._source_rates):
+            if not self._start_weights.ask(peer, target):  # asked once, whatever comes of it; a bounded number
+                break
             try:
                 ckpt, global_flat, _ = await self._pull_checkpoint(peer)  # its momentum is not taken: ours is 0
                 if any(ckpt["rounds_done"]) or ckpt["step"] or ckpt["global_hash"] != target:
@@ -2369,7 +2367,7 @@ class DilocoLoop(TaskLoop):
                                "checkpoint", peer, apart, INITIAL_TOLERANCE)
                 continue
             self._adopt(global_flat, [torch.zeros_like(g) for g in global_flat], ckpt["rounds_done"], 0, {})
-            self._initial_refused.discard(peer)
+            self._start_weights.taken(peer)
             self.counters["initial_weights_taken"] += 1
             self.initial_weights = {"source": peer, "hash": target, "apart": apart}
             logger.info("diloco: starting from %s's initial weights %s (%.3g of a parameter's scale from ours: "

@@ -78,6 +78,50 @@ class StartBarrier:
         return self._start_at is not None and now >= self._start_at
 
 
+class StartWeights:
+    """Which peer's initial weights (DiLoCo) or base model (SPSA) to start from where they are not ours, and what
+    asking for them may cost.
+
+    The choice is the hash most of the directly connected ready peers and we hold (ties: the smallest), over the
+    holders not asked yet. Anyone can announce a hash (a fresh key's costs nothing, and one that is asked may stall
+    until the ask times out), so a start asks a hash of at most ``per_hash`` holders and all hashes together of at
+    most ``total``, each holder once: a flood of fresh keys costs a start at most ``total`` asks, then we stay with
+    our own weights and start with the peers that hold them."""
+
+    def __init__(self, per_hash: int = 2, total: int = 8):
+        self.per_hash, self.total = per_hash, total
+        self.asked_peers: set[str] = set()  # asked, and not taken from (bounded by the ready peers a loop keeps)
+        self.asked: collections.Counter = collections.Counter()  # hash -> holders asked
+        self.asks = 0
+
+    def choice(self, ours: str, ready: dict[str, str]) -> str | None:
+        """The hash to ask for, given the directly connected ready peers' (peer -> hash), or None (stay with ours)."""
+        if self.asks >= self.total:
+            return None
+        held = collections.Counter({ours: 1})
+        for peer, h in ready.items():
+            if h == ours or (peer not in self.asked_peers and self.asked[h] < self.per_hash):
+                held[h] += 1
+        top = min(held, key=lambda h: (-held[h], h))
+        return None if top == ours else top
+
+    def holders(self, target: str, ready: dict[str, str]) -> list[str]:
+        return sorted(p for p, h in ready.items() if h == target and p not in self.asked_peers)
+
+    def ask(self, peer: str, target: str) -> bool:
+        """Whether ``peer`` may be asked for ``target`` now (then it counts as asked)."""
+        if self.asks >= self.total or self.asked[target] >= self.per_hash or peer in self.asked_peers:
+            return False
+        self.asks += 1
+        self.asked[target] += 1
+        self.asked_peers.add(peer)
+        return True
+
+    def taken(self, peer: str) -> None:
+        """We took ``peer``'s weights: its hash is ours now, and it counts with us again."""
+        self.asked_peers.discard(peer)
+
+
 TICK = 1e-6  # waits shorter than this count as over (here and in outer.wait_until): an event loop fires a timer
 #              that close at once, and on virtual time (the simulator) the clock would then never reach the end
 

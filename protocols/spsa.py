@@ -580,7 +580,7 @@ class SPSALoop(TaskLoop):
         self._base_served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
         self._base_log = RateLimitedLog(logger, interval=30.0)
         self._replacing_base = False  # a peer's base is being taken in place of ours (none is served meanwhile)
-        self._base_refused: set[str] = set()  # peers whose base we asked for at the start, not taken
+        self._start_bases = rounds.StartWeights()  # whose base we asked for at the start, and how many asks left
         self.final = False  # every window applied (the run ended)
         self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
@@ -1027,14 +1027,11 @@ class SPSALoop(TaskLoop):
         and we hold (ties: the smallest), or None. A task's model() that loads pretrained weights and draws a new
         head with nn.init, or builds a model from a seed, gives other low bits under other CPU kernels (torch's
         scalar ones, an ARM CPU's): without this such peers never founded a run together. Only at window 0, from the
-        base (not from a checkpoint of a later window); see _take_start_base for what is taken."""
+        base (not from a checkpoint of a later window); see _take_start_base for what is taken. Holders are asked
+        a bounded number of times (rounds.StartWeights): hashes a flood of fresh keys announce cost a few asks."""
         if self.window or self.log:
             return None
-        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
-        held = collections.Counter(h for a, h in direct.items() if a not in self._base_refused)
-        held[start] += 1
-        top = min(held, key=lambda h: (-held[h], h))
-        return None if top == start else top
+        return self._start_bases.choice(start, {a: h for a, h in self.ready.items() if self._ctx.direct(a)})
 
     async def _take_start_base(self, target: str) -> bool:
         """Take a holder's base of hash ``target`` if each of its tensors is within rounding of ours (outer.ROUNDING
@@ -1042,10 +1039,10 @@ class SPSALoop(TaskLoop):
         weights of its choosing. Beyond that (a base pretrained on each peer: its steps carry the rounding far) it is
         refused, without a penalty: we wait, or join the run once it has begun, onto its log server's base. A holder
         is asked once."""
-        holders = sorted(a for a, h in self.ready.items()
-                         if h == target and self._ctx.direct(a) and a not in self._base_refused)
-        for peer in holders:
-            self._base_refused.add(peer)  # asked once, whatever comes of it (bounded: only ready peers)
+        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
+        for peer in self._start_bases.holders(target, direct):
+            if not self._start_bases.ask(peer, target):  # asked once, whatever comes of it; a bounded number
+                break
             try:
                 fetched = await self._fetch_base(peer)
                 if fetched is None:
@@ -1074,7 +1071,7 @@ class SPSALoop(TaskLoop):
                 self._reset_to_base()
             finally:
                 self._replacing_base = False
-            self._base_refused.discard(peer)
+            self._start_bases.taken(peer)
             return True
         return False
 

@@ -38,6 +38,29 @@ def test_start_barrier_announces_every_second_and_starts_a_grace_after_enough_ar
     assert b.start(6.0, 2)
 
 
+def test_start_weights_take_the_majority_and_spend_a_bounded_number_of_asks_on_other_hashes():
+    ours, honest, fake = "b" * 32, "c" * 32, "a" * 32
+    start = rounds.StartWeights(per_hash=2, total=3)
+    assert start.choice(ours, {"h1": honest, "x1": ours}) is None  # most hold ours (us included)
+    assert start.choice(ours, {"h1": honest, "h2": honest}) == honest
+    assert start.choice(ours, {"h1": honest}) is None and start.choice(honest, {"x1": ours}) == ours  # ties: smaller
+    # five fresh keys on one hash: two of its holders are asked, then it no longer counts
+    flood = {f"s{i}": fake for i in range(5)}
+    assert start.choice(ours, flood) == fake and start.holders(fake, flood) == sorted(flood)
+    assert start.ask("s0", fake) and start.ask("s1", fake) and not start.ask("s2", fake)
+    assert not start.ask("s0", fake)  # a holder once
+    assert start.choice(ours, flood) is None
+    # all hashes together: ``total`` asks, then we stay with ours whatever others hold
+    assert start.choice(ours, {"h1": honest, "h2": honest}) == honest and start.ask("h1", honest)
+    assert start.asks == 3 and start.choice(ours, {"h2": honest, "h3": honest, "h4": honest}) is None
+    # the holders of our own hash count with us, asked or not; one we took from may be asked again
+    start = rounds.StartWeights(per_hash=1, total=8)
+    assert start.ask("h1", honest)
+    assert start.choice(honest, {"h1": honest, "x1": ours}) is None  # 2 against 1
+    assert start.holders(fake, {"h1": fake}) == []
+    start.taken("h1")
+    assert start.holders(fake, {"h1": fake}) == ["h1"]
+
 def test_a_round_waits_for_every_counted_peer_to_its_deadline():
     w = RoundWait(frozenset({"a", "b"}), frozenset(), end=10.0, grace=1.0)
     assert w.remaining(0.0, set()) == 10.0

@@ -507,3 +507,41 @@ def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_pa
     assert takers and all(s["base_taken"]["when"] == "start" and 0 < s["base_taken"]["apart"] < 1e-5
                           and s["base_taken"]["source"] in peers for s in takers)
     assert len({s["base_hash"] for s in status}) == 1
+
+
+@pytest.mark.timeout(120)
+def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounded_number_of_asks(tmp_path):
+    """Five keys announce one base that is not the founders' (most of the ready peers then hold it) and stall when
+    asked for it. Each founder asks two of them (rounds.StartWeights), then no longer counts that hash and starts
+    with the two others: a start delayed by two asks, not five (nor by as many as a flood could mint)."""
+    async def main():
+        sim = _sim(tmp_path, 8, windows=6, min_peers=3)
+        honest, sybils = sim.peers[:3], sim.peers[3:]
+
+        class Sybil(sim.loop_cls):
+            async def _run(self):
+                await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
+                self.state = "waiting for peers"
+                while True:
+                    self._publish(spsa.READY, {"w": 0, "ready": "0" * 32})
+                    await asyncio.sleep(1.0)
+
+            async def _serve_base(self, stream):
+                await asyncio.sleep(3600)  # the asker's wait gives up first
+
+        for p in sybils:
+            sim.classes[p] = Sybil
+        async with sim:
+            await sim.start_all(sybils)
+            await asyncio.sleep(2.0)  # their readiness is in before the founders start
+            await sim.start_all(honest)
+            started = await sim.until(lambda: all(sim.loop(p).state != "waiting for peers" for p in honest), 200,
+                                      "the founders to start")
+            await sim.until(lambda: all(sim.loop(p).final_hash for p in honest), 300, "the founders to finish")
+            return started, {sim.loop(p).final_hash for p in honest}, [sim.loop(p)._start_bases.asks for p in honest], \
+                [sim.loop(p).status() for p in honest]
+
+    started, finals, asks, status = run_virtual(main())
+    assert len(finals) == 1 and all(s["participants"] == 3 for s in status)
+    assert asks == [2, 2, 2] and all(s["base_ask_failed"] == 2 and s["base_taken"] is None for s in status)
+    assert started < 2 * 30 + 20  # two asks' waits (30 s each) and the barrier
