@@ -111,7 +111,8 @@ BASE_PART = WIRE.frame(BASE_SPEC, 3, "spsa.base-part", Map.of(data=Bytes(BASE_PA
                        doc="the base model's next bytes: the model's state dict in order, each tensor's values "
                        "little-endian in its own dtype, the perturbed parameters as float32")
 BASE_PREFIX = "state.base."  # a checkpoint's copy of the base we replay onto, where it is a peer's
-BASE_SERVES = 2  # bases served at once (each is the whole model's bytes: a flood of asks waits its turn)
+BASE_SERVES = 2  # bases served at once (each is the whole model's bytes: more asks meanwhile are refused, and
+# their askers go to another peer)
 BASE_SERVE_EVERY = 30.0  # seconds before the same peer is served the whole base again
 BASE_SERVE_RATE = 256e3  # bytes a second an asker must read at least (a slot is not held longer)
 
