@@ -308,19 +308,28 @@ def _built_elsewhere(base):
     return Elsewhere
 
 
+def _sim_with_joiner(tmp_path, windows: int) -> tuple[SpsaSim, str]:
+    """Four peers at min_peers 3, the last built elsewhere (``_built_elsewhere``): it joins late."""
+    sim = _sim(tmp_path, 4, windows=windows, min_peers=3)
+    sim.classes[sim.peers[3]] = _built_elsewhere(sim.loop_cls)
+    return sim, sim.peers[3]
+
+
+async def _found_then_join(sim: SpsaSim, late: str) -> None:
+    """The first three peers found the run; ``late`` starts once they are past window 2."""
+    await sim.start_all(sim.peers[:3])
+    await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
+    await sim.start(late)
+
 @pytest.mark.timeout(120)
 def test_a_late_joiner_built_on_another_cpu_replays_onto_the_runs_base_and_ends_with_the_others(tmp_path):
     """A late joiner replays the log onto its base model: where its base has other bits than the run's, it replayed
     onto other weights and never agreed with the run (each hash check sent it to replay again). It takes the base
     of the peer it replays from; the founders, whose bases are one, only compare hashes."""
     async def main():
-        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
-        late = sim.peers[3]
-        sim.classes[late] = _built_elsewhere(sim.loop_cls)
+        sim, late = _sim_with_joiner(tmp_path, windows=12)
         async with sim:
-            await sim.start_all(sim.peers[:3])
-            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
-            await sim.start(late)
+            await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
             return _finals(sim), sim.loop(late).status(), [sim.loop(p).counters for p in sim.peers], sim.peers[:3]
 
@@ -339,13 +348,9 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     """Its checkpoint keeps the base it took (and the model's other tensors as that base put them), so a restart
     resumes onto the run's base: it replays only the windows it missed, with no second pull."""
     async def main():
-        sim = _sim(tmp_path, 4, windows=16, min_peers=3)
-        late = sim.peers[3]
-        sim.classes[late] = _built_elsewhere(sim.loop_cls)
+        sim, late = _sim_with_joiner(tmp_path, windows=16)
         async with sim:
-            await sim.start_all(sim.peers[:3])
-            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
-            await sim.start(late)
+            await _found_then_join(sim, late)
             await sim.until(lambda: sim.loop(late).saved and sim.loop(late).window >= sim.loop(late).join_at + 1,
                             120, "the joiner to contribute and save")
             first = sim.loop(late).status()
@@ -361,15 +366,35 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     assert again.get("bases_taken", 0) == 0 and again["base_hash"] == first["base_hash"]  # no second pull
     assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
 
+
+def _join_asking_first(tmp_path, first_class) -> tuple:
+    """Three founders, the first of them of ``first_class(base class, the joiner's id)``, and a joiner built
+    elsewhere that replays from that one before any other: (final hashes, the joiner's status, the first's
+    counters, its penalty score at the joiner, the two other founders)."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
+        first, late = sim.peers[0], sim.peers[3]
+
+        class Joiner(_built_elsewhere(sim.loop_cls)):
+            def _run_started_without_us(self):
+                return sorted(super()._run_started_without_us(), key=lambda p: p != first)
+
+        sim.classes[first], sim.classes[late] = first_class(sim.loop_cls, late), Joiner
+        async with sim:
+            await _found_then_join(sim, late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return (_finals(sim), sim.loop(late).status(), sim.loop(first).counters,
+                    sim.nodes[late].transport.penalties.score(first), sim.peers[1:3])
+
+    return run_virtual(main())
+
+
 @pytest.mark.timeout(120)
 def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalised(tmp_path):
     """The peer a joiner replays from first serves base bytes other than the hash it announced: refused (its
     penalty), and the joiner takes the next peer's base and log."""
-    async def main():
-        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
-        liar, late = sim.peers[0], sim.peers[3]
-
-        class Liar(sim.loop_cls):
+    def liar(base, late):
+        class Liar(base):
             async def _serve_base(self, stream):
                 honest = self._base
                 self._base = [b + 1.0 for b in honest]  # the bytes change, the hash it announces does not
@@ -377,21 +402,9 @@ def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalise
                     await super()._serve_base(stream)
                 finally:
                     self._base = honest
+        return Liar
 
-        class Joiner(_built_elsewhere(sim.loop_cls)):
-            def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(), key=lambda p: p != liar)  # the liar first
-
-        sim.classes[liar], sim.classes[late] = Liar, Joiner
-        async with sim:
-            await sim.start_all(sim.peers[:3])
-            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
-            await sim.start(late)
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return (_finals(sim), sim.loop(late).status(), sim.nodes[late].transport.penalties.score(liar),
-                    sim.peers[1:3])
-
-    finals, joiner, score, honest = run_virtual(main())
+    finals, joiner, _, score, honest = _join_asking_first(tmp_path, liar)
     assert len(finals) == 1
     assert joiner["base_unusable"] == 1 and score > 0
     assert joiner["bases_taken"] == 1 and joiner["base_taken"]["source"] in honest
@@ -401,32 +414,19 @@ def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalise
 def test_a_base_never_crosses_a_relay(tmp_path):
     """A base is a whole model's bytes: a peer reached through a relay only is not sent one (it gets the head, then
     the stream ends), and the joiner takes the next peer's base."""
-    async def main():
-        sim = _sim(tmp_path, 4, windows=12, min_peers=3)
-        relayed, late = sim.peers[0], sim.peers[3]
-
-        class ThroughARelay(sim.loop_cls):
+    def through_a_relay(base, late):
+        class ThroughARelay(base):
             async def start(self, ctx):
                 seen = ctx.direct
                 ctx.direct = lambda p: p != late and seen(p)  # (the joiner's connection to it, as it sees it)
                 await super().start(ctx)
+        return ThroughARelay
 
-        class Joiner(_built_elsewhere(sim.loop_cls)):
-            def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(), key=lambda p: p != relayed)  # it first
-
-        sim.classes[relayed], sim.classes[late] = ThroughARelay, Joiner
-        async with sim:
-            await sim.start_all(sim.peers[:3])
-            await sim.until(lambda: all(sim.loop(p).window >= 2 for p in sim.peers[:3]), 120, "window 2")
-            await sim.start(late)
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return _finals(sim), sim.loop(late).status(), sim.loop(relayed).counters, sim.peers[1:3]
-
-    finals, joiner, server, direct = run_virtual(main())
+    finals, joiner, server, _, direct = _join_asking_first(tmp_path, through_a_relay)
     assert len(finals) == 1
     assert server["base_serve_refused"] == 1 and server.get("base_served", 0) == 0
     assert joiner["base_pull_failed"] == 1 and joiner["base_taken"]["source"] in direct
+
 
 def test_a_base_travels_in_parts_into_tensors_of_every_dtype_and_no_further():
     model = torch.nn.Module()
