@@ -110,6 +110,7 @@ BASE_HEAD = WIRE.frame(BASE_SPEC, 2, "spsa.base-head", Map.of(hash=_HASH, size=I
 BASE_PART = WIRE.frame(BASE_SPEC, 3, "spsa.base-part", Map.of(data=Bytes(BASE_PART_BYTES)), {"data": bytes(8)},
                        doc="the base model's next bytes: the model's state dict in order, each tensor's values "
                        "little-endian in its own dtype, the perturbed parameters as float32")
+MISMATCH_SAID_AFTER = 10.0  # s a start waits beside ready peers of another base before it says so in the log
 BASE_PREFIX = "state.base."  # a checkpoint's copy of the base we replay onto, where it is a peer's
 BASE_SERVES = 2  # bases served at once (each is the whole model's bytes: more asks meanwhile are refused, and
 # their askers go to another peer)
@@ -992,6 +993,7 @@ class SPSALoop(TaskLoop):
         self.state = "waiting for peers"
         self._start_hash = start = self.weights.hash()
         barrier = rounds.StartBarrier(self.cfg.min_peers)
+        since = None  # when we first saw a ready peer with another base
         while True:
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"w": self.window, "ready": start})
@@ -1020,7 +1022,14 @@ class SPSALoop(TaskLoop):
                 self.state = "running"
                 return
             if self.ready and any(h != start for h in self.ready.values()):
-                self.counters["base_mismatch_peers"] = sum(h != start for h in self.ready.values())
+                self.counters["base_mismatch_peers"] = others = sum(h != start for h in self.ready.values())
+                since = since if since is not None else self.clock.monotonic()
+                if self.clock.monotonic() - since > MISMATCH_SAID_AFTER:  # (a base within rounding is taken at once)
+                    self._base_log.log(logging.WARNING, "mismatch", "spsa: waiting for peers: %d ready peer(s) hold "
+                                       "another base model than ours (%d with ours, min_peers = %d). A base within "
+                                       "rounding of ours is taken at the start; one further apart (pretrained on "
+                                       "another CPU) is not, and its peer joins once the run has begun", others,
+                                       len(ready), self.cfg.min_peers)
             await asyncio.sleep(0.1)
 
     def _start_choice(self, start: str) -> str | None:

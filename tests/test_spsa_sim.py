@@ -475,7 +475,7 @@ def _base_of(base, scale: float):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("scale", [1 + 2 ** -20, 1.01])
-def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_path, scale):
+def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_path, scale, caplog):
     """A base that differs by another CPU's rounding (a model() that draws a fresh head with nn.init, a model built
     from a seed) no longer keeps its peer from founding the run with the others: the peer whose base most ready
     peers do not hold takes theirs. A base further apart is refused (no peer can hand the founders weights of its
@@ -489,7 +489,7 @@ def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_pa
             await sim.start_all()
             if scale > 1.001:
                 await sim.until(lambda: sim.loop(odd).counters.get("base_refused", 0) >= 2, 120, "two refusals")
-                await asyncio.sleep(5.0)
+                await asyncio.sleep(spsa.MISMATCH_SAID_AFTER + 2)  # the wait is said in the log
             else:
                 await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
@@ -499,6 +499,9 @@ def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_pa
     if scale > 1.001:
         assert states == ["waiting for peers"] * 3 and status[2]["base_refused"] == 2
         assert all(s["base_taken"] is None for s in status)
+        said = [r.getMessage() for r in caplog.records if "hold another base model" in r.getMessage()]
+        assert any("1 ready peer(s) hold another base model than ours (2 with ours, min_peers = 3)" in m for m in said)
+        assert any("2 ready peer(s) hold another base model than ours (1 with ours, min_peers = 3)" in m for m in said)
         return
     assert len(finals) == 1 and all(s["log_windows"] == 6 and s["participants"] == 3 for s in status)
     takers = [s for s in status if s["base_taken"] is not None]
