@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -73,11 +74,31 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
             period = min(period * 1.5, 0.25)
 
 
+_PORTS = random.Random()  # its own generator: a test that seeds the module's must not make two workers agree
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (the ports bind(0) and connect() hand out)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    """A TCP port on loopback that nothing listens on now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on loopback that nothing listens on now, below the kernel's ephemeral range: a port that bind(0)
+    handed out here was free only until the next process's bind(0) or connect() took it, and a node told to listen
+    there failed to start ("already in use", seen once in a fresh-clone run while other nodes bound their own)."""
+    high = _ephemeral_low()
+    for _ in range(200):
+        port = _PORTS.randrange(max(1024, high - 12000), high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free TCP port below the ephemeral range")
 
 
 def http_get(url: str, timeout: float = 5.0):
