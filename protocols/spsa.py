@@ -399,10 +399,7 @@ class Weights:
 
 def tensors_hash(tensors: list[torch.Tensor]) -> str:
     """The hash of float32 CPU tensors (a Weights' canonical ones, or a base's): their bytes in order."""
-    h = hashlib.blake2b(digest_size=16)
-    for c in tensors:
-        h.update(c.contiguous().view(-1).numpy())
-    return h.hexdigest()
+    return base_digest([_bytes_of(c) for c in tensors])
 
 
 # ------------------------------------------------------------------ the base model, as peers serve it
