@@ -592,6 +592,7 @@ class SPSALoop(TaskLoop):
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
+        self._replayed_from: str | None = None  # the peer whose base and log we replayed last
         self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
         self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
@@ -980,8 +981,12 @@ class SPSALoop(TaskLoop):
             self.counters["diverged"] += 1
             logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
             # every counting peer that holds the majority's weights, the directly connected ones first (a log is
-            # pulled over a stream: one we only know through others may be unreachable)
-            self._resync_from = sorted(verdict.holders, key=lambda a: not self._ctx.direct(a))
+            # pulled over a stream: one we only know through others may be unreachable), and the peer whose base and
+            # log we replayed last after all the others: they led us here (its base need not be the one its weights
+            # came from, and nothing in the bytes tells; no penalty, an honest peer a moment off the run serves that
+            # too), and asked first again, as the smallest id among the holders, it sent us round for the whole run
+            self._resync_from = sorted(verdict.holders,
+                                       key=lambda a: (a == self._replayed_from, not self._ctx.direct(a)))
 
     async def _start_or_catch_up(self) -> None:
         """Start at window 0 with the peers that are ready (same base model), or, if the run has begun without
@@ -1131,6 +1136,7 @@ class SPSALoop(TaskLoop):
                         behind += 1
                         continue
                     replayed = await self._replay(entries, from_base=base_taken)
+                    self._replayed_from = peer_id
                     break
                 except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                     logger.warning("could not replay the spsa log from %s: %s", peer_id, e)

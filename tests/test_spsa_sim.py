@@ -367,24 +367,25 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
 
 
-def _join_asking_first(tmp_path, first_class) -> tuple:
-    """Three founders, the first of them of ``first_class(base class, the joiner's id)``, and a joiner built
-    elsewhere that replays from that one before any other: (final hashes, the joiner's status, the first's
-    counters, its penalty score at the joiner, the two other founders)."""
+def _join_asking_first(tmp_path, first_class, first=lambda founders: founders[0]) -> tuple:
+    """Three founders, one of them (``first`` of them) of ``first_class(base class, the joiner's id)``, and a
+    joiner built elsewhere that replays from that one before any other: (final hashes, the joiner's status, the
+    first's counters, its penalty score at the joiner, the two other founders)."""
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
-        first, late = sim.peers[0], sim.peers[3]
+        first_id, late = first(sim.peers[:3]), sim.peers[3]
 
         class Joiner(_built_elsewhere(sim.loop_cls)):
             def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(), key=lambda p: p != first)
+                return sorted(super()._run_started_without_us(), key=lambda p: p != first_id)
 
-        sim.classes[first], sim.classes[late] = first_class(sim.loop_cls, late), Joiner
+        sim.classes[first_id], sim.classes[late] = first_class(sim.loop_cls, late), Joiner
         async with sim:
             await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
-            return (_finals(sim), sim.loop(late).status(), sim.loop(first).counters,
-                    sim.nodes[late].transport.penalties.score(first), sim.peers[1:3])
+            return (_finals(sim), sim.loop(late).status(), sim.loop(first_id).counters,
+                    sim.nodes[late].transport.penalties.score(first_id),
+                    [p for p in sim.peers[:3] if p != first_id])
 
     return run_virtual(main())
 
@@ -548,3 +549,30 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
     assert len(finals) == 1 and all(s["participants"] == 3 for s in status)
     assert asks == [2, 2, 2] and all(s["base_ask_failed"] == 2 and s["base_taken"] is None for s in status)
     assert started < 2 * 30 + 20  # two asks' waits (30 s each) and the barrier
+
+
+@pytest.mark.timeout(120)
+def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay(tmp_path):
+    """The peer a joiner asks first serves, every time it is asked, a base that is not the run's but whose bytes are
+    the hash it announces (a peer that keeps another base than the one its weights came from: the joiner cannot
+    tell from the bytes). The joiner replays onto it, its weights are off the majority's at the next hash check, and
+    it resyncs: from the other holders first, so the same base does not send it round again (before, that peer was
+    first again, the smallest id of the holders, and the joiner went round for the whole run)."""
+    def other_base(base, late):
+        class OtherBase(base):
+            async def _serve_base(self, stream):
+                honest = self._base, self.base_state_hash
+                self._base = [b + 0.25 for b in honest[0]]
+                self.base_state_hash = spsa.base_digest(spsa.base_arrays(self._base_layout, self._base))
+                self._base_served.clear()  # its own limits are its own: it serves whenever asked
+                try:
+                    await super()._serve_base(stream)
+                finally:
+                    self._base, self.base_state_hash = honest
+        return OtherBase
+
+    finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base, first=min)
+    assert len(finals) == 1 and joiner["participants"] == 4
+    assert server["base_served"] == 1  # asked once: the resync went to another holder
+    assert joiner["diverged"] == 1 and joiner["resyncs"] == 1 and joiner["bases_taken"] == 2
+    assert joiner["base_taken"]["source"] in honest and score == 0  # no penalty: its bytes were its hash
