@@ -420,6 +420,9 @@ class DilocoLoop(TaskLoop):
         self._next_catch_up = 0.0  # when we may next take a checkpoint for having fallen behind
         self._founder = False  # we started the run with the others: they count us from the start
         self._rejoined_at = -EARN - 1  # the round of our last resync
+        self._checkpoint_from: str | None = None  # whose checkpoint we joined from last
+        # whose checkpoint we had joined from when our weights last left the majority's: asked after the others
+        self._led_off: str | None = None
         self.started = None
         self.ready: dict[str, str] = {}
         self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
@@ -707,6 +710,7 @@ class DilocoLoop(TaskLoop):
             return
         self.counters["diverged"] += 1
         self.counters["resyncs"] += 1
+        self._led_off = self._checkpoint_from
         logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
         if not await self._join_from_checkpoint(list(verdict.holders), rejoin=True):
             logger.error("diloco: no peer of the majority served its final weights; ending on ours")
@@ -1376,6 +1380,7 @@ class DilocoLoop(TaskLoop):
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", rr, p)
             self._resync_from = list(verdict.holders)
+            self._led_off = self._checkpoint_from
 
     def _still_counted(self, r: int | None = None) -> bool:
         """Do the others still count us when we resync at round r? Yes if we started the run with them (unless a
@@ -2604,8 +2609,12 @@ class DilocoLoop(TaskLoop):
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
         try, never a crash)."""
         self.state = "joining"
-        # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first)
-        for peer in exchange.fastest_first(peers, self._source_rates):
+        # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first); and the peer whose
+        # checkpoint we had joined from when our weights left the majority's after all the others. Its weights were
+        # the run's (their hash is checked) but its outer momentum need not be (no peer publishes a hash of it):
+        # asked first again (the fastest, or the first of the holders, none measured) it sent us round for the
+        # whole run, each of our updates refused for its other base. No penalty: nothing shows it lied
+        for peer in sorted(exchange.fastest_first(peers, self._source_rates), key=lambda a: a == self._led_off):
             try:
                 ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
                 done = ckpt["rounds_done"]
@@ -2620,6 +2629,7 @@ class DilocoLoop(TaskLoop):
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
             self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
+            self._checkpoint_from = peer
             # the peers that vouched for this state (they hold its hash) and the ones it was made with
             self.standing.found(set(peers) | {a for v in self.participants.values() for a in v})
             self._published.clear()  # what we said before the checkpoint no longer describes our weights

@@ -1076,3 +1076,38 @@ def test_a_simulation_takes_the_same_course_whatever_float_kernels_the_cpu_runs(
         courses.append(json.loads(out.strip().splitlines()[-1]))
     best, plain = courses
     assert best == plain
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_one_resync(tmp_path):
+    """The peer a late joiner takes its checkpoint from serves, whenever asked, the run's weights (their hash is
+    checked) with another outer momentum (nothing checks it: it is no peer's published hash). The joiner's next
+    outer step lands off the majority's weights, and it resyncs: from the other holders first, so the same
+    checkpoint does not send it round again."""
+    class OtherMomentum(_paced(diloco.DilocoLoop, 0.1)):
+        def _checkpoint(self):
+            honest = self.outer_opt.buffers
+            self.outer_opt.buffers = [b + 0.5 for b in honest]
+            try:
+                return super()._checkpoint()
+            finally:
+                self.outer_opt.buffers = honest
+
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=16, min_peers=4, outer_momentum=0.9)  # (the simulator's default: none)
+        founders, late = sim.peers[:4], sim.peers[4]
+        first = min(founders)  # the first of the holders the joiner lists (none is measured faster)
+        sim.classes[first] = OtherMomentum
+        async with sim:
+            await sim.start_all(founders)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(late).counters, _finals(sim), sim.loop(late).resumed, first, sim.loop(late).history
+
+    counters, finals, resumed, first, history = run_virtual(main())
+    assert len(finals) == 1, counters
+    # before, it took that checkpoint again at each resync (7 joins in these 16 rounds), its updates refused to the end
+    assert counters["joined_from_checkpoint"] == 2 and counters["diverged"] == 1, counters
+    assert resumed["source"] != f"checkpoint of {first}"
+    assert history[-1]["participants"] == 5  # it contributes at the end
