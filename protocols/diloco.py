@@ -421,8 +421,9 @@ class DilocoLoop(TaskLoop):
         self._founder = False  # we started the run with the others: they count us from the start
         self._rejoined_at = -EARN - 1  # the round of our last resync
         self._checkpoint_from: str | None = None  # whose checkpoint we joined from last
-        # whose checkpoint we had joined from when our weights last left the majority's: asked after the others
-        self._led_off: str | None = None
+        # whose checkpoints we had joined from when our weights left the majority's (the latest MAX_PEER_ENTRIES):
+        # asked after the others
+        self._led_off: dict[str, None] = {}
         self.started = None
         self.ready: dict[str, str] = {}
         self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
@@ -710,7 +711,7 @@ class DilocoLoop(TaskLoop):
             return
         self.counters["diverged"] += 1
         self.counters["resyncs"] += 1
-        self._led_off = self._checkpoint_from
+        self._left_majority()
         logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
         if not await self._join_from_checkpoint(list(verdict.holders), rejoin=True):
             logger.error("diloco: no peer of the majority served its final weights; ending on ours")
@@ -1380,7 +1381,15 @@ class DilocoLoop(TaskLoop):
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", rr, p)
             self._resync_from = list(verdict.holders)
-            self._led_off = self._checkpoint_from
+            self._left_majority()
+
+    def _left_majority(self) -> None:
+        """Our weights left the majority's: the peer whose checkpoint we joined from is asked after the others."""
+        if self._checkpoint_from is not None:
+            self._led_off.pop(self._checkpoint_from, None)
+            self._led_off[self._checkpoint_from] = None
+            while len(self._led_off) > MAX_PEER_ENTRIES:
+                del self._led_off[next(iter(self._led_off))]
 
     def _still_counted(self, r: int | None = None) -> bool:
         """Do the others still count us when we resync at round r? Yes if we started the run with them (unless a
@@ -2609,12 +2618,13 @@ class DilocoLoop(TaskLoop):
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
         try, never a crash)."""
         self.state = "joining"
-        # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first); and the peer whose
-        # checkpoint we had joined from when our weights left the majority's after all the others. Its weights were
-        # the run's (their hash is checked) but its outer momentum need not be (no peer publishes a hash of it):
-        # asked first again (the fastest, or the first of the holders, none measured) it sent us round for the
-        # whole run, each of our updates refused for its other base. No penalty: nothing shows it lied
-        for peer in sorted(exchange.fastest_first(peers, self._source_rates), key=lambda a: a == self._led_off):
+        # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first); and the peers whose
+        # checkpoint we had joined from when our weights left the majority's after all the others. Their weights
+        # were the run's (their hash is checked) but their outer momentum need not be (no peer publishes a hash of
+        # it): asked first again (the fastest, or the first of the holders, none measured) one sent us round for
+        # the whole run, each of our updates refused for its other base; two, taking turns, did too where only the
+        # last was put last. No penalty: nothing shows they lied
+        for peer in sorted(exchange.fastest_first(peers, self._source_rates), key=lambda a: a in self._led_off):
             try:
                 ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
                 done = ckpt["rounds_done"]

@@ -593,6 +593,9 @@ class SPSALoop(TaskLoop):
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._replayed_from: str | None = None  # the peer whose base and log we replayed last
+        # the peers whose base and log we had replayed when our weights left the majority's (the latest
+        # MAX_PEER_ENTRIES): a resync asks them after the others
+        self._led_off: dict[str, None] = {}
         self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
         self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
@@ -981,12 +984,17 @@ class SPSALoop(TaskLoop):
             self.counters["diverged"] += 1
             logger.error("spsa: our weights differ from the majority at window %d; resyncing", w)
             # every counting peer that holds the majority's weights, the directly connected ones first (a log is
-            # pulled over a stream: one we only know through others may be unreachable), and the peer whose base and
-            # log we replayed last after all the others: they led us here (its base need not be the one its weights
-            # came from, and nothing in the bytes tells; no penalty, an honest peer a moment off the run serves that
-            # too), and asked first again, as the smallest id among the holders, it sent us round for the whole run
-            self._resync_from = sorted(verdict.holders,
-                                       key=lambda a: (a == self._replayed_from, not self._ctx.direct(a)))
+            # pulled over a stream: one we only know through others may be unreachable), and the peers whose base
+            # and log we had replayed when our weights left the majority's after all the others: they led us here
+            # (a base need not be the one its server's weights came from, and nothing in the bytes tells; no
+            # penalty, an honest peer a moment off the run serves that too). Asked first again, as the smallest id
+            # among the holders, one sent us round for the whole run; two took turns where only the last was last
+            if self._replayed_from is not None:
+                self._led_off.pop(self._replayed_from, None)
+                self._led_off[self._replayed_from] = None
+                while len(self._led_off) > MAX_PEER_ENTRIES:
+                    del self._led_off[next(iter(self._led_off))]
+            self._resync_from = sorted(verdict.holders, key=lambda a: (a in self._led_off, not self._ctx.direct(a)))
 
     async def _start_or_catch_up(self) -> None:
         """Start at window 0 with the peers that are ready (same base model), or, if the run has begun without

@@ -367,25 +367,28 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
 
 
-def _join_asking_first(tmp_path, first_class, first=lambda founders: founders[0]) -> tuple:
-    """Three founders, one of them (``first`` of them) of ``first_class(base class, the joiner's id)``, and a
-    joiner built elsewhere that replays from that one before any other: (final hashes, the joiner's status, the
-    first's counters, its penalty score at the joiner, the two other founders)."""
+def _join_asking_first(tmp_path, first_class, first=lambda founders: founders[:1]) -> tuple:
+    """Three founders, some of them (``first`` of them, in order) of ``first_class(base class, the joiner's id)``,
+    and a joiner built elsewhere that replays from those before any other: (final hashes, the joiner's status, the
+    first's counters, its penalty score at the joiner, the other founders)."""
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
-        first_id, late = first(sim.peers[:3]), sim.peers[3]
+        firsts, late = first(sim.peers[:3]), sim.peers[3]
 
         class Joiner(_built_elsewhere(sim.loop_cls)):
             def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(), key=lambda p: p != first_id)
+                return sorted(super()._run_started_without_us(),
+                              key=lambda p: firsts.index(p) if p in firsts else len(firsts))
 
-        sim.classes[first_id], sim.classes[late] = first_class(sim.loop_cls, late), Joiner
+        for p in firsts:
+            sim.classes[p] = first_class(sim.loop_cls, late)
+        sim.classes[late] = Joiner
         async with sim:
             await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
-            return (_finals(sim), sim.loop(late).status(), sim.loop(first_id).counters,
-                    sim.nodes[late].transport.penalties.score(first_id),
-                    [p for p in sim.peers[:3] if p != first_id])
+            return (_finals(sim), sim.loop(late).status(), sim.loop(firsts[0]).counters,
+                    sim.nodes[late].transport.penalties.score(firsts[0]),
+                    [p for p in sim.peers[:3] if p not in firsts])
 
     return run_virtual(main())
 
@@ -552,17 +555,24 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
 
 
 @pytest.mark.timeout(120)
-def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay(tmp_path):
+@pytest.mark.parametrize("servers", [1, 2])
+def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_a_server(tmp_path, servers):
     """The peer a joiner asks first serves, every time it is asked, a base that is not the run's but whose bytes are
     the hash it announces (a peer that keeps another base than the one its weights came from: the joiner cannot
     tell from the bytes). The joiner replays onto it, its weights are off the majority's at the next hash check, and
     it resyncs: from the other holders first, so the same base does not send it round again (before, that peer was
-    first again, the smallest id of the holders, and the joiner went round for the whole run)."""
+    first again, the smallest id of the holders, and the joiner went round for the whole run). Two such peers, the
+    two smallest ids, cost it one resync each (where only the last one was put last, they took turns)."""
+    made = []
+
     def other_base(base, late):
+        made.append(late)
+        shift = 0.25 * len(made)  # each its own base
+
         class OtherBase(base):
             async def _serve_base(self, stream):
                 honest = self._base, self.base_state_hash
-                self._base = [b + 0.25 for b in honest[0]]
+                self._base = [b + shift for b in honest[0]]
                 self.base_state_hash = spsa.base_digest(spsa.base_arrays(self._base_layout, self._base))
                 self._base_served.clear()  # its own limits are its own: it serves whenever asked
                 try:
@@ -571,8 +581,9 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay(
                     self._base, self.base_state_hash = honest
         return OtherBase
 
-    finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base, first=min)
+    finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base,
+                                                               first=lambda founders: sorted(founders)[:servers])
     assert len(finals) == 1 and joiner["participants"] == 4
-    assert server["base_served"] == 1  # asked once: the resync went to another holder
-    assert joiner["diverged"] == 1 and joiner["resyncs"] == 1 and joiner["bases_taken"] == 2
+    assert server["base_served"] == 1  # asked once: the resyncs went to other holders
+    assert joiner["diverged"] == servers and joiner["resyncs"] == servers and joiner["bases_taken"] == servers + 1
     assert joiner["base_taken"]["source"] in honest and score == 0  # no penalty: its bytes were its hash
