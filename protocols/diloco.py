@@ -2640,8 +2640,15 @@ class DilocoLoop(TaskLoop):
                 continue
             self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
             self._checkpoint_from = peer
-            # the peers that vouched for this state (they hold its hash) and the ones it was made with
-            self.standing.found(set(peers) | {a for v in self.participants.values() for a in v})
+            # the peers that vouched for this state (they hold its hash), and those it was made with that say so
+            # themselves (they published its hash for its round): the list is its server's word alone, and a key
+            # credited from it counted as a founder of ours for good (a server that listed six fresh keys had their
+            # word outvote the run's peers at our first hash check, and we took their weights: the simulator)
+            holders = {a for a, h in self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
+                       if h == ckpt["global_hash"]}
+            listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
+            self.standing.found(set(peers) | (listed & holders))
+            self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
             self._published.clear()  # what we said before the checkpoint no longer describes our weights
             self._checked.clear()
             # updates already here for rounds we have yet to close stay: their base is checked when we close them

@@ -1114,3 +1114,65 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
     assert counters["joined_from_checkpoint"] == servers + 1 and counters["diverged"] == servers, counters
     assert resumed["source"] not in [f"checkpoint of {p}" for p in liars]
     assert history[-1]["participants"] == 5  # it contributes at the end
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tmp_path):
+    """The peer a late joiner takes its checkpoint from lists six fresh keys among the last round's participants
+    (nothing there is signed by anyone else). Once the joiner is in, the keys publish a hash of weights of their
+    own for every round, rounds ahead, and serve a checkpoint of those weights. Credited as founders (for good:
+    vouched), their word outvoted the run's peers at the joiner, which never closed a round with the run again.
+    A listed peer is credited only where it says itself that it holds the checkpoint's weights."""
+    sybil_ids: list[str] = []
+
+    class Lists(_paced(diloco.DilocoLoop, 0.1)):
+        def _checkpoint(self):
+            honest = self.participants
+            self.participants = {p: set(v) | set(sybil_ids) for p, v in honest.items()}
+            try:
+                return super()._checkpoint()
+            finally:
+                self.participants = honest
+
+    joined = None  # set once the joiner has joined: the keys speak from then on (before, with no peer to trust
+    # yet, a fresh joiner follows the majority of its directly connected peers, whoever they are)
+
+    class Sybil(diloco.DilocoLoop):
+        async def _run(self):
+            await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
+            self.state = "waiting for peers"
+            fake = [g + 1.0 for g in self.global_flat]
+            await joined.wait()
+            while True:
+                latest = max((r for r, _ in self.round_hashes), default=0)
+                self.global_flat, self.rounds_done = fake, [latest + 1]  # what its checkpoint serves
+                for r in range(max(0, latest - 1), latest + 3):
+                    self._publish(diloco.ROUND_HASH, {"r": r, "p": 0, "h": self.global_hash()})
+                await asyncio.sleep(0.5)
+
+    async def main():
+        nonlocal joined
+        joined = asyncio.Event()
+        sim = _sim(tmp_path, 11, rounds=12, min_peers=4)
+        founders, late, sybils = sim.peers[:4], sim.peers[4], sim.peers[5:]
+        sybil_ids.extend(sybils)
+        sim.classes[min(founders)] = Lists  # the first of the holders the joiner lists (none is measured faster)
+        for p in sybils:
+            sim.classes[p] = Sybil
+        async with sim:
+            await sim.start_all(sybils)
+            await sim.start_all(founders)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
+            await sim.start(late)
+            await sim.until(lambda: sim.loop(late).counters["joined_from_checkpoint"], 120, "the join")
+            joined.set()
+            await sim.until(lambda: all(sim.loop(p).state == "done" for p in [*founders, late]), 300,
+                            "the run's peers to finish")
+            joiner = sim.loop(late)
+            return (joiner.counters, {sim.loop(p).final_hash for p in [*founders, late]}, joiner.history,
+                    [joiner.standing.vouched(s) for s in sybils])
+
+    counters, finals, history, vouched = run_virtual(main())
+    assert not any(vouched), vouched
+    assert len(finals) == 1 and counters.get("diverged", 0) == 0, counters
+    assert history[-1]["participants"] == 5  # it contributes at the end
