@@ -2613,6 +2613,24 @@ class DilocoLoop(TaskLoop):
             raise ValueError("checkpoint weights do not match their hash")
         return ckpt, global_flat, momentum
 
+    def _steps_of(self, rounds_done: list[int]) -> tuple[int, int]:
+        """The inner steps a peer that closed ``rounds_done`` rounds (of each fragment) can be at: fragment p's
+        round r is announced at step offsets[p] + (r + 1) x H and closed within ``overlap`` steps after it, so
+        past the step that announced its last closed round, and at most ``overlap`` steps past the one that
+        announces its next."""
+        h, n = self.cfg.inner_steps, self.cfg.fragments
+        offsets = [p * h // n for p in range(n)]
+        low = max((offsets[p] + d * h if d else 0) for p, d in enumerate(rounds_done))
+        high = min(offsets[p] + (d + 1) * h + self.cfg.overlap for p, d in enumerate(rounds_done))
+        return low, max(low, high)
+
+    def _step_of(self, rounds_done: list[int], step: int) -> int:
+        """A checkpoint's step, within what its rounds allow (``_steps_of``): the step is its server's word alone
+        (a checkpoint's rounds are checked, by their hash), and one past the run's end had a joiner end the run
+        at once on the weights it joined with, having never contributed (the simulator)."""
+        low, high = self._steps_of(rounds_done)
+        return min(max(step, low), high)
+
     async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
         """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
@@ -2638,7 +2656,12 @@ class DilocoLoop(TaskLoop):
                 self.counters["checkpoint_source_failed"] += 1
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
                 continue
-            self._adopt(global_flat, momentum, done, ckpt["step"], ckpt["participants"])
+            step = self._step_of(done, ckpt["step"])
+            if step != ckpt["step"]:
+                self.counters["checkpoint_step_clamped"] += 1
+                logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
+                               peer, ckpt["step"], done, *self._steps_of(done), step)
+            self._adopt(global_flat, momentum, done, step, ckpt["participants"])
             self._checkpoint_from = peer
             # the peers that vouched for this state (they hold its hash), and those it was made with that say so
             # themselves (they published its hash for its round): the list is its server's word alone, and a key

@@ -1176,3 +1176,37 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
     assert not any(vouched), vouched
     assert len(finals) == 1 and counters.get("diverged", 0) == 0, counters
     assert history[-1]["participants"] == 5  # it contributes at the end
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("step", ["past the end", "zero"])
+def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_path, step):
+    """The peer a late joiner takes its checkpoint from serves the run's weights with an inner step count of its
+    choosing (nothing checks it: the joiner trains from there). Past the run's last step, the joiner ended the run
+    at once, on other weights than the others, having never contributed. At zero it caught up already, skipping
+    the steps of rounds the others had closed (``_behind_as_follower``). The step it takes now is within what its
+    rounds allow (the rounds are checked: their hash)."""
+    class Step(_paced(diloco.DilocoLoop, 0.1)):
+        def _checkpoint(self):
+            honest = self.step
+            self.step = 2 ** 31 if step == "past the end" else 0
+            try:
+                return super()._checkpoint()
+            finally:
+                self.step = honest
+
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=12, min_peers=4)
+        founders, late = sim.peers[:4], sim.peers[4]
+        for p in founders:
+            sim.classes[p] = Step
+        async with sim:
+            await sim.start_all(founders)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(late).counters, _finals(sim), sim.loop(late).history, sim.loop(late).resumed
+
+    counters, finals, history, resumed = run_virtual(main())
+    assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
+    assert history and history[-1]["participants"] == 5, (history, resumed)  # it contributes at the end
