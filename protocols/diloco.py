@@ -2605,12 +2605,24 @@ class DilocoLoop(TaskLoop):
         with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
             body, _ = await self.bulk.pull(blob, progress=work.update)
         ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
-        global_flat = [codecs.decode(w) for w in ckpt["global"]]
-        momentum = [codecs.decode(w) for w in ckpt["momentum"]]
-        if [g.numel() for g in global_flat] != [g.numel() for g in self.global_flat]:
-            raise ValueError("checkpoint of another model")
+        # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault). Before,
+        # no round counters crashed our loop (an IndexError) and a momentum of another size wedged it at its
+        # next outer step
+        done, sizes = ckpt["rounds_done"], [g.numel() for g in self.global_flat]
+        if len(done) != self.cfg.fragments or max(done) - min(done) > 1 or max(done) > self._rounds():
+            raise ProtocolViolation(f"diloco-ckpt: round counters {done[:4]} are not {self.cfg.fragments} "
+                                    f"fragments' rounds of a {self._rounds()}-round run")
+        if len(ckpt["global"]) != len(sizes) or len(ckpt["momentum"]) != len(sizes):
+            raise ProtocolViolation("diloco-ckpt: not one tensor of weights and one of momentum a fragment")
+        try:
+            global_flat = [codecs.decode(w, max_elements=n) for w, n in zip(ckpt["global"], sizes)]
+            momentum = [codecs.decode(w, max_elements=n) for w, n in zip(ckpt["momentum"], sizes)]
+        except codecs.CodecError as e:  # malformed, non-finite, or larger than our model
+            raise ProtocolViolation(f"diloco-ckpt: {e}") from None
+        if [g.numel() for g in global_flat] != sizes or [m.numel() for m in momentum] != sizes:
+            raise ProtocolViolation("diloco-ckpt: a checkpoint of another model")
         if outer.params_hash(global_flat) != ckpt["global_hash"]:
-            raise ValueError("checkpoint weights do not match their hash")
+            raise ProtocolViolation("diloco-ckpt: its weights do not match their hash")
         return ckpt, global_flat, momentum
 
     def _steps_of(self, rounds_done: list[int]) -> tuple[int, int]:
@@ -2655,6 +2667,8 @@ class DilocoLoop(TaskLoop):
                     ValueError) as e:
                 self.counters["checkpoint_source_failed"] += 1
                 logger.warning("checkpoint from %s unusable: %s", peer, e)
+                if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
+                    self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
                 continue
             step = self._step_of(done, ckpt["step"])
             if step != ckpt["step"]:

@@ -4,11 +4,12 @@ a peer that drifts, a Byzantine peer, a partition, a slow peer. Seconds each; th
 
 import asyncio
 
+import msgpack
 import pytest
 import torch
 
 from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls
-from protocols import diloco
+from protocols import codecs, diloco
 from transport.memory import LinkSpec, run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
@@ -1210,3 +1211,42 @@ def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_
     counters, finals, history, resumed = run_virtual(main())
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert history and history[-1]["participants"] == 5, (history, resumed)  # it contributes at the end
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("fault", ["no rounds", "short momentum", "momentum of nan"])
+def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tmp_path, fault):
+    """Checkpoints whose fields pass the schema but not the model: no round counters, a momentum of another size,
+    a momentum of NaN (its weights are the run's, their hash checked). Each is refused as unusable (its server
+    penalised) and the joiner takes the next peer's; none crashes its loop or poisons its next outer step."""
+    class Malformed(_paced(diloco.DilocoLoop, 0.1)):
+        def _checkpoint(self):
+            ckpt = msgpack.unpackb(super()._checkpoint())
+            none = codecs.get("none")
+            if fault == "no rounds":
+                ckpt["rounds_done"] = []
+            elif fault == "short momentum":
+                ckpt["momentum"] = [none.encode(b[:-1]).to_wire() for b in self.outer_opt.buffers]
+            else:
+                ckpt["momentum"] = [none.encode(torch.zeros_like(b)).to_wire()[:-4] + b"\x00\x00\xc0\x7f"
+                                    for b in self.outer_opt.buffers]  # its last value a NaN
+            return msgpack.packb(ckpt, use_bin_type=True)
+
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=12, min_peers=4, outer_momentum=0.9)
+        founders, late = sim.peers[:4], sim.peers[4]
+        bad = min(founders)  # the first of the holders the joiner lists (none is measured faster)
+        sim.classes[bad] = Malformed
+        async with sim:
+            await sim.start_all(founders)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return (sim.loop(late).counters, _finals(sim), sim.loop(late).history, sim.loop(late).resumed, bad,
+                    sim.nodes[late].transport.penalties.score(bad))
+
+    counters, finals, history, resumed, bad, score = run_virtual(main())
+    assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
+    assert counters["checkpoint_source_failed"] == 1 and resumed["source"] != f"checkpoint of {bad}"
+    assert score > 0 and counters.get("diverged", 0) == 0, counters
+    assert history[-1]["participants"] == 5
