@@ -2614,6 +2614,8 @@ class DilocoLoop(TaskLoop):
                                     f"fragments' rounds of a {self._rounds()}-round run")
         if len(ckpt["global"]) != len(sizes) or len(ckpt["momentum"]) != len(sizes):
             raise ProtocolViolation("diloco-ckpt: not one tensor of weights and one of momentum a fragment")
+        if not set(ckpt["participants"]) <= {str(p) for p in range(self.cfg.fragments)}:
+            raise ProtocolViolation("diloco-ckpt: participants of a fragment the run does not have")
         try:
             global_flat = [codecs.decode(w, max_elements=n) for w, n in zip(ckpt["global"], sizes)]
             momentum = [codecs.decode(w, max_elements=n) for w, n in zip(ckpt["momentum"], sizes)]

@@ -1214,10 +1214,11 @@ def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault", ["no rounds", "short momentum", "momentum of nan"])
+@pytest.mark.parametrize("fault", ["no rounds", "short momentum", "momentum of nan", "participants of no fragment"])
 def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tmp_path, fault):
     """Checkpoints whose fields pass the schema but not the model: no round counters, a momentum of another size,
-    a momentum of NaN (its weights are the run's, their hash checked). Each is refused as unusable (its server
+    a momentum of NaN, participants of a fragment that is not a number (its weights are the run's, their hash
+    checked). Each is refused as unusable (its server
     penalised) and the joiner takes the next peer's; none crashes its loop or poisons its next outer step."""
     class Malformed(_paced(diloco.DilocoLoop, 0.1)):
         def _checkpoint(self):
@@ -1225,6 +1226,8 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
             none = codecs.get("none")
             if fault == "no rounds":
                 ckpt["rounds_done"] = []
+            elif fault == "participants of no fragment":
+                ckpt["participants"] = {"zz": ckpt["participants"]["0"]}
             elif fault == "short momentum":
                 ckpt["momentum"] = [none.encode(b[:-1]).to_wire() for b in self.outer_opt.buffers]
             else:
