@@ -593,6 +593,7 @@ class SPSALoop(TaskLoop):
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._replayed_from: str | None = None  # the peer whose base and log we replayed last
+        self._confirmed_log = False  # that log led to the weights the others said they held (its membership holds)
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others
         self._led_off: dict[str, None] = {}
@@ -1131,7 +1132,7 @@ class SPSALoop(TaskLoop):
         started = time.perf_counter()
         until = self.clock.monotonic() + self.cfg.deadline
         replayed = None  # the contributors of each window of the log we replayed
-        peers = list(peers)
+        trusted, peers = set(peers), list(peers)  # (a peer whose log we could not use is still one we trust)
         while replayed is None:
             behind = 0
             for peer_id in list(peers):
@@ -1144,6 +1145,12 @@ class SPSALoop(TaskLoop):
                         behind += 1
                         continue
                     replayed = await self._replay(entries, from_base=base_taken)
+                    leads = await asyncio.to_thread(self._log_leads_where_they_said, trusted - {peer_id})
+                    self._confirmed_log = bool(leads)
+                    if leads is False:
+                        self.counters["log_inconsistent"] += 1
+                        replayed = None
+                        raise ValueError("its windows do not lead to the weights the others said they held there")
                     self._replayed_from = peer_id
                     break
                 except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
@@ -1167,11 +1174,37 @@ class SPSALoop(TaskLoop):
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
             self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
             self._publish(JOIN, {"w": self.join_at, "join": True})
-            self.standing.found(set(peers) | {a for batches in list(self.applied.values())[-2:] for a in batches})
+            # the peers we replayed on, and the authors of the log's window before its last where the log leads to
+            # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
+            # is its server's word alone; a server that added six fresh keys' batches had them credited as
+            # founders, for good, and their votes outweighed the run's); the last window's authors earn credit as
+            # newcomers do, unless they are among those
+            windows = sorted(self.applied)
+            before_last = set(self.applied[windows[-2]]) if len(windows) >= 2 else set()
+            listed = set(self.applied[windows[-1]]) | before_last if windows else set()
+            confirmed = before_last if self._confirmed_log else set()
+            self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
+            self.standing.found(trusted | confirmed)
         self.state = "running"
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
                     len(replayed), self.replay_seconds, self.window, self.join_at)
         return True
+
+    def _log_leads_where_they_said(self, peers: set[str]) -> bool | None:
+        """Whether the log we just replayed leads to the weights most of ``peers`` said they held at its last
+        window (each of their batches there carries their weights' hash, signed; else their votes for it as they
+        reached us): its windows' batches are each signed by their author, but which ones a window holds is its
+        server's word alone, and a batch added or left out moves the weights. None where none of them said
+        anything of that window (nothing to tell by)."""
+        last = max(self.applied, default=None)
+        said = collections.Counter(_batch_hash(m)[:16] for a, m in self.applied.get(last, {}).items() if a in peers)
+        if not said:  # none of theirs in the log's last window (left out?): what they said there, as it reached us
+            live = self.hashes.get(last, {})
+            said = collections.Counter(live[p] for p in peers if p in live)
+        if not said:
+            return None
+        top = max(said.items(), key=lambda kv: (kv[1], kv[0]))[0]  # (ties: the larger hash, on every peer alike)
+        return top == self.weights.hash()[:16]
 
     async def _replay(self, entries: list, from_base: bool = False) -> list[set[str]]:
         """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply

@@ -556,13 +556,19 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers", [1, 2])
-def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_a_server(tmp_path, servers):
+@pytest.mark.parametrize("told", [True, False], ids=["the others' hashes tell", "nothing tells"])
+def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_a_server(tmp_path, monkeypatch,
+                                                                                          servers, told):
     """The peer a joiner asks first serves, every time it is asked, a base that is not the run's but whose bytes are
     the hash it announces (a peer that keeps another base than the one its weights came from: the joiner cannot
-    tell from the bytes). The joiner replays onto it, its weights are off the majority's at the next hash check, and
-    it resyncs: from the other holders first, so the same base does not send it round again (before, that peer was
-    first again, the smallest id of the holders, and the joiner went round for the whole run). Two such peers, the
-    two smallest ids, cost it one resync each (where only the last one was put last, they took turns)."""
+    tell from the bytes). The joiner replays onto it, and its weights are not the ones the other peers' batches of
+    the log's last window say they held: the log is refused and the next peer asked. Where nothing tells (no
+    other peer's batch in that window; here a seam), its weights are off the majority's at the next hash check,
+    and it resyncs: from the other holders first, so the same base does not send it round again (before, that peer
+    was first again, the smallest id of the holders, and the joiner went round for the whole run). Two such peers,
+    the two smallest ids, cost it one replay each (where only the last one was put last, they took turns)."""
+    if not told:
+        monkeypatch.setattr(spsa.SPSALoop, "_log_leads_where_they_said", lambda self, peers: None)
     made = []
 
     def other_base(base, late):
@@ -584,6 +590,87 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_
     finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base,
                                                                first=lambda founders: sorted(founders)[:servers])
     assert len(finals) == 1 and joiner["participants"] == 4
-    assert server["base_served"] == 1  # asked once: the resyncs went to other holders
-    assert joiner["diverged"] == servers and joiner["resyncs"] == servers and joiner["bases_taken"] == servers + 1
+    assert server["base_served"] == 1  # asked once: the replays after went to other holders
+    assert joiner["bases_taken"] == servers + 1
+    if told:
+        assert joiner["log_inconsistent"] == servers and joiner.get("diverged", 0) == 0
+    else:
+        assert joiner["diverged"] == servers and joiner["resyncs"] == servers and "log_inconsistent" not in joiner
     assert joiner["base_taken"]["source"] in honest and score == 0  # no penalty: its bytes were its hash
+
+
+@pytest.mark.timeout(120)
+def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
+    """The peer a late joiner replays from first adds, to the last windows of the log it serves, batches six fresh
+    keys signed for it (zeros: they never sent them to anyone). The joiner's replay is then off the run's weights
+    and it resyncs from another holder; but it had credited the keys as founders, for good (vouched), and once it
+    is in they vote weights of their own for every window. A log's authors are credited only where they voted, as
+    the run saw it, the weights the peers we replay from voted for."""
+    import msgpack
+
+    from protocols import gossip as pubsub
+    from transport.wire import WIRE
+
+    joined, keys = None, []
+
+    def adds_batches(base, late):
+        class AddsBatches(base):
+            async def _serve_log(self, stream):
+                honest = self.log
+                log = [list(entry) for entry in honest]
+                for entry in log[-2:]:
+                    w = entry[0]
+                    for ident in keys:
+                        data = WIRE.pack(spsa.BATCH, self._tag({"w": w, "b": bytes(self.cfg.window),
+                                                                "h": bytes.fromhex(self.my_hashes[w][:16])}))
+                        body = msgpack.packb([1, self.topic, ident.peer_id, w + 1, self.gossip._now_ms(), data],
+                                             use_bin_type=True)
+                        entry[1] = [*entry[1], {"b": body, "s": ident.sign(pubsub.SIGN_DOMAIN + body)}]
+                self.log = log
+                try:
+                    await super()._serve_log(stream)
+                finally:
+                    self.log = honest
+        return AddsBatches
+
+    class Sybil(spsa.SPSALoop):
+        async def _run(self):
+            await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
+            self.state = "waiting for peers"
+            await joined.wait()
+            while True:
+                for w in range(self.window, self.window + 3):  # the windows the run is at, as it hears them
+                    self._publish(spsa.HASH, {"w": w, "h": "f" * 32})
+                self.window = max(self.windows, default=self.window)
+                await asyncio.sleep(0.5)
+
+    async def main():
+        nonlocal joined
+        joined = asyncio.Event()
+        sim = _sim(tmp_path, 10, windows=16, min_peers=3)
+        founders, late, sybils = sim.peers[:3], sim.peers[3], sim.peers[4:]
+        first = min(founders)
+
+        class Joiner(sim.loop_cls):
+            def _run_started_without_us(self):
+                return sorted(super()._run_started_without_us(), key=lambda p: p != first)
+
+        sim.classes[first], sim.classes[late] = adds_batches(sim.loop_cls, late), Joiner
+        for p in sybils:
+            sim.classes[p] = Sybil
+        async with sim:
+            await sim.start_all(sybils)
+            keys.extend(sim.nodes[p].identity for p in sybils)
+            await _found_then_join(sim, late)
+            await sim.until(lambda: sim.loop(late).state == "running" and sim.loop(late).window
+                            >= sim.loop(late).join_at, 120, "the join")
+            joined.set()
+            await sim.until(lambda: all(sim.loop(p).final_hash for p in [*founders, late]), 300,
+                            "the run's peers to finish")
+            joiner = sim.loop(late)
+            return ({sim.loop(p).final_hash for p in [*founders, late]}, joiner.status(),
+                    [joiner.standing.vouched(s) for s in sybils])
+
+    finals, joiner, vouched = run_virtual(main())
+    assert not any(vouched), vouched
+    assert len(finals) == 1 and joiner["participants"] == 4, joiner
