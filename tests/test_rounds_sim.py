@@ -1079,6 +1079,29 @@ def test_a_simulation_takes_the_same_course_whatever_float_kernels_the_cpu_runs(
     assert best == plain
 
 
+def _late_join(tmp_path, serving_class, which=lambda founders: founders, rounds: int = 12, **settings) -> tuple:
+    """Four founders, those ``which`` picks of them of ``serving_class``, and a fifth peer that joins once they are
+    past round 3 (its checkpoint from the first of the holders it lists: none is measured faster), run to the end:
+    (the joiner's counters, the final hashes, its history, where it resumed from, the picked founders, each one's
+    penalty score at the joiner)."""
+    async def main():
+        sim = _sim(tmp_path, 5, rounds=rounds, min_peers=4, **settings)
+        founders, late = sim.peers[:4], sim.peers[4]
+        picked = which(founders)
+        for p in picked:
+            sim.classes[p] = serving_class
+        async with sim:
+            await sim.start_all(founders)
+            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
+            await sim.start(late)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            joiner = sim.loop(late)
+            return (joiner.counters, _finals(sim), joiner.history, joiner.resumed, picked,
+                    {p: sim.nodes[late].transport.penalties.score(p) for p in picked})
+
+    return run_virtual(main())
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers", [1, 2])
 def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_one_resync_a_server(tmp_path, servers):
@@ -1096,20 +1119,9 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
             finally:
                 self.outer_opt.buffers = honest
 
-    async def main():
-        sim = _sim(tmp_path, 5, rounds=16, min_peers=4, outer_momentum=0.9)  # (the simulator's default: none)
-        founders, late = sim.peers[:4], sim.peers[4]
-        liars = sorted(founders)[:servers]  # the first of the holders the joiner lists (none is measured faster)
-        for p in liars:
-            sim.classes[p] = OtherMomentum
-        async with sim:
-            await sim.start_all(founders)
-            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
-            await sim.start(late)
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return sim.loop(late).counters, _finals(sim), sim.loop(late).resumed, liars, sim.loop(late).history
-
-    counters, finals, resumed, liars, history = run_virtual(main())
+    counters, finals, history, resumed, liars, _ = _late_join(
+        tmp_path, OtherMomentum, lambda founders: sorted(founders)[:servers], rounds=16,
+        outer_momentum=0.9)  # (the simulator's default: none)
     assert len(finals) == 1, counters
     # before, it took that checkpoint again at each resync (7 joins in these 16 rounds), its updates refused to the end
     assert counters["joined_from_checkpoint"] == servers + 1 and counters["diverged"] == servers, counters
@@ -1196,19 +1208,7 @@ def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_
             finally:
                 self.step = honest
 
-    async def main():
-        sim = _sim(tmp_path, 5, rounds=12, min_peers=4)
-        founders, late = sim.peers[:4], sim.peers[4]
-        for p in founders:
-            sim.classes[p] = Step
-        async with sim:
-            await sim.start_all(founders)
-            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
-            await sim.start(late)
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return sim.loop(late).counters, _finals(sim), sim.loop(late).history, sim.loop(late).resumed
-
-    counters, finals, history, resumed = run_virtual(main())
+    counters, finals, history, resumed, _, _ = _late_join(tmp_path, Step)
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert history and history[-1]["participants"] == 5, (history, resumed)  # it contributes at the end
 
@@ -1235,20 +1235,9 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
                                     for b in self.outer_opt.buffers]  # its last value a NaN
             return msgpack.packb(ckpt, use_bin_type=True)
 
-    async def main():
-        sim = _sim(tmp_path, 5, rounds=12, min_peers=4, outer_momentum=0.9)
-        founders, late = sim.peers[:4], sim.peers[4]
-        bad = min(founders)  # the first of the holders the joiner lists (none is measured faster)
-        sim.classes[bad] = Malformed
-        async with sim:
-            await sim.start_all(founders)
-            await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
-            await sim.start(late)
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return (sim.loop(late).counters, _finals(sim), sim.loop(late).history, sim.loop(late).resumed, bad,
-                    sim.nodes[late].transport.penalties.score(bad))
-
-    counters, finals, history, resumed, bad, score = run_virtual(main())
+    counters, finals, history, resumed, (bad,), scores = _late_join(tmp_path, Malformed, lambda f: [min(f)],
+                                                                    outer_momentum=0.9)
+    score = scores[bad]
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert counters["checkpoint_source_failed"] == 1 and resumed["source"] != f"checkpoint of {bad}"
     assert score > 0 and counters.get("diverged", 0) == 0, counters
