@@ -593,7 +593,8 @@ class SPSALoop(TaskLoop):
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._replayed_from: str | None = None  # the peer whose base and log we replayed last
-        self._confirmed_log = False  # that log led to the weights the others said they held (its membership holds)
+        # that log led to the weights the others said they held (its membership holds); None: nothing told
+        self._confirmed_log: bool | None = None
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others
         self._led_off: dict[str, None] = {}
@@ -1146,7 +1147,7 @@ class SPSALoop(TaskLoop):
                         continue
                     replayed = await self._replay(entries, from_base=base_taken)
                     leads = await asyncio.to_thread(self._log_leads_where_they_said, trusted - {peer_id})
-                    self._confirmed_log = bool(leads)
+                    self._confirmed_log = leads
                     if leads is False:
                         self.counters["log_inconsistent"] += 1
                         replayed = None
@@ -1178,11 +1179,14 @@ class SPSALoop(TaskLoop):
             # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
             # is its server's word alone; a server that added six fresh keys' batches had them credited as
             # founders, for good, and their votes outweighed the run's); the last window's authors earn credit as
-            # newcomers do, unless they are among those
+            # newcomers do, unless they are among those. Where nothing told (its server is the one peer we trust,
+            # a bootstrap peer the user chose, or the others said nothing of that window: we started after it),
+            # the authors of its last two windows, as before: without them we would not wait for the peers the
+            # others wait for, and close windows without them
             windows = sorted(self.applied)
             before_last = set(self.applied[windows[-2]]) if len(windows) >= 2 else set()
             listed = set(self.applied[windows[-1]]) | before_last if windows else set()
-            confirmed = before_last if self._confirmed_log else set()
+            confirmed = before_last if self._confirmed_log else listed
             self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
             self.standing.found(trusted | confirmed)
         self.state = "running"
