@@ -2602,6 +2602,12 @@ class DilocoLoop(TaskLoop):
                 break
             await asyncio.sleep(0.05)
         size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
+        # before a byte of it is allocated: a checkpoint of our model is its weights and momentum in fp32 and a
+        # few headers, round counters and participants (a server that announced 4 GiB for a small model had us
+        # pull and hold all of it before its tensors were found too large)
+        if size is not None and size > self._checkpoint_budget():
+            raise ProtocolViolation(f"diloco-ckpt: {size} B announced, a checkpoint of our model is at most "
+                                    f"{self._checkpoint_budget()} B")
         with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
             body, _ = await self.bulk.pull(blob, progress=work.update)
         ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
@@ -2626,6 +2632,11 @@ class DilocoLoop(TaskLoop):
         if outer.params_hash(global_flat) != ckpt["global_hash"]:
             raise ProtocolViolation("diloco-ckpt: its weights do not match their hash")
         return ckpt, global_flat, momentum
+
+    def _checkpoint_budget(self) -> int:
+        """The most bytes a peer's checkpoint of our model may take (``_checkpoint``): two fp32 tensors of every
+        fragment, 4 KiB of header each, and 16 MiB for the rest (the participants of a swarm of thousands)."""
+        return 8 * sum(g.numel() for g in self.global_flat) + 8192 * self.cfg.fragments + (16 << 20)
 
     def _steps_of(self, rounds_done: list[int]) -> tuple[int, int]:
         """The inner steps a peer that closed ``rounds_done`` rounds (of each fragment) can be at: fragment p's

@@ -1083,7 +1083,7 @@ def _late_join(tmp_path, serving_class, which=lambda founders: founders, rounds:
     """Four founders, those ``which`` picks of them of ``serving_class``, and a fifth peer that joins once they are
     past round 3 (its checkpoint from the first of the holders it lists: none is measured faster), run to the end:
     (the joiner's counters, the final hashes, its history, where it resumed from, the picked founders, each one's
-    penalty score at the joiner)."""
+    penalty score at the joiner, the bytes its bulk service pulled)."""
     async def main():
         sim = _sim(tmp_path, 5, rounds=rounds, min_peers=4, **settings)
         founders, late = sim.peers[:4], sim.peers[4]
@@ -1097,7 +1097,8 @@ def _late_join(tmp_path, serving_class, which=lambda founders: founders, rounds:
             await sim.until(sim.finished, 300, "everyone to finish")
             joiner = sim.loop(late)
             return (joiner.counters, _finals(sim), joiner.history, joiner.resumed, picked,
-                    {p: sim.nodes[late].transport.penalties.score(p) for p in picked})
+                    {p: sim.nodes[late].transport.penalties.score(p) for p in picked},
+                    joiner.bulk.counters.get("bytes_pulled", 0))
 
     return run_virtual(main())
 
@@ -1119,7 +1120,7 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
             finally:
                 self.outer_opt.buffers = honest
 
-    counters, finals, history, resumed, liars, _ = _late_join(
+    counters, finals, history, resumed, liars, _, _ = _late_join(
         tmp_path, OtherMomentum, lambda founders: sorted(founders)[:servers], rounds=16,
         outer_momentum=0.9)  # (the simulator's default: none)
     assert len(finals) == 1, counters
@@ -1208,13 +1209,14 @@ def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_
             finally:
                 self.step = honest
 
-    counters, finals, history, resumed, _, _ = _late_join(tmp_path, Step)
+    counters, finals, history, resumed, _, _, _ = _late_join(tmp_path, Step)
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert history and history[-1]["participants"] == 5, (history, resumed)  # it contributes at the end
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("fault", ["no rounds", "short momentum", "momentum of nan", "participants of no fragment"])
+@pytest.mark.parametrize("fault", ["no rounds", "short momentum", "momentum of nan", "participants of no fragment",
+                                   "too large"])
 def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tmp_path, fault):
     """Checkpoints whose fields pass the schema but not the model: no round counters, a momentum of another size,
     a momentum of NaN, participants of a fragment that is not a number (its weights are the run's, their hash
@@ -1226,6 +1228,8 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
             none = codecs.get("none")
             if fault == "no rounds":
                 ckpt["rounds_done"] = []
+            elif fault == "too large":  # weights of 5M values (20 MB) for a model of 256
+                ckpt["global"] = [none.encode(torch.zeros(5_000_000)).to_wire()]
             elif fault == "participants of no fragment":
                 ckpt["participants"] = {"zz": ckpt["participants"]["0"]}
             elif fault == "short momentum":
@@ -1235,9 +1239,11 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
                                     for b in self.outer_opt.buffers]  # its last value a NaN
             return msgpack.packb(ckpt, use_bin_type=True)
 
-    counters, finals, history, resumed, (bad,), scores = _late_join(tmp_path, Malformed, lambda f: [min(f)],
-                                                                    outer_momentum=0.9)
+    counters, finals, history, resumed, (bad,), scores, pulled = _late_join(tmp_path, Malformed, lambda f: [min(f)],
+                                                                            outer_momentum=0.9)
     score = scores[bad]
+    if fault == "too large":  # refused before it was pulled: the one pulled is the honest one's (a few kB)
+        assert pulled < 1e6, pulled
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert counters["checkpoint_source_failed"] == 1 and resumed["source"] != f"checkpoint of {bad}"
     assert score > 0 and counters.get("diverged", 0) == 0, counters
