@@ -4,14 +4,17 @@ tests stay as the end-to-end layer."""
 
 import asyncio
 
+import msgpack
 import pytest
 import torch
 
 from node.sim import ChurnConfig, SimConfig, SpsaSim
+from protocols import gossip as pubsub
 from protocols import spsa
 from transport import framing
 from transport.errors import MalformedMessage
 from transport.memory import run_virtual
+from transport.wire import WIRE
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -602,15 +605,11 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_
 @pytest.mark.timeout(120)
 def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
     """The peer a late joiner replays from first adds, to the last windows of the log it serves, batches six fresh
-    keys signed for it (zeros: they never sent them to anyone). The joiner's replay is then off the run's weights
-    and it resyncs from another holder; but it had credited the keys as founders, for good (vouched), and once it
-    is in they vote weights of their own for every window. A log's authors are credited only where they voted, as
-    the run saw it, the weights the peers we replay from voted for."""
-    import msgpack
-
-    from protocols import gossip as pubsub
-    from transport.wire import WIRE
-
+    keys signed for it (zeros: they never sent them to anyone), and once the joiner is in the keys vote weights of
+    their own for every window. Before, the joiner credited them as founders, for good (vouched), and ended on
+    other weights than the run. A replayed log must lead to the weights the other peers it trusts said they held
+    at its last window: the keys' batches moved them, so the log is refused before anything of it is kept, and
+    the joiner takes the next peer's."""
     joined, keys = None, []
 
     def adds_batches(base, late):
