@@ -1386,10 +1386,7 @@ class DilocoLoop(TaskLoop):
     def _left_majority(self) -> None:
         """Our weights left the majority's: the peer whose checkpoint we joined from is asked after the others."""
         if self._checkpoint_from is not None:
-            self._led_off.pop(self._checkpoint_from, None)
-            self._led_off[self._checkpoint_from] = None
-            while len(self._led_off) > MAX_PEER_ENTRIES:
-                del self._led_off[next(iter(self._led_off))]
+            rounds.keep_latest(self._led_off, self._checkpoint_from, None, MAX_PEER_ENTRIES)
 
     def _still_counted(self, r: int | None = None) -> bool:
         """Do the others still count us when we resync at round r? Yes if we started the run with them (unless a
@@ -2516,10 +2513,7 @@ class DilocoLoop(TaskLoop):
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
         # it may ask us next for the announcements of the round it is about to follow (``_join_from_checkpoint``)
-        self._ckpt_served.pop(stream.peer_id, None)
-        self._ckpt_served[stream.peer_id] = self.clock.monotonic()
-        while len(self._ckpt_served) > MAX_PEER_ENTRIES:
-            del self._ckpt_served[next(iter(self._ckpt_served))]
+        rounds.keep_latest(self._ckpt_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
 
     async def _serve_announcements(self, stream: Stream) -> None:
         """The update announcements of a round we hold (or closed lately), as their authors signed them, to a peer
@@ -2605,9 +2599,9 @@ class DilocoLoop(TaskLoop):
         # before a byte of it is allocated: a checkpoint of our model is its weights and momentum in fp32 and a
         # few headers, round counters and participants (a server that announced 4 GiB for a small model had us
         # pull and hold all of it before its tensors were found too large)
-        if size is not None and size > self._checkpoint_budget():
-            raise ProtocolViolation(f"diloco-ckpt: {size} B announced, a checkpoint of our model is at most "
-                                    f"{self._checkpoint_budget()} B")
+        budget = self._checkpoint_budget()
+        if size is not None and size > budget:
+            raise ProtocolViolation(f"diloco-ckpt: {size} B announced, a checkpoint of our model is at most {budget} B")
         with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
             body, _ = await self.bulk.pull(blob, progress=work.update)
         ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
@@ -2649,13 +2643,6 @@ class DilocoLoop(TaskLoop):
         high = min(offsets[p] + (d + 1) * h + self.cfg.overlap for p, d in enumerate(rounds_done))
         return low, max(low, high)
 
-    def _step_of(self, rounds_done: list[int], step: int) -> int:
-        """A checkpoint's step, within what its rounds allow (``_steps_of``): the step is its server's word alone
-        (a checkpoint's rounds are checked, by their hash), and one past the run's end had a joiner end the run
-        at once on the weights it joined with, having never contributed (the simulator)."""
-        low, high = self._steps_of(rounds_done)
-        return min(max(step, low), high)
-
     async def _join_from_checkpoint(self, peers: list[str], rejoin: bool = False) -> bool:
         """Pull a hash-verified checkpoint (global weights, outer momentum, round counters) and join; False if no
         peer served a usable one (the caller goes on: a key that claims a round and serves nothing costs us a
@@ -2683,11 +2670,15 @@ class DilocoLoop(TaskLoop):
                 if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
                     self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
                 continue
-            step = self._step_of(done, ckpt["step"])
+            # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
+            # by their hash), and one past the run's end had a joiner end the run at once on the weights it joined
+            # with, having never contributed (the simulator)
+            low, high = self._steps_of(done)
+            step = min(max(ckpt["step"], low), high)
             if step != ckpt["step"]:
                 self.counters["checkpoint_step_clamped"] += 1
                 logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
-                               peer, ckpt["step"], done, *self._steps_of(done), step)
+                               peer, ckpt["step"], done, low, high, step)
             self._adopt(global_flat, momentum, done, step, ckpt["participants"])
             self._checkpoint_from = peer
             # the peers that vouched for this state (they hold its hash), and those it was made with that say so

@@ -34,6 +34,15 @@ from typing import TypeVar
 from protocols.standing import Standing
 
 
+def keep_latest(entries: dict, key, value, cap: int) -> None:
+    """``entries[key] = value`` as its newest entry (a dict's insertion order is its age), the oldest dropped past
+    ``cap``: the loops' bounded memories of peers (whom we served lately, whose state led us astray)."""
+    entries.pop(key, None)
+    entries[key] = value
+    while len(entries) > cap:
+        del entries[next(iter(entries))]
+
+
 def majority(votes: Mapping[str, str], salt: str = "") -> str:
     """The weight hash most voters report (``votes``: voter -> hash). A tie goes to the side of the voter drawn
     first for ``salt`` (the run and round): every peer picks the same side, no peer picks it by what it sends, and

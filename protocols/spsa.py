@@ -593,8 +593,6 @@ class SPSALoop(TaskLoop):
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
         self._resync_from: list[str] = []
         self._replayed_from: str | None = None  # the peer whose base and log we replayed last
-        # that log led to the weights the others said they held (its membership holds); None: nothing told
-        self._confirmed_log: bool | None = None
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others
         self._led_off: dict[str, None] = {}
@@ -992,10 +990,7 @@ class SPSALoop(TaskLoop):
             # penalty, an honest peer a moment off the run serves that too). Asked first again, as the smallest id
             # among the holders, one sent us round for the whole run; two took turns where only the last was last
             if self._replayed_from is not None:
-                self._led_off.pop(self._replayed_from, None)
-                self._led_off[self._replayed_from] = None
-                while len(self._led_off) > MAX_PEER_ENTRIES:
-                    del self._led_off[next(iter(self._led_off))]
+                rounds.keep_latest(self._led_off, self._replayed_from, None, MAX_PEER_ENTRIES)
             self._resync_from = sorted(verdict.holders, key=lambda a: (a in self._led_off, not self._ctx.direct(a)))
 
     async def _start_or_catch_up(self) -> None:
@@ -1134,6 +1129,7 @@ class SPSALoop(TaskLoop):
         until = self.clock.monotonic() + self.cfg.deadline
         replayed = None  # the contributors of each window of the log we replayed
         trusted, peers = set(peers), list(peers)  # (a peer whose log we could not use is still one we trust)
+        leads = None  # the log we replayed led to the weights the others said they held; None: nothing told
         while replayed is None:
             behind = 0
             for peer_id in list(peers):
@@ -1147,7 +1143,6 @@ class SPSALoop(TaskLoop):
                         continue
                     replayed = await self._replay(entries, from_base=base_taken)
                     leads = await asyncio.to_thread(self._log_leads_where_they_said, trusted - {peer_id})
-                    self._confirmed_log = leads
                     if leads is False:
                         self.counters["log_inconsistent"] += 1
                         replayed = None
@@ -1186,7 +1181,7 @@ class SPSALoop(TaskLoop):
             windows = sorted(self.applied)
             before_last = set(self.applied[windows[-2]]) if len(windows) >= 2 else set()
             listed = set(self.applied[windows[-1]]) | before_last if windows else set()
-            confirmed = before_last if self._confirmed_log else listed
+            confirmed = before_last if leads else listed
             self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
             self.standing.found(trusted | confirmed)
         self.state = "running"
@@ -1201,14 +1196,14 @@ class SPSALoop(TaskLoop):
         server's word alone, and a batch added or left out moves the weights. None where none of them said
         anything of that window (nothing to tell by)."""
         last = max(self.applied, default=None)
-        said = collections.Counter(_batch_hash(m)[:16] for a, m in self.applied.get(last, {}).items() if a in peers)
+        said = {a: _batch_hash(m)[:16] for a, m in self.applied.get(last, {}).items() if a in peers}
         if not said:  # none of theirs in the log's last window (left out?): what they said there, as it reached us
             live = self.hashes.get(last, {})
-            said = collections.Counter(live[p] for p in peers if p in live)
+            said = {p: live[p] for p in peers if p in live}
         if not said:
             return None
-        top = max(said.items(), key=lambda kv: (kv[1], kv[0]))[0]  # (ties: the larger hash, on every peer alike)
-        return top == self.weights.hash()[:16]
+        # (a tie as the hash check breaks one: rounds.majority, the voter drawn first for the run and window)
+        return rounds.majority(said, f"{self.cfg.run}/{last}") == self.weights.hash()[:16]
 
     async def _replay(self, entries: list, from_base: bool = False) -> list[set[str]]:
         """Verify a log's closed windows (all of them, before anything changes), take them as applied, and apply
@@ -1362,10 +1357,7 @@ class SPSALoop(TaskLoop):
             self._base_log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
                                "relay, served it lately, or %d others are being served)", peer, BASE_SERVES)
             return
-        self._base_served.pop(peer, None)
-        self._base_served[peer] = now
-        while len(self._base_served) > MAX_PEER_ENTRIES:
-            del self._base_served[next(iter(self._base_served))]
+        rounds.keep_latest(self._base_served, peer, now, MAX_PEER_ENTRIES)
         async with self._base_serving:
             # an asker that reads slowly holds a slot: at most as long as 256 kB/s takes
             async with asyncio.timeout(30 + size / BASE_SERVE_RATE):

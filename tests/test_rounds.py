@@ -349,3 +349,12 @@ def test_sources_are_bounded():
         s.scored(f"p{i}", [0.0, 1.0])
         s.scored("me", [1.0, 1.0])
     assert len(s.by_peer) == 8 and "me" in s.by_peer  # the one with the fewest items scored gives way
+
+
+def test_keep_latest_moves_a_key_to_the_newest_and_drops_the_oldest_past_the_cap():
+    entries: dict = {}
+    for key in "abc":
+        rounds.keep_latest(entries, key, key.upper(), 3)
+    rounds.keep_latest(entries, "a", "again", 3)  # a is the newest now: b is the oldest
+    rounds.keep_latest(entries, "d", "D", 3)
+    assert list(entries.items()) == [("c", "C"), ("a", "again"), ("d", "D")]
