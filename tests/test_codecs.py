@@ -130,6 +130,37 @@ def test_e3m0_encodes_in_slices_the_bytes_it_encodes_whole(monkeypatch, block, n
         assert bytes(codec.encode_wire(x)) == whole, step
 
 
+def _e3m0_pinned_input() -> torch.Tensor:
+    """Float32 values built from their bits (Python's seeded random, no torch kernel: the same on every CPU): any
+    sign and mantissa, exponents over 40 binades, with zeros, -0.0, a block of -0.0, subnormals, extremes, and a
+    block whose scale is a bfloat16 subnormal."""
+    import random
+    import struct
+
+    rng = random.Random(2026)
+    values = []
+    for _ in range(5000):
+        bits = (rng.getrandbits(32) & 0x807FFFFF) | ((107 + rng.randrange(40)) << 23)
+        values.append(struct.unpack("<f", struct.pack("<I", bits))[0])
+    values[:6] = [0.0, -0.0, 1e-45, -1e-45, 3e38, -3e38]
+    values[128:256] = [-0.0] * 128
+    values[256:384] = [1e-39, -1e-39, 5e-40, 0.0] * 32  # a scale below bfloat16's normals: sqrt(2) / s is inf
+    return torch.tensor(values + [0.5, -0.25, 0.125], dtype=torch.float32)
+
+
+@pytest.mark.parametrize("block, digest", [(128, "811700e910f56263388e7ef77ed993f8"),
+                                           (7, "06ebe551ad23db8bf6cbed81426da998")])
+def test_e3m0_bytes_are_pinned(block, digest):
+    # peers compare reduced e3m0 parts byte for byte, and a run's fingerprint names the encoder (E3M0_ENCODER), not
+    # its bytes: a change of the encoder that changes one byte must change that name too (then this digest). These
+    # are the bytes of the encoder of 2026-12-02 (before its codes were taken in bytes, the same)
+    import hashlib
+
+    wire = bytes(C.E3M0Codec(block=block).encode_wire(_e3m0_pinned_input()))
+    assert hashlib.blake2b(wire, digest_size=16).hexdigest() == digest
+    assert C.E3M0_ENCODER == "exponent bits of |x| sqrt(2) / s"
+
+
 @pytest.mark.parametrize("name", NAMES)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_non_finite_input_is_refused(name, bad):
