@@ -492,7 +492,9 @@ class E3M0Codec(BlockCodec):
         # exponent bits of those, 255 or -1, give codes 0 and 7)
         exponent_bits = magnitude.mul_(factor).view(torch.int32) >> 23
         codes = exponent_bits.neg_().add_(127).clamp_(0, 7).to(torch.uint8)
-        sign = torch.lt(view, 0).view(torch.uint8)  # (a bool is the byte 0 or 1; -0.0 is not below 0: sign 0)
+        # (numpy's comparison: 14 us for a slice against torch's 157; a bool is the byte 0 or 1; -0.0 is not below
+        # 0: sign 0)
+        sign = torch.from_numpy(view.numpy() < 0).view(torch.uint8)
         sign <<= 3
         codes |= sign
         codes = codes.reshape(-1)  # whole blocks: an even count when the block is even
@@ -524,19 +526,17 @@ class SignCodec(BlockCodec):
         if n % b:
             counts[-1] = n % b  # the last block's mean over its own values, not its zero padding
         scales16 = (view.abs().sum(dim=1) / counts).to(torch.bfloat16)
-        bits = (flat < 0).to(torch.uint8)
-        if n % 8:
-            bits = torch.cat([bits, torch.zeros(8 - n % 8, dtype=torch.uint8)])
-        packed = (bits.view(-1, 8) << _BIT_SHIFTS).sum(dim=1, dtype=torch.uint8) if n else bits
+        # the signs eight to a byte, the first in the lowest bit, the last byte's unused bits 0: numpy's comparison
+        # and packbits (25 MB of values: 1.9 ms against 21.6 for torch's comparison, shifts and sums)
+        packed = torch.from_numpy(np.packbits(flat.numpy() < 0, bitorder="little"))
         return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.view(torch.int16).numpy().tobytes(), b""),
-                packed.contiguous())
+                packed)
 
     def decode_flat(self, enc: Encoded, out):
         # one table lookup per byte gives its eight values (+-1, lowest bit first)
         return _decode_by_table(enc, out, self.name, _SIGN_OCTETS)
 
 
-_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
 _SIGN_OCTETS = (1.0 - 2.0 * ((torch.arange(256, dtype=torch.int32)[:, None] >> torch.arange(8)) & 1)).to(
     torch.float32).contiguous()
 

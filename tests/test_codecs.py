@@ -130,7 +130,7 @@ def test_e3m0_encodes_in_slices_the_bytes_it_encodes_whole(monkeypatch, block, n
         assert bytes(codec.encode_wire(x)) == whole, step
 
 
-def _e3m0_pinned_input() -> torch.Tensor:
+def _pinned_input() -> torch.Tensor:
     """Float32 values built from their bits (Python's seeded random, no torch kernel: the same on every CPU): any
     sign and mantissa, exponents over 40 binades, with zeros, -0.0, a block of -0.0, subnormals, extremes, and a
     block whose scale is a bfloat16 subnormal."""
@@ -148,15 +148,18 @@ def _e3m0_pinned_input() -> torch.Tensor:
     return torch.tensor(values + [0.5, -0.25, 0.125], dtype=torch.float32)
 
 
-@pytest.mark.parametrize("block, digest", [(128, "811700e910f56263388e7ef77ed993f8"),
-                                           (7, "06ebe551ad23db8bf6cbed81426da998")])
-def test_e3m0_bytes_are_pinned(block, digest):
-    # peers compare reduced e3m0 parts byte for byte, and a run's fingerprint names the encoder (E3M0_ENCODER), not
-    # its bytes: a change of the encoder that changes one byte must change that name too (then this digest). These
-    # are the bytes of the encoder of 2026-12-02 (before its codes were taken in bytes, the same)
+@pytest.mark.parametrize("name, block, digest", [("e3m0", 128, "811700e910f56263388e7ef77ed993f8"),
+                                                 ("e3m0", 7, "06ebe551ad23db8bf6cbed81426da998"),
+                                                 ("sign", 128, "489be2e621ee18b79c129cf4c5eafb18"),
+                                                 ("sign", 7, "537dc533370e8db5a958a71404bdebe9")])
+def test_the_reduced_codecs_bytes_are_pinned(name, block, digest):
+    # peers compare reduced parts byte for byte, and a run's fingerprint names the e3m0 encoder (E3M0_ENCODER), not
+    # its bytes: a change of an encoder that changes one byte must change the run's fingerprint too (then this
+    # digest). These are the bytes of the encoders of 2026-12-02, before their packing went through int16 pairs
+    # and numpy (the same bytes)
     import hashlib
 
-    wire = bytes(C.E3M0Codec(block=block).encode_wire(_e3m0_pinned_input()))
+    wire = bytes(C.get(name, block=block).encode_wire(_pinned_input()))
     assert hashlib.blake2b(wire, digest_size=16).hexdigest() == digest
     assert C.E3M0_ENCODER == "exponent bits of |x| sqrt(2) / s"
 
