@@ -43,7 +43,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import checkpoint, outer, rounds
+from protocols import checkpoint, codecs, outer, rounds
 from protocols import task as tasks
 from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from protocols.gossip import Gossip, Message, Verdict, decode_message
@@ -485,7 +485,8 @@ class BaseReceiver:
         return base_digest(self._views)
 
     def finite(self) -> bool:
-        return all(bool(torch.isfinite(t).all()) for t in self.tensors if t.is_floating_point())
+        # one min-max pass a tensor (a bool tensor of every value, then its all(), took 40x as long)
+        return all(codecs.all_finite(t) for t in self.tensors)
 
 
 # ------------------------------------------------------------------ the loop
