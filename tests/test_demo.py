@@ -3,6 +3,7 @@ every node's progress; Ctrl+C (SIGINT) stops every node it started and it exits 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -31,8 +32,6 @@ def alive(pid: int) -> bool:
 def _states(root: Path) -> str:
     """What each node says of itself (its loop, its members, its gossip links and mesh), for a failure's message:
     a start that never came (seen once in a full suite run, 2026-12-02) is read from it, not guessed."""
-    import json
-
     out = []
     for i in range(3):
         try:
