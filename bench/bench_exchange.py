@@ -8,7 +8,8 @@ round, so a round's time is its exchange; bytes = what each node's bulk service 
 per round, in units of S. The peers start each round together, as hivemind's do: after each (SGD) inner step they
 wait for each other at a barrier, and time = a round's period, from the moment the last peer was ready with its
 trained weights to the moment the last was ready again (our update's preparation, the exchange, the outer step and
-one SGD step; the median over rounds). ``--free``: the bench before 2026-11-29 (evening): the peers train (AdamW)
+one SGD step; the median over rounds); "exchange s": the same less the SGD step and the barrier, to the moment the
+last peer began its next inner step (the part of a round hivemind's timing has a counterpart of). ``--free``: the bench before 2026-11-29 (evening): the peers train (AdamW)
 and announce as they go, and time = a node's median span from announcing its update to holding the round's combined
 update (the slowest node's), which leaves out our own update's preparation and the steps on either side. "after
 all in": from the round's close (every update announced, the members agreed) to the combined update.
@@ -51,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 
 from natlab import StarLab, unavailable  # noqa: E402
 from swarmproc import LOOPBACK_NODE, Swarm, loop_config, wait_for  # noqa: E402
-from vector_task import periods  # noqa: E402  (bench/ is this script's own directory)
+from vector_task import periods, windows  # noqa: E402  (bench/ is this script's own directory)
 
 CONFIG = """
 [node]
@@ -324,6 +325,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
                 print(f"node {i} closed no round with its own update in it: {json.dumps(s)[:4000]}", file=sys.stderr)
         span = max(s["exchange"]["round_seconds_median"] or math.inf for s in final)
         period = periods(str(root / "together"), peers) if together else []
+        window = windows(str(root / "together"), peers) if together else []
         return {
             # the peers started together (the default): a round's period, from the last peer ready with its update to
             # the last ready with the next (the median over rounds), as hivemind's rounds are timed (the slowest
@@ -332,6 +334,9 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             # (no period when a node skipped a barrier, a resync: NaN, not the span under the "together" label)
             "round_s": (statistics.median(period) if period else math.nan) if together else span,
             "span_s": span,
+            # (together) the exchange alone: a period less the inner step and the barrier, from the last peer ready
+            # to the last one done with the round (hivemind's time has a counterpart of this part only)
+            "exchange_s": statistics.median(window) if window else math.nan,
             "periods": len(period),
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
@@ -537,7 +542,8 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
     window = sum(w for _, _, _, w in times) / rounds / peers
     times = [t for t, _, _, _ in times]
     per_round = [max(t[r] for t in times) for r in range(rounds)]
-    return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round), "cpu_s": cpu,
+    return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round),
+            "exchange_s": statistics.median(per_round), "cpu_s": cpu,
             "window_cpu_s": window,
             "p2pd_cpu_s": daemons,
             "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
@@ -624,20 +630,23 @@ def main() -> None:
           "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
     print(f"{'N':>3} | {'exchange':<30} | {'parts':>5} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | "
           f"{'out (xS)':>8} | "
-          f"{'vs hivemind':>11} | "
+          f"{'vs hivemind':>11} | {'exchange s':>10} | {'vs hivemind':>11} | "
           f"{'same weights':>12} | {'resyncs':>7} | {'fallback parts':>14} | {'parts redone':>12} | "
           f"{'peak GB/peer':>12} | {'CPU s/round/peer':>16} | {'of which p2pd':>13}")
-    print("-" * 213)
+    print("-" * 240)
     for n, result in rows:
         base = result.get("hivemind", {}).get("round_s")
         for name, r in result.items():
             ratio = f"{r['round_s'] / base:.2f}" if base else "-"
+            alone = r.get("exchange_s", math.nan)
+            alone_ratio = f"{alone / base:.2f}" if base and math.isfinite(alone) else "-"
             codec = "" if args.codec == "none" else f", {args.codec}"
             together = "" if args.free else ", together"
             label = name if name == "hivemind" else f"{name} (swarmd{codec}{together})"
             print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
-                  f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {('yes' if r['same'] else 'NO'):>12} | "
+                  f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {alone:>10.2f} | {alone_ratio:>11} | "
+                  f"{('yes' if r['same'] else 'NO'):>12} | "
                   f"{r['resyncs']:>7} | {r['fallback']:>14} | {r['conformed']:>12} | {r['peak_gb']:>12.2f} | "
                   f"{format(r['cpu_s'], '.2f') if 'cpu_s' in r else '-':>16} | "
                   f"{format(r['p2pd_cpu_s'], '.2f') if 'p2pd_cpu_s' in r else '-':>13}")
@@ -675,7 +684,9 @@ def main() -> None:
         for name, r in result.items():
             if r.get("periods"):
                 print(f"{n:>3} | {name:<30} | together: the median of {r['periods']} rounds' periods (last ready -> "
-                      f"last ready) {r['round_s']:.2f} s; a node's span from announcing its update to the combined "
+                      f"last ready) {r['round_s']:.2f} s, of which the exchange (last ready -> last done with the "
+                      f"round: our update's preparation, the exchange, the outer step) {r['exchange_s']:.2f} s; "
+                      f"a node's span from announcing its update to the combined "
                       f"one {r['span_s']:.2f} s; CPU a round a peer {r['cpu_s']:.2f} s (every bit of a round)"
                       + (f", hivemind's from its trigger to its all-reduce's end {h:.2f} s" if h else ""))
     print("goals: scatter's bytes per peer <= 2.2 x S at every N; time <= 0.5 x hivemind's at N = 8")

@@ -47,11 +47,24 @@ class TogetherVectorTask(SgdVectorTask):
     ``together``, which they share on this machine): every peer's update starts on its way at the same moment, as
     hivemind's averagers trigger their all-reduce together after a barrier in the benchmark. Each node writes when
     it reached the barrier (``time.monotonic``, one clock for every process on this machine), so the bench reads a
-    round's period, from the last peer ready to the last peer ready again, out of the files (``periods``)."""
+    round's period, from the last peer ready to the last peer ready again, out of the files (``periods``). It also
+    writes when it starts its next inner step (the round's exchange and outer step done), so the bench reads the
+    exchange alone too, from the last peer ready to the last peer done with the round (``windows``): the part of
+    a period that hivemind's timing, from its trigger to its all-reduce's end, has a counterpart of."""
 
     def __init__(self, size: int, together: str, peers: int):
         super().__init__(size)
         self.dir, self.peers, self.steps = Path(together), peers, 0
+
+    def data(self, shard: int, seed: int):
+        batches = super().data(shard, seed)
+        while True:
+            # (when the loop asks for a step's batch: the step begins, the round before it is over)
+            if self.steps:
+                tmp = self.dir / f".s{self.steps:06d}.{os.getpid()}"
+                tmp.write_text(repr(time.monotonic()))
+                tmp.rename(self.dir / f"s{self.steps:06d}.{os.getpid()}")
+            yield next(batches)
 
     def optimizer(self, params) -> torch.optim.Optimizer:
         opt = super().optimizer(params)
@@ -88,6 +101,19 @@ def periods(together: str, peers: int) -> list[float]:
         ready.setdefault(int(f.name.split(".")[0]), []).append(float(f.read_text()))
     steps = sorted(k for k, v in ready.items() if len(v) == peers)
     return [max(ready[b]) - max(ready[a]) for a, b in zip(steps, steps[1:]) if b == a + 1]
+
+
+def windows(together: str, peers: int) -> list[float]:
+    """Each round's exchange from the files of ``TogetherVectorTask``: from the moment the last of the peers was
+    ready with its update (trained) to the moment the last began its next inner step: our update's preparation,
+    the exchange and the outer step, the slowest peer's; a period less the inner step and the barrier."""
+    ready: dict[int, list[float]] = {}
+    began: dict[int, list[float]] = {}
+    for f in Path(together).glob("[0-9s]*.*"):
+        into = began if f.name.startswith("s") else ready
+        into.setdefault(int(f.name.lstrip("s").split(".")[0]), []).append(float(f.read_text()))
+    return [max(began[k]) - max(ready[k]) for k in sorted(ready)
+            if len(ready[k]) == peers and len(began.get(k, ())) == peers]
 
 
 def make_task(size: int = 1_000_000, sgd: bool = False, together: str = "", peers: int = 0) -> VectorTask:
