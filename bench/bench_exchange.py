@@ -9,9 +9,10 @@ per round, in units of S. The peers start each round together, as hivemind's do:
 wait for each other at a barrier, and time = a round's period, from the moment the last peer was ready with its
 trained weights to the moment the last was ready again (our update's preparation, the exchange, the outer step and
 one SGD step; the median over rounds); "exchange s": the same less the SGD step and the barrier, to the moment the
-last peer began its next inner step (the part of a round hivemind's timing has a counterpart of). ``--free``: the bench before 2026-11-29 (evening): the peers train (AdamW)
-and announce as they go, and time = a node's median span from announcing its update to holding the round's combined
-update (the slowest node's), which leaves out our own update's preparation and the steps on either side. "after
+last peer began its next inner step (the part of a round hivemind's timing has a counterpart of). ``--free``: the
+bench before 2026-11-29 (evening): the peers train (AdamW) and announce as they go, and time = a node's median span
+from announcing its update to holding the round's combined update (the slowest node's), which leaves out our own
+update's preparation and the steps on either side. "after
 all in": from the round's close (every update announced, the members agreed) to the combined update.
 hivemind: N processes, each a DecentralizedAverager over one S/4-value fp32 tensor,
 timed from the trigger after matchmaking (every peer waits at a barrier for it) to the all-reduce's end (the
