@@ -14,7 +14,11 @@ serves members only and can rate-limit them; integrity comes from the hash, so t
 encryption (the same bytes are announced to the whole swarm).
 
 Wire (TCP): request ``u32 length | msgpack {"hash", "peer", "ts", "sig"}``; reply ``u8 status | u64 size | bytes``
-(status 0 ok, 1 unknown hash, 2 refused).
+(status 0 ok, 1 unknown hash, 2 refused). A connection carries further requests, one after another, each
+answered in full before the next is sent (a server keeps an idle one KEEPALIVE s; a client keeps its idle ones in a
+``ConnectionPool`` for less), so a round's pulls from one source reuse one connection: no new TCP handshake, and on
+a real link no new slow start, for each chunk. A server that closes after one reply (before 2026-12-02) is still
+understood: a pooled connection closed before its reply is retried once on a new one.
 
 Behind NATs a holder's TCP port is not reachable, but a hole-punched libp2p connection is (``node.nat``). So the
 same request also works as a stream, ``/swarmd/bulk/1.0.0``: REQUEST {hash, peer, ts, sig} (peer must be the
@@ -71,7 +75,7 @@ _REQUEST_EXAMPLE = {"hash": bytes(32), "peer": "12D3KooW...", "ts": 1_800_000_00
 _SIGNED = REQUEST_DOMAIN.rstrip(b"\0").decode()
 WIRE.blob("(bulk TCP port)", "bulk.tcp-request", _REQUEST, _REQUEST_EXAMPLE, max_size=MAX_REQUEST, signed=_SIGNED,
           doc="u32 length | this map; the reply is u8 status | u64 size | the bytes (status 0 ok, 1 unknown, "
-              "2 refused)")
+              "2 refused); then the connection's next request, if any (a refusal closes it)")
 WIRE.frame(STREAM_SPEC, REQUEST, "bulk.request", _REQUEST, _REQUEST_EXAMPLE, signed=_SIGNED,
            doc="send me the blob with this BLAKE3 hash (signed: hash | ts)")
 WIRE.frame(STREAM_SPEC, HEAD, "bulk.head", Map.of(status=Int(0, 2), size=Int(0, MAX_BLOB)),
@@ -95,7 +99,73 @@ class BadData(BulkError):
     """The source served bytes whose hash does not match."""
 
 
+class _Closed(BulkError):
+    """The source closed the connection before its reply was whole (``before_reply``: before its first byte)."""
+
+    def __init__(self, message: str, before_reply: bool):
+        super().__init__(message)
+        self.before_reply = before_reply
+
+
+class ConnectionPool:
+    """A client's idle bulk connections, by source address: a pull takes one (the most recently used) or dials a new
+    one, and gives it back once its reply came whole and checked. At most POOL_PER_ADDR a source and POOL_MAX in
+    all; one idle for POOL_IDLE is closed (``expire``; and when taken)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._idle: dict[str, list[tuple[float, asyncio.Transport, _Receiver]]] = {}
+        self.counters: collections.Counter = collections.Counter()
+
+    def take(self, addr: str) -> tuple[asyncio.Transport, _Receiver] | None:
+        held = self._idle.get(addr)
+        now = self._clock()
+        while held:
+            since, transport, protocol = held.pop()
+            if not protocol.closed and not transport.is_closing() and now - since < POOL_IDLE:
+                if not held:
+                    del self._idle[addr]
+                self.counters["reused"] += 1
+                return transport, protocol
+            transport.close()
+        self._idle.pop(addr, None)
+        return None
+
+    def give(self, addr: str, transport: asyncio.Transport, protocol: _Receiver) -> None:
+        held = self._idle.setdefault(addr, [])
+        if protocol.closed or transport.is_closing() or len(held) >= POOL_PER_ADDR or self.idle() >= POOL_MAX:
+            transport.close()
+            if not held:
+                del self._idle[addr]
+            return
+        held.append((self._clock(), transport, protocol))
+
+    def idle(self) -> int:
+        return sum(len(v) for v in self._idle.values())
+
+    def expire(self) -> None:
+        now = self._clock()
+        for addr in list(self._idle):
+            keep = []
+            for since, transport, protocol in self._idle[addr]:
+                if protocol.closed or transport.is_closing() or now - since >= POOL_IDLE:
+                    transport.close()
+                else:
+                    keep.append((since, transport, protocol))
+            if keep:
+                self._idle[addr] = keep
+            else:
+                del self._idle[addr]
+
+    def close(self) -> None:
+        for held in self._idle.values():
+            for _, transport, _ in held:
+                transport.close()
+        self._idle.clear()
+
+
 HASH_THREADS_FROM = 16 << 20  # bytes: a blob hashed on every core from this size, on one below it
+INLINE_HASH = 1 << 20  # bytes: a pulled blob up to this size is hashed on the event loop (0.2 ms at most)
 
 
 def hasher(nbytes: int) -> blake3.blake3:
@@ -138,13 +208,30 @@ LOWAT = 256 << 10  # a body's socket wakes us when this much has come at most (S
 WAKE_EVERY = 0.05  # s: ... or what the transfer's rate brings in that long, whichever is less
 HOLD = 4 * WAKE_EVERY  # s: bytes held in the kernel this long without a read (a source that paused) are read then
 IDLE_TIMEOUT = 30.0  # a source that sends nothing for this long is dropped
+KEEPALIVE = 10.0  # s a server waits for a connection's next request (its first: the same 10 s as before)
+POOL_IDLE = 5.0  # s a client keeps an idle connection (under KEEPALIVE: the server closes it after the client)
+POOL_PER_ADDR = 4  # idle connections kept to one source (a round pulls a few chunks of one source at once)
+POOL_MAX = 64  # ... and to all sources together
 
 
 class _Receiver(asyncio.BufferedProtocol):
     """Reads the reply header, then the body straight into a buffer that grows with what actually arrived (a source
-    announcing 4 GiB and sending nothing costs 16 MiB, not 4 GiB), doubling so the copies stay amortised."""
+    announcing 4 GiB and sending nothing costs 16 MiB, not 4 GiB), doubling so the copies stay amortised. One reply
+    at a time; with ``keep`` the connection stays open after a complete one (``begin`` readies the next), and a
+    byte that comes between replies (none is asked for) closes it."""
 
-    def __init__(self, max_size: int):
+    def __init__(self, max_size: int, keep: bool = False):
+        self.keep = keep
+        self.closed = False
+        self.idle = False  # between replies: nothing is expected
+        self.transport = None
+        self.lowat = 1  # the socket's SO_RCVLOWAT (``_wake_at``)
+        self.release: asyncio.TimerHandle | None = None  # while it is over 1: ``_release``
+        self.begin(max_size)
+
+    def begin(self, max_size: int) -> None:
+        """Ready for the next reply (of at most ``max_size`` bytes)."""
+        self.idle = False
         self.max_size = max_size
         self.header = bytearray(HEADER.size)
         self.got_header = 0
@@ -152,12 +239,16 @@ class _Receiver(asyncio.BufferedProtocol):
         self.view: memoryview | None = None
         self.got = 0
         self.done: asyncio.Future = asyncio.get_running_loop().create_future()
-        self.transport = None
         self.status = None
         self.size = 0
         self.last_progress = self.started = time.monotonic()
-        self.lowat = 1  # the socket's SO_RCVLOWAT (``_wake_at``)
-        self.release: asyncio.TimerHandle | None = None  # while it is over 1: ``_release``
+
+    def rest(self) -> None:
+        """Between replies: the last one's body is the caller's now (the connection, idle in a pool, holds no
+        reference to it)."""
+        self.body = self.view = None
+        self.done = asyncio.get_running_loop().create_future()
+        self.done.set_result(None)
 
     def connection_made(self, transport) -> None:
         self.transport = transport
@@ -190,6 +281,8 @@ class _Receiver(asyncio.BufferedProtocol):
             self.release = asyncio.get_running_loop().call_later(HOLD - idle, self._release)
 
     def get_buffer(self, sizehint: int):
+        if self.idle:  # bytes nobody asked for: read into a scratch buffer, then the connection is closed
+            return memoryview(bytearray(64))
         if self.body is None:
             return memoryview(self.header)[self.got_header:]
         if self.got == len(self.body):  # a new, larger buffer (the loop may still hold a view of the old one)
@@ -199,6 +292,9 @@ class _Receiver(asyncio.BufferedProtocol):
         return self.view[self.got:]
 
     def buffer_updated(self, nbytes: int) -> None:
+        if self.idle:
+            self.transport.close()  # (a source that sends between replies is not reused)
+            return
         if self.body is None:
             self.got_header += nbytes
             if self.got_header < HEADER.size:
@@ -240,24 +336,53 @@ class _Receiver(asyncio.BufferedProtocol):
                 self.done.set_result(self.body)
             else:
                 self.done.set_exception(error)
-        self.transport.close()
+        if error is None and self.keep and not self.closed:
+            self.idle = True
+            self._wake_at(1)  # the next reply's header wakes us at its first byte
+        else:
+            self.transport.close()
 
     def connection_lost(self, exc) -> None:
+        self.closed = True
         self._stop_release()
         if not self.done.done():
-            self.done.set_exception(BulkError(f"connection closed after {self.got} B ({exc})"))
+            self.done.set_exception(_Closed(f"connection closed after {self.got} B ({exc})", self.got_header == 0))
 
 
 async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeout: float = 120.0,
-                idle_timeout: float = IDLE_TIMEOUT, progress: Callable[[int], None] | None = None) -> bytearray:
+                idle_timeout: float = IDLE_TIMEOUT, progress: Callable[[int], None] | None = None,
+                pool: ConnectionPool | None = None) -> bytearray:
     """Pull one blob from ``addr`` ("host:port") and verify it; ``progress(bytes so far)`` is called about once a
-    second. Raises BulkError / BadData / OSError."""
+    second. With ``pool``, over an idle connection of it where there is one (and a connection that served the
+    blob whole goes back to it). Raises BulkError / BadData / OSError."""
+    conn = pool.take(addr) if pool is not None else None
+    if conn is not None:
+        try:
+            return await _fetch_on(conn, addr, blob_hash, size, request, timeout, idle_timeout, progress, pool)
+        except _Closed as e:
+            if not e.before_reply:
+                raise
+            # closed before its reply began: the source's end of an idle connection (its keep-alive over, or a
+            # source that serves one request a connection): once more, on a new one
+            pool.counters["reuse_failed"] += 1
     host, port = addr.rsplit(":", 1)
     loop = asyncio.get_running_loop()
-    transport, protocol = await asyncio.wait_for(
-        loop.create_connection(lambda: _Receiver(size), host.strip("[]"), int(port)), 10.0
+    conn = await asyncio.wait_for(
+        loop.create_connection(lambda: _Receiver(size, keep=pool is not None), host.strip("[]"), int(port)), 10.0
     )
+    return await _fetch_on(conn, addr, blob_hash, size, request, timeout, idle_timeout, progress, pool)
+
+
+async def _fetch_on(conn: tuple[asyncio.Transport, _Receiver], addr: str, blob_hash: bytes, size: int,
+                    request: bytes, timeout: float, idle_timeout: float, progress: Callable[[int], None] | None,
+                    pool: ConnectionPool | None) -> bytearray:
+    """One request and its reply on a connection: given back to ``pool`` once the reply came whole and matched,
+    closed otherwise."""
+    transport, protocol = conn
+    if protocol.done.done():  # a connection from the pool: its last reply is over
+        protocol.begin(size)
     deadline = time.monotonic() + timeout
+    kept = False
     try:
         transport.write(struct.pack(">I", len(request)) + request)
         while True:
@@ -272,16 +397,22 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
                     raise BulkError(f"{addr}: not done after {timeout:.0f} s ({protocol.got} B)") from None
                 if now - protocol.last_progress > idle_timeout:
                     raise BulkError(f"{addr}: no bytes for {idle_timeout:.0f} s ({protocol.got} B)") from None
+        if len(body) != size:
+            raise BadData(f"{addr} served {len(body)} B, announced {size} B")
+        # (a part of an update on the loop: a hand-off to a worker thread cost more than its hash, 0.03 ms for 200 KB)
+        digest = content_hash(body) if size <= INLINE_HASH else await asyncio.to_thread(content_hash, body)
+        if digest != blob_hash:
+            raise BadData(f"{addr} served bytes whose hash does not match the announcement")
+        if pool is not None and protocol.idle:
+            protocol.rest()
+            pool.give(addr, transport, protocol)
+            kept = True
+        return body
     finally:
-        transport.close()
+        if not kept:
+            transport.close()
         if not protocol.done.done():
             protocol.done.cancel()
-    if len(body) != size:
-        raise BadData(f"{addr} served {len(body)} B, announced {size} B")
-    digest = await asyncio.to_thread(content_hash, body)
-    if digest != blob_hash:
-        raise BadData(f"{addr} served bytes whose hash does not match the announcement")
-    return body
 
 
 async def fetch_stream(transport, peer: str, blob_hash: bytes, size: int, request: dict, *,
@@ -345,11 +476,15 @@ class BulkService:
         self._server: asyncio.AbstractServer | None = None
         self._ctx: NodeContext | None = None
         self._addrs: list[str] = []
+        self._pool = ConnectionPool()  # our idle connections to sources, for the next pulls from them
+        # the connections we serve (idle ones included), and the task serving each
+        self._connections: dict[asyncio.StreamWriter, asyncio.Task | None] = {}
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
         self._rate = TokenBuckets(SERVE_RATE, SERVE_BURST, clock=ctx.clock.monotonic)
+        self._pool = ConnectionPool(clock=ctx.clock.monotonic)
         self._log = RateLimitedLog(logger, interval=30.0, clock=ctx.clock.monotonic)
         if self.tcp:
             self._server = await asyncio.start_server(self._serve, self.host, self.port, limit=MAX_REQUEST + 16)
@@ -370,6 +505,7 @@ class BulkService:
         for blob_hash in [h for h, t in self._announced_at.items() if now - t > ANNOUNCEMENT_TTL]:
             self._forget(blob_hash)
         self._rate.prune()
+        self._pool.expire()
 
     def _forget(self, blob_hash: bytes) -> None:
         a = self.announcements.pop(blob_hash, None)
@@ -388,8 +524,14 @@ class BulkService:
     async def close(self) -> None:
         if self._hosts_listing is not None and not self._hosts_listing.done():
             self._hosts_listing.cancel()
+        self._pool.close()
         if self._server is not None:
             self._server.close()
+            serving = [t for t in self._connections.values() if t is not None]
+            for writer in list(self._connections):  # idle ones wait for a next request: they end at their EOF
+                writer.close()
+            if serving:
+                await asyncio.wait(serving, timeout=5.0)
             await self._server.wait_closed()
 
     def _clock(self) -> Clock:
@@ -544,7 +686,7 @@ class BulkService:
                         self.counters["pulled_over_stream"] += 1
                     else:
                         body = await fetch(way, blob_hash, size, msgpack.packb(request, use_bin_type=True),
-                                           timeout=timeout, progress=progress)
+                                           timeout=timeout, progress=progress, pool=self._pool)
                     break
                 except (BadData, ProtocolViolation) as e:
                     ctx.transport.penalties.penalize(peer, "bad_data", str(e))
@@ -589,30 +731,50 @@ class BulkService:
 
     # ------------------------------------------------------------------ serving
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection's requests, one after another: each read whole and answered whole before the next is read;
+        the connection closed once none came for KEEPALIVE s (its first: 10 s, as when a connection carried one), at
+        the client's end, or at the first bad request."""
+        self.counters["connections"] += 1
+        served = 0
+        self._connections[writer] = asyncio.current_task()
         try:
-            header = await asyncio.wait_for(reader.readexactly(4), 10.0)
-            (length,) = struct.unpack(">I", header)
-            if length > MAX_REQUEST:
-                raise BulkError("request too large")
-            request = unpack(await asyncio.wait_for(reader.readexactly(length), 10.0))
-            status, blob = self._check(request)
-            writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
-            if blob is not None:
-                peer = request["peer"]
-                self._begin_serving(peer, request["hash"])
+            while True:
                 try:
-                    writer.write(memoryview(blob))
-                    await writer.drain()
-                finally:
-                    self._served(peer, request["hash"])
-                self.counters["served"] += 1
-                self.counters["bytes_served"] += len(blob)
-            await writer.drain()
+                    header = await asyncio.wait_for(reader.readexactly(4), KEEPALIVE)
+                except (asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
+                    if served and (isinstance(e, asyncio.TimeoutError) or not e.partial):
+                        return  # between requests: the client is done with it, or let it idle out
+                    raise
+                (length,) = struct.unpack(">I", header)
+                if length > MAX_REQUEST:
+                    raise BulkError("request too large")
+                request = unpack(await asyncio.wait_for(reader.readexactly(length), 10.0))
+                status, blob = self._check(request)
+                writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
+                if blob is not None:
+                    peer = request["peer"]
+                    self._begin_serving(peer, request["hash"])
+                    try:
+                        writer.write(memoryview(blob))
+                        await writer.drain()
+                    finally:
+                        self._served(peer, request["hash"])
+                    self.counters["served"] += 1
+                    self.counters["bytes_served"] += len(blob)
+                await writer.drain()
+                if status != OK:
+                    # a refusal ends the connection: a stream of refused requests costs the sender a connection
+                    # each, as it did when every connection carried one (each costs us a signature check)
+                    return
+                served += 1
+                if served > 1:
+                    self.counters["served_on_kept_connections"] += 1
         except (BulkError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, TypeError,
                 msgpack.UnpackException, MalformedMessage, ConnectionError) as e:
             self.counters["bad_requests"] += 1
             logger.debug("bulk request refused: %s", e)
         finally:
+            self._connections.pop(writer, None)
             writer.close()
 
     async def _serve_stream(self, stream) -> None:
@@ -691,6 +853,8 @@ class BulkService:
             "blobs": len(self.blobs),
             "bytes": self._held,
             "announcements": len(self.announcements),
+            "idle_connections": self._pool.idle(),
+            **{f"connections_{k}": v for k, v in sorted(self._pool.counters.items())},
             **dict(sorted(self.counters.items())),
         }
 
