@@ -358,7 +358,8 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
     conn = pool.take(addr) if pool is not None else None
     if conn is not None:
         try:
-            return await _fetch_on(conn, addr, blob_hash, size, request, timeout, idle_timeout, progress, pool)
+            return await _fetch_on(conn, addr, blob_hash, size, request, timeout, idle_timeout, progress, pool,
+                                   reused=True)
         except _Closed as e:
             if not e.before_reply:
                 raise
@@ -375,11 +376,11 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
 
 async def _fetch_on(conn: tuple[asyncio.Transport, _Receiver], addr: str, blob_hash: bytes, size: int,
                     request: bytes, timeout: float, idle_timeout: float, progress: Callable[[int], None] | None,
-                    pool: ConnectionPool | None) -> bytearray:
-    """One request and its reply on a connection: given back to ``pool`` once the reply came whole and matched,
-    closed otherwise."""
+                    pool: ConnectionPool | None, reused: bool = False) -> bytearray:
+    """One request and its reply on a connection (``reused``: one from the pool, its last reply over): given back
+    to ``pool`` once the reply came whole and matched, closed otherwise."""
     transport, protocol = conn
-    if protocol.done.done():  # a connection from the pool: its last reply is over
+    if reused:
         protocol.begin(size)
     deadline = time.monotonic() + timeout
     kept = False
