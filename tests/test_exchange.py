@@ -636,6 +636,10 @@ def test_four_peers_exchange_by_reduce_scatter_and_each_moves_about_twice_its_up
             assert b["bytes_pulled"] <= 2.2 * 3 * update, (b["bytes_pulled"], update)
             assert b["bytes_served"] <= 2.2 * 3 * update
         assert sum(b["bytes_pulled"] for b in bulk) >= 4 * 1.2 * 3 * update
+        # a source's connection carries the next pulls from it (its reduced parts after its chunks, at least):
+        # taken from the pool by the pullers, and served as a kept connection's next request by the sources
+        assert sum(b.get("connections_reused", 0) for b in bulk) > 0, bulk
+        assert sum(b.get("served_on_kept_connections", 0) for b in bulk) > 0, bulk
         for b in bulk:
             # held after the last close (round 2): all of round 2's blobs (our update, 3 x 2 chunks and 6 parts of
             # U/8 pulled, our 2 reductions: 2.75 U) and of round 1 only our own (1.25 U), none of round 0
