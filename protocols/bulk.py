@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import mmap
 import socket
 import struct
 import time
@@ -203,7 +204,7 @@ class Announcement:
                    tuple(obj["addrs"]), message.author)
 
 
-GROW = 16 << 20  # the receive buffer starts at this (or the size) and doubles as bytes arrive
+GROW = 16 << 20  # a body up to this size is read into a bytearray of its size; a larger one into ``_large_buffer``
 LOWAT = 256 << 10  # a body's socket wakes us when this much has come at most (SO_RCVLOWAT), not at every packet
 WAKE_EVERY = 0.05  # s: ... or what the transfer's rate brings in that long, whichever is less
 HOLD = 4 * WAKE_EVERY  # s: bytes held in the kernel this long without a read (a source that paused) are read then
@@ -214,9 +215,22 @@ POOL_PER_ADDR = 4  # idle connections kept to one source (a round pulls a few ch
 POOL_MAX = 64  # ... and to all sources together
 
 
+def _large_buffer(size: int) -> mmap.mmap | bytearray:
+    """A receive buffer for a body over GROW: anonymous memory of its whole size, whose pages the kernel provides
+    as bytes are written into them, so it holds what actually arrived (a source announcing 4 GiB and sending 1 MiB
+    costs 1 MiB), with no copy as it fills. (Before 2026-12-02 a bytearray from GROW, doubled as bytes came: a
+    256 MiB body was allocated 1.9x over in fresh pages and copied once on the way, 0.24 s of a 0.45 s pull on
+    loopback.) Where the kernel refuses to map the size (an overcommit limit), a bytearray of GROW that
+    ``get_buffer`` doubles, as before."""
+    try:
+        return mmap.mmap(-1, size)
+    except (OSError, OverflowError, ValueError):
+        return bytearray(GROW)
+
+
 class _Receiver(asyncio.BufferedProtocol):
-    """Reads the reply header, then the body straight into a buffer that grows with what actually arrived (a source
-    announcing 4 GiB and sending nothing costs 16 MiB, not 4 GiB), doubling so the copies stay amortised. One reply
+    """Reads the reply header, then the body straight into its buffer (``_large_buffer`` over GROW: memory held as
+    the bytes arrive; a bytearray that doubles where that cannot be mapped, so the copies stay amortised). One reply
     at a time; with ``keep`` the connection stays open after a complete one (``begin`` readies the next), and a
     byte that comes between replies (none is asked for) closes it."""
 
@@ -307,7 +321,7 @@ class _Receiver(asyncio.BufferedProtocol):
                 self._finish(BulkError(f"source offers {size} B, more than announced"))
                 return
             self.size = size
-            self.body = bytearray(min(size, GROW))
+            self.body = bytearray(size) if size <= GROW else _large_buffer(size)
             self.view = memoryview(self.body)
             self.started = time.monotonic()
             if size == 0:
@@ -351,9 +365,10 @@ class _Receiver(asyncio.BufferedProtocol):
 
 async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeout: float = 120.0,
                 idle_timeout: float = IDLE_TIMEOUT, progress: Callable[[int], None] | None = None,
-                pool: ConnectionPool | None = None) -> bytearray:
-    """Pull one blob from ``addr`` ("host:port") and verify it; ``progress(bytes so far)`` is called about once a
-    second. With ``pool``, over an idle connection of it where there is one (and a connection that served the
+                pool: ConnectionPool | None = None) -> bytearray | mmap.mmap:
+    """Pull one blob from ``addr`` ("host:port") and verify it (a bytearray, or for a body over GROW the anonymous
+    memory it was read into: ``_large_buffer``); ``progress(bytes so far)`` is called about once a second. With
+    ``pool``, over an idle connection of it where there is one (and a connection that served the
     blob whole goes back to it). Raises BulkError / BadData / OSError."""
     conn = pool.take(addr) if pool is not None else None
     if conn is not None:
@@ -376,7 +391,7 @@ async def fetch(addr: str, blob_hash: bytes, size: int, request: bytes, *, timeo
 
 async def _fetch_on(conn: tuple[asyncio.Transport, _Receiver], addr: str, blob_hash: bytes, size: int,
                     request: bytes, timeout: float, idle_timeout: float, progress: Callable[[int], None] | None,
-                    pool: ConnectionPool | None, reused: bool = False) -> bytearray:
+                    pool: ConnectionPool | None, reused: bool = False) -> bytearray | mmap.mmap:
     """One request and its reply on a connection (``reused``: one from the pool, its last reply over): given back
     to ``pool`` once the reply came whole and matched, closed otherwise."""
     transport, protocol = conn
