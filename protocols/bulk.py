@@ -222,8 +222,8 @@ def _large_buffer(size: int) -> mmap.mmap | bytearray:
     256 MiB body was allocated 1.9x over in fresh pages and copied once on the way, 0.24 s of a 0.45 s pull on
     loopback.) Where the kernel refuses to map the size (an overcommit limit), a bytearray of GROW that
     ``get_buffer`` doubles, as before."""
-    try:
-        return mmap.mmap(-1, size)
+    try:  # private: plain anonymous memory, as a bytearray's (a shared mapping's pages are shmem)
+        return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, OverflowError, ValueError):
         return bytearray(GROW)
 
