@@ -3,6 +3,7 @@ honest 4-peer DiLoCo, SPSA and SAPO runs, next to the same runs unattacked.
 
     python bench/bench_hostile.py              # both parts (about 10 minutes on 2 cores)
     python bench/bench_hostile.py --part node  # the single-node attacks only
+    python bench/bench_hostile.py --part node --attacks 15   # the idle row and attack 15 only
     python bench/bench_hostile.py --part loops # the loop runs only
 
 Part 1: node ``a`` (with an honest peer ``b``) on loopback. For each attack, from fresh hostile processes' keys: the
@@ -59,6 +60,7 @@ class Probe:
         self.latencies: list[float] = []
         self.failures = 0
         self.peak = self.rss()
+        self.fds_before = self.fds = self.proc.num_fds()  # the most file descriptors its Python process held at once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -79,6 +81,10 @@ class Probe:
                 self.failures += 1
             if time.monotonic() - last_rss > 0.05:
                 self.peak, last_rss = max(self.peak, self.rss()), time.monotonic()
+                try:
+                    self.fds = max(self.fds, self.proc.num_fds())
+                except psutil.Error:
+                    pass
             self._stop.wait(0.02)
 
     def __enter__(self):
@@ -99,7 +105,8 @@ def refusals(status: dict) -> int:
     return (sum(crdt.get("rejected", {}).values()) + sum(status.get("errors", {}).values())
             + sum(status["dht"].get("records_refused", {}).values())
             + sum(v for k, v in status["services"].get("bulk", {}).items() if k.startswith("refused")
-                  or k.startswith("announcements_")) + sum(status.get("penalties", {}).values()))
+                  or k.startswith("announcements_") or k in ("connections_evicted", "connections_refused_full"))
+            + sum(status.get("penalties", {}).values()))
 
 
 def honest_write(a, b, key: str) -> float | None:
@@ -256,6 +263,27 @@ async def attack_streams(a, b) -> None:
         await t.close()
 
 
+async def attack_bulk_connections(a, b, count: int = 3000) -> None:
+    """``count`` TCP connections to the node's bulk port that never send a request, held while ``b`` pulls a blob
+    of ``a``'s through it (raises if that pull fails): a full server closes the longest waiting of the flooding
+    host to take a new connection (before 2026-12-03 it held every one, a descriptor each, for 10 s)."""
+    host, port = a.status()["services"]["bulk"]["addrs"][0].rsplit(":", 1)
+    put = await asyncio.to_thread(http_post, a.url + "/bulk?codec=raw", os.urandom(1 << 20))
+    await asyncio.to_thread(wait_for, lambda: b.status()["services"]["bulk"]["announcements"] >= 1, 20,
+                            "the blob's announcement at b")
+    held = []
+    try:
+        for _ in range(count):
+            held.append((await asyncio.open_connection(host, int(port)))[1])
+        pulled = await asyncio.to_thread(http_post, f"{b.url}/bulk/{put['hash']}/pull", timeout=60)
+        if pulled.get("size") != 1 << 20:
+            raise RuntimeError(f"the member's pull failed: {pulled}")
+        await asyncio.sleep(1)
+    finally:
+        for writer in held:
+            writer.close()
+
+
 async def attack_dht(a, b) -> None:
     """A junk entry under the members key and 2,000 unsigned records with a 31-year expiry on other keys."""
     from hivemind.dht.routing import DHTID
@@ -321,7 +349,7 @@ async def attack_announcements(a, b, tmp: Path) -> None:
         "addrs": ["127.0.0.1:9"]}) for i in range(20_000)))
 
 
-async def part_node(tmp: Path) -> list[dict]:
+async def part_node(tmp: Path, only: set[str] = frozenset()) -> list[dict]:
     swarm = Swarm(tmp / "nodes")
     rows = []
     try:
@@ -339,7 +367,10 @@ async def part_node(tmp: Path) -> list[dict]:
             ("2 DHT junk member + 2,000 records", lambda: attack_dht(a, b)),
             ("8 2,000 junk gossip messages", lambda: attack_gossip(a, b, tmp)),
             ("10 20,000 bulk announcements", lambda: attack_announcements(a, b, tmp)),
+            ("15 3,000 idle bulk connections, a pull amid", lambda: attack_bulk_connections(a, b)),
         ]
+        if only:
+            attacks = [x for x in attacks if x[0].startswith("idle") or x[0].split()[0] in only]
         for i, (name, attack) in enumerate(attacks):
             before_status = await asyncio.to_thread(a.status)
             probe = Probe(a)
@@ -363,6 +394,7 @@ async def part_node(tmp: Path) -> list[dict]:
                          "rss_peak": probe.peak / MB, "rss_after": after / MB, "daemon": probe.daemon_rss() / MB,
                          "p50": p50, "p99": p99, "max": worst, "failed": probe.failures,
                          "refused": refusals(status) - refusals(before_status), "write": write, "alive": alive,
+                         "fds": (probe.fds_before, probe.fds),
                          "error": error})
             print(f"  {name}: done in {rows[-1]['seconds']:.0f} s", flush=True)
             if not alive:
@@ -375,17 +407,18 @@ async def part_node(tmp: Path) -> list[dict]:
 def print_node(rows: list[dict]) -> None:
     print("\nPart 1: one node under each attack (item numbers from issue 14), idle first")
     print(f"{'attack':48} | {'RSS MB before/peak/after':>24} | {'growth':>6} | {'healthz ms p50/p99/max':>22} | "
-          f"{'loop lag':>8} | {'fail':>4} | {'refused':>7} | {'honest write':>12}")
+          f"{'loop lag':>8} | {'fail':>4} | {'refused':>7} | {'fds before/peak':>15} | {'honest write':>12}")
     for r in rows:
         rss = f"{r['rss_before']:.0f}/{r['rss_peak']:.0f}/{r['rss_after']:.0f}"
         hz = f"{r['p50']:.1f}/{r['p99']:.1f}/{r['max']:.1f}"
         write = "LOST" if r["write"] is None else f"{r['write'] * 1e3:.0f} ms"
         print(f"{r['attack']:48} | {rss:>24} | {r['rss_peak'] - r['rss_before']:>5.0f}M | {hz:>22} | "
-              f"{r['lag']:>6.0f}ms | {r['failed']:>4} | {r['refused']:>7} | {write:>12}"
+              f"{r['lag']:>6.0f}ms | {r['failed']:>4} | {r['refused']:>7} | {'%d/%d' % r['fds']:>15} | {write:>12}"
               + (f"  ({r['error']})" if r["error"] else ""))
     print("growth: the peak RSS while attacked over the RSS before (the node's Python process; its p2p daemon is "
           "a separate process). healthz: as a client on the same 2 cores sees it (the attacker's processes compete "
-          "for them); loop lag: the node's own largest event-loop timer lag over the last minute (/status). "
+          "for them); loop lag: the node's own largest event-loop timer lag over the last minute (/status); fds: the "
+          "file descriptors its Python process held, before and at most while attacked (sampled with its RSS). "
           "goals: growth <= 64 MB, /healthz p99 <= 50 ms, every honest write delivered")
 
 
@@ -553,10 +586,13 @@ def print_loops(pairs) -> None:
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--part", choices=["node", "loops", "all"], default="all")
+    parser.add_argument("--attacks", default="", help="part 1's attacks to run, by the numbers their names start "
+                        "with, comma-separated (default: all; the idle row always runs)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("node", "all"):
-            print_node(await part_node(Path(tmp) / "node"))
+            only = {x.strip() for x in args.attacks.split(",") if x.strip()}
+            print_node(await part_node(Path(tmp) / "node", only))
         if args.part in ("loops", "all"):
             print_loops(await part_loops(Path(tmp) / "loops"))
 

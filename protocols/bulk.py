@@ -18,7 +18,9 @@ Wire (TCP): request ``u32 length | msgpack {"hash", "peer", "ts", "sig"}``; repl
 answered in full before the next is sent (a server keeps an idle one KEEPALIVE s; a client keeps its idle ones in a
 ``ConnectionPool`` for less), so a round's pulls from one source reuse one connection: no new TCP handshake, and on
 a real link no new slow start, for each chunk. A server that closes after one reply (before 2026-12-02) is still
-understood: a pooled connection closed before its reply is retried once on a new one.
+understood: a pooled connection closed before its reply is retried once on a new one. A server holds at most
+``max_served()`` connections at once; at a new one past that it closes one that waits for a request, of the host
+holding the most (a flood of idle connections from one host closes its own), counted (``connections_evicted``).
 
 Behind NATs a holder's TCP port is not reachable, but a hole-punched libp2p connection is (``node.nat``). So the
 same request also works as a stream, ``/swarmd/bulk/1.0.0``: REQUEST {hash, peer, ts, sig} (peer must be the
@@ -213,6 +215,22 @@ KEEPALIVE = 10.0  # s a server waits for a connection's next request (its first:
 POOL_IDLE = 5.0  # s a client keeps an idle connection (under KEEPALIVE: the server closes it after the client)
 POOL_PER_ADDR = 4  # idle connections kept to one source (a round pulls a few chunks of one source at once)
 POOL_MAX = 64  # ... and to all sources together
+# connections a server holds at once (idle ones included), so that a flood of them (anyone may dial the port we
+# announce) cannot take the file descriptors the node needs: a quarter of the process's limit, 64 to 1024
+SERVED_MIN, SERVED_MAX = 64, 1024
+
+
+def max_served() -> int:
+    """The connections a bulk server holds at once (see SERVED_MIN): a quarter of the soft RLIMIT_NOFILE."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return SERVED_MIN * 4
+    if soft == getattr(resource, "RLIM_INFINITY", -1) or soft <= 0:
+        return SERVED_MAX
+    return max(SERVED_MIN, min(SERVED_MAX, soft // 4))
 
 
 def _large_buffer(size: int) -> mmap.mmap | bytearray:
@@ -495,6 +513,12 @@ class BulkService:
         self._pool = ConnectionPool()  # our idle connections to sources, for the next pulls from them
         # the connections we serve (idle ones included), and the task serving each
         self._connections: dict[asyncio.StreamWriter, asyncio.Task | None] = {}
+        # of those, the ones waiting for a request (a first or a next one, until it is read whole), by the host
+        # they came from, each host's longest waiting first: the ones a full server may close (``_make_room``)
+        self._waiting: dict[str, dict[asyncio.StreamWriter, None]] = {}
+        self._waiting_host: dict[asyncio.StreamWriter, str] = {}
+        self._evicted: set[asyncio.StreamWriter] = set()
+        self.max_connections: int | None = None  # None: max_served(), read at each new connection
 
     # ------------------------------------------------------------------ lifecycle
     async def start(self, ctx: NodeContext) -> None:
@@ -751,20 +775,31 @@ class BulkService:
         the connection closed once none came for KEEPALIVE s (its first: 10 s, as when a connection carried one), at
         the client's end, or at the first bad request."""
         self.counters["connections"] += 1
+        peername = writer.get_extra_info("peername")
+        host = str(peername[0]) if isinstance(peername, tuple) and peername else "?"
+        cap = self.max_connections if self.max_connections is not None else max_served()  # (a limit may change)
+        if len(self._connections) >= cap and not self._make_room():
+            self.counters["connections_refused_full"] += 1
+            self._log.log(logging.WARNING, ("full",), "bulk: %d connections served at once, every one mid-request: "
+                          "a connection from %s closed unread", len(self._connections), host)
+            writer.close()
+            return
         served = 0
         self._connections[writer] = asyncio.current_task()
         try:
             while True:
+                self._wait(writer, host)
                 try:
                     header = await asyncio.wait_for(reader.readexactly(4), KEEPALIVE)
                 except (asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                    if served and (isinstance(e, asyncio.TimeoutError) or not e.partial):
+                    if writer in self._evicted or (served and (isinstance(e, asyncio.TimeoutError) or not e.partial)):
                         return  # between requests: the client is done with it, or let it idle out
                     raise
                 (length,) = struct.unpack(">I", header)
                 if length > MAX_REQUEST:
                     raise BulkError("request too large")
                 request = unpack(await asyncio.wait_for(reader.readexactly(length), 10.0))
+                self._unwait(writer)
                 status, blob = self._check(request)
                 writer.write(HEADER.pack(status, len(blob) if blob is not None else 0))
                 if blob is not None:
@@ -787,11 +822,44 @@ class BulkService:
                     self.counters["served_on_kept_connections"] += 1
         except (BulkError, asyncio.IncompleteReadError, asyncio.TimeoutError, ValueError, TypeError,
                 msgpack.UnpackException, MalformedMessage, ConnectionError) as e:
-            self.counters["bad_requests"] += 1
-            logger.debug("bulk request refused: %s", e)
+            if writer not in self._evicted:  # (one we closed to make room: not the client's fault)
+                self.counters["bad_requests"] += 1
+                logger.debug("bulk request refused: %s", e)
         finally:
             self._connections.pop(writer, None)
+            self._unwait(writer)
+            self._evicted.discard(writer)
             writer.close()
+
+    def _make_room(self) -> bool:
+        """(At a new connection to a full server.) Close one connection that waits for a request: of the host
+        holding the most connections, the one waiting longest, so that a host flooding us closes its own, and an
+        idle kept connection costs its client a new one at worst (a pooled connection closed before its reply is
+        retried once). False if none waits (every connection is being served)."""
+        if not self._waiting:
+            return False
+        host = max(self._waiting, key=lambda h: len(self._waiting[h]))  # (O(hosts): one flooding host is one)
+        held = len(self._waiting[host])
+        writer = next(iter(self._waiting[host]))
+        self._unwait(writer)
+        self._evicted.add(writer)
+        self.counters["connections_evicted"] += 1
+        self._log.log(logging.WARNING, ("evicted", host), "bulk: %d connections served at once: the one waiting "
+                      "longest of the %d from %s closed to make room", len(self._connections), held, host)
+        writer.close()
+        return True
+
+    def _wait(self, writer: asyncio.StreamWriter, host: str) -> None:
+        self._waiting.setdefault(host, {})[writer] = None  # (at the end: the host's newest waiting)
+        self._waiting_host[writer] = host
+
+    def _unwait(self, writer: asyncio.StreamWriter) -> None:
+        host = self._waiting_host.pop(writer, None)
+        if host is not None:
+            waiting = self._waiting[host]
+            del waiting[writer]
+            if not waiting:
+                del self._waiting[host]
 
     async def _serve_stream(self, stream) -> None:
         """The stream flavour of ``_serve``, for peers that reach us on a direct or hole-punched connection."""

@@ -488,3 +488,94 @@ async def test_a_server_closes_a_connection_idle_for_its_keepalive(tmp_path, mon
     finally:
         pool.close()
         await service.close()
+
+
+async def _open_idle(addr: str, count: int, local: str = "127.0.0.1", header: bool = False):
+    """``count`` TCP connections to ``addr`` from ``local`` that send nothing (or only a request's length, and never
+    the request); returns their (reader, writer) pairs."""
+    host, port = addr.rsplit(":", 1)
+    held = []
+    for _ in range(count):
+        reader, writer = await asyncio.open_connection(host, int(port), local_addr=(local, 0))
+        if header:
+            writer.write(b"\0\0\1\0")
+        held.append((reader, writer))
+    return held
+
+
+async def _until(predicate, seconds: float = 10.0) -> None:
+    end = time.monotonic() + seconds
+    while not predicate():
+        assert time.monotonic() < end, "timed out waiting for the server's state"
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.timeout(60)
+async def test_a_flood_of_idle_connections_is_held_to_the_cap_and_members_still_pull(tmp_path):
+    # anyone may dial the port a node announces: a connection that never sends a request held a file descriptor and
+    # a task for 10 s, without bound (a few thousand exhaust a default limit of 1024 descriptors, and every socket
+    # and file of the node with them). A full server now closes the longest-waiting one to take a new one
+    from protocols.bulk import ConnectionPool
+
+    data = os.urandom(50_000)
+    service, addr, request = await _served_by_a_service(tmp_path, [data])
+    service.max_connections = 20
+    pool = ConnectionPool()
+    flood = []
+    try:
+        flood = await _open_idle(addr, 50) + await _open_idle(addr, 10, header=True)  # some mid-request forever
+        await _until(lambda: service.counters["connections"] == 60 and len(service._connections) <= 20)
+        assert service.counters["connections_evicted"] == 40 and service.counters["bad_requests"] == 0
+        assert service.counters["connections_refused_full"] == 0
+        # the flood's connections see their end (EOF), the oldest first: a bounded number stays open
+        closed = 0
+        for reader, _ in flood[:40]:
+            assert await asyncio.wait_for(reader.read(1), 5.0) == b""
+            closed += 1
+        assert closed == 40
+        # a member's pull during the flood: its new connection takes the place of the longest-waiting one
+        assert bytes(await fetch(addr, content_hash(data), len(data), request(content_hash(data)),
+                                 pool=pool)) == data
+        assert service.counters["served"] == 1 and len(service._connections) <= 20
+        # a full server whose every connection is mid-request (none waits) closes the newcomer unread
+        service.max_connections = len(service._connections)
+        for w in list(service._waiting_host):
+            service._unwait(w)  # (as if each were being served)
+        late = await _open_idle(addr, 1)
+        flood += late
+        await _until(lambda: service.counters["connections_refused_full"] == 1)
+        assert await asyncio.wait_for(late[0][0].read(1), 5.0) == b""
+    finally:
+        for _, writer in flood:
+            writer.close()
+        pool.close()
+        await service.close()
+
+
+@pytest.mark.timeout(60)
+async def test_a_full_server_closes_the_flooding_hosts_connections_not_a_members_kept_one(tmp_path):
+    # which connection a full server closes: the longest waiting of the host holding the most, so a member's idle
+    # kept connection, older than a flood from another address, survives it (Linux routes all of 127/8 to lo)
+    from protocols.bulk import ConnectionPool
+
+    data = os.urandom(50_000)
+    service, addr, request = await _served_by_a_service(tmp_path, [data])
+    service.max_connections = 10
+    pool = ConnectionPool()
+    flood = []
+    try:
+        assert bytes(await fetch(addr, content_hash(data), len(data), request(content_hash(data)),
+                                 pool=pool)) == data
+        assert pool.idle() == 1  # the member's kept connection, now the longest waiting of all
+        flood = await _open_idle(addr, 30, local="127.0.0.2")
+        await _until(lambda: service.counters["connections"] == 31 and service.counters["connections_evicted"] == 21)
+        assert sorted(service._waiting) == ["127.0.0.1", "127.0.0.2"] and len(service._waiting["127.0.0.1"]) == 1
+        assert bytes(await fetch(addr, content_hash(data), len(data), request(content_hash(data)),
+                                 pool=pool)) == data
+        assert pool.counters["reused"] == 1 and pool.counters["reuse_failed"] == 0
+        assert service.counters["served_on_kept_connections"] == 1
+    finally:
+        for _, writer in flood:
+            writer.close()
+        pool.close()
+        await service.close()
