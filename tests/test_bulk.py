@@ -1,6 +1,7 @@
 """Bulk transfer: a 100 MB tensor announced by one node is pulled and verified by 4 others; bad bytes are caught."""
 
 import asyncio
+import contextlib
 import os
 import time
 
@@ -503,6 +504,25 @@ async def _open_idle(addr: str, count: int, local: str = "127.0.0.1", header: bo
     return held
 
 
+@contextlib.asynccontextmanager
+async def _capped(tmp_path, cap: int):
+    """A service holding one 50 KB blob and at most ``cap`` connections, a member's ConnectionPool, and a list for
+    the flood's connections, each closed at the end: (service, addr, request, data, pool, flood)."""
+    from protocols.bulk import ConnectionPool
+
+    data = os.urandom(50_000)
+    service, addr, request = await _served_by_a_service(tmp_path, [data])
+    service.max_connections = cap
+    pool, flood = ConnectionPool(), []
+    try:
+        yield service, addr, request, data, pool, flood
+    finally:
+        for _, writer in flood:
+            writer.close()
+        pool.close()
+        await service.close()
+
+
 async def _until(predicate, seconds: float = 10.0) -> None:
     end = time.monotonic() + seconds
     while not predicate():
@@ -515,15 +535,8 @@ async def test_a_flood_of_idle_connections_is_held_to_the_cap_and_members_still_
     # anyone may dial the port a node announces: a connection that never sends a request held a file descriptor and
     # a task for 10 s, without bound (a few thousand exhaust a default limit of 1024 descriptors, and every socket
     # and file of the node with them). A full server now closes the longest-waiting one to take a new one
-    from protocols.bulk import ConnectionPool
-
-    data = os.urandom(50_000)
-    service, addr, request = await _served_by_a_service(tmp_path, [data])
-    service.max_connections = 20
-    pool = ConnectionPool()
-    flood = []
-    try:
-        flood = await _open_idle(addr, 50) + await _open_idle(addr, 10, header=True)  # some mid-request forever
+    async with _capped(tmp_path, 20) as (service, addr, request, data, pool, flood):
+        flood += await _open_idle(addr, 50) + await _open_idle(addr, 10, header=True)  # some mid-request forever
         await _until(lambda: service.counters["connections"] == 60 and len(service._connections) <= 20)
         assert service.counters["connections_evicted"] == 40 and service.counters["bad_requests"] == 0
         assert service.counters["connections_refused_full"] == 0
@@ -545,37 +558,20 @@ async def test_a_flood_of_idle_connections_is_held_to_the_cap_and_members_still_
         flood += late
         await _until(lambda: service.counters["connections_refused_full"] == 1)
         assert await asyncio.wait_for(late[0][0].read(1), 5.0) == b""
-    finally:
-        for _, writer in flood:
-            writer.close()
-        pool.close()
-        await service.close()
 
 
 @pytest.mark.timeout(60)
 async def test_a_full_server_closes_the_flooding_hosts_connections_not_a_members_kept_one(tmp_path):
     # which connection a full server closes: the longest waiting of the host holding the most, so a member's idle
     # kept connection, older than a flood from another address, survives it (Linux routes all of 127/8 to lo)
-    from protocols.bulk import ConnectionPool
-
-    data = os.urandom(50_000)
-    service, addr, request = await _served_by_a_service(tmp_path, [data])
-    service.max_connections = 10
-    pool = ConnectionPool()
-    flood = []
-    try:
+    async with _capped(tmp_path, 10) as (service, addr, request, data, pool, flood):
         assert bytes(await fetch(addr, content_hash(data), len(data), request(content_hash(data)),
                                  pool=pool)) == data
         assert pool.idle() == 1  # the member's kept connection, now the longest waiting of all
-        flood = await _open_idle(addr, 30, local="127.0.0.2")
+        flood += await _open_idle(addr, 30, local="127.0.0.2")
         await _until(lambda: service.counters["connections"] == 31 and service.counters["connections_evicted"] == 21)
         assert sorted(service._waiting) == ["127.0.0.1", "127.0.0.2"] and len(service._waiting["127.0.0.1"]) == 1
         assert bytes(await fetch(addr, content_hash(data), len(data), request(content_hash(data)),
                                  pool=pool)) == data
         assert pool.counters["reused"] == 1 and pool.counters["reuse_failed"] == 0
         assert service.counters["served_on_kept_connections"] == 1
-    finally:
-        for _, writer in flood:
-            writer.close()
-        pool.close()
-        await service.close()
