@@ -19,8 +19,9 @@ answered in full before the next is sent (a server keeps an idle one KEEPALIVE s
 ``ConnectionPool`` for less), so a round's pulls from one source reuse one connection: no new TCP handshake, and on
 a real link no new slow start, for each chunk. A server that closes after one reply (before 2026-12-02) is still
 understood: a pooled connection closed before its reply is retried once on a new one. A server holds at most
-``max_served()`` connections at once; at a new one past that it closes one that waits for a request, of the host
-holding the most (a flood of idle connections from one host closes its own), counted (``connections_evicted``).
+``max_served()`` connections at once; at a new one past that it closes one that waits for a request, the longest
+waiting of the host with the most waiting (a flood of idle connections from one host closes its own), counted
+(``connections_evicted``).
 
 Behind NATs a holder's TCP port is not reachable, but a hole-punched libp2p connection is (``node.nat``). So the
 same request also works as a stream, ``/swarmd/bulk/1.0.0``: REQUEST {hash, peer, ts, sig} (peer must be the
@@ -833,7 +834,7 @@ class BulkService:
 
     def _make_room(self) -> bool:
         """(At a new connection to a full server.) Close one connection that waits for a request: of the host
-        holding the most connections, the one waiting longest, so that a host flooding us closes its own, and an
+        with the most connections waiting, the one waiting longest, so that a host flooding us closes its own, and an
         idle kept connection costs its client a new one at worst (a pooled connection closed before its reply is
         retried once). False if none waits (every connection is being served)."""
         if not self._waiting:
