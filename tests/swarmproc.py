@@ -7,6 +7,7 @@ ended by its PID when the test ends.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -47,6 +48,16 @@ def loop_config(path: Path, loop_table: str, node: str = LOOPBACK_NODE) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(node + loop_table)
     return path
+
+
+async def wait_until(cond: Callable[[], object], timeout: float, what: str, interval: float = 0.05) -> None:
+    """``wait_for`` for a test on an event loop (the node or service it waits on runs in the same process): polls
+    ``cond`` every ``interval`` s without blocking the loop; AssertionError naming ``what`` on timeout."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not cond():
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(interval)
 
 
 def wait_for(predicate: Callable[[], object], timeout: float, what: str, interval: float | None = None):

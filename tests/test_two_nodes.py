@@ -11,20 +11,13 @@ import pytest
 from node.config import load_config
 from node.core import Node
 from protocols.gossip import Gossip
+from swarmproc import wait_until
 from transport.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local.toml"
 
 pytestmark = pytest.mark.swarm
-
-
-async def _wait(cond, timeout: float, what: str) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while not cond():
-        if asyncio.get_running_loop().time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 @pytest.mark.timeout(90)
@@ -44,13 +37,14 @@ async def test_two_nodes_in_one_process_join_replicate_and_gossip(tmp_path):
             tasks.append(asyncio.create_task(node.run(lambda n, e=ready[i]: e.set())))
             await asyncio.wait_for(ready[i].wait(), 30)
         a, b = nodes
-        await _wait(lambda: b.identity.peer_id in a.connected and a.identity.peer_id in b.connected, 30,
-                    "the two nodes to connect")
-        await _wait(lambda: all({a.identity.peer_id, b.identity.peer_id} <= set(n.replicator.store.value("members"))
-                                for n in nodes), 30, "both member sets to list both nodes")
+        await wait_until(lambda: b.identity.peer_id in a.connected and a.identity.peer_id in b.connected, 30,
+                         "the two nodes to connect")
+        both = {a.identity.peer_id, b.identity.peer_id}
+        await wait_until(lambda: all(both <= set(n.replicator.store.value("members")) for n in nodes), 30,
+                         "both member sets to list both nodes")
         await a.replicator.write("kv", {"k": f"{a.identity.peer_id}/note", "v": "hello"})
-        await _wait(lambda: b.replicator.store.digest() == a.replicator.store.digest(), 30,
-                    "the write to replicate")
+        await wait_until(lambda: b.replicator.store.digest() == a.replicator.store.digest(), 30,
+                         "the write to replicate")
         sub = gossips[1].subscribe("two/nodes")
         gossips[0].subscribe("two/nodes")
         got = None
@@ -92,14 +86,14 @@ async def test_two_nodes_with_different_admission_rules_say_so_and_never_ban_eac
             await asyncio.wait_for(ready[i].wait(), 30)
         a, b = nodes
         ida, idb = a.identity.peer_id, b.identity.peer_id
-        await _wait(lambda: a.discovery.policy_mismatch() == [idb] and b.discovery.policy_mismatch() == [ida], 30,
-                    "each node to see the other's rule in its record")
+        await wait_until(lambda: a.discovery.policy_mismatch() == [idb] and b.discovery.policy_mismatch() == [ida],
+                         30, "each node to see the other's rule in its record")
         assert a.discovery.policy != b.discovery.policy
         assert idb not in a._replication_peers() and ida not in b._replication_peers()
         # a replication stream opened anyway (as a node from before this check would) is refused, not penalised
         with pytest.raises(Exception):
             await b.replicator.sync_with(ida)
-        await _wait(lambda: a.replicator.counters["refused_other_rule"] >= 1, 10, "the refusal")
+        await wait_until(lambda: a.replicator.counters["refused_other_rule"] >= 1, 10, "the refusal")
         await a.replicator.write("kv", {"k": f"{ida}/note", "v": "not for b"})
         await b.replicator.write("kv", {"k": f"{idb}/note", "v": "not for a"})
         assert not any(f"{idb}/" in k for k in a.replicator.store.value("kv"))
