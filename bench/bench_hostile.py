@@ -4,6 +4,7 @@ honest 4-peer DiLoCo, SPSA and SAPO runs, next to the same runs unattacked.
     python bench/bench_hostile.py              # both parts (about 10 minutes on 2 cores)
     python bench/bench_hostile.py --part node  # the single-node attacks only
     python bench/bench_hostile.py --part node --attacks 15   # the idle row and attack 15 only
+    python bench/bench_hostile.py --part node --attacks 15 --nofile 1024   # ... the node limited to 1024 fds
     python bench/bench_hostile.py --part loops # the loop runs only
 
 Part 1: node ``a`` (with an honest peer ``b``) on loopback. For each attack, from fresh hostile processes' keys: the
@@ -267,7 +268,7 @@ async def attack_bulk_connections(a, b, count: int = 3000) -> None:
     """``count`` TCP connections to the node's bulk port that never send a request, held while ``b`` pulls a blob
     of ``a``'s through it (raises if that pull fails): a full server closes the longest waiting of the flooding
     host to take a new connection (before 2026-12-03 it held every one, a descriptor each, for 10 s)."""
-    host, port = a.status()["services"]["bulk"]["addrs"][0].rsplit(":", 1)
+    host, port = (await asyncio.to_thread(a.status))["services"]["bulk"]["addrs"][0].rsplit(":", 1)
     put = await asyncio.to_thread(http_post, a.url + "/bulk?codec=raw", os.urandom(1 << 20))
     await asyncio.to_thread(wait_for, lambda: b.status()["services"]["bulk"]["announcements"] >= 1, 20,
                             "the blob's announcement at b")
@@ -349,11 +350,15 @@ async def attack_announcements(a, b, tmp: Path) -> None:
         "addrs": ["127.0.0.1:9"]}) for i in range(20_000)))
 
 
-async def part_node(tmp: Path, only: set[str] = frozenset()) -> list[dict]:
+async def part_node(tmp: Path, only: set[str] = frozenset(), nofile: int = 0) -> list[dict]:
     swarm = Swarm(tmp / "nodes")
     rows = []
     try:
         a, b = await asyncio.to_thread(swarm.start_chain, 2)
+        if nofile:  # the attacked node's descriptor limit, as a user's shell may set it (ulimit -n)
+            import resource
+
+            resource.prlimit(a.proc.pid, resource.RLIMIT_NOFILE, (nofile, nofile))
         await asyncio.sleep(3)  # let start-up allocations settle before the first measurement
         attacks = [
             ("idle (same node, 10 s)", lambda: asyncio.sleep(10)),
@@ -588,11 +593,13 @@ async def main() -> None:
     parser.add_argument("--part", choices=["node", "loops", "all"], default="all")
     parser.add_argument("--attacks", default="", help="part 1's attacks to run, by the numbers their names start "
                         "with, comma-separated (default: all; the idle row always runs)")
+    parser.add_argument("--nofile", type=int, default=0, help="part 1: the attacked node's file descriptor limit "
+                        "(default: as inherited; 1024 is a common default)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         if args.part in ("node", "all"):
             only = {x.strip() for x in args.attacks.split(",") if x.strip()}
-            print_node(await part_node(Path(tmp) / "node", only))
+            print_node(await part_node(Path(tmp) / "node", only, args.nofile))
         if args.part in ("loops", "all"):
             print_loops(await part_loops(Path(tmp) / "loops"))
 
