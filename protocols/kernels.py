@@ -1,0 +1,153 @@
+"""Single passes over an update's values, compiled (numba): what the codecs and the exchange did in a dozen torch
+passes each, one loop that reads each value once. Each gives the bits of the torch code it replaced, bit for bit
+(tests/test_kernels.py compares them on every kind of value): peers compare reduced parts byte for byte, so a node
+with these kernels and a node without them must agree.
+
+- IEEE arithmetic only: numba's ``fastmath`` is off, so no operation is reordered and no multiply and add are fused
+  into one rounding (a fused multiply-add rounds once where torch's separate passes round twice).
+- Compiled where this module is imported (typed signatures), into numba's cache beside this file (or the user's
+  cache where this folder is not writable): about 2 s the first time on a machine, then a load of about 0.1 s. A
+  round never waits for a compiler.
+- The GIL is released (``nogil``), so a worker thread's kernel runs beside the event loop.
+- Every index a loop reads or writes is bounded by the sizes of the arrays it was given, checked at its start; a
+  caller's wrong size raises ValueError, never a read or write out of bounds (the arrays' own bounds checks are off
+  for speed, so the kernels check once).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import float32, float64, int64, njit, types, uint8, uint16, void
+
+
+def _ro(dtype):
+    """A contiguous 1-d array that the kernel only reads (a writable one is taken too): received bytes are read
+    where they lie, in a read-only buffer."""
+    return types.Array(dtype, 1, "C", readonly=True)
+
+
+_OPTS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
+
+
+@njit(types.boolean(_ro(float32), int64, float32, uint16[::1], uint8[::1]), **_OPTS)
+def e3m0_encode(x, block, sqrt2, scales16, data):
+    """e3m0's codes of ``x`` (codecs.E3M0Codec): per block of ``block`` values its absmax rounded to bfloat16 (the
+    bits into ``scales16``), and for each value, with y = |x| * (1 / s * sqrt2) in float32, the code
+    clamp(127 - (y's bits as int32 >> 23), 0, 7), plus 8 where x < 0 (-0.0 is not), two codes a byte, low nibble
+    first, into ``data``. Values past the end of ``x`` in its last block are zeros (code 7); where the blocks hold
+    an odd count, the last byte's high nibble is 0. As torch does it: a bfloat16 subnormal scale gives 1 / s = inf,
+    y = inf (code 0) or, for a zero, NaN (x86's default NaN, bits 0xFFC00000: code 7). Returns whether every
+    value was finite (the same pass: where one is not, the codes mean nothing and the caller refuses the input)."""
+    n = x.size
+    if block <= 0:
+        raise ValueError("block must be positive")
+    nb = (n + block - 1) // block
+    if scales16.size != nb or data.size != (n + 1) // 2:
+        raise ValueError("e3m0_encode: output sizes")
+    xi = x.view(np.uint32)
+    sbits = np.empty(1, np.uint32)
+    sf = sbits.view(np.float32)
+    y = np.zeros(block + 1, np.float32)
+    yi = y.view(np.int32)
+    sign = np.zeros(block + 1, np.int32)
+    codes = np.zeros(block + 1, np.uint8)
+    even = block % 2 == 0
+    top = np.uint32(0)
+    for j in range(nb):
+        a = j * block
+        k = min(block, n - a)
+        m = np.uint32(0)
+        for i in range(k):  # |x|'s bits: for finite floats, their order is the values' order
+            m = max(m, xi[a + i] & np.uint32(0x7FFFFFFF))
+        top = max(top, m)
+        r = (m + np.uint32(0x7FFF) + ((m >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)  # to bfloat16, RNE
+        scales16[j] = np.uint16(r)
+        sbits[0] = r << np.uint32(16)
+        s = sf[0]
+        f = (np.float32(1.0) / s) * sqrt2 if s > np.float32(0.0) else sqrt2
+        for i in range(k):
+            y[i] = abs(x[a + i]) * f
+            sign[i] = np.int32(x[a + i] < np.float32(0.0)) << np.int32(3)
+        for i in range(k, block):  # the last block's padding: zeros
+            y[i] = np.float32(0.0)
+            sign[i] = np.int32(0)
+        if even:
+            h = a // 2
+            pairs = min(block // 2, data.size - h)
+            for q in range(pairs):
+                c0 = min(max(np.int32(127) - (yi[2 * q] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[2 * q]
+                c1 = min(max(np.int32(127) - (yi[2 * q + 1] >> np.int32(23)), np.int32(0)), np.int32(7)) \
+                    | sign[2 * q + 1]
+                data[h + q] = np.uint8(c0 | (c1 << np.int32(4)))
+        else:  # codes straddle bytes across blocks: nibble by nibble
+            for i in range(block):
+                codes[i] = np.uint8(min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7))
+                                    | sign[i])
+            for i in range(block):
+                g = a + i
+                byte = g >> 1
+                if byte >= data.size:
+                    break
+                if g & 1:
+                    data[byte] = np.uint8(data[byte] | (codes[i] << np.uint8(4)))
+                else:
+                    data[byte] = codes[i]
+    if n % 2 == 1 and nb * block == n:  # an odd count of codes, every one a value's: the last high nibble is 0
+        data[data.size - 1] = np.uint8(data[data.size - 1] & np.uint8(0x0F))
+    return top < np.uint32(0x7F800000)  # below infinity's bits: no infinity, no NaN
+
+
+@njit(void(_ro(uint8), _ro(float32), int64, _ro(float32), float32[::1]), **_OPTS)
+def nibble_decode(data, scales, block, values, out):
+    """Values of two 4-bit codes a byte (low nibble first), each ``values[code] * scales[its block]`` in float32,
+    into ``out`` (as codecs' table decode followed by its blockwise scaling: the same product, rounded once)."""
+    n = out.size
+    if block <= 0:
+        raise ValueError("block must be positive")
+    nb = (n + block - 1) // block
+    if data.size < (n + 1) // 2 or scales.size < nb or values.size != 16:
+        raise ValueError("nibble_decode: input sizes")
+    for j in range(nb):
+        a = j * block
+        k = min(block, n - a)
+        s = scales[j]
+        if a % 2 == 0:
+            h = a // 2
+            for q in range(k // 2):
+                byte = data[h + q]
+                out[a + 2 * q] = values[byte & np.uint8(15)] * s
+                out[a + 2 * q + 1] = values[byte >> np.uint8(4)] * s
+            if k % 2 == 1:
+                out[a + k - 1] = values[data[h + k // 2] & np.uint8(15)] * s
+        else:
+            for i in range(k):
+                g = a + i
+                byte = data[g >> 1]
+                out[g] = values[(byte >> np.uint8(4)) if g & 1 else (byte & np.uint8(15))] * s
+
+
+@njit(void(float32[::1], _ro(float32), float32), **_OPTS)
+def scaled_add(out, x, factor):
+    """out += x * factor: the product rounded to float32, then the sum (two roundings, as torch's mul then add)."""
+    if out.size != x.size:
+        raise ValueError("scaled_add: sizes")
+    for i in range(out.size):
+        out[i] = out[i] + x[i] * factor
+
+
+@njit(void(float32[::1], _ro(float32), float32), **_OPTS)
+def scaled_copy(out, x, factor):
+    """out = x * factor (float32)."""
+    if out.size != x.size:
+        raise ValueError("scaled_copy: sizes")
+    for i in range(out.size):
+        out[i] = x[i] * factor
+
+
+@njit(void(_ro(float32), float64, float64[::1]), **_OPTS)
+def quantize(x, scale, out):
+    """out = rint(float64(x) * scale), half to even (exchange.gram's integers; ``scale`` a power of two)."""
+    if out.size != x.size:
+        raise ValueError("quantize: sizes")
+    for i in range(out.size):
+        out[i] = np.rint(np.float64(x[i]) * scale)
