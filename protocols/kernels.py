@@ -151,3 +151,18 @@ def quantize(x, scale, out):
         raise ValueError("quantize: sizes")
     for i in range(out.size):
         out[i] = np.rint(np.float64(x[i]) * scale)
+
+
+@njit(void(float32[::1], _ro(float32), _ro(float32), float32, float32, float32[::1]), **_OPTS)
+def nesterov(buf, grad, theta, momentum, neg_lr, out):
+    """The outer step's Nesterov SGD (outer.OuterNesterov), each product and sum rounded on its own: buf = buf * mu
+    + g, then out = (g + buf * mu) * -lr + theta. ``out`` may be ``grad`` itself (each value is read before it is
+    written)."""
+    n = buf.size
+    if grad.size != n or theta.size != n or out.size != n:
+        raise ValueError("nesterov: sizes")
+    for i in range(n):
+        g = grad[i]
+        b = buf[i] * momentum + g
+        buf[i] = b
+        out[i] = (g + b * momentum) * neg_lr + theta[i]

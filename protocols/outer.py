@@ -16,9 +16,10 @@ import statistics
 from collections import deque
 from typing import Callable
 
+import numpy as np
 import torch
 
-from protocols import codecs, exchange
+from protocols import codecs, exchange, kernels
 from protocols.bulk import hasher
 from protocols.rounds import TICK
 from transport import clock
@@ -113,8 +114,14 @@ class OuterNesterov:
         buf = self.buffers[fragment]
         if grad.shape != buf.shape or params_flat.shape != buf.shape:
             raise ValueError("fragment size mismatch")
-        buf.mul_(self.momentum).add_(grad)
         step = grad if consume else torch.empty_like(grad)
+        if all(_kernel_ready(t) for t in (buf, grad, params_flat)):
+            # one compiled pass, the same operations in the same order (kernels.nesterov): 6 passes and a
+            # hundred slices' torch calls before
+            kernels.nesterov(buf.numpy(), grad.numpy(), params_flat.numpy(), np.float32(self.momentum),
+                             np.float32(-self.lr), step.numpy())
+            return step
+        buf.mul_(self.momentum).add_(grad)
         # g + mu * buf as a product, then a sum, then -lr x that plus theta: each operation rounded on its own.
         # torch's add(alpha=) is one fused multiply-add in its AVX2 and AVX-512 kernels and a product and a sum in
         # its scalar ones (CPUs without AVX2), so peers on other CPUs stepped to other bits from the same update.
@@ -128,6 +135,12 @@ class OuterNesterov:
             torch.mul(out, -self.lr, out=into)
             torch.add(into, params_flat[start:end], out=out)
         return step
+
+
+def _kernel_ready(t: torch.Tensor) -> bool:
+    """A tensor the compiled kernels take as it is: 1-d, contiguous float32 on the CPU, outside autograd."""
+    return t.dtype == torch.float32 and t.device.type == "cpu" and t.dim() == 1 and t.is_contiguous() \
+        and not t.requires_grad
 
 
 # how far a peer's initial weights (DiLoCo) or base model (SPSA) may be from ours for us to start from them, relative

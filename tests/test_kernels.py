@@ -218,3 +218,49 @@ def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
         kernels.scaled_copy(np.zeros(10, f32), np.zeros(11, f32), f32(1.0))
     with pytest.raises(ValueError):
         kernels.quantize(np.zeros(10, f32), 1.0, np.zeros(9, np.float64))
+
+
+def _torch_nesterov(buf, params, grad, lr, momentum):
+    """OuterNesterov.step of 2026-12-02 (slices through a product buffer, each operation rounded on its own)."""
+    from protocols import outer
+
+    buf.mul_(momentum).add_(grad)
+    step = torch.empty_like(grad)
+    product = torch.empty(min(outer.STEP_SLICE, buf.numel()))
+    for start in range(0, buf.numel(), outer.STEP_SLICE):
+        end = min(start + outer.STEP_SLICE, buf.numel())
+        into = product[:end - start]
+        torch.mul(buf[start:end], momentum, out=into)
+        out = torch.add(grad[start:end], into, out=step[start:end])
+        torch.mul(out, -lr, out=into)
+        torch.add(into, params[start:end], out=out)
+    return step
+
+
+@pytest.mark.parametrize("n", [1, 1000, (1 << 16) + 5])
+@pytest.mark.parametrize("lr, momentum", [(0.7, 0.9), (1.0, 0.0), (0.1, 0.95)])
+def test_nesterov_kernel_gives_the_torch_steps_bits(n, lr, momentum):
+    from protocols import outer
+
+    g = torch.Generator().manual_seed(n)
+    params = torch.randn(n, generator=g)
+    opt = outer.OuterNesterov([n], lr=lr, momentum=momentum)
+    ref_buf = torch.zeros(n)
+    for r in range(3):  # the momentum carried over rounds
+        grad = torch.randn(n, generator=g) * 10.0 ** (r - 2)
+        grad[: min(n, 6)] = _hard_values(min(n, 6), r).clamp(-1e30, 1e30)
+        want = _torch_nesterov(ref_buf, params, grad.clone(), lr, momentum)
+        for consume in (False, True):
+            buf_before = opt.buffers[0].clone()
+            got = opt.step(0, params, grad.clone(), consume=consume)
+            assert torch.equal(got.view(torch.int32), want.view(torch.int32)), (r, consume)
+            if not consume:
+                opt.buffers[0] = buf_before  # (step once per round: the other try from the same buffer)
+        assert torch.equal(opt.buffers[0].view(torch.int32), ref_buf.view(torch.int32))
+        params = want
+
+
+def test_nesterov_kernel_refuses_wrong_sizes():
+    f32 = np.float32
+    with pytest.raises(ValueError):
+        kernels.nesterov(np.zeros(4, f32), np.zeros(4, f32), np.zeros(3, f32), f32(0.9), f32(-0.7), np.zeros(4, f32))
