@@ -462,6 +462,35 @@ class E3M0Codec(BlockCodec):
             raise CodecError("tensor holds NaN or infinity")
         return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b""), torch.from_numpy(data))
 
+    def encode_wire_residual(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> tuple[bytearray, float, float]:
+        """Error feedback's encode in one pass (``kernels.e3m0_encode_residual``): the wire bytes of ``x`` (as
+        ``encode_wire``), with ``x`` (a contiguous 1-d float32 CPU tensor) left holding what the codec dropped of
+        it (x minus its decoded values, as ``x - decode(...)``) and the decoded values written into ``decoded``
+        where given. Returns (the bytes, the sum of the decoded values' squares, the sum of the residual's), in
+        float64. Where ``x`` holds NaN or infinity: CodecError (``x`` then holds nothing of use)."""
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu" \
+                or x.requires_grad:
+            raise ValueError("encode_wire_residual takes a contiguous 1-d float32 CPU tensor")
+        if x.numel() > MAX_ELEMENTS:
+            raise CodecError("tensor too large")
+        if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
+                                    or not decoded.is_contiguous()):
+            raise ValueError("decoded must be a contiguous float32 tensor of x's size")
+        n, b = x.numel(), self.block
+        scales16 = np.empty(-(-n // b), dtype=np.uint16)
+        data = np.empty((n + 1) // 2, dtype=np.uint8)
+        into = decoded.view(-1).numpy() if decoded is not None else np.empty(0, dtype=np.float32)
+        finite, kept, dropped = kernels.e3m0_encode_residual(x.numpy(), b, _SQRT2_F32, scales16, data,
+                                                             _E3M0_VALUES, into)
+        if not finite:
+            raise CodecError("tensor holds NaN or infinity")
+        head = Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b"")
+        codes = torch.from_numpy(data)
+        prefix = _wire_prefix(head, codes.numel())
+        out = bytearray(len(prefix) + codes.numel())
+        _write_wire(prefix, codes, out)
+        return out, kept, dropped
+
     def decode_flat(self, enc: Encoded, out):
         # each code's value (sign * 2^-e, exact) times its block's scale, low nibble first: one compiled pass
         # (``kernels.nibble_decode``), the products of the table lookup and the blockwise scaling before it
@@ -471,11 +500,11 @@ class E3M0Codec(BlockCodec):
         _need(len(enc.data), (n + 1) // 2, "data")
         _need(len(enc.scales), 2 * -(-n // b), "scales")
         result = _out(enc, out)
-        if n:
-            scales = torch.frombuffer(bytearray(enc.scales), dtype=torch.int16).view(torch.bfloat16).to(torch.float32)
-            _check_finite(scales)
-            kernels.nibble_decode(np.frombuffer(enc.data, dtype=np.uint8), scales.numpy(), b, _E3M0_VALUES,
-                                  result.numpy())
+        # (the bfloat16 scales read where they lie, checked finite and widened in the kernel)
+        if n and not kernels.nibble_decode(np.frombuffer(enc.data, dtype=np.uint8),
+                                           np.frombuffer(enc.scales, dtype=np.uint16), b, _E3M0_VALUES,
+                                           result.numpy()):
+            raise CodecError("tensor holds NaN or infinity")
         return result
 
 

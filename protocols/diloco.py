@@ -844,6 +844,21 @@ class DilocoLoop(TaskLoop):
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual)  # what the codec dropped of our last update travels with this one
         bounds = self._bounds(p, self._want_parts(p))
+        if self.feedback and isinstance(self.codec, codecs.E3M0Codec):
+            # e3m0's encode, decode and residual in one pass a part (the default codec): no decoded copy of each
+            # part, no pass for its norm nor for the residual's subtraction
+            mine = torch.empty(bounds[-1][1]) if whole else None
+            payloads, kept, dropped = [], 0.0, 0.0
+            try:
+                for a, b in bounds:
+                    payload, k, d = self.codec.encode_wire_residual(delta[a:b], None if mine is None else mine[a:b])
+                    payloads.append(payload)
+                    kept, dropped = kept + k, dropped + d
+            except codecs.CodecError:
+                return None
+            self.residual[p] = delta
+            self._residual_norms[p] = round(math.sqrt(dropped), 6)
+            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(kept), self._base_hash(p)
         try:
             payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
         except codecs.CodecError:

@@ -97,20 +97,108 @@ def e3m0_encode(x, block, sqrt2, scales16, data):
     return top < np.uint32(0x7F800000)  # below infinity's bits: no infinity, no NaN
 
 
-@njit(void(_ro(uint8), _ro(float32), int64, _ro(float32), float32[::1]), **_OPTS)
-def nibble_decode(data, scales, block, values, out):
-    """Values of two 4-bit codes a byte (low nibble first), each ``values[code] * scales[its block]`` in float32,
-    into ``out`` (as codecs' table decode followed by its blockwise scaling: the same product, rounded once)."""
+@njit(types.Tuple((types.boolean, float64, float64))(float32[::1], int64, float32, uint16[::1], uint8[::1],
+                                                    _ro(float32), float32[::1]), **_OPTS)
+def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
+    """``e3m0_encode`` with error feedback in the same pass: each value's decoded value v = values[code] * s (the
+    decoder's product) is subtracted from it where it lies, so ``x`` ends as what the codec dropped (float32,
+    x - v), and v is written into ``decoded`` where that holds ``x.size`` values (empty: not written). Returns
+    (every value finite, the sum of v^2, the sum of the residuals' squares), the sums in float64."""
+    n = x.size
+    if block <= 0:
+        raise ValueError("block must be positive")
+    nb = (n + block - 1) // block
+    if scales16.size != nb or data.size != (n + 1) // 2:
+        raise ValueError("e3m0_encode: output sizes")
+    if values.size != 16 or (decoded.size != 0 and decoded.size != n):
+        raise ValueError("e3m0_encode_residual: sizes")
+    kept = 0.0
+    dropped = 0.0
+    write = decoded.size != 0
+    xi = x.view(np.uint32)
+    sbits = np.empty(1, np.uint32)
+    sf = sbits.view(np.float32)
+    y = np.zeros(block + 1, np.float32)
+    yi = y.view(np.int32)
+    sign = np.zeros(block + 1, np.int32)
+    codes = np.zeros(block + 1, np.uint8)
+    even = block % 2 == 0
+    top = np.uint32(0)
+    for j in range(nb):
+        a = j * block
+        k = min(block, n - a)
+        m = np.uint32(0)
+        for i in range(k):  # |x|'s bits: for finite floats, their order is the values' order
+            m = max(m, xi[a + i] & np.uint32(0x7FFFFFFF))
+        top = max(top, m)
+        r = (m + np.uint32(0x7FFF) + ((m >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)  # to bfloat16, RNE
+        scales16[j] = np.uint16(r)
+        sbits[0] = r << np.uint32(16)
+        s = sf[0]
+        f = (np.float32(1.0) / s) * sqrt2 if s > np.float32(0.0) else sqrt2
+        for i in range(k):
+            y[i] = abs(x[a + i]) * f
+            sign[i] = np.int32(x[a + i] < np.float32(0.0)) << np.int32(3)
+        for i in range(k, block):  # the last block's padding: zeros
+            y[i] = np.float32(0.0)
+            sign[i] = np.int32(0)
+        if even:
+            h = a // 2
+            pairs = min(block // 2, data.size - h)
+            for q in range(pairs):
+                c0 = min(max(np.int32(127) - (yi[2 * q] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[2 * q]
+                c1 = min(max(np.int32(127) - (yi[2 * q + 1] >> np.int32(23)), np.int32(0)), np.int32(7)) \
+                    | sign[2 * q + 1]
+                data[h + q] = np.uint8(c0 | (c1 << np.int32(4)))
+        for i in range(k):  # what the others decode, and what is left of ours
+            c = min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[i]
+            v = values[c] * s
+            kept += np.float64(v) * np.float64(v)
+            left = x[a + i] - v
+            x[a + i] = left
+            dropped += np.float64(left) * np.float64(left)
+            if write:
+                decoded[a + i] = v
+        if not even:  # codes straddle bytes across blocks: nibble by nibble
+            for i in range(block):
+                codes[i] = np.uint8(min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7))
+                                    | sign[i])
+            for i in range(block):
+                g = a + i
+                byte = g >> 1
+                if byte >= data.size:
+                    break
+                if g & 1:
+                    data[byte] = np.uint8(data[byte] | (codes[i] << np.uint8(4)))
+                else:
+                    data[byte] = codes[i]
+    if n % 2 == 1 and nb * block == n:  # an odd count of codes, every one a value's: the last high nibble is 0
+        data[data.size - 1] = np.uint8(data[data.size - 1] & np.uint8(0x0F))
+    return top < np.uint32(0x7F800000), kept, dropped
+
+
+@njit(types.boolean(_ro(uint8), _ro(uint16), int64, _ro(float32), float32[::1]), **_OPTS)
+def nibble_decode(data, scales16, block, values, out):
+    """Values of two 4-bit codes a byte (low nibble first), each ``values[code] * scale`` in float32 (its block's
+    scale, from its bfloat16 bits in ``scales16``), into ``out`` (as codecs' table decode followed by its blockwise
+    scaling: the same product, rounded once). Returns False, having written nothing, where a scale is not finite
+    (a peer's bytes: refused)."""
     n = out.size
     if block <= 0:
         raise ValueError("block must be positive")
     nb = (n + block - 1) // block
-    if data.size < (n + 1) // 2 or scales.size < nb or values.size != 16:
+    if data.size < (n + 1) // 2 or scales16.size < nb or values.size != 16:
         raise ValueError("nibble_decode: input sizes")
+    for j in range(nb):
+        if scales16[j] & np.uint16(0x7F80) == np.uint16(0x7F80):  # an exponent of all ones: infinity or NaN
+            return False
+    sbits = np.empty(1, np.uint32)
+    sf = sbits.view(np.float32)
     for j in range(nb):
         a = j * block
         k = min(block, n - a)
-        s = scales[j]
+        sbits[0] = np.uint32(scales16[j]) << np.uint32(16)
+        s = sf[0]
         if a % 2 == 0:
             h = a // 2
             for q in range(k // 2):
@@ -124,6 +212,7 @@ def nibble_decode(data, scales, block, values, out):
                 g = a + i
                 byte = data[g >> 1]
                 out[g] = values[(byte >> np.uint8(4)) if g & 1 else (byte & np.uint8(15))] * s
+    return True
 
 
 @njit(void(float32[::1], _ro(float32), float32), **_OPTS)

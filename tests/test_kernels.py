@@ -163,6 +163,17 @@ def test_e3m0_decode_kernel_gives_the_table_decodes_bits(block, n):
     assert torch.equal(out.view(torch.int32), want.view(torch.int32))
 
 
+@pytest.mark.parametrize("bits", [0x7F80, 0xFF80, 0x7FC0, 0xFFFF, 0x7F81])
+def test_decode_kernel_refuses_a_non_finite_scale_before_writing(bits):
+    n, b = 300, 128
+    scales = np.array([0x3F80, bits, 0x3F80], dtype=np.uint16).tobytes()  # 1.0, then infinity or NaN
+    enc = C.Encoded(C.E3M0Codec.id, torch.float32, (n,), b, 0, scales, bytes((n + 1) // 2))
+    out = torch.full((n,), 5.0)
+    with pytest.raises(C.CodecError, match="NaN or infinity"):
+        C.decode(enc.to_wire(), out=out)
+    assert bool((out == 5.0).all())  # nothing written into the caller's buffer
+
+
 def test_decode_kernel_reads_every_byte_a_peer_could_send():
     # any data bytes and any finite scales: every byte names two table entries, nothing is read past the arrays
     rng = np.random.default_rng(5)
@@ -209,9 +220,9 @@ def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
     with pytest.raises(ValueError):
         kernels.e3m0_encode(np.ones(300, f32), 0, f32(1.4), np.empty(3, u16), np.empty(150, u8))
     with pytest.raises(ValueError):
-        kernels.nibble_decode(np.zeros(149, u8), np.ones(3, f32), 128, C._E3M0_VALUES, np.empty(300, f32))
+        kernels.nibble_decode(np.zeros(149, u8), np.ones(3, u16), 128, C._E3M0_VALUES, np.empty(300, f32))
     with pytest.raises(ValueError):
-        kernels.nibble_decode(np.zeros(150, u8), np.ones(2, f32), 128, C._E3M0_VALUES, np.empty(300, f32))
+        kernels.nibble_decode(np.zeros(150, u8), np.ones(2, u16), 128, C._E3M0_VALUES, np.empty(300, f32))
     with pytest.raises(ValueError):
         kernels.scaled_add(np.zeros(10, f32), np.zeros(9, f32), f32(1.0))
     with pytest.raises(ValueError):
@@ -264,3 +275,40 @@ def test_nesterov_kernel_refuses_wrong_sizes():
     f32 = np.float32
     with pytest.raises(ValueError):
         kernels.nesterov(np.zeros(4, f32), np.zeros(4, f32), np.zeros(3, f32), f32(0.9), f32(-0.7), np.zeros(4, f32))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", COUNTS)
+def test_error_feedback_kernel_gives_the_encode_decode_subtract_bits(block, n):
+    # the loop's error feedback (DilocoLoop._prepare_update) encoded a part, decoded it back, took the decoded
+    # values' norm and subtracted them from the part: one pass now, the same bytes, values and residual
+    codec = C.E3M0Codec(block=block)
+    x = _hard_values(n, 3 * n + block).clamp(-1e30, 1e30)
+    want_wire = bytes(codec.encode_wire(x))
+    want_decoded = C.decode(want_wire)
+    want_left = x - want_decoded
+    left, decoded = x.clone(), torch.full((n,), 9.0)
+    wire, kept, dropped = codec.encode_wire_residual(left, decoded)
+    assert bytes(wire) == want_wire
+    assert torch.equal(decoded.view(torch.int32), want_decoded.view(torch.int32))
+    assert torch.equal(left.view(torch.int32), want_left.view(torch.int32))
+    assert kept == pytest.approx(float((want_decoded.double() ** 2).sum()), rel=1e-12, abs=1e-300)
+    assert dropped == pytest.approx(float((want_left.double() ** 2).sum()), rel=1e-12, abs=1e-300)
+    again = x.clone()
+    assert bytes(codec.encode_wire_residual(again)[0]) == want_wire  # without a decoded copy
+    assert torch.equal(again.view(torch.int32), want_left.view(torch.int32))
+
+
+def test_error_feedback_kernel_refuses_non_finite_and_wrong_layouts():
+    codec = C.E3M0Codec()
+    x = torch.randn(300)
+    x[299] = float("nan")
+    with pytest.raises(C.CodecError, match="NaN or infinity"):
+        codec.encode_wire_residual(x)
+    with pytest.raises(ValueError):
+        codec.encode_wire_residual(torch.randn(10, 2)[:, 0])  # not contiguous
+    with pytest.raises(ValueError):
+        codec.encode_wire_residual(torch.randn(10), torch.empty(9))
+    with pytest.raises(ValueError):
+        kernels.e3m0_encode_residual(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16),
+                                     np.empty(5, np.uint8), C._E3M0_VALUES, np.empty(9, np.float32))
