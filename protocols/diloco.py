@@ -480,6 +480,7 @@ class DilocoLoop(TaskLoop):
         await ctx.transport.serve(ANN_SPEC, self._serve_announcements)
 
     async def close(self) -> None:
+        self._stop_progress()
         running = [t for t in (self._probe, *self._asks) if t is not None]
         for task in running:
             task.cancel()
@@ -638,6 +639,7 @@ class DilocoLoop(TaskLoop):
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
+        await self._last_progress()
         self.state = "done"
         logger.info("diloco run %s done: %d steps, global %s", self.cfg.run, self.step, self.final_hash)
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights

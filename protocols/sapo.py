@@ -241,7 +241,7 @@ class SapoLoop(TaskLoop):
                               queue_size=0)
 
     async def close(self) -> None:
-        pass
+        self._stop_progress()
 
     async def run(self) -> None:
         await self._guarded(self._run)
@@ -300,6 +300,7 @@ class SapoLoop(TaskLoop):
                 await asyncio.to_thread(self._save_checkpoint)
         if self.saved is None or self.saved.get("round") != self.round:
             await asyncio.to_thread(self._save_checkpoint)
+        await self._last_progress()
         self.state = "done"
         logger.info("sapo run %s done after %d rounds: cumulative reward %.3f", cfg.run, cfg.rounds,
                     self.cumulative_reward)

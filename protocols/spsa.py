@@ -619,7 +619,7 @@ class SPSALoop(TaskLoop):
         await ctx.transport.serve(BASE_SPEC, self._serve_base)
 
     async def close(self) -> None:
-        pass
+        self._stop_progress()
 
     def _total(self) -> float:
         return -(-self.cfg.steps // self.cfg.window) if self.cfg.steps else math.inf
@@ -708,6 +708,7 @@ class SPSALoop(TaskLoop):
                 self.losses.append((self.window * self.cfg.window, round(loss, 5)))
             await asyncio.to_thread(self._save_checkpoint, True)
         self.final_hash = self.weights.hash()
+        await self._last_progress()
         self.state = "done"
         logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
                     self.final_hash)

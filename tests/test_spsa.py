@@ -297,8 +297,10 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
         first = final[0]
         assert first["losses"][-1][1] < first["losses"][0][1]  # it learned something on the target domain
         # progress is in the replicated state, for every peer, as any node sees it
-        progress = await asyncio.to_thread(lambda: http_get(nodes[1].url + "/state")["objects"]["progress"])
-        assert set(progress) >= {n.peer_id for n in nodes} and all(p["step"] > 0 for p in progress.values())
+        # (each node's last progress is written as its run ends, then replicated: waited for)
+        await asyncio.to_thread(wait_for, lambda: (lambda progress: set(progress) >= {n.peer_id for n in nodes} and all(
+            p["step"] > 0 for p in progress.values()))(http_get(nodes[1].url + "/state")["objects"]["progress"]), 30,
+            "every node's progress in the replicated state")
         penalties = nodes[0].status()["penalties"]
         assert penalties.get("invalid_message", 0) >= 5  # malformed, wrong length, out of range, far future, bad join
         assert all(spsa(n).get("unexpected_batches", 0) <= 1 for n in nodes)  # the outsider's batch: not applied
