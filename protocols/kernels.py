@@ -233,6 +233,15 @@ def scaled_copy(out, x, factor):
         out[i] = x[i] * factor
 
 
+@njit(void(_ro(float32), float64, float64[::1]), **_OPTS)
+def quantize(x, scale, out):
+    """out = rint(float64(x) * scale), half to even (exchange.gram's integers; ``scale`` a power of two)."""
+    if out.size != x.size:
+        raise ValueError("quantize: sizes")
+    for i in range(out.size):
+        out[i] = np.rint(np.float64(x[i]) * scale)
+
+
 @njit(void(float32[::1], _ro(float32), _ro(float32), float32, float32, float32[::1]), **_OPTS)
 def nesterov(buf, grad, theta, momentum, neg_lr, out):
     """The outer step's Nesterov SGD (outer.OuterNesterov), each product and sum rounded on its own: buf = buf * mu
@@ -246,70 +255,3 @@ def nesterov(buf, grad, theta, momentum, neg_lr, out):
         b = buf[i] * momentum + g
         buf[i] = b
         out[i] = (g + b * momentum) * neg_lr + theta[i]
-
-
-GRAM_BLOCK = 2048  # values of each vector ``gram_exact`` multiplies at once: k x 2048 float64 stay in the cache
-_ROUNDER = 6755399441055744.0  # 1.5 x 2**52: y + it - it is y rounded half to even, for |y| < 2**51
-
-
-@njit(void(_ro(float32), int64, float64, float64[::1], int64), **_OPTS)
-def _quantize_block(v, a, scale, row, m):
-    """row[:m] = v[a:a + m] in float64, times ``scale``, rounded half to even (as ``np.rint``: the sum with 1.5 x
-    2**52 lands where the float64 spacing is 1, so the addition itself rounds, half to even, and the subtraction
-    is exact; |v x scale| is at most 2**19 here). No fastmath: the two additions must not be folded away."""
-    for t in range(m):
-        row[t] = (np.float64(v[a + t]) * scale + _ROUNDER) - _ROUNDER
-
-
-@njit(float64(float64[:, ::1], int64, int64, int64), **_OPTS, fastmath={"reassoc", "contract"})
-def _row_dot(buf, i, j, m):
-    """The dot product of rows i and j of ``buf`` over their first m values. Every value is an integer of at most
-    2**19 and m at most GRAM_BLOCK, so each product and every partial sum is an integer below 2**53, exact in
-    float64 in any order: the sum may be reordered and fused (``fastmath``'s reassoc and contract, so that it
-    vectorizes) and still gives the same integer everywhere."""
-    acc = 0.0
-    for t in range(m):
-        acc += buf[i, t] * buf[j, t]
-    return acc
-
-
-@njit(types.void(types.ListType(float32[::1]), float64[::1], int64, int64, int64[:, ::1]), **_OPTS)
-def gram_exact(vectors, scales, start, stop, out):
-    """``exchange.gram``'s integer products over values [start, stop) of each vector, added into ``out`` (k x k):
-    each value quantized to rint(float64(v) * scale) (its vector's scale, a power of two; 0 leaves the vector's
-    row and column at 0), then every pair's dot product exactly, a block of GRAM_BLOCK values at a time, with no
-    float64 copy of the vectors (the quantized block stays in the cache). The caller keeps (stop - start) x 2**38
-    under 2**62 (``out`` is int64)."""
-    k = len(vectors)
-    if scales.size != k or out.shape[0] != k or out.shape[1] != k or start < 0 or stop < start:
-        raise ValueError("gram_exact: sizes")
-    for i in range(k):
-        if vectors[i].size < stop:
-            raise ValueError("gram_exact: a vector is shorter than stop")
-    buf = np.zeros((k, GRAM_BLOCK), np.float64)
-    for a in range(start, stop, GRAM_BLOCK):
-        m = min(GRAM_BLOCK, stop - a)
-        for i in range(k):
-            v = vectors[i]
-            sc = scales[i]
-            _quantize_block(v, a, sc, buf[i], m)
-        for i in range(k):
-            if scales[i] == 0.0:
-                continue
-            for j in range(i, k):
-                if scales[j] == 0.0:
-                    continue
-                d = np.int64(_row_dot(buf, i, j, m))
-                out[i, j] += d
-                if j != i:
-                    out[j, i] += d
-
-
-@njit(types.uint32(_ro(float32)), **_OPTS)
-def absmax_bits(x):
-    """The largest |x|'s float32 bits (over 0x7F800000: a NaN; 0x7F800000: infinity; 0 for no values)."""
-    m = np.uint32(0)
-    xi = x.view(np.uint32)
-    for i in range(x.size):
-        m = max(m, xi[i] & np.uint32(0x7FFFFFFF))
-    return m
