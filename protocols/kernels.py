@@ -29,21 +29,29 @@ def _ro(dtype):
 _OPTS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "numpy"}
 
 
-@njit(types.boolean(_ro(float32), int64, float32, uint16[::1], uint8[::1]), **_OPTS)
-def e3m0_encode(x, block, sqrt2, scales16, data):
-    """e3m0's codes of ``x`` (codecs.E3M0Codec): per block of ``block`` values its absmax rounded to bfloat16 (the
-    bits into ``scales16``), and for each value, with y = |x| * (1 / s * sqrt2) in float32, the code
-    clamp(127 - (y's bits as int32 >> 23), 0, 7), plus 8 where x < 0 (-0.0 is not), two codes a byte, low nibble
-    first, into ``data``. Values past the end of ``x`` in its last block are zeros (code 7); where the blocks hold
-    an odd count, the last byte's high nibble is 0. As torch does it: a bfloat16 subnormal scale gives 1 / s = inf,
-    y = inf (code 0) or, for a zero, NaN (x86's default NaN, bits 0xFFC00000: code 7). Returns whether every
-    value was finite (the same pass: where one is not, the codes mean nothing and the caller refuses the input)."""
+_ENCODED = types.Tuple((types.boolean, float64, float64))
+
+
+@njit(_ENCODED(_ro(float32), int64, float32, uint16[::1], uint8[::1], _ro(float32), float32[::1], float32[::1]),
+      **_OPTS)
+def _e3m0(x, block, sqrt2, scales16, data, values, decoded, left):
+    """e3m0's codes of ``x`` (``e3m0_encode``), and where ``left`` holds x.size values (it may be ``x``'s own
+    memory: each value is read before it is written), error feedback in the same pass: each value's decoded value
+    v = values[code] * s (the decoder's product) into ``decoded`` (where that holds x.size values) and x - v into
+    ``left``. Returns (every value finite, the sum of v^2, the sum of (x - v)^2; the sums in float64, 0 without
+    ``left``)."""
     n = x.size
     if block <= 0:
         raise ValueError("block must be positive")
     nb = (n + block - 1) // block
     if scales16.size != nb or data.size != (n + 1) // 2:
         raise ValueError("e3m0_encode: output sizes")
+    feedback = left.size != 0
+    if feedback and (left.size != n or values.size != 16 or (decoded.size != 0 and decoded.size != n)):
+        raise ValueError("e3m0_encode_residual: sizes")
+    write = decoded.size != 0
+    kept = 0.0
+    dropped = 0.0
     xi = x.view(np.uint32)
     sbits = np.empty(1, np.uint32)
     sf = sbits.view(np.float32)
@@ -92,89 +100,43 @@ def e3m0_encode(x, block, sqrt2, scales16, data):
                     data[byte] = np.uint8(data[byte] | (codes[i] << np.uint8(4)))
                 else:
                     data[byte] = codes[i]
+        if feedback:
+            for i in range(k):  # what the others decode, and what is left of ours
+                c = min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[i]
+                v = values[c] * s
+                kept += np.float64(v) * np.float64(v)
+                rest = x[a + i] - v
+                left[a + i] = rest
+                dropped += np.float64(rest) * np.float64(rest)
+                if write:
+                    decoded[a + i] = v
     if n % 2 == 1 and nb * block == n:  # an odd count of codes, every one a value's: the last high nibble is 0
         data[data.size - 1] = np.uint8(data[data.size - 1] & np.uint8(0x0F))
-    return top < np.uint32(0x7F800000)  # below infinity's bits: no infinity, no NaN
+    return top < np.uint32(0x7F800000), kept, dropped  # below infinity's bits: no infinity, no NaN
 
 
-@njit(types.Tuple((types.boolean, float64, float64))(float32[::1], int64, float32, uint16[::1], uint8[::1],
-                                                    _ro(float32), float32[::1]), **_OPTS)
+_NONE = np.empty(0, np.float32)
+
+
+def e3m0_encode(x, block, sqrt2, scales16, data) -> bool:
+    """e3m0's codes of ``x`` (codecs.E3M0Codec): per block of ``block`` values its absmax rounded to bfloat16 (the
+    bits into ``scales16``), and for each value, with y = |x| * (1 / s * sqrt2) in float32, the code
+    clamp(127 - (y's bits as int32 >> 23), 0, 7), plus 8 where x < 0 (-0.0 is not), two codes a byte, low nibble
+    first, into ``data``. Values past the end of ``x`` in its last block are zeros (code 7); where the blocks hold
+    an odd count, the last byte's high nibble is 0. As torch does it: a bfloat16 subnormal scale gives 1 / s = inf,
+    y = inf (code 0) or, for a zero, NaN (x86's default NaN, bits 0xFFC00000: code 7). Returns whether every
+    value was finite (the same pass: where one is not, the codes mean nothing and the caller refuses the input)."""
+    return _e3m0(x, block, sqrt2, scales16, data, _NONE, _NONE, _NONE)[0]
+
+
 def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
     """``e3m0_encode`` with error feedback in the same pass: each value's decoded value v = values[code] * s (the
     decoder's product) is subtracted from it where it lies, so ``x`` ends as what the codec dropped (float32,
     x - v), and v is written into ``decoded`` where that holds ``x.size`` values (empty: not written). Returns
     (every value finite, the sum of v^2, the sum of the residuals' squares), the sums in float64."""
-    n = x.size
-    if block <= 0:
-        raise ValueError("block must be positive")
-    nb = (n + block - 1) // block
-    if scales16.size != nb or data.size != (n + 1) // 2:
-        raise ValueError("e3m0_encode: output sizes")
-    if values.size != 16 or (decoded.size != 0 and decoded.size != n):
-        raise ValueError("e3m0_encode_residual: sizes")
-    kept = 0.0
-    dropped = 0.0
-    write = decoded.size != 0
-    xi = x.view(np.uint32)
-    sbits = np.empty(1, np.uint32)
-    sf = sbits.view(np.float32)
-    y = np.zeros(block + 1, np.float32)
-    yi = y.view(np.int32)
-    sign = np.zeros(block + 1, np.int32)
-    codes = np.zeros(block + 1, np.uint8)
-    even = block % 2 == 0
-    top = np.uint32(0)
-    for j in range(nb):
-        a = j * block
-        k = min(block, n - a)
-        m = np.uint32(0)
-        for i in range(k):  # |x|'s bits: for finite floats, their order is the values' order
-            m = max(m, xi[a + i] & np.uint32(0x7FFFFFFF))
-        top = max(top, m)
-        r = (m + np.uint32(0x7FFF) + ((m >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)  # to bfloat16, RNE
-        scales16[j] = np.uint16(r)
-        sbits[0] = r << np.uint32(16)
-        s = sf[0]
-        f = (np.float32(1.0) / s) * sqrt2 if s > np.float32(0.0) else sqrt2
-        for i in range(k):
-            y[i] = abs(x[a + i]) * f
-            sign[i] = np.int32(x[a + i] < np.float32(0.0)) << np.int32(3)
-        for i in range(k, block):  # the last block's padding: zeros
-            y[i] = np.float32(0.0)
-            sign[i] = np.int32(0)
-        if even:
-            h = a // 2
-            pairs = min(block // 2, data.size - h)
-            for q in range(pairs):
-                c0 = min(max(np.int32(127) - (yi[2 * q] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[2 * q]
-                c1 = min(max(np.int32(127) - (yi[2 * q + 1] >> np.int32(23)), np.int32(0)), np.int32(7)) \
-                    | sign[2 * q + 1]
-                data[h + q] = np.uint8(c0 | (c1 << np.int32(4)))
-        for i in range(k):  # what the others decode, and what is left of ours
-            c = min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[i]
-            v = values[c] * s
-            kept += np.float64(v) * np.float64(v)
-            left = x[a + i] - v
-            x[a + i] = left
-            dropped += np.float64(left) * np.float64(left)
-            if write:
-                decoded[a + i] = v
-        if not even:  # codes straddle bytes across blocks: nibble by nibble
-            for i in range(block):
-                codes[i] = np.uint8(min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7))
-                                    | sign[i])
-            for i in range(block):
-                g = a + i
-                byte = g >> 1
-                if byte >= data.size:
-                    break
-                if g & 1:
-                    data[byte] = np.uint8(data[byte] | (codes[i] << np.uint8(4)))
-                else:
-                    data[byte] = codes[i]
-    if n % 2 == 1 and nb * block == n:  # an odd count of codes, every one a value's: the last high nibble is 0
-        data[data.size - 1] = np.uint8(data[data.size - 1] & np.uint8(0x0F))
-    return top < np.uint32(0x7F800000), kept, dropped
+    if x.size == 0:
+        return _e3m0(x, block, sqrt2, scales16, data, values, decoded, _NONE)
+    return _e3m0(x, block, sqrt2, scales16, data, values, decoded, x)
 
 
 @njit(types.boolean(_ro(uint8), _ro(uint16), int64, _ro(float32), float32[::1]), **_OPTS)
