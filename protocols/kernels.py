@@ -32,21 +32,20 @@ _OPTS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "num
 _ENCODED = types.Tuple((types.boolean, float64, float64))
 
 
-@njit(_ENCODED(_ro(float32), int64, float32, uint16[::1], uint8[::1], _ro(float32), float32[::1], float32[::1]),
-      **_OPTS)
-def _e3m0(x, block, sqrt2, scales16, data, values, decoded, left):
-    """e3m0's codes of ``x`` (``e3m0_encode``), and where ``left`` holds x.size values (it may be ``x``'s own
-    memory: each value is read before it is written), error feedback in the same pass: each value's decoded value
-    v = values[code] * s (the decoder's product) into ``decoded`` (where that holds x.size values) and x - v into
-    ``left``. Returns (every value finite, the sum of v^2, the sum of (x - v)^2; the sums in float64, 0 without
-    ``left``)."""
+@njit(_ENCODED(_ro(float32), int64, float32, uint16[::1], uint8[::1], types.boolean, _ro(float32), float32[::1],
+               float32[::1]), **_OPTS)
+def _e3m0(x, block, sqrt2, scales16, data, feedback, values, decoded, left):
+    """e3m0's codes of ``x`` (``e3m0_encode``), and with ``feedback``, error feedback in the same pass: each
+    value's decoded value v = values[code] * s (the decoder's product) into ``decoded`` (where that holds x.size
+    values) and x - v into ``left`` (x.size values; it may be ``x``'s own memory: each value is read before it is
+    written). Returns (every value finite, the sum of v^2, the sum of (x - v)^2; the sums in float64, 0 without
+    ``feedback``)."""
     n = x.size
     if block <= 0:
         raise ValueError("block must be positive")
     nb = (n + block - 1) // block
     if scales16.size != nb or data.size != (n + 1) // 2:
         raise ValueError("e3m0_encode: output sizes")
-    feedback = left.size != 0
     if feedback and (left.size != n or values.size != 16 or (decoded.size != 0 and decoded.size != n)):
         raise ValueError("e3m0_encode_residual: sizes")
     write = decoded.size != 0
@@ -126,7 +125,7 @@ def e3m0_encode(x, block, sqrt2, scales16, data) -> bool:
     an odd count, the last byte's high nibble is 0. As torch does it: a bfloat16 subnormal scale gives 1 / s = inf,
     y = inf (code 0) or, for a zero, NaN (x86's default NaN, bits 0xFFC00000: code 7). Returns whether every
     value was finite (the same pass: where one is not, the codes mean nothing and the caller refuses the input)."""
-    return _e3m0(x, block, sqrt2, scales16, data, _NONE, _NONE, _NONE)[0]
+    return _e3m0(x, block, sqrt2, scales16, data, False, _NONE, _NONE, _NONE)[0]
 
 
 def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
@@ -134,9 +133,7 @@ def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
     decoder's product) is subtracted from it where it lies, so ``x`` ends as what the codec dropped (float32,
     x - v), and v is written into ``decoded`` where that holds ``x.size`` values (empty: not written). Returns
     (every value finite, the sum of v^2, the sum of the residuals' squares), the sums in float64."""
-    if x.size == 0:
-        return _e3m0(x, block, sqrt2, scales16, data, values, decoded, _NONE)
-    return _e3m0(x, block, sqrt2, scales16, data, values, decoded, x)
+    return _e3m0(x, block, sqrt2, scales16, data, True, values, decoded, x)
 
 
 @njit(types.boolean(_ro(uint8), _ro(uint16), int64, _ro(float32), float32[::1]), **_OPTS)
