@@ -462,6 +462,35 @@ class E3M0Codec(BlockCodec):
             raise CodecError("tensor holds NaN or infinity")
         return (Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b""), torch.from_numpy(data))
 
+    def encode_wire_measured(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> tuple[bytearray, float]:
+        """The wire bytes of ``x`` (as ``encode_wire``) and, from the same pass (``kernels.e3m0_encode_measured``),
+        the sum of the squares of what a decoder gets from them (float64), the decoded values written into
+        ``decoded`` where given: a sender's norm of its update as the others see it, without decoding its own bytes
+        again and a norm pass over them (a DiLoCo round's update, before: 25 MB decoded and measured, 6% of a
+        node's worker CPU at N = 8). ``x``: a contiguous 1-d float32 CPU tensor, only read. Where ``x`` holds NaN or
+        infinity: CodecError."""
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError("encode_wire_measured takes a contiguous 1-d float32 CPU tensor")
+        if x.numel() > MAX_ELEMENTS:
+            raise CodecError("tensor too large")
+        if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
+                                    or not decoded.is_contiguous()):
+            raise ValueError("decoded must be a contiguous float32 tensor of x's size")
+        n, b = x.numel(), self.block
+        scales16 = np.empty(-(-n // b), dtype=np.uint16)
+        data = np.empty((n + 1) // 2, dtype=np.uint8)
+        into = decoded.view(-1).numpy() if decoded is not None else np.empty(0, dtype=np.float32)
+        finite, kept = kernels.e3m0_encode_measured(x.detach().numpy(), b, _SQRT2_F32, scales16, data, _E3M0_VALUES,
+                                                    into)
+        if not finite:
+            raise CodecError("tensor holds NaN or infinity")
+        head = Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b"")
+        codes = torch.from_numpy(data)
+        prefix = _wire_prefix(head, codes.numel())
+        out = bytearray(len(prefix) + codes.numel())
+        _write_wire(prefix, codes, out)
+        return out, kept
+
     def encode_wire_residual(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> tuple[bytearray, float, float]:
         """Error feedback's encode in one pass (``kernels.e3m0_encode_residual``): the wire bytes of ``x`` (as
         ``encode_wire``), with ``x`` (a contiguous 1-d float32 CPU tensor) left holding what the codec dropped of

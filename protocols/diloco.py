@@ -861,6 +861,20 @@ class DilocoLoop(TaskLoop):
             self.residual[p] = delta
             self._residual_norms[p] = round(math.sqrt(dropped), 6)
             return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(kept), self._base_hash(p)
+        if not self.feedback and isinstance(self.codec, codecs.E3M0Codec):
+            # (the default codec, no feedback) the norm of what the others decode, and where wanted those values,
+            # from the encoding's own pass: no decode of our own bytes and no norm pass over them
+            mine = torch.empty(bounds[-1][1]) if whole else None
+            payloads, squares = [], 0.0
+            try:
+                for a, b in bounds:
+                    payload, k = self.codec.encode_wire_measured(delta[a:b], None if mine is None else mine[a:b])
+                    payloads.append(payload)
+                    squares += k
+            except codecs.CodecError:
+                return None
+            del delta
+            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
         try:
             payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
         except codecs.CodecError:

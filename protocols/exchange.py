@@ -24,6 +24,7 @@ import math
 import statistics
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import torch
 
 from protocols import codecs, kernels
@@ -458,6 +459,8 @@ GRAM_BLOCK = 1 << 15  # values of each vector a step of ``gram`` multiplies at o
 GRAM_BITS = 19  # each value quantized to an integer of at most 2**19: a block's products sum to at most 2**53
 GRAM_TINY = 2.0 ** -100  # a vector whose every value is smaller counts as zeros (its integers' scale: 2**119 at most)
 GRAM_FLUSH = 1000  # blocks summed in int64 before they are added to Python integers (1000 x 2**53 < 2**63)
+GRAM_WINDOW = 1 << 14  # values of each vector the compiled pass copies into one array at a time (8 x 64 KB)
+GRAM_FLUSH_VALUES = 1 << 23  # values summed in int64 there before they go to Python integers (2**23 x 2**38 < 2**63)
 
 
 def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
@@ -491,10 +494,30 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
         shifts.append(shift)
         scales.append(math.ldexp(1.0, -shift))  # a power of two: the scaling itself is exact
     total = [[0] * k for _ in range(k)]
-    acc = torch.zeros(k, k, dtype=torch.int64)
-    block = torch.zeros(k, min(GRAM_BLOCK, n), dtype=torch.float64)  # a vector without products: its row stays 0
     used = [i for i in range(k) if scales[i]]
     flat = [_flat_f32(v) for v in vectors]  # numpy views of float32 vectors (None: the torch passes)
+    if n and all(x is not None for x in flat):
+        # one compiled pass a window (kernels.gram_rows): the window's values of each vector copied into one k x
+        # GRAM_WINDOW float32 array (in the cache), quantized and multiplied there a tile at a time, every pair's
+        # product exact; the int64 sums handed to Python integers every GRAM_FLUSH_VALUES values
+        window = np.zeros((k, min(GRAM_WINDOW, n)), np.float32)
+        sums = np.zeros((k, k), np.int64)
+        factors = np.array(scales, dtype=np.float64)  # 0: the vector's products are not taken
+        pending = 0
+        for start in range(0, n, GRAM_WINDOW):
+            width = min(GRAM_WINDOW, n - start)
+            rows = window if width == window.shape[1] else np.zeros((k, width), np.float32)
+            for i in used:
+                rows[i] = flat[i][start:start + width]
+            kernels.gram_rows(rows, factors, sums)
+            pending += width
+            if pending >= GRAM_FLUSH_VALUES:
+                _add_into(total, sums)
+                pending = 0
+        _add_into(total, sums)
+        return total, shifts
+    acc = torch.zeros(k, k, dtype=torch.int64)
+    block = torch.zeros(k, min(GRAM_BLOCK, n), dtype=torch.float64)  # a vector without products: its row stays 0
     for index, start in enumerate(range(0, n, GRAM_BLOCK)):
         rows = block[:, :min(GRAM_BLOCK, n - start)]
         for i in used:
@@ -511,11 +534,12 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
     return total, shifts
 
 
-def _add_into(total: list[list[int]], acc: torch.Tensor) -> None:
+def _add_into(total: list[list[int]], acc) -> None:
+    """acc's (int64, a tensor or a numpy array) sums added into ``total``'s Python integers, acc then zeroed."""
     for row, values in zip(total, acc.tolist()):
         for j, value in enumerate(values):
             row[j] += value
-    acc.zero_()
+    acc.fill(0) if isinstance(acc, np.ndarray) else acc.zero_()
 
 
 def uncorrelated(vectors: dict[str, torch.Tensor], sigmas: float = NOISE_SIGMAS) -> dict[str, float]:

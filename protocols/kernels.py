@@ -32,21 +32,24 @@ _OPTS = {"cache": True, "nogil": True, "boundscheck": False, "error_model": "num
 _ENCODED = types.Tuple((types.boolean, float64, float64))
 
 
-@njit(_ENCODED(_ro(float32), int64, float32, uint16[::1], uint8[::1], types.boolean, _ro(float32), float32[::1],
-               float32[::1]), **_OPTS)
-def _e3m0(x, block, sqrt2, scales16, data, feedback, values, decoded, left):
-    """e3m0's codes of ``x`` (``e3m0_encode``), and with ``feedback``, error feedback in the same pass: each
-    value's decoded value v = values[code] * s (the decoder's product) into ``decoded`` (where that holds x.size
-    values) and x - v into ``left`` (x.size values; it may be ``x``'s own memory: each value is read before it is
-    written). Returns (every value finite, the sum of v^2, the sum of (x - v)^2; the sums in float64, 0 without
-    ``feedback``)."""
+@njit(_ENCODED(_ro(float32), int64, float32, uint16[::1], uint8[::1], types.boolean, types.boolean, _ro(float32),
+               float32[::1], float32[::1]), **_OPTS)
+def _e3m0(x, block, sqrt2, scales16, data, feedback, measure, values, decoded, left):
+    """e3m0's codes of ``x`` (``e3m0_encode``); with ``measure``, in the same pass, each value's decoded value
+    v = values[code] * s (the decoder's product), summed squared and written into ``decoded`` (where that holds
+    x.size values); with ``feedback`` (which measures too), error feedback: x - v into ``left`` (x.size values; it
+    may be ``x``'s own memory: each value is read before it is written). Returns (every value finite, the sum of
+    v^2, the sum of (x - v)^2; the sums in float64, 0 where not measured)."""
     n = x.size
     if block <= 0:
         raise ValueError("block must be positive")
     nb = (n + block - 1) // block
     if scales16.size != nb or data.size != (n + 1) // 2:
         raise ValueError("e3m0_encode: output sizes")
-    if feedback and (left.size != n or values.size != 16 or (decoded.size != 0 and decoded.size != n)):
+    measure = measure or feedback
+    if measure and (values.size != 16 or (decoded.size != 0 and decoded.size != n)):
+        raise ValueError("e3m0_encode_measured: sizes")
+    if feedback and left.size != n:
         raise ValueError("e3m0_encode_residual: sizes")
     write = decoded.size != 0
     kept = 0.0
@@ -109,6 +112,13 @@ def _e3m0(x, block, sqrt2, scales16, data, feedback, values, decoded, left):
                 dropped += np.float64(rest) * np.float64(rest)
                 if write:
                     decoded[a + i] = v
+        elif measure:
+            for i in range(k):  # what the others decode: its squares, and the values where asked
+                c = min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[i]
+                v = values[c] * s
+                kept += np.float64(v) * np.float64(v)
+                if write:
+                    decoded[a + i] = v
     if n % 2 == 1 and nb * block == n:  # an odd count of codes, every one a value's: the last high nibble is 0
         data[data.size - 1] = np.uint8(data[data.size - 1] & np.uint8(0x0F))
     return top < np.uint32(0x7F800000), kept, dropped  # below infinity's bits: no infinity, no NaN
@@ -125,7 +135,15 @@ def e3m0_encode(x, block, sqrt2, scales16, data) -> bool:
     an odd count, the last byte's high nibble is 0. As torch does it: a bfloat16 subnormal scale gives 1 / s = inf,
     y = inf (code 0) or, for a zero, NaN (x86's default NaN, bits 0xFFC00000: code 7). Returns whether every
     value was finite (the same pass: where one is not, the codes mean nothing and the caller refuses the input)."""
-    return _e3m0(x, block, sqrt2, scales16, data, False, _NONE, _NONE, _NONE)[0]
+    return _e3m0(x, block, sqrt2, scales16, data, False, False, _NONE, _NONE, _NONE)[0]
+
+
+def e3m0_encode_measured(x, block, sqrt2, scales16, data, values, decoded):
+    """``e3m0_encode`` with, in the same pass, what the others will decode of it: each value's decoded value
+    v = values[code] * s written into ``decoded`` where that holds ``x.size`` values (empty: not written), and
+    the sum of v^2. Returns (every value finite, the sum of v^2 in float64); ``x`` is only read."""
+    finite, kept, _ = _e3m0(x, block, sqrt2, scales16, data, False, True, values, decoded, _NONE)
+    return finite, kept
 
 
 def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
@@ -133,7 +151,7 @@ def e3m0_encode_residual(x, block, sqrt2, scales16, data, values, decoded):
     decoder's product) is subtracted from it where it lies, so ``x`` ends as what the codec dropped (float32,
     x - v), and v is written into ``decoded`` where that holds ``x.size`` values (empty: not written). Returns
     (every value finite, the sum of v^2, the sum of the residuals' squares), the sums in float64."""
-    return _e3m0(x, block, sqrt2, scales16, data, True, values, decoded, x)
+    return _e3m0(x, block, sqrt2, scales16, data, True, True, values, decoded, x)
 
 
 @njit(types.boolean(_ro(uint8), _ro(uint16), int64, _ro(float32), float32[::1]), **_OPTS)
@@ -214,3 +232,53 @@ def nesterov(buf, grad, theta, momentum, neg_lr, out):
         b = buf[i] * momentum + g
         buf[i] = b
         out[i] = (g + b * momentum) * neg_lr + theta[i]
+
+
+GRAM_TILE = 2048  # values of each row ``gram_rows`` quantizes and multiplies at once: k x 2048 float64 in the cache
+
+
+@njit(**_OPTS)
+def _quantize_into(x, scale, out):
+    """out = rint(float64(x) * scale), half to even (as ``quantize``; 1-d slices: indexing the 2-d rows value by
+    value in the loop took 3.5x as long)."""
+    for t in range(x.size):
+        out[t] = np.rint(np.float64(x[t]) * scale)
+
+
+@njit(float64(float64[:, ::1], int64, int64, int64), **_OPTS, fastmath={"reassoc", "contract"})
+def _tile_dot(tile, i, j, m):
+    """The dot product of rows i and j of ``tile`` over their first m values. Every value is an integer of at most
+    2**19 in magnitude and m at most GRAM_TILE, so each product and every partial sum is an integer below 2**53,
+    exact in float64 in any order and with any fusing: the sum may be reordered and fused (``fastmath``'s reassoc
+    and contract, so that it vectorizes) and still gives the same integer everywhere."""
+    acc = 0.0
+    for t in range(m):
+        acc += tile[i, t] * tile[j, t]
+    return acc
+
+
+@njit(void(types.Array(float32, 2, "C", readonly=True), _ro(float64), int64[:, ::1]), **_OPTS)
+def gram_rows(x, scales, out):
+    """``exchange.gram``'s integer products of the rows of ``x`` (k x n), added into ``out`` (k x k): each value
+    quantized to rint(float64(v) * scale) (its row's scale, a power of two; a scale of 0 leaves its row and column
+    as they are), then every pair's dot product, exactly, a tile of GRAM_TILE values at a time (quantized into
+    the cache: no float64 copy of the rows for a matrix product to read back). The quantization is IEEE (no
+    fastmath). The caller keeps n x 2**38 under 2**62 (``out`` is int64) and each |v x scale| at most 2**19."""
+    k, n = x.shape
+    if scales.size != k or out.shape[0] != k or out.shape[1] != k:
+        raise ValueError("gram_rows: sizes")
+    tile = np.zeros((k, GRAM_TILE), np.float64)
+    for a in range(0, n, GRAM_TILE):
+        m = min(GRAM_TILE, n - a)
+        for i in range(k):
+            _quantize_into(x[i, a:a + m], scales[i], tile[i, :m])
+        for i in range(k):
+            if scales[i] == 0.0:
+                continue
+            for j in range(i, k):
+                if scales[j] == 0.0:
+                    continue
+                d = np.int64(_tile_dot(tile, i, j, m))
+                out[i, j] += d
+                if j != i:
+                    out[j, i] += d

@@ -200,15 +200,22 @@ def test_reduce_kernel_gives_the_torch_passes_bits(peers):
                        _torch_reduce(mixed, factors).view(torch.int32))
 
 
-@pytest.mark.parametrize("n", [0, 1, 1000, exchange.GRAM_BLOCK + 3])
-def test_gram_kernel_gives_the_exact_integers(n):
+@pytest.mark.parametrize("n", [0, 1, 1000, exchange.GRAM_WINDOW + 3, exchange.GRAM_BLOCK + 3])
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_gram_kernel_gives_the_exact_integers(n, contiguous, monkeypatch):
     g = torch.Generator().manual_seed(n)
     vectors = [torch.randn(n, generator=g) * 10.0 ** (i - 3) for i in range(5)]
     if n:
         vectors.append(torch.zeros(n))
         vectors.append(_hard_values(n, 9).clamp(-1e30, 1e30))
-        vectors.append(torch.randn(2 * n, generator=g)[::2])  # not contiguous: the torch passes
-    assert exchange.gram(vectors) == _torch_gram(vectors)
+        vectors.append(torch.full((n,), math.inf))  # no products, as a vector of zeros
+        if not contiguous:
+            vectors.append(torch.randn(2 * n, generator=g)[::2])  # one not contiguous: the torch passes for all
+    want = _torch_gram(vectors)
+    assert exchange.gram(vectors) == want
+    # (the compiled pass) its int64 sums handed to Python integers after every window: the same integers
+    monkeypatch.setattr(exchange, "GRAM_FLUSH_VALUES", 1)
+    assert exchange.gram(vectors) == want
 
 
 def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
@@ -229,6 +236,10 @@ def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
         kernels.scaled_copy(np.zeros(10, f32), np.zeros(11, f32), f32(1.0))
     with pytest.raises(ValueError):
         kernels.quantize(np.zeros(10, f32), 1.0, np.zeros(9, np.float64))
+    with pytest.raises(ValueError):
+        kernels.gram_rows(np.zeros((3, 10), f32), np.ones(2), np.zeros((3, 3), np.int64))
+    with pytest.raises(ValueError):
+        kernels.gram_rows(np.zeros((3, 10), f32), np.ones(3), np.zeros((3, 2), np.int64))
 
 
 def _torch_nesterov(buf, params, grad, lr, momentum):
@@ -311,4 +322,40 @@ def test_error_feedback_kernel_refuses_non_finite_and_wrong_layouts():
         codec.encode_wire_residual(torch.randn(10), torch.empty(9))
     with pytest.raises(ValueError):
         kernels.e3m0_encode_residual(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16),
+                                     np.empty(5, np.uint8), C._E3M0_VALUES, np.empty(9, np.float32))
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+@pytest.mark.parametrize("n", COUNTS)
+def test_measured_encode_gives_the_bytes_and_the_decoded_values_squares(block, n):
+    # the loop's update without error feedback (DilocoLoop._prepare_update) was encoded, decoded back and measured
+    # (its norm as the others see it): one pass now, the same bytes and decoded values, x left as it was
+    codec = C.E3M0Codec(block=block)
+    x = _hard_values(n, 5 * n + block).clamp(-1e30, 1e30)
+    before = x.clone()
+    want_wire = bytes(codec.encode_wire(x))
+    want_decoded = C.decode(want_wire)
+    decoded = torch.full((n,), 9.0)
+    wire, kept = codec.encode_wire_measured(x, decoded)
+    assert bytes(wire) == want_wire
+    assert torch.equal(decoded.view(torch.int32), want_decoded.view(torch.int32))
+    assert torch.equal(x.view(torch.int32), before.view(torch.int32))
+    assert kept == pytest.approx(float((want_decoded.double() ** 2).sum()), rel=1e-12, abs=1e-300)
+    wire, again = codec.encode_wire_measured(x)  # without a decoded copy
+    assert bytes(wire) == want_wire and again == kept
+
+
+def test_measured_encode_refuses_non_finite_and_wrong_layouts():
+    codec = C.E3M0Codec()
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(300)
+        x[150] = bad
+        with pytest.raises(C.CodecError, match="NaN or infinity"):
+            codec.encode_wire_measured(x)
+    with pytest.raises(ValueError):
+        codec.encode_wire_measured(torch.randn(10, 2)[:, 0])  # not contiguous
+    with pytest.raises(ValueError):
+        codec.encode_wire_measured(torch.randn(10), torch.empty(9))
+    with pytest.raises(ValueError):
+        kernels.e3m0_encode_measured(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16),
                                      np.empty(5, np.uint8), C._E3M0_VALUES, np.empty(9, np.float32))
