@@ -83,18 +83,23 @@ class TogetherVectorTask(SgdVectorTask):
         import fcntl
         import select
 
-        self.steps += 1
-        step = f"{self.steps:06d}"
-        tmp = self.dir / f".{step}.{os.getpid()}"
-        tmp.write_text(repr(time.monotonic()))
-        fifo = self.dir / f".go.{step}"
+        now = repr(time.monotonic())
         with open(self.dir / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
+            # a node that skipped an inner step (it joined from a peer's checkpoint) counts one step fewer than
+            # the others: it joins the step they wait at, not one they passed (else they waited out the timeout
+            # at every step, and it at every round: 60 s a round, seen once on 2026-12-04)
+            names = os.listdir(self.dir)
+            self.steps = max([self.steps + 1] + [int(name.split(".")[0]) for name in names if name[:1].isdigit()])
+            step = f"{self.steps:06d}"
+            tmp = self.dir / f".{step}.{os.getpid()}"
+            tmp.write_text(now)
+            fifo = self.dir / f".go.{step}"
             if not fifo.exists():
                 os.mkfifo(fifo)
             fd = os.open(fifo, os.O_RDWR)
             tmp.rename(self.dir / f"{step}.{os.getpid()}")
-            last = sum(1 for name in os.listdir(self.dir) if name.startswith(step + ".")) >= self.peers
+            last = sum(1 for name in names if name.startswith(step + ".")) + 1 >= self.peers
             if last:
                 os.write(fd, b"x" * (self.peers - 1))
         try:
