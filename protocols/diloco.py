@@ -56,6 +56,7 @@ FETCH_AFTER = 1.0  # s: how long a member view's unknown names are left to gossi
 FETCH_WAIT = 3.0  # s: how long such a request may take (past the span if it must: the round waits on it)
 INITIAL_TOLERANCE = outer.ROUNDING  # how far a peer's initial weights may be from ours for us to start from them
 MAX_PEER_ENTRIES = 256  # per round: ready messages and round hashes kept from peers whose word does not count yet
+READY_UNLISTED = 64  # "ready"s kept from authors not listed as direct yet, until they are (the newest)
 MAX_NEWCOMER_PULLS = 8  # per round: updates pulled from peers that are not waited for
 REDUCING = 2  # scatter: parts decoded and reduced at once (the reductions run in worker threads)
 MAX_LATE_PULLS = 4  # per round: counted peers' updates pulled after we closed it (for a redo)
@@ -426,6 +427,10 @@ class DilocoLoop(TaskLoop):
         self._led_off: dict[str, None] = {}
         self.started = None
         self.ready: dict[str, str] = {}
+        # "ready"s from authors our connection list does not show as direct yet (it lags our links: the daemon's
+        # listing is read every 2 s, and a peer stops announcing once it starts): counted once they are, the
+        # newest READY_UNLISTED kept (a fresh key that never connects only pushes out the oldest)
+        self._ready_unlisted: collections.OrderedDict[str, str] = collections.OrderedDict()
         self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
@@ -2352,6 +2357,7 @@ class DilocoLoop(TaskLoop):
                 continue
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
+            self._count_unlisted()
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
@@ -2361,9 +2367,18 @@ class DilocoLoop(TaskLoop):
                 self.standing.found(ready)
                 self._founder = len(ready) > 1
                 self.ready.clear()
+                self._ready_unlisted.clear()
                 self.state = "running"
                 return
             await asyncio.sleep(0.1)
+
+    def _count_unlisted(self) -> None:
+        """The "ready"s heard from authors not listed as direct then, counted where they are now (a newer one
+        heard since, from a direct author, stands)."""
+        for author in [a for a in self._ready_unlisted if self._ctx.direct(a)]:
+            held = self._ready_unlisted.pop(author)
+            if author not in self.ready and len(self.ready) < MAX_PEER_ENTRIES:
+                self.ready[author] = held
 
     def _initial_choice(self, base: str) -> str | None:
         """The initial weights to start from, where they are not ours: the hash most of the directly connected
@@ -2784,10 +2799,17 @@ class DilocoLoop(TaskLoop):
             # whose word counts
             self._heard[author] = self.clock.monotonic()
         if kind is READY:
-            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
-            if self.state != "running" and self._ctx.direct(author) \
-                    and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
-                self.ready[author] = body["ready"]
+            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
+            # one not listed as direct yet waits for our next look at the list (``_count_unlisted``)
+            if self.state != "running":
+                if not self._ctx.direct(author):
+                    self._ready_unlisted[author] = body["ready"]
+                    self._ready_unlisted.move_to_end(author)
+                    while len(self._ready_unlisted) > READY_UNLISTED:
+                        self._ready_unlisted.popitem(last=False)
+                elif author in self.ready or len(self.ready) < MAX_PEER_ENTRIES:
+                    self.ready[author] = body["ready"]
+                    self._ready_unlisted.pop(author, None)
             return Verdict.ACCEPT
         done = self.rounds_done[p] if self.rounds_done else 0
         if kind is JOIN:

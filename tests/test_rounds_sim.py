@@ -1248,3 +1248,33 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
     assert counters["checkpoint_source_failed"] == 1 and resumed["source"] != f"checkpoint of {bad}"
     assert score > 0 and counters.get("diverged", 0) == 0, counters
     assert history[-1]["participants"] == 5
+
+
+@pytest.mark.timeout(120)
+def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the_start(tmp_path):
+    """A node's connection list (what ``direct`` reads) lags its links: the daemon's listing is refreshed every
+    2 s. A "ready" from a peer not yet listed as direct was dropped, and a peer stops announcing once it starts:
+    a node that heard the last peer's "ready"s only inside that lag stayed at the start barrier while the others
+    started counting it, and joined their run from a checkpoint a round later (seen once in the exchange bench,
+    8 nodes, 2026-12-04). Here node A lists B as direct only 3 s after A starts, B starts within that time."""
+    sim = DilocoSim(SimConfig(peers=4, seed=7), ChurnConfig(rounds=4, dim=256, inner_steps=40), tmp_path)
+    a, late = sim.peers[0], sim.peers[1]
+
+    class ListsBLate(_paced(diloco.DilocoLoop, 0.1)):
+        async def start(self, ctx):
+            listed, since = ctx.direct, ctx.clock.monotonic()
+            ctx.direct = lambda p: listed(p) and (p != late or ctx.clock.monotonic() - since > 3.0)
+            await super().start(ctx)
+
+    sim.classes[a] = ListsBLate
+
+    async def main():
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(a).counters, sim.loop(a).history, sim.loop(late).history, _finals(sim)
+
+    counters, history, history_b, finals = run_virtual(main())
+    assert counters["joined_from_checkpoint"] == 0 and len(finals) == 1
+    assert history[0]["round"] == 0 and [h["participants"] for h in history] == [4] * 4
+    assert [h["participants"] for h in history_b] == [4] * 4
