@@ -430,7 +430,7 @@ class DilocoLoop(TaskLoop):
         # "ready"s from authors our connection list does not show as direct yet (it lags our links: the daemon's
         # listing is read every 2 s, and a peer stops announcing once it starts): counted once they are, the
         # newest READY_UNLISTED kept (a fresh key that never connects only pushes out the oldest)
-        self._ready_unlisted: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._ready_unlisted: dict[str, str] = {}
         self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
@@ -2375,8 +2375,7 @@ class DilocoLoop(TaskLoop):
     def _count_unlisted(self) -> None:
         """The "ready"s heard from authors not listed as direct then, counted where they are now (a newer one
         heard since, from a direct author, stands)."""
-        for author in [a for a in self._ready_unlisted if self._ctx.direct(a)]:
-            held = self._ready_unlisted.pop(author)
+        for author, held in rounds.take_listed(self._ready_unlisted, self._ctx.direct):
             if author not in self.ready and len(self.ready) < MAX_PEER_ENTRIES:
                 self.ready[author] = held
 
@@ -2803,10 +2802,7 @@ class DilocoLoop(TaskLoop):
             # one not listed as direct yet waits for our next look at the list (``_count_unlisted``)
             if self.state != "running":
                 if not self._ctx.direct(author):
-                    self._ready_unlisted[author] = body["ready"]
-                    self._ready_unlisted.move_to_end(author)
-                    while len(self._ready_unlisted) > READY_UNLISTED:
-                        self._ready_unlisted.popitem(last=False)
+                    rounds.keep_latest(self._ready_unlisted, author, body["ready"], READY_UNLISTED)
                 elif author in self.ready or len(self.ready) < MAX_PEER_ENTRIES:
                     self.ready[author] = body["ready"]
                     self._ready_unlisted.pop(author, None)

@@ -43,6 +43,16 @@ def keep_latest(entries: dict, key, value, cap: int) -> None:
         del entries[next(iter(entries))]
 
 
+def take_listed(held: dict, listed) -> list[tuple]:
+    """The entries of ``held`` whose key ``listed`` now holds for, removed from it, oldest first: a start barrier's
+    "ready"s heard from authors our connection list did not show as direct then (the list lags our links, and a
+    peer stops announcing once it starts), counted once it does (kept meanwhile with ``keep_latest``, bounded)."""
+    taken = [(key, held[key]) for key in held if listed(key)]
+    for key, _ in taken:
+        del held[key]
+    return taken
+
+
 def majority(votes: Mapping[str, str], salt: str = "") -> str:
     """The weight hash most voters report (``votes``: voter -> hash). A tie goes to the side of the voter drawn
     first for ``salt`` (the run and round): every peer picks the same side, no peer picks it by what it sends, and

@@ -61,6 +61,7 @@ logger = logging.getLogger(__name__)
 
 G0 = 1e-4
 MAX_PEER_ENTRIES = 256  # per window: batches, joins, hashes and ready messages kept from peers without standing
+READY_UNLISTED = 64  # "ready"s kept from authors not listed as direct yet, until they are (the newest)
 HISTORY = 1024  # evaluated losses kept for /status and the dashboard (a run may never end)
 KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps apply the one before; the log keeps
 # every window's bytes)
@@ -592,6 +593,9 @@ class SPSALoop(TaskLoop):
         self._initial: set[str] = set()
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.ready: dict[str, str] = {}  # peer -> base model hash it announced
+        # "ready"s from authors our connection list does not show as direct yet (it lags our links, and a peer stops
+        # announcing once it starts): counted once they are, the newest READY_UNLISTED kept
+        self._ready_unlisted: dict[str, str] = {}
         self._resync_from: list[str] = []
         self._replayed_from: str | None = None  # the peer whose base and log we replayed last
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
@@ -1022,12 +1026,16 @@ class SPSALoop(TaskLoop):
                 self._start_hash = start = self.weights.hash()
                 self._publish(READY, {"w": self.window, "ready": start})  # at once: our new base
                 continue
+            for author, held in rounds.take_listed(self._ready_unlisted, self._ctx.direct):
+                if author not in self.ready and len(self.ready) < MAX_PEER_ENTRIES:
+                    self.ready[author] = held
             ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self._initial = ready
                 self.standing.found(ready)
                 self.ready.clear()
+                self._ready_unlisted.clear()
                 self.state = "running"
                 return
             if self.ready and any(h != start for h in self.ready.values()):
@@ -1420,10 +1428,14 @@ class SPSALoop(TaskLoop):
         if kind is READY:
             if self.ready.get(author) == body["ready"]:
                 return self._repeated()
-            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped)
-            if self.state != "running" and self._ctx.direct(author) \
-                    and (author in self.ready or len(self.ready) < MAX_PEER_ENTRIES):
-                self.ready[author] = body["ready"]
+            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
+            # one not listed as direct yet waits for our next look at the list (the start barrier's count)
+            if self.state != "running":
+                if not self._ctx.direct(author):
+                    rounds.keep_latest(self._ready_unlisted, author, body["ready"], READY_UNLISTED)
+                elif author in self.ready or len(self.ready) < MAX_PEER_ENTRIES:
+                    self.ready[author] = body["ready"]
+                    self._ready_unlisted.pop(author, None)
             return Verdict.ACCEPT
         if kind is JOIN:
             joins = self.windows[w].joins

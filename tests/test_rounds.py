@@ -358,3 +358,15 @@ def test_keep_latest_moves_a_key_to_the_newest_and_drops_the_oldest_past_the_cap
     rounds.keep_latest(entries, "a", "again", 3)  # a is the newest now: b is the oldest
     rounds.keep_latest(entries, "d", "D", 3)
     assert list(entries.items()) == [("c", "C"), ("a", "again"), ("d", "D")]
+
+
+def test_readys_of_authors_not_listed_yet_are_kept_bounded_and_taken_once_listed():
+    held: dict = {}
+    for i in range(70):  # a flood of fresh keys that never connect: only the newest 64 stay
+        rounds.keep_latest(held, f"k{i}", f"h{i}", 64)
+    rounds.keep_latest(held, "b", "hb", 64)
+    assert len(held) == 64 and "k0" not in held and "k6" not in held and "k7" in held
+    listed = {"b", "k10", "nobody"}
+    assert rounds.take_listed(held, listed.__contains__) == [("k10", "h10"), ("b", "hb")]
+    assert "b" not in held and "k10" not in held and len(held) == 62
+    assert rounds.take_listed(held, listed.__contains__) == []

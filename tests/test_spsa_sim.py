@@ -698,3 +698,30 @@ def test_a_joiner_that_trusts_one_peer_alone_credits_the_authors_of_its_log_and_
     finals, joiner = run_virtual(main())
     assert len(finals) == 1 and joiner["participants"] == 4
     assert joiner.get("diverged", 0) == 0 and joiner.get("log_authors_unconfirmed", 0) == 0, joiner
+
+
+@pytest.mark.timeout(120)
+def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the_start(tmp_path):
+    """As DiLoCo's (test_rounds_sim.py): node A lists B as direct only 3 s after A starts, and B, which hears
+    everyone at once, starts within that time and announces no more. A's count must still take B's "ready"
+    (before 2026-12-04 it was dropped: A stayed at the barrier and replayed the others' log to join them)."""
+    sim = _sim(tmp_path, 4, windows=6)
+    a, late = sim.peers[0], sim.peers[1]
+
+    class ListsBLate(sim.loop_cls):
+        async def start(self, ctx):
+            listed, since = ctx.direct, ctx.clock.monotonic()
+            ctx.direct = lambda p: listed(p) and (p != late or ctx.clock.monotonic() - since > 3.0)
+            await super().start(ctx)
+
+    sim.classes[a] = ListsBLate
+
+    async def main():
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return sim.loop(a).counters, sim.loop(a)._initial, _finals(sim)
+
+    counters, initial, finals = run_virtual(main())
+    assert len(finals) == 1 and set(initial) == set(sim.peers)
+    assert counters.get("replayed_windows", 0) == 0
