@@ -292,6 +292,17 @@ def _paced(cls, step_seconds: float):
     return Paced
 
 
+def lists_direct_late(cls, peer: str, seconds: float):
+    """A loop whose node lists ``peer`` as directly connected only ``seconds`` after it starts, as a real node's
+    connection list lags its links (the daemon's listing is read every 2 s)."""
+    class ListsLate(cls):
+        async def start(self, ctx):
+            listed, since = ctx.direct, ctx.clock.monotonic()
+            ctx.direct = lambda p: listed(p) and (p != peer or ctx.clock.monotonic() - since > seconds)
+            await super().start(ctx)
+    return ListsLate
+
+
 class LoopSim:
     """A training loop's swarm in one process (a full mesh, as every real swarm within ``max_peers`` is): nodes can
     be started late, killed (as ``kill -9``: their op log and data dir stay), restarted, cut off by a partition;

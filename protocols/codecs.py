@@ -469,27 +469,10 @@ class E3M0Codec(BlockCodec):
         again and a norm pass over them (a DiLoCo round's update, before: 25 MB decoded and measured, 6% of a
         node's worker CPU at N = 8). ``x``: a contiguous 1-d float32 CPU tensor, only read. Where ``x`` holds NaN or
         infinity: CodecError."""
-        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
-            raise ValueError("encode_wire_measured takes a contiguous 1-d float32 CPU tensor")
-        if x.numel() > MAX_ELEMENTS:
-            raise CodecError("tensor too large")
-        if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
-                                    or not decoded.is_contiguous()):
-            raise ValueError("decoded must be a contiguous float32 tensor of x's size")
-        n, b = x.numel(), self.block
-        scales16 = np.empty(-(-n // b), dtype=np.uint16)
-        data = np.empty((n + 1) // 2, dtype=np.uint8)
-        into = decoded.view(-1).numpy() if decoded is not None else np.empty(0, dtype=np.float32)
-        finite, kept = kernels.e3m0_encode_measured(x.detach().numpy(), b, _SQRT2_F32, scales16, data, _E3M0_VALUES,
-                                                    into)
-        if not finite:
-            raise CodecError("tensor holds NaN or infinity")
-        head = Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b"")
-        codes = torch.from_numpy(data)
-        prefix = _wire_prefix(head, codes.numel())
-        out = bytearray(len(prefix) + codes.numel())
-        _write_wire(prefix, codes, out)
-        return out, kept
+        scales16, data, into = self._one_pass_buffers(x, decoded, "encode_wire_measured")
+        finite, kept = kernels.e3m0_encode_measured(x.detach().numpy(), self.block, _SQRT2_F32, scales16, data,
+                                                    _E3M0_VALUES, into)
+        return self._one_pass_wire(x, finite, scales16, data), kept
 
     def encode_wire_residual(self, x: torch.Tensor, decoded: torch.Tensor | None = None) -> tuple[bytearray, float, float]:
         """Error feedback's encode in one pass (``kernels.e3m0_encode_residual``): the wire bytes of ``x`` (as
@@ -497,28 +480,37 @@ class E3M0Codec(BlockCodec):
         it (x minus its decoded values, as ``x - decode(...)``) and the decoded values written into ``decoded``
         where given. Returns (the bytes, the sum of the decoded values' squares, the sum of the residual's), in
         float64. Where ``x`` holds NaN or infinity: CodecError (``x`` then holds nothing of use)."""
-        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu" \
-                or x.requires_grad:
+        if x.requires_grad:
             raise ValueError("encode_wire_residual takes a contiguous 1-d float32 CPU tensor")
+        scales16, data, into = self._one_pass_buffers(x, decoded, "encode_wire_residual")
+        finite, kept, dropped = kernels.e3m0_encode_residual(x.numpy(), self.block, _SQRT2_F32, scales16, data,
+                                                             _E3M0_VALUES, into)
+        return self._one_pass_wire(x, finite, scales16, data), kept, dropped
+
+    def _one_pass_buffers(self, x: torch.Tensor, decoded: torch.Tensor | None, name: str):
+        """The one-pass encoders' checks of their inputs and their output arrays: (scales, codes, decoded values'
+        array, empty where not wanted)."""
+        if x.dtype != torch.float32 or x.dim() != 1 or not x.is_contiguous() or x.device.type != "cpu":
+            raise ValueError(f"{name} takes a contiguous 1-d float32 CPU tensor")
         if x.numel() > MAX_ELEMENTS:
             raise CodecError("tensor too large")
         if decoded is not None and (decoded.dtype != torch.float32 or decoded.numel() != x.numel()
                                     or not decoded.is_contiguous()):
             raise ValueError("decoded must be a contiguous float32 tensor of x's size")
-        n, b = x.numel(), self.block
-        scales16 = np.empty(-(-n // b), dtype=np.uint16)
-        data = np.empty((n + 1) // 2, dtype=np.uint8)
+        n = x.numel()
         into = decoded.view(-1).numpy() if decoded is not None else np.empty(0, dtype=np.float32)
-        finite, kept, dropped = kernels.e3m0_encode_residual(x.numpy(), b, _SQRT2_F32, scales16, data,
-                                                             _E3M0_VALUES, into)
+        return np.empty(-(-n // self.block), dtype=np.uint16), np.empty((n + 1) // 2, dtype=np.uint8), into
+
+    def _one_pass_wire(self, x: torch.Tensor, finite: bool, scales16: np.ndarray, data: np.ndarray) -> bytearray:
+        """A one-pass encoder's wire bytes (as ``encode_wire``'s), or CodecError where a value was not finite."""
         if not finite:
             raise CodecError("tensor holds NaN or infinity")
-        head = Encoded(self.id, x.dtype, tuple(x.shape), b, 0, scales16.tobytes(), b"")
+        head = Encoded(self.id, x.dtype, tuple(x.shape), self.block, 0, scales16.tobytes(), b"")
         codes = torch.from_numpy(data)
         prefix = _wire_prefix(head, codes.numel())
         out = bytearray(len(prefix) + codes.numel())
         _write_wire(prefix, codes, out)
-        return out, kept, dropped
+        return out
 
     def decode_flat(self, enc: Encoded, out):
         # each code's value (sign * 2^-e, exact) times its block's scale, low nibble first: one compiled pass

@@ -2357,7 +2357,7 @@ class DilocoLoop(TaskLoop):
                 continue
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
-            self._count_unlisted()
+            rounds.count_listed(self.ready, self._ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
             ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
@@ -2371,13 +2371,6 @@ class DilocoLoop(TaskLoop):
                 self.state = "running"
                 return
             await asyncio.sleep(0.1)
-
-    def _count_unlisted(self) -> None:
-        """The "ready"s heard from authors not listed as direct then, counted where they are now (a newer one
-        heard since, from a direct author, stands)."""
-        for author, held in rounds.take_listed(self._ready_unlisted, self._ctx.direct):
-            if author not in self.ready and len(self.ready) < MAX_PEER_ENTRIES:
-                self.ready[author] = held
 
     def _initial_choice(self, base: str) -> str | None:
         """The initial weights to start from, where they are not ours: the hash most of the directly connected
@@ -2799,13 +2792,10 @@ class DilocoLoop(TaskLoop):
             self._heard[author] = self.clock.monotonic()
         if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
-            # one not listed as direct yet waits for our next look at the list (``_count_unlisted``)
+            # one not listed as direct yet waits for our next look at the list (``rounds.count_listed``)
             if self.state != "running":
-                if not self._ctx.direct(author):
-                    rounds.keep_latest(self._ready_unlisted, author, body["ready"], READY_UNLISTED)
-                elif author in self.ready or len(self.ready) < MAX_PEER_ENTRIES:
-                    self.ready[author] = body["ready"]
-                    self._ready_unlisted.pop(author, None)
+                rounds.hear_ready(self.ready, self._ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                                  MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
         done = self.rounds_done[p] if self.rounds_done else 0
         if kind is JOIN:

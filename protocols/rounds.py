@@ -53,6 +53,24 @@ def take_listed(held: dict, listed) -> list[tuple]:
     return taken
 
 
+def hear_ready(ready: dict, unlisted: dict, author: str, value, direct: bool, cap: int, unlisted_cap: int) -> None:
+    """A start barrier's "ready" from ``author``: only directly connected peers can found a run with us, so only
+    theirs count (first come, ``cap`` of them); one whose author is not listed as direct yet is held in
+    ``unlisted`` (the newest ``unlisted_cap``) until ``count_listed`` finds it listed."""
+    if not direct:
+        keep_latest(unlisted, author, value, unlisted_cap)
+    elif author in ready or len(ready) < cap:
+        ready[author] = value
+        unlisted.pop(author, None)
+
+
+def count_listed(ready: dict, unlisted: dict, direct, cap: int) -> None:
+    """The held "ready"s whose authors are listed as direct now, counted (a newer one heard since stands)."""
+    for author, value in take_listed(unlisted, direct):
+        if author not in ready and len(ready) < cap:
+            ready[author] = value
+
+
 def majority(votes: Mapping[str, str], salt: str = "") -> str:
     """The weight hash most voters report (``votes``: voter -> hash). A tie goes to the side of the voter drawn
     first for ``salt`` (the run and round): every peer picks the same side, no peer picks it by what it sends, and

@@ -1026,9 +1026,7 @@ class SPSALoop(TaskLoop):
                 self._start_hash = start = self.weights.hash()
                 self._publish(READY, {"w": self.window, "ready": start})  # at once: our new base
                 continue
-            for author, held in rounds.take_listed(self._ready_unlisted, self._ctx.direct):
-                if author not in self.ready and len(self.ready) < MAX_PEER_ENTRIES:
-                    self.ready[author] = held
+            rounds.count_listed(self.ready, self._ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
             ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
@@ -1431,11 +1429,8 @@ class SPSALoop(TaskLoop):
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
             # one not listed as direct yet waits for our next look at the list (the start barrier's count)
             if self.state != "running":
-                if not self._ctx.direct(author):
-                    rounds.keep_latest(self._ready_unlisted, author, body["ready"], READY_UNLISTED)
-                elif author in self.ready or len(self.ready) < MAX_PEER_ENTRIES:
-                    self.ready[author] = body["ready"]
-                    self._ready_unlisted.pop(author, None)
+                rounds.hear_ready(self.ready, self._ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                                  MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
         if kind is JOIN:
             joins = self.windows[w].joins

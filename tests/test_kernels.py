@@ -310,21 +310,6 @@ def test_error_feedback_kernel_gives_the_encode_decode_subtract_bits(block, n):
     assert torch.equal(again.view(torch.int32), want_left.view(torch.int32))
 
 
-def test_error_feedback_kernel_refuses_non_finite_and_wrong_layouts():
-    codec = C.E3M0Codec()
-    x = torch.randn(300)
-    x[299] = float("nan")
-    with pytest.raises(C.CodecError, match="NaN or infinity"):
-        codec.encode_wire_residual(x)
-    with pytest.raises(ValueError):
-        codec.encode_wire_residual(torch.randn(10, 2)[:, 0])  # not contiguous
-    with pytest.raises(ValueError):
-        codec.encode_wire_residual(torch.randn(10), torch.empty(9))
-    with pytest.raises(ValueError):
-        kernels.e3m0_encode_residual(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16),
-                                     np.empty(5, np.uint8), C._E3M0_VALUES, np.empty(9, np.float32))
-
-
 @pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("n", COUNTS)
 def test_measured_encode_gives_the_bytes_and_the_decoded_values_squares(block, n):
@@ -345,17 +330,20 @@ def test_measured_encode_gives_the_bytes_and_the_decoded_values_squares(block, n
     assert bytes(wire) == want_wire and again == kept
 
 
-def test_measured_encode_refuses_non_finite_and_wrong_layouts():
+@pytest.mark.parametrize("encoder", ["residual", "measured"])
+def test_one_pass_encoders_refuse_non_finite_values_and_wrong_layouts(encoder):
     codec = C.E3M0Codec()
+    encode = getattr(codec, f"encode_wire_{encoder}")
+    kernel = getattr(kernels, f"e3m0_encode_{encoder}")
     for bad in (float("nan"), float("inf")):
         x = torch.randn(300)
         x[150] = bad
         with pytest.raises(C.CodecError, match="NaN or infinity"):
-            codec.encode_wire_measured(x)
+            encode(x)
     with pytest.raises(ValueError):
-        codec.encode_wire_measured(torch.randn(10, 2)[:, 0])  # not contiguous
+        encode(torch.randn(10, 2)[:, 0])  # not contiguous
     with pytest.raises(ValueError):
-        codec.encode_wire_measured(torch.randn(10), torch.empty(9))
+        encode(torch.randn(10), torch.empty(9))
     with pytest.raises(ValueError):
-        kernels.e3m0_encode_measured(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16),
-                                     np.empty(5, np.uint8), C._E3M0_VALUES, np.empty(9, np.float32))
+        kernel(np.zeros(10, np.float32), 4, np.float32(1.4), np.empty(3, np.uint16), np.empty(5, np.uint8),
+               C._E3M0_VALUES, np.empty(9, np.float32))

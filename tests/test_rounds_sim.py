@@ -8,7 +8,8 @@ import msgpack
 import pytest
 import torch
 
-from node.sim import ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls
+from node.sim import (ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls,
+                      lists_direct_late)
 from protocols import codecs, diloco
 from transport.memory import LinkSpec, run_virtual
 
@@ -1259,14 +1260,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     8 nodes, 2026-12-04). Here node A lists B as direct only 3 s after A starts, B starts within that time."""
     sim = DilocoSim(SimConfig(peers=4, seed=7), ChurnConfig(rounds=4, dim=256, inner_steps=40), tmp_path)
     a, late = sim.peers[0], sim.peers[1]
-
-    class ListsBLate(_paced(diloco.DilocoLoop, 0.1)):
-        async def start(self, ctx):
-            listed, since = ctx.direct, ctx.clock.monotonic()
-            ctx.direct = lambda p: listed(p) and (p != late or ctx.clock.monotonic() - since > 3.0)
-            await super().start(ctx)
-
-    sim.classes[a] = ListsBLate
+    sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)
 
     async def main():
         async with sim:

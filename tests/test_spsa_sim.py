@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from node.sim import ChurnConfig, SimConfig, SpsaSim
+from node.sim import ChurnConfig, SimConfig, SpsaSim, lists_direct_late
 from protocols import gossip as pubsub
 from protocols import spsa
 from transport import framing
@@ -707,14 +707,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     (before 2026-12-04 it was dropped: A stayed at the barrier and replayed the others' log to join them)."""
     sim = _sim(tmp_path, 4, windows=6)
     a, late = sim.peers[0], sim.peers[1]
-
-    class ListsBLate(sim.loop_cls):
-        async def start(self, ctx):
-            listed, since = ctx.direct, ctx.clock.monotonic()
-            ctx.direct = lambda p: listed(p) and (p != late or ctx.clock.monotonic() - since > 3.0)
-            await super().start(ctx)
-
-    sim.classes[a] = ListsBLate
+    sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)
 
     async def main():
         async with sim:
