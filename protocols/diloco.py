@@ -851,35 +851,27 @@ class DilocoLoop(TaskLoop):
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual)  # what the codec dropped of our last update travels with this one
         bounds = self._bounds(p, self._want_parts(p))
-        if self.feedback and isinstance(self.codec, codecs.E3M0Codec):
-            # e3m0's encode, decode and residual in one pass a part (the default codec): no decoded copy of each
-            # part, no pass for its norm nor for the residual's subtraction
+        if isinstance(self.codec, codecs.E3M0Codec):
+            # (the default codec) one pass a part: its bytes, the norm of what the others decode of it and, with
+            # error feedback, the residual left where the update was; no decode of our own bytes, no norm pass
             mine = torch.empty(bounds[-1][1]) if whole else None
             payloads, kept, dropped = [], 0.0, 0.0
             try:
                 for a, b in bounds:
-                    payload, k, d = self.codec.encode_wire_residual(delta[a:b], None if mine is None else mine[a:b])
+                    into = None if mine is None else mine[a:b]
+                    if self.feedback:
+                        payload, k, d = self.codec.encode_wire_residual(delta[a:b], into)
+                    else:
+                        (payload, k), d = self.codec.encode_wire_measured(delta[a:b], into), 0.0
                     payloads.append(payload)
                     kept, dropped = kept + k, dropped + d
             except codecs.CodecError:
                 return None
-            self.residual[p] = delta
-            self._residual_norms[p] = round(math.sqrt(dropped), 6)
-            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(kept), self._base_hash(p)
-        if not self.feedback and isinstance(self.codec, codecs.E3M0Codec):
-            # (the default codec, no feedback) the norm of what the others decode, and where wanted those values,
-            # from the encoding's own pass: no decode of our own bytes and no norm pass over them
-            mine = torch.empty(bounds[-1][1]) if whole else None
-            payloads, squares = [], 0.0
-            try:
-                for a, b in bounds:
-                    payload, k = self.codec.encode_wire_measured(delta[a:b], None if mine is None else mine[a:b])
-                    payloads.append(payload)
-                    squares += k
-            except codecs.CodecError:
-                return None
+            if self.feedback:
+                self.residual[p] = delta
+                self._residual_norms[p] = round(math.sqrt(dropped), 6)
             del delta
-            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
+            return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(kept), self._base_hash(p)
         try:
             payloads = [self.codec.encode_wire(delta[a:b]) for a, b in bounds]
         except codecs.CodecError:
