@@ -339,6 +339,7 @@ def swarmd(mode: str, peers: int, size_bytes: int, rounds: int, root: Path, audi
             # to the last one done with the round (hivemind's time has a counterpart of this part only)
             "exchange_s": statistics.median(window) if window else math.nan,
             "periods": len(period),
+            "period_each": [round(x, 3) for x in period],  # (stderr) each round's, in order
             "close_s": max(s["exchange"]["close_seconds_median"] for s in final),
             "wall_s": wall / rounds,
             "in": max(b.get("bytes_pulled", 0) for b in bulk) / rounds / size_bytes,
@@ -544,6 +545,7 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
     times = [t for t, _, _, _ in times]
     per_round = [max(t[r] for t in times) for r in range(rounds)]
     return {"round_s": statistics.median(per_round), "close_s": statistics.median(per_round),
+            "period_each": [round(x, 3) for x in per_round],
             "exchange_s": statistics.median(per_round), "cpu_s": cpu,
             "window_cpu_s": window,
             "p2pd_cpu_s": daemons,

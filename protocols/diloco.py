@@ -34,7 +34,8 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from node.services import NodeContext
-from protocols import codecs, exchange, outer, rounds
+from node import allocator
+from protocols import buffers, codecs, exchange, outer, rounds
 from protocols import task as tasks
 from protocols.bulk import BulkError, BulkService, content_hash
 from protocols.gossip import Gossip, Message, Verdict
@@ -475,6 +476,7 @@ class DilocoLoop(TaskLoop):
         self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
+        self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -533,6 +535,11 @@ class DilocoLoop(TaskLoop):
                                   for p in range(self.cfg.fragments)))
         self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,
                                              self.cfg.outer_momentum)
+        # a round's large buffers kept for the next (protocols/buffers.py): our update's flat copy, the combined
+        # update (which becomes the global weights, the old ones given back), the chunks we decode (about one
+        # fragment's worth at once); room for 3 fragments, none where node.memory = "release"
+        self._buffers.max_bytes = 0 if allocator.applied()["mode"] == "release" else \
+            3 * 4 * max(g.numel() for g in self.global_flat)
         if self.task.has("optimizer"):
             self.inner_opt = self.task.call("optimizer", self.model.parameters())
             if not isinstance(self.inner_opt, torch.optim.Optimizer):
@@ -870,6 +877,10 @@ class DilocoLoop(TaskLoop):
             if self.feedback:
                 self.residual[p] = delta
                 self._residual_norms[p] = round(math.sqrt(dropped), 6)
+                if residual is not None:  # the last residual, added in: its buffer is the next update's
+                    self._buffers.give(residual)
+            else:
+                self._buffers.give(delta)  # encoded: its buffer is the next round's
             del delta
             return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(kept), self._base_hash(p)
         try:
@@ -886,6 +897,7 @@ class DilocoLoop(TaskLoop):
             del delta
             return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
         if not self.feedback:
+            self._buffers.give(delta)
             del delta
         # what the others will see of our update, decoded part by part into one tensor (or only measured)
         mine = torch.empty(bounds[-1][1]) if whole else None
@@ -899,6 +911,8 @@ class DilocoLoop(TaskLoop):
         if self.feedback:
             self.residual[p] = delta
             self._residual_norms[p] = round(float(delta.norm()), 6)
+            if residual is not None:
+                self._buffers.give(residual)
         return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
 
     def _own_update(self, pending: Pending) -> torch.Tensor | None:
@@ -911,10 +925,11 @@ class DilocoLoop(TaskLoop):
 
     def _pseudo_gradient(self, p: int, local: list[torch.Tensor]) -> torch.Tensor:
         """Our update for fragment p: the global weights minus ``local``, our parameters of that fragment, in one new
-        flat fp32 tensor on the CPU, each parameter subtracted where it lies (one pass; before, a flat copy of our
-        weights was made first, and the difference computed in it)."""
+        flat fp32 tensor on the CPU (one kept from an earlier round where there is one: ``_buffers``), each parameter
+        subtracted where it lies (one pass; before, a flat copy of our weights was made first, and the difference
+        computed in it)."""
         glob = self.global_flat[p]
-        out = torch.empty_like(glob)
+        out = self._buffers.take(glob.numel())  # (global_flat's tensors: flat fp32 on the CPU)
         at = 0
         for t in local:
             n = t.numel()
@@ -1103,11 +1118,15 @@ class DilocoLoop(TaskLoop):
             # the new weights and their hashes become visible together, here on the event loop: an announcement
             # checked meanwhile saw the old ones and their cached hashes (before, it found the version bumped by
             # the worker thread and hashed the new weights itself, on the loop)
-            self.global_flat[p] = new
+            before, self.global_flat[p] = self.global_flat[p], new
             self._global_version += 1
             self._hashes[None] = (self._global_version, h)
             if hp:
                 self._hashes[p] = (self._global_version, hp)
+            # the old weights, where nothing holds them any more (a redo's inputs or a checkpoint being written
+            # would): the buffer of the next round's combined update
+            self._buffers.give(before)
+            del before
         # the next round's candidates are this round's members, refused or not: a refusal judges one update, not
         # the peer (an honest update near convergence can be mostly its shard's noise, and in scatter only the
         # reducers of a part see its chunks), and every peer agrees on the members, the refused one included, so
@@ -1821,7 +1840,7 @@ class DilocoLoop(TaskLoop):
         pulls = self._pulls_end(key, end, span)
         # the combined update, filled as parts come: a part taken from its reducer is decoded straight into its
         # place (no second copy of the update); one we reduced is copied in at the end (``parts`` -> our tensor)
-        combined = torch.empty(n)
+        combined = self._buffers.take(n)  # (the last global weights' buffer, where it was given back)
         parts: dict[int, torch.Tensor] = {}
         used: dict[int, tuple[bytes, frozenset[str] | None]] = {}  # the part we take: (blob hash, whose chunks)
         screened: dict[str, str] = {}
@@ -1880,22 +1899,36 @@ class DilocoLoop(TaskLoop):
             await asyncio.gather(*(one(peer) for peer in sorted(members if only is None else members & only)))
 
             def decode_and_check() -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+                """The chunks decoded (each into a buffer a part decoded before gave back: ``drop``) and checked."""
                 chunks, bad = {}, {}
                 for peer in sorted(got):
                     chunk = got[peer]
-                    try:
-                        if not isinstance(chunk, torch.Tensor):
-                            chunk = _decode_part(chunk, b - a, None)
-                    except codecs.CodecError:
-                        bad[peer] = "undecodable"
-                        continue
+                    if not isinstance(chunk, torch.Tensor):
+                        buf = self._buffers.take(b - a)
+                        try:
+                            chunk = _decode_part(chunk, b - a, buf)
+                        except codecs.CodecError:
+                            self._buffers.give(buf)
+                            bad[peer] = "undecodable"
+                            continue
+                        if chunk.dtype == torch.float32 and chunk.data_ptr() == buf.data_ptr():
+                            chunk = buf  # the same values (a view of it, shaped as sent: one dimension)
+                        del buf
                     # (decoded: codecs.decode refused non-finite values; a whole update was decoded so too)
                     why = exchange.chunk_ok(chunk, b - a, pending.announced[peer].norm, checked=True)
                     if why is not None:
                         bad[peer] = why
+                        self._buffers.give(chunk)
                     else:
                         chunks[peer] = chunk
+                    del chunk
                 return chunks, bad
+
+            def drop(held: dict[str, torch.Tensor]) -> None:
+                """The decoded chunks in ``held`` given back for the next part's (one that is a view of a whole
+                update is not ours to give: ``Buffers.give`` leaves it), ``held`` emptied."""
+                while held:
+                    self._buffers.give(held.popitem()[1])
 
             async with self._reducing:
                 chunks, bad = await asyncio.to_thread(decode_and_check)
@@ -1904,13 +1937,14 @@ class DilocoLoop(TaskLoop):
                     rejected.setdefault(peer, why)
                 chunks = {peer: c for peer, c in chunks.items() if peer not in rejected}
                 if only is not None and set(chunks) != only:
+                    drop(chunks)
                     return False
                 whose = frozenset(chunks)
                 # the same rule wherever this part is reduced (its reducer, its auditor, a fallback): its chunks only
                 noise = await asyncio.to_thread(exchange.uncorrelated, chunks)
                 for peer in noise:
                     screened[peer] = "uncorrelated"  # from this part only: each part is judged on its own chunks
-                    del chunks[peer]
+                    self._buffers.give(chunks.pop(peer))
 
                 def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
                     combined = exchange.reduce_part(chunks, factors, b - a)
@@ -1921,7 +1955,7 @@ class DilocoLoop(TaskLoop):
                     return payload, content_hash(payload), codecs.decode(payload, out=combined)
 
                 payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
-                chunks.clear()
+                drop(chunks)
             computed[k] = (self.bulk.keep_prepared(blob_hash, payload), decoded, len(payload), whose)
             self._round_blobs[key].add(computed[k][0])
             self._own_blobs[key].add(computed[k][0])
@@ -2965,6 +2999,9 @@ class DilocoLoop(TaskLoop):
             "deadline_s": round(self.deadline.value(), 2),
             "transfer_rate_bps": round(self._transfer_rate()) if self._rates else None,
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
+            # a round's large buffers kept for the next (protocols/buffers.py): bytes held, taken (reused: from
+            # the pool), given back, refused (held elsewhere, or no room)
+            "buffers": self._buffers.status(),
             **dict(sorted(self.counters.items())),
         }
 

@@ -1272,3 +1272,28 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     assert counters["joined_from_checkpoint"] == 0 and len(finals) == 1
     assert history[0]["round"] == 0 and [h["participants"] for h in history] == [4] * 4
     assert [h["participants"] for h in history_b] == [4] * 4
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("feedback", ["off", "on"])
+def test_a_round_takes_its_large_buffers_from_the_last_and_ends_on_the_same_bits_as_without(tmp_path, monkeypatch,
+                                                                                           feedback):
+    """Scatter rounds of e3m0 updates take the update's flat copy, the combined update and the decoded chunks from
+    the buffers the last round gave back (protocols/buffers.py): every peer ends on the same weights, bit for bit
+    the weights of the same run where nothing is kept (node.memory = "release"), so no buffer was given back while
+    something still used it."""
+    async def run(memory: str):
+        monkeypatch.setattr(diloco.allocator, "applied", lambda: {"mode": memory})
+        sim = _sim(tmp_path / memory, 4, rounds=6, dim=4096, exchange="scatter", codec="e3m0",
+                   error_feedback=feedback)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return _finals(sim), [n.loop.status()["buffers"] for n in sim.nodes.values()]
+
+    kept, kept_buffers = run_virtual(run("reuse"))
+    released, released_buffers = run_virtual(run("release"))
+    assert len(kept) == 1 and kept == released
+    # each round: the update's copy, the combined update (the old weights' buffer) and the chunks decoded
+    assert all(b["reused"] >= 6 for b in kept_buffers), kept_buffers
+    assert all(b["reused"] == 0 and b["held_bytes"] == 0 for b in released_buffers), released_buffers
