@@ -20,9 +20,9 @@ class VectorTask:
 
     def data(self, shard: int, seed: int):
         """A different direction per peer and step, so every part of every update has its own bytes: the peer's
-        own random vector, rotated by another offset at each step (one copy, into one buffer; drawing ``size`` fresh normal values
-        each step took 150 ms of CPU for 25 MB, more than a round's exchange costs a peer, on the cores the
-        exchange shares)."""
+        own random vector, rotated by another offset at each step (one copy, into one buffer; drawing ``size``
+        fresh normal values each step took 150 ms of CPU for 25 MB, more than a round's exchange costs a peer, on
+        the cores the exchange shares)."""
         g = torch.Generator().manual_seed(seed * 1000 + shard)
         base = torch.randn(self.size, generator=g)
         n, out = self.size, torch.empty(self.size)

@@ -56,9 +56,9 @@ class Buffers:
         return torch.empty(n, dtype=torch.float32)
 
     def give(self, t: torch.Tensor) -> bool:
-        """Keep ``t`` for a later ``take`` if no one else can reach it (no view of it, no other holder of it; the caller's one reference, which
-        it must not use again, aside) and the pool has room; True if kept. Otherwise nothing happens: the caller's
-        reference goes as it would have."""
+        """Keep ``t`` for a later ``take`` if no one else can reach it (no view of it, no other holder of it; the
+        caller's one reference, which it must not use again, aside) and the pool has room; True if kept. Otherwise
+        nothing happens: the caller's reference goes as it would have."""
         # the caller's reference, ``t`` here, and getrefcount's own argument: no one else holds the object
         if sys.getrefcount(t) > 3 or not unviewed(t):
             self.counters["refused"] += 1
