@@ -73,11 +73,6 @@ class Buffers:
             self.counters["given"] += 1
             return True
 
-    def clear(self) -> None:
-        with self._lock:
-            self._free.clear()
-            self.held_bytes = 0
-
     def status(self) -> dict:
         with self._lock:
             return {"held_bytes": self.held_bytes, **self.counters}

@@ -1913,7 +1913,6 @@ class DilocoLoop(TaskLoop):
                             continue
                         if chunk.dtype == torch.float32 and chunk.data_ptr() == buf.data_ptr():
                             chunk = buf  # the same values (a view of it, shaped as sent: one dimension)
-                        del buf
                     # (decoded: codecs.decode refused non-finite values; a whole update was decoded so too)
                     why = exchange.chunk_ok(chunk, b - a, pending.announced[peer].norm, checked=True)
                     if why is not None:
@@ -1921,7 +1920,6 @@ class DilocoLoop(TaskLoop):
                         self._buffers.give(chunk)
                     else:
                         chunks[peer] = chunk
-                    del chunk
                 return chunks, bad
 
             def drop(held: dict[str, torch.Tensor]) -> None:
