@@ -46,9 +46,9 @@ sys.path.insert(0, str(ROOT))
 import torch  # noqa: E402
 from safetensors.torch import load_model, save_model  # noqa: E402
 
-from protocols import spsa  # noqa: E402
-from protocols import task as tasks  # noqa: E402
-from protocols.spsa import (AUDIT_REL, DEFAULT_TASK_OPTIONS, SpsaConfig, Weights, audit_agrees,  # noqa: E402
+from swarmd.protocols import spsa  # noqa: E402
+from swarmd.protocols import task as tasks  # noqa: E402
+from swarmd.protocols.spsa import (AUDIT_REL, DEFAULT_TASK_OPTIONS, SpsaConfig, Weights, audit_agrees,  # noqa: E402
                             encode_grad, step_seed)
 
 OPTIONS = {  # the options bench_spsa.py measures learning with (hf-text: its small Llama, last layer perturbed)

@@ -23,10 +23,10 @@ sys.path.insert(0, str(ROOT))
 SOURCE = r"""
 import asyncio, os, sys, types
 sys.path.insert(0, sys.argv[1])
-from node.services import NodeContext
-from protocols.bulk import BulkService, content_hash
-from transport.identity import Identity
-from transport.penalties import TokenBuckets
+from swarmd.node.services import NodeContext
+from swarmd.protocols.bulk import BulkService, content_hash
+from swarmd.transport.identity import Identity
+from swarmd.transport.penalties import TokenBuckets
 
 member, size = sys.argv[2], int(sys.argv[3])
 
@@ -55,8 +55,8 @@ uvloop.run(main())
 async def pulls(size: int, count: int, kept: bool) -> dict:
     import msgpack
 
-    from protocols.bulk import REQUEST_DOMAIN, ConnectionPool, fetch
-    from transport.identity import Identity
+    from swarmd.protocols.bulk import REQUEST_DOMAIN, ConnectionPool, fetch
+    from swarmd.transport.identity import Identity
 
     me = Identity.generate()
     proc = subprocess.Popen([sys.executable, "-c", SOURCE, str(ROOT), me.peer_id, str(size)],

@@ -118,7 +118,7 @@ def run_swarm(loop: str, table: str, peers: int, root: Path, keys: Path, behavio
     try:
         nodes = [swarm.start("n0")]
         for i in range(1, peers):
-            entry = [str(BYZANTINE), f"{loop}:{behaviour}"] if behaviour and i == peers - 1 else ["-m", "node"]
+            entry = [str(BYZANTINE), f"{loop}:{behaviour}"] if behaviour and i == peers - 1 else ["-m", "swarmd"]
             nodes.append(swarm.start(f"n{i}", bootstrap=[nodes[-1].tcp_addr], entry=entry))
         for i, n in enumerate(nodes):
             if not (keys / f"n{i}.key").exists():
@@ -416,7 +416,7 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
     import random
     import threading
 
-    from protocols import checkpoint
+    from swarmd.protocols import checkpoint
     from swarmproc import http_post
 
     config = loop_config(tmp / f"kill-{loop}.toml", KILL_CONFIGS[loop])
@@ -523,7 +523,7 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
     try:
         survivors = swarm.start_chain(3, members_within=120)
         here["survivors"] = survivors
-        victim = start_victim(["-m", "node"])
+        victim = start_victim(["-m", "swarmd"])
         identity = victim.peer_id
         threads = [threading.Thread(target=poller, daemon=True), threading.Thread(target=writer, daemon=True)]
         for t in threads:
@@ -574,7 +574,7 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
             here["restart_round"] = d(survivors[0])["round"]
             here["restart_wall"] = time.time()
             t_restart = time.monotonic()
-            v = start_victim(["-m", "node"])
+            v = start_victim(["-m", "swarmd"])
             res["same_identity"] += v.peer_id == identity
             try:
                 wait_for(lambda: rejoined_plain(v), 300, "the plain restart to rejoin", interval=0.5)

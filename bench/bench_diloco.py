@@ -54,14 +54,14 @@ def peer_keys(n: int) -> list:
     """The bench's peers' identities, the same in every row and run: their data shards are the reference's."""
     import hashlib
 
-    from transport.identity import Identity
+    from swarmd.transport.identity import Identity
 
     return [Identity.generate(hashlib.blake2b(f"bench_diloco peer {i}".encode(), digest_size=32).digest())
             for i in range(n)]
 
 
 def peer_shards(n: int) -> list[int]:
-    from protocols import task as tasks
+    from swarmd.protocols import task as tasks
 
     return [tasks.shard_of(key.peer_id) for key in peer_keys(n)]
 
@@ -155,8 +155,8 @@ def data_parallel(steps: int, peers: int, task_spec: str, options: dict, inner_l
     ``shards``: the peers' data shards (default 0 .. peers - 1)."""
     import torch
 
-    from protocols import task as tasks
-    from protocols.inner import lr_scale, scale_lr
+    from swarmd.protocols import task as tasks
+    from swarmd.protocols.inner import lr_scale, scale_lr
 
     started = time.monotonic()
     torch.set_num_threads(threads)

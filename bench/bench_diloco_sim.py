@@ -90,9 +90,9 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
     """One setting and seed, in this process (one CPU thread); worker i reads data shard ``shards[i]`` (default i)."""
     import torch
 
-    from protocols import codecs, outer
-    from protocols import task as tasks
-    from protocols.inner import SwarmAdamW, lr_scale, scale_lr
+    from swarmd.protocols import codecs, outer
+    from swarmd.protocols import task as tasks
+    from swarmd.protocols.inner import SwarmAdamW, lr_scale, scale_lr
 
     s = {**BASE, **SETTINGS[name][1]}
     if s.get("dp"):  # the process bench's reference itself, on one thread

@@ -35,7 +35,7 @@ data = os.urandom(1 << 20) * (size >> 20)
 
 async def main():
     if mode == "swarmd":
-        from protocols.bulk import HEADER, OK
+        from swarmd.protocols.bulk import HEADER, OK
         async def serve(reader, writer):
             n = struct.unpack(">I", await reader.readexactly(4))[0]; await reader.readexactly(n)
             writer.write(HEADER.pack(OK, len(data)))
@@ -51,9 +51,9 @@ async def main():
         server = await asyncio.start_server(serve, "127.0.0.1", 0)
         print(server.sockets[0].getsockname()[1], flush=True)
     else:
-        from transport.identity import Identity
-        from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-        from transport._compat import load_hivemind
+        from swarmd.transport.identity import Identity
+        from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+        from swarmd.transport._compat import load_hivemind
         P2P = load_hivemind().P2P
         t = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
         await t.start()
@@ -75,7 +75,7 @@ async def client(mode: str, where: str, size: int) -> float:
     if mode == "swarmd":
         import msgpack
 
-        from protocols.bulk import fetch
+        from swarmd.protocols.bulk import fetch
 
         # the server does not check requests in this harness; hashing is done by fetch() like in the node
         body = await fetch(f"127.0.0.1:{where}", _payload_hash, size, msgpack.packb({"x": 1}))
@@ -88,9 +88,9 @@ async def client(mode: str, where: str, size: int) -> float:
         assert len(data) == size
         writer.close()
     else:
-        from transport._compat import load_hivemind
-        from transport.identity import Identity
-        from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+        from swarmd.transport._compat import load_hivemind
+        from swarmd.transport.identity import Identity
+        from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
         hm = load_hivemind()
         t = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -140,7 +140,7 @@ def _hash_of(port: str, size: int) -> bytes:
 
     import msgpack
 
-    from protocols.bulk import HEADER, content_hash
+    from swarmd.protocols.bulk import HEADER, content_hash
 
     with socket.create_connection(("127.0.0.1", int(port))) as s:
         req = msgpack.packb({"x": 1})
@@ -158,7 +158,7 @@ def _hash_of(port: str, size: int) -> bytes:
 def codecs_table() -> list[dict]:
     import torch
 
-    from protocols import codecs
+    from swarmd.protocols import codecs
 
     torch.set_num_threads(1)
     x = torch.randn(16 * 1024 * 1024)

@@ -42,12 +42,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from swarmproc import Swarm, http_get, http_post, loop_config, wait_for  # noqa: E402
 
-from crdt.admission import Admission  # noqa: E402
-from crdt.ops import make_op  # noqa: E402
-from node.replication import CRDT_SPEC, PUSH  # noqa: E402
-from transport.identity import Identity  # noqa: E402
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
-from transport.wire import WIRE  # noqa: E402
+from swarmd.crdt.admission import Admission  # noqa: E402
+from swarmd.crdt.ops import make_op  # noqa: E402
+from swarmd.node.replication import CRDT_SPEC, PUSH  # noqa: E402
+from swarmd.transport.identity import Identity  # noqa: E402
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
+from swarmd.transport.wire import WIRE  # noqa: E402
 
 MB = 1 << 20
 
@@ -247,7 +247,7 @@ async def attack_admitted_junk(a, b) -> None:
 
 async def attack_streams(a, b) -> None:
     """300 idle pubsub streams from one peer."""
-    from protocols.gossip import PUBSUB_SPEC
+    from swarmd.protocols.gossip import PUBSUB_SPEC
 
     t = await attacker(a)
     streams = []
@@ -290,8 +290,8 @@ async def attack_dht(a, b) -> None:
     from hivemind.dht.routing import DHTID
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from dht.records import Ed25519RecordValidator, dht_key_id, owner_tag
-    from transport._compat import load_hivemind
+    from swarmd.dht.records import Ed25519RecordValidator, dht_key_id, owner_tag
+    from swarmd.transport._compat import load_hivemind
 
     hm = load_hivemind()
     key = a.status()["dht"]["members_key"]
@@ -343,7 +343,7 @@ async def attack_gossip(a, b, tmp: Path) -> None:
 
 async def attack_announcements(a, b, tmp: Path) -> None:
     """20,000 well-formed bulk announcements from one key (capped per author)."""
-    from protocols.bulk import ANNOUNCE
+    from swarmd.protocols.bulk import ANNOUNCE
 
     await flood_bulk_topic(a, tmp / "ann", (WIRE.pack(ANNOUNCE, {
         "hash": os.urandom(32), "size": 1000, "codec": "raw", "topic": "diloco/x", "round": i, "fragment": 0,
@@ -468,7 +468,7 @@ def junk_for(loop: str, s: dict, key: Identity, tag: list) -> list[dict]:
         for ww in range(w, w + 3):
             out += [{"w": ww, "h": "f" * 32}, {"w": ww, "join": True}, {"w": ww, "b": b"\x01" * 25, "h": bytes(8)}]
     else:
-        from protocols.sapo import question_seed
+        from swarmd.protocols.sapo import question_seed
 
         out = [{"r": 0, "ready": True}]
         for r in (s.get("round", 0) + 1, 11, 299):
@@ -479,7 +479,7 @@ def junk_for(loop: str, s: dict, key: Identity, tag: list) -> list[dict]:
 
 def _kind_of(loop: str, body: dict):
     """The wire kind of a loop message, by its fields (transport.wire)."""
-    from protocols import diloco, sapo, spsa
+    from swarmd.protocols import diloco, sapo, spsa
 
     module = {"diloco": diloco, "spsa": spsa, "sapo": sapo}[loop]
     for kind in (k for k in WIRE.kinds.values() if k.carrier == module.CARRIER):

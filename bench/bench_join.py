@@ -39,8 +39,8 @@ from swarmproc import Swarm, wait_for  # noqa: E402
 BASELINE = """
 import asyncio, sys, time, resource
 t0 = float(sys.argv[2])
-from transport._compat import load_hivemind
-from transport.identity import Identity
+from swarmd.transport._compat import load_hivemind
+from swarmd.transport.identity import Identity
 hm = load_hivemind()
 async def main():
     import tempfile, os

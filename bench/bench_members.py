@@ -38,7 +38,7 @@ BEFORE_EVERY = 5.0  # the poll interval before 2026-11-29, whatever the swarm's 
 
 def _signer_for(identities):
     """A validator that signs each record as the member its subkey names: M members stored from one process."""
-    from dht.records import Ed25519RecordValidator, member_value_ok
+    from swarmd.dht.records import Ed25519RecordValidator, member_value_ok
 
     class Signer(Ed25519RecordValidator):
         def __init__(self, key: str, members: dict):
@@ -64,10 +64,10 @@ def _serve(members: int, replicas: int, conn) -> None:
 
     import uvloop
 
-    from dht.records import NodeRecord, owner_tag
-    from transport._compat import load_hivemind
-    from transport.identity import Identity
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+    from swarmd.dht.records import NodeRecord, owner_tag
+    from swarmd.transport._compat import load_hivemind
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
     hm = load_hivemind()
     from hivemind.dht.routing import DHTID
@@ -122,10 +122,10 @@ def _cpu(usage) -> float:
 
 
 async def _measure(members: int, replicas: int, polls: int) -> dict:
-    from dht.discovery import Discovery, DiscoveryConfig
-    from transport._compat import load_hivemind
-    from transport.identity import Identity
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+    from swarmd.dht.discovery import Discovery, DiscoveryConfig
+    from swarmd.transport._compat import load_hivemind
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
     ctx = mp.get_context("spawn")
     ours, theirs = ctx.Pipe()

@@ -43,8 +43,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from node import sim  # noqa: E402
-from transport.memory import run_virtual  # noqa: E402
+from swarmd.node import sim  # noqa: E402
+from swarmd.transport.memory import run_virtual  # noqa: E402
 
 
 def rss_mb() -> float:

@@ -84,8 +84,8 @@ def run_swarm(peers: int, steps: int, window: int, root: Path, task: str, option
 def replay_cost(window: int) -> tuple[float, float]:
     import torch
 
-    from protocols import tinylm
-    from protocols.spsa import Weights, encode_grad, step_seed
+    from swarmd.protocols import tinylm
+    from swarmd.protocols.spsa import Weights, encode_grad, step_seed
 
     torch.set_num_threads(1)
     weights = Weights(tinylm.pretrain(1, steps=0))  # the replay cost per parameter: measured on the tiny GPT

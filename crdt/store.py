@@ -50,12 +50,12 @@ from typing import Any
 
 import msgpack
 
-from crdt.admission import Admission
-from crdt.hlc import HLC
-from crdt.ops import (
+from swarmd.crdt.admission import Admission
+from swarmd.crdt.hlc import HLC
+from swarmd.crdt.ops import (
     MAX_PARENTS, SIGN_DOMAIN, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, verify_op,
 )
-from crdt.types import CRDTType
+from swarmd.crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
 # an author's op must come QUOTA_WINDOW_MS after its op QUOTA_OPS back in the same base period, by their clocks (the

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from crdt.ops import ID_SIZE, Op
+from swarmd.crdt.ops import ID_SIZE, Op
 
 MAX_KEY = 128
 MAX_TAGS = 64

@@ -28,18 +28,18 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok, open_envelope, owner_tag,
+from swarmd.dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok, open_envelope, owner_tag,
                          seal)
-from transport.framing import unpack_record
-from transport._compat import load_hivemind
-from transport.base import Stream
-from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
-from transport.identity import Identity
-from transport.multiaddrs import split_peer_addr
-from transport.p2pd import P2PDaemonTransport
-from transport.penalties import RateLimitedLog, TokenBuckets
-from transport.wire import WIRE, Bytes, Map, Nil, OneOf
+from swarmd.transport.framing import unpack_record
+from swarmd.transport._compat import load_hivemind
+from swarmd.transport.base import Stream
+from swarmd.transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity
+from swarmd.transport.multiaddrs import split_peer_addr
+from swarmd.transport.p2pd import P2PDaemonTransport
+from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
+from swarmd.transport.wire import WIRE, Bytes, Map, Nil, OneOf
 
 logger = logging.getLogger(__name__)
 

@@ -30,13 +30,13 @@ from typing import Any, Callable
 
 import msgpack
 
-from transport import identity as ident
-from transport._compat import load_hivemind
-from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
-from transport.framing import pack_record, unpack_record
-from transport.identity import Identity
-from transport.multiaddrs import validate_multiaddr
-from transport.wire import WIRE, Float, Int, List, Map, OneOf, Str
+from swarmd.transport import identity as ident
+from swarmd.transport._compat import load_hivemind
+from swarmd.transport.errors import BadSignature, FrameTooLarge, MalformedMessage
+from swarmd.transport.framing import pack_record, unpack_record
+from swarmd.transport.identity import Identity
+from swarmd.transport.multiaddrs import validate_multiaddr
+from swarmd.transport.wire import WIRE, Float, Int, List, Map, OneOf, Str
 
 _hm = load_hivemind()
 

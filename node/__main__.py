@@ -1,3 +1,3 @@
-from node.cli import main
+from swarmd.node.cli import main
 
 main()

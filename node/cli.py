@@ -17,10 +17,10 @@ from pathlib import Path
 
 import click
 
-from node import __version__, allocator, datadir
-from node.config import ConfigError, load_config, parse_host_port
-from node.doctor import diagnose
-from node.services import work_text
+from swarmd.node import __version__, allocator, datadir
+from swarmd.node.config import ConfigError, load_config, parse_host_port
+from swarmd.node.doctor import diagnose
+from swarmd.node.services import work_text
 
 EXIT_RUNTIME = 1
 EXIT_USAGE = 2
@@ -55,7 +55,7 @@ def _overrides(**flags) -> dict:
 
 
 def _setup_logging(level: str) -> None:
-    from transport._compat import load_hivemind
+    from swarmd.transport._compat import load_hivemind
 
     logging.basicConfig(
         level=getattr(logging, level.upper()),
@@ -100,7 +100,7 @@ def start(config_path, settings, **flags) -> None:
     lock = datadir.DataDirLock(data_dir)
     lock.acquire()
     try:
-        from transport.identity import Identity
+        from swarmd.transport.identity import Identity
 
         identity, created = Identity.load_or_create(data_dir / datadir.IDENTITY_FILE)
         if created:
@@ -121,11 +121,11 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
 
     import uvloop
 
-    from node.core import Node, end_tasks
-    from node.http import HttpStartError
-    from protocols.bulk import BulkService
-    from protocols.gossip import Gossip
-    from transport.errors import DaemonStartError
+    from swarmd.node.core import Node, end_tasks
+    from swarmd.node.http import HttpStartError
+    from swarmd.protocols.bulk import BulkService
+    from swarmd.protocols.gossip import Gossip
+    from swarmd.transport.errors import DaemonStartError
 
     gossip = Gossip()
     tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
@@ -190,9 +190,9 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
 
 # The training loops a config may ask for: [loops.<name>] -> (module, config class, loop class)
 LOOPS = {
-    "diloco": ("protocols.diloco", "DilocoConfig", "DilocoLoop"),
-    "spsa": ("protocols.spsa", "SpsaConfig", "SPSALoop"),
-    "sapo": ("protocols.sapo", "SapoConfig", "SapoLoop"),
+    "diloco": ("swarmd.protocols.diloco", "DilocoConfig", "DilocoLoop"),
+    "spsa": ("swarmd.protocols.spsa", "SpsaConfig", "SPSALoop"),
+    "sapo": ("swarmd.protocols.sapo", "SapoConfig", "SapoLoop"),
 }
 
 
@@ -206,7 +206,7 @@ def _prepare_loops(config, base_dir: Path | None = None) -> list:
 
     from pydantic import ValidationError
 
-    from protocols.task import TaskError, load
+    from swarmd.protocols.task import TaskError, load
 
     prepared = []
     for name, table in config.loops.items():
@@ -427,7 +427,7 @@ def write(obj, payload, data_dir, http) -> None:
               "(transformers models).")
 def export(data_dir, loop, out, pretrained) -> None:
     """Write the latest saved weights of a training run to a file (works while the node runs or after it ended)."""
-    from protocols import checkpoint
+    from swarmd.protocols import checkpoint
 
     folder = datadir.resolve(data_dir)
     path = checkpoint.latest(folder, loop)
@@ -456,7 +456,7 @@ def export(data_dir, loop, out, pretrained) -> None:
 
 def _export_pretrained(meta: dict, state: dict, directory: Path) -> Path:
     """Rebuild the task's model from the checkpoint's task spec and options, load the weights, save_pretrained."""
-    from protocols.task import TaskError, build_model, load, seeded
+    from swarmd.protocols.task import TaskError, build_model, load, seeded
 
     try:
         task = load(meta["task"], meta.get("task_options") or {}, meta["loop"])
@@ -491,7 +491,7 @@ def _export_pretrained(meta: dict, state: dict, directory: Path) -> Path:
 @click.option("--until-done", is_flag=True, help="Stop the swarm and exit once every node's loop is done.")
 def demo(loop, nodes, rounds, directory, until_done) -> None:
     """Start a local training swarm (loopback), show its progress, stop it all on Ctrl+C."""
-    from node import demo as demo_module
+    from swarmd.node import demo as demo_module
 
     sys.exit(demo_module.run(loop, nodes, rounds, directory, until_done))
 
@@ -515,7 +515,7 @@ def demo(loop, nodes, rounds, directory, until_done) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the raw results.")
 def sim(peers, scenarios, degree, latency_ms, mbit, loss, seed, no_crdt, as_json) -> None:
     """Simulate a swarm in this process, on virtual time: the real gossip and CRDT code on in-memory links."""
-    from node import sim as sim_module
+    from swarmd.node import sim as sim_module
 
     _setup_logging("warning")
     reports = []
@@ -534,8 +534,9 @@ def sim(peers, scenarios, degree, latency_ms, mbit, loss, seed, no_crdt, as_json
 
 
 # the modules that declare wire messages (transport.wire): importing them fills the registry
-WIRE_MODULES = ("transport.ping", "transport.nat", "dht.discovery", "dht.records", "node.replication", "node.reach",
-                "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa", "protocols.sapo")
+WIRE_MODULES = tuple(f"swarmd.{m}" for m in (
+    "transport.ping", "transport.nat", "dht.discovery", "dht.records", "node.replication", "node.reach",
+    "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa", "protocols.sapo"))
 
 
 @cli.command()
@@ -544,7 +545,7 @@ def wire(as_json) -> None:
     """Every message swarmd sends: carrier, kind, version, size limit, signing domain and schema."""
     import importlib
 
-    from transport.wire import WIRE
+    from swarmd.transport.wire import WIRE
 
     for module in WIRE_MODULES:
         importlib.import_module(module)
@@ -562,8 +563,8 @@ def wire(as_json) -> None:
 @click.option("--data-dir", help="Data dir holding identity.key (default: platform user data dir).")
 def show_id(data_dir) -> None:
     """Print this node's peer id."""
-    from transport.errors import IdentityError
-    from transport.identity import Identity
+    from swarmd.transport.errors import IdentityError
+    from swarmd.transport.identity import Identity
 
     path = datadir.resolve(data_dir) / datadir.IDENTITY_FILE
     try:
@@ -577,8 +578,8 @@ def show_id(data_dir) -> None:
 @click.option("--force", is_flag=True, help="Replace an existing identity (the node gets a new peer id).")
 def keygen(data_dir, force) -> None:
     """Create the node identity (an Ed25519 key, file mode 0600)."""
-    from transport.errors import IdentityError
-    from transport.identity import Identity
+    from swarmd.transport.errors import IdentityError
+    from swarmd.transport.identity import Identity
 
     path = datadir.ensure(datadir.resolve(data_dir)) / datadir.IDENTITY_FILE
     if path.exists() and not force:
@@ -592,8 +593,8 @@ def keygen(data_dir, force) -> None:
 
 
 def _peer_id_or_error(path: Path) -> str:
-    from transport.errors import IdentityError
-    from transport.identity import Identity
+    from swarmd.transport.errors import IdentityError
+    from swarmd.transport.identity import Identity
 
     try:
         return Identity.load(path).peer_id

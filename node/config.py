@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from transport.multiaddrs import parse_listen_addr, validate_multiaddr, validate_peer_addr
+from swarmd.transport.multiaddrs import parse_listen_addr, validate_multiaddr, validate_peer_addr
 
 
 class ConfigError(Exception):
@@ -200,7 +200,7 @@ def _given(settings: dict, loc: tuple) -> bool:
 
 
 def default_config_text() -> str:
-    return importlib.resources.files("configs").joinpath("default.toml").read_text()
+    return importlib.resources.files("swarmd.configs").joinpath("default.toml").read_text()
 
 
 def _read_toml(text: str, source: str) -> dict:

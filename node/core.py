@@ -18,21 +18,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from crdt.admission import Admission
-from dht.discovery import Discovery, DiscoveryConfig
-from node import __version__, allocator, datadir
-from node.config import Config, parse_host_port
-from node.dashboard import Recorder
-from node.http import StatusServer
-from node.nat import NatService, guess_private
-from node.reach import AddressBook, Reach
-from node.replication import Replicator
-from node.services import NodeContext, Service
-from transport.base import ConnectedPeer, PathType
-from transport.errors import ProtocolViolation, TransportError
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport, RelayLimits
-from transport.ping import ping, serve_ping
+from swarmd.crdt.admission import Admission
+from swarmd.dht.discovery import Discovery, DiscoveryConfig
+from swarmd.node import __version__, allocator, datadir
+from swarmd.node.config import Config, parse_host_port
+from swarmd.node.dashboard import Recorder
+from swarmd.node.http import StatusServer
+from swarmd.node.nat import NatService, guess_private
+from swarmd.node.reach import AddressBook, Reach
+from swarmd.node.replication import Replicator
+from swarmd.node.services import NodeContext, Service
+from swarmd.transport.base import ConnectedPeer, PathType
+from swarmd.transport.errors import ProtocolViolation, TransportError
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport, RelayLimits
+from swarmd.transport.ping import ping, serve_ping
 
 logger = logging.getLogger(__name__)
 

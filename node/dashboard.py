@@ -16,10 +16,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Callable
 
-from node.doctor import diagnose
+from swarmd.node.doctor import diagnose
 
 if TYPE_CHECKING:
-    from node.core import Node
+    from swarmd.node.core import Node
 
 MAX_PEERS = 256
 MAX_POINTS = 512

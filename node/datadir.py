@@ -22,8 +22,8 @@ from pathlib import Path
 
 import platformdirs
 
-from transport.multiaddrs import validate_peer_addr
-from transport.files import write_durably
+from swarmd.transport.multiaddrs import validate_peer_addr
+from swarmd.transport.files import write_durably
 
 IDENTITY_FILE = "identity.key"
 LOCK_FILE = "swarmd.lock"

@@ -22,8 +22,8 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from node import datadir
-from node.services import work_text
+from swarmd.node import datadir
+from swarmd.node.services import work_text
 
 # --loop -> (config file in configs/, its [loops.<section>])
 LOOPS = {
@@ -83,7 +83,7 @@ class Demo:
         self.n = nodes
         self.keep = directory is not None
         self.root = Path(directory) if directory else Path(tempfile.mkdtemp(prefix="swarmd-demo-"))
-        self.config = Path(str(importlib.resources.files("configs").joinpath(LOOPS[loop][0])))
+        self.config = Path(str(importlib.resources.files("swarmd.configs").joinpath(LOOPS[loop][0])))
         self.settings = settings_for(loop, nodes, rounds)
         self.section = LOOPS[loop][1]
         self.nodes: list[DemoNode] = []
@@ -95,7 +95,7 @@ class Demo:
         data_dir = self.root / name
         data_dir.mkdir(parents=True, exist_ok=True)
         log_path = self.root / f"{name}.log"
-        args = [sys.executable, "-m", "node", "start", "--config", str(self.config), "--data-dir", str(data_dir)]
+        args = [sys.executable, "-m", "swarmd", "start", "--config", str(self.config), "--data-dir", str(data_dir)]
         for item in self.settings:
             args += ["--set", item]
         if bootstrap:

@@ -31,11 +31,11 @@ from typing import TYPE_CHECKING
 
 from aiohttp import web
 
-from node.metrics import CONTENT_TYPE, make_registry, render
-from node.replication import WritesPaused
+from swarmd.node.metrics import CONTENT_TYPE, make_registry, render
+from swarmd.node.replication import WritesPaused
 
 if TYPE_CHECKING:
-    from node.core import Node
+    from swarmd.node.core import Node
 
 logger = logging.getLogger(__name__)
 

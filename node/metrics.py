@@ -7,10 +7,10 @@ from typing import TYPE_CHECKING
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily
 
-from node import __version__
+from swarmd.node import __version__
 
 if TYPE_CHECKING:
-    from node.core import Node
+    from swarmd.node.core import Node
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 

@@ -19,13 +19,13 @@ import time
 
 import psutil
 
-from node import datadir
-from transport.base import PathType, Reachability
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.multiaddrs import split_peer_addr, validate_peer_addr
-from transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
+from swarmd.node import datadir
+from swarmd.transport.base import PathType, Reachability
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.multiaddrs import split_peer_addr, validate_peer_addr
+from swarmd.transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply, public)
-from transport.punch import simultaneous_open
+from swarmd.transport.punch import simultaneous_open
 
 logger = logging.getLogger(__name__)
 

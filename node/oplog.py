@@ -24,7 +24,7 @@ from typing import Any
 
 import msgpack
 
-from transport.files import write_durably
+from swarmd.transport.files import write_durably
 
 logger = logging.getLogger(__name__)
 

@@ -42,12 +42,12 @@ import time
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from transport.base import Stream
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.files import write_durably
-from transport.framing import ProtocolSpec
-from transport.penalties import RateLimitedLog, TokenBuckets
-from transport.wire import WIRE, Bytes, List, Nil
+from swarmd.transport.base import Stream
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.files import write_durably
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
+from swarmd.transport.wire import WIRE, Bytes, List, Nil
 
 logger = logging.getLogger(__name__)
 

@@ -37,19 +37,19 @@ from typing import Any, Callable
 
 import msgpack
 
-from crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
-from crdt.admission import Admission
-from crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
-from crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
-from crdt.types import MAX_KEY
-from node.oplog import OpLog
-from transport.base import Stream, Transport
-from transport.clock import SYSTEM, Clock
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
-from transport.identity import Identity, verify
-from transport.penalties import RateLimitedLog
-from transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
+from swarmd.crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
+from swarmd.crdt.admission import Admission
+from swarmd.crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
+from swarmd.crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
+from swarmd.crdt.types import MAX_KEY
+from swarmd.node.oplog import OpLog
+from swarmd.transport.base import Stream, Transport
+from swarmd.transport.clock import SYSTEM, Clock
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity, verify
+from swarmd.transport.penalties import RateLimitedLog
+from swarmd.transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
 
 logger = logging.getLogger(__name__)
 

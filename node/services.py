@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from transport.base import Transport
-from transport.clock import SYSTEM, Clock
-from transport.identity import Identity
+from swarmd.transport.base import Transport
+from swarmd.transport.clock import SYSTEM, Clock
+from swarmd.transport.identity import Identity
 
 
 @dataclass

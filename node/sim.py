@@ -27,16 +27,16 @@ from pathlib import Path
 
 import msgpack
 
-from crdt.admission import Admission
-from node.oplog import MemoryOpLog
-from node.replication import Replicator
-from node.services import NodeContext
-from protocols.gossip import PUBSUB_SPEC, Gossip
-from transport.clock import Clock, current
-from transport.errors import TransportError
-from transport.identity import Identity
-from transport.memory import LinkSpec, MemoryNetwork, MemoryTransport, run_virtual
-from transport.ping import serve_ping
+from swarmd.crdt.admission import Admission
+from swarmd.node.oplog import MemoryOpLog
+from swarmd.node.replication import Replicator
+from swarmd.node.services import NodeContext
+from swarmd.protocols.gossip import PUBSUB_SPEC, Gossip
+from swarmd.transport.clock import Clock, current
+from swarmd.transport.errors import TransportError
+from swarmd.transport.identity import Identity
+from swarmd.transport.memory import LinkSpec, MemoryNetwork, MemoryTransport, run_virtual
+from swarmd.transport.ping import serve_ping
 
 logger = logging.getLogger(__name__)
 
@@ -80,7 +80,7 @@ class SimNode:
         self.services: list = []
         self.loop = None
         if loop is not None:  # makes the loop from the node's gossip and bulk services
-            from protocols.bulk import BulkService
+            from swarmd.protocols.bulk import BulkService
 
             bulk = BulkService(self.gossip, tcp=False)  # blobs move over the in-memory streams
             self.loop = loop(self.gossip, bulk)
@@ -311,7 +311,7 @@ class LoopSim:
     ``report``. ``async with sim:`` stops every node at the end."""
 
     def __init__(self, cfg: SimConfig, churn: ChurnConfig, root: Path, **settings):
-        from protocols import task as tasks
+        from swarmd.protocols import task as tasks
 
         self.cfg, self.churn, self.root = cfg, churn, root
         self.tasks = tasks
@@ -388,7 +388,7 @@ class DilocoSim(LoopSim):
     """A DiLoCo swarm on the regression task: DilocoLoop's own round code on virtual time."""
 
     def _setup(self, settings: dict) -> None:
-        from protocols import diloco
+        from swarmd.protocols import diloco
 
         churn = self.churn
         self.task = self.tasks.load("regression", {"dim": churn.dim}, "diloco")
@@ -430,7 +430,7 @@ class SpsaSim(LoopSim):
     real compute runs in a worker thread, which the virtual clock waits for). ``churn.rounds`` is the windows."""
 
     def _setup(self, settings: dict) -> None:
-        from protocols import spsa
+        from swarmd.protocols import spsa
 
         churn = self.churn
         self.task = self.tasks.load("regression", {"dim": churn.dim}, "spsa")
@@ -460,7 +460,7 @@ class SapoSim(LoopSim):
     of simulated time (their real compute runs in a worker thread). ``churn.rounds`` is the rounds."""
 
     def _setup(self, settings: dict) -> None:
-        from protocols import sapo
+        from swarmd.protocols import sapo
 
         churn = self.churn
         options = settings.pop("task_options", {"d": 32, "layers": 1, "heads": 2})

@@ -46,15 +46,15 @@ import blake3
 import msgpack
 from aiohttp import web
 
-from node.services import NodeContext
-from protocols.gossip import Gossip, Message, Verdict
-from transport import clock
-from transport.clock import Clock
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec, unpack
-from transport.identity import verify
-from transport.penalties import RateLimitedLog, TokenBuckets
-from transport.wire import WIRE, Bytes, Int, List, Map, Str, UnknownKind
+from swarmd.node.services import NodeContext
+from swarmd.protocols.gossip import Gossip, Message, Verdict
+from swarmd.transport import clock
+from swarmd.transport.clock import Clock
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec, unpack
+from swarmd.transport.identity import verify
+from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
+from swarmd.transport.wire import WIRE, Bytes, Int, List, Map, Str, UnknownKind
 
 logger = logging.getLogger(__name__)
 

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from transport.files import replace_durably, write_durably
+from swarmd.transport.files import replace_durably, write_durably
 
 MODEL_PREFIX = "model."
 DIR = "checkpoints"

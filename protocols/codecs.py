@@ -39,9 +39,9 @@ import msgpack
 import numpy as np
 import torch
 
-from protocols import kernels
-from transport.errors import MalformedMessage
-from transport.framing import unpack
+from swarmd.protocols import kernels
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.framing import unpack
 
 MAX_ELEMENTS = 1 << 30  # hard limit on decoded element count (4 GiB of fp32)
 MAX_NDIM = 8

@@ -33,21 +33,21 @@ import msgpack
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from node.services import NodeContext
-from node import allocator
-from protocols import buffers, codecs, exchange, outer, rounds
-from protocols import task as tasks
-from protocols.bulk import BulkError, BulkService, content_hash
-from protocols.gossip import Gossip, Message, Verdict
-from protocols.inner import SwarmAdamW, lr_scale, scale_lr
-from protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
-from protocols.task import Task, TaskError
-from protocols.taskloop import TAG, TaskLoop
-from transport import clock
-from transport.base import Stream
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec, unpack
-from transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, Str, Tuple, UnknownKind
+from swarmd.node.services import NodeContext
+from swarmd.node import allocator
+from swarmd.protocols import buffers, codecs, exchange, outer, rounds
+from swarmd.protocols import task as tasks
+from swarmd.protocols.bulk import BulkError, BulkService, content_hash
+from swarmd.protocols.gossip import Gossip, Message, Verdict
+from swarmd.protocols.inner import SwarmAdamW, lr_scale, scale_lr
+from swarmd.protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
+from swarmd.protocols.task import Task, TaskError
+from swarmd.protocols.taskloop import TAG, TaskLoop
+from swarmd.transport import clock
+from swarmd.transport.base import Stream
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec, unpack
+from swarmd.transport.wire import WIRE, Bool, Bytes, Dict, Float, Int, List, Map, Nil, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 

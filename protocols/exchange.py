@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 import torch
 
-from protocols import codecs, kernels
+from swarmd.protocols import codecs, kernels
 
 # screening a round's updates (the same rule at every peer, from the round's own data only, so every peer that
 # combines the same members refuses the same ones): an update whose announced norm is more than OUTLIER_NORM x the

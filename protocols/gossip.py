@@ -38,14 +38,14 @@ from typing import Any, Awaitable, Callable
 import msgpack
 from aiohttp import web
 
-from node.services import NodeContext
-from transport.base import Stream
-from transport.clock import Clock
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec, unpack
-from transport.identity import verify
-from transport.penalties import RateLimitedLog
-from transport.wire import WIRE, Bytes, List, Map, Str
+from swarmd.node.services import NodeContext
+from swarmd.transport.base import Stream
+from swarmd.transport.clock import Clock
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec, unpack
+from swarmd.transport.identity import verify
+from swarmd.transport.penalties import RateLimitedLog
+from swarmd.transport.wire import WIRE, Bytes, List, Map, Str
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from protocols import arith
-from protocols.tinylm import TinyGPT
+from swarmd.protocols import arith
+from swarmd.protocols.tinylm import TinyGPT
 
 ALPHABET = arith.TASKS + arith.DIGITS + "="
 STOI = {c: i for i, c in enumerate(ALPHABET)}

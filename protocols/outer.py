@@ -19,10 +19,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from protocols import codecs, exchange, kernels
-from protocols.bulk import hasher
-from protocols.rounds import TICK
-from transport import clock
+from swarmd.protocols import codecs, exchange, kernels
+from swarmd.protocols.bulk import hasher
+from swarmd.protocols.rounds import TICK
+from swarmd.transport import clock
 
 _BLOCK = re.compile(r"(?:^|\.)(?:blocks|layers|h)\.(\d+)\.")
 

@@ -31,7 +31,7 @@ from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-from protocols.standing import Standing
+from swarmd.protocols.standing import Standing
 
 
 def keep_latest(entries: dict, key, value, cap: int) -> None:

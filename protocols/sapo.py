@@ -39,18 +39,18 @@ import torch
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from node.services import NodeContext
-from protocols import checkpoint, codecs, rounds
-from protocols import task as tasks
-from protocols.checkpoint import model_state
-from protocols.gossip import Gossip, Message, Verdict
-from protocols.grpo import Group
-from protocols.standing import check_peer_ids
-from protocols.task import Task, TaskError
-from protocols.taskloop import TAG, TaskLoop
-from transport.errors import MalformedMessage
-from transport.penalties import TokenBuckets
-from transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple, UnknownKind
+from swarmd.node.services import NodeContext
+from swarmd.protocols import checkpoint, codecs, rounds
+from swarmd.protocols import task as tasks
+from swarmd.protocols.checkpoint import model_state
+from swarmd.protocols.gossip import Gossip, Message, Verdict
+from swarmd.protocols.grpo import Group
+from swarmd.protocols.standing import check_peer_ids
+from swarmd.protocols.task import Task, TaskError
+from swarmd.protocols.taskloop import TAG, TaskLoop
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.penalties import TokenBuckets
+from swarmd.transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 

@@ -42,20 +42,20 @@ import msgpack
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from node.services import NodeContext
-from protocols import checkpoint, codecs, outer, rounds
-from protocols import task as tasks
-from protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
-from protocols.gossip import Gossip, Message, Verdict, decode_message
-from protocols.standing import FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
-from protocols.task import Task, TaskError
-from protocols.taskloop import TAG, TaskLoop
-from transport.base import Stream
-from transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from transport.framing import ProtocolSpec
-from transport.identity import verify
-from transport.penalties import RateLimitedLog
-from transport.wire import WIRE, Bool, Bytes, Int, List, Map, Nil, Str, Tuple, UnknownKind
+from swarmd.node.services import NodeContext
+from swarmd.protocols import checkpoint, codecs, outer, rounds
+from swarmd.protocols import task as tasks
+from swarmd.protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
+from swarmd.protocols.gossip import Gossip, Message, Verdict, decode_message
+from swarmd.protocols.standing import FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
+from swarmd.protocols.task import Task, TaskError
+from swarmd.protocols.taskloop import TAG, TaskLoop
+from swarmd.transport.base import Stream
+from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import verify
+from swarmd.transport.penalties import RateLimitedLog
+from swarmd.transport.wire import WIRE, Bool, Bytes, Int, List, Map, Nil, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 

@@ -32,7 +32,7 @@ from typing import Callable, Iterable
 
 def check_peer_ids(ids: list[str]) -> list[str]:
     """A loop config's ``peers``: valid peer ids (a pydantic field validator)."""
-    from transport.identity import is_valid_peer_id
+    from swarmd.transport.identity import is_valid_peer_id
 
     bad = [p for p in ids if not is_valid_peer_id(p)]
     if bad:

@@ -64,12 +64,12 @@ CALLABLE = {"model", "data", "loss", "question", "score", "policy", "evaluate", 
 
 # Built-in tasks: name -> "module:factory" (the same seam a user's file goes through)
 BUILTIN = {
-    "tinygpt": "protocols.tasks.tinygpt:make_task",
-    "arith": "protocols.tasks.arith:make_task",
-    "digits": "protocols.tasks.digits:make_task",
-    "hf-text": "protocols.tasks.hf_text:make_task",
-    "reasoning-gym": "protocols.tasks.rgym:make_task",
-    "regression": "protocols.tasks.regression:make_task",
+    "tinygpt": "swarmd.protocols.tasks.tinygpt:make_task",
+    "arith": "swarmd.protocols.tasks.arith:make_task",
+    "digits": "swarmd.protocols.tasks.digits:make_task",
+    "hf-text": "swarmd.protocols.tasks.hf_text:make_task",
+    "reasoning-gym": "swarmd.protocols.tasks.rgym:make_task",
+    "regression": "swarmd.protocols.tasks.regression:make_task",
 }
 
 

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from node.services import WorkBoard
-from protocols import checkpoint
-from protocols.outer import wait_event
-from protocols.rounds import RoundWait
-from protocols.standing import Standing
-from protocols.task import Task, TaskError, describe_mismatch, pick_device
-from transport import clock
-from transport.clock import Clock
-from transport.wire import Str, Tuple
+from swarmd.node.services import WorkBoard
+from swarmd.protocols import checkpoint
+from swarmd.protocols.outer import wait_event
+from swarmd.protocols.rounds import RoundWait
+from swarmd.protocols.standing import Standing
+from swarmd.protocols.task import Task, TaskError, describe_mismatch, pick_device
+from swarmd.transport import clock
+from swarmd.transport.clock import Clock
+from swarmd.transport.wire import Str, Tuple
 
 logger = logging.getLogger(__name__)
 

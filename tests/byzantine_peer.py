@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from protocols import codecs, diloco, sapo, spsa  # noqa: E402
+from swarmd.protocols import codecs, diloco, sapo, spsa  # noqa: E402
 
 MODE = sys.argv.pop(1)
 loop, behaviour = MODE.split(":")
@@ -110,6 +110,6 @@ elif loop == "sapo":
 else:
     raise SystemExit(f"unknown loop {loop!r}")
 
-from node.cli import main  # noqa: E402
+from swarmd.node.cli import main  # noqa: E402
 
 main()

@@ -38,8 +38,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from node import oplog  # noqa: E402
-from protocols import checkpoint, diloco, exchange, sapo, spsa  # noqa: E402
+from swarmd.node import oplog  # noqa: E402
+from swarmd.protocols import checkpoint, diloco, exchange, sapo, spsa  # noqa: E402
 
 point = sys.argv.pop(1)
 calls = {"reduce": 0}
@@ -199,6 +199,6 @@ if point.startswith("kill:"):
     else:
         raise SystemExit(f"unknown phase {phase!r} for {loop_name}")
 
-from node.cli import main  # noqa: E402
+from swarmd.node.cli import main  # noqa: E402
 
 main()

@@ -20,16 +20,16 @@ from typing import Any, Callable
 
 import msgpack
 
-from crdt import OpStore
-from crdt.admission import Admission
-from crdt.ops import OpError, decode_body, make_op
-from dht.records import Ed25519RecordValidator, NodeRecord
-from transport.errors import ProtocolViolation
-from transport.framing import ProtocolSpec, decode, encode, unpack, unpack_record
-from transport.clock import SYSTEM
-from transport.wire import WIRE
-from transport.identity import Identity
-from transport.penalties import PeerPenalties
+from swarmd.crdt import OpStore
+from swarmd.crdt.admission import Admission
+from swarmd.crdt.ops import OpError, decode_body, make_op
+from swarmd.dht.records import Ed25519RecordValidator, NodeRecord
+from swarmd.transport.errors import ProtocolViolation
+from swarmd.transport.framing import ProtocolSpec, decode, encode, unpack, unpack_record
+from swarmd.transport.clock import SYSTEM
+from swarmd.transport.wire import WIRE
+from swarmd.transport.identity import Identity
+from swarmd.transport.penalties import PeerPenalties
 
 SPEC = ProtocolSpec("fuzz", "1.0.0", max_frame=8 << 20, kinds=frozenset({1, 2, 3, 4}))
 
@@ -75,9 +75,9 @@ def _pack(obj) -> bytes:
 
 # ------------------------------------------------------------------ wire and state
 def _wire_targets(ident: Identity) -> list[Target]:
-    from node.replication import answer_sync, answer_want, parse_entries
-    from protocols import bulk
-    from protocols.gossip import decode_message as gossip_decode
+    from swarmd.node.replication import answer_sync, answer_want, parse_entries
+    from swarmd.protocols import bulk
+    from swarmd.protocols.gossip import decode_message as gossip_decode
 
     now = int(time.time() * 1000)
     admission = Admission("fuzz", bits=4)
@@ -89,7 +89,7 @@ def _wire_targets(ident: Identity) -> list[Target]:
         "parts": {"members": True, "kv": {f"{ident.peer_id}/x": [1, "s"]}, "events": 3, "rounds": 7,
                   "progress": {"step": 1, "samples": 2, "loss": 0.5, "bytes": 3, "round": 1}},
         "ticket": first.payload["ticket"]})  # a base: the author's whole contribution restated
-    from node.replication import BASE_SCHEMA
+    from swarmd.node.replication import BASE_SCHEMA
 
     def crdt_op(data: bytes) -> None:
         """An op through a real store (admission, types, causality), then the state served as JSON."""
@@ -123,11 +123,11 @@ def _wire_targets(ident: Identity) -> list[Target]:
             answer_sync(sync_store, body)
 
     record = NodeRecord(ident.peer_id, ("/ip4/127.0.0.1/tcp/4001",), "0.1", ("diloco",), 1.0).to_wire()
-    from transport._compat import load_hivemind
+    from swarmd.transport._compat import load_hivemind
 
     hm = load_hivemind()
     DHTRecord, get_dht_time = hm.DHTRecord, hm.get_dht_time
-    from dht.records import dht_key_id, member_value_ok, owner_tag
+    from swarmd.dht.records import dht_key_id, member_value_ok, owner_tag
 
     validator = Ed25519RecordValidator(ident, {"swarmd/fuzz/members": member_value_ok})
 
@@ -187,7 +187,7 @@ def _wire_targets(ident: Identity) -> list[Target]:
 def _tensor_target() -> Target:
     import torch
 
-    from protocols import codecs
+    from swarmd.protocols import codecs
 
     torch.manual_seed(0)
     seeds = [codecs.encode(torch.randn(300), name) for name in sorted({c.name for c in codecs.CODECS.values()})]
@@ -196,7 +196,7 @@ def _tensor_target() -> Target:
 
 # ------------------------------------------------------------------ the training loops' messages
 def _message(topic: str, author: str, data: bytes):
-    from protocols.gossip import Message
+    from swarmd.protocols.gossip import Message
 
     return Message(os.urandom(20), topic, author, 1, int(time.time() * 1000), data, b"", b"")
 
@@ -204,9 +204,9 @@ def _message(topic: str, author: str, data: bytes):
 def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     """Each loop's pubsub validator on a real loop object (built-in task), as a node runs it: returns a verdict,
     never raises. DiLoCo's pulls of accepted updates are replaced by a no-op (the pull path is not a decoder)."""
-    from protocols import bulk, diloco, sapo, spsa
-    from protocols.gossip import Verdict
-    from protocols.task import load
+    from swarmd.protocols import bulk, diloco, sapo, spsa
+    from swarmd.protocols.gossip import Verdict
+    from swarmd.protocols.task import load
 
     loop = asyncio.new_event_loop()
     peers = [Identity.generate().peer_id for _ in range(3)]

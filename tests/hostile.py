@@ -7,11 +7,11 @@ import asyncio
 
 import msgpack
 
-from node.services import NodeContext
-from protocols.gossip import MSG, Gossip
+from swarmd.node.services import NodeContext
+from swarmd.protocols.gossip import MSG, Gossip
 from swarmproc import NodeProc, wait_for
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
 
 class HostilePeer:
@@ -47,7 +47,7 @@ class HostilePeer:
         past our own validation."""
         import time
 
-        from protocols.gossip import SIGN_DOMAIN, Message, _mid
+        from swarmd.protocols.gossip import SIGN_DOMAIN, Message, _mid
 
         target = self._target.peer_id
         if target not in self.gossip.links:
@@ -87,8 +87,8 @@ def as_message(body, kind=None) -> bytes:
 def empty_map_bomb() -> bytes:
     """One CRDT frame just under 8 MiB of nested empty maps: as many as the decode budget lets through before it
     refuses the frame."""
-    from node.replication import PUSH
-    from transport.framing import HEADER, encode
+    from swarmd.node.replication import PUSH
+    from swarmd.transport.framing import HEADER, encode
 
     payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})
     return HEADER.pack(len(payload)) + payload

@@ -6,7 +6,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from protocols import exchange  # noqa: E402
+from swarmd.protocols import exchange  # noqa: E402
 
 honest = exchange.reduce_part
 
@@ -17,6 +17,6 @@ def lying(chunks, factors, size):
 
 exchange.reduce_part = lying
 
-from node.cli import main  # noqa: E402
+from swarmd.node.cli import main  # noqa: E402
 
 main()

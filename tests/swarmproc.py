@@ -139,7 +139,7 @@ def http_post(url: str, data: bytes = b"", timeout: float = 30.0, json_body=None
 
 class NodeProc:
     def __init__(self, data_dir: Path, args: list[str], env: dict | None = None, *, prefix: list[str] = (),
-                 via: Callable | None = None, entry: list[str] = ("-m", "node")):
+                 via: Callable | None = None, entry: list[str] = ("-m", "swarmd")):
         """``prefix`` runs the node under another command (e.g. ``ip netns exec <ns>``); ``via(fn, *args)`` runs
         the HTTP reads where the node's loopback endpoint is reachable (e.g. a thread in that namespace);
         ``entry`` is what python runs (a test's own script that alters a node before starting it: a test seam)."""
@@ -259,7 +259,7 @@ class Swarm:
 
     def start(self, name: str, *extra: str, bootstrap: list[str] = (), wait: bool = True, env=None,
               config: Path | None = None, prefix: list[str] = (), via: Callable | None = None,
-              entry: list[str] = ("-m", "node")) -> NodeProc:
+              entry: list[str] = ("-m", "swarmd")) -> NodeProc:
         data_dir = self.root / name
         args = ["start", "--config", str(config or self.config), "--data-dir", str(data_dir)]
         for addr in bootstrap:
@@ -305,7 +305,7 @@ class Swarm:
         """For the node ``name``: its identity written into its data dir and the ``--listen`` arguments that put
         its TCP address on a free loopback port, with that address; None where the config does not listen on
         ``/ip4/127.0.0.1/tcp/0``."""
-        from transport.identity import Identity
+        from swarmd.transport.identity import Identity
 
         listen = tomllib.loads(self.config.read_text()).get("network", {}).get("listen", [])
         if "/ip4/127.0.0.1/tcp/0" not in listen:
@@ -330,7 +330,7 @@ class Swarm:
                 node.proc.kill()
                 node.proc.wait(5)
             node._log.close()
-        from node import datadir
+        from swarmd.node import datadir
 
         for node in self.nodes:  # what a node killed with SIGKILL (and not started again) left in /tmp
             datadir.remove_stale_sockets(node.data_dir)
@@ -340,7 +340,7 @@ def run_cli(*args: str, timeout: float = 120.0, env: dict | None = None) -> subp
     # A generous limit: the `beside` tests (tests/conftest.py) run their CLI calls at nice 19, where a run that takes
     # 0.7 s of CPU alone may wait tens of seconds while the real-time tests fill both cores.
     return subprocess.run(
-        [sys.executable, "-m", "node", *args],
+        [sys.executable, "-m", "swarmd", *args],
         capture_output=True,
         text=True,
         timeout=timeout,

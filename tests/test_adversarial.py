@@ -9,12 +9,12 @@ import struct
 import msgpack
 import pytest
 
-from dht.discovery import HELLO, HELLO_SPEC
-from dht.records import NodeRecord, seal
+from swarmd.dht.discovery import HELLO, HELLO_SPEC
+from swarmd.dht.records import NodeRecord, seal
 from swarmproc import http_get, wait_for
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-from transport.ping import PING_SPEC
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.ping import PING_SPEC
 
 pytestmark = pytest.mark.swarm
 
@@ -92,7 +92,7 @@ async def test_bad_peer_is_counted_penalised_and_banned_while_the_node_stays_up(
 
 @pytest.mark.timeout(90)
 async def test_introductions_must_be_signed_by_the_newcomer(swarm):
-    from dht.discovery import INTRODUCE
+    from swarmd.dht.discovery import INTRODUCE
 
     victim = swarm.start("victim")
     mallory, newcomer = Identity.generate(), Identity.generate()
@@ -109,7 +109,7 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
         # the newcomer's own sealed record, passed on by anyone, is accepted (it is what honest members forward)...
         import tomllib
 
-        from crdt.admission import Admission
+        from swarmd.crdt.admission import Admission
 
         bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
         ticket = Admission(http_get(victim.url + "/status")["swarm"], bits).mint(newcomer.peer_id)
@@ -132,10 +132,10 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
 async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
     # issue 14 item 2: one 103-byte entry under the members key, validly signed by a fresh key but whose value is not
     # one record, made hivemind's search callback raise; every node that read it stopped polling, for good, silently
-    from dht.records import Ed25519RecordValidator, dht_key_id, owner_tag
+    from swarmd.dht.records import Ed25519RecordValidator, dht_key_id, owner_tag
     from hivemind.dht.routing import DHTID
     from hivemind.utils.serializer import MSGPackSerializer
-    from transport._compat import load_hivemind
+    from swarmd.transport._compat import load_hivemind
 
     hm = load_hivemind()
     a, b = swarm.start_chain(2)
@@ -161,8 +161,8 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
 
         # a well-formed record of mallory's without an admission ticket: refused too (the members key asks for the
         # same price of an identity as the replicated state); with a ticket for this swarm's rule it is stored
-        from crdt.admission import Admission
-        from dht.records import NodeRecord
+        from swarmd.crdt.admission import Admission
+        from swarmd.dht.records import NodeRecord
 
         def sealed(ticket):
             wire = NodeRecord(mallory.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), 1.0, "", ticket).to_wire()
@@ -205,7 +205,7 @@ async def test_a_flood_of_idle_streams_is_capped_per_peer(swarm):
     import os
     import time
 
-    from protocols.gossip import PUBSUB_SPEC
+    from swarmd.protocols.gossip import PUBSUB_SPEC
 
     victim = swarm.start("victim")
     fds_before = len(os.listdir(f"/proc/{victim.pid}/fd"))
@@ -240,7 +240,7 @@ async def test_a_flood_of_idle_streams_is_capped_per_peer(swarm):
 
 @pytest.mark.timeout(60)
 async def test_an_idle_inbound_stream_is_closed_after_its_protocols_idle_timeout():
-    from transport.framing import ProtocolSpec
+    from swarmd.transport.framing import ProtocolSpec
 
     spec = ProtocolSpec("idle-test", "1.0.0", max_frame=1024, kinds=frozenset({1}), idle_timeout=0.5)
     a = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -277,7 +277,7 @@ async def test_big_frames_at_once_share_one_inbound_budget(swarm):
     import psutil
 
     from hostile import empty_map_bomb, send_raw_frames
-    from node.replication import CRDT_SPEC
+    from swarmd.node.replication import CRDT_SPEC
 
     victim = swarm.start("victim")
     proc = psutil.Process(victim.pid)

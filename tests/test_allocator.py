@@ -6,11 +6,11 @@ import sys
 
 import pytest
 
-from node import allocator
+from swarmd.node import allocator
 
 PROBE = """
 import resource, sys
-from node import allocator
+from swarmd.node import allocator
 applied = allocator.configure(sys.argv[1])
 def faults():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt

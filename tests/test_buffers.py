@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from protocols.buffers import Buffers, unviewed
+from swarmd.protocols.buffers import Buffers, unviewed
 
 pytestmark = pytest.mark.beside  # pure computation (tests/conftest.py)
 

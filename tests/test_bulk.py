@@ -7,15 +7,15 @@ import time
 
 import pytest
 
-from node.services import NodeContext
-from protocols.bulk import (ANNOUNCE, HEADER, OK, REQUEST_DOMAIN, STREAM_SPEC, BadData, BulkError, BulkService,
+from swarmd.node.services import NodeContext
+from swarmd.protocols.bulk import (ANNOUNCE, HEADER, OK, REQUEST_DOMAIN, STREAM_SPEC, BadData, BulkError, BulkService,
                             content_hash, fetch, fetch_stream)
 from swarmproc import http_get, http_post as post, wait_for, wait_until
 from test_punch import free_port
-from transport.identity import Identity
-from transport.penalties import TokenBuckets
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-from transport.wire import WIRE
+from swarmd.transport.identity import Identity
+from swarmd.transport.penalties import TokenBuckets
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.wire import WIRE
 
 
 @pytest.mark.swarm
@@ -25,7 +25,7 @@ def test_100_mb_tensor_pulled_and_verified_by_four_nodes(swarm):
 
     import torch
 
-    from protocols import codecs
+    from swarmd.protocols import codecs
 
     nodes = swarm.start_chain(5)
     ids = {n.peer_id for n in nodes}
@@ -178,7 +178,7 @@ async def test_announcements_cannot_make_a_node_dial_other_hosts_or_grow_without
     # issue 14 items 14 and 10: bulk dialed any host:port an announcement named (loopback and private addresses
     # included), and kept every announcement (20k in 2 s: +50 MB, no log, no penalty)
 
-    from protocols.gossip import Message
+    from swarmd.protocols.gossip import Message
 
     holder = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     puller = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -256,7 +256,7 @@ async def test_a_pull_reports_its_progress_as_bytes_arrive():
 async def test_a_body_trickling_in_wakes_the_puller_a_few_times_not_at_every_packet(monkeypatch):
     # on a link slower than the machine (the 100 Mbit/s lab) bytes came a packet or two at a time and each read
     # came up to Python: SO_RCVLOWAT, set from the transfer's rate, now holds them in the kernel for ~50 ms at a time
-    import protocols.bulk as bulk
+    import swarmd.protocols.bulk as bulk
 
     data = os.urandom(1 << 20)
     reads = []
@@ -309,7 +309,7 @@ def test_the_store_drops_its_oldest_blobs_past_its_budget_and_a_service_can_rese
 async def test_pulls_that_start_together_share_one_listing_of_the_connected_peers(tmp_path):
     # a round's chunk pulls start together; each asked the p2p daemon for its own list of connections when the
     # one-second cache was stale (6% of a node's main thread in a round at N = 8)
-    from transport.base import ConnectedPeer
+    from swarmd.transport.base import ConnectedPeer
 
     class Clock:
         now = 100.0
@@ -355,7 +355,7 @@ def test_a_blob_hashes_the_same_on_one_core_and_on_all():
     # small blobs are hashed on one core, large ones on every core (``HASH_THREADS_FROM``): one BLAKE3 either way
     import blake3
 
-    from protocols.bulk import HASH_THREADS_FROM
+    from swarmd.protocols.bulk import HASH_THREADS_FROM
 
     data = os.urandom(HASH_THREADS_FROM + 1)
     for n in (0, 1, 1 << 20, HASH_THREADS_FROM - 1, HASH_THREADS_FROM, HASH_THREADS_FROM + 1):
@@ -387,7 +387,7 @@ async def _served_by_a_service(tmp_path, blobs):
 async def test_a_sources_connection_carries_the_next_pulls_and_ends_at_a_refusal(tmp_path):
     # each pull dialed a new TCP connection (a handshake, and on a real link a new slow start, a chunk): 0.30-0.35
     # ms of CPU a 200 KB pull on loopback, both ends together, against 0.17 ms over a kept connection
-    from protocols.bulk import ConnectionPool
+    from swarmd.protocols.bulk import ConnectionPool
 
     first, second = os.urandom(200_000), os.urandom(3 << 20)
     service, addr, request = await _served_by_a_service(tmp_path, [first, second])
@@ -415,7 +415,7 @@ async def test_a_sources_connection_carries_the_next_pulls_and_ends_at_a_refusal
 
 @pytest.mark.timeout(30)
 async def test_a_kept_connection_its_source_closed_or_spoke_on_is_not_used_again(tmp_path, monkeypatch):
-    import protocols.bulk as bulk
+    import swarmd.protocols.bulk as bulk
 
     data = os.urandom(100_000)
     h = content_hash(data)
@@ -470,7 +470,7 @@ async def test_a_kept_connection_its_source_closed_or_spoke_on_is_not_used_again
 
 @pytest.mark.timeout(30)
 async def test_a_server_closes_a_connection_idle_for_its_keepalive(tmp_path, monkeypatch):
-    import protocols.bulk as bulk
+    import swarmd.protocols.bulk as bulk
 
     monkeypatch.setattr(bulk, "KEEPALIVE", 0.3)
     data = os.urandom(10_000)
@@ -508,7 +508,7 @@ async def _open_idle(addr: str, count: int, local: str = "127.0.0.1", header: bo
 async def _capped(tmp_path, cap: int):
     """A service holding one 50 KB blob and at most ``cap`` connections, a member's ConnectionPool, and a list for
     the flood's connections, each closed at the end: (service, addr, request, data, pool, flood)."""
-    from protocols.bulk import ConnectionPool
+    from swarmd.protocols.bulk import ConnectionPool
 
     data = os.urandom(50_000)
     service, addr, request = await _served_by_a_service(tmp_path, [data])

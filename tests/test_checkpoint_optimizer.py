@@ -4,7 +4,7 @@ run resumed from its checkpoint takes the very step it would have taken without 
 import pytest
 import torch
 
-from protocols import checkpoint
+from swarmd.protocols import checkpoint
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

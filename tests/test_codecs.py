@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocols import codecs as C
+from swarmd.protocols import codecs as C
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -296,7 +296,7 @@ def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
 
     import msgpack
 
-    from protocols import codecs
+    from swarmd.protocols import codecs
 
     for codec_id, scales in ((3, b"\x00\x00\x80\x3f"), (4, b"\x80\x3f"), (6, b"\x80\x3f")):
         tiny = msgpack.packb({"v": 1, "codec": codec_id, "dtype": 0, "shape": [1], "block": 2**31 - 1, "k": 0,

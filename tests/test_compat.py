@@ -29,7 +29,7 @@ def test_protobuf_clash_still_exists_without_the_alias():
 def test_protobuf_alias_lets_both_stacks_load():
     r = _run(
         """
-        from transport._compat import load_hivemind
+        from swarmd.transport._compat import load_hivemind
         hm = load_hivemind()
         import libp2p.crypto.pb.crypto_pb2 as lp
         import hivemind.proto.crypto_pb2 as hp
@@ -62,9 +62,9 @@ def test_stubs_keep_torch_out_of_the_node():
     r = _run(
         """
         import sys
-        from transport._compat import load_hivemind
+        from swarmd.transport._compat import load_hivemind
         hm = load_hivemind()
-        import node.core, node.cli, dht.discovery
+        import swarmd.node.core, swarmd.node.cli, swarmd.dht.discovery
         print("torch" in sys.modules, hm.DHTNode.__name__, hm.P2P.__name__)
         """
     )
@@ -74,8 +74,8 @@ def test_stubs_keep_torch_out_of_the_node():
 
 @pytest.mark.timeout(60)
 async def test_p2pd_needs_the_64_byte_ed25519_key(tmp_path):
-    from transport._compat import load_hivemind
-    from transport.identity import Identity
+    from swarmd.transport._compat import load_hivemind
+    from swarmd.transport.identity import Identity
 
     hm = load_hivemind()
     from libp2p.crypto.pb import crypto_pb2
@@ -119,7 +119,7 @@ def test_lazy_libp2p_keeps_the_stack_out_until_asked_and_then_works():
     r = _run(
         """
         import sys
-        from transport.identity import Identity
+        from swarmd.transport.identity import Identity
         Identity.generate()
         light = "trio" not in sys.modules and "aioquic" not in sys.modules
         import libp2p
@@ -136,7 +136,7 @@ async def _search_cut_short(wrap) -> tuple[asyncio.Future, list[str]]:
     """One hivemind DHT search whose requests take 0.3 s, given 0.1 s by ``wrap``; what asyncio reported after."""
     import gc
 
-    from transport._compat import load_hivemind
+    from swarmd.transport._compat import load_hivemind
 
     load_hivemind()
     from hivemind.dht.routing import DHTID
@@ -178,9 +178,9 @@ async def test_cancelling_a_hivemind_search_still_leaks_its_workers_tasks():
 
 @pytest.mark.timeout(30)
 async def test_a_dht_call_past_its_timeout_ends_by_itself_and_leaks_nothing():
-    from dht.discovery import Discovery, DiscoveryConfig
-    from transport.errors import TransportError
-    from transport.identity import Identity
+    from swarmd.dht.discovery import Discovery, DiscoveryConfig
+    from swarmd.transport.errors import TransportError
+    from swarmd.transport.identity import Identity
 
     discovery = Discovery(None, Identity.generate(), DiscoveryConfig("s", [], dht_timeout=0.1), version="test")
 
@@ -196,9 +196,9 @@ async def test_a_dht_call_past_its_timeout_ends_by_itself_and_leaks_nothing():
 
 @pytest.mark.timeout(30)
 async def test_dht_calls_left_running_are_bounded_and_ended_at_close():
-    from dht.discovery import MAX_DETACHED, Discovery, DiscoveryConfig
-    from transport.errors import TransportError
-    from transport.identity import Identity
+    from swarmd.dht.discovery import MAX_DETACHED, Discovery, DiscoveryConfig
+    from swarmd.transport.errors import TransportError
+    from swarmd.transport.identity import Identity
 
     discovery = Discovery(None, Identity.generate(), DiscoveryConfig("s", [], dht_timeout=0.05), version="test")
     calls = [asyncio.ensure_future(asyncio.Event().wait()) for _ in range(MAX_DETACHED + 4)]  # never end

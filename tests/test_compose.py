@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 import debian
-from node import __version__ as swarmd_version
+from swarmd.node import __version__ as swarmd_version
 from swarmproc import free_port, http_get, wait_for
 
 pytestmark = pytest.mark.swarm

@@ -1,6 +1,6 @@
 import pytest
 
-from node.config import ConfigError, load_config, parse_host_port
+from swarmd.node.config import ConfigError, load_config, parse_host_port
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from crdt import (
+from swarmd.crdt import (
     APPLIED,
     DUPLICATE,
     PENDING,
@@ -19,8 +19,8 @@ from crdt import (
     PNCounter,
     ProgressRegister,
 )
-from crdt.ops import SIGN_DOMAIN, decode_body, encode_body, make_op
-from transport.identity import Identity, verify
+from swarmd.crdt.ops import SIGN_DOMAIN, decode_body, encode_body, make_op
+from swarmd.transport.identity import Identity, verify
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -353,7 +353,7 @@ def test_op_bodies_of_empty_containers_are_refused_by_budget():
 
 # ------------------------------------------------------------------ admission and the author set (issue 14 item 3)
 def test_an_author_is_admitted_only_by_its_ticketed_first_op():
-    from crdt.admission import Admission
+    from swarmd.crdt.admission import Admission
 
     adm = Admission("lab", bits=10)
     s = OpStore(schema(), verify, admission=adm)
@@ -414,7 +414,7 @@ def _many_authors(n: int, prefix: str, seqs=lambda i: 1) -> list:
 
 def _sync(a: OpStore, b: OpStore, page: int) -> dict:
     """What node/replication.py's sync_with does, on two stores: a pulls from and pushes to b, page by page."""
-    from crdt.store import BUCKETS, DIGEST_SIZE
+    from swarmd.crdt.store import BUCKETS, DIGEST_SIZE
 
     sizes, after = {"digests": 0, "entries": 0, "pages": 0}, None
     while True:
@@ -478,7 +478,7 @@ def test_an_author_writes_at_most_its_quota_a_minute_whatever_it_rewrites():
     replica. Now op n of an author must come QUOTA_WINDOW_MS (by the ops' own clocks) after its op n - QUOTA_OPS: a
     rule on the chain alone, so the writer's draft and every replica decide the same way, and a chain cannot
     outrun it (its clocks cannot run ahead of real time by more than the skew)."""
-    from crdt.store import QUOTA_OPS, QUOTA_WINDOW_MS
+    from swarmd.crdt.store import QUOTA_OPS, QUOTA_WINDOW_MS
 
     a = IDS[0]
     s, replica = store(), store()
@@ -545,7 +545,7 @@ def _write_random(s: OpStore, who: Identity, rng: random.Random, n: int, now: in
 
 def _oracle(ops) -> dict:
     """The values of every op applied one by one, bases ignored: what compaction must not change."""
-    from crdt.store import BASE_OBJECT
+    from swarmd.crdt.store import BASE_OBJECT
 
     from dataclasses import replace
 
@@ -567,7 +567,7 @@ def test_a_base_restates_its_author_and_every_replica_drops_what_it_restated():
     """An author's total in the op log was unbounded (issue 14): every op ever written stayed in every replica, in
     memory and on disk. Now every 1,000th op of an author is its base, which restates its whole contribution, and a
     replica holds at most 1,000 ops of one author, whatever it wrote: here 2,600 ops, kept 601, the same values."""
-    from crdt.store import BASE_EVERY, BASE_OBJECT
+    from swarmd.crdt.store import BASE_EVERY, BASE_OBJECT
 
     a, b = IDS[0], IDS[1]
     rng = random.Random(7)
@@ -608,9 +608,9 @@ def test_a_base_restates_its_author_and_every_replica_drops_what_it_restated():
 def test_compaction_converges_in_any_order_with_any_duplicates(monkeypatch):
     """Three authors, bases every 10 ops (the protocol's spacing shrunk), every op delivered to a replica in a
     random order, some twice and some lost for a while: the replica ends with the writers' values and digest."""
-    import crdt.store
+    import swarmd.crdt.store
 
-    monkeypatch.setattr(crdt.store, "BASE_EVERY", 10)
+    monkeypatch.setattr(swarmd.crdt.store, "BASE_EVERY", 10)
     for seed in range(12):
         rng = random.Random(seed)
         writers = [OpStore(compactable(), verify) for _ in range(3)]
@@ -634,8 +634,8 @@ def test_compaction_converges_in_any_order_with_any_duplicates(monkeypatch):
 
 
 def test_a_base_out_of_place_or_over_its_rights_is_refused():
-    from crdt.admission import Admission
-    from crdt.store import MAX_BASE_SIZE
+    from swarmd.crdt.admission import Admission
+    from swarmd.crdt.store import MAX_BASE_SIZE
 
     a, b = IDS[0], IDS[1]
     s = OpStore(compactable(), verify)
@@ -668,7 +668,7 @@ def test_an_author_whose_share_of_the_state_outgrows_a_base_is_refused_before_it
     """The op at every 1,000th seq must be the author's base, so a contribution too large for one would stop the
     author for good: a write that grows it past what a base restates is refused at once (deleting always goes),
     and the base that comes fits."""
-    from crdt.store import BASE_EVERY, MAX_BASE_PARTS
+    from swarmd.crdt.store import BASE_EVERY, MAX_BASE_PARTS
 
     a = IDS[0]
     s = OpStore(compactable(), verify)
@@ -693,8 +693,8 @@ def test_an_author_whose_share_of_the_state_outgrows_a_base_is_refused_before_it
 def test_the_op_log_is_rewritten_without_restated_ops_and_appends_go_on(tmp_path):
     """node/oplog.py's rewrite, with the replicator's predicate: the log keeps an author's ops from its latest base
     on, in order, atomically; appends after it go to the new file; a restart rebuilds the same state from it."""
-    from node.oplog import OpLog
-    from node.replication import still_live
+    from swarmd.node.oplog import OpLog
+    from swarmd.node.replication import still_live
 
     a = IDS[0]
     s = OpStore(compactable(), verify)

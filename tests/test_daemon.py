@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from transport.identity import Identity
-from transport.p2pd import DAEMON_GOGC, P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import DAEMON_GOGC, P2PDaemonConfig, P2PDaemonTransport
 
 
 def _environ(pid: int) -> dict[str, str]:

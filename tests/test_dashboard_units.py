@@ -5,8 +5,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from node import dashboard
-from node.dashboard import Recorder, Series, _thin
+from swarmd.node import dashboard
+from swarmd.node.dashboard import Recorder, Series, _thin
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

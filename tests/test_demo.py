@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from node import datadir
+from swarmd.node import datadir
 from swarmproc import http_get
 
 pytestmark = pytest.mark.swarm
@@ -49,7 +49,7 @@ def _states(root: Path) -> str:
 
 @pytest.mark.timeout(180)
 def test_demo_starts_a_training_swarm_shows_its_progress_and_stops_it_all_on_ctrl_c(tmp_path: Path):
-    proc = subprocess.Popen([sys.executable, "-m", "node", "demo", "--nodes", "3", "--rounds", "1000",
+    proc = subprocess.Popen([sys.executable, "-m", "swarmd", "demo", "--nodes", "3", "--rounds", "1000",
                              "--dir", str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(proc.stdout.readline, "")), daemon=True)

@@ -112,8 +112,8 @@ async def test_fresh_keys_can_neither_outvote_nor_stall_nor_send_a_run_to_resync
 
     from hostile import HostilePeer
 
-    from protocols.diloco import JOIN, READY, ROUND_HASH
-    from transport.wire import WIRE
+    from swarmd.protocols.diloco import JOIN, READY, ROUND_HASH
+    from swarmd.transport.wire import WIRE
 
     swarm = diloco_swarm(tmp_path, run="sybil", rounds=0, h=20, min_peers=2)  # open-ended: runs until stopped
     keys = [HostilePeer(tmp_path / f"k{i}") for i in range(3)]

@@ -4,9 +4,9 @@ import asyncio
 
 import pytest
 
-from dht.discovery import Discovery, DiscoveryConfig, NodeRecord
-from transport.errors import PeerUnreachable
-from transport.identity import Identity
+from swarmd.dht.discovery import Discovery, DiscoveryConfig, NodeRecord
+from swarmd.transport.errors import PeerUnreachable
+from swarmd.transport.identity import Identity
 
 
 class SilentStream:
@@ -94,10 +94,10 @@ async def test_a_failed_peer_listing_keeps_the_last_one_for_a_while(tmp_path):
     there, replication and pings stopped. The last listing stands for ``LIST_FAILURES_KEPT`` failures in a row."""
     from pathlib import Path
 
-    from node.config import load_config
-    from node.core import Node
-    from transport.errors import TransportError
-    from transport.base import ConnectedPeer, PathType
+    from swarmd.node.config import load_config
+    from swarmd.node.core import Node
+    from swarmd.transport.errors import TransportError
+    from swarmd.transport.base import ConnectedPeer, PathType
 
     node = Node(load_config(Path(__file__).resolve().parents[1] / "configs" / "local.toml"), Identity.generate(),
                 tmp_path)
@@ -132,8 +132,8 @@ async def test_a_member_poll_parses_only_the_records_that_changed_since_the_poll
     are not parsed again, and one that changed, or that came under another member's subkey, is."""
     from types import SimpleNamespace
 
-    import dht.discovery as discovery_module
-    from dht.records import owner_tag
+    import swarmd.dht.discovery as discovery_module
+    from swarmd.dht.records import owner_tag
 
     alice, bob, carol = (Identity.generate() for _ in range(3))
 
@@ -179,7 +179,7 @@ async def test_a_member_poll_parses_only_the_records_that_changed_since_the_poll
 
 
 def test_the_member_poll_slows_as_the_swarm_grows_but_never_lets_a_record_expire_between_polls():
-    from dht.discovery import MAX_MEMBERS, POLL_GROWTH_MEMBERS
+    from swarmd.dht.discovery import MAX_MEMBERS, POLL_GROWTH_MEMBERS
 
     config = DiscoveryConfig("s", [])  # the defaults: poll 5 s, refresh 20 s, records live 60 s
     discovery = Discovery(SilentTransport(), Identity.generate(), config, version="test")
@@ -232,8 +232,8 @@ def test_a_hello_or_an_introduction_without_the_swarms_admission_adds_no_member_
     node's member list (10,000 at most) by greeting it, at no price. A record that says another admission rule is
     taken all the same (its ticket is for its rule: an honest node configured otherwise is to be seen and named),
     but only MAX_UNADMITTED of those."""
-    from dht.discovery import MAX_UNADMITTED
-    from dht.records import seal
+    from swarmd.dht.discovery import MAX_UNADMITTED
+    from swarmd.dht.records import seal
 
     discovery = Discovery(SilentTransport(), Identity.generate(), DiscoveryConfig("s", []), version="test",
                           policy="ours", admitted=lambda record: record.ticket == 7)

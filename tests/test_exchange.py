@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from protocols import codecs, exchange, outer
+from swarmd.protocols import codecs, exchange, outer
 from swarmproc import REPO, Swarm, loop_config, wait_for
 
 CONFIG = """
@@ -524,10 +524,10 @@ def built_loop(**settings):
     """A DiLoCo loop on tinygpt with its model, fragments and optimizers built (no node around it)."""
     from types import SimpleNamespace
 
-    from protocols import diloco
-    from protocols.bulk import BulkService
-    from protocols.task import load
-    from transport.identity import Identity
+    from swarmd.protocols import diloco
+    from swarmd.protocols.bulk import BulkService
+    from swarmd.protocols.task import load
+    from swarmd.transport.identity import Identity
 
     cfg = diloco.DilocoConfig(**{"run": "t", "task": "tinygpt", **settings})
     loop = diloco.DilocoLoop(None, BulkService(None), cfg, load(cfg.task, cfg.options(), "diloco"))
@@ -561,7 +561,7 @@ def test_an_update_claiming_parts_larger_than_the_codec_makes_is_refused_before_
 @pytest.mark.parametrize("codec", ["int8", "none"])
 def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_decoded_whole(codec):
     # (none: lossless, so the update is not decoded at all; what the others decode must still be it, bit for bit)
-    from protocols import diloco
+    from swarmd.protocols import diloco
 
     loop = built_loop(parts=4, codec=codec)
     with torch.no_grad():

@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from transport.files import replace_durably, write_durably
+from swarmd.transport.files import replace_durably, write_durably
 
 pytestmark = pytest.mark.beside
 

@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
-from transport.framing import HEADER, ProtocolSpec, decode, encode, frame, read_message
+from swarmd.transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
+from swarmd.transport.framing import HEADER, ProtocolSpec, decode, encode, frame, read_message
 
 SPEC = ProtocolSpec("test", "1.0.0", max_frame=1024, kinds=frozenset({1, 2}))
 
@@ -175,7 +175,7 @@ def test_a_protocol_whose_large_frames_are_many_small_objects_says_so():
 async def test_the_inbound_budget_holds_frames_back_and_a_cancelled_reader_gives_its_share_back():
     import asyncio
 
-    from transport.base import InboundBudget
+    from swarmd.transport.base import InboundBudget
 
     budget = InboundBudget(capacity=100)
     assert await budget.acquire(60) == 60
@@ -198,7 +198,7 @@ async def test_the_inbound_budget_holds_frames_back_and_a_cancelled_reader_gives
 async def test_a_large_frame_is_not_starved_by_small_ones_that_keep_fitting():
     import asyncio
 
-    from transport.base import InboundBudget
+    from swarmd.transport.base import InboundBudget
 
     budget = InboundBudget(capacity=100)
     await budget.acquire(40)

@@ -9,11 +9,11 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from node.services import NodeContext
-from protocols.gossip import MSG, PUBSUB_SPEC, SIGN_DOMAIN, SUB, Gossip, Verdict
+from swarmd.node.services import NodeContext
+from swarmd.protocols.gossip import MSG, PUBSUB_SPEC, SIGN_DOMAIN, SUB, Gossip, Verdict
 from swarmproc import http_get, http_post, wait_for
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
 
 @pytest.mark.swarm

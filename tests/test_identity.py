@@ -3,8 +3,8 @@ import stat
 
 import pytest
 
-from transport.errors import IdentityError
-from transport.identity import Identity, is_valid_peer_id, public_key_from_peer_id, verify
+from swarmd.transport.errors import IdentityError
+from swarmd.transport.identity import Identity, is_valid_peer_id, public_key_from_peer_id, verify
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

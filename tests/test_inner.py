@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from protocols.inner import SwarmAdamW, lr_scale
+from swarmd.protocols.inner import SwarmAdamW, lr_scale
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -16,8 +16,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from protocols import codecs as C
-from protocols import exchange, kernels
+from swarmd.protocols import codecs as C
+from swarmd.protocols import exchange, kernels
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -244,7 +244,7 @@ def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
 
 def _torch_nesterov(buf, params, grad, lr, momentum):
     """OuterNesterov.step of 2026-12-02 (slices through a product buffer, each operation rounded on its own)."""
-    from protocols import outer
+    from swarmd.protocols import outer
 
     buf.mul_(momentum).add_(grad)
     step = torch.empty_like(grad)
@@ -262,7 +262,7 @@ def _torch_nesterov(buf, params, grad, lr, momentum):
 @pytest.mark.parametrize("n", [1, 1000, (1 << 16) + 5])
 @pytest.mark.parametrize("lr, momentum", [(0.7, 0.9), (1.0, 0.0), (0.1, 0.95)])
 def test_nesterov_kernel_gives_the_torch_steps_bits(n, lr, momentum):
-    from protocols import outer
+    from swarmd.protocols import outer
 
     g = torch.Generator().manual_seed(n)
     params = torch.randn(n, generator=g)

@@ -5,7 +5,7 @@ import logging
 
 import pytest
 
-import node.core as core
+import swarmd.node.core as core
 
 
 def _stubborn(swallow: int, ended: list[str], name: str, deaf: asyncio.Event | None = None):

@@ -6,11 +6,11 @@ import time
 
 import pytest
 
-from transport.errors import PeerUnreachable
-from transport.framing import ProtocolSpec
-from transport.identity import Identity
-from transport.memory import LinkSpec, MemoryNetwork, run_virtual
-from transport.ping import ping, serve_ping
+from swarmd.transport.errors import PeerUnreachable
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity
+from swarmd.transport.memory import LinkSpec, MemoryNetwork, run_virtual
+from swarmd.transport.ping import ping, serve_ping
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -184,7 +184,7 @@ def test_lossy_links_are_slower_never_wrong():
 def test_a_downlink_takes_bytes_in_arrival_order_not_in_the_order_they_were_sent():
     """A write from a far peer, sent first, must not hold a near peer's write that arrives long before it (a single
     'busy until' time did: one slow-linked peer delayed every other peer's bytes to a host by its own latency)."""
-    from transport.memory import Downlink
+    from swarmd.transport.memory import Downlink
 
     down = Downlink()
     assert down.take(1.0, 0.1, now=0.0) == pytest.approx(1.1)  # the far peer's write, arriving at 1.0

@@ -104,7 +104,7 @@ def run_lab(tmp_path, mode: str) -> dict:
                 wait_for(lambda: first.status()["services"]["nat"]["punch_attempts"] >= 1, 10, "an attempt")
                 assert first.status()["services"]["nat"]["punches"][0]["ok"] is False
                 wait_for(lambda: relayed_call_works(first, second, pub.peer_id), 20, "the pair still on the relay")
-            doctor = subprocess.run(lab.cmd("a") + [sys.executable, "-m", "node", "doctor", "--data-dir",
+            doctor = subprocess.run(lab.cmd("a") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
                                                     str(a.data_dir)], capture_output=True, text=True, timeout=30)
             assert doctor.returncode == 0, doctor.stderr
             assert "reachability  private  (AutoNAT)" in doctor.stdout and lab.wan["a"] in doctor.stdout

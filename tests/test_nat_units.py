@@ -2,12 +2,12 @@
 
 import pytest
 
-from node import datadir
-from node.doctor import diagnose
-from node.nat import guess_private, relays_in
-from transport.identity import Identity
-from transport.errors import MalformedMessage
-from transport.nat import ip_of, parse_addrs, parse_reply
+from swarmd.node import datadir
+from swarmd.node.doctor import diagnose
+from swarmd.node.nat import guess_private, relays_in
+from swarmd.transport.identity import Identity
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.nat import ip_of, parse_addrs, parse_reply
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -94,8 +94,8 @@ async def test_a_peer_with_a_relayed_and_a_direct_connection_is_listed_once_on_i
     was called failed ('the new connection is not the punched one') and the pair stayed on the relay."""
     from types import SimpleNamespace
 
-    from transport.base import PathType
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+    from swarmd.transport.base import PathType
+    from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
     me, other, relay = Identity.generate(), Identity.generate().peer_id, Identity.generate().peer_id
     transport = P2PDaemonTransport(me, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))

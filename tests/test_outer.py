@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocols import outer, tinylm
-from transport.memory import run_virtual
+from swarmd.protocols import outer, tinylm
+from swarmd.transport.memory import run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -163,13 +163,13 @@ def test_the_weights_hash_is_blake3_of_their_fp32_bytes_in_order_on_one_core_or_
     assert len(outer.params_hash(params)) == 32  # the length peers' messages and checkpoints carry
     assert outer.params_hash(params) != outer.params_hash(params[::-1])
     # from HASH_THREADS_FROM bytes on, hashed on every core: the same hash
-    from protocols.bulk import HASH_THREADS_FROM
+    from swarmd.protocols.bulk import HASH_THREADS_FROM
 
     big = [torch.randn(HASH_THREADS_FROM // 4 + 3), torch.randn(1_000)]
     whole = b"".join(t.numpy().tobytes() for t in big)
     assert outer.params_hash(big) == blake3.blake3(whole, max_threads=1).hexdigest(length=16)
     # part of the run's fingerprint: peers that hash their weights otherwise are told they run another config
-    from protocols.diloco import DilocoConfig
+    from swarmd.protocols.diloco import DilocoConfig
 
     assert DilocoConfig(run="x").shared()["weights_hash"] == outer.WEIGHTS_HASH == "blake3-128"
 
@@ -177,8 +177,8 @@ def test_the_weights_hash_is_blake3_of_their_fp32_bytes_in_order_on_one_core_or_
 def test_the_e3m0_encoder_is_named_in_a_runs_fingerprint_where_parts_are_reduced_in_e3m0():
     # peers compare reduced parts byte for byte: nodes whose e3m0 picks other codes for a boundary value must not
     # meet in a run (they would call each other liars); runs that never reduce in e3m0 keep their fingerprint
-    from protocols import codecs
-    from protocols.diloco import DilocoConfig
+    from swarmd.protocols import codecs
+    from swarmd.protocols.diloco import DilocoConfig
 
     assert DilocoConfig(run="x").shared()["e3m0_encoder"] == codecs.E3M0_ENCODER  # the default codec
     assert DilocoConfig(run="x", codec="sign").shared()["e3m0_encoder"] == codecs.E3M0_ENCODER  # reduced in e3m0

@@ -2,7 +2,7 @@ import logging
 
 import pytest
 
-from transport.penalties import PeerPenalties, RateLimitedLog
+from swarmd.transport.penalties import PeerPenalties, RateLimitedLog
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -63,7 +63,7 @@ def test_peer_table_is_bounded():
 
 
 def test_token_buckets_refill_bound_their_keys_and_refuse_new_ones_when_full():
-    from transport.penalties import TokenBuckets
+    from swarmd.transport.penalties import TokenBuckets
 
     now = [0.0]
     b = TokenBuckets(rate=1.0, burst=2.0, max_keys=2, clock=lambda: now[0])

@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from protocols.taskloop import TaskLoop
-from transport import clock as clockmod
+from swarmd.protocols.taskloop import TaskLoop
+from swarmd.transport import clock as clockmod
 
 pytestmark = pytest.mark.timeout(30)
 

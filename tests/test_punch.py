@@ -6,11 +6,11 @@ import socket
 
 import pytest
 
-from transport.base import PathType
-from transport.framing import ProtocolSpec
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
-from transport.punch import Splice, simultaneous_open
+from swarmd.transport.base import PathType
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.punch import Splice, simultaneous_open
 from swarmproc import free_port
 
 pytestmark = pytest.mark.timeout(60)

@@ -6,7 +6,7 @@ import msgpack
 
 import pytest
 
-from dht.records import (
+from swarmd.dht.records import (
     Ed25519RecordValidator,
     NodeRecord,
     dht_key_id,
@@ -15,9 +15,9 @@ from dht.records import (
     owner_tag,
     seal,
 )
-from transport._compat import load_hivemind
-from transport.errors import BadSignature, FrameTooLarge, MalformedMessage
-from transport.identity import Identity
+from swarmd.transport._compat import load_hivemind
+from swarmd.transport.errors import BadSignature, FrameTooLarge, MalformedMessage
+from swarmd.transport.identity import Identity
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -222,7 +222,7 @@ def test_node_record_parsing_is_strict():
 
 
 def test_a_record_says_its_admission_rule_and_one_without_it_still_parses():
-    from crdt.admission import Admission
+    from swarmd.crdt.admission import Admission
 
     ident = Identity.generate()
     rule = Admission("s", 22).policy()
@@ -237,7 +237,7 @@ def test_a_record_says_its_admission_rule_and_one_without_it_still_parses():
 @pytest.mark.timeout(60)
 async def test_real_dht_nodes_refuse_forged_member_records():
     """Two DHTNodes on real p2p daemons: the storing node itself refuses a record signed by the wrong key."""
-    from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+    from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
     alice, mallory = Identity.generate(), Identity.generate()
     ta = P2PDaemonTransport(alice, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
@@ -275,8 +275,8 @@ def test_the_members_key_asks_for_an_admitted_identity_a_ticket_or_the_allowlist
     replicated state asks for (crdt.admission): a work ticket in an open swarm, the allowlist in a closed one."""
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from crdt.admission import Admission
-    from dht.records import member_check
+    from swarmd.crdt.admission import Admission
+    from swarmd.dht.records import member_check
 
     alice, mallory = Identity.generate(), Identity.generate()
     now = hm.get_dht_time()

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
-from crdt.ops import make_op
-from node.replication import CRDT_SPEC, PUSH
+from swarmd.crdt.ops import make_op
+from swarmd.node.replication import CRDT_SPEC, PUSH
 from swarmproc import http_get, http_post, wait_for
-from transport.identity import Identity
-from transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
 pytestmark = pytest.mark.swarm
 
@@ -213,7 +213,7 @@ def test_a_flipped_byte_mid_log_costs_one_record_and_the_node_refetches_its_own_
 
 def _admitted_authors(n: int, swarm: str, bits: int) -> list:
     """n fresh identities, each with its ticketed op #1 (what a patient attacker can buy: about 2^bits hashes each)."""
-    from crdt.admission import Admission
+    from swarmd.crdt.admission import Admission
 
     adm, now, ops = Admission(swarm, bits), int(time.time() * 1000), []
     for _ in range(n):
@@ -232,7 +232,7 @@ async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(tmp_
     # tested is that each needs one, and the paging
     import asyncio
 
-    from node.replication import PAGE
+    from swarmd.node.replication import PAGE
     from swarmproc import LOCAL_CONFIG, Swarm
 
     config = tmp_path / "cheap.toml"
@@ -284,7 +284,7 @@ async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(tmp_
 async def test_a_batch_verified_off_the_event_loop_binds_each_signature_to_its_body(swarm):
     # batches of >= PREVERIFY_AT ops have their signatures checked in a worker thread; a copy of an op with its body
     # altered but the same signature, sent next to the genuine op, must still be refused as a bad signature
-    from node.replication import PREVERIFY_AT
+    from swarmd.node.replication import PREVERIFY_AT
 
     a = swarm.start("a")
     mallory = Identity.generate()

@@ -7,9 +7,9 @@ import asyncio
 
 import pytest
 
-from node.replication import KEPT_IDLE
-from node.sim import SimConfig, SimSwarm
-from transport.memory import run_virtual
+from swarmd.node.replication import KEPT_IDLE
+from swarmd.node.sim import SimConfig, SimSwarm
+from swarmd.transport.memory import run_virtual
 
 
 def _with_swarm(scenario):

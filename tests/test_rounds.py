@@ -7,9 +7,9 @@ import collections
 
 import pytest
 
-from protocols import rounds
-from protocols.rounds import RoundWait, StartBarrier, hash_verdict, plan_wait
-from protocols.standing import Standing
+from swarmd.protocols import rounds
+from swarmd.protocols.rounds import RoundWait, StartBarrier, hash_verdict, plan_wait
+from swarmd.protocols.standing import Standing
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -162,7 +162,7 @@ def test_hash_verdict_counts_only_the_peers_whose_word_counts():
 def test_every_peer_takes_the_coordinators_view_whatever_its_own():
     # the chain is drawn from the last round's members (agreed, so the same everywhere), not from this round's own
     # view: d, which missed c's update this round, still has c's coordinator first, and so do c itself and the rest
-    from protocols.exchange import order
+    from swarmd.protocols.exchange import order
     last = {"a", "b", "c", "d"}
     chain = tuple(order("run", 3, 0, last))
     coordinator = chain[0]
@@ -211,7 +211,7 @@ def test_a_view_names_peers_by_short_ids_and_counts_the_names_it_cannot_resolve(
 
 # ---------------------------------------------------------------------- SAPO's draw
 def test_sapo_takes_each_peers_items_once_and_never_its_own():
-    from protocols.rounds import new_items
+    from swarmd.protocols.rounds import new_items
 
     inbox = {"me": (3, ["mine"]), "a": (2, ["a2"]), "b": (5, ["b5"])}
     used = {"b": 5}
@@ -225,7 +225,7 @@ def test_sapo_takes_each_peers_items_once_and_never_its_own():
 def test_sapo_draws_j_at_random_and_caps_each_source():
     import random
 
-    from protocols.rounds import draw
+    from swarmd.protocols.rounds import draw
 
     flood = {"flooder": [f"f{i}" for i in range(100)], "a": ["a0", "a1"], "b": ["b0"]}
     chosen, capped = draw(flood, want=6, per_source=2, rng=random.Random(0))
@@ -246,7 +246,7 @@ def test_sapo_local_groups_are_the_informative_ones_first():
     import random
     from types import SimpleNamespace
 
-    from protocols.rounds import pick_local
+    from swarmd.protocols.rounds import pick_local
 
     own = [SimpleNamespace(name=f"g{i}", informative=i in (1, 5, 6)) for i in range(8)]
     for seed in range(50):
@@ -283,7 +283,7 @@ def test_a_source_that_never_scores_is_judged_useless_once_an_honest_policy_4x_w
     import math
     import random
 
-    from protocols.rounds import Sources
+    from swarmd.protocols.rounds import Sources
 
     s = Sources("me")
     rates = {"me": 0.3, "a": 0.2, "b": 0.1, "garbage": 0.0}
@@ -315,7 +315,7 @@ def test_an_honest_policy_whose_right_answers_fall_on_whole_questions_is_never_j
     49 misses in a row (a quarter of the median hit rate, 1 - 0.5 ** 8), about once in 4e7 tries."""
     import random
 
-    from protocols.rounds import Sources
+    from swarmd.protocols.rounds import Sources
 
     s = Sources("me")
     rates = {"me": 0.5, "a": 0.5, "b": 0.5, "narrow": 0.3}
@@ -327,7 +327,7 @@ def test_an_honest_policy_whose_right_answers_fall_on_whole_questions_is_never_j
 def test_an_honest_policy_a_third_of_the_median_is_never_judged_and_the_start_of_a_run_judges_nobody(seed):
     import random
 
-    from protocols.rounds import Sources
+    from swarmd.protocols.rounds import Sources
 
     rng = random.Random(seed)
     s = Sources("me")
@@ -342,7 +342,7 @@ def test_an_honest_policy_a_third_of_the_median_is_never_judged_and_the_start_of
 
 
 def test_sources_are_bounded():
-    from protocols.rounds import Sources
+    from swarmd.protocols.rounds import Sources
 
     s = Sources("me", max_sources=8)
     for i in range(100):

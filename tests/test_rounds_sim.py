@@ -8,10 +8,10 @@ import msgpack
 import pytest
 import torch
 
-from node.sim import (ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls,
+from swarmd.node.sim import (ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls,
                       lists_direct_late)
-from protocols import codecs, diloco
-from transport.memory import LinkSpec, run_virtual
+from swarmd.protocols import codecs, diloco
+from swarmd.transport.memory import LinkSpec, run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -290,7 +290,7 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
     chunks as the auditor: the dead peer's chunk is pulled from the auditor, which kept it. Before, the auditor
     combined that chunk and the others could not: the auditor left the majority and resynced (the kill bench's
     survivors diverged this way)."""
-    from protocols.exchange import PART_MIN
+    from swarmd.protocols.exchange import PART_MIN
 
     died = asyncio.Event()
 
@@ -327,7 +327,7 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
     to the others when the round's step began and is not now: they reduce its parts themselves at once. Before,
     they waited for its parts to the span's end (the deadline and the transfers' estimate), then reduced them: the
     kill bench's longest round under a reducer's kill was 2 deadlines and more."""
-    from protocols.exchange import PART_MIN
+    from swarmd.protocols.exchange import PART_MIN
 
     died = asyncio.Event()
 
@@ -370,9 +370,9 @@ def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(t
     four. Each peer reduced a late part from the chunks that came to it by then: before, that peer ended on other
     weights and resynced (16 peers on two cores: most rounds split this way). Now every peer takes the round's
     coordinator's parts, each one reduced again from the chunks the coordinator names."""
-    from protocols.exchange import PART_MIN
-    from protocols.gossip import Verdict
-    from transport.wire import WIRE
+    from swarmd.protocols.exchange import PART_MIN
+    from swarmd.protocols.gossip import Verdict
+    from swarmd.transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0, agree=agree)
@@ -420,7 +420,7 @@ def test_a_coordinator_that_reduced_a_part_from_a_minoritys_chunks_reduces_it_ag
     published its own kept them, ended alone and resynced (checked with ``_majority_parts`` off: 3 parts not
     followed, a resync). It reduces such a part again from the chunks that came since, and every peer ends the
     round on its weights."""
-    from protocols.exchange import PART_MIN
+    from swarmd.protocols.exchange import PART_MIN
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=4, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
@@ -491,8 +491,8 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
 def _blind_to(unheard: str):
     """A loop whose gossip never delivers ``unheard``'s update announcements from round 2 on: the first copy of
     each is ignored (gossip marks it seen and never delivers it again); one fetched later is judged as any."""
-    from protocols.gossip import Verdict
-    from transport.wire import WIRE
+    from swarmd.protocols.gossip import Verdict
+    from swarmd.transport.wire import WIRE
 
     class Blind(_paced(diloco.DilocoLoop, 0.1)):
         def __init__(self, *args, **kw):
@@ -599,7 +599,7 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
     message did)."""
     import msgpack
 
-    from transport.wire import WIRE
+    from swarmd.transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, exchange="scatter", agree=True)
@@ -635,8 +635,8 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
 # compares what two of them print
 SLOW_LINKS = """
 import asyncio, json, statistics, sys, pathlib
-from node.sim import ChurnConfig, DilocoSim, SimConfig
-from transport.memory import run_virtual
+from swarmd.node.sim import ChurnConfig, DilocoSim, SimConfig
+from swarmd.transport.memory import run_virtual
 
 async def main():
     sim = DilocoSim(SimConfig(peers=4, seed=7, bandwidth=200e3),
@@ -871,7 +871,7 @@ def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_membe
 def _nine_peers_two_scatter_rounds(tmp_path) -> list:
     """9 peers, 2 scatter rounds of an update of 32 x PART_MIN values (32 parts with ``parts = "auto"``): the
     peers' loops at the end."""
-    from protocols.exchange import PART_MIN
+    from swarmd.protocols.exchange import PART_MIN
 
     async def main():
         sim = DilocoSim(SimConfig(peers=9, seed=7), ChurnConfig(rounds=2, dim=32 * PART_MIN), tmp_path,
@@ -890,7 +890,7 @@ def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_t
     so one audited part's chunks cost its auditor 8/32 of an update, and the busiest peer takes in at most
     BYTES_BUDGET (2.2) x S a round (2.12 here, in two rounds; 2.38 in three with the 16 parts before, same seed).
     Nobody's update is refused for its part count."""
-    from protocols.exchange import BYTES_BUDGET
+    from swarmd.protocols.exchange import BYTES_BUDGET
 
     loops = _nine_peers_two_scatter_rounds(tmp_path)
     size = sum(loops[0]._part_bytes(0, False, 32))  # S: one encoded update
@@ -911,7 +911,7 @@ def test_a_scatter_rounds_waits_wake_on_their_own_parts_messages_not_on_every_me
     peers and 32 parts 557 wake-ups a peer and round, at 16 peers and 64 parts 2,308 (about 20 us of CPU each).
     Each now wakes on its own part's messages (and a poll for a reducer gone): 43 and 97. Same weights, every
     peer in every round."""
-    from protocols import outer
+    from swarmd.protocols import outer
 
     wakes = []
     plain = outer.wait_event
@@ -1041,8 +1041,8 @@ def test_a_scatter_round_of_one_bit_updates_sends_its_combined_parts_in_e3m0(tmp
 _COURSE = """
 import json, sys, tempfile
 from pathlib import Path
-from node.sim import ChurnConfig, SimConfig, diloco_links_change, first_uplink_falls
-from transport.memory import run_virtual
+from swarmd.node.sim import ChurnConfig, SimConfig, diloco_links_change, first_uplink_falls
+from swarmd.transport.memory import run_virtual
 
 with tempfile.TemporaryDirectory() as d:
     run = run_virtual(diloco_links_change(SimConfig(peers=4, seed=9, bandwidth=2e6),

@@ -7,10 +7,10 @@ import pytest
 import torch
 from pydantic import ValidationError
 
-from protocols import arith
-from protocols.grpo import STOI, Group, Policy
-from protocols.sapo import ROLLOUTS, Rules, SapoConfig, parse_items, question_seed, score
-from protocols.task import TaskError, load
+from swarmd.protocols import arith
+from swarmd.protocols.grpo import STOI, Group, Policy
+from swarmd.protocols.sapo import ROLLOUTS, Rules, SapoConfig, parse_items, question_seed, score
+from swarmd.protocols.task import TaskError, load
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, run_cli, wait_for
 

@@ -6,9 +6,9 @@ import random
 
 import pytest
 
-from node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
-from protocols import sapo
-from transport.memory import run_virtual
+from swarmd.node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
+from swarmd.protocols import sapo
+from swarmd.transport.memory import run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from node.sim import ChurnConfig, SimConfig, SimSwarm, diloco_churn, simulate
-from transport.memory import run_virtual
+from swarmd.node.sim import ChurnConfig, SimConfig, SimSwarm, diloco_churn, simulate
+from swarmd.transport.memory import run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -68,7 +68,7 @@ def test_diloco_under_churn_ends_with_every_peer_on_the_same_weights(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_swarmd_sim_prints_its_table():
-    out = subprocess.run([sys.executable, "-m", "node.cli", "sim", "--peers", "12", "--degree", "3", "--json"],
+    out = subprocess.run([sys.executable, "-m", "swarmd", "sim", "--peers", "12", "--degree", "3", "--json"],
                          cwd=ROOT, capture_output=True, text=True, timeout=110)
     assert out.returncode == 0, out.stderr[-2000:]
     (row,) = json.loads(out.stdout)
@@ -90,7 +90,7 @@ def test_a_long_writer_is_compacted_everywhere_and_a_restart_or_a_fresh_replica_
     """An author's total in the op log was unbounded (issue 14). A node writes 2,600 ops here (its bases are its
     ops #1000 and #2000): every replica keeps only the ops after the last base, each op log is rewritten without
     the rest, and a restart from the compacted log, or a replica that starts empty, ends with the same state."""
-    from crdt.store import BASE_EVERY
+    from swarmd.crdt.store import BASE_EVERY
 
     async def main():
         swarm = SimSwarm(SimConfig(peers=4, degree=3, sync_interval=5.0))

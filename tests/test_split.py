@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from node.reach import AddressBook, Reach, short
+from swarmd.node.reach import AddressBook, Reach, short
 from splitlab import SplitLab, unavailable
 from swarmproc import Swarm, http_get, http_post, wait_for
 
@@ -90,9 +90,9 @@ def test_an_asker_keeps_one_stream_per_member_and_asks_a_node_that_predates_it_o
     reach/1.1.0 stream kept between asks (a new one after a pause longer than the member keeps it); a member whose
     node serves only reach/1.0.0 (one ask a stream, the version before) is asked that way. Every ask answered, on
     virtual time over the in-memory network."""
-    from node.reach import REACH_KEPT_SPEC, REACH_SPEC
-    from transport.identity import Identity
-    from transport.memory import MemoryNetwork, run_virtual
+    from swarmd.node.reach import REACH_KEPT_SPEC, REACH_SPEC
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.memory import MemoryNetwork, run_virtual
 
     rounds = 12
 
@@ -197,7 +197,7 @@ def test_two_halves_say_they_are_split_and_converge_after_the_heal_without_a_res
                      15, "every node to list the other half, and only it, as lost", interval=0.1)
             assert nodes[0].status()["split"]["lost"] == 3
             assert "swarmd_split_suspected 1.0" in nodes[4].get("/metrics")
-            doctor = subprocess.run(lab.cmd(4) + [sys.executable, "-m", "node", "doctor", "--data-dir",
+            doctor = subprocess.run(lab.cmd(4) + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
                                                   str(nodes[4].data_dir)], capture_output=True, text=True, timeout=30)
             assert "split         SUSPECTED" in doctor.stdout and "hint: split: " in doctor.stdout, doctor.stdout
             # each half goes on writing its own state

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from protocols import tinylm
-from protocols.spsa import (BATCH, JOIN, NORMAL_TABLE, PERTURBATION, Z_BITS, SpsaConfig, Weights, capped, decode_grad,
+from swarmd.protocols import tinylm
+from swarmd.protocols.spsa import (BATCH, JOIN, NORMAL_TABLE, PERTURBATION, Z_BITS, SpsaConfig, Weights, capped, decode_grad,
                             encode_grad, perturbation, screen_window, step_seed)
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
@@ -52,7 +52,7 @@ def _signed(who, topic: str, data: bytes, seq: int = 1) -> dict:
     """A pubsub message as gossip signs it (protocols/gossip.py), as a log serves it."""
     import msgpack
 
-    from protocols.gossip import SIGN_DOMAIN
+    from swarmd.protocols.gossip import SIGN_DOMAIN
 
     body = msgpack.packb([1, topic, who.peer_id, seq, 1_800_000_000_000, data], use_bin_type=True)
     return {"b": body, "s": who.sign(SIGN_DOMAIN + body)}
@@ -65,9 +65,9 @@ def test_a_served_log_is_verified_whole_and_its_contributors_are_the_screened_ba
     scale. Any fault anywhere in the log refuses the whole log before anything is taken from it."""
     import msgpack
 
-    from protocols.spsa import log_contributors, read_log
-    from transport.identity import Identity
-    from transport.wire import WIRE
+    from swarmd.protocols.spsa import log_contributors, read_log
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.wire import WIRE
 
     topic, window = "spsa/run", 4
     peers = [Identity.generate() for _ in range(4)]
@@ -233,7 +233,7 @@ def test_the_perturbation_is_normal_quantiles_and_a_step_rounds_each_operation_o
     # drawn a chunk of indices at a time: the same values whatever the chunk, across the parameters' boundaries
     shapes = [torch.Size([999]), torch.Size([40, 60]), torch.Size([1])]
     whole = perturbation(shapes, 9)
-    monkeypatch.setattr("protocols.spsa.DRAW_CHUNK", 1000)
+    monkeypatch.setattr("swarmd.protocols.spsa.DRAW_CHUNK", 1000)
     assert all(torch.equal(a, b) for a, b in zip(whole, perturbation(shapes, 9)))
     assert torch.equal(torch.cat([t.view(-1) for t in whole]), perturbation([torch.Size([100_000])], 9)[0][:3400])
     # a step: -lr/M x dec(b) x z, then added, each rounded on its own (no fused multiply-add)

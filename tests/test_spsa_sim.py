@@ -8,13 +8,13 @@ import msgpack
 import pytest
 import torch
 
-from node.sim import ChurnConfig, SimConfig, SpsaSim, lists_direct_late
-from protocols import gossip as pubsub
-from protocols import spsa
-from transport import framing
-from transport.errors import MalformedMessage
-from transport.memory import run_virtual
-from transport.wire import WIRE
+from swarmd.node.sim import ChurnConfig, SimConfig, SpsaSim, lists_direct_late
+from swarmd.protocols import gossip as pubsub
+from swarmd.protocols import spsa
+from swarmd.transport import framing
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.memory import run_virtual
+from swarmd.transport.wire import WIRE
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from protocols.standing import EARN, Standing
+from swarmd.protocols.standing import EARN, Standing
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from protocols import checkpoint, codecs, exchange, tinylm
-from protocols.inner import lr_scale
-from protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
+from swarmd.protocols import checkpoint, codecs, exchange, tinylm
+from swarmd.protocols.inner import lr_scale
+from swarmd.protocols.task import TaskError, balanced_fragments, build_model, fragment_indices, load, trainable
 from swarmproc import REPO, Swarm, loop_config, run_cli, wait_for
 
 EXAMPLE = REPO / "examples" / "my_task.py"
@@ -215,7 +215,7 @@ def test_the_example_task_file_trains_across_two_nodes_and_exports(tmp_path):
 
 @pytest.mark.beside
 def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
-    from protocols.task import auto_threads, set_threads
+    from swarmd.protocols.task import auto_threads, set_threads
 
     before = torch.get_num_threads()
     try:
@@ -232,14 +232,14 @@ def test_threads_default_to_omp_num_threads_else_all_cores_but_one(monkeypatch):
     finally:
         torch.set_num_threads(before)
     with pytest.raises(Exception):
-        from protocols.diloco import DilocoConfig
+        from swarmd.protocols.diloco import DilocoConfig
 
         DilocoConfig(threads=-1)
 
 
 @pytest.mark.beside
 def test_inner_betas_are_two_numbers_in_0_1():
-    from protocols.diloco import DilocoConfig
+    from swarmd.protocols.diloco import DilocoConfig
 
     for betas in ([0.9, 1.0], [0.9], [-0.1, 0.95], "0.9", [0.9, 0.95, 0.99]):
         with pytest.raises(Exception, match="inner_betas"):
@@ -296,9 +296,9 @@ def test_a_checkpoint_saved_by_a_version_before_is_resumed(tmp_path, version):
     the names it lacked; before BLAKE3, its hash BLAKE2b), not from round 0."""
     import tomllib
 
-    from protocols import outer
-    from protocols import task as tasks
-    from protocols.diloco import DilocoConfig
+    from swarmd.protocols import outer
+    from swarmd.protocols import task as tasks
+    from swarmd.protocols.diloco import DilocoConfig
 
     rounds = 12  # room to be killed mid-run: a solo round takes a fraction of a second, and a run that ended before
     # the kill resumes done, saves nothing again, and leaves the version before's checkpoint (seen once in CI at 4)
@@ -481,7 +481,7 @@ def test_spsa_on_the_digits_task_and_sapo_on_reasoning_gym(tmp_path):
             assert s["round"] == 8 and s["external_items_scored"] > 0 and s.get("rejected_malformed", 0) == 0
             assert s["checkpoint"]["round"] == 8
         meta = checkpoint.read_meta(checkpoint.latest(c.data_dir, "sapo"))
-        assert meta["task"] == "protocols.tasks.rgym:make_task" and meta["round"] == 8
+        assert meta["task"] == "swarmd.protocols.tasks.rgym:make_task" and meta["round"] == 8
 
 
 @pytest.mark.beside

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from node.config import load_config
-from node.core import Node
-from protocols.gossip import Gossip
+from swarmd.node.config import load_config
+from swarmd.node.core import Node
+from swarmd.protocols.gossip import Gossip
 from swarmproc import wait_until
-from transport.identity import Identity
+from swarmd.transport.identity import Identity
 
 ROOT = Path(__file__).resolve().parents[1]
 LOCAL = ROOT / "configs" / "local.toml"

@@ -16,10 +16,10 @@ from pathlib import Path
 import msgpack
 import pytest
 
-from node.cli import WIRE_MODULES
-from transport.errors import MalformedMessage
-from transport.framing import ProtocolSpec, encode
-from transport.wire import WIRE, Map, Str, UnknownKind
+from swarmd.node.cli import WIRE_MODULES
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.framing import ProtocolSpec, encode
+from swarmd.transport.wire import WIRE, Map, Str, UnknownKind
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
@@ -62,7 +62,7 @@ def test_every_served_protocol_declares_every_kind():
 
 def test_topic_messages_carry_kind_and_version_and_are_checked():
     _load()
-    from protocols import diloco
+    from swarmd.protocols import diloco
 
     tag = ["a" * 16, "b" * 16]
     data = WIRE.pack(diloco.ROUND_HASH, {"r": 3, "p": 0, "h": "ab" * 16, "t": tag})
@@ -90,8 +90,8 @@ def test_topic_messages_carry_kind_and_version_and_are_checked():
 
 def test_a_frame_whose_body_breaks_its_schema_is_refused_at_the_stream():
     _load()
-    from node.replication import ACK, CRDT_SPEC
-    from transport.base import _decode
+    from swarmd.node.replication import ACK, CRDT_SPEC
+    from swarmd.transport.base import _decode
 
     message, refusal = _decode(encode(ACK, {"applied": 1, "rejected": 0}), CRDT_SPEC)
     assert refusal is None and message.body == {"applied": 1, "rejected": 0}
@@ -100,7 +100,7 @@ def test_a_frame_whose_body_breaks_its_schema_is_refused_at_the_stream():
 
 
 def test_registry_refuses_duplicates_and_examples_that_do_not_fit():
-    from transport.wire import Registry
+    from swarmd.transport.wire import Registry
 
     r = Registry()
     r.message("t/<x>", 1, "t.one", Map.of(a=Str(4)), {"a": "x"})
@@ -116,7 +116,7 @@ def test_swarmd_wire_prints_the_table():
     import subprocess
 
     # ~3.5 s of CPU (it imports torch) at nice 19 beside the real-time tests: a limit far above that (tests/conftest.py)
-    out = subprocess.run([sys.executable, "-m", "node.cli", "wire", "--json"], cwd=ROOT, capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "swarmd", "wire", "--json"], cwd=ROOT, capture_output=True,
                          text=True, timeout=150)
     assert out.returncode == 0, out.stderr[-2000:]
     rows = json.loads(out.stdout)

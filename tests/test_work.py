@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from node.services import WorkBoard
+from swarmd.node.services import WorkBoard
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 

@@ -18,10 +18,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Protocol
 
-from transport.errors import FrameTooLarge, ProtocolViolation, StreamClosed, TransportError
-from transport.framing import HEADER, ProtocolSpec, decode, frame, read_body, read_header
-from transport.penalties import PeerPenalties, RateLimitedLog
-from transport.wire import WIRE
+from swarmd.transport.errors import FrameTooLarge, ProtocolViolation, StreamClosed, TransportError
+from swarmd.transport.framing import HEADER, ProtocolSpec, decode, frame, read_body, read_header
+from swarmd.transport.penalties import PeerPenalties, RateLimitedLog
+from swarmd.transport.wire import WIRE
 
 logger = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import msgpack
 
-from transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
+from swarmd.transport.errors import FrameTooLarge, MalformedMessage, StreamClosed
 
 HEADER = struct.Struct(">I")
 PROTOCOL_PREFIX = "/swarmd/"

@@ -15,7 +15,7 @@ import os
 import stat
 from pathlib import Path
 
-from transport._compat import install_protobuf_alias, p2pd_ed25519_key_data
+from swarmd.transport._compat import install_protobuf_alias, p2pd_ed25519_key_data
 
 install_protobuf_alias()
 
@@ -24,8 +24,8 @@ from libp2p.crypto.keys import KeyType  # noqa: E402
 from libp2p.crypto.pb import crypto_pb2  # noqa: E402
 from libp2p.peer.id import ID  # noqa: E402
 
-from transport.errors import IdentityError  # noqa: E402
-from transport.files import write_durably  # noqa: E402
+from swarmd.transport.errors import IdentityError  # noqa: E402
+from swarmd.transport.files import write_durably  # noqa: E402
 
 logger = logging.getLogger(__name__)
 

@@ -35,14 +35,14 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
-from transport import clock
-from transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
+from swarmd.transport import clock
+from swarmd.transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
                             StreamHandler, TransportStats)
-from transport.clock import LoopClock
-from transport.errors import PeerUnreachable, TransportError
-from transport.framing import ProtocolSpec
-from transport.identity import Identity
-from transport.penalties import PeerPenalties
+from swarmd.transport.clock import LoopClock
+from swarmd.transport.errors import PeerUnreachable, TransportError
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity
+from swarmd.transport.penalties import PeerPenalties
 
 logger = logging.getLogger(__name__)
 

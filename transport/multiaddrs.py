@@ -10,7 +10,7 @@ import socket
 
 from multiaddr import Multiaddr
 
-from transport.identity import is_valid_peer_id
+from swarmd.transport.identity import is_valid_peer_id
 
 MAX_ADDR_LEN = 512
 

@@ -21,10 +21,10 @@ import ipaddress
 import logging
 import time
 
-from transport.base import Stream
-from transport.errors import MalformedMessage
-from transport.framing import ProtocolSpec
-from transport.wire import WIRE, Int, List, Map, OneOf, Str
+from swarmd.transport.base import Stream
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.wire import WIRE, Int, List, Map, OneOf, Str
 
 logger = logging.getLogger(__name__)
 

@@ -25,15 +25,15 @@ from pathlib import Path
 
 import multiaddr
 
-from transport._compat import load_hivemind
-from transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
+from swarmd.transport._compat import load_hivemind
+from swarmd.transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
                             StreamHandler, TransportStats, path_of)
-from transport.errors import DaemonStartError, PeerUnreachable, TransportError
-from transport.framing import ProtocolSpec
-from transport.identity import Identity
-from transport.multiaddrs import parse_listen_addr, split_peer_addr
-from transport.penalties import PeerPenalties
-from transport.punch import Splice
+from swarmd.transport.errors import DaemonStartError, PeerUnreachable, TransportError
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.identity import Identity
+from swarmd.transport.multiaddrs import parse_listen_addr, split_peer_addr
+from swarmd.transport.penalties import PeerPenalties
+from swarmd.transport.punch import Splice
 
 logger = logging.getLogger(__name__)
 _PATH_RANK = {PathType.PUNCHED: 0, PathType.DIRECT: 1, PathType.RELAYED: 2, PathType.NONE: 3}

@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from transport import clock
-from transport.base import Stream, Transport
-from transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation
-from transport.framing import ProtocolSpec
-from transport.wire import WIRE, Bytes
+from swarmd.transport import clock
+from swarmd.transport.base import Stream, Transport
+from swarmd.transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation
+from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.wire import WIRE, Bytes
 
 PING, PONG = 1, 2
 PING_SPEC = ProtocolSpec("ping", "1.0.0", max_frame=64, kinds=frozenset({PING, PONG}))

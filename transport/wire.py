@@ -30,8 +30,8 @@ from typing import Any
 
 import msgpack
 
-from transport.errors import MalformedMessage
-from transport.framing import ProtocolSpec, encode, unpack
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.framing import ProtocolSpec, encode, unpack
 
 
 class UnknownKind(Exception):

@@ -3,7 +3,7 @@ fast one the tests use. Options are the policy's: its size, learning rate, GRPO 
 
 from __future__ import annotations
 
-from protocols import arith, grpo
+from swarmd.protocols import arith, grpo
 
 
 class ArithPolicy:

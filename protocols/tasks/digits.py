@@ -8,7 +8,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from protocols.tasks import batch_seed
+from swarmd.protocols.tasks import batch_seed
 
 
 class DigitsTask:

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import torch
 
-from protocols.tasks import batch_seed
+from swarmd.protocols.tasks import batch_seed
 
 SUFFIXES = {".py", ".txt", ".md", ".rst"}
 

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import torch
 
-from protocols.tasks import batch_seed
+from swarmd.protocols.tasks import batch_seed
 
 
 class RegressionTask:

@@ -16,7 +16,7 @@ import json
 import string
 from dataclasses import dataclass
 
-from protocols import grpo
+from swarmd.protocols import grpo
 
 DEFAULT_DATASETS = {
     "chain_sum": {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 1},

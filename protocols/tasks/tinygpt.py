@@ -11,7 +11,7 @@ from typing import Iterator
 
 import torch
 
-from protocols import outer, tinylm
+from swarmd.protocols import outer, tinylm
 
 CTX = 64  # TinyGPT's context
 TEXTS_KEPT = 16  # shards whose generated text batch_at keeps (an SPSA auditor re-probes other peers' steps)

@@ -1,0 +1,3 @@
+from swarmd.node.cli import main
+
+main()
