@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 STATUS_MEANINGS = ROOT / "docs" / "reference" / "status-fields.toml"
+LOOP_MEANINGS = ROOT / "docs" / "reference" / "loop-fields.toml"
 LOOP_MODELS = (("diloco", "protocols/diloco.py", "DilocoConfig", "DiLoCo and Streaming DiLoCo", "../loops/diloco.md"),
                ("spsa", "protocols/spsa.py", "SpsaConfig", "SPSA", "../loops/spsa.md"),
                ("sapo", "protocols/sapo.py", "SapoConfig", "SAPO", "../loops/sapo.md"))
@@ -186,19 +187,34 @@ def config_rows() -> list[dict]:
     return rows
 
 
-def loop_rows(module_path: str, class_name: str) -> list[dict]:
+def loop_model(module_path: str, class_name: str):
     import importlib
 
-    module = importlib.import_module("swarmd." + module_path.removesuffix(".py").replace("/", "."))
-    model = getattr(module, class_name)
-    return model_rows(model, class_field_comments(ROOT / module_path, class_name))
+    return getattr(importlib.import_module("swarmd." + module_path.removesuffix(".py").replace("/", ".")), class_name)
+
+
+def loop_rows(module_path: str, class_name: str) -> list[dict]:
+    """A loop's settings; the meaning from the comment beside the field, else from docs/reference/loop-fields.toml.
+    ``shared`` marks the settings every peer of a run must share (its fingerprint: ``shared()``)."""
+    model = loop_model(module_path, class_name)
+    loop = next(name for name, path, cls, *_ in LOOP_MODELS if cls == class_name)
+    extra = tomllib.loads(LOOP_MEANINGS.read_text())
+    comments = {k: v for k, v in class_field_comments(ROOT / module_path, class_name).items() if v}
+    comments = {**extra["common"], **extra.get(loop, {}), **comments}
+    rows = model_rows(model, comments)
+    shared = set(model().shared())
+    for r in rows:
+        r["shared"] = r["key"] in shared
+    return rows
 
 
 def _table(rows: list[dict], anchor_prefix: str) -> str:
     out = ["| key | type | default | meaning |", "|---|---|---|---|"]
     for r in rows:
-        bounds = f" ({r['bounds']})" if r["bounds"] else ""
+        bounds = f" ({r['bounds']})" if r["bounds"] else ""  # a pipe inside a code span does not split a cell
         meaning = (r["meaning"] or "").replace("|", "\\|")
+        if r.get("shared"):
+            meaning += " *Shared: every peer of the run must use the same value (part of its fingerprint).*"
         out.append(f"| <span id=\"{anchor_prefix}{r['key']}\"></span>`{r['key']}` | {r['type']}{bounds} | "
                    f"{r['default']} | {meaning} |")
     return "\n".join(out)
