@@ -18,7 +18,6 @@ The functions are importable (tests/test_docs.py checks every key, command and f
 from __future__ import annotations
 
 import ast
-import io
 import json
 import subprocess
 import sys
