@@ -7,7 +7,7 @@ Each page is made from the thing it documents:
 - ``reference/loop-config.md``: the loops' config models (``DilocoConfig``, ``SpsaConfig``, ``SapoConfig``), their
   fields' types, defaults, bounds and the comments written beside them;
 - ``reference/cli.md``: every command's help as click prints it;
-- ``reference/wire.md``: the wire registry, read from ``swarmd wire --json``;
+- ``reference/wire.md``: the wire registry, as ``swarmd wire --json`` prints it;
 - ``reference/status.md``: the top-level fields of ``/status`` as ``Node.status`` returns them, with their meanings
   from ``docs/reference/status-fields.toml`` (a field without one fails the build and tests/test_docs.py);
 - ``reference/metrics.md``: the Prometheus series ``node/metrics.py`` exports, with their help text.
@@ -18,8 +18,8 @@ The functions are importable (tests/test_docs.py checks every key, command and f
 from __future__ import annotations
 
 import ast
+import functools
 import json
-import subprocess
 import sys
 import tokenize
 import tomllib
@@ -276,10 +276,18 @@ def cli_page() -> str:
 
 # ---------------------------------------------------------------------------------------------------- wire
 
+@functools.cache
 def wire_rows() -> list[dict]:
-    done = subprocess.run([sys.executable, "-m", "swarmd", "wire", "--json"], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120, check=True)
-    return json.loads(done.stdout)
+    """The registry's table, as ``swarmd wire --json`` prints it: the CLI's own list of the modules that declare
+    messages is imported, then the registry read."""
+    import importlib
+
+    from swarmd.node.cli import WIRE_MODULES
+    from swarmd.transport.wire import WIRE
+
+    for module in WIRE_MODULES:
+        importlib.import_module(module)
+    return WIRE.table()
 
 
 def wire_page() -> str:
