@@ -46,6 +46,15 @@ def test_the_docs_build_in_strict_mode_with_every_reference_page(site):
     assert "0.2.0" in (site / "changelog" / "index.html").read_text()
 
 
+def test_the_python_api_reference_has_every_public_name(site):
+    names = reference.api_names()
+    assert set(names) == set(swarmd.__all__) - {"__version__"}
+    page = (site / "reference" / "python-api" / "index.html").read_text()
+    for name, module in names.items():
+        assert f"::: {module}.{name}" in reference.python_api_page()
+        assert f'id="{module}.{name}"' in page, f"mkdocstrings rendered no entry for swarmd.{name}"
+
+
 def test_readme_is_a_short_front_door():
     text = (ROOT / "README.md").read_text()
     assert len(text.splitlines()) <= README_MAX_LINES

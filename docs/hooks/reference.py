@@ -10,7 +10,8 @@ Each page is made from the thing it documents:
 - ``reference/wire.md``: the wire registry, as ``swarmd wire --json`` prints it;
 - ``reference/status.md``: the top-level fields of ``/status`` as ``Node.status`` returns them, with their meanings
   from ``docs/reference/status-fields.toml`` (a field without one fails the build and tests/test_docs.py);
-- ``reference/metrics.md``: the Prometheus series ``node/metrics.py`` exports, with their help text.
+- ``reference/metrics.md``: the Prometheus series ``node/metrics.py`` exports, with their help text;
+- ``reference/python-api.md``: every name of ``swarmd.__all__``, from its docstrings (mkdocstrings).
 
 The functions are importable (tests/test_docs.py checks every key, command and field has its entry).
 """
@@ -385,6 +386,27 @@ def metrics_page() -> str:
     return "\n".join(parts) + "\n"
 
 
+# ---------------------------------------------------------------------------------------------------- Python API
+
+def api_names() -> dict[str, str]:
+    """The public API: each name of ``swarmd.__all__`` and the module that defines it (``swarmd._EXPORTS``)."""
+    import swarmd
+
+    return {name: swarmd._EXPORTS[name] for name in swarmd.__all__ if name in swarmd._EXPORTS}
+
+
+def python_api_page() -> str:
+    parts = ["# Python API reference", "",
+             "Generated at build time from the docstrings by mkdocstrings, one entry for each name of "
+             "`swarmd.__all__`. The names load on first use, so `import swarmd` does not import torch. How to use "
+             "them in a training script: [Train inside your own script](../guides/python-api.md).", "",
+             "::: swarmd", "    options:", "      show_root_heading: false", "      members: false", ""]
+    for name, module in sorted(api_names().items()):
+        parts += [f"::: {module}.{name}", "    options:", "      show_root_heading: true",
+                  "      show_root_full_path: false", "      heading_level: 2", ""]
+    return "\n".join(parts)
+
+
 # ---------------------------------------------------------------------------------------------------- the hook
 
 PAGES = {
@@ -394,6 +416,7 @@ PAGES = {
     "reference/wire.md": wire_page,
     "reference/status.md": status_page,
     "reference/metrics.md": metrics_page,
+    "reference/python-api.md": python_api_page,
 }
 
 
