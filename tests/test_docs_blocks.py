@@ -6,7 +6,8 @@ why it cannot be (an HTML comment ``<!-- illustrative: <reason> -->`` on the lin
 - ```python: runs in a fresh interpreter from the repository root (snippet includes, ``--8<-- "path"``, are
   expanded first, as the docs build expands them);
 - a shell block (```, ```bash, ```sh, ```shell): every command exists with the flags it is given: ``swarmd <command>``
-  against click's own definition of that command, ``python <script>`` against the script, ``pip install`` against
+  parsed by click's own parser for that command (its options, their types, choices and ranges; a ``<placeholder>``
+  counts as one word), ``python <script>`` against the script, ``pip install`` against
   pyproject's extras; files of the repository it names exist;
 - ```text holds output or a table, not code, and is not run.
 
@@ -32,6 +33,7 @@ pytestmark = [pytest.mark.beside, pytest.mark.timeout(170)]
 SHELL = {"", "bash", "sh", "shell"}
 NOT_CODE = {"text"}
 ILLUSTRATIVE = re.compile(r"<!--\s*illustrative:\s*(.*?)\s*-->")
+PLACEHOLDER = re.compile(r"<[^<>]*>")
 SNIPPET = re.compile(r'^--8<--\s+"([^"]+)"\s*$', re.M)
 # tools a shell block may call that are not part of this repository; what they are given is not checked here
 OTHER_TOOLS = {"pip", "mkdocs", "docker", "curl"}
@@ -137,6 +139,22 @@ def _swarmd_options() -> dict[str, set[str]]:
     return out
 
 
+def _parse_as_click_would(command: str, args: list[str]) -> list[str]:
+    """Parse a command's arguments with click's own parser (types, choices, ranges, counts), running nothing."""
+    import click
+
+    from swarmd.node.cli import cli
+
+    with click.Context(cli, info_name="swarmd") as ctx:
+        try:
+            cli.get_command(ctx, command).make_context(command, list(args), parent=ctx)
+        except click.exceptions.Exit:
+            pass  # --help
+        except click.ClickException as e:
+            return [f"swarmd {command}: {e.format_message()}"]
+    return []
+
+
 def _flags(words: list[str]) -> list[str]:
     return [w.split("=", 1)[0] for w in words if w.startswith("-") and len(w) > 1 and not re.match(r"-\d", w)]
 
@@ -159,6 +177,8 @@ def check_command(words: list[str], options: dict[str, set[str]]) -> list[str]:
             return problems + [f"swarmd {command}: no such command"]
         problems += [f"swarmd {command} {flag}: no such option" for flag in _flags(args)
                      if flag not in options[command]]
+        if command and not problems:
+            problems += _parse_as_click_would(command, args[1:])
     elif tool == "python":
         if args[:2] == ["-m", "pytest"]:
             return problems
@@ -192,6 +212,7 @@ def check_shell(block: Block, options: dict[str, set[str]]) -> list[str]:
         if line.startswith("$ "):
             problems.append(f"{line!r}: a prompt and its output belong in an illustrative block")
             continue
+        line = PLACEHOLDER.sub("PLACEHOLDER", line)  # <an address d0 printed>: one word, as a reader would type it
         try:
             words = shlex.split(line)
         except ValueError as e:
@@ -244,6 +265,8 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert check(block("python", "raise SystemExit(3)"), options)
     assert check(block("", "swarmd start --no-such-flag"), options)
     assert check(block("", "swarmd launch"), options)
+    assert check(block("", "swarmd demo --loop adam"), options)  # not one of the loops
+    assert check(block("", "swarmd demo --nodes 30"), options)  # out of its range
     assert check(block("", "pip install -e '.[nope]'"), options)
     assert check(block("", "python bench/bench_sim.py --no-such-flag"), options)
     assert check(block("", "swarmd start --config configs/nope.toml"), options)
@@ -252,5 +275,6 @@ def test_the_checks_catch_what_they_are_for(tmp_path):
     assert check(block("", "x", mark=""), options)
     # and passes what is right
     assert not check(block("", "swarmd start --config configs/local.toml --data-dir /tmp/a"), options)
+    assert not check(block("", "swarmd start --bootstrap <an address a printed>"), options)
     assert not check(block("toml", "[loops.spsa]\nwindow = 8\n"), options)
     assert not check(block("yaml", "a: 1", mark="a Prometheus file"), options)
