@@ -144,6 +144,16 @@ def test_every_status_field_has_a_reference_entry():
     assert not stale, f"docs/reference/status-fields.toml explains fields /status no longer has: {stale}"
 
 
+def test_every_field_a_loop_shows_in_status_is_explained_on_its_page():
+    for loop in ("diloco", "spsa", "sapo"):
+        fields = reference.loop_status_fields(loop)
+        assert {"state", "round", "task", "offenders"} <= set(fields)  # the parse found the status dict
+        page = (ROOT / "docs" / "loops" / f"{loop}.md").read_text()
+        section = page[page.index("## What `/status` shows"):]
+        missing = [f for f in fields if f"`{f}`" not in section]
+        assert not missing, f"docs/loops/{loop}.md does not explain /status -> services.{loop} fields {missing}"
+
+
 def test_every_metric_is_in_the_reference():
     names = {r["name"] for r in reference.metric_rows()}
     source = (ROOT / "node" / "metrics.py").read_text()

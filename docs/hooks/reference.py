@@ -333,6 +333,33 @@ def status_fields() -> list[str]:
     raise LookupError("Node.status not found in node/core.py")
 
 
+LOOP_SOURCES = {"diloco": "protocols/diloco.py", "spsa": "protocols/spsa.py", "sapo": "protocols/sapo.py"}
+
+
+def _returned_keys(path: Path, method: str) -> list[str]:
+    """The constant keys of the dict literal a method returns (the first class in the file that defines it)."""
+    tree = ast.parse(path.read_text())
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef) and fn.name == method:
+            ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
+            return [k.value for k in ret.value.keys if isinstance(k, ast.Constant)]
+    raise LookupError(f"{method} not found in {path}")
+
+
+def loop_status_fields(loop: str) -> list[str]:
+    """``/status`` → ``services.<loop>``: the fields the loop's ``status()`` names, and those every loop adds
+    (``TaskLoop._task_status``)."""
+    own = _returned_keys(ROOT / LOOP_SOURCES[loop], "status")
+    return own + [k for k in _returned_keys(ROOT / "protocols" / "taskloop.py", "_task_status") if k not in own]
+
+
+def loop_counters(loop: str) -> list[str]:
+    """The counters a loop's ``status()`` lists beside its fields (``self.counters["..."]`` in its module)."""
+    import re
+
+    return sorted(set(re.findall(r'self\.counters\["(\w+)"\]', (ROOT / LOOP_SOURCES[loop]).read_text())))
+
+
 def status_meanings() -> dict[str, str]:
     return tomllib.loads(STATUS_MEANINGS.read_text())["fields"]
 
@@ -350,6 +377,11 @@ def status_page() -> str:
              "[SAPO](../loops/sapo.md)).", "", "| field | meaning |", "|---|---|"]
     for f in fields:
         parts.append(f"| <span id=\"status-{f}\"></span>`{f}` | {meanings[f]} |")
+    for loop, title in (("diloco", "DiLoCo"), ("spsa", "SPSA"), ("sapo", "SAPO")):
+        parts += ["", f"## `services.{loop}`", "",
+                  f"Fields (their meanings: [{title}](../loops/{loop}.md#what-status-shows)): "
+                  + ", ".join(f"`{k}`" for k in loop_status_fields(loop)) + ".", "",
+                  "Counters beside them: " + ", ".join(f"`{k}`" for k in loop_counters(loop)) + "."]
     return "\n".join(parts) + "\n"
 
 
