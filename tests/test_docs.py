@@ -65,6 +65,15 @@ def test_readme_is_a_short_front_door():
     assert not re.search(r"\b20\d\d-\d\d-\d\d\b", text), "the README carries no dates: they belong in CHANGELOG.md"
 
 
+def test_guides_design_and_reference_pages_carry_no_dates():
+    """Dates belong to the changelog and the benchmark pages (each table with the date it was measured)."""
+    for page in (ROOT / "docs").rglob("*.md"):
+        if "benchmarks" in page.parts:
+            continue
+        found = re.findall(r"\b20\d\d-\d\d-\d\d\b", page.read_text())
+        assert not found, f"{page.relative_to(ROOT)} carries dates {found}: history goes to CHANGELOG.md"
+
+
 def _links(path: Path) -> list[str]:
     return re.findall(r"\]\(([^)\s]+)\)", path.read_text())
 
