@@ -392,12 +392,16 @@ def metric_rows() -> list[dict]:
     tree = ast.parse((ROOT / "node" / "metrics.py").read_text())
     rows = []
     for node in ast.walk(tree):
-        if isinstance(node, ast.Call) and getattr(node.func, "id", "") in ("GaugeMetricFamily", "CounterMetricFamily"):
+        kind = getattr(getattr(node, "func", None), "id", "")
+        if isinstance(node, ast.Call) and kind in ("GaugeMetricFamily", "CounterMetricFamily", "InfoMetricFamily"):
             name, doc = (ast.literal_eval(a) for a in node.args[:2])
-            counter = node.func.id == "CounterMetricFamily"
+            suffix, kind = {"CounterMetricFamily": ("_total", "counter"), "InfoMetricFamily": ("_info", "info"),
+                            "GaugeMetricFamily": ("", "gauge")}[kind]
             labels = next((ast.literal_eval(k.value) for k in node.keywords if k.arg == "labels"), [])
-            rows.append({"name": name + ("_total" if counter else ""), "kind": "counter" if counter else "gauge",
-                         "labels": labels, "help": doc})
+            value = next((k.value for k in node.keywords if k.arg == "value"), None)
+            if suffix == "_info" and isinstance(value, ast.Dict):
+                labels = [k.value for k in value.keys if isinstance(k, ast.Constant)]
+            rows.append({"name": name + suffix, "kind": kind, "labels": labels, "help": doc})
         elif isinstance(node, ast.Tuple) and len(node.elts) == 4 and all(isinstance(e, ast.Constant)
                                                                           for e in node.elts):
             key, name, doc, counter = (e.value for e in node.elts)
