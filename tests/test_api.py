@@ -238,3 +238,20 @@ def test_bad_input_gets_a_one_line_error_naming_what_is_wrong(tmp_path):
         swarmd.Node(config=LOCAL_CONFIG, data_dir=tmp_path / "d", settings=["network.listen=5"])
     with pytest.raises(ValueError, match="swarmd.SPSA: task .* lacks"):
         swarmd.SPSA(node, object(), run="s")
+
+
+@pytest.mark.timeout(180)
+def test_spsa_runs_from_a_script_with_a_task_object_to_the_end(tmp_path):
+    """The task-driven loops' Python entry point: an SPSA run of a task object (the seam's duck-typed contract) on
+    an embedded node, from start to done, shown in the node's /status like a configured loop."""
+    import swarmd
+    from swarmd.protocols.tasks.regression import RegressionTask
+
+    node = swarmd.Node(config=LOCAL_CONFIG, data_dir=tmp_path / "d")
+    with node:
+        run = swarmd.SPSA(node, RegressionTask(dim=16, batch=8, noise=0.0), run="api-spsa",
+                          settings={"steps": 64, "window": 16, "eval_every": 1})
+        run.wait(timeout=150)
+        view = node.status()["services"]["spsa"]
+        assert view["state"] == "done" and view["step"] >= 64, view
+        assert node.status()["loops"]["spsa/api-spsa"]["state"] == "done"
