@@ -19,7 +19,7 @@ def test_every_code_folder_is_a_listed_subpackage_of_swarmd():
     for folder in FOLDERS:
         for init in (ROOT / folder).rglob("__init__.py"):
             found.add("swarmd." + ".".join(init.parent.relative_to(ROOT).parts))
-    assert listed == found, f"pyproject lists {sorted(listed - found)}, not packages, and misses {sorted(found - listed)}"
+    assert listed == found, f"pyproject lists {sorted(listed - found)}; misses {sorted(found - listed)}"
     for package in listed:
         folder = "swarmd" if package == "swarmd" else package.removeprefix("swarmd.").replace(".", "/")
         assert dirs.get(package) == folder, package
