@@ -13,6 +13,7 @@ ended on an error says so in :attr:`Node.error` and every later call raises it.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import logging
 import threading
 from collections.abc import Sequence
@@ -112,6 +113,9 @@ class Node:
         self._pending = []
         self._thread = threading.Thread(target=self._thread_main, name="swarmd-node", daemon=True)
         self._thread.start()
+        # a script that ends (or fails) without close(): the node still closes as under SIGTERM, its daemon and
+        # checkpoints with it, before the interpreter stops its thread
+        atexit.register(self.close)
         if not self._ready.wait(timeout) and not self._ended.is_set():
             self.close()
             raise NodeError(f"the node did not start within {timeout:.0f} s")
@@ -122,6 +126,7 @@ class Node:
         """Stop the node and its training loops (each closes as under ``swarmd start``'s SIGTERM). Idempotent."""
         if self._thread is None:
             return
+        atexit.unregister(self.close)
         loop, main = self._loop, self._main
         if loop is not None and main is not None and not self._ended.is_set():
             loop.call_soon_threadsafe(main.cancel)
