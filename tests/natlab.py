@@ -192,6 +192,29 @@ class NatLab(_Lab):
                     "ESTABLISHED,RELATED", "-j", "ACCEPT")
             self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
 
+    def slow_direct(self, kbit: int) -> None:
+        """Cap what each router sends to the other NAT at ``kbit`` (an HTB class on its WAN link): the direct path
+        between the two NATed hosts becomes slower than the relayed one through the public host, as when the
+        relay is near and the peer far. Everything else keeps the link's speed."""
+        for router, other in (("rA", "b"), ("rB", "a")):
+            self._x(router, "tc", "qdisc", "add", "dev", "wan", "root", "handle", "1:", "htb", "default", "10")
+            self._x(router, "tc", "class", "add", "dev", "wan", "parent", "1:", "classid", "1:10", "htb", "rate",
+                    "1gbit")
+            self._x(router, "tc", "class", "add", "dev", "wan", "parent", "1:", "classid", "1:20", "htb", "rate",
+                    f"{kbit}kbit", "burst", "400", "cburst", "400")
+            self._x(router, "tc", "filter", "add", "dev", "wan", "parent", "1:", "protocol", "ip", "u32", "match",
+                    "ip", "dst", f"{self.wan[other]}/32", "flowid", "1:20")
+
+    def reset_first_big_packet(self, side: str, port: int = 4001, size: int = 200) -> None:
+        """``side``'s router resets, once, the TCP connection from ``side``'s ``port`` to the other NAT's ``port``
+        at its first packet of ``size`` bytes or more (a handshake's first large message): the sender gets a RST,
+        the packet is dropped. A connection that closes right after it opened, on the wire."""
+        router, other = ("rA", "b") if side == "a" else ("rB", "a")
+        self._x(router, "iptables", "-I", "FORWARD", "1", "-i", "lan", "-o", "wan", "-p", "tcp", "-s",
+                self.lan_ip[side], "--sport", str(port), "-d", self.wan[other], "--dport", str(port), "-m", "length",
+                "--length", f"{size}:65535", "-m", "recent", "--name", "swreset", "!", "--rcheck", "-m", "recent",
+                "--name", "swreset", "--set", "-j", "REJECT", "--reject-with", "tcp-reset")
+
     # ------------------------------------------------------------------ running things inside
     def cmd(self, key: str) -> list[str]:
         """The command prefix that runs a process inside namespace ``key`` (a, b, pub, rA, rB)."""

@@ -25,6 +25,7 @@ import asyncio
 import errno
 import logging
 import socket
+import struct
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +43,16 @@ def _bound_socket(family: int, local_port: int) -> socket.socket:
         s.close()
         raise
     return s
+
+
+def abort(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): no FIN_WAIT or TIME_WAIT holds the address pair, so a punch retried
+    at once can connect from the same port to the same address again."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
 
 
 async def _connect_until(local_port: int, remote: tuple[str, int], deadline: float) -> socket.socket:
@@ -142,7 +153,10 @@ class _Half(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         if self.other is not None and self.other.transport is not None:
-            self.other.transport.close()
+            if self.splice.abortive:
+                self.splice.abort()
+            else:
+                self.other.transport.close()
         self.splice._half_closed()
 
 
@@ -152,12 +166,14 @@ class Splice:
     def __init__(self) -> None:
         self.bytes = {"a": 0, "b": 0}  # bytes read from each side
         self.closed = asyncio.Event()
+        self.abortive = False  # when one side closes, reset the other (see ``abort``) instead of closing it
         self._halves: list[_Half] = []
 
     @classmethod
-    async def start(cls, a: socket.socket, b: socket.socket) -> "Splice":
+    async def start(cls, a: socket.socket, b: socket.socket, *, abortive: bool = False) -> "Splice":
         loop = asyncio.get_running_loop()
         splice = cls()
+        splice.abortive = abortive
         half_a, half_b = _Half(splice, "a"), _Half(splice, "b")
         half_a.other, half_b.other = half_b, half_a
         try:
@@ -185,3 +201,15 @@ class Splice:
         for half in self._halves:
             if half.transport is not None:
                 half.transport.close()
+
+    def abort(self) -> None:
+        """Close both sides with a reset (see ``abort``): for a hand-over that failed."""
+        for half in self._halves:
+            if half.transport is None or half.transport.is_closing():
+                continue
+            try:
+                sock = half.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, AttributeError, ValueError):  # already gone
+                pass
+            half.transport.abort()
