@@ -420,6 +420,7 @@ class NatService:
             "reachability": self.transport.reachability.value,
             "detected": self.transport.detected_reachability.value,
             "observed_addrs": sorted(self.observed),
+            "mapping": self.mapping(),
             "relay_client": self.relay_client,
             "relay_service": self.relay_service,
             "relays": self.relays,
