@@ -26,7 +26,7 @@ from swarmd.transport.multiaddrs import split_peer_addr, validate_peer_addr
 from swarmd.transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply, public)
 from swarmd.transport.penalties import TokenBuckets
-from swarmd.transport.punch import simultaneous_open
+from swarmd.transport.punch import PairTaken, simultaneous_open
 
 logger = logging.getLogger(__name__)
 
@@ -290,6 +290,8 @@ class NatService:
             await asyncio.sleep(rtt / 2)
             try:
                 sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
+            except PairTaken:  # the NATs let new connections in: an ordinary dial is enough
+                return await self._dial_direct(peer, theirs)
             except OSError as e:  # TimeoutError is an OSError
                 return False, self._no_syn_cause(theirs), str(e) or type(e).__name__
             try:
@@ -301,6 +303,19 @@ class NatService:
                 return False, "closed", str(e) or type(e).__name__
         finally:
             await closing
+        return True, "", now.addrs[0]
+
+    async def _dial_direct(self, peer: str, theirs: list[tuple[str, int]]) -> tuple[bool, str, str]:
+        """The peer's SYN reached our listener, so new connections pass the NATs: replace the relayed connection
+        with an ordinary dial to the peer's addresses (the p2p daemon dials from another port)."""
+        addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for ip, p in theirs[:4]]
+        try:
+            await self.transport.redial(peer, addrs, timeout=10.0)
+            now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
+            if now is None or not now.path.direct:
+                raise TransportError("the new connection is not a direct one")
+        except TransportError as e:
+            return False, "closed", f"direct dial: {e}"
         return True, "", now.addrs[0]
 
     def _no_syn_cause(self, theirs: list[tuple[str, int]]) -> str:

@@ -263,6 +263,13 @@ class P2PDaemonTransport:
         await self._after_hand_over(peer_id, timeout)
         await self._connect(peer_id, addrs, timeout)
 
+    async def redial(self, peer_id: str, addrs: list[str], *, timeout: float = 10.0) -> None:
+        """Replace our connections to the peer with a new one to ``addrs`` (e.g. a relayed connection with a
+        direct one, once the peer is known to be reachable); streams and dials to it wait meanwhile."""
+        with self.handing_over(peer_id):
+            await self.disconnect(peer_id)
+            await self._connect(peer_id, addrs, timeout)
+
     async def _after_hand_over(self, peer_id: str, timeout: float) -> None:
         """Wait while a hole-punched connection to the peer is being handed to the daemon: a dial now would race
         it (see ``adopt``)."""
@@ -431,8 +438,11 @@ class P2PDaemonTransport:
                 raise
             except Exception as e:
                 raise TransportError(f"listing peers failed: {_short(e)}") from None
-            if any(info.peer_id.to_base58() == peer_id and key in {str(a) for a in info.addrs} for info in infos):
+            mine = [str(a) for info in infos if info.peer_id.to_base58() == peer_id for a in info.addrs]
+            if key in mine:
                 return
+            if any("/p2p-circuit" not in a and a not in self._adopted for a in mine):
+                raise TransportError("the peer connected directly another way")
             if loop.time() > deadline:
                 raise TransportError("the daemon did not take the hole-punched connection in time")
             await asyncio.sleep(0.02)

@@ -30,6 +30,12 @@ import struct
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 0.1  # after a refused or reset attempt (a NAT that answers unsolicited SYNs with RST)
+PAIR_TAKEN_FOR = 0.5  # the address pair held this long by another socket (our listener's): give up
+
+
+class PairTaken(OSError):
+    """Our port already holds a connection to the peer's address: its SYN reached our listener (a NAT that lets
+    new connections in), so the peer can be dialed directly."""
 
 
 def _bound_socket(family: int, local_port: int) -> socket.socket:
@@ -61,6 +67,7 @@ async def _connect_until(local_port: int, remote: tuple[str, int], deadline: flo
     loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in remote[0] else socket.AF_INET
     last: OSError | None = None
+    taken = None  # since when the address pair has been in use by another socket of ours
     while (left := deadline - loop.time()) > 0:
         s = _bound_socket(family, local_port)
         try:
@@ -75,6 +82,11 @@ async def _connect_until(local_port: int, remote: tuple[str, int], deadline: flo
             if e.errno not in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH,
                                errno.EADDRNOTAVAIL):
                 raise
+            if e.errno == errno.EADDRNOTAVAIL:
+                taken = taken or loop.time()
+                if loop.time() - taken > PAIR_TAKEN_FOR:
+                    raise PairTaken(errno.EADDRNOTAVAIL, f"{remote[0]}:{remote[1]} is already connected to our port "
+                                    "(the peer's connection came in to our listener: our NAT let it in)") from None
             await asyncio.sleep(min(RETRY_AFTER, max(0.0, deadline - loop.time())))
         except BaseException:
             s.close()
