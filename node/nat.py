@@ -219,8 +219,8 @@ class NatService:
         SYNC, then both sides connect to each other at once (``transport.punch``) and hand the socket to their
         daemon, this side as the dialer. The relayed connection stays up until the direct one exists.
 
-        A hand-over that lost to another connection (the punched one closed: the NATs let us through) is retried
-        at once, as is a first simultaneous open that timed out (the peer's SYNs may have left late); up to
+        A hand-over whose punched connection closed (the NATs let us through) is retried at once, from the same
+        ports, as is a first simultaneous open that timed out (the peer's SYNs may have left late); up to
         ``PUNCH_TRIES`` attempts. None: the peer did not take part (no attempt made)."""
         peer = conn.peer_id
         started = time.monotonic()
@@ -231,6 +231,7 @@ class NatService:
             if again is None:  # the peer did not take part (this time)
                 if outcome is None:
                     return None
+                tries -= 1
                 break
             outcome = again
             ok, cause, detail = outcome
