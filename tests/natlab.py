@@ -212,19 +212,6 @@ class NatLab(_Lab):
         self._x(router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
                 "DNAT", "-j", "ACCEPT")
 
-    def slow_direct(self, kbit: int) -> None:
-        """Cap what each router sends to the other NAT at ``kbit`` (an HTB class on its WAN link): the direct path
-        between the two NATed hosts becomes slower than the relayed one through the public host, as when the
-        relay is near and the peer far. Everything else keeps the link's speed."""
-        for router, other in (("rA", "b"), ("rB", "a")):
-            self._x(router, "tc", "qdisc", "add", "dev", "wan", "root", "handle", "1:", "htb", "default", "10")
-            self._x(router, "tc", "class", "add", "dev", "wan", "parent", "1:", "classid", "1:10", "htb", "rate",
-                    "1gbit")
-            self._x(router, "tc", "class", "add", "dev", "wan", "parent", "1:", "classid", "1:20", "htb", "rate",
-                    f"{kbit}kbit", "burst", "400", "cburst", "400")
-            self._x(router, "tc", "filter", "add", "dev", "wan", "parent", "1:", "protocol", "ip", "u32", "match",
-                    "ip", "dst", f"{self.wan[other]}/32", "flowid", "1:20")
-
     def reset_first_big_packet(self, side: str, port: int = 4001, size: int = 200) -> None:
         """``side``'s router resets, once, the TCP connection from ``side``'s ``port`` to the other NAT's ``port``
         at its first packet of ``size`` bytes or more (a handshake's first large message): the sender gets a RST,
