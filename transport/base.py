@@ -340,6 +340,9 @@ class Transport(Protocol):
         """Make a TCP socket already connected to the peer's machine (hole-punched) our connection to the peer;
         both sides call it, one as dialer. The peer's identity is checked as on any dial."""
 
+    async def redial(self, peer_id: str, addrs: list[str], *, timeout: float) -> None:
+        """Replace our connections to the peer with a new one to ``addrs``."""
+
     async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float) -> Stream: ...
 
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None: ...
