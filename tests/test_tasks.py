@@ -431,7 +431,7 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         assert final[0]["losses"][-1][1] < 6.3  # below ln(512): it learned from the text
         out = tmp_path / "hf"
         result = run_cli("export", "--data-dir", str(nodes[1].data_dir), "--out", str(tmp_path / "w.safetensors"),
-                         "--pretrained", str(out), timeout=120)
+                         "--pretrained", str(out), "--config", str(swarm.config), timeout=120)
         assert result.returncode == 0, result.stderr
         from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -446,6 +446,42 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         assert abs(task.obj.evaluate(model) - final[1]["losses"][-1][1]) < 1e-3
     finally:
         swarm.close()
+
+
+def _export_in(cwd: Path, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "swarmd", "export", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=os.environ)
+
+
+@pytest.mark.beside  # CLI runs with no deadline to meet
+@pytest.mark.timeout(240)
+def test_export_never_imports_the_task_a_weights_file_names_nor_writes_outside_with_its_run_name(tmp_path):
+    # a shared weights file made to run a command on export, and to write outside the working directory
+    marker = tmp_path / "ran"
+    model = build_model(load("tinygpt", {}, "diloco"), 0)
+    node_dir, cwd = tmp_path / "node", tmp_path / "work" / "here"
+    cwd.mkdir(parents=True)
+    checkpoint.save(node_dir / checkpoint.DIR / "diloco-x.safetensors",
+                    {checkpoint.MODEL_PREFIX + k: v for k, v in model.state_dict().items()},
+                    {"loop": "diloco", "run": "x/../../escaped", "round": 1, "task": "os:system",
+                     "task_options": {"command": f"touch {marker}"}})
+    # --pretrained without a task the user names is refused before anything is read
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"))
+    assert result.returncode == 2 and "--config" in result.stderr and "--task" in result.stderr, result.stderr
+    assert not marker.exists()
+    # the user names the task: the model is rebuilt from it (the weights fit it), never from the file's os:system
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"), "--task", "tinygpt")
+    assert not marker.exists()
+    assert result.returncode == 1 and "tinygpt" in result.stderr and "not a transformers model" in result.stderr, \
+        result.stderr
+    # the run name from the file became one harmless name part, in the working directory
+    assert [p.name for p in cwd.iterdir()] == ["diloco-x_.._.._escaped-round1.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["here"] and not list(tmp_path.glob("escaped*"))
+    assert set(load_file(str(cwd / "diloco-x_.._.._escaped-round1.safetensors"))) == set(model.state_dict())
 
 
 @contextlib.contextmanager
