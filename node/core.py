@@ -175,7 +175,7 @@ class Node:
                            window=d.split_window)
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
-                                 token=datadir.http_token(data_dir))
+                                 token=datadir.http_token(data_dir), allowed_hosts=config.http.allowed_hosts)
         self.recorder = Recorder(self)
         self.started_at: float | None = None
         self._started_mono: float | None = None
