@@ -68,6 +68,7 @@ BODY_LIMITS = {
     "/bulk": 1 << 30,  # a blob to announce (the node holds it in memory)
 }
 DEFAULT_BODY_LIMIT = 4 * KIB
+MAX_BODY_DEPTH = 32  # JSON nesting of a POST /crdt body (a value in the store is at most 8 deep: crdt/types.py)
 MAX_OPS_PER_WRITE = 1000  # ops signed in one POST /crdt (each is an Ed25519 signature on the event loop)
 
 
@@ -222,20 +223,25 @@ class StatusServer:
         """Local writes: ``{"ops": [{"object": name, "payload": {...}}, ...]}``; answers once they are fsync'd."""
         try:
             body = await request.json()
+            if _deeper_than(body, MAX_BODY_DEPTH):
+                return self._refuse("bad_body", 400, f"the body is nested deeper than {MAX_BODY_DEPTH} levels",
+                                    request)
             items = [(item["object"], item["payload"]) for item in body["ops"]]
             if not items or not all(isinstance(o, str) and isinstance(p, dict) for o, p in items):
                 raise ValueError
             if len(items) > MAX_OPS_PER_WRITE:
                 return self._refuse("too_many_ops", 413, f"at most {MAX_OPS_PER_WRITE} ops per request", request)
+        except RecursionError:
+            return self._refuse("bad_body", 400, f"the body is nested deeper than {MAX_BODY_DEPTH} levels", request)
         except (ValueError, KeyError, TypeError):
-            return web.json_response({"error": 'expected {"ops": [{"object": str, "payload": {...}}, ...]}'},
-                                     status=400)
+            return self._refuse("bad_body", 400, 'expected {"ops": [{"object": str, "payload": {...}}, ...]}',
+                                request)
         try:
             ops = await self.node.replicator.write_many(items)
         except WritesPaused as e:
             return web.json_response({"error": str(e)}, status=503)
         except ValueError as e:
-            return web.json_response({"error": f"rejected: {e}"}, status=422)
+            return self._refuse("rejected_write", 422, f"rejected: {e}", request)
         except OSError as e:  # the log cannot persist them (disk full): nothing was applied
             return web.json_response({"error": f"not written: {e}"}, status=503)
         return web.json_response({"ops": [{"id": op.id.hex(), "seq": op.seq} for op in ops],
@@ -258,6 +264,20 @@ class StatusServer:
         body, content_type = item
         return web.Response(body=body, content_type=content_type, charset="utf-8",
                             headers={"Cache-Control": "max-age=3600", **PAGE_HEADERS})
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether parsed JSON nests lists/maps more than ``limit`` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
 
 
 def _host_name(host: str) -> str:

@@ -119,3 +119,36 @@ def test_bound_to_every_address_the_guard_stays_on(tmp_path):
             assert float(line.split()[-1]) >= least, line
     finally:
         swarm.close()
+
+
+def answer(status: int, body: bytes) -> tuple[int, dict]:
+    return status, json.loads(body) if body.startswith(b"{") else {"error": body.decode()}
+
+
+@pytest.mark.timeout(120)
+def test_malformed_writes_of_the_token_holder_get_clean_refusals(tmp_path):
+    swarm = Swarm(tmp_path / "nodes")
+    try:
+        node = swarm.start("a")
+        auth = {"Authorization": f"Bearer {node.token}", "Content-Type": "application/json"}
+        before = http_get(node.url + "/state")["ops"]
+
+        def write(value: str) -> tuple[int, dict]:
+            body = '{"ops": [{"object": "kv", "payload": {"k": "%s/x", "v": %s}}]}' % (node.peer_id, value)
+            return answer(*request(node.url, "POST", "/crdt", body.encode(), auth))
+
+        for depth in (100_000, 990, 40):  # past the parser's recursion limit, just under it, and past ours
+            status, reply = write("[" * depth + "]" * depth)
+            assert status == 400 and "nested deeper" in reply["error"], (depth, status, reply)
+        assert write("[[1]]")[0] == 200
+        for rm in ([1], {"a": 1}, None):  # an OR-set removal names an element (a string)
+            body = json.dumps({"ops": [{"object": "members", "payload": {"rm": rm}}]}).encode()
+            status, reply = answer(*request(node.url, "POST", "/crdt", body, auth))
+            assert status == 422 and "malformed" in reply["error"], (rm, status, reply)
+        assert http_get(node.url + "/state")["ops"] == before + 1
+        metrics = http_get(node.url + "/metrics")
+        for kind, least in (("bad_body", 3), ("rejected_write", 3)):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= least, line
+    finally:
+        swarm.close()
