@@ -369,7 +369,8 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
         wait_for(lambda: diloco(nodes[0]).get("rounds", 0) >= 1, 120, "the run to close a round")
         odd = swarm.start("odd", bootstrap=[nodes[1].tcp_addr], config=other)
         refused = wait_for(lambda: diloco(odd)["state"] == "refused" and diloco(odd), 60, "the odd node to refuse")
-        assert "does not match run 't'" in refused["refused"] and "model parameter layout" in refused["refused"]
+        assert "peers with another task were seen in run 't'" in refused["refused"]
+        assert "model parameter layout" in refused["refused"]
         doctor = run_cli("doctor", "--http", odd.url).stdout
         assert "diloco refused" in doctor and "model parameter layout" in doctor
         start = diloco(nodes[0])["rounds"]
@@ -386,6 +387,55 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
         assert re.search(r"diloco +running +round [1-9]\d*/open-ended", summary)
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+async def test_fresh_keys_claiming_another_task_do_not_refuse_a_node_that_waits_alone(tmp_path):
+    # issue 80 item 6: keys that never connected, relayed with another run's tag, turned a node waiting for its
+    # peers to "refused" with an ERROR blaming its own task; only a peer with standing or a direct link may
+    import asyncio
+
+    from hostile import HostilePeer
+
+    from swarmd.protocols.diloco import READY
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.wire import WIRE
+
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, run="alone", rounds=2, h=10, min_peers=2))
+    relay = HostilePeer(tmp_path / "relay")
+    try:
+        node = await asyncio.to_thread(swarm.start, "alone")
+        await asyncio.to_thread(wait_for, lambda: diloco(node)["state"] == "waiting for peers", 60,
+                                "the node to wait for its peers")
+        await relay.start(node, "diloco/alone", max_size=1024)
+        other = ["0" * 32, "1" * 32]  # another run's fingerprint
+        for _ in range(20):
+            await relay.send_as(Identity.generate(), WIRE.pack(READY, {"r": 0, "p": 0, "ready": "0" * 32,
+                                                                       "t": other}))
+        # what a refusal is made of is kept as each message is judged: none of them was kept
+        s = await asyncio.to_thread(wait_for, lambda: diloco(node).get("rejected_task_mismatch", 0) >= 20
+                                    and diloco(node), 60, "the fresh keys' messages to be seen and ignored")
+        assert s["state"] == "waiting for peers" and not s.get("refused") and s["mismatched_peers"] == 0, s
+        assert s["task_mismatch_unvouched"] == 20 and "another task" not in node.log()
+        metrics = node.get("/metrics")
+        assert 'swarmd_loop_task_mismatch_total{loop="diloco",run="alone"} 20.0' in metrics
+        # a peer linked to us directly that trains something else (its "ready" repeated, as a peer's is): said, in
+        # neutral words
+        refused = None
+        for _ in range(60):
+            await relay.send(WIRE.pack(READY, {"r": 0, "p": 0, "ready": "0" * 32, "t": other}))
+            s = await asyncio.to_thread(diloco, node)
+            if s["state"] == "refused":
+                refused = s
+                break
+            await asyncio.sleep(0.5)  # the pace of a peer's repeated "ready"
+        assert refused is not None, "the node never said that peers with another task were seen"
+        assert refused["refused"].startswith("peers with another task were seen in run 'alone'")
+        assert refused["mismatched_peers"] == 1
+    finally:
+        await relay.close()
+        await asyncio.to_thread(swarm.close)
 
 
 @pytest.mark.swarm
