@@ -168,6 +168,7 @@ class Node:
             compatible=self.discovery.policy_ok,
         )
         self.book = AddressBook(data_dir)
+        self.transport.set_standing(self.has_standing)
         self.reach = Reach(self.transport, identity.peer_id,
                            members=lambda: set(self.replicator.store.value("members")) | set(self.discovery.members),
                            connected=lambda: set(self.connected), book=self.book,
@@ -193,6 +194,17 @@ class Node:
         crdt_members = set(self.replicator.store.value("members"))
         return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
                 and self.discovery.policy_ok(p)]
+
+    def has_standing(self, peer_id: str) -> bool:
+        """A peer the inbound stream budget keeps room for: a swarm member (its record or its members op came
+        with an admission ticket, or the allowlist names it) or one of our bootstrap peers. Called per inbound
+        stream: lookups only."""
+        if peer_id in self.discovery.members:
+            return True
+        adds, removed = self.replicator.store.states.get("members", {}).get(peer_id, ((), ()))
+        if set(adds) - set(removed):
+            return True
+        return any(b.peer_id == peer_id for b in self.discovery.bootstrap)
 
     def is_direct(self, peer_id: str) -> bool:
         conn = self.connected.get(peer_id)
