@@ -149,11 +149,11 @@ class Node:
             loops=self.loop_names,
             on_greeted=lambda peer_id: self.discovery.policy_ok(peer_id) and self.replicator.sync_soon(peer_id),
             policy=admission.policy(),
-            # the members key asks for the same price of an identity as the replicated state: a record with a
-            # ticket (or from the allowlist); our own ticket is the replicator's
-            admitted=lambda record: admission.admits(record.peer_id, "members",
-                                                     admission.payload(record.peer_id, record.ticket)) is None,
-            ticket=lambda: self.replicator.member_ticket(),
+            # the members key asks for the same price of an identity as the replicated state, paid again in each
+            # time window: a record with a ticket of this window or the last (or from the allowlist)
+            admitted=lambda record: admission.record_refusal(record.peer_id, record.ticket, time.time()) or True,
+            ticket=lambda: self._record_ticket(admission),
+            window=lambda: admission.epoch(time.time()),
         )
         self.replicator = Replicator(
             identity,
@@ -187,6 +187,8 @@ class Node:
         self.peer_state: dict[str, PeerState] = {}
         self._ctx: NodeContext | None = None  # the services' context, once the node runs
         self._added: asyncio.Queue = asyncio.Queue()  # services started on the running node (add_service)
+        self._record_tickets: tuple[int | None, int | None] = (None, None)  # (time window, our record's ticket)
+        self._record_ticket_lock = asyncio.Lock()
 
     def _replication_peers(self) -> list[str]:
         """Connected peers that are swarm members (discovered or in the CRDT member set) and judge authors by the
@@ -194,6 +196,20 @@ class Node:
         crdt_members = set(self.replicator.store.value("members"))
         return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
                 and self.discovery.policy_ok(p)]
+
+    async def _record_ticket(self, admission: Admission) -> int | None:
+        """Our record's ticket for the current time window (None in a closed swarm), minted off the event loop as a
+        window begins: the record published with it is then renewed."""
+        if admission.closed:
+            return None
+        epoch = admission.epoch(time.time())
+        async with self._record_ticket_lock:
+            if self._record_tickets[0] != epoch:
+                started = time.monotonic()
+                nonce = await asyncio.to_thread(admission.mint_record, self.identity.peer_id, epoch)
+                self._record_tickets = (epoch, nonce)
+                logger.info("record ticket for window %d minted in %.1f s", epoch, time.monotonic() - started)
+        return self._record_tickets[1]
 
     def has_standing(self, peer_id: str) -> bool:
         """A peer the inbound stream budget keeps room for: a swarm member (its record or its members op came

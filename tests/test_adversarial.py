@@ -112,7 +112,10 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
         from swarmd.crdt.admission import Admission
 
         bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
-        ticket = Admission(http_get(victim.url + "/status")["swarm"], bits).mint(newcomer.peer_id)
+        import time
+
+        rule = Admission(http_get(victim.url + "/status")["swarm"], bits)
+        ticket = rule.mint_record(newcomer.peer_id, rule.epoch(time.time()))
         # ...if it carries the swarm's admission: without a ticket it is answered but not taken
         body = msgpack.packb([INTRODUCE, seal(newcomer, record)])
         assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) != b""
@@ -172,7 +175,12 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         import tomllib
 
         bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
-        for ticket, expected in ((None, False), (Admission(a.status()["swarm"], bits).mint(mallory.peer_id), True)):
+        import time
+
+        rule = Admission(a.status()["swarm"], bits)
+        # an op's ticket (an older swarmd's record) is no record ticket; one for this time window is
+        for ticket, expected in ((None, False), (rule.mint(mallory.peer_id), False),
+                                 (rule.mint_record(mallory.peer_id, rule.epoch(time.time())), True)):
             rec, value = sealed(ticket)
             answers = [await node.protocol.call_store(hm.PeerID.from_base58(v.peer_id), [DHTID.from_bytes(rec.key)],
                                                       [value], rec.expiration_time,
@@ -184,6 +192,7 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         for n in (a, b):
             assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1
             assert n.status()["dht"]["records_refused"].get("unadmitted", 0) >= 1
+            assert n.status()["dht"]["records_refused"].get("old_ticket", 0) >= 1
         # a member's record, unchanged from one poll to the next (re-stored every 20 s), is checked once, then
         # remembered
         wait_for(lambda: all(n.status()["dht"]["records_checked"].get("remembered", 0) >= 1 for n in (a, b)), 60,
