@@ -1,5 +1,6 @@
 """What an admission ticket (crdt/admission.py) costs at each bit setting: in Python (the miner every node runs) and
-with a native miner of the same construction (bench/ticket_miner.c, compiled here with cc), one core each.
+with a native miner of the same construction (bench/ticket_miner.c, compiled here with cc; four nonces per
+vector instruction), one core each.
 
     python bench/bench_tickets.py                 # about a minute on an idle core
     python bench/bench_tickets.py --tries 4000000 # more tries per miner: steadier rates
@@ -73,7 +74,7 @@ def main() -> None:
     swarm, author = "demo-3f1c2a9b7d5e6f80", Identity.generate().peer_id
     py = python_rate(swarm, author, args.tries)
     native = native_rate(swarm, author, args.tries * 4)
-    print(f"python: {py / 1e6:.2f} M tries/s per core; native (cc -O3): "
+    print(f"python: {py / 1e6:.2f} M tries/s per core; native (cc -O3, 4 lanes): "
           + (f"{native / 1e6:.2f} M tries/s per core ({native / py:.1f}x)" if native else "no cc"))
     print("| bits | tries (mean) | one ticket, Python | one ticket, native | 20,000 ids, Python | 20,000 ids, native "
           "| 100,000 ids, Python | 100,000 ids, native |")
