@@ -116,3 +116,24 @@ class Admission:
     def payload(self, author: str, ticket: int | None) -> dict:
         """The ``members`` add that admits ``author`` (its op #1)."""
         return {"add": author} if self.closed or ticket is None else {"add": author, "ticket": ticket}
+
+
+class RecordTicket:
+    """A node's own record ticket, renewed as a time window begins: :meth:`at` mints (about 2^bits hashes, so off
+    the event loop) only when the window has changed since the last call."""
+
+    def __init__(self, admission: Admission, author: str):
+        self.admission, self.author = admission, author
+        self.epoch: int | None = None
+        self.nonce: int | None = None
+        self.minted = 0
+
+    def at(self, now: float) -> int | None:
+        """The ticket for the window of ``now`` (None in a closed swarm: the allowlist admits)."""
+        if self.admission.closed:
+            return None
+        epoch = self.admission.epoch(now)
+        if epoch != self.epoch:
+            self.nonce, self.epoch = self.admission.mint_record(self.author, epoch), epoch
+            self.minted += 1
+        return self.nonce

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from swarmd.crdt.admission import Admission
+from swarmd.crdt.admission import Admission, RecordTicket
 from swarmd.dht.discovery import Discovery, DiscoveryConfig
 from swarmd.node import __version__, allocator, datadir
 from swarmd.node.config import Config, parse_host_port
@@ -152,7 +152,7 @@ class Node:
             # the members key asks for the same price of an identity as the replicated state, paid again in each
             # time window: a record with a ticket of this window or the last (or from the allowlist)
             admitted=lambda record: admission.record_refusal(record.peer_id, record.ticket, time.time()) or True,
-            ticket=lambda: self._record_ticket(admission),
+            ticket=self._record_ticket,
             window=lambda: admission.epoch(time.time()),
         )
         self.replicator = Replicator(
@@ -187,7 +187,7 @@ class Node:
         self.peer_state: dict[str, PeerState] = {}
         self._ctx: NodeContext | None = None  # the services' context, once the node runs
         self._added: asyncio.Queue = asyncio.Queue()  # services started on the running node (add_service)
-        self._record_tickets: tuple[int | None, int | None] = (None, None)  # (time window, our record's ticket)
+        self._record_tickets = RecordTicket(admission, identity.peer_id)
         self._record_ticket_lock = asyncio.Lock()
 
     def _replication_peers(self) -> list[str]:
@@ -197,19 +197,16 @@ class Node:
         return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
                 and self.discovery.policy_ok(p)]
 
-    async def _record_ticket(self, admission: Admission) -> int | None:
-        """Our record's ticket for the current time window (None in a closed swarm), minted off the event loop as a
-        window begins: the record published with it is then renewed."""
-        if admission.closed:
-            return None
-        epoch = admission.epoch(time.time())
+    async def _record_ticket(self) -> int | None:
+        """Our record's ticket for the current time window, minted off the event loop as a window begins: the
+        record published with it is then renewed."""
         async with self._record_ticket_lock:
-            if self._record_tickets[0] != epoch:
-                started = time.monotonic()
-                nonce = await asyncio.to_thread(admission.mint_record, self.identity.peer_id, epoch)
-                self._record_tickets = (epoch, nonce)
-                logger.info("record ticket for window %d minted in %.1f s", epoch, time.monotonic() - started)
-        return self._record_tickets[1]
+            started, minted = time.monotonic(), self._record_tickets.minted
+            nonce = await asyncio.to_thread(self._record_tickets.at, time.time())
+            if self._record_tickets.minted != minted:
+                logger.info("record ticket for time window %d minted in %.1f s", self._record_tickets.epoch,
+                            time.monotonic() - started)
+        return nonce
 
     def has_standing(self, peer_id: str) -> bool:
         """A peer the inbound stream budget keeps room for: a swarm member (its record or its members op came

@@ -354,3 +354,19 @@ def _digest_before_windows(swarm: str, bits: int) -> str:
     from swarmd.crdt.admission import DOMAIN
 
     return hashlib.blake2b(DOMAIN + f"{swarm}\n{bits}".encode(), digest_size=8).hexdigest()
+
+
+def test_a_nodes_record_ticket_is_renewed_as_a_window_begins_and_only_then():
+    from swarmd.crdt.admission import WINDOW, Admission, RecordTicket
+
+    me = Identity.generate().peer_id
+    rule = Admission("s", 16)  # a ticket valid in another window by chance: 2^-15
+    ours = RecordTicket(rule, me)
+    start = (rule.epoch(hm.get_dht_time()) + 0.5) * WINDOW  # mid-window
+    first = ours.at(start)
+    assert ours.at(start + WINDOW / 4) == first and ours.minted == 1  # the same window: kept
+    renewed = ours.at(start + WINDOW)
+    assert ours.minted == 2 and all(rule.record_refusal(me, t, start + WINDOW) is None for t in (first, renewed))
+    assert rule.record_refusal(me, first, start + 2 * WINDOW) == "unadmitted"
+    assert rule.record_refusal(me, renewed, start + 2 * WINDOW) is None
+    assert RecordTicket(Admission("s", 22, allow=[me]), me).at(start) is None  # closed: the list admits
