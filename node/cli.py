@@ -487,9 +487,10 @@ def _export_task(config_path, task_spec, loop_name: str) -> tuple[str, dict]:
     if config_path:
         config = _load(config_path, {})
         table = (config.loops or {}).get(loop_name)
-        if table is None:
+        if table is None and not task_spec:
             raise Fail(f"{config_path} has no [loops.{loop_name}] table to rebuild the {loop_name} model from "
                        "(pass --task)", EXIT_USAGE)
+        table = table or {}
     import importlib
 
     from pydantic import ValidationError

@@ -523,6 +523,9 @@ def test_export_never_imports_the_task_a_weights_file_names_nor_writes_outside_w
     result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"))
     assert result.returncode == 2 and "--config" in result.stderr and "--task" in result.stderr, result.stderr
     assert not marker.exists()
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"), "--config",
+                        str(REPO / "configs" / "default.toml"))  # a config without a [loops.diloco] table
+    assert result.returncode == 2 and "no [loops.diloco] table" in result.stderr, result.stderr
     # the user names the task: the model is rebuilt from it (the weights fit it), never from the file's os:system
     result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"), "--task", "tinygpt")
     assert not marker.exists()
