@@ -162,6 +162,8 @@ LOOP_SERIES = [
     ("deadlines_missed", "swarmd_loop_deadlines_missed", "Rounds that closed at the deadline without a peer "
      "they waited for", True),
     ("peers_missed", "swarmd_loop_peers_missed", "Peers a round waited for and closed without, summed", True),
+    ("task_mismatch", "swarmd_loop_task_mismatch", "Messages ignored as another task's (only those of peers with "
+     "standing or a direct link to us can mark the loop refused)", True),
 ]
 
 

@@ -612,6 +612,9 @@ class MemoryTransport:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
+    def set_standing(self, has_standing) -> None:
+        self._runner.has_standing = has_standing
+
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
         if spec.id in self._handlers:
             raise ValueError(f"{spec.id} is already served")

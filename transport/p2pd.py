@@ -344,6 +344,9 @@ class P2PDaemonTransport(HandOver):
         self.stats.streams_out += 1
         return Stream(peer_id, spec, reader, writer, self.stats, budget=self.inbound)
 
+    def set_standing(self, has_standing) -> None:
+        self._runner.has_standing = has_standing
+
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
         if spec.id in self._specs:
             raise ValueError(f"{spec.id} is already served")
