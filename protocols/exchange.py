@@ -274,8 +274,8 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
     """The round's audited parts (``audited_parts``) and their auditors: each by a peer other than its reducer, the
     first after it in the round's order that audits fewer than ceil(audited / N) parts (parts placed before move
     where that makes room), so no peer audits more than its share: an audit pulls its part's chunks, (N - 1)/parts
-    x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts were
-    both drawn audited both, and its bytes in went from 2.2 to 2.6 x S at N = 8). Where every other peer already
+    x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts are
+    both drawn audits both, and its bytes in go from 2.2 to 2.6 x S at N = 8). Where every other peer already
     has its share (a reducer of many of the drawn parts), the least loaded other peer audits. Every peer computes
     the same plan from the round and its agreed order."""
     n = len(ordered)

@@ -908,7 +908,7 @@ class SPSALoop(TaskLoop):
         window = self.windows[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
-        # fresh key that joined and went quiet stalled every fresh window by the deadline). Our own batch is in
+        # fresh key that joined and went quiet would stall every fresh window by the deadline). Our own batch is in
         # the window like anyone's: we wait for it too
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
