@@ -174,7 +174,7 @@ def probe_rate(pulls: Sequence[tuple[int, float, bool]]) -> float | None:
 def slow_last(chain, weights: dict[str, int]) -> tuple[str, ...]:
     """A round's chain of coordinators with the members measured slow (a rate weight under WEIGHT_FULL) moved to
     its end, each group in its order: a coordinator publishes the parts list after its own pulls, which a congested
-    uplink holds up behind its uploads (the simulator: a slow coordinator's parts combined a minority's chunks)."""
+    uplink holds up behind its uploads (in the simulator a slow coordinator's parts combine a minority's chunks)."""
     return tuple(sorted(chain, key=lambda a: weights.get(a, WEIGHT_FULL) < WEIGHT_FULL))
 
 
@@ -196,8 +196,8 @@ def measured_rates(members, reports: dict[str, dict[bytes, int]], short) -> dict
 def fastest_first(peers: Sequence[str], rates: Mapping[str, int]) -> list[str]:
     """``peers`` in the order to take a checkpoint from them: by ``rates`` (what we last received from each in a
     round), the fastest first; a peer not measured counts as fast as the fastest (nothing says it is slow), and
-    ties keep the given order. A checkpoint is the whole model: taken from a peer behind a slow uplink it took 47 s
-    in the simulator (2 MB at 50 kB/s), the rounds moved on meanwhile, and that uplink, busy serving it, held up
+    ties keep the given order. A checkpoint is the whole model: taken from a peer behind a slow uplink it takes 47 s
+    in the simulator (2 MB at 50 kB/s), the rounds move on meanwhile, and that uplink, busy serving it, holds up
     the peer's own round too."""
     known = [rates[a] for a in peers if a in rates]
     top = max(known, default=0)
