@@ -8,9 +8,9 @@ between two costs:
   freed block stays there for the next round (the heap gives memory back only when 1 GiB or more is free at its
   top: with 64 MiB, the chunks a 109M-parameter round decodes, 27 MB each and 8 at once, are given back and
   faulted in again, and rounds take 1.5x as long for the same peak). A round then finds its buffers already
-  mapped: no page faults, no unmapping. On a 2-core machine this cut a node's page faults from 66,000 to 1,700 a
+  mapped: no page faults, no unmapping. On a 2-core machine this cuts a node's page faults from 66,000 to 1,700 a
   round (8 peers, 25 MB updates) and its CPU time by 20-28%; DiLoCo end to end (4 peers, 109M parameters, e3m0)
-  took 2.6 s from every update in to the combined one against 3.8-4.0 with ``release``, for a peak RSS of 4.6-4.7
+  takes 2.6 s from every update in to the combined one against 3.8-4.0 with ``release``, for a peak RSS of 4.6-4.7
   GB against 4.4-4.5 (``docs/loops/diloco.md``, Settings: ``node.memory``).
 - ``release``: every block of 1 MiB or more gets its own mapping, given back to the system when freed, and the
   smaller blocks come from at most 2 heaps. The least resident memory, at the cost of faulting every page of

@@ -1,8 +1,8 @@
 """Split detection and healing: does this node still reach the swarm it knows, and if not, get back.
 
 Swarms split: a partition, a flapping link or a restarted router leaves two groups of nodes that each still work,
-and that never see each other again unless someone dials across (hivemind's swarms split so too). The DHT will not
-do it: each half's routing tables drop the other half, and its records expire.
+and that never see each other again unless someone dials across (a known problem of hivemind's swarms). The DHT will
+not do it: each half's routing tables drop the other half, and its records expire.
 
 How a node knows
 - every ``interval`` it asks up to ``per_round`` connected members (the least recently confirmed first) over

@@ -522,7 +522,8 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
         rows = block[:, :min(GRAM_BLOCK, n - start)]
         for i in used:
             # times a power of two (exact), then half to even: the same integers everywhere; one compiled pass
-            # (the float64 copy, the scaling and the rounding as three take 7 of a call's 13 ms for 8 x 780K values)
+            # (as three passes, the float64 copy, the scaling and the rounding take 7 of a call's 13 ms for 8 x 780K
+            # values)
             if flat[i] is not None:
                 kernels.quantize(flat[i][start:start + rows.shape[1]], scales[i], rows[i].numpy())
             else:

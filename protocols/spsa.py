@@ -66,9 +66,9 @@ HISTORY = 1024  # evaluated losses kept for /status and the dashboard (a run may
 KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps apply the one before; the log keeps
 # every window's bytes)
 # a log is many small signed batches (5 objects per >= 220 B, ~40 B an object): one decoded object per 32 B beyond
-# 64 KiB, not the default 64 (with it a log past ~700 KB, about 900 windows of 4 peers, is refused as too dense,
-# and no joiner can replay it). Served in parts of whole windows, so no frame bounds an open run's length (one
-# frame of at most 32 MiB holds ~40,000 windows of 4 peers)
+# 64 KiB, not the default 64 (at the default a log past ~700 KB, about 900 windows of 4 peers, is refused as too
+# dense, and no joiner can replay it). Served in parts of whole windows, so no frame bounds an open run's length
+# (one frame of at most 32 MiB holds ~40,000 windows of 4 peers)
 LOG_SPEC = ProtocolSpec("spsa-log", "2.0.0", max_frame=16 << 20, kinds=frozenset({1, 2}), item_bytes=32)
 LOG_PART_BYTES = 2 << 20  # a part of a served log: whole windows, until about this many bytes
 MAX_LOG_BYTES = 1 << 30  # the signed batches a joiner takes from one log (~1.5 M windows of 4 peers; the log is
