@@ -296,7 +296,7 @@ class NodeRecord:
     version: str
     loops: tuple[str, ...]
     issued: float  # issuer's wall clock (seconds)
-    policy: str = ""  # the digest of its admission rule ("": not said, a node from before it was)
+    policy: str = ""  # the digest of its admission rule ("": not said, by an older node)
     ticket: int | None = None  # its admission ticket (crdt.admission), in an open swarm
 
     def to_wire(self) -> dict:
