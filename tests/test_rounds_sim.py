@@ -469,7 +469,7 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
             sim.net.set_link(far, LinkSpec(latency=latency, up=sim.cfg.bandwidth, down=sim.cfg.bandwidth))
             await sim.until(sim.finished, 300, "everyone to finish")
             return sim.loop(far).counters, sum(sim.loop(p).counters["resyncs"] for p in sim.peers), _finals(sim), \
-                len(sim.loop(far).history), max(len(sim.loop(p)._published) for p in sim.peers), \
+                len(sim.loop(far).history), max(len(sim.loop(p).book.published) for p in sim.peers), \
                 [h["participants"] for h in sim.loop(sim.peers[0]).history], \
                 [h["participants"] for h in sim.loop(far).history]
 
@@ -1159,7 +1159,7 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
             fake = [g + 1.0 for g in self.global_flat]
             await joined.wait()
             while True:
-                latest = max((r for r, _ in self.round_hashes), default=0)
+                latest = max((r for r, _ in self.book.hashes), default=0)
                 self.global_flat, self.rounds_done = fake, [latest + 1]  # what its checkpoint serves
                 for r in range(max(0, latest - 1), latest + 3):
                     self._publish(diloco.ROUND_HASH, {"r": r, "p": 0, "h": self.global_hash()})

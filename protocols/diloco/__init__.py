@@ -28,6 +28,7 @@ joining), ``validate`` (the pubsub validator) and ``loop`` (DilocoLoop, which sc
 """
 
 from swarmd.node import allocator  # noqa: F401  (tests set the memory mode through it)
+from swarmd.protocols.diloco.book import RoundBook  # noqa: F401
 from swarmd.protocols.diloco.config import DilocoConfig  # noqa: F401
 from swarmd.protocols.diloco.loop import DilocoLoop  # noqa: F401
 from swarmd.protocols.diloco.pending import Announced, Pending, Received, Redo, StepEnd, _decode_part  # noqa: F401

@@ -30,13 +30,13 @@ class BarrierMixin:
         self.state = "waiting for peers"
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
-            claims = {a: h for (r, p), hashes in self.round_hashes.items() if r >= self.rounds_done[p]
+            claims = {a: h for (r, p), hashes in self.book.hashes.items() if r >= self.rounds_done[p]
                       for a, h in hashes.items()}
             ahead = self._trusted_claimers(claims)
             if ahead:  # rounds we have not closed have closed without us: take a checkpoint and join
                 if await self._join_from_checkpoint(ahead):
                     return
-                for hashes in self.round_hashes.values():  # none served: do not ask them again at once
+                for hashes in self.book.hashes.values():  # none served: do not ask them again at once
                     for a in ahead:
                         hashes.pop(a, None)
                 self.state = "waiting for peers"

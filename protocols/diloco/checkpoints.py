@@ -4,7 +4,6 @@ a late joiner's or a resyncing peer's pull of another peer's."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import math
 
@@ -12,7 +11,6 @@ import msgpack
 import torch
 from swarmd.protocols import codecs, exchange, outer, rounds
 from swarmd.protocols.bulk import BulkError
-from swarmd.protocols.diloco.pending import Pending
 from swarmd.protocols.diloco.wire import (
     ANN_END,
     ANN_REPLY,
@@ -171,7 +169,7 @@ class CheckpointsMixin:
         # request must not buy a stranger the same ~0.8 MB answer over and over
         # (only rounds we hold are remembered: a key per round asked about would let anyone grow the dict)
         asker = stream.peer_id
-        served = self._ann_served.setdefault(key, set()) if held else set()
+        served = self.book.served.setdefault(key, set()) if held else set()
         wanted = set()
         # (or one we just served a checkpoint, far larger than these: a joiner whose announcements of its first
         # round came while it pulled the checkpoint, before it could hold them)
@@ -191,7 +189,7 @@ class CheckpointsMixin:
     def _signed_announcements(self, key: tuple[int, int]) -> dict[str, dict]:
         """The update announcements of a (round, fragment) we hold, open or closed lately, as their authors signed
         them (peer -> wire form; empty for a round we do not hold)."""
-        return self.pending[key].signed if key in self.pending else self._signed_closed.get(key, {})
+        return self.book.signed_announcements(key)
 
     async def _fetch_announcements(self, peer: str, r: int, p: int, ids: list[bytes]) -> None:
         """Ask ``peer`` (a round's coordinator) for the announcements its member view names and gossip has not
@@ -215,7 +213,7 @@ class CheckpointsMixin:
                     if kind is not UPDATE or (body["r"], body["p"]) != (r, p):
                         raise ProtocolViolation("diloco-ann: not an update announcement of the round asked for")
                     self._validate(message)
-                    if (held := self.pending.get((r, p))) is not None and message.author in held.announced:
+                    if (held := self.book.pending.get((r, p))) is not None and message.author in held.announced:
                         self.counters["announcements_fetched"] += 1
                         self._event.set()
         except (TransportError, ProtocolViolation, MalformedMessage, UnknownKind, asyncio.TimeoutError) as e:
@@ -300,7 +298,7 @@ class CheckpointsMixin:
             try:
                 ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
                 done = ckpt["rounds_done"]
-                published = self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
+                published = self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
                 published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
                     {a: h for a, h in published.items() if a in peers}
                 if published and ckpt["global_hash"] not in published.values():
@@ -327,16 +325,12 @@ class CheckpointsMixin:
             # themselves (they published its hash for its round): the list is its server's word alone, and a key
             # credited from it counted as a founder of ours for good (a server that listed six fresh keys had their
             # word outvote the run's peers at our first hash check, and we took their weights: the simulator)
-            holders = {a for a, h in self.round_hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
+            holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
                        if h == ckpt["global_hash"]}
             listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
             self.standing.found(set(peers) | (listed & holders))
             self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
-            self._published.clear()  # what we said before the checkpoint no longer describes our weights
-            self._checked.clear()
-            # updates already here for rounds we have yet to close stay: their base is checked when we close them
-            self.pending = collections.defaultdict(Pending, {k: v for k, v in self.pending.items()
-                                                             if k[0] >= self.rounds_done[k[1]]})
+            self.book.took_checkpoint(self.rounds_done)
             self._initial = set()
             # follow the next round of each fragment, contribute from the one after (announced now)
             for p in range(self.cfg.fragments):

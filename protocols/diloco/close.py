@@ -15,7 +15,6 @@ from swarmd.protocols.diloco.wire import (
     FETCH_AFTER,
     FETCH_WAIT,
     JOIN,
-    MAX_AHEAD,
     MAX_LATE_PULLS,
     MAX_NEWCOMER_PULLS,
     MAX_VIEW,
@@ -33,12 +32,12 @@ class CloseMixin:
 
     async def _close_round(self, p: int, r: int) -> None:
         key = (r, p)
-        pending = self.pending[key]
+        pending = self.book.pending[key]
         me = self._ctx.identity.peer_id
         # the peers whose word counts are waited for, and a few newcomers (peers that announced a join, or
         # contributed last round without standing yet; brand-new ones only in fresh rounds), picked the same way
         # everywhere: a fresh key can neither add itself to the set every round waits for nor stall many rounds
-        base = self.participants.get(p, self._initial) | self.joins.get(key, set())  # popped once closed
+        base = self.participants.get(p, self._initial) | self.book.joins.get(key, set())  # popped once closed
         blocked_from = self.clock.monotonic()
         # a newcomer holding a slot gets half of deadline_low once every counting peer is in (then the deadline
         # only if its update is on its way). Half: a peer that did not see the join (gossip is not instant) goes
@@ -138,12 +137,12 @@ class CloseMixin:
         self._phase_times["agree"].append(started - agreeing)
         self._drop_redo(p)
         if mode == "scatter":
-            self._moving[key] = Received(started, last=started)
+            self.book.moving[key] = Received(started, last=started)
             pending.linked = frozenset(self._ctx.members())
             try:
                 combined, rejected = await self._scatter(key, pending, members)
             finally:
-                self._measure_rate(self._moving.pop(key))
+                self._measure_rate(self.book.moving.pop(key))
         else:
             updates = {a: pending.updates[a] for a in members}
             combined, rejected = await asyncio.to_thread(outer.combine, updates, self.global_flat[p].numel())
@@ -183,9 +182,7 @@ class CloseMixin:
         self._record_round(r, fragment=p, waited_s=waited_s, deadline_s=self.deadline.value(),
                            participants=participants, missing=missing, rejected={**other_base, **rejected})
         self.standing.record(participants)
-        self._contributed[key] = participants
-        for old in [k for k in self._contributed if k[1] == p and k[0] < r - 1]:
-            del self._contributed[old]
+        self.book.closed_contributed(r, p, participants)
         broken = bool(self.skipped.pop(p, None))
 
         def apply() -> tuple[torch.Tensor, str, str]:
@@ -242,29 +239,18 @@ class CloseMixin:
         self._check_previous(p, r)
         self.history.append({"round": r, "fragment": p, "participants": len(participants), "global_hash": h})
         self._publish(ROUND_HASH, {"r": r, "p": p, "h": h})
-        self._published[(r, p)] = h
-        for old in [k for k in self._published if k[1] == p and k[0] < r - MAX_AHEAD]:
-            del self._published[old]
-            self._checked.discard(old)
+        self.book.closed_published(r, p, h)
         for (peer, k), task in pending.prefetched.items():
             if (peer, k) not in pending.prefetch_used and task.done() and not task.cancelled() \
                     and task.exception() is None:
                 self.counters["chunks_prefetched_unused"] += 1  # a wrong guess of our parts: its bytes for nothing
             task.cancel()
-        closed = self.pending.pop(key, None)
+        closed = self.book.pending.pop(key, None)
         if closed is not None:
             self._fold_rates(closed.meter)
-        # the signed announcements of the last rounds, for a peer whose gossip did not bring one our view named
-        self._signed_closed[key] = closed.signed if closed is not None else {}
-        for old in [k for k in self._signed_closed if k[1] == p and k[0] < r - 2]:
-            del self._signed_closed[old]
-        for old in [k for k in self._ann_served if k[1] == p and k[0] < r - 2]:
-            del self._ann_served[old]
-        for old in [k for k in self.round_hashes if k[1] == p and k[0] < r - 2]:
-            del self.round_hashes[old]
+        self.book.closed_signed(r, p, closed)
         self._drop_round_blobs(p, r)
-        for old in [k for k in self.joins if k[1] == p and k[0] <= r]:
-            del self.joins[old]
+        self.book.closed_joins(r, p)
         if r + 1 < self.join_round.get(p, 0):
             # still following: say again from which round we contribute (a peer that missed the join, or started
             # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
@@ -275,22 +261,8 @@ class CloseMixin:
             self._probe_blobs = []
 
     def _drop_round_blobs(self, p: int, r: int) -> None:
-        """After closing round r of fragment p: the blobs of rounds before r - 1 go, and of round r - 1 all but our
-        own (a chunk or part pulled from another member mattered only while that round's members were closing it:
-        for a 100 MB update at 4 peers, 1.5 x its size a node held a round longer). A blob also named by a round
-        still kept (the same bytes) stays."""
-        going: set[bytes] = set()
-        for old in [k for k in self._round_blobs if k[1] == p and k[0] < r]:
-            if old[0] < r - 1:
-                going |= self._round_blobs.pop(old)
-                self._own_blobs.pop(old, None)
-            else:
-                own = self._own_blobs.get(old, set())
-                going |= self._round_blobs[old] - own
-                self._round_blobs[old] = set(own)
-        if going:
-            kept = set().union(*self._round_blobs.values()) if self._round_blobs else set()
-            self.bulk.drop(going - kept)
+        if (going := self.book.blobs_going(r, p)) is not None:
+            self.bulk.drop(going)
 
     async def _wait_asking(self, key: tuple[int, int], pending: Pending, wait: rounds.RoundWait, have, coming,
                            covered=lambda: False) -> None:

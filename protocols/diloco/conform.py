@@ -62,7 +62,7 @@ class ConformMixin:
             up to deadline_high."""
             return self._gone(pending, coordinator)
 
-        if not await self._wait_serving(lambda: coordinator in pending.parts or gone(), span, self._round_blobs[key]) \
+        if not await self._wait_serving(lambda: coordinator in pending.parts or gone(), span, self.book.blobs[key]) \
                 and not gone():
             # a round with a member this round measured slow: the coordinator's own pulls may run to their cap
             # (deadline_high from the step's start) and its list come after that; we wait for it up to there.
@@ -73,7 +73,7 @@ class ConformMixin:
             me = self._ctx.identity.peer_id
             typical = self._transfer_rate()
             slow = any(exchange.slow_source(pending.meter.so_far(a), typical) for a in members if a != me)
-            moving = self._moving.get(key)
+            moving = self.book.moving.get(key)
             if slow and moving is not None:
                 self.counters["parts_wait_extended"] += 1
                 # and one more span at least: a list published by then may still be behind a slow coordinator's

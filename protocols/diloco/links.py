@@ -208,7 +208,7 @@ class LinksMixin:
         before, our announcement's if we sent one, else what we would cut an update into now. An announcement with
         another count (its author closed the last round with other members) is not counted in a scatter round, as
         one from other weights is not."""
-        pending = self.pending.get(key)
+        pending = self.book.pending.get(key)
         if pending is not None and pending.count is not None:
             return pending.count
         mine = pending.announced.get(self._ctx.identity.peer_id) if pending is not None else None

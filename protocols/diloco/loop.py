@@ -16,12 +16,13 @@ from swarmd.protocols import buffers, codecs, exchange, outer, rounds
 from swarmd.protocols import task as tasks
 from swarmd.protocols.bulk import BulkService
 from swarmd.protocols.diloco.barrier import BarrierMixin
+from swarmd.protocols.diloco.book import RoundBook
 from swarmd.protocols.diloco.checkpoints import CheckpointsMixin
 from swarmd.protocols.diloco.close import CloseMixin
 from swarmd.protocols.diloco.config import DilocoConfig
 from swarmd.protocols.diloco.conform import ConformMixin
 from swarmd.protocols.diloco.links import LinksMixin
-from swarmd.protocols.diloco.pending import Pending, Received, Redo
+from swarmd.protocols.diloco.pending import Redo
 from swarmd.protocols.diloco.pulls import PullsMixin
 from swarmd.protocols.diloco.redo import RedoMixin
 from swarmd.protocols.diloco.scatter import ScatterMixin
@@ -64,9 +65,8 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
                                                           and config.codec in FEEDBACK_CODECS)
         self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
         self._residual_norms: dict[int, float] = {}
-        self.pending: dict[tuple[int, int], Pending] = collections.defaultdict(Pending)
+        self.book = RoundBook()  # what we keep of each (round, fragment), and for how long
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
-        self.round_hashes: dict[tuple[int, int], dict[str, str]] = collections.defaultdict(dict)
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
         # fragment (None: all of them) -> (_global_version, the hash of its global weights)
         self._hashes: dict[int | None, tuple[int, str]] = {}
@@ -81,10 +81,8 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         self.step = 0
         self.compute_seconds = 0.0
         self.blocked_seconds = 0.0  # waiting for a round to close, not computing
-        self.joins: dict[tuple[int, int], set[str]] = collections.defaultdict(set)
         self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
         self._initial: set[str] = set()  # who we started with (round 0 waits for them)
-        self._contributed: dict[tuple[int, int], set[str]] = {}  # (round, fragment) -> who we combined
         self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self._included = 0  # rounds in a row in which the majority's weights contained our update
         self._counted_before_resync = False
@@ -109,10 +107,6 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         self._event = asyncio.Event()
         self.final_hash: str | None = None
         self.rounds_done: list[int] = []
-        self._published: dict[tuple[int, int], str] = {}
-        self._checked: set[tuple[int, int]] = set()  # our published rounds compared with the others' hashes
-        self._signed_closed: dict[tuple[int, int], dict[str, dict]] = {}  # the last rounds' signed announcements
-        self._moving: dict[tuple[int, int], Received] = {}  # scatter step -> what came in it so far
         self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
         self._heard: dict[str, float] = {}  # counted peer -> when a message of theirs last came (monotonic)
         self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
@@ -122,7 +116,6 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         # reduced any, its span and the slowest member's measured rate
         self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
         self._slow_link_said = False
-        self._ann_served: dict[tuple[int, int], set[str]] = {}  # who asked us for a round's announcements
         self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
         self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
         self._resync_from: list[str] = []
@@ -138,12 +131,6 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         # part reduced again); all-to-all: combine (the pulled updates combined)
         self._phase_times: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=32))
-        # (round, fragment) -> the blobs of its exchange we hold, served while the round may still need them: all of
-        # them until we close the next round (a peer's fallback pulls come up to a deadline after its close, from
-        # any member that holds a chunk or part), then only our own (our update's parts, our reductions: what a
-        # peer a round behind pulls from us to close that round) until the round after, then none
-        self._round_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
-        self._own_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)  # ours among them
         self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
@@ -373,7 +360,7 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
             latest = self._swarm_round(p)
             if latest >= r + 2:
                 self._next_catch_up = self.clock.monotonic() + self.deadline.value()
-                return self._trusted_claimers(dict(self.round_hashes.get((latest, p), {})))
+                return self._trusted_claimers(dict(self.book.hashes.get((latest, p), {})))
         return []
 
     async def _settle_final(self) -> None:
@@ -383,14 +370,14 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         round before; in the minority, take the majority's final weights from one of them."""
         p = self.cfg.fragments - 1
         r = self.rounds_done[p] - 1
-        ours = self._published.get((r, p))
+        ours = self.book.published.get((r, p))
         if ours is None or r < 0:
             return  # the run ended before we closed a round (or we joined at its very end): nothing to compare
         self.state = "settling the last round"
         me = self._ctx.identity.peer_id
 
         def theirs(round_: int) -> dict[str, str]:
-            return {a: h for a, h in self.round_hashes.get((round_, p), {}).items()
+            return {a: h for a, h in self.book.hashes.get((round_, p), {}).items()
                     if a != me and self.standing.vouched(a)}
 
         expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}

@@ -60,7 +60,7 @@ class PullsMixin:
         after each, up to deadline_high from now (or ``at`` where that is later)."""
         now = self.clock.monotonic()
         end = StepEnd(at, cap=max(at, now + self.cfg.deadline_high), grace=grace)
-        if (moving := self._moving.get(key)) is not None:
+        if (moving := self.book.moving.get(key)) is not None:
             moving.ends.append(end)
         return end
 
@@ -81,7 +81,7 @@ class PullsMixin:
         end = timeout if isinstance(timeout, StepEnd) else StepEnd(self.clock.monotonic() + max(0.05, timeout))
         sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
         body, failure = None, None
-        meter = pending.meter if (pending := self.pending.get(key)) is not None else None
+        meter = pending.meter if (pending := self.book.pending.get(key)) is not None else None
         for i, (source, where) in enumerate(sources):
             if end.at - self.clock.monotonic() <= 0:
                 break
@@ -103,9 +103,9 @@ class PullsMixin:
             break
         if body is None:
             raise failure or asyncio.TimeoutError()
-        self._round_blobs[key].add(blob)
+        self.book.blobs[key].add(blob)
         self.counters["bytes_received"] += size
-        if (moving := self._moving.get(key)) is not None:
+        if (moving := self.book.moving.get(key)) is not None:
             moving.bytes += size
             moving.last = self.clock.monotonic()
             for step_end in moving.ends:
@@ -142,16 +142,16 @@ class PullsMixin:
         except (BulkError, codecs.CodecError, asyncio.TimeoutError) as e:
             self.counters["pull_failed"] += 1
             logger.warning("diloco update from %s unusable: %s", peer, e)
-            if key in self.pending:  # not 'on its way' any more: its round stops waiting for it
-                self.pending[key].failed.add(peer)
+            if key in self.book.pending:  # not 'on its way' any more: its round stops waiting for it
+                self.book.pending[key].failed.add(peer)
                 if isinstance(e, codecs.CodecError):  # the bytes it announced, hash-checked: the sender's fault
-                    self.pending[key].refused[peer] = "undecodable"
+                    self.book.pending[key].refused[peer] = "undecodable"
                 self._event.set()
             return
         if into is not None:
             into[peer] = update
             return
-        pending = self.pending.get(key)
+        pending = self.book.pending.get(key)
         if pending is None:
             redo = self._redo.get(key[1])
             if redo is not None and redo.round == key[0] and peer in redo.pulling:  # on its way when we closed

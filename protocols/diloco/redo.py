@@ -84,7 +84,7 @@ class RedoMixin:
             outer.unflatten_into(outer.flatten(frag) + (fixed - self.global_flat[p]), frag)
         self.global_flat[p] = fixed
         self._global_version += 1
-        self._published.pop((redo.round, p), None)
+        self.book.published.pop((redo.round, p), None)
         self.counters["redone"] += 1
         logger.warning("diloco: the others closed round %d/%d without %s; redone so, no checkpoint needed",
                        redo.round, p, sorted(redo.members - members))
@@ -96,14 +96,14 @@ class RedoMixin:
         without them, faster than they do), the newest of our rounds not yet compared that they published a hash
         for. Without that, a peer that ran ahead alone was never compared with anyone and ended the run on its own
         weights (the simulator: one peer's uplink down to 50 kB/s mid-run, another peer ahead from then on)."""
-        for rr in sorted((k[0] for k in self._published if k[1] == p and k[0] < r), reverse=True):
-            if (rr, p) in self._checked:
+        for rr in sorted((k[0] for k in self.book.published if k[1] == p and k[0] < r), reverse=True):
+            if (rr, p) in self.book.checked:
                 return
-            verdict = rounds.hash_verdict(self._published[(rr, p)], self.round_hashes.get((rr, p), {}),
+            verdict = rounds.hash_verdict(self.book.published[(rr, p)], self.book.hashes.get((rr, p), {}),
                                           self.standing.vouched, me=self._ctx.identity.peer_id,
                                           salt=f"{self.cfg.run}/{rr}/{p}")
             if verdict is not None:
-                self._checked.add((rr, p))
+                self.book.checked.add((rr, p))
                 if rr < r - 1:
                     self.counters["checked_behind_us"] += 1
                 self._judge_previous(p, r, rr, verdict)
@@ -111,7 +111,7 @@ class RedoMixin:
 
     def _judge_previous(self, p: int, r: int, rr: int, verdict: rounds.HashVerdict) -> None:
         """Our hash for round rr (before r, the round we close) against the others': in the minority, resync."""
-        if verdict.agrees and self._ctx.identity.peer_id in self._contributed.pop((rr, p), ()):
+        if verdict.agrees and self._ctx.identity.peer_id in self.book.contributed.pop((rr, p), ()):
             self._included += 1  # the others combined our update too: our word counts there
         if not verdict.agrees:
             # do the others still count us? yes if we started the run with them (unless a rejoin just failed to

@@ -166,8 +166,8 @@ class ScatterMixin:
                 payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
                 drop(chunks)
             computed[k] = (self.bulk.keep_prepared(blob_hash, payload), decoded, len(payload), whose)
-            self._round_blobs[key].add(computed[k][0])
-            self._own_blobs[key].add(computed[k][0])
+            self.book.blobs[key].add(computed[k][0])
+            self.book.own_blobs[key].add(computed[k][0])
             return True
 
         def own(k: int) -> None:

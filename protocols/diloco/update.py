@@ -44,8 +44,8 @@ class UpdateMixin:
         payloads, hashes, mine, norm, base = prepared
         for blob_hash, payload in zip(hashes, payloads):
             self.bulk.keep_prepared(blob_hash, payload)  # served to whoever the round makes pull them
-        self._round_blobs[(r, p)].update(hashes)
-        self._own_blobs[(r, p)].update(hashes)
+        self.book.blobs[(r, p)].update(hashes)
+        self.book.own_blobs[(r, p)].update(hashes)
         rates = self._rate_reports(p)
         ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs), rates)
         body = {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
@@ -53,7 +53,7 @@ class UpdateMixin:
         if rates:
             body["bw"] = [list(x) for x in rates]
         mid = self._publish(UPDATE, body)
-        pending = self.pending[(r, p)]
+        pending = self.book.pending[(r, p)]
         if (signed := self.gossip.cache.get(mid)) is not None:  # for a peer our member view names, if it asks
             pending.signed[self._ctx.identity.peer_id] = signed.wire()
         pending.sent_at = self.clock.monotonic()

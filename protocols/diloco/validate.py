@@ -64,14 +64,14 @@ class ValidateMixin:
         done = self.rounds_done[p] if self.rounds_done else 0
         if kind is JOIN:
             horizon = done + 2 + FRESH_EVERY
-            joins = self.joins[(r, p)] if done <= r <= horizon else set()
+            joins = self.book.joins[(r, p)] if done <= r <= horizon else set()
             if done <= r <= horizon and (len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author)):
                 joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_round)
             else:
                 self.counters["joins_ignored"] += 1
             return Verdict.ACCEPT
         if kind is ROUND_HASH:
-            hashes = self.round_hashes[(r, p)]
+            hashes = self.book.hashes[(r, p)]
             if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
                 hashes[author] = body["h"]
             # (r = cfg.rounds says "the run ended here"; cfg.rounds 0 is a run without end)
@@ -97,12 +97,12 @@ class ValidateMixin:
             if r > max(done, self._swarm_round(p) + 1) + 2:  # (a joiner's done may be rounds old)
                 self.counters["early_updates"] += 1
                 return Verdict.IGNORE  # rounds we are nowhere near: not held, not pulled
-            pending = self.pending[(r, p)]
+            pending = self.book.pending[(r, p)]
             if message.author in pending.announced:
                 return Verdict.IGNORE
             if not self.standing.counts(author) and self.state == "running":
                 # a newcomer: taken only if it can hold a slot this round
-                candidates = self.participants.get(p, self._initial) | self.joins.get((r, p), set())
+                candidates = self.participants.get(p, self._initial) | self.book.joins.get((r, p), set())
                 if author not in candidates or \
                         sum(not self.standing.counts(a) for a in pending.announced) >= MAX_NEWCOMER_PULLS:
                     self.counters["newcomer_updates_not_pulled"] += 1
@@ -128,7 +128,7 @@ class ValidateMixin:
             if not self.standing.counts(author):
                 self.counters["views_ignored"] += 1  # only a counted peer coordinates a round
                 return Verdict.IGNORE
-            pending = self.pending[(r, p)]
+            pending = self.book.pending[(r, p)]
             if author not in pending.views and len(pending.views) >= MAX_PEER_ENTRIES:
                 return Verdict.IGNORE
             verdict = self._once(pending.views, author, frozenset(body["m"]), "views_conflicting", "member views")
@@ -140,7 +140,7 @@ class ValidateMixin:
             # when a message for the next round comes): counted peers' only, the others' capped
             if len(body["c"]) != len(body["h"]):
                 return Verdict.REJECT  # a malformed list, signed by its author: counts against it
-            pending = self.pending[(r, p)]
+            pending = self.book.pending[(r, p)]
             if not self.standing.counts(author) or (
                     author not in self.participants.get(p, self._initial) and len(pending.parts) >= MAX_PARTS_LISTS):
                 self.counters["parts_ignored"] += 1
@@ -149,7 +149,7 @@ class ValidateMixin:
                               "parts_conflicting", "part lists")
         if kind is REDUCED or kind is AUDIT:
             k = body["red"] if kind is REDUCED else body["aud"]
-            pending = self.pending[(r, p)]
+            pending = self.book.pending[(r, p)]
             if kind is REDUCED:
                 # the round's count once it closed; before, any count "auto" may give it (ours may not be the
                 # round's: an honest reducer's part must not be refused, and its author penalised, for that)
