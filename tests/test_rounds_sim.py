@@ -350,7 +350,7 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
             killed_at = asyncio.get_running_loop().time()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 3 for p in survivors), 300, "round 2 closed")
             closed_after = asyncio.get_running_loop().time() - killed_at
-            spans = [sim.loop(p)._assignment["span_seconds"] for p in survivors]
+            spans = [sim.loop(p).links.assignment["span_seconds"] for p in survivors]
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in survivors), 300, "survivors done")
             return closed_after, spans, [sim.loop(p) for p in survivors]
 
@@ -757,7 +757,7 @@ def test_the_link_probe_measures_the_links_rate_not_their_latency(tmp_path):
             slow = first_uplink_falls(50e3)(sim, sim.cfg)  # (before the probe: it waits for every founder)
             await sim.until(lambda: all(sim.loop(p).counters["links_probed"] >= 3 for p in sim.peers), 300,
                             "every founder to probe the others")
-            return slow, {p: dict(sim.loop(p)._source_rates) for p in sim.peers}
+            return slow, {p: dict(sim.loop(p).links.source_rates) for p in sim.peers}
 
     slow, rates = run_virtual(main())
     for peer, measured in rates.items():
@@ -960,7 +960,7 @@ def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
     assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
     assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
         [lp.history for lp in loops.values()]
-    assert any(lp._chain_weights.get(0, {}).get(slow, 16) < 16 for lp in loops.values())  # it was measured slow
+    assert any(lp.links.chain_weights.get(0, {}).get(slow, 16) < 16 for lp in loops.values())  # it was measured slow
 
 
 @pytest.mark.timeout(180)

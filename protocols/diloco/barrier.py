@@ -47,17 +47,18 @@ class BarrierMixin:
                 continue
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
-            rounds.count_listed(self.ready, self._ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
-            ready = {p for p, h in self.ready.items() if h == base and self._ctx.direct(p)} | {me}
+            start = self.start_state
+            rounds.count_listed(start.ready, start.ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
+            ready = {p for p, h in self.start_state.ready.items() if h == base and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
-                self._initial = ready
+                self.start_state.initial = ready
                 if isinstance(self.inner_opt, SwarmAdamW):
                     self.inner_opt.set_peers(len(ready))
                 self.standing.found(ready)
-                self._founder = len(ready) > 1
-                self.ready.clear()
-                self._ready_unlisted.clear()
+                self.start_state.founder = len(ready) > 1
+                self.start_state.ready.clear()
+                self.start_state.ready_unlisted.clear()
                 self.state = "running"
                 return
             await asyncio.sleep(0.1)
@@ -71,19 +72,19 @@ class BarrierMixin:
         of times (rounds.StartWeights): hashes a flood of fresh keys announce cost a start a few asks at most."""
         if any(self.rounds_done) or self.step:
             return None
-        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
+        direct = {a: h for a, h in self.start_state.ready.items() if self._ctx.direct(a)}
         others = sum(h != base for h in direct.values())
         if others:  # in /status: ready peers that hold other initial weights than ours (the most seen at once)
             self.counters["initial_other_weights_peers"] = max(others, self.counters["initial_other_weights_peers"])
-        return self._start_weights.choice(base, direct)
+        return self.start_state.weights.choice(base, direct)
 
     async def _take_initial(self, target: str) -> bool:
         """Take a holder's initial weights of hash ``target`` if each of their parameters is within rounding of
         ours (INITIAL_TOLERANCE of its largest magnitude): so a peer can move our start by rounding at most, never
         to weights of its choosing. A holder that serves none, or other ones, is not asked again."""
-        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
-        for peer in exchange.fastest_first(self._start_weights.holders(target, direct), self._source_rates):
-            if not self._start_weights.ask(peer, target):  # asked once, whatever comes of it; a bounded number
+        direct = {a: h for a, h in self.start_state.ready.items() if self._ctx.direct(a)}
+        for peer in exchange.fastest_first(self.start_state.weights.holders(target, direct), self.links.source_rates):
+            if not self.start_state.weights.ask(peer, target):  # asked once, whatever comes of it; a bounded number
                 break
             try:
                 ckpt, global_flat, _ = await self._pull_checkpoint(peer)  # its momentum is not taken: ours is 0
@@ -106,7 +107,7 @@ class BarrierMixin:
                                "checkpoint", peer, apart, INITIAL_TOLERANCE)
                 continue
             self._adopt(global_flat, [torch.zeros_like(g) for g in global_flat], ckpt["rounds_done"], 0, {})
-            self._start_weights.taken(peer)
+            self.start_state.weights.taken(peer)
             self.counters["initial_weights_taken"] += 1
             self.initial_weights = {"source": peer, "hash": target, "apart": apart}
             logger.info("diloco: starting from %s's initial weights %s (%.3g of a parameter's scale from ours: "

@@ -294,7 +294,8 @@ class CheckpointsMixin:
         # it): asked first again (the fastest, or the first of the holders, none measured) one sent us round for
         # the whole run, each of our updates refused for its other base; two, taking turns, did too where only the
         # last was put last. No penalty: nothing shows they lied
-        for peer in sorted(exchange.fastest_first(peers, self._source_rates), key=lambda a: a in self._led_off):
+        for peer in sorted(exchange.fastest_first(peers, self.links.source_rates),
+                           key=lambda a: a in self.resyncs.led_off):
             try:
                 ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
                 done = ckpt["rounds_done"]
@@ -320,7 +321,7 @@ class CheckpointsMixin:
                 logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
                                peer, ckpt["step"], done, low, high, step)
             self._adopt(global_flat, momentum, done, step, ckpt["participants"])
-            self._checkpoint_from = peer
+            self.resyncs.checkpoint_from = peer
             # the peers that vouched for this state (they hold its hash), and those it was made with that say so
             # themselves (they published its hash for its round): the list is its server's word alone, and a key
             # credited from it counted as a founder of ours for good (a server that listed six fresh keys had their
@@ -331,7 +332,7 @@ class CheckpointsMixin:
             self.standing.found(set(peers) | (listed & holders))
             self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
             self.book.took_checkpoint(self.rounds_done)
-            self._initial = set()
+            self.start_state.initial = set()
             # follow the next round of each fragment, contribute from the one after (announced now)
             for p in range(self.cfg.fragments):
                 # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer

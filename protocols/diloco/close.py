@@ -37,7 +37,8 @@ class CloseMixin:
         # the peers whose word counts are waited for, and a few newcomers (peers that announced a join, or
         # contributed last round without standing yet; brand-new ones only in fresh rounds), picked the same way
         # everywhere: a fresh key can neither add itself to the set every round waits for nor stall many rounds
-        base = self.participants.get(p, self._initial) | self.book.joins.get(key, set())  # popped once closed
+        # (a round's joins are popped once it closes)
+        base = self.participants.get(p, self.start_state.initial) | self.book.joins.get(key, set())
         blocked_from = self.clock.monotonic()
         # a newcomer holding a slot gets half of deadline_low once every counting peer is in (then the deadline
         # only if its update is on its way). Half: a peer that did not see the join (gossip is not instant) goes
@@ -47,7 +48,7 @@ class CloseMixin:
         # receivers one after another), and so announce this round that much apart; with the deadline alone, a
         # round after a slow exchange closed with whoever was first, and the swarm split (the simulator: one
         # peer's uplink down to 50 kB/s mid-run, rounds of 1-2 members after it)
-        spread = min(self._close_times[-1], self.cfg.deadline_high) if self._close_times else 0.0
+        spread = min(self.timings.close[-1], self.cfg.deadline_high) if self.timings.close else 0.0
         wait = rounds.plan_wait(self.standing, base, f"{self.cfg.run}/{r}/{p}", fresh=fresh_round(r), now=blocked_from,
                                 deadline=self.deadline.value() + spread, grace=self.cfg.deadline_low / 2, me=me)
         expected, slots, waited = wait.expected, wait.slots, wait.waited
@@ -87,7 +88,7 @@ class CloseMixin:
         await self._wait_asking(key, pending, wait, have, coming, covered)
         # closing with our own update alone while the others are behind (a slow exchange, a checkpoint on its way)
         # would leave them nothing to follow: wait on for them, up to deadline_high (rounds.RoundWait.hold_alone)
-        if alive := wait.hold_alone(have(), self._heard, now=self.clock.monotonic(), began=blocked_from,
+        if alive := wait.hold_alone(have(), self.links.heard, now=self.clock.monotonic(), began=blocked_from,
                                     longest=self.cfg.deadline_high):
             self.counters["held_alone"] += 1
             logger.info("diloco round %d/%d: no one else's update yet while %d peer(s) we wait for are still in the "
@@ -129,12 +130,12 @@ class CloseMixin:
         members = {peer for peer in have() if peer in expected or peer in slots or (peer == me and contributing)}
         agreeing = self.clock.monotonic()
         if pending.sent_at is not None:
-            self._phase_times["wait"].append(agreeing - max(pending.sent_at, blocked_from))
+            self.timings.phases["wait"].append(agreeing - max(pending.sent_at, blocked_from))
         members = await self._agree(key, pending, members, base_now, mode)
         replayed = self._replays(p, pending, members)
         members -= set(replayed)
         started = self.clock.monotonic()
-        self._phase_times["agree"].append(started - agreeing)
+        self.timings.phases["agree"].append(started - agreeing)
         self._drop_redo(p)
         if mode == "scatter":
             self.book.moving[key] = Received(started, last=started)
@@ -146,7 +147,7 @@ class CloseMixin:
         else:
             updates = {a: pending.updates[a] for a in members}
             combined, rejected = await asyncio.to_thread(outer.combine, updates, self.global_flat[p].numel())
-            self._phase_times["combine"].append(self.clock.monotonic() - started)
+            self.timings.phases["combine"].append(self.clock.monotonic() - started)
             if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:
                 late = sorted((pending.arrivals[a], a) for a in members if a != me and a in pending.arrivals)
                 redo = self._redo[p] = Redo(r, frozenset(members), updates, self.global_flat[p], base_now,
@@ -159,18 +160,18 @@ class CloseMixin:
         rejected.update(replayed)
         rejected.update({a: why for a, why in pending.refused.items() if a not in rejected})
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
-            self._exchange_times.append(self.clock.monotonic() - pending.sent_at)
-        self._close_times.append(self.clock.monotonic() - started)  # every update announced -> combined update in hand
+            self.timings.exchange.append(self.clock.monotonic() - pending.sent_at)
+        self.timings.close.append(self.clock.monotonic() - started)  # every update announced -> combined update in hand
         self.exchange_view = {"mode": mode, "round": r, "fragment": p, "members": len(members),
                               "parts": self._round_parts(key),
-                              **(self._assignment if mode == "scatter" else {}),
-                              "close_seconds": round(self._close_times[-1], 3),
-                              "close_seconds_median": round(statistics.median(self._close_times), 3),
-                              "round_seconds_median": round(statistics.median(self._exchange_times), 3)
-                              if self._exchange_times else None,
+                              **(self.links.assignment if mode == "scatter" else {}),
+                              "close_seconds": round(self.timings.close[-1], 3),
+                              "close_seconds_median": round(statistics.median(self.timings.close), 3),
+                              "round_seconds_median": round(statistics.median(self.timings.exchange), 3)
+                              if self.timings.exchange else None,
                               "phase_seconds_median": {k: round(statistics.median(v), 3)
-                                                       for k, v in self._phase_times.items() if v}}
-        self.blocked_seconds += self.clock.monotonic() - blocked_from
+                                                       for k, v in self.timings.phases.items() if v}}
+        self.timings.blocked += self.clock.monotonic() - blocked_from
         for peer, reason in rejected.items():
             self.counters[f"rejected_{reason}"] += 1
             # "uncorrelated" is a statistical judgement (near convergence an honest update can be mostly its
@@ -224,7 +225,7 @@ class CloseMixin:
             self.participants[p] = set(members)
             # their weights by the rates their announcements report: the next round's chain of coordinators puts
             # the slow ones last (every peer that closed this round with these members computes the same)
-            self._chain_weights[p] = exchange.rate_weights(
+            self.links.chain_weights[p] = exchange.rate_weights(
                 members, {a: dict(pending.announced[a].rates) for a in members if a in pending.announced},
                 rounds.short_id)
         else:
@@ -233,7 +234,7 @@ class CloseMixin:
             # go on alone, waiting for no one, and the run would split into solo runs for good (found by the
             # simulator). Peers that are really gone stop counting after a few missed rounds (protocols.standing),
             # so this costs at most those rounds' deadlines
-            self.participants[p] = self.participants.get(p, self._initial) | members
+            self.participants[p] = self.participants.get(p, self.start_state.initial) | members
         if isinstance(self.inner_opt, SwarmAdamW) and participants:
             self.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
         self._check_previous(p, r)
@@ -256,9 +257,9 @@ class CloseMixin:
             # since, must wait for us then); a set at the receivers, so a repeat costs a small message a round
             self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
         self.counters["rounds"] += 1
-        if self._probe_blobs:  # the others probed us before their first update
-            self.bulk.drop(self._probe_blobs)
-            self._probe_blobs = []
+        if self.links.probe_blobs:  # the others probed us before their first update
+            self.bulk.drop(self.links.probe_blobs)
+            self.links.probe_blobs = []
 
     def _drop_round_blobs(self, p: int, r: int) -> None:
         if (going := self.book.blobs_going(r, p)) is not None:

@@ -270,7 +270,7 @@ class ConformMixin:
         for nothing, and the busiest peer took in 2.36 x S.)"""
         r, p = key
         me = self._ctx.identity.peer_id
-        likely = self.participants.get(p, self._initial) | {me}
+        likely = self.participants.get(p, self.start_state.initial) | {me}
         if peer == me or peer not in likely or len(likely) < 2:
             return
         pending.prefetchable.add(peer)

@@ -28,7 +28,7 @@ class LinksMixin:
         depends on that round's participants and on the encoded update's size, which the codec fixes)."""
         if self.cfg.exchange != "auto":
             return self.cfg.exchange
-        peers = len(self.participants.get(p, self._initial))
+        peers = len(self.participants.get(p, self.start_state.initial))
         return "scatter" if peers >= self.cfg.scatter_min_peers and self._update_bytes(p) >= \
             self.cfg.scatter_min_bytes else "all-to-all"
 
@@ -71,17 +71,17 @@ class LinksMixin:
 
     def _transfer_rate(self) -> float:
         """Bytes/s: ``min_bandwidth``, or the median rate our last scatter steps received at where that is lower."""
-        if not self._rates:
+        if not self.links.rates:
             return self.cfg.min_bandwidth
-        return min(self.cfg.min_bandwidth, statistics.median(self._rates))
+        return min(self.cfg.min_bandwidth, statistics.median(self.links.rates))
 
     def _fold_rates(self, meter: exchange.RateMeter) -> None:
         """A closed round's receive rates per source (kB/s) become the ones we report with our next updates."""
         rates = meter.rates()
-        if len(self._source_rates) + len(rates) > 4 * MAX_VIEW:
-            self._source_rates.clear()  # bounded: peers come and go; the next round measures again
+        if len(self.links.source_rates) + len(rates) > 4 * MAX_VIEW:
+            self.links.source_rates.clear()  # bounded: peers come and go; the next round measures again
         for peer, rate in rates.items():
-            self._source_rates[peer] = min(2**31, int(rate // 1000))
+            self.links.source_rates[peer] = min(2**31, int(rate // 1000))
 
     def _rates_now(self, pending: Pending, peers) -> dict[str, int]:
         """kB/s from each of ``peers`` as this round measured it so far (its pulls that ended), else as the last
@@ -91,8 +91,8 @@ class LinksMixin:
             rate = pending.meter.so_far(a)
             if rate is not None:
                 out[a] = int(rate // 1000)
-            elif a in self._source_rates:
-                out[a] = self._source_rates[a]
+            elif a in self.links.source_rates:
+                out[a] = self.links.source_rates[a]
         return out
 
     def _chunk_source(self, pending: Pending, owner: str, first: str | None) -> str:
@@ -104,8 +104,9 @@ class LinksMixin:
 
     def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
         """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
-        last = self.participants.get(p, self._initial)  # round 0: the founders, as the link probe measured them
-        known = sorted((rounds.short_id(a), self._source_rates[a]) for a in last if a in self._source_rates)
+        # round 0: the founders, as the link probe measured them
+        last = self.participants.get(p, self.start_state.initial)
+        known = sorted((rounds.short_id(a), self.links.source_rates[a]) for a in last if a in self.links.source_rates)
         return tuple(known[:exchange.MAX_RATE_REPORTS])
 
     async def _serve_probe(self) -> None:
@@ -121,7 +122,7 @@ class LinksMixin:
             return out
 
         for blob_hash, payload in await asyncio.to_thread(make):
-            self._probe_blobs.append(self.bulk.keep_prepared(blob_hash, payload))
+            self.links.probe_blobs.append(self.bulk.keep_prepared(blob_hash, payload))
 
     async def _probe_links(self, peers: list[str]) -> None:
         """The founders' rates before round 0 (``exchange.PROBE_SIZES``): from each peer we started with, the
@@ -158,11 +159,11 @@ class LinksMixin:
                     break
             rate = exchange.probe_rate(pulls)
             if rate is not None:
-                self._source_rates[peer] = min(2**31, int(rate // 1000))
+                self.links.source_rates[peer] = min(2**31, int(rate // 1000))
                 self.counters["links_probed"] += 1
 
         await asyncio.gather(*(one(peer) for peer in peers[:exchange.MAX_RATE_REPORTS]))
-        measured = sorted((self._source_rates[a], a) for a in peers if a in self._source_rates)
+        measured = sorted((self.links.source_rates[a], a) for a in peers if a in self.links.source_rates)
         if measured:
             logger.info("diloco: link probe: %d of %d peer(s) measured, %d to %d kB/s (slowest: %s)", len(measured),
                         len(peers), measured[0][0], measured[-1][0], measured[0][1][-8:])
@@ -179,10 +180,10 @@ class LinksMixin:
         step's start to the last of them (a peer that never sends adds no time)."""
         if moving.bytes < RATE_MIN_BYTES or moving.last <= moving.start:
             return
-        self._rates.append(moving.bytes / (moving.last - moving.start))
+        self.links.rates.append(moving.bytes / (moving.last - moving.start))
         rate = self._transfer_rate()
-        if rate < self.cfg.min_bandwidth / 2 and not self._slow_link_said:
-            self._slow_link_said = True  # once a run: the rate itself is in /status
+        if rate < self.cfg.min_bandwidth / 2 and not self.links.slow_link_said:
+            self.links.slow_link_said = True  # once a run: the rate itself is in /status
             logger.warning("diloco: transfers measured at %.0f kB/s, below min_bandwidth (%.0f kB/s): the exchange "
                            "now gets the measured time (loops.%s.min_bandwidth = your link's rate gives it from the "
                            "first round)", rate / 1e3, self.cfg.min_bandwidth / 1e3, self.name)
@@ -194,7 +195,8 @@ class LinksMixin:
         n = self.global_flat[p].numel()
         if self.cfg.parts != "auto":
             return exchange.part_count(n, self.cfg.parts)
-        return exchange.part_count(n, exchange.auto_parts(len(self.participants.get(p, self._initial)), self.cfg.audit))
+        last = self.participants.get(p, self.start_state.initial)
+        return exchange.part_count(n, exchange.auto_parts(len(last), self.cfg.audit))
 
     def _part_counts(self, p: int) -> set[int]:
         """The part counts an announcement for fragment p may have: ours, or with "auto" any that "auto" gives."""
@@ -227,9 +229,9 @@ class LinksMixin:
         # one encoding of zeros per codec, count and part length (the parts of a count differ by one value at most:
         # two short encodings, not the whole fragment's); a run whose reduced_codec is its codec pays it once
         key = (p, codec.name, count)
-        if key not in self._encoded_size:
+        if key not in self.links.encoded_size:
             bounds = self._bounds(p, count)
             size = {m: len(codec.encode(torch.zeros(m)).to_wire()) for m in {b - a for a, b in bounds}}
-            self._encoded_size[key] = [size[b - a] for a, b in bounds]
-        return self._encoded_size[key]
+            self.links.encoded_size[key] = [size[b - a] for a, b in bounds]
+        return self.links.encoded_size[key]
 

@@ -17,6 +17,7 @@ from swarmd.protocols import task as tasks
 from swarmd.protocols.bulk import BulkService
 from swarmd.protocols.diloco.barrier import BarrierMixin
 from swarmd.protocols.diloco.book import RoundBook
+from swarmd.protocols.diloco.state import Links, Resyncs, Start, Timings
 from swarmd.protocols.diloco.checkpoints import CheckpointsMixin
 from swarmd.protocols.diloco.close import CloseMixin
 from swarmd.protocols.diloco.config import DilocoConfig
@@ -34,14 +35,12 @@ from swarmd.protocols.diloco.wire import (
     FEEDBACK_CODECS,
     HISTORY,
     MAX_MESSAGE,
-    RATE_ROUNDS,
     REDUCING,
     ROUND_HASH,
     RULES,
 )
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.inner import SwarmAdamW, lr_scale, scale_lr
-from swarmd.protocols.standing import EARN
 from swarmd.protocols.steps import StepsEnded, UserSteps
 from swarmd.protocols.task import Task, TaskError
 from swarmd.protocols.taskloop import TaskLoop
@@ -66,6 +65,7 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
         self._residual_norms: dict[int, float] = {}
         self.book = RoundBook()  # what we keep of each (round, fragment), and for how long
+        self.links, self.resyncs, self.start_state, self.timings = Links(), Resyncs(), Start(), Timings()
         self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
         self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
         # fragment (None: all of them) -> (_global_version, the hash of its global weights)
@@ -79,58 +79,20 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
                                                initial=max(config.deadline_low, 10.0))
         self.state = "starting"
         self.step = 0
-        self.compute_seconds = 0.0
-        self.blocked_seconds = 0.0  # waiting for a round to close, not computing
         self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
-        self._initial: set[str] = set()  # who we started with (round 0 waits for them)
         self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
-        self._included = 0  # rounds in a row in which the majority's weights contained our update
-        self._counted_before_resync = False
         # fragment -> {peer whose word counts: the last round it says it closed}; the swarm's round is their median
         self._closed_by: dict[int, dict[str, int]] = collections.defaultdict(dict)
-        self._next_catch_up = 0.0  # when we may next take a checkpoint for having fallen behind
-        self._founder = False  # we started the run with the others: they count us from the start
-        self._rejoined_at = -EARN - 1  # the round of our last resync
-        self._checkpoint_from: str | None = None  # whose checkpoint we joined from last
-        # whose checkpoints we had joined from when our weights left the majority's (the latest MAX_PEER_ENTRIES):
-        # asked after the others
-        self._led_off: dict[str, None] = {}
         self.started = None
-        self.ready: dict[str, str] = {}
-        # "ready"s from authors our connection list does not show as direct yet (it lags our links: the daemon's
-        # listing is read every 2 s, and a peer stops announcing once it starts): counted once they are, the
-        # newest READY_UNLISTED kept (a fresh key that never connects only pushes out the oldest)
-        self._ready_unlisted: dict[str, str] = {}
-        self._start_weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()
         self.final_hash: str | None = None
         self.rounds_done: list[int] = []
-        self._rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
-        self._heard: dict[str, float] = {}  # counted peer -> when a message of theirs last came (monotonic)
-        self._source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
-        self._probe: asyncio.Task | None = None  # the founders' link probe, awaited before our first update
-        self._probe_blobs: list[bytes] = []  # the probe blobs we serve (until our first round closes)
-        self._assignment: dict[str, float | None] = {}  # the last scatter step: parts we reduced, members that
-        # reduced any, its span and the slowest member's measured rate
-        self._chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
-        self._slow_link_said = False
         self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
         self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
-        self._resync_from: list[str] = []
-        self._encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
-        self._sources: dict[str, asyncio.Semaphore] = {}
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
-        self._exchange_times: collections.deque[float] = collections.deque(maxlen=32)
-        self._close_times: collections.deque[float] = collections.deque(maxlen=32)
-        # where a round's exchange spends its time, per phase (``/status`` -> exchange.phase_seconds_median):
-        # wait (our update announced -> the close), agree (the member agreement), reduce (scatter: chunks in, our
-        # parts reduced, the others' taken and audited), conform (the wait for the coordinator's parts and any
-        # part reduced again); all-to-all: combine (the pulled updates combined)
-        self._phase_times: dict[str, collections.deque[float]] = collections.defaultdict(
-            lambda: collections.deque(maxlen=32))
         self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
@@ -148,7 +110,7 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
 
     async def close(self) -> None:
         self._stop_progress()
-        running = [t for t in (self._probe, *self._asks) if t is not None]
+        running = [t for t in (self.links.probe, *self._asks) if t is not None]
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
@@ -263,9 +225,9 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
             if not self.rounds_done[0]:
                 await self._serve_probe()
             await self._start_barrier()
-            others = sorted(self._initial - {self._ctx.identity.peer_id})
+            others = sorted(self.start_state.initial - {self._ctx.identity.peer_id})
             if others and not self.rounds_done[0]:
-                self._probe = asyncio.get_running_loop().create_task(self._probe_links(others))
+                self.links.probe = asyncio.get_running_loop().create_task(self._probe_links(others))
         self.started = self.clock.monotonic()
         h = self.cfg.inner_steps
         rounds = self._rounds()
@@ -277,16 +239,16 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
             if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
                 waiting[p] = (rounds_done[p], self.step)
         while self.step < total or waiting:
-            if not self._resync_from and (behind := self._fallen_behind()):
+            if not self.resyncs.resync_from and (behind := self._fallen_behind()):
                 self.counters["fell_behind"] += 1
                 logger.warning("diloco: the swarm closed round %d, two past ours (%d); taking a checkpoint",
                                max(map(self._swarm_round, range(len(self.rounds_done)))), min(self.rounds_done))
-                self._counted_before_resync = self._still_counted()
-                self._resync_from = behind
-            if self._resync_from:
-                peers, self._resync_from = self._resync_from, []
+                self.resyncs.counted_before_resync = self._still_counted()
+                self.resyncs.resync_from = behind
+            if self.resyncs.resync_from:
+                peers, self.resyncs.resync_from = self.resyncs.resync_from, []
                 self.counters["resyncs"] += 1
-                if not await self._join_from_checkpoint(peers, rejoin=self._counted_before_resync):
+                if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
                     self.state = "running"  # keep our weights; the next round's hashes tell again
                 rounds_done, waiting = self.rounds_done, {}
                 for p in range(self.cfg.fragments):
@@ -300,7 +262,7 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
                 else:
                     t0 = self.clock.monotonic()
                     await self._train_step()
-                    self.compute_seconds += self.clock.monotonic() - t0
+                    self.timings.compute += self.clock.monotonic() - t0
                 self.step += 1
             for p in range(self.cfg.fragments):
                 if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
@@ -354,12 +316,12 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         the updates of our round are gone from their stores by then (they keep a round's blobs one round), so we
         cannot close it with them; a checkpoint of theirs puts us in their round (a joiner whose checkpoint aged
         on its way, a peer that stalled). At most once per deadline."""
-        if self.clock.monotonic() < self._next_catch_up:
+        if self.clock.monotonic() < self.resyncs.next_catch_up:
             return []
         for p, r in enumerate(self.rounds_done):
             latest = self._swarm_round(p)
             if latest >= r + 2:
-                self._next_catch_up = self.clock.monotonic() + self.deadline.value()
+                self.resyncs.next_catch_up = self.clock.monotonic() + self.deadline.value()
                 return self._trusted_claimers(dict(self.book.hashes.get((latest, p), {})))
         return []
 
@@ -519,10 +481,10 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
             "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
             "history": list(self.history)[-64:],
             "losses": list(self.losses)[-40:],
-            "compute_fraction": round(1 - self.blocked_seconds / wall, 4) if wall else None,
+            "compute_fraction": round(1 - self.timings.blocked / wall, 4) if wall else None,
             "initial_weights": self.initial_weights,
             "deadline_s": round(self.deadline.value(), 2),
-            "transfer_rate_bps": round(self._transfer_rate()) if self._rates else None,
+            "transfer_rate_bps": round(self._transfer_rate()) if self.links.rates else None,
             "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
             # a round's large buffers kept for the next (protocols/buffers.py): bytes held, taken (reused: from
             # the pool), given back, refused (held elsewhere, or no room)

@@ -28,11 +28,11 @@ class PullsMixin:
 
     def _source(self, peer: str) -> asyncio.Semaphore:
         """At most two transfers from one peer at once (a peer serves four to one requester at most)."""
-        sem = self._sources.get(peer)
+        sem = self.links.sources.get(peer)
         if sem is None:
-            if len(self._sources) > 4096:
-                self._sources.clear()
-            sem = self._sources[peer] = asyncio.Semaphore(2)
+            if len(self.links.sources) > 4096:
+                self.links.sources.clear()
+            sem = self.links.sources[peer] = asyncio.Semaphore(2)
         return sem
 
     async def _by(self, end: StepEnd, awaitable):

@@ -29,9 +29,9 @@ class RedoMixin:
         the round's order otherwise): a slow coordinator's own pulls, and so its parts list, wait behind its
         uploads."""
         me = self._ctx.identity.peer_id
-        last = self.participants.get(p, self._initial)
+        last = self.participants.get(p, self.start_state.initial)
         chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
-        return exchange.slow_last(chain, self._chain_weights.get(p, {}))
+        return exchange.slow_last(chain, self.links.chain_weights.get(p, {}))
 
     async def _redo_last_close(self, p: int, r: int, pending: Pending, have: set[str]) -> None:
         """Before closing round r: if most counted peers' updates for it were computed from other weights than
@@ -112,28 +112,28 @@ class RedoMixin:
     def _judge_previous(self, p: int, r: int, rr: int, verdict: rounds.HashVerdict) -> None:
         """Our hash for round rr (before r, the round we close) against the others': in the minority, resync."""
         if verdict.agrees and self._ctx.identity.peer_id in self.book.contributed.pop((rr, p), ()):
-            self._included += 1  # the others combined our update too: our word counts there
+            self.resyncs.included += 1  # the others combined our update too: our word counts there
         if not verdict.agrees:
             # do the others still count us? yes if we started the run with them (unless a rejoin just failed to
             # take), or if the majority's weights contained our update in EARN rounds since
-            self._counted_before_resync = self._still_counted(r)
-            self._rejoined_at = r
-            self._included = 0
+            self.resyncs.counted_before_resync = self._still_counted(r)
+            self.resyncs.rejoined_at = r
+            self.resyncs.included = 0
             self.counters["diverged"] += 1
             logger.error("diloco: our global weights left the majority at round %d/%d; resyncing", rr, p)
-            self._resync_from = list(verdict.holders)
+            self.resyncs.resync_from = list(verdict.holders)
             self._left_majority()
 
     def _left_majority(self) -> None:
         """Our weights left the majority's: the peer whose checkpoint we joined from is asked after the others."""
-        if self._checkpoint_from is not None:
-            rounds.keep_latest(self._led_off, self._checkpoint_from, None, MAX_PEER_ENTRIES)
+        if self.resyncs.checkpoint_from is not None:
+            rounds.keep_latest(self.resyncs.led_off, self.resyncs.checkpoint_from, None, MAX_PEER_ENTRIES)
 
     def _still_counted(self, r: int | None = None) -> bool:
         """Do the others still count us when we resync at round r? Yes if we started the run with them (unless a
         rejoin just failed to take), or if the majority's weights contained our update in EARN rounds since."""
         r = min(self.rounds_done) if r is None else r
-        return (self._founder and r - self._rejoined_at > EARN) or self._included >= EARN
+        return (self.start_state.founder and r - self.resyncs.rejoined_at > EARN) or self.resyncs.included >= EARN
 
     def _replays(self, p: int, pending: Pending, members: set[str]) -> dict[str, str]:
         """Members whose update for this round is the very one they sent for an earlier round of the fragment (the

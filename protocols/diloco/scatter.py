@@ -178,7 +178,7 @@ class ScatterMixin:
         mine = [k for k in range(len(bounds)) if owners[k] == me]
         # what the round's steps wait: the span, and the slowest member's rate (kB/s, as the others measured it) it
         # took into account
-        self._assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners)),
+        self.links.assignment = {"parts_reducing": len(mine), "members_reducing": len(set(owners)),
                             "span_seconds": round(span, 3), "slowest_member_kBps": slowest}
         plan = exchange.audit_plan(self.cfg.run, r, p, ordered, len(bounds), self.cfg.audit, owners)  # -> auditor
         auditing = [k for k, auditor in plan.items() if auditor == me]
@@ -262,9 +262,9 @@ class ScatterMixin:
         started = self.clock.monotonic()
         await asyncio.gather(*(reduce_mine(k) for k in mine), *(take(k) for k in range(len(bounds)) if k not in mine))
         reduced = self.clock.monotonic()
-        self._phase_times["reduce"].append(reduced - started)
+        self.timings.phases["reduce"].append(reduced - started)
         await self._conform(key, pending, members, ordered, digest, parts, used, compute, computed, span)
-        self._phase_times["conform"].append(self.clock.monotonic() - reduced)
+        self.timings.phases["conform"].append(self.clock.monotonic() - reduced)
 
         def assemble() -> torch.Tensor:  # the parts not decoded in place, copied in: off the event loop
             for k, (a, b) in enumerate(bounds):

@@ -29,8 +29,8 @@ class UpdateMixin:
         event loop held gossip, the bulk service and the status endpoint."""
         if r < self.join_round.get(p, 0):
             return  # a late joiner follows this round without contributing
-        if self._probe is not None:  # our first update reports the probe's rates (at most PROBE_SECONDS in)
-            probe, self._probe = self._probe, None
+        if self.links.probe is not None:  # our first update reports the probe's rates (at most PROBE_SECONDS in)
+            probe, self.links.probe = self.links.probe, None
             await probe
         # in scatter no peer needs our whole update decoded: each chunk we reduce is decoded from its part when
         # it is reduced (a copy of the update less held all round)

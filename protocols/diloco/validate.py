@@ -53,12 +53,13 @@ class ValidateMixin:
         if self.standing.counts(author) and not (kind is ROUND_HASH and self.cfg.rounds and r >= self.cfg.rounds):
             # still in the run (a peer that ended it says so every 5 s: not one to wait for). Bounded: only peers
             # whose word counts
-            self._heard[author] = self.clock.monotonic()
+            self.links.heard[author] = self.clock.monotonic()
         if kind is READY:
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
             # one not listed as direct yet waits for our next look at the list (``rounds.count_listed``)
             if self.state != "running":
-                rounds.hear_ready(self.ready, self._ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                start = self.start_state
+                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
                                   MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
         done = self.rounds_done[p] if self.rounds_done else 0
@@ -102,7 +103,7 @@ class ValidateMixin:
                 return Verdict.IGNORE
             if not self.standing.counts(author) and self.state == "running":
                 # a newcomer: taken only if it can hold a slot this round
-                candidates = self.participants.get(p, self._initial) | self.book.joins.get((r, p), set())
+                candidates = self.participants.get(p, self.start_state.initial) | self.book.joins.get((r, p), set())
                 if author not in candidates or \
                         sum(not self.standing.counts(a) for a in pending.announced) >= MAX_NEWCOMER_PULLS:
                     self.counters["newcomer_updates_not_pulled"] += 1
@@ -142,7 +143,8 @@ class ValidateMixin:
                 return Verdict.REJECT  # a malformed list, signed by its author: counts against it
             pending = self.book.pending[(r, p)]
             if not self.standing.counts(author) or (
-                    author not in self.participants.get(p, self._initial) and len(pending.parts) >= MAX_PARTS_LISTS):
+                    author not in self.participants.get(p, self.start_state.initial)
+                    and len(pending.parts) >= MAX_PARTS_LISTS):
                 self.counters["parts_ignored"] += 1
                 return Verdict.IGNORE
             return self._once(pending.parts, author, (body["m"], tuple(body["c"]), tuple(body["h"])),
