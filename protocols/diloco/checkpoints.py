@@ -136,14 +136,17 @@ class CheckpointsMixin:
 
     def _checkpoint(self) -> bytes:
         none = codecs.get("none")
-        return msgpack.packb({
+        ckpt = {
             "global": [none.encode(g).to_wire() for g in self.global_flat],
             "momentum": [none.encode(b).to_wire() for b in self.outer_opt.buffers],
             "rounds_done": list(self.rounds_done),
             "step": self.step,
             "participants": {str(p): sorted(v) for p, v in self.participants.items()},
             "global_hash": self.global_hash(),
-        }, use_bin_type=True)
+        }
+        if self.faults:
+            ckpt = self.faults.altered("checkpoint", self, ckpt)
+        return msgpack.packb(ckpt, use_bin_type=True)
 
     async def _serve_checkpoint(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
@@ -154,6 +157,8 @@ class CheckpointsMixin:
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
         # it may ask us next for the announcements of the round it is about to follow (``_join_from_checkpoint``)
         rounds.keep_latest(self._ckpt_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
+        if self.faults:
+            await self.faults.enter("checkpoint-served", self, source=stream.peer_id)
 
     async def _serve_announcements(self, stream: Stream) -> None:
         """The update announcements of a round we hold (or closed lately), as their authors signed them, to a peer
@@ -182,6 +187,9 @@ class CheckpointsMixin:
             self.counters["announcements_refused"] += 1
         for author, signed in sorted(held.items()):
             if rounds.short_id(author) in wanted:
+                if self.faults:
+                    signed = self.faults.altered("announcement-served", self, signed, r=key[0], p=key[1],
+                                                 source=author)
                 await stream.send(ANN_REPLY.code, signed)
                 self.counters["announcements_served"] += 1
         await stream.send(ANN_END.code, None)
@@ -244,6 +252,8 @@ class CheckpointsMixin:
             raise ProtocolViolation(f"diloco-ckpt: {size} B announced, a checkpoint of our model is at most {budget} B")
         with self.work.track(f"checkpoint pull from {peer[-8:]}", total=size, unit="B") as work:
             body, _ = await self.bulk.pull(blob, progress=work.update)
+            if self.faults:
+                await self.faults.enter("checkpoint-pulled", self, source=peer)
         ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
         # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault). Before,
         # no round counters crashed our loop (an IndexError) and a momentum of another size wedged it at its
@@ -361,6 +371,8 @@ class CheckpointsMixin:
             self.state = "running"
             logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
                         ckpt["global_hash"])
+            if self.faults:
+                await self.faults.enter("joined", self, source=peer)
             return True
         self.counters["checkpoint_join_failed"] += 1
         logger.warning("diloco: none of %d peer(s) served a usable checkpoint", len(peers))

@@ -32,6 +32,8 @@ class ConformMixin:
         from exactly those chunks (pulled from anyone who holds them), so the result is checked, not trusted: a
         coordinator can choose only among the honest reductions of a majority's chunks. The wait is one span
         at most; without the coordinator's list we keep our parts."""
+        if self.faults:
+            await self.faults.enter("conform", self, r=key[0], p=key[1], info={"coordinator": pending.coordinator})
         r, p = key
         coordinator = pending.coordinator
         if coordinator is None:

@@ -29,6 +29,7 @@ from swarmd.protocols.diloco.redo import RedoMixin
 from swarmd.protocols.diloco.scatter import ScatterMixin
 from swarmd.protocols.diloco.update import UpdateMixin
 from swarmd.protocols.diloco.validate import ValidateMixin
+from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.diloco.wire import (
     ANN_SPEC,
     CKPT_SPEC,
@@ -99,6 +100,7 @@ class DilocoLoop(UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, Sca
         self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
         # the inner steps of a user's own training loop (swarmd.DiLoCo) in place of ours on the task's data
         self.user_steps: UserSteps | None = None
+        self.faults = FaultPlan()  # a test's faults by peer, round and phase (none in production)
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:

@@ -78,6 +78,8 @@ class PullsMixin:
         With ``out`` (a float32 view of ``elements`` values) the part is decoded into it, not into a new tensor;
         without ``decode``, the (hash-checked) bytes are returned as they came, to be decoded when used. A
         ``StepEnd`` as the timeout: its time, as arrivals move it."""
+        if self.faults:
+            await self.faults.enter("fetch", self, r=key[0], p=key[1], source=peer)
         end = timeout if isinstance(timeout, StepEnd) else StepEnd(self.clock.monotonic() + max(0.05, timeout))
         sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
         body, failure = None, None

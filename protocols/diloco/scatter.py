@@ -29,6 +29,8 @@ class ScatterMixin:
         us by the deadline, or that its auditor disputes, we reduce ourselves from the members' chunks. Then every
         peer takes the round's coordinator's parts (``_conform``): peers that reduced a late part themselves, from
         other chunks than its reducer (a chunk that did not come in time somewhere), end on the same weights."""
+        if self.faults:
+            await self.faults.enter("scatter", self, r=key[0], p=key[1])
         r, p = key
         me = self._ctx.identity.peer_id
         n = self.global_flat[p].numel()

@@ -155,8 +155,12 @@ class UpdateMixin:
             at += n
         if at != glob.numel():
             raise ValueError(f"{at} parameter values for a fragment of {glob.numel()}")
+        if self.faults:
+            out = self.faults.altered("update", self, out, r=self.rounds_done[p], p=p)
         return out
 
     def _publish(self, kind, body: dict) -> bytes:
+        if self.faults:
+            self.faults.note("publish", self, r=body.get("r"), p=body.get("p"), kind=kind)
         return self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
 
