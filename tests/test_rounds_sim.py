@@ -52,21 +52,11 @@ def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_pat
 def test_a_peer_killed_while_it_serves_a_checkpoint_costs_the_joiner_one_source_and_the_others_one_deadline(tmp_path):
     """kill -9 of the peer a late joiner pulls its checkpoint from, mid-transfer (1 MB at 2 MB/s): the joiner takes
     the next peer's and ends on the swarm's weights; the others wait for the dead peer one deadline, in one round."""
-    serving = None  # a future on the simulation's loop: the first peer that served a checkpoint
-
-    class DiesServing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _serve_checkpoint(self, stream):
-            await super()._serve_checkpoint(stream)
-            if not serving.done():
-                serving.set_result(self._ctx.identity.peer_id)
-
     async def main():
-        nonlocal serving
-        serving = asyncio.get_running_loop().create_future()
+        serving = asyncio.get_running_loop().create_future()  # the first peer that served a checkpoint
         sim = DilocoSim(SimConfig(peers=5, seed=7, bandwidth=2e6), ChurnConfig(rounds=8, dim=262144), tmp_path,
                         min_peers=4)
-        for peer in sim.peers:
-            sim.classes[peer] = DiesServing
+        sim.faults.signal("checkpoint-served", lambda e: serving.done() or serving.set_result(e.me))
         first, late = sim.peers[:4], sim.peers[4]
         async with sim:
             await sim.start_all(first)
@@ -106,16 +96,14 @@ def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
-    class Noise(_paced(diloco.DilocoLoop, 0.1)):
-        def _pseudo_gradient(self, p, local):
-            honest = super()._pseudo_gradient(p, local)
-            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(self.step))
-            return noise * (honest.norm() / noise.norm())  # of an honest size, pointing nowhere
+    def noise(event, honest):
+        noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(event.loop.step))
+        return noise * (honest.norm() / noise.norm())  # of an honest size, pointing nowhere
 
     async def main():
         sim = _sim(tmp_path, 5, exchange="scatter")  # each reducer screens the chunks of its part
         bad = sim.peers[4]
-        sim.classes[bad] = Noise
+        sim.faults.alter("update", noise, peer=bad)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -194,18 +182,14 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
     same updates. Before, the others dropped it from the next round's candidates while it counted itself in, so it
     combined a different set, left the majority and resynced (a 16-peer simulated run showed it: 5 peers refused
     at round 7, 5 resyncs at round 8)."""
-    class OnceNoisy(_paced(diloco.DilocoLoop, 0.1)):
-        def _pseudo_gradient(self, p, local):
-            honest = super()._pseudo_gradient(p, local)
-            if self.rounds_done[p] != 2:
-                return honest
-            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
-            return noise * (honest.norm() / noise.norm())
+    def noise(event, honest):
+        noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
+        return noise * (honest.norm() / noise.norm())
 
     async def main():
         sim = _sim(tmp_path, 5, rounds=6, exchange=exchange)
         noisy = sim.peers[4]
-        sim.classes[noisy] = OnceNoisy
+        sim.faults.alter("update", noise, peer=noisy, round=2)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -234,30 +218,6 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
     and again (the kill bench's restarts that never rejoined). A follower (not contributing yet) whose round the
     counted peers have closed does not train: it closes that round from their updates at once and is in step by
     the round it joins."""
-    class SlowStart(_paced(diloco.DilocoLoop, 0.1)):
-        async def _join_from_checkpoint(self, peers, rejoin=False):
-            ok = await super()._join_from_checkpoint(peers, rejoin)
-            if ok and not getattr(self, "_slowed", False):
-                self._slowed = True
-                await asyncio.sleep(2.5)  # rounds take about 1.1 s
-            return ok
-
-    class SlowCheckpoint(_paced(diloco.DilocoLoop, 0.1)):
-        """The checkpoint ages on its way: the others close about three rounds while it travels, so a join
-        counted from the checkpoint's round would name a round they have closed."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pull = self.bulk.pull
-
-            async def slow_pull(*a, **kw):
-                body = await pull(*a, **kw)
-                if not getattr(self, "_slowed", False):  # the first one (a second pull is as quick as the others)
-                    self._slowed = True
-                    await asyncio.sleep(3.5)
-                return body
-            self.bulk.pull = slow_pull
-
     async def main():
         sim = _sim(tmp_path, 5, rounds=16)
         victim = sim.peers[4]
@@ -265,7 +225,12 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
             await sim.start_all()
             await _kill_mid_round(sim, victim)
             await asyncio.sleep(1.0)
-            sim.classes[victim] = SlowStart if slow == "start" else SlowCheckpoint
+            if slow == "start":  # its first join done, it starts training 2.5 s later (rounds take about 1.1 s)
+                sim.faults.delay("joined", 2.5, peer=victim, times=1)
+            else:  # the checkpoint ages on its way: the others close about three rounds while it travels, so a
+                # join counted from the checkpoint's round would name a round they have closed (the first pull
+                # only: a second is as quick as the others)
+                sim.faults.delay("checkpoint-pulled", 3.5, peer=victim, times=1)
             await sim.start(victim, restart=True)
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
@@ -294,18 +259,11 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
 
     died = asyncio.Event()
 
-    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _scatter(self, key, pending, members):
-            if key[0] == 2:
-                await asyncio.sleep(0.3)  # its chunks are served meanwhile: the auditor of its part pulls them
-                died.set()
-                await asyncio.sleep(3600)  # killed here
-            return await super()._scatter(key, pending, members)
-
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=1.0)  # 4 parts: one each
         victim = sim.peers[3]
-        sim.classes[victim] = DiesWhileReducing
+        # round 2's exchange hangs 0.3 s in (its chunks served meanwhile: the auditor of its part pulls them)
+        sim.faults.hang("scatter", after=0.3, then=lambda e: died.set(), peer=victim, round=2)
         async with sim:
             await sim.start_all()
             await died.wait()
@@ -331,18 +289,11 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
 
     died = asyncio.Event()
 
-    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _scatter(self, key, pending, members):
-            if key[0] == 2:
-                await asyncio.sleep(0.3)  # its chunks are served meanwhile
-                died.set()
-                await asyncio.sleep(3600)  # killed here
-            return await super()._scatter(key, pending, members)
-
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
         victim, survivors = sim.peers[3], sim.peers[:3]
-        sim.classes[victim] = DiesWhileReducing
+        # round 2's exchange hangs 0.3 s in (its chunks served meanwhile)
+        sim.faults.hang("scatter", after=0.3, then=lambda e: died.set(), peer=victim, round=2)
         async with sim:
             await sim.start_all()
             await died.wait()
@@ -362,6 +313,18 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
     assert closed_after < min(spans) / 2, (closed_after, spans)
 
 
+def _misses_chunks(sim, peers: set[str], unheard: set[str]) -> None:
+    """In round 2, ``peers``' pulls of ``unheard``'s chunks time out until they have published their reduced parts
+    (a retry after that gets them)."""
+    sim.faults.watch("publish")
+
+    def before_publishing(event) -> bool:
+        return event.me in peers and event.source in unheard and not sim.faults.happened(
+            "publish", me=event.me, kind=diloco.REDUCED, r=2)
+
+    sim.faults.fail("fetch", asyncio.TimeoutError, round=2, when=before_publishing)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agree", [True, False])
 def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(tmp_path, agree):
@@ -371,33 +334,12 @@ def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(t
     weights and resynced (16 peers on two cores: most rounds split this way). Now every peer takes the round's
     coordinator's parts, each one reduced again from the chunks the coordinator names."""
     from swarmd.protocols.exchange import PART_MIN
-    from swarmd.protocols.gossip import Verdict
-    from swarmd.transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0, agree=agree)
         slow_reducer, blind, unheard = sim.peers[0], sim.peers[1], sim.peers[2]
-
-        class MissesAChunk(_paced(diloco.DilocoLoop, 0.1)):
-            published = False
-
-            async def _fetch_part(self, key, peer, *args, **kw):
-                if key[0] == 2 and peer == unheard and not self.published:
-                    raise asyncio.TimeoutError()  # (a retry after it published its parts gets it)
-                return await super()._fetch_part(key, peer, *args, **kw)
-
-            def _publish(self, kind, body):
-                self.published |= kind is diloco.REDUCED and body["r"] == 2
-                return super()._publish(kind, body)
-
-        class NeverGetsItsParts(_paced(diloco.DilocoLoop, 0.1)):
-            def _validate(self, message):
-                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
-                if kind is diloco.REDUCED and body["r"] == 2 and message.author == slow_reducer:
-                    return Verdict.IGNORE
-                return super()._validate(message)
-
-        sim.classes[slow_reducer], sim.classes[blind] = MissesAChunk, NeverGetsItsParts
+        _misses_chunks(sim, {slow_reducer}, {unheard})
+        sim.faults.drop("message", peer=blind, round=2, source=slow_reducer, kind=diloco.REDUCED)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -424,21 +366,7 @@ def test_a_coordinator_that_reduced_a_part_from_a_minoritys_chunks_reduces_it_ag
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=4, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
-        unheard = set(sim.peers[2:])
-
-        class MissesTwo(_paced(diloco.DilocoLoop, 0.1)):
-            published = False
-
-            async def _fetch_part(self, key, peer, *args, **kw):
-                if key[0] == 2 and peer in unheard and not self.published:
-                    raise asyncio.TimeoutError()  # (a retry after it published its parts gets it)
-                return await super()._fetch_part(key, peer, *args, **kw)
-
-            def _publish(self, kind, body):
-                self.published |= kind is diloco.REDUCED and body["r"] == 2
-                return super()._publish(kind, body)
-
-        sim.classes.update(dict.fromkeys(sim.peers, MissesTwo))
+        _misses_chunks(sim, set(sim.peers), set(sim.peers[2:]))
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
