@@ -15,7 +15,8 @@ DiLoCo's phases (``protocols/diloco/``): ``update`` (alter: our pseudo-gradient,
 ``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from ``source``), ``message`` (drops: a
 pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the checkpoint we serve, as a dict before it is
 packed), ``checkpoint-served`` (enter: after serving one), ``checkpoint-pulled`` (enter: after pulling one from
-``source``), ``joined`` (enter: we joined from a checkpoint), ``announcement-served`` (alter: a signed
+``source``), ``joined`` (enter: we joined from a checkpoint), ``ask-early`` (drops: a round's wait asks no peer for the
+announcements its view names), ``announcement-served`` (alter: a signed
 announcement we serve), ``publish`` (a note: we publish a message of ``kind``; ``watch`` it, then ``happened``).
 """
 

@@ -275,6 +275,9 @@ class CloseMixin:
         round after round (the simulator: a peer blind to another's announcements). Ends early once ``covered()``
         (the coordinator's view is here and we hold everything it names)."""
         r, p = key
+        if self.faults and self.faults.drops("ask-early", self, r=r, p=p):
+            await self._wait_round(wait, self._event, have, coming)
+            return
         after = min(FETCH_AFTER, self.cfg.deadline_low / 4)  # the wait may be no longer than deadline_low
         asked: set[str] = set()
         fetch: asyncio.Task | None = None
