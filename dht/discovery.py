@@ -28,8 +28,8 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from swarmd.dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok, open_envelope, owner_tag,
-                         seal)
+from swarmd.dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok,
+                                open_envelope, owner_tag, seal)
 from swarmd.transport.framing import unpack_record
 from swarmd.transport._compat import load_hivemind
 from swarmd.transport.base import Stream

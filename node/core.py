@@ -184,6 +184,8 @@ class Node:
         self.connected: dict[str, ConnectedPeer] = {}
         self._list_failures = 0
         self.peer_state: dict[str, PeerState] = {}
+        self._ctx: NodeContext | None = None  # the services' context, once the node runs
+        self._added: asyncio.Queue = asyncio.Queue()  # services started on the running node (add_service)
 
     def _replication_peers(self) -> list[str]:
         """Connected peers that are swarm members (discovered or in the CRDT member set) and judge authors by the
@@ -230,6 +232,7 @@ class Node:
                     punched=self.is_punched,
                     anchors=lambda: {b.peer_id for b in self.discovery.bootstrap},
                 )
+                self._ctx = ctx
                 for svc in self.services:
                     await svc.start(ctx)
                 await self.http.start()
@@ -253,7 +256,7 @@ class Node:
                             ("dashboard recorder", self.recorder.run),
                             ("replication", self.replicator.run),
                             *((svc.name, svc.run) for svc in self.services),
-                        ])
+                        ], self._added)
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
@@ -269,6 +272,19 @@ class Node:
             datadir.remove_stale_sockets(self.data_dir)  # closed: any socket a close did not remove
             self.replicator.close()
             self.reach.close()
+
+    async def add_service(self, svc: Service) -> None:
+        """Start a service (a training loop) on the running node: what a script does that attaches a run to a node
+        it started before (``swarmd.DiLoCo``). It shows in /status and /metrics like the others; HTTP routes of its
+        own are not served (the endpoint's routes are fixed once it listens)."""
+        if self._ctx is None:
+            raise RuntimeError("the node is not running: attach the service before it starts")
+        if svc.routes():
+            logger.warning("%s: its HTTP routes are not served (the loop was attached after the node started)",
+                           svc.name)
+        self.services.append(svc)
+        await svc.start(self._ctx)
+        self._added.put_nowait((svc.name, svc.run))
 
     def runtime_info(self) -> dict:
         return {
@@ -473,8 +489,9 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay:
         delay = min(delay * 2, max_delay)
 
 
-async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
+async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]], added: asyncio.Queue | None = None) -> None:
     """Run the node's background loops (each supervised) until they all end or this is cancelled; then end them all.
+    Loops put on ``added`` join them as they come (while ``added`` is given, this runs until cancelled).
 
     One cancellation is not always enough: on Python 3.11 ``asyncio.wait_for`` swallows a cancellation that lands
     just as the awaited future completes (fixed in 3.12), and a loop around it runs on, so a TaskGroup, which cancels
@@ -482,9 +499,21 @@ async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> N
     running is cancelled again every half second, up to SHUTDOWN_STEP_S; one still running then is named in a
     warning and abandoned."""
     tasks = {asyncio.create_task(supervise(name, run), name=f"loop: {name}"): name for name, run in loops}
+    arriving = None if added is None else asyncio.ensure_future(added.get())
     try:
-        await asyncio.wait(tasks)
+        while True:
+            running = [t for t in tasks if not t.done()]
+            if not running and arriving is None:
+                return
+            done, _ = await asyncio.wait([*running, *([arriving] if arriving else [])],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if arriving in done:
+                name, run = arriving.result()
+                tasks[asyncio.create_task(supervise(name, run), name=f"loop: {name}")] = name
+                arriving = asyncio.ensure_future(added.get())
     finally:
+        if arriving is not None:
+            arriving.cancel()
         await end_tasks(tasks)
 
 

@@ -37,7 +37,8 @@ from typing import Any, Callable
 
 import msgpack
 
-from swarmd.crdt import REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire
+from swarmd.crdt import (REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister,
+                         decode_wire)
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
 from swarmd.crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
