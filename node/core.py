@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from swarmd.crdt.admission import Admission
+from swarmd.crdt.admission import Admission, RecordTicket
 from swarmd.dht.discovery import Discovery, DiscoveryConfig
 from swarmd.node import __version__, allocator, datadir
 from swarmd.node.config import Config, parse_host_port
@@ -149,11 +149,11 @@ class Node:
             loops=self.loop_names,
             on_greeted=lambda peer_id: self.discovery.policy_ok(peer_id) and self.replicator.sync_soon(peer_id),
             policy=admission.policy(),
-            # the members key asks for the same price of an identity as the replicated state: a record with a
-            # ticket (or from the allowlist); our own ticket is the replicator's
-            admitted=lambda record: admission.admits(record.peer_id, "members",
-                                                     admission.payload(record.peer_id, record.ticket)) is None,
-            ticket=lambda: self.replicator.member_ticket(),
+            # the members key asks for the same price of an identity as the replicated state, paid again in each
+            # time window: a record with a ticket of this window or the last (or from the allowlist)
+            admitted=lambda record: admission.record_refusal(record.peer_id, record.ticket, time.time()) or True,
+            ticket=self._record_ticket,
+            window=lambda: admission.epoch(time.time()),
         )
         self.replicator = Replicator(
             identity,
@@ -168,6 +168,7 @@ class Node:
             compatible=self.discovery.policy_ok,
         )
         self.book = AddressBook(data_dir)
+        self.transport.set_standing(self.has_standing)
         self.reach = Reach(self.transport, identity.peer_id,
                            members=lambda: set(self.replicator.store.value("members")) | set(self.discovery.members),
                            connected=lambda: set(self.connected), book=self.book,
@@ -175,7 +176,7 @@ class Node:
                            window=d.split_window)
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
-                                 token=datadir.http_token(data_dir))
+                                 token=datadir.http_token(data_dir), allowed_hosts=config.http.allowed_hosts)
         self.recorder = Recorder(self)
         self.started_at: float | None = None
         self._started_mono: float | None = None
@@ -186,6 +187,8 @@ class Node:
         self.peer_state: dict[str, PeerState] = {}
         self._ctx: NodeContext | None = None  # the services' context, once the node runs
         self._added: asyncio.Queue = asyncio.Queue()  # services started on the running node (add_service)
+        self._record_tickets = RecordTicket(admission, identity.peer_id)
+        self._record_ticket_lock = asyncio.Lock()
 
     def _replication_peers(self) -> list[str]:
         """Connected peers that are swarm members (discovered or in the CRDT member set) and judge authors by the
@@ -193,6 +196,28 @@ class Node:
         crdt_members = set(self.replicator.store.value("members"))
         return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
                 and self.discovery.policy_ok(p)]
+
+    async def _record_ticket(self) -> int | None:
+        """Our record's ticket for the current time window, minted off the event loop as a window begins: the
+        record published with it is then renewed."""
+        async with self._record_ticket_lock:
+            started, minted = time.monotonic(), self._record_tickets.minted
+            nonce = await asyncio.to_thread(self._record_tickets.at, time.time())
+            if self._record_tickets.minted != minted:
+                logger.info("record ticket for time window %d minted in %.1f s", self._record_tickets.epoch,
+                            time.monotonic() - started)
+        return nonce
+
+    def has_standing(self, peer_id: str) -> bool:
+        """A peer the inbound stream budget keeps room for: a swarm member (its record or its members op came
+        with an admission ticket, or the allowlist names it) or one of our bootstrap peers. Called per inbound
+        stream: lookups only."""
+        if peer_id in self.discovery.members:
+            return True
+        adds, removed = self.replicator.store.states.get("members", {}).get(peer_id, ((), ()))
+        if set(adds) - set(removed):
+            return True
+        return any(b.peer_id == peer_id for b in self.discovery.bootstrap)
 
     def is_direct(self, peer_id: str) -> bool:
         conn = self.connected.get(peer_id)

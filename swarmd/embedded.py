@@ -81,6 +81,7 @@ class Node:
         self._ended = threading.Event()
         self._lock: datadir.DataDirLock | None = None
         self.error: BaseException | None = None
+        self._closed = False
 
     # ------------------------------------------------------------------ lifecycle
     @property
@@ -112,6 +113,10 @@ class Node:
         self._pending = []
         self._thread = threading.Thread(target=self._thread_main, name="swarmd-node", daemon=True)
         self._thread.start()
+        # a script that ends (or fails) without close(): the node still closes as under SIGTERM, its daemon and
+        # checkpoints with it. threading's exit hooks run before the worker threads' executors shut down (the
+        # close still hands work to them), atexit's after
+        threading._register_atexit(self._close_at_exit)
         if not self._ready.wait(timeout) and not self._ended.is_set():
             self.close()
             raise NodeError(f"the node did not start within {timeout:.0f} s")
@@ -122,6 +127,7 @@ class Node:
         """Stop the node and its training loops (each closes as under ``swarmd start``'s SIGTERM). Idempotent."""
         if self._thread is None:
             return
+        self._closed = True
         loop, main = self._loop, self._main
         if loop is not None and main is not None and not self._ended.is_set():
             loop.call_soon_threadsafe(main.cancel)
@@ -129,6 +135,10 @@ class Node:
         if self._thread.is_alive():
             logger.warning("the swarmd node's thread did not end within %.0f s; leaving it (a daemon thread)",
                            timeout)
+
+    def _close_at_exit(self) -> None:
+        if not self._closed:
+            self.close()
 
     def __enter__(self) -> Node:
         return self.start()

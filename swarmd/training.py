@@ -37,6 +37,9 @@ OWN_ARGUMENTS = {"run": "run", "inner_steps": "sync_every", "fragments": "fragme
 SCRIPT_OWNS = ("inner_optimizer", "inner_lr", "inner_betas", "weight_decay", "lr_schedule", "warmup_steps",
                "lr_final")
 LEAVE_TIMEOUT = 120.0  # seconds for the loop to finish its round and save a checkpoint when the script leaves
+# seconds a refusal (peers seen, none training what we train) must last before the script is told: the run's own
+# peers may still be on their way while a peer of another run is already here
+REFUSAL_GRACE = 10.0
 
 
 class SwarmError(RuntimeError):
@@ -159,6 +162,8 @@ class DiLoCo:
         self.loop.user_steps = self._steps
         self._hook = None
         self._entered = False
+        self._refused_since: float | None = None
+        self._started = False  # the loop let the script take its first step
 
     # ------------------------------------------------------------------ the run's life
     def __enter__(self) -> DiLoCo:
@@ -169,7 +174,9 @@ class DiLoCo:
         self.node.start()
         self._hook = self.optimizer.register_step_post_hook(lambda *_: self._after_step())
         try:
-            if not self._steps.wait_released(self._ended, timeout=self.start_timeout):
+            started = self._steps.wait_released(self._ended, timeout=self.start_timeout)
+            self._started = started or self.loop.state in ("done", "left")
+            if not started:
                 self._raise_ended()
         except TimeoutError:
             self._leave()
@@ -188,6 +195,8 @@ class DiLoCo:
             self._hook.remove()
             self._hook = None
         self._steps.stop()
+        if not self._started:
+            return  # it never took a step: nothing to finish or save (the loop stays in its start barrier)
         until = time.monotonic() + LEAVE_TIMEOUT
         while self.loop.state not in ("left", "done", "failed") and self.node.running and time.monotonic() < until:
             time.sleep(0.05)
@@ -204,7 +213,11 @@ class DiLoCo:
             return "the node stopped"
         if self.loop.error:
             return self.loop.error
-        if self.loop.refused:
+        if not self.loop.refused:
+            self._refused_since = None
+        elif self._refused_since is None:
+            self._refused_since = time.monotonic()
+        elif time.monotonic() - self._refused_since >= REFUSAL_GRACE:
             return self.loop.refused
         if self.loop.state in ("done", "left", "failed"):
             return self.loop.state

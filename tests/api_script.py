@@ -27,7 +27,7 @@ swarm.start()
 print(json.dumps({"addresses": swarm.addresses, "url": swarm.status_url}), flush=True)
 
 torch.manual_seed(0)  # every peer builds the same initial weights (or loads the same file)
-model = mine.TinyNet()
+model = mine.TinyNet(int(os.environ.get("TEST_WIDTH", "32")))
 opt = torch.optim.AdamW(model.parameters(), lr=configs.LR)
 batches = mine.batches(seed=abs(hash(swarm.peer_id)) % 1000)
 with swarmd.DiLoCo(swarm, run="api-test", model=model, inner_optimizer=opt, sync_every=configs.SYNC_EVERY,

@@ -31,9 +31,9 @@ OURS = True
 
 
 class TinyNet(torch.nn.Module):
-    def __init__(self):
+    def __init__(self, width=32):
         super().__init__()
-        self.body = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, width), torch.nn.ReLU(), torch.nn.Linear(width, 1))
 
     def forward(self, x):
         return self.body(x)
@@ -71,8 +71,8 @@ class Script:
     """One run of the user's script: a process of its own, its stdout's JSON lines read as they come."""
 
     def __init__(self, folder: Path, data_dir: Path, args: list, bootstrap: list[str] = (),
-                 script: str = "train.py"):
-        env = {**os.environ, "SWARMD_TEST_CONFIG": str(LOCAL_CONFIG), "PYTHONUNBUFFERED": "1"}
+                 script: str = "train.py", env: dict | None = None):
+        env = {**os.environ, "SWARMD_TEST_CONFIG": str(LOCAL_CONFIG), "PYTHONUNBUFFERED": "1", **(env or {})}
         env.pop("PYTHONPATH", None)  # the script sees what a user's would: its own folder, and swarmd installed
         self.log = open(data_dir.parent / f"{data_dir.name}.log", "ab")
         self.proc = subprocess.Popen([sys.executable, script, str(data_dir), *map(str, args), *bootstrap],
@@ -159,6 +159,26 @@ def test_a_script_of_its_own_trains_across_4_processes_resumes_after_kill_9_and_
         untrained = user_node.evaluate(model)
         model.load_state_dict(load_file(str(out)))
         assert user_node.evaluate(model) == ends[0]["eval"] < 0.5 * untrained  # the swarm's weights, trained
+    finally:
+        for s in scripts:
+            s.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(240)
+def test_a_peer_with_another_model_is_told_in_one_line(tmp_path):
+    folder = user_folder(tmp_path)
+    scripts: list[Script] = []
+    try:
+        scripts.append(Script(folder, tmp_path / "d0", [4, 2]))
+        boot = [a for a in scripts[0].read(120)["addresses"] if "/tcp/" in a][:1]
+        scripts.append(Script(folder, tmp_path / "d1", [4, 2], boot, env={"TEST_WIDTH": "16"}))
+        scripts[1].read(120)
+        assert scripts[1].proc.wait(120) != 0
+        log = (tmp_path / "d1.log").read_text()
+        said = [line for line in log.splitlines() if line.startswith("swarmd.training.SwarmError: ")]
+        assert said and said[0].startswith("swarmd.training.SwarmError: swarmd.DiLoCo: run 'api-test' stopped: "), log
+        assert "model parameter layout" in said[0], said
     finally:
         for s in scripts:
             s.close()
