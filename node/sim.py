@@ -32,6 +32,7 @@ from swarmd.node.oplog import MemoryOpLog
 from swarmd.node.replication import Replicator
 from swarmd.node.services import NodeContext
 from swarmd.protocols.gossip import PUBSUB_SPEC, Gossip
+from swarmd.protocols.faults import FaultPlan
 from swarmd.transport.clock import Clock, current
 from swarmd.transport.errors import TransportError
 from swarmd.transport.identity import Identity
@@ -326,6 +327,8 @@ class LoopSim:
         self.dirs = {p: root / p[-12:] for p in self.peers}
         self.lives = {p: 0 for p in self.peers}
         self.classes: dict[str, type] = {}  # peer -> its loop class, where it is not the honest one
+        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo loop reads them)
+        self.faults = FaultPlan()
         self.nodes: dict[str, SimNode] = {}
         self.kills = self.restarts = 0
 
@@ -401,7 +404,9 @@ class DilocoSim(LoopSim):
         self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
 
     def _make_loop(self, cls, gossip, bulk):
-        return cls(gossip, bulk, self.dcfg, self.task)
+        loop = cls(gossip, bulk, self.dcfg, self.task)
+        loop.faults = self.faults
+        return loop
 
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values()]

@@ -52,21 +52,11 @@ def test_a_late_joiner_takes_a_checkpoint_and_ends_on_the_swarms_weights(tmp_pat
 def test_a_peer_killed_while_it_serves_a_checkpoint_costs_the_joiner_one_source_and_the_others_one_deadline(tmp_path):
     """kill -9 of the peer a late joiner pulls its checkpoint from, mid-transfer (1 MB at 2 MB/s): the joiner takes
     the next peer's and ends on the swarm's weights; the others wait for the dead peer one deadline, in one round."""
-    serving = None  # a future on the simulation's loop: the first peer that served a checkpoint
-
-    class DiesServing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _serve_checkpoint(self, stream):
-            await super()._serve_checkpoint(stream)
-            if not serving.done():
-                serving.set_result(self._ctx.identity.peer_id)
-
     async def main():
-        nonlocal serving
-        serving = asyncio.get_running_loop().create_future()
+        serving = asyncio.get_running_loop().create_future()  # the first peer that served a checkpoint
         sim = DilocoSim(SimConfig(peers=5, seed=7, bandwidth=2e6), ChurnConfig(rounds=8, dim=262144), tmp_path,
                         min_peers=4)
-        for peer in sim.peers:
-            sim.classes[peer] = DiesServing
+        sim.faults.signal("checkpoint-served", lambda e: serving.done() or serving.set_result(e.me))
         first, late = sim.peers[:4], sim.peers[4]
         async with sim:
             await sim.start_all(first)
@@ -106,16 +96,14 @@ def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
 
 @pytest.mark.timeout(120)
 def test_a_noise_peer_is_refused_and_penalised_by_every_honest_peer(tmp_path):
-    class Noise(_paced(diloco.DilocoLoop, 0.1)):
-        def _pseudo_gradient(self, p, local):
-            honest = super()._pseudo_gradient(p, local)
-            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(self.step))
-            return noise * (honest.norm() / noise.norm())  # of an honest size, pointing nowhere
+    def noise(event, honest):
+        noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(event.loop.step))
+        return noise * (honest.norm() / noise.norm())  # of an honest size, pointing nowhere
 
     async def main():
         sim = _sim(tmp_path, 5, exchange="scatter")  # each reducer screens the chunks of its part
         bad = sim.peers[4]
-        sim.classes[bad] = Noise
+        sim.faults.alter("update", noise, peer=bad)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -194,18 +182,14 @@ def test_a_peer_refused_for_one_noisy_round_takes_part_in_the_next_without_a_res
     same updates. Before, the others dropped it from the next round's candidates while it counted itself in, so it
     combined a different set, left the majority and resynced (a 16-peer simulated run showed it: 5 peers refused
     at round 7, 5 resyncs at round 8)."""
-    class OnceNoisy(_paced(diloco.DilocoLoop, 0.1)):
-        def _pseudo_gradient(self, p, local):
-            honest = super()._pseudo_gradient(p, local)
-            if self.rounds_done[p] != 2:
-                return honest
-            noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
-            return noise * (honest.norm() / noise.norm())
+    def noise(event, honest):
+        noise = torch.randn(honest.shape, generator=torch.Generator().manual_seed(2))
+        return noise * (honest.norm() / noise.norm())
 
     async def main():
         sim = _sim(tmp_path, 5, rounds=6, exchange=exchange)
         noisy = sim.peers[4]
-        sim.classes[noisy] = OnceNoisy
+        sim.faults.alter("update", noise, peer=noisy, round=2)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -234,30 +218,6 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
     and again (the kill bench's restarts that never rejoined). A follower (not contributing yet) whose round the
     counted peers have closed does not train: it closes that round from their updates at once and is in step by
     the round it joins."""
-    class SlowStart(_paced(diloco.DilocoLoop, 0.1)):
-        async def _join_from_checkpoint(self, peers, rejoin=False):
-            ok = await super()._join_from_checkpoint(peers, rejoin)
-            if ok and not getattr(self, "_slowed", False):
-                self._slowed = True
-                await asyncio.sleep(2.5)  # rounds take about 1.1 s
-            return ok
-
-    class SlowCheckpoint(_paced(diloco.DilocoLoop, 0.1)):
-        """The checkpoint ages on its way: the others close about three rounds while it travels, so a join
-        counted from the checkpoint's round would name a round they have closed."""
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            pull = self.bulk.pull
-
-            async def slow_pull(*a, **kw):
-                body = await pull(*a, **kw)
-                if not getattr(self, "_slowed", False):  # the first one (a second pull is as quick as the others)
-                    self._slowed = True
-                    await asyncio.sleep(3.5)
-                return body
-            self.bulk.pull = slow_pull
-
     async def main():
         sim = _sim(tmp_path, 5, rounds=16)
         victim = sim.peers[4]
@@ -265,7 +225,12 @@ def test_a_restarted_peer_that_starts_rounds_behind_catches_up_and_contributes_a
             await sim.start_all()
             await _kill_mid_round(sim, victim)
             await asyncio.sleep(1.0)
-            sim.classes[victim] = SlowStart if slow == "start" else SlowCheckpoint
+            if slow == "start":  # its first join done, it starts training 2.5 s later (rounds take about 1.1 s)
+                sim.faults.delay("joined", 2.5, peer=victim, times=1)
+            else:  # the checkpoint ages on its way: the others close about three rounds while it travels, so a
+                # join counted from the checkpoint's round would name a round they have closed (the first pull
+                # only: a second is as quick as the others)
+                sim.faults.delay("checkpoint-pulled", 3.5, peer=victim, times=1)
             await sim.start(victim, restart=True)
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
@@ -294,18 +259,11 @@ def test_a_reducer_killed_mid_round_splits_no_one_when_only_its_auditor_holds_it
 
     died = asyncio.Event()
 
-    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _scatter(self, key, pending, members):
-            if key[0] == 2:
-                await asyncio.sleep(0.3)  # its chunks are served meanwhile: the auditor of its part pulls them
-                died.set()
-                await asyncio.sleep(3600)  # killed here
-            return await super()._scatter(key, pending, members)
-
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=1.0)  # 4 parts: one each
         victim = sim.peers[3]
-        sim.classes[victim] = DiesWhileReducing
+        # round 2's exchange hangs 0.3 s in (its chunks served meanwhile: the auditor of its part pulls them)
+        sim.faults.hang("scatter", after=0.3, then=lambda e: died.set(), peer=victim, round=2)
         async with sim:
             await sim.start_all()
             await died.wait()
@@ -331,18 +289,11 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
 
     died = asyncio.Event()
 
-    class DiesWhileReducing(_paced(diloco.DilocoLoop, 0.1)):
-        async def _scatter(self, key, pending, members):
-            if key[0] == 2:
-                await asyncio.sleep(0.3)  # its chunks are served meanwhile
-                died.set()
-                await asyncio.sleep(3600)  # killed here
-            return await super()._scatter(key, pending, members)
-
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
         victim, survivors = sim.peers[3], sim.peers[:3]
-        sim.classes[victim] = DiesWhileReducing
+        # round 2's exchange hangs 0.3 s in (its chunks served meanwhile)
+        sim.faults.hang("scatter", after=0.3, then=lambda e: died.set(), peer=victim, round=2)
         async with sim:
             await sim.start_all()
             await died.wait()
@@ -350,7 +301,7 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
             killed_at = asyncio.get_running_loop().time()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 3 for p in survivors), 300, "round 2 closed")
             closed_after = asyncio.get_running_loop().time() - killed_at
-            spans = [sim.loop(p)._assignment["span_seconds"] for p in survivors]
+            spans = [sim.loop(p).links.assignment["span_seconds"] for p in survivors]
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in survivors), 300, "survivors done")
             return closed_after, spans, [sim.loop(p) for p in survivors]
 
@@ -362,6 +313,18 @@ def test_a_reducer_killed_while_reducing_costs_the_others_no_wait_for_its_parts(
     assert closed_after < min(spans) / 2, (closed_after, spans)
 
 
+def _misses_chunks(sim, peers: set[str], unheard: set[str]) -> None:
+    """In round 2, ``peers``' pulls of ``unheard``'s chunks time out until they have published their reduced parts
+    (a retry after that gets them)."""
+    sim.faults.watch("publish")
+
+    def before_publishing(event) -> bool:
+        return event.me in peers and event.source in unheard and not sim.faults.happened(
+            "publish", me=event.me, kind=diloco.REDUCED, r=2)
+
+    sim.faults.fail("fetch", asyncio.TimeoutError, round=2, when=before_publishing)
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("agree", [True, False])
 def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(tmp_path, agree):
@@ -371,33 +334,12 @@ def test_a_late_part_reduced_from_other_chunks_than_its_reducers_splits_no_one(t
     weights and resynced (16 peers on two cores: most rounds split this way). Now every peer takes the round's
     coordinator's parts, each one reduced again from the chunks the coordinator names."""
     from swarmd.protocols.exchange import PART_MIN
-    from swarmd.protocols.gossip import Verdict
-    from swarmd.transport.wire import WIRE
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, dim=4 * PART_MIN, exchange="scatter", audit=0.0, agree=agree)
         slow_reducer, blind, unheard = sim.peers[0], sim.peers[1], sim.peers[2]
-
-        class MissesAChunk(_paced(diloco.DilocoLoop, 0.1)):
-            published = False
-
-            async def _fetch_part(self, key, peer, *args, **kw):
-                if key[0] == 2 and peer == unheard and not self.published:
-                    raise asyncio.TimeoutError()  # (a retry after it published its parts gets it)
-                return await super()._fetch_part(key, peer, *args, **kw)
-
-            def _publish(self, kind, body):
-                self.published |= kind is diloco.REDUCED and body["r"] == 2
-                return super()._publish(kind, body)
-
-        class NeverGetsItsParts(_paced(diloco.DilocoLoop, 0.1)):
-            def _validate(self, message):
-                kind, body = WIRE.unpack(diloco.CARRIER, message.data)
-                if kind is diloco.REDUCED and body["r"] == 2 and message.author == slow_reducer:
-                    return Verdict.IGNORE
-                return super()._validate(message)
-
-        sim.classes[slow_reducer], sim.classes[blind] = MissesAChunk, NeverGetsItsParts
+        _misses_chunks(sim, {slow_reducer}, {unheard})
+        sim.faults.drop("message", peer=blind, round=2, source=slow_reducer, kind=diloco.REDUCED)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -424,21 +366,7 @@ def test_a_coordinator_that_reduced_a_part_from_a_minoritys_chunks_reduces_it_ag
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=4, dim=4 * PART_MIN, exchange="scatter", audit=0.0)
-        unheard = set(sim.peers[2:])
-
-        class MissesTwo(_paced(diloco.DilocoLoop, 0.1)):
-            published = False
-
-            async def _fetch_part(self, key, peer, *args, **kw):
-                if key[0] == 2 and peer in unheard and not self.published:
-                    raise asyncio.TimeoutError()  # (a retry after it published its parts gets it)
-                return await super()._fetch_part(key, peer, *args, **kw)
-
-            def _publish(self, kind, body):
-                self.published |= kind is diloco.REDUCED and body["r"] == 2
-                return super()._publish(kind, body)
-
-        sim.classes.update(dict.fromkeys(sim.peers, MissesTwo))
+        _misses_chunks(sim, set(sim.peers), set(sim.peers[2:]))
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -469,7 +397,7 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
             sim.net.set_link(far, LinkSpec(latency=latency, up=sim.cfg.bandwidth, down=sim.cfg.bandwidth))
             await sim.until(sim.finished, 300, "everyone to finish")
             return sim.loop(far).counters, sum(sim.loop(p).counters["resyncs"] for p in sim.peers), _finals(sim), \
-                len(sim.loop(far).history), max(len(sim.loop(p)._published) for p in sim.peers), \
+                len(sim.loop(far).history), max(len(sim.loop(p).book.published) for p in sim.peers), \
                 [h["participants"] for h in sim.loop(sim.peers[0]).history], \
                 [h["participants"] for h in sim.loop(far).history]
 
@@ -488,25 +416,18 @@ def test_a_far_peer_whose_update_the_others_close_without_ends_its_rounds_on_the
             (dict(counters), far_participants)
 
 
-def _blind_to(unheard: str):
-    """A loop whose gossip never delivers ``unheard``'s update announcements from round 2 on: the first copy of
+def _blind_to(sim, blind: str, unheard: str) -> None:
+    """``blind``'s gossip never delivers ``unheard``'s update announcements from round 2 on: the first copy of
     each is ignored (gossip marks it seen and never delivers it again); one fetched later is judged as any."""
-    from swarmd.protocols.gossip import Verdict
-    from swarmd.transport.wire import WIRE
+    lost: set[int] = set()
 
-    class Blind(_paced(diloco.DilocoLoop, 0.1)):
-        def __init__(self, *args, **kw):
-            super().__init__(*args, **kw)
-            self.lost: set[int] = set()
+    def first_copy(event) -> bool:
+        if event.r >= 2 and event.r not in lost:
+            lost.add(event.r)
+            return True
+        return False
 
-        def _validate(self, message):
-            kind, body = WIRE.unpack(diloco.CARRIER, message.data)
-            if kind is diloco.UPDATE and body["r"] >= 2 and message.author == unheard and body["r"] not in self.lost:
-                self.lost.add(body["r"])
-                return Verdict.IGNORE
-            return super()._validate(message)
-
-    return Blind
+    sim.faults.drop("message", peer=blind, source=unheard, kind=diloco.UPDATE, when=first_copy)
 
 
 @pytest.mark.timeout(120)
@@ -521,8 +442,7 @@ def test_a_view_naming_an_announcement_that_never_came_is_resolved_from_the_coor
     async def main():
         sim = _sim(tmp_path, 4, rounds=6, exchange=exchange, agree=True)
         blind, unheard = sim.peers[1], sim.peers[2]
-
-        sim.classes[blind] = _blind_to(unheard)
+        _blind_to(sim, blind, unheard)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -544,12 +464,9 @@ def _blind_run(tmp_path, asks: bool) -> list:
         sim = DilocoSim(SimConfig(peers=4, seed=3), ChurnConfig(rounds=6, dim=256), tmp_path, exchange="scatter",
                         agree=True)
         blind, unheard = sim.peers[0], sim.peers[1]
-
-        class Silent(_blind_to(unheard)):
-            async def _wait_asking(self, key, pending, wait, have, coming, covered=lambda: False):
-                await self._wait_round(wait, self._event, have, coming)
-
-        sim.classes[blind] = _blind_to(unheard) if asks else Silent
+        _blind_to(sim, blind, unheard)
+        if not asks:
+            sim.faults.drop("ask-early", peer=blind)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -597,28 +514,19 @@ def test_a_coordinator_can_withhold_an_announcement_but_never_forge_one(tmp_path
     author signed it (another norm): each is refused (its signature), the coordinator that served it is penalised,
     and the blind peer goes on without that update (and resyncs as before the fetch: a lie costs only what a lost
     message did)."""
-    import msgpack
-
     from swarmd.transport.wire import WIRE
+
+    def forged(event, signed: dict) -> dict:
+        fields = msgpack.unpackb(signed["b"])
+        kind, body = WIRE.unpack(diloco.CARRIER, fields[5])
+        fields[5] = WIRE.pack(kind, {**body, "norm": body["norm"] / 100})  # dodges clipping
+        return {"b": msgpack.packb(fields), "s": signed["s"]}
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=5, exchange="scatter", agree=True)
         blind, unheard = sim.peers[1], sim.peers[2]
-
-        class Forger(_paced(diloco.DilocoLoop, 0.1)):
-            async def _serve_announcements(self, stream):
-                message = await stream.read_required()
-                held = self._signed_announcements((message.body["r"], message.body["p"]))
-                for author, signed in held.items():
-                    if diloco.rounds.short_id(author) in message.body["ids"]:
-                        fields = msgpack.unpackb(signed["b"])
-                        kind, body = WIRE.unpack(diloco.CARRIER, fields[5])
-                        fields[5] = WIRE.pack(kind, {**body, "norm": body["norm"] / 100})  # dodges clipping
-                        await stream.send(diloco.ANN_REPLY.code, {"b": msgpack.packb(fields), "s": signed["s"]})
-                await stream.send(diloco.ANN_END.code, None)
-
-        for peer in sim.peers:
-            sim.classes[peer] = _blind_to(unheard) if peer == blind else Forger
+        _blind_to(sim, blind, unheard)
+        sim.faults.alter("announcement-served", forged, when=lambda e: e.me != blind)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -757,7 +665,7 @@ def test_the_link_probe_measures_the_links_rate_not_their_latency(tmp_path):
             slow = first_uplink_falls(50e3)(sim, sim.cfg)  # (before the probe: it waits for every founder)
             await sim.until(lambda: all(sim.loop(p).counters["links_probed"] >= 3 for p in sim.peers), 300,
                             "every founder to probe the others")
-            return slow, {p: dict(sim.loop(p)._source_rates) for p in sim.peers}
+            return slow, {p: dict(sim.loop(p).links.source_rates) for p in sim.peers}
 
     slow, rates = run_virtual(main())
     for peer, measured in rates.items():
@@ -833,23 +741,13 @@ def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_membe
     then, in a round with a member measured slow, up to deadline_high from their step's start (the coordinator's
     own pulls may run that long): round 3 closed 12.3 s after the kill. A coordinator that was connected to us
     when the step began and is gone publishes nothing more: they stop waiting when it leaves (0.7 s)."""
-    hung = None  # a future on the simulation's loop (made in main): the coordinator that hangs
-
-    class HangsAsCoordinator(_paced(diloco.DilocoLoop, 0.1)):
-        async def _conform(self, key, pending, members, ordered, digest, parts, used, compute, computed, span):
-            if key[0] == 3 and pending.coordinator == self._ctx.identity.peer_id and not hung.done():
-                hung.set_result(self._ctx.identity.peer_id)
-                await asyncio.sleep(3600)  # killed here
-            return await super()._conform(key, pending, members, ordered, digest, parts, used, compute, computed,
-                                          span)
-
     async def main():
-        nonlocal hung
-        hung = asyncio.get_running_loop().create_future()
+        hung = asyncio.get_running_loop().create_future()  # the coordinator that hangs
         cfg = SimConfig(peers=4, seed=3, bandwidth=2e6)
         sim = DilocoSim(cfg, ChurnConfig(rounds=6, dim=262144, exchange="scatter"), tmp_path)
-        for peer in sim.peers:
-            sim.classes[peer] = HangsAsCoordinator
+        # round 3's coordinator hangs as it is about to publish its parts list (killed there)
+        sim.faults.hang("conform", round=3, times=1, when=lambda e: e.info["coordinator"] == e.me,
+                        then=lambda e: hung.set_result(e.me))
         async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 300, "2 rounds")
@@ -960,7 +858,7 @@ def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
     assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
     assert all(h["participants"] == 4 for lp in loops.values() for h in lp.history), \
         [lp.history for lp in loops.values()]
-    assert any(lp._chain_weights.get(0, {}).get(slow, 16) < 16 for lp in loops.values())  # it was measured slow
+    assert any(lp.links.chain_weights.get(0, {}).get(slow, 16) < 16 for lp in loops.values())  # it was measured slow
 
 
 @pytest.mark.timeout(180)
@@ -1080,8 +978,9 @@ def test_a_simulation_takes_the_same_course_whatever_float_kernels_the_cpu_runs(
     assert best == plain
 
 
-def _late_join(tmp_path, serving_class, which=lambda founders: founders, rounds: int = 12, **settings) -> tuple:
-    """Four founders, those ``which`` picks of them of ``serving_class``, and a fifth peer that joins once they are
+def _late_join(tmp_path, lie, which=lambda founders: founders, rounds: int = 12, **settings) -> tuple:
+    """Four founders, those ``which`` picks of them serving checkpoints that ``lie`` alters (a FaultPlan alter of
+    the checkpoint's fields before they are packed), and a fifth peer that joins once they are
     past round 3 (its checkpoint from the first of the holders it lists: none is measured faster), run to the end:
     (the joiner's counters, the final hashes, its history, where it resumed from, the picked founders, each one's
     penalty score at the joiner, the bytes its bulk service pulled)."""
@@ -1089,8 +988,7 @@ def _late_join(tmp_path, serving_class, which=lambda founders: founders, rounds:
         sim = _sim(tmp_path, 5, rounds=rounds, min_peers=4, **settings)
         founders, late = sim.peers[:4], sim.peers[4]
         picked = which(founders)
-        for p in picked:
-            sim.classes[p] = serving_class
+        sim.faults.alter("checkpoint", lie, when=lambda e: e.me in picked)
         async with sim:
             await sim.start_all(founders)
             await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
@@ -1112,17 +1010,12 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
     outer step lands off the majority's weights, and it resyncs: from the other holders first, so the same
     checkpoint does not send it round again. Two such peers, the two smallest ids, cost it one resync each (where
     only the last one was put last, they took turns)."""
-    class OtherMomentum(_paced(diloco.DilocoLoop, 0.1)):
-        def _checkpoint(self):
-            honest = self.outer_opt.buffers
-            self.outer_opt.buffers = [b + 0.5 for b in honest]
-            try:
-                return super()._checkpoint()
-            finally:
-                self.outer_opt.buffers = honest
+    def other_momentum(event, ckpt: dict) -> dict:
+        none = codecs.get("none")
+        return {**ckpt, "momentum": [none.encode(b + 0.5).to_wire() for b in event.loop.outer_opt.buffers]}
 
     counters, finals, history, resumed, liars, _, _ = _late_join(
-        tmp_path, OtherMomentum, lambda founders: sorted(founders)[:servers], rounds=16,
+        tmp_path, other_momentum, lambda founders: sorted(founders)[:servers], rounds=16,
         outer_momentum=0.9)  # (the simulator's default: none)
     assert len(finals) == 1, counters
     # before, it took that checkpoint again at each resync (7 joins in these 16 rounds), its updates refused to the end
@@ -1140,14 +1033,9 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
     A listed peer is credited only where it says itself that it holds the checkpoint's weights."""
     sybil_ids: list[str] = []
 
-    class Lists(_paced(diloco.DilocoLoop, 0.1)):
-        def _checkpoint(self):
-            honest = self.participants
-            self.participants = {p: set(v) | set(sybil_ids) for p, v in honest.items()}
-            try:
-                return super()._checkpoint()
-            finally:
-                self.participants = honest
+    def lists(event, ckpt: dict) -> dict:
+        return {**ckpt, "participants": {str(p): sorted(set(v) | set(sybil_ids))
+                                         for p, v in event.loop.participants.items()}}
 
     joined = None  # set once the joiner has joined: the keys speak from then on (before, with no peer to trust
     # yet, a fresh joiner follows the majority of its directly connected peers, whoever they are)
@@ -1159,7 +1047,7 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
             fake = [g + 1.0 for g in self.global_flat]
             await joined.wait()
             while True:
-                latest = max((r for r, _ in self.round_hashes), default=0)
+                latest = max((r for r, _ in self.book.hashes), default=0)
                 self.global_flat, self.rounds_done = fake, [latest + 1]  # what its checkpoint serves
                 for r in range(max(0, latest - 1), latest + 3):
                     self._publish(diloco.ROUND_HASH, {"r": r, "p": 0, "h": self.global_hash()})
@@ -1171,7 +1059,8 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
         sim = _sim(tmp_path, 11, rounds=12, min_peers=4)
         founders, late, sybils = sim.peers[:4], sim.peers[4], sim.peers[5:]
         sybil_ids.extend(sybils)
-        sim.classes[min(founders)] = Lists  # the first of the holders the joiner lists (none is measured faster)
+        # the first of the holders the joiner lists (none is measured faster)
+        sim.faults.alter("checkpoint", lists, peer=min(founders))
         for p in sybils:
             sim.classes[p] = Sybil
         async with sim:
@@ -1201,16 +1090,10 @@ def test_a_checkpoint_whose_step_is_not_its_rounds_costs_the_joiner_nothing(tmp_
     at once, on other weights than the others, having never contributed. At zero it caught up already, skipping
     the steps of rounds the others had closed (``_behind_as_follower``). The step it takes now is within what its
     rounds allow (the rounds are checked: their hash)."""
-    class Step(_paced(diloco.DilocoLoop, 0.1)):
-        def _checkpoint(self):
-            honest = self.step
-            self.step = 2 ** 31 if step == "past the end" else 0
-            try:
-                return super()._checkpoint()
-            finally:
-                self.step = honest
+    def other_step(event, ckpt: dict) -> dict:
+        return {**ckpt, "step": 2 ** 31 if step == "past the end" else 0}
 
-    counters, finals, history, resumed, _, _, _ = _late_join(tmp_path, Step)
+    counters, finals, history, resumed, _, _, _ = _late_join(tmp_path, other_step)
     assert len(finals) == 1 and counters["joined_from_checkpoint"] == 1, counters
     assert history and history[-1]["participants"] == 5, (history, resumed)  # it contributes at the end
 
@@ -1223,24 +1106,22 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
     a momentum of NaN, participants of a fragment that is not a number (its weights are the run's, their hash
     checked). Each is refused as unusable (its server
     penalised) and the joiner takes the next peer's; none crashes its loop or poisons its next outer step."""
-    class Malformed(_paced(diloco.DilocoLoop, 0.1)):
-        def _checkpoint(self):
-            ckpt = msgpack.unpackb(super()._checkpoint())
-            none = codecs.get("none")
-            if fault == "no rounds":
-                ckpt["rounds_done"] = []
-            elif fault == "too large":  # weights of 5M values (20 MB) for a model of 256
-                ckpt["global"] = [none.encode(torch.zeros(5_000_000)).to_wire()]
-            elif fault == "participants of no fragment":
-                ckpt["participants"] = {"zz": ckpt["participants"]["0"]}
-            elif fault == "short momentum":
-                ckpt["momentum"] = [none.encode(b[:-1]).to_wire() for b in self.outer_opt.buffers]
-            else:
-                ckpt["momentum"] = [none.encode(torch.zeros_like(b)).to_wire()[:-4] + b"\x00\x00\xc0\x7f"
-                                    for b in self.outer_opt.buffers]  # its last value a NaN
-            return msgpack.packb(ckpt, use_bin_type=True)
+    def malformed(event, ckpt: dict) -> dict:
+        ckpt, none, buffers = dict(ckpt), codecs.get("none"), event.loop.outer_opt.buffers
+        if fault == "no rounds":
+            ckpt["rounds_done"] = []
+        elif fault == "too large":  # weights of 5M values (20 MB) for a model of 256
+            ckpt["global"] = [none.encode(torch.zeros(5_000_000)).to_wire()]
+        elif fault == "participants of no fragment":
+            ckpt["participants"] = {"zz": ckpt["participants"]["0"]}
+        elif fault == "short momentum":
+            ckpt["momentum"] = [none.encode(b[:-1]).to_wire() for b in buffers]
+        else:
+            ckpt["momentum"] = [none.encode(torch.zeros_like(b)).to_wire()[:-4] + b"\x00\x00\xc0\x7f"
+                                for b in buffers]  # its last value a NaN
+        return ckpt
 
-    counters, finals, history, resumed, (bad,), scores, pulled = _late_join(tmp_path, Malformed, lambda f: [min(f)],
+    counters, finals, history, resumed, (bad,), scores, pulled = _late_join(tmp_path, malformed, lambda f: [min(f)],
                                                                             outer_momentum=0.9)
     score = scores[bad]
     if fault == "too large":  # refused before it was pulled: the one pulled is the honest one's (a few kB)

@@ -30,7 +30,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 STATUS_MEANINGS = ROOT / "docs" / "reference" / "status-fields.toml"
 LOOP_MEANINGS = ROOT / "docs" / "reference" / "loop-fields.toml"
-LOOP_MODELS = (("diloco", "protocols/diloco.py", "DilocoConfig", "DiLoCo and Streaming DiLoCo", "../loops/diloco.md"),
+LOOP_MODELS = (("diloco", "protocols/diloco/config.py", "DilocoConfig", "DiLoCo and Streaming DiLoCo",
+                "../loops/diloco.md"),
                ("spsa", "protocols/spsa.py", "SpsaConfig", "SPSA", "../loops/spsa.md"),
                ("sapo", "protocols/sapo.py", "SapoConfig", "SAPO", "../loops/sapo.md"))
 
@@ -333,23 +334,30 @@ def status_fields() -> list[str]:
     raise LookupError("Node.status not found in node/core.py")
 
 
-LOOP_SOURCES = {"diloco": "protocols/diloco.py", "spsa": "protocols/spsa.py", "sapo": "protocols/sapo.py"}
+LOOP_SOURCES = {"diloco": "protocols/diloco", "spsa": "protocols/spsa.py", "sapo": "protocols/sapo.py"}
 
 
-def _returned_keys(path: Path, method: str) -> list[str]:
-    """The constant keys of the dict literal a method returns (the first class in the file that defines it)."""
-    tree = ast.parse(path.read_text())
-    for fn in ast.walk(tree):
-        if isinstance(fn, ast.FunctionDef) and fn.name == method:
-            ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
-            return [k.value for k in ret.value.keys if isinstance(k, ast.Constant)]
-    raise LookupError(f"{method} not found in {path}")
+def _loop_sources(loop: str) -> list[Path]:
+    """A loop's source files: its module, or every module of its package."""
+    path = ROOT / LOOP_SOURCES[loop]
+    return sorted(path.glob("*.py")) if path.is_dir() else [path]
+
+
+def _returned_keys(paths: Path | list[Path], method: str) -> list[str]:
+    """The constant keys of the dict literal a method returns (the first class in the files that defines it)."""
+    for path in [paths] if isinstance(paths, Path) else paths:
+        tree = ast.parse(path.read_text())
+        for fn in ast.walk(tree):
+            if isinstance(fn, ast.FunctionDef) and fn.name == method:
+                ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
+                return [k.value for k in ret.value.keys if isinstance(k, ast.Constant)]
+    raise LookupError(f"{method} not found in {paths}")
 
 
 def loop_status_fields(loop: str) -> list[str]:
     """``/status`` → ``services.<loop>``: the fields the loop's ``status()`` names, and those every loop adds
     (``TaskLoop._task_status``)."""
-    own = _returned_keys(ROOT / LOOP_SOURCES[loop], "status")
+    own = _returned_keys(_loop_sources(loop), "status")
     return own + [k for k in _returned_keys(ROOT / "protocols" / "taskloop.py", "_task_status") if k not in own]
 
 
@@ -357,7 +365,8 @@ def loop_counters(loop: str) -> list[str]:
     """The counters a loop's ``status()`` lists beside its fields (``self.counters["..."]`` in its module)."""
     import re
 
-    return sorted(set(re.findall(r'self\.counters\["(\w+)"\]', (ROOT / LOOP_SOURCES[loop]).read_text())))
+    text = "".join(p.read_text() for p in _loop_sources(loop))
+    return sorted(set(re.findall(r'self\.counters\["(\w+)"\]', text)))
 
 
 def status_meanings() -> dict[str, str]:

@@ -1,0 +1,101 @@
+"""A run's model and its fragments: the model built on our device, cut into fragments, each fragment's global
+(CPU, fp32) weights and the outer optimizer over them, the inner optimizer and our data; and the global weights'
+hashes, computed once per change of them."""
+
+from __future__ import annotations
+
+import torch
+from swarmd.node import allocator
+from swarmd.protocols import exchange, outer
+from swarmd.protocols import task as tasks
+from swarmd.protocols.diloco.wire import RULES
+from swarmd.protocols.inner import SwarmAdamW
+from swarmd.protocols.task import TaskError
+
+
+class FragmentsMixin:
+    """DilocoLoop's model and fragments (the loop composes them; they share its state)."""
+
+    def _build(self) -> None:
+        """The task's model on our device, its fragments, the global (CPU, fp32) copy, the optimizers, our data."""
+        self._setup_device()
+        model = tasks.build_model(self.task, self.cfg.seed)
+        named = tasks.trainable(model)
+        shared = self.cfg.shared()
+        self.fp = tasks.fingerprint(self.task, shared, named)
+        # the same run under the versions before: before the e3m0 encoder was named (the log2 encoder), and before
+        # that, before the weights hash was named (BLAKE2b). We resume their checkpoints (the weights are the same
+        # run's), never mix with their nodes in a round
+        before_encoder = {k: v for k, v in shared.items() if k != "e3m0_encoder"}
+        self._fp_before_blake3 = tasks.fingerprint(
+            self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)
+        self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), self._fp_before_blake3]
+        # and before the screen's exact products and the outer step's unfused operations (2026-12-01): the rule's
+        # text before, no outer step named. (Its weights stepped with fused multiply-adds on AVX2 CPUs: the same
+        # run's weights to resume from, where the start barrier finds the swarm at the same round and hash)
+        before_exact = {**{k: v for k, v in shared.items() if k != "outer_step"},
+                        "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
+        self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
+        self.resumable_fp = tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k not in RULES}, named)
+        self.model = model.to(self.device)
+        named = tasks.trainable(self.model)
+        self.names = [n for n, _ in named]
+        self.params = [p for _, p in named]
+        self.frag_index = tasks.fragment_indices(self.task, self.model, self.cfg.fragments)
+        self.global_flat = [outer.flatten([self.params[i] for i in f]) for f in self.frag_index]
+        self._global_version += 1
+        self.rounds_done = [0] * self.cfg.fragments
+        for p in range(self.cfg.fragments):
+            for count in self._part_counts(p):  # here in the worker thread: the exchange mode depends on them
+                self._part_bytes(p, False, count)
+                self._part_bytes(p, True, count)
+        # the blobs a round's exchange keeps in the bulk store: per fragment our update, the chunks and parts we
+        # pull and reduce (about 3 x an update in scatter), for this round and the last, and our own of the one
+        # before (``_drop_round_blobs``); room for 8 x an update (x the combined parts' size where reduced_codec
+        # makes them larger; their sizes computed here, in the worker thread, once), so a large model's are never
+        # dropped early
+        self.bulk.reserve(8 * sum(max(self._update_bytes(p), sum(self._part_bytes(p, reduced=True)))
+                                  for p in range(self.cfg.fragments)))
+        self.outer_opt = outer.OuterNesterov([g.numel() for g in self.global_flat], self.cfg.outer_lr,
+                                             self.cfg.outer_momentum)
+        # a round's large buffers kept for the next (protocols/buffers.py): our update's flat copy, the combined
+        # update (which becomes the global weights, the old ones given back), the chunks we decode (about one
+        # fragment's worth at once); room for 3 fragments, none where node.memory = "release"
+        self._buffers.max_bytes = 0 if allocator.applied()["mode"] == "release" else \
+            3 * 4 * max(g.numel() for g in self.global_flat)
+        if self.task.has("optimizer"):
+            self.inner_opt = self.task.call("optimizer", self.model.parameters())
+            if not isinstance(self.inner_opt, torch.optim.Optimizer):
+                raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
+                                "expected a torch.optim.Optimizer")
+        elif self.cfg.inner_optimizer == "swarm-adamw":
+            self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
+                                        weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
+        else:
+            self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr,
+                                               betas=self.cfg.inner_betas, weight_decay=self.cfg.weight_decay)
+        self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
+
+    def global_hash(self) -> str:
+        """The hash of all the global weights (a round's close, its checks, and the status views, which poll it
+        every few seconds), computed once per change of them."""
+        return self._cached_hash(None)
+
+    def _base_hash(self, p: int) -> str:
+        """Fragment p's global weights' hash (what updates name as their base), computed once per change of the
+        global weights: every incoming announcement is checked against it, and hashing a fragment on the event loop
+        per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model)."""
+        if len(self.global_flat) == 1:
+            return self.global_hash()  # the same bytes
+        return self._cached_hash(p)
+
+    def _cached_hash(self, p: int | None) -> str:
+        """The hash of fragment p's global weights (None: of all of them), kept until the global weights change:
+        global_flat's tensors are replaced, never changed in place, and every replacement bumps
+        ``_global_version``."""
+        version = self._global_version  # read before the weights: a hash stored under a version is never older
+        cached = self._hashes.get(p)
+        if cached is None or cached[0] != version:
+            tensors = self.global_flat if p is None else [self.global_flat[p]]
+            cached = self._hashes[p] = (version, outer.params_hash(tensors))
+        return cached[1]

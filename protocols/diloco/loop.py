@@ -1,0 +1,414 @@
+"""The DiLoCo loop: it builds the model, schedules the inner steps and each fragment's rounds, and composes
+the round's parts (update, close, exchange, checkpoints, validation) from its sibling modules."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import statistics
+
+import torch
+from swarmd.node.services import NodeContext
+from swarmd.protocols import buffers, codecs, outer, rounds
+from swarmd.protocols import task as tasks
+from swarmd.protocols.bulk import BulkService
+from swarmd.protocols.diloco.barrier import BarrierMixin
+from swarmd.protocols.diloco.book import RoundBook
+from swarmd.protocols.diloco.state import Links, Resyncs, Start, Timings
+from swarmd.protocols.diloco.checkpoints import CheckpointsMixin
+from swarmd.protocols.diloco.close import CloseMixin
+from swarmd.protocols.diloco.config import DilocoConfig
+from swarmd.protocols.diloco.conform import ConformMixin
+from swarmd.protocols.diloco.fragments import FragmentsMixin
+from swarmd.protocols.diloco.links import LinksMixin
+from swarmd.protocols.diloco.pending import Redo
+from swarmd.protocols.diloco.pulls import PullsMixin
+from swarmd.protocols.diloco.redo import RedoMixin
+from swarmd.protocols.diloco.scatter import ScatterMixin
+from swarmd.protocols.diloco.update import UpdateMixin
+from swarmd.protocols.diloco.validate import ValidateMixin
+from swarmd.protocols.faults import FaultPlan
+from swarmd.protocols.diloco.wire import (
+    ANN_SPEC,
+    CKPT_SPEC,
+    FEEDBACK_CODECS,
+    HISTORY,
+    MAX_MESSAGE,
+    REDUCING,
+    ROUND_HASH,
+)
+from swarmd.protocols.gossip import Gossip
+from swarmd.protocols.inner import lr_scale, scale_lr
+from swarmd.protocols.steps import StepsEnded, UserSteps
+from swarmd.protocols.task import Task
+from swarmd.protocols.taskloop import TaskLoop
+
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+
+
+class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, ScatterMixin, ConformMixin,
+                 BarrierMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
+    name = "diloco"
+
+    def __init__(self, gossip: Gossip, bulk: BulkService, config: DilocoConfig, task: Task):
+        self.gossip, self.bulk, self.cfg = gossip, bulk, config
+        self._init_task(task)
+        self.train_loss: float | None = None
+        self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
+        self.topic = f"diloco/{config.run}"
+        self.codec = codecs.get(config.codec)
+        self.reduced_codec = codecs.get(config.reduced())
+        self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
+                                                          and config.codec in FEEDBACK_CODECS)
+        self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
+        self._residual_norms: dict[int, float] = {}
+        self.book = RoundBook()  # what we keep of each (round, fragment), and for how long
+        self.links, self.resyncs, self.start_state, self.timings = Links(), Resyncs(), Start(), Timings()
+        self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
+        self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
+        # fragment (None: all of them) -> (_global_version, the hash of its global weights)
+        self._hashes: dict[int | None, tuple[int, str]] = {}
+        # per closed round: fragment, round, participants, global hash (the last HISTORY)
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
+        self._recent_losses: list[float] = []
+        self.counters: collections.Counter = collections.Counter()
+        self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
+                                               initial=max(config.deadline_low, 10.0))
+        self.state = "starting"
+        self.step = 0
+        self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
+        self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
+        # fragment -> {peer whose word counts: the last round it says it closed}; the swarm's round is their median
+        self._closed_by: dict[int, dict[str, int]] = collections.defaultdict(dict)
+        self.started = None
+        self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
+        self._ctx: NodeContext | None = None
+        self._event = asyncio.Event()
+        self.final_hash: str | None = None
+        self.rounds_done: list[int] = []
+        self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
+        self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
+        self._missing_logged: dict[str, float] = {}
+        self.exchange_view: dict = {}
+        self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
+        # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
+        self._reducing = asyncio.Semaphore(REDUCING)
+        self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
+        # the inner steps of a user's own training loop (swarmd.DiLoCo) in place of ours on the task's data
+        self.user_steps: UserSteps | None = None
+        self.faults = FaultPlan()  # a test's faults by peer, round and phase (none in production)
+
+    # ------------------------------------------------------------------ service
+    async def start(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        self._init_standing(ctx)
+        self.gossip.subscribe(self.topic, max_size=MAX_MESSAGE, validator=self._validate, queue_size=0)
+        await ctx.transport.serve(CKPT_SPEC, self._serve_checkpoint)
+        await ctx.transport.serve(ANN_SPEC, self._serve_announcements)
+
+    async def close(self) -> None:
+        self._stop_progress()
+        running = [t for t in (self.links.probe, *self._asks) if t is not None]
+        for task in running:
+            task.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
+
+    def _rounds(self) -> float:
+        return self.cfg.rounds or math.inf
+
+    async def run(self) -> None:
+        await self._guarded(self._run_until_left)
+
+    async def _run_until_left(self) -> None:
+        try:
+            await self._run()
+        except StepsEnded:  # the user's script left the run (swarmd.DiLoCo): keep where it got to
+            await asyncio.to_thread(self._save_checkpoint)
+            await self._last_progress()
+            self.state = "left"
+            logger.info("diloco run %s left by the training script at step %d (checkpoint saved)", self.cfg.run,
+                        self.step)
+
+    async def _run(self) -> None:
+        self.threads = tasks.set_threads(self.cfg.threads)
+        self.state = "building the model"
+        with self.work.track("model build"):
+            await asyncio.to_thread(self._build)
+        self._resume_own()
+        if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
+            if not self.rounds_done[0]:
+                await self._serve_probe()
+            await self._start_barrier()
+            others = sorted(self.start_state.initial - {self._ctx.identity.peer_id})
+            if others and not self.rounds_done[0]:
+                self.links.probe = asyncio.get_running_loop().create_task(self._probe_links(others))
+        self.started = self.clock.monotonic()
+        h = self.cfg.inner_steps
+        rounds = self._rounds()
+        offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
+        total = rounds * h + max(offsets)
+        waiting: dict[int, tuple[int, int]] = {}  # fragment -> (round, step at which to close)
+        rounds_done = self.rounds_done
+        for p in range(self.cfg.fragments):  # a late joiner may arrive mid-round: follow that round at once
+            if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
+                waiting[p] = (rounds_done[p], self.step)
+        while self.step < total or waiting:
+            if not self.resyncs.resync_from and (behind := self._fallen_behind()):
+                self.counters["fell_behind"] += 1
+                logger.warning("diloco: the swarm closed round %d, two past ours (%d); taking a checkpoint",
+                               max(map(self._swarm_round, range(len(self.rounds_done)))), min(self.rounds_done))
+                self.resyncs.counted_before_resync = self._still_counted()
+                self.resyncs.resync_from = behind
+            if self.resyncs.resync_from:
+                peers, self.resyncs.resync_from = self.resyncs.resync_from, []
+                self.counters["resyncs"] += 1
+                if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
+                    self.state = "running"  # keep our weights; the next round's hashes tell again
+                rounds_done, waiting = self.rounds_done, {}
+                for p in range(self.cfg.fragments):
+                    if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
+                        waiting[p] = (rounds_done[p], self.step)
+                continue
+            if self.step < total:
+                if self._behind_as_follower():
+                    self.counters["steps_skipped"] += 1
+                    await asyncio.sleep(0)
+                else:
+                    t0 = self.clock.monotonic()
+                    await self._train_step()
+                    self.timings.compute += self.clock.monotonic() - t0
+                self.step += 1
+            for p in range(self.cfg.fragments):
+                if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
+                        and (self.step - offsets[p]) % h == 0:
+                    r = rounds_done[p]
+                    await self._send_update(p, r)
+                    waiting[p] = (r, self.step + self.cfg.overlap)
+            for p, (r, close_at) in list(waiting.items()):
+                if self.step >= close_at or self.step >= total:
+                    await self._close_round(p, r)
+                    del waiting[p]
+                    rounds_done[p] += 1
+                    if p == self.cfg.fragments - 1:
+                        await self._after_round(rounds_done[p])
+        await self._settle_final()
+        for p in list(self._redo):
+            self._drop_redo(p)
+        self.final_hash = self.global_hash()
+        if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
+            await asyncio.to_thread(self._save_checkpoint)
+        await self._last_progress()
+        self.state = "done"
+        logger.info("diloco run %s done: %d steps, global %s", self.cfg.run, self.step, self.final_hash)
+        while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
+            self._publish(ROUND_HASH, {"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
+            await asyncio.sleep(5.0)
+
+    def _behind_as_follower(self) -> bool:
+        """Whether our next inner step would be thrown away: we follow every fragment's current round without
+        contributing to it (a joiner before its join round), and the peers that count have closed it already (the
+        median of the rounds they say they closed). Then we do not train: the round closes from the others'
+        updates, which are here, as soon as our steps reach its end, so a joiner that starts rounds behind the
+        swarm (a checkpoint that aged on its way, a slow start) is in step by the round it joins, instead of
+        staying that far behind and sending late updates every round. Its local weights are the global ones after
+        each round anyway."""
+        if not self.rounds_done:
+            return False
+        for p, r in enumerate(self.rounds_done):
+            if r >= self.join_round.get(p, 0) or self._swarm_round(p) < r:
+                return False
+        return True
+
+    def _swarm_round(self, p: int) -> int:
+        """The last round of fragment p the run has closed, as far as we know: the median of the last rounds the
+        peers whose word counts say they closed (so a few that lie about it move nothing); -1 if none said."""
+        closed = [r for a, r in self._closed_by[p].items() if self.standing.counts(a)]
+        return statistics.median_high(closed) if closed else -1
+
+    def _fallen_behind(self) -> list[str]:
+        """Peers to take a checkpoint from when the counted peers have closed two rounds past the one we are in:
+        the updates of our round are gone from their stores by then (they keep a round's blobs one round), so we
+        cannot close it with them; a checkpoint of theirs puts us in their round (a joiner whose checkpoint aged
+        on its way, a peer that stalled). At most once per deadline."""
+        if self.clock.monotonic() < self.resyncs.next_catch_up:
+            return []
+        for p, r in enumerate(self.rounds_done):
+            latest = self._swarm_round(p)
+            if latest >= r + 2:
+                self.resyncs.next_catch_up = self.clock.monotonic() + self.deadline.value()
+                return self._trusted_claimers(dict(self.book.hashes.get((latest, p), {})))
+        return []
+
+    async def _settle_final(self) -> None:
+        """The last round has no next round whose close compares global hashes, so a peer that closed it with
+        other updates than the rest (its deadline passed first) would end on its own weights. Wait, up to one
+        round deadline, for the hashes of the last round from the peers that count and published one for the
+        round before; in the minority, take the majority's final weights from one of them."""
+        p = self.cfg.fragments - 1
+        r = self.rounds_done[p] - 1
+        ours = self.book.published.get((r, p))
+        if ours is None or r < 0:
+            return  # the run ended before we closed a round (or we joined at its very end): nothing to compare
+        self.state = "settling the last round"
+        me = self._ctx.identity.peer_id
+
+        def theirs(round_: int) -> dict[str, str]:
+            return {a: h for a, h in self.book.hashes.get((round_, p), {}).items()
+                    if a != me and self.standing.vouched(a)}
+
+        expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}
+        expected = {a for a in expected if self.standing.counts(a)}
+        until = self.clock.monotonic() + self.deadline.value()
+        while self.clock.monotonic() < until and not expected <= set(theirs(r)):
+            await asyncio.sleep(0.2)
+        await self._wait_if_ahead(p, r, theirs)
+        verdict = rounds.hash_verdict(ours, theirs(r), me=me, salt=f"{self.cfg.run}/{r}/{p}")
+        redo = self._drop_redo(p)
+        if verdict is None or verdict.agrees:
+            return
+        if redo is not None and redo.round == r and await self._redo_with(p, redo, lambda fixed: outer.params_hash(
+                [*self.global_flat[:p], fixed, *self.global_flat[p + 1:]]) == verdict.majority):
+            return
+        self.counters["diverged"] += 1
+        self.counters["resyncs"] += 1
+        self._left_majority()
+        logger.error("diloco: our weights after the last round (%d/%d) are not the majority's; taking theirs", r, p)
+        if not await self._join_from_checkpoint(list(verdict.holders), rejoin=True):
+            logger.error("diloco: no peer of the majority served its final weights; ending on ours")
+
+    async def _wait_if_ahead(self, p: int, r: int, theirs) -> None:
+        """We closed the run's last round while the peers that count are two or more rounds behind (we ran ahead
+        of them, closing rounds without them): wait while they progress (up to ``deadline_high`` without any) for
+        most of them to publish their hash of round r, so the last round is compared with theirs, not with none."""
+        me = self._ctx.identity.peer_id
+        peers = {a for a in self._closed_by[p] if a != me and self.standing.counts(a)}
+        seen = self._swarm_round(p)
+        if not peers or seen >= r - 1:
+            return
+        self.counters["waited_for_the_swarm"] += 1
+        logger.warning("diloco: we closed the last round (%d/%d) while the others are at round %d; waiting for "
+                       "their hashes of it", r, p, seen)
+        moved = self.clock.monotonic()
+        while len(set(theirs(r)) & peers) * 2 <= len(peers):
+            if (now_at := self._swarm_round(p)) > seen:
+                seen, moved = now_at, self.clock.monotonic()
+            elif self.clock.monotonic() - moved > self.cfg.deadline_high:
+                return
+            await asyncio.sleep(0.2)
+
+    async def _after_round(self, done: int) -> None:
+        """After the last fragment's round closed (every fragment has closed ``done`` rounds): evaluate, report,
+        checkpoint."""
+        if done % self.cfg.eval_every == 0:
+            loss = await asyncio.to_thread(tasks.evaluate, self.task, self.model)
+            if loss is None:  # a task without evaluate(): the mean training loss of the round
+                loss = self._round_loss()
+            if loss is not None:
+                self.losses.append((self.step, round(loss, 5)))
+                await self._report(loss)
+        if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
+            await asyncio.to_thread(self._save_checkpoint)
+
+    def _round_loss(self) -> float | None:
+        recent = [x for x in self._recent_losses if math.isfinite(x)]
+        self._recent_losses.clear()
+        return sum(recent) / len(recent) if recent else None
+
+    async def _train_step(self) -> None:
+        """One inner step, off the event loop (the seam a simulation paces with simulated compute time): ours on the
+        task's data, or the one the user's own loop takes (``user_steps``, swarmd.DiLoCo)."""
+        if self.user_steps is None:
+            await asyncio.to_thread(self._inner_step)
+            return
+        loss = await self.user_steps.next_step()
+        if loss is not None:
+            self._record_loss(loss)
+
+    def _record_loss(self, value: float) -> bool:
+        """Keep a step's training loss; a non-finite one withholds our updates until a round gives us the global
+        weights back (False)."""
+        if not math.isfinite(value):
+            for p in range(self.cfg.fragments):
+                self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
+            self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
+            return False
+        self.train_loss = value
+        self._recent_losses.append(value)
+        return True
+
+    def lr_factor(self) -> float:
+        """The factor on the inner optimizer's base learning rate at our current inner step (``lr_schedule``)."""
+        total = self.cfg.rounds * self.cfg.inner_steps if self.cfg.lr_schedule == "cosine" else 0
+        return lr_scale(self.step, total, self.cfg.warmup_steps, self.cfg.lr_final)
+
+    def _schedule_lr(self) -> None:
+        if self.cfg.lr_schedule == "constant" and not self.cfg.warmup_steps:
+            return  # the optimizer's own lr, untouched
+        scale_lr(self.inner_opt, self.lr_factor())
+
+    def _inner_step(self) -> None:
+        self.model.train()
+        batch = tasks.to_device(next(self.data), self.device)
+        loss = tasks.loss_value(self.task, self.model, batch)
+        self.inner_opt.zero_grad(set_to_none=True)
+        value = float(loss.detach())
+        if not math.isfinite(value):
+            # this peer's training went wrong: no backward, no step, and our updates are withheld until a round
+            # closes and gives us the global weights back
+            self._record_loss(value)
+            return
+        loss.backward()
+        self._schedule_lr()
+        self.inner_opt.step()
+        # the gradients are not held between steps: a round's exchange, whose transients are the node's peak of
+        # memory, runs between two steps (4 bytes a parameter: 0.44 GB for a 109M model)
+        self.inner_opt.zero_grad(set_to_none=True)
+        self._record_loss(value)
+
+    async def _report(self, loss: float) -> None:
+        await self._write_progress(self.step, self._samples(self.step), loss, self.counters["bytes_sent"],
+                                   self.counters["rounds"])
+
+    # ------------------------------------------------------------------ views
+    def status(self) -> dict:
+        wall = (self.clock.monotonic() - self.started) if self.started else 0.0
+        rounds_done = getattr(self, "rounds_done", None)
+        return {
+            "run": self.cfg.run,
+            "state": self.state,
+            "round": rounds_done[-1] if rounds_done else 0,
+            "total_rounds": self.cfg.rounds,
+            "train_loss": None if self.train_loss is None else round(self.train_loss, 5),
+            "inner_lr": ([round(g["lr"], 8) for g in self.inner_opt.param_groups][:8]
+                         if getattr(self, "inner_opt", None) is not None else None),
+            "inner_betas": ([list(g["betas"]) for g in self.inner_opt.param_groups if "betas" in g][:8]
+                            if getattr(self, "inner_opt", None) is not None else None),
+            "withheld": {str(p): why for p, why in self.skipped.items()},
+            "codec": self.cfg.codec,
+            # error feedback: the norm of what the codec dropped of our last update, per fragment (null: off)
+            "residual_norm": ({str(p): v for p, v in sorted(self._residual_norms.items())}
+                              if self.feedback else None),
+            **self._task_status(),
+            "step": self.step,
+            "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
+            "final_hash": self.final_hash,
+            "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
+            "history": list(self.history)[-64:],
+            "losses": list(self.losses)[-40:],
+            "compute_fraction": round(1 - self.timings.blocked / wall, 4) if wall else None,
+            "initial_weights": self.initial_weights,
+            "deadline_s": round(self.deadline.value(), 2),
+            "transfer_rate_bps": round(self._transfer_rate()) if self.links.rates else None,
+            "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
+            # a round's large buffers kept for the next (protocols/buffers.py): bytes held, taken (reused: from
+            # the pool), given back, refused (held elsewhere, or no room)
+            "buffers": self._buffers.status(),
+            **dict(sorted(self.counters.items())),
+        }
+
+    def routes(self) -> list:
+        return []
+

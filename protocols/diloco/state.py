@@ -1,0 +1,75 @@
+"""The loop's long-lived state that is not a round's, in one holder per concern: the links to the others
+(``Links``), our standing in the swarm between resyncs (``Resyncs``), the start barrier's (``Start``), and where the
+loop's time goes (``Timings``)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+
+from swarmd.protocols import rounds
+from swarmd.protocols.diloco.wire import RATE_ROUNDS
+from swarmd.protocols.standing import EARN
+
+
+class Links:
+    """What we measured of the links to the others and what a scatter step made of it."""
+
+    def __init__(self) -> None:
+        self.rates: collections.deque[float] = collections.deque(maxlen=RATE_ROUNDS)  # bytes/s, measured
+        self.heard: dict[str, float] = {}  # counted peer -> when a message of theirs last came (monotonic)
+        self.source_rates: dict[str, int] = {}  # peer -> kB/s we received from it in the last round it served us
+        self.probe: asyncio.Task | None = None  # the founders' link probe, awaited before our first update
+        self.probe_blobs: list[bytes] = []  # the probe blobs we serve (until our first round closes)
+        # the last scatter step: parts we reduced, members that reduced any, its span and the slowest member's
+        # measured rate
+        self.assignment: dict[str, float | None] = {}
+        self.chain_weights: dict[int, dict[str, int]] = {}  # fragment -> its last round's members' rate weights
+        self.slow_link_said = False
+        self.encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
+        self.sources: dict[str, asyncio.Semaphore] = {}  # peer -> the pulls from it at once
+
+
+class Resyncs:
+    """Whether the majority's weights hold our updates, and what our last resyncs came from."""
+
+    def __init__(self) -> None:
+        self.included = 0  # rounds in a row in which the majority's weights contained our update
+        self.counted_before_resync = False
+        self.next_catch_up = 0.0  # when we may next take a checkpoint for having fallen behind
+        self.rejoined_at = -EARN - 1  # the round of our last resync
+        self.checkpoint_from: str | None = None  # whose checkpoint we joined from last
+        # whose checkpoints we had joined from when our weights left the majority's (the latest MAX_PEER_ENTRIES):
+        # asked after the others
+        self.led_off: dict[str, None] = {}
+        self.resync_from: list[str] = []
+
+
+class Start:
+    """The start barrier's: who is ready, with which initial weights, and whom we started with."""
+
+    def __init__(self) -> None:
+        self.initial: set[str] = set()  # who we started with (round 0 waits for them)
+        self.founder = False  # we started the run with the others: they count us from the start
+        self.ready: dict[str, str] = {}
+        # "ready"s from authors our connection list does not show as direct yet (it lags our links: the daemon's
+        # listing is read every 2 s, and a peer stops announcing once it starts): counted once they are, the
+        # newest READY_UNLISTED kept (a fresh key that never connects only pushes out the oldest)
+        self.ready_unlisted: dict[str, str] = {}
+        self.weights = rounds.StartWeights()  # whose initial weights we asked for, and how many asks left
+
+
+class Timings:
+    """Where the loop's time goes (``/status``)."""
+
+    def __init__(self) -> None:
+        self.compute = 0.0  # seconds computing
+        self.blocked = 0.0  # seconds waiting for a round to close, not computing
+        self.exchange: collections.deque[float] = collections.deque(maxlen=32)
+        self.close: collections.deque[float] = collections.deque(maxlen=32)
+        # where a round's exchange spends its time, per phase (``/status`` -> exchange.phase_seconds_median):
+        # wait (our update announced -> the close), agree (the member agreement), reduce (scatter: chunks in, our
+        # parts reduced, the others' taken and audited), conform (the wait for the coordinator's parts and any
+        # part reduced again); all-to-all: combine (the pulled updates combined)
+        self.phases: dict[str, collections.deque[float]] = collections.defaultdict(
+            lambda: collections.deque(maxlen=32))

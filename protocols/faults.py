@@ -1,0 +1,150 @@
+"""Faults a test injects into a training loop, by peer, round, fragment and phase (as torchft's
+``EventInjector().fail_at(rank, step)``): what fails and when, without the test knowing a private method's name.
+
+A loop holds a :class:`FaultPlan` (``loop.faults``; empty in production, where every hook is one falsy check). At a
+few named phases the loop reports an :class:`Event` and the plan's matching faults act on it:
+
+- ``await plan.enter(phase, loop, ...)`` at the start of a step (async): a fault may delay it, hang it (the test
+  kills the node meanwhile), raise, or signal the test;
+- ``plan.drops(phase, loop, ...)``: whether to drop what arrives (a message the gossip validator sees);
+- ``plan.altered(phase, loop, value, ...)``: a value the loop computed or serves, changed (a Byzantine update, a
+  checkpoint that lies).
+
+DiLoCo's phases (``protocols/diloco/``): ``update`` (alter: our pseudo-gradient, r = the round it is for),
+``scatter`` (enter: a scatter round's exchange starts), ``conform`` (enter: its parts are made the coordinator's;
+``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from ``source``), ``message`` (drops: a
+pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the checkpoint we serve, as a dict before it is
+packed), ``checkpoint-served`` (enter: after serving one), ``checkpoint-pulled`` (enter: after pulling one from
+``source``), ``joined`` (enter: we joined from a checkpoint), ``ask-early`` (drops: a round's wait asks no peer for the
+announcements its view names), ``announcement-served`` (alter: a signed
+announcement we serve), ``publish`` (a note: we publish a message of ``kind``; ``watch`` it, then ``happened``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    phase: str
+    me: str  # the peer whose loop reports it
+    loop: Any
+    r: int | None = None  # the round
+    p: int | None = None  # the fragment
+    source: str | None = None  # the other peer involved (a message's author, a pull's source)
+    kind: Any = None  # a message's kind
+    info: dict = field(default_factory=dict)
+
+
+@dataclass
+class Fault:
+    phase: str
+    effect: str  # "enter", "drop" or "alter"
+    action: Callable | None = None  # enter: async (event) -> None; alter: (event, value) -> value
+    peer: str | None = None
+    round: int | None = None
+    fragment: int | None = None
+    source: str | None = None
+    kind: Any = None
+    when: Callable[[Event], bool] | None = None
+    times: int | None = None  # how often it acts (None: whenever it matches)
+    fired: int = 0
+
+    def matches(self, event: Event) -> bool:
+        return ((self.times is None or self.fired < self.times)
+                and (self.peer is None or self.peer == event.me)
+                and (self.round is None or self.round == event.r)
+                and (self.fragment is None or self.fragment == event.p)
+                and (self.source is None or self.source == event.source)
+                and (self.kind is None or self.kind is event.kind)
+                and (self.when is None or self.when(event)))
+
+
+class FaultPlan:
+    def __init__(self) -> None:
+        self.faults: list[Fault] = []
+        self.log: list[Event] = []  # the events of the phases watched (``watch``), for ``happened``
+        self._watched: set[str] = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.faults or self._watched)
+
+    # ------------------------------------------------------------------ building a plan
+    def add(self, phase: str, effect: str, action: Callable | None = None, **match) -> Fault:
+        fault = Fault(phase, effect, action, **match)
+        self.faults.append(fault)
+        return fault
+
+    def delay(self, phase: str, seconds: float, **match) -> Fault:
+        async def wait(event: Event) -> None:
+            await asyncio.sleep(seconds)
+        return self.add(phase, "enter", wait, **match)
+
+    def hang(self, phase: str, *, after: float = 0.0, then: Callable[[Event], None] | None = None,
+             **match) -> Fault:
+        """The step waits ``after`` seconds, calls ``then`` (a test's signal), then never goes on: the test kills
+        the node meanwhile."""
+        async def hang(event: Event) -> None:
+            if after:
+                await asyncio.sleep(after)
+            if then is not None:
+                then(event)
+            await asyncio.Event().wait()
+        return self.add(phase, "enter", hang, **match)
+
+    def fail(self, phase: str, error: Callable[[], BaseException], **match) -> Fault:
+        async def fail(event: Event) -> None:
+            raise error()
+        return self.add(phase, "enter", fail, **match)
+
+    def signal(self, phase: str, then: Callable[[Event], None], **match) -> Fault:
+        async def call(event: Event) -> None:
+            then(event)
+        return self.add(phase, "enter", call, **match)
+
+    def drop(self, phase: str, **match) -> Fault:
+        return self.add(phase, "drop", **match)
+
+    def alter(self, phase: str, fn: Callable[[Event, Any], Any], **match) -> Fault:
+        return self.add(phase, "alter", fn, **match)
+
+    def watch(self, phase: str) -> None:
+        self._watched.add(phase)
+
+    def happened(self, phase: str, **match) -> bool:
+        """Whether a watched phase's event matching ``match`` (me, r, p, source, kind) was reported."""
+        return any(e.phase == phase and all(getattr(e, k) == v for k, v in match.items()) for e in self.log)
+
+    # ------------------------------------------------------------------ the loop's hooks
+    def _event(self, phase: str, loop, kw: dict) -> Event:
+        event = Event(phase, loop._ctx.identity.peer_id, loop, **kw)
+        if phase in self._watched:
+            self.log.append(event)
+        return event
+
+    def _matching(self, event: Event, effect: str) -> list[Fault]:
+        out = [f for f in self.faults if f.phase == event.phase and f.effect == effect and f.matches(event)]
+        for f in out:
+            f.fired += 1
+        return out
+
+    async def enter(self, phase: str, loop, **kw) -> None:
+        event = self._event(phase, loop, kw)
+        for fault in self._matching(event, "enter"):
+            await fault.action(event)
+
+    def note(self, phase: str, loop, **kw) -> None:
+        self._event(phase, loop, kw)
+
+    def drops(self, phase: str, loop, **kw) -> bool:
+        return bool(self._matching(self._event(phase, loop, kw), "drop"))
+
+    def altered(self, phase: str, loop, value, **kw):
+        event = self._event(phase, loop, kw)
+        for fault in self._matching(event, "alter"):
+            value = fault.action(event, value)
+        return value
