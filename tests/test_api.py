@@ -4,11 +4,12 @@ kill -9 and restart; export and reload; bad input answered in one line."""
 
 import json
 import os
+import queue
 import shutil
 import subprocess
 import sys
 import textwrap
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -79,23 +80,27 @@ class Script:
                                      cwd=folder, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log)
         self.lines: list[dict] = []
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read_stdout, daemon=True).start()
 
     def read(self, timeout: float) -> dict:
         """The script's next JSON line (AssertionError if it exits first or prints none in time)."""
-        import selectors
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"the script printed nothing in {timeout} s") from None
+        if line is None:
+            raise AssertionError(f"the script exited ({self.proc.wait()}) without a line")
+        self.lines.append(line)
+        return line
 
-        sel = selectors.DefaultSelector()
-        sel.register(self.proc.stdout, selectors.EVENT_READ)
-        until = time.monotonic() + timeout
-        while True:  # lines that are not ours (a Trainer prints its logs) are passed over
-            if not sel.select(max(0.0, until - time.monotonic())):
-                raise AssertionError(f"the script printed nothing in {timeout} s")
-            line = self.proc.stdout.readline()
-            if not line:
-                raise AssertionError(f"the script exited ({self.proc.wait()}) without a line")
-            if line.startswith(b'{"'):
-                self.lines.append(json.loads(line))
-                return self.lines[-1]
+    def _read_stdout(self) -> None:
+        """Every line the script prints, in a thread of its own (a selector on the pipe would miss lines that a
+        buffered read already took in); lines that are not ours (a Trainer prints its logs) are passed over."""
+        for raw in self.proc.stdout:
+            if raw.startswith(b'{"'):
+                self._lines.put(json.loads(raw))
+        self._lines.put(None)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
