@@ -42,7 +42,7 @@ class SingleTurnEnv:
 
 
 def correct_answer(completion, answer, parser) -> float:
-    return 1.0 if parser.parse_answer(completion) == answer else 0.0
+    return 1.0 if (parser.parse_answer(completion) or "").strip() == answer else 0.0
 
 
 async def brief(completion, **kwargs) -> float:  # verifiers' reward functions may be coroutines
@@ -53,12 +53,19 @@ def explode(completion) -> float:
     raise RuntimeError("the grader's API is down")
 
 
-def load_environment(n: int = 40, broken: bool = False) -> SingleTurnEnv:
+def load_environment(n: int = 40, broken: bool = False, real: bool = False) -> SingleTurnEnv:
+    """This module's environment; ``real``: built with verifiers' own SingleTurnEnv and Rubric (0.3)."""
     rows = [{"question": f"What is {a} plus {b}?", "answer": str(a + b), "info": {"a": a}}
             for a in range(n // 8 + 1) for b in range(8)][:n]
     funcs, weights = [correct_answer, brief], [0.75, 0.25]
     if broken:
         funcs, weights = funcs + [explode], weights + [1.0]
+    if real:
+        import verifiers as vf
+        from datasets import Dataset
+
+        return vf.SingleTurnEnv(dataset=Dataset.from_list(rows), system_prompt="Reply with a number.",
+                                parser=vf.Parser(), rubric=vf.Rubric(funcs=funcs, weights=weights, parser=vf.Parser()))
     return SingleTurnEnv(rows, "Reply with a number.", Parser(), Rubric(funcs, weights, Parser()))
 
 
@@ -153,10 +160,20 @@ def test_lora_trains_adapters_only_and_exports_merged_or_kept(tmp_path):
             assert torch.allclose(model.eval()(input_ids=torch.tensor([prompt])).logits, expected, atol=1e-4)
 
 
+def real_verifiers() -> bool:
+    try:
+        import verifiers
+    except ImportError:
+        return False
+    return hasattr(verifiers, "SingleTurnEnv")
+
+
 @pytest.mark.beside
 @pytest.mark.timeout(120)
-def test_a_verifiers_environment_is_looked_up_and_scored_by_its_own_rubric():
-    task = load("hf-lm", {**TINY, "env": "verifiers:test_sapo_lm", "env_args": {"n": 40}}, "sapo")
+@pytest.mark.parametrize("real", [False, pytest.param(True, marks=pytest.mark.skipif(
+    not real_verifiers(), reason="the verifiers extra (0.3) is not installed"))])
+def test_a_verifiers_environment_is_looked_up_and_scored_by_its_own_rubric(real):
+    task = load("hf-lm", {**TINY, "env": "verifiers:test_sapo_lm", "env_args": {"n": 40, "real": real}}, "sapo")
     assert task.obj.datasets == ["test_sapo_lm"] and task.obj.system_prompt == "Reply with a number."
     q_seed = question_seed("r", 1, "12D3KooWAuthor", 4)
     prompts = set()
@@ -170,7 +187,7 @@ def test_a_verifiers_environment_is_looked_up_and_scored_by_its_own_rubric():
         # the rubric's weighted sum over the sum of its weights: correct 0.75, brief (<= 3 characters) 0.25
         assert group.rewards[:2] == [1.0, 0.75] and group.rewards[2] == 0.0
     assert len(prompts) > 4
-    other = load("hf-lm", {**TINY, "env": "verifiers:test_sapo_lm", "env_args": {"n": 24}}, "sapo")
+    other = load("hf-lm", {**TINY, "env": "verifiers:test_sapo_lm", "env_args": {"n": 24, "real": real}}, "sapo")
     assert other.obj.environment != task.obj.environment  # another dataset: another run's fingerprint
     with seeded(1):
         policy = task.obj.policy(1)

@@ -12,8 +12,10 @@ returns an object with
 - ``system_prompt``, ``parser`` and ``message_type`` (``"chat"``: completions passed as assistant messages) where
   the environment has them.
 
-Nothing of ``verifiers`` is imported here: an environment module written for it works (with ``verifiers`` installed
-as the ``verifiers`` extra, the module imports what it needs), and so does one that only follows the interface.
+Nothing of ``verifiers`` is imported here: an environment module written for it works (``vf.SingleTurnEnv`` with a
+``vf.Rubric``: tested with verifiers 0.3.1, the ``verifiers`` extra; 0.4 moved environments to its v1 taskset,
+harness and trace stack, which this does not load), and so does one that only follows the interface. Reward functions
+of weight 0 are the environment's metrics and are not called.
 The module is named in the run's config by its operator, like a task module; nothing from the wire chooses code.
 
 A question of a round is ``(name, seed, index)``: the row ``blake2b(seed, index) mod len(dataset)``, looked up by
@@ -49,11 +51,16 @@ def _one_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0][:200] if text else '(no message)'}"
 
 
-def _members(obj, names: tuple[str, str]):
-    value = getattr(obj, names[0], None)
-    if value is None and callable(getattr(obj, names[1], None)):
-        value = getattr(obj, names[1])()
-    return value
+def _members(obj, names: tuple[str, ...]):
+    """The first of ``names`` that is a non-empty attribute or a method returning one (a verifiers RubricGroup has
+    empty ``funcs`` and its rubrics' functions behind ``_get_reward_funcs()``)."""
+    for name in names:
+        value = getattr(obj, name, None)
+        if callable(value) and not isinstance(value, (list, tuple)):
+            value = value()
+        if value is not None and (not isinstance(value, (list, tuple)) or len(value)):
+            return value
+    return None
 
 
 class Environment:
@@ -78,14 +85,16 @@ class Environment:
         self.parser = getattr(env, "parser", None)
         self.chat = getattr(env, "message_type", "chat") == "chat"
         rubric = getattr(env, "rubric", None)
-        funcs = _members(rubric, ("funcs", "get_reward_funcs")) if rubric is not None else None
+        funcs = _members(rubric, ("funcs", "get_reward_funcs", "_get_reward_funcs")) if rubric is not None else None
         if not funcs or not all(callable(f) for f in funcs):
             raise ValueError(f"verifiers environment {module!r}: its rubric has no reward functions")
-        weights = _members(rubric, ("weights", "get_reward_weights")) or [1.0] * len(funcs)
+        weights = _members(rubric, ("weights", "get_reward_weights", "_get_reward_weights")) or [1.0] * len(funcs)
         if len(weights) != len(funcs) or not sum(float(w) for w in weights) > 0:
             raise ValueError(f"verifiers environment {module!r}: {len(weights)} weights for {len(funcs)} reward "
                              "functions, or weights that do not sum above 0")
-        self.funcs, self.weights = list(funcs), [float(w) for w in weights]
+        # weight 0: a metric the environment logs (turns, say), not part of the reward
+        kept = [(f, float(w)) for f, w in zip(funcs, weights) if float(w) != 0]
+        self.funcs, self.weights = [f for f, _ in kept], [w for _, w in kept]
         self.parser = getattr(rubric, "parser", None) or self.parser
         digest = hashlib.blake2b(json.dumps(self.rows, sort_keys=True, default=str).encode(), digest_size=8)
         self.environment = f"verifiers {module} {json.dumps(args, sort_keys=True)} rows {len(self.rows)} " \
