@@ -345,3 +345,14 @@ async def test_four_lm_peers_share_rollouts_survive_kill_9_and_export(tmp_path: 
     finally:
         await attacker.close()
         await asyncio.to_thread(swarm.close)
+
+
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+def test_the_example_config_names_options_the_task_takes():
+    import tomllib
+
+    from swarmproc import REPO
+
+    table = tomllib.loads((REPO / "configs" / "sapo-lm.toml").read_text())["loops"]["sapo"]
+    assert load(table["task"], table["task_options"], "sapo").obj.datasets == ["chain_sum"]
