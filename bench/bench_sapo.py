@@ -75,7 +75,7 @@ def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, roun
               task: str, datasets: dict | None = None, lm: dict | None = None, device: str = "cpu") -> dict:
     run = f"bench-s{seed}-{local}-{external}"
     options = {**(lm or {}), **({"datasets": datasets} if datasets else {})}
-    options = toml_options(options, "loops.sapo.task_options") if options else ""
+    options = "[loops.sapo.task_options]\n" + toml_options(options, "loops.sapo.task_options") if options else ""
     config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
                                                              external=external, peers=peers, task=task,
                                                              device=device, datasets=options))
