@@ -65,7 +65,8 @@ DATASETS = {
 LM = {"max_new_tokens": 4, "sft_lr": 3e-3, "lr": 1e-3, "temperature": 1.0}
 MODELS = {
     "tiny": {"model_type": "llama"},  # hf_policy.TINY_LLAMA: 2 layers of 64, ~0.1 M parameters with its 512 tokens
-    "0.5b": {"model_type": "qwen2", "dtype": "bfloat16", "config": {  # Qwen2.5-0.5B's shape, our own tokenizer
+    "0.5b": {"model_type": "qwen2", "lr": 1e-5, "sft_lr": 3e-4, "micro_batch": 16, "config": {  # Qwen2.5-0.5B's
+        # shape (float32 weights) with our own tokenizer: for a GPU (--device cuda); not run on the CPU box
         "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
         "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True}},
 }
