@@ -11,9 +11,14 @@ The task is any SAPO task of the seam: ``reasoning-gym`` by default, questions r
 reasoning-gym on every receiver, on sparse datasets (``--datasets sparse``, the default: chain_sum over 1-2 digits
 and lcm of 2-12, where a random policy answers about 2% right; SAPO's gain comes from peers whose own groups mostly
 score all 0, protocols.md 2.5) or the task's own single-digit chain_sum and products (``--datasets default``);
-``--task arith`` for the built-in arithmetic.
+``--task arith`` for the built-in arithmetic. ``--task hf-lm``: each peer's policy a transformers causal LM
+(``protocols.tasks.hf_policy``; ``--model tiny``, a 2-layer llama built from a config, or ``0.5b``, a Qwen2-0.5B-class
+config, random init: no weights can be downloaded) on the same reasoning-gym datasets, first fitted to the datasets'
+reference answers of its own questions for ``--sft-steps`` steps (a supervised warm-up on the task, in each peer, so
+rewards are not all zero from the start), then trained by GRPO on its rollouts and, in 4/4, its peers'.
 
     python bench/bench_sapo.py [--rounds 300] [--seeds 1 2] [--peers 8] [--task reasoning-gym] [--datasets sparse]
+    python bench/bench_sapo.py --task hf-lm --peers 4 --rounds 60 --seeds 1 2 3 [--model tiny] [--device cpu]
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ external = {external}
 min_peers = {peers}
 deadline = 10.0
 task = "{task}"
-device = "cpu"
+device = "{device}"
 checkpoint_every = 0
 {datasets}"""
 
@@ -56,13 +61,25 @@ DATASETS = {
 }
 
 
+# --task hf-lm: the policy's settings (the model's config is --model's); answers of 2-3 characters fit 4 tokens
+LM = {"max_new_tokens": 4, "sft_lr": 3e-3, "lr": 1e-3, "temperature": 1.0}
+MODELS = {
+    "tiny": {"model_type": "llama"},  # hf_policy.TINY_LLAMA: 2 layers of 64, ~0.1 M parameters with its 512 tokens
+    "0.5b": {"model_type": "qwen2", "lr": 1e-5, "sft_lr": 3e-4, "micro_batch": 16, "config": {  # Qwen2.5-0.5B's
+        # shape (float32 weights) with our own tokenizer: for a GPU (--device cuda); not run on the CPU box
+        "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24, "num_attention_heads": 14,
+        "num_key_value_heads": 2, "max_position_embeddings": 2048, "tie_word_embeddings": True}},
+}
+
+
 def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
-              task: str, datasets: dict | None = None) -> dict:
+              task: str, datasets: dict | None = None, lm: dict | None = None, device: str = "cpu") -> dict:
     run = f"bench-s{seed}-{local}-{external}"
-    options = toml_options({"datasets": datasets} if datasets else {}, "loops.sapo.task_options")
+    options = {**(lm or {}), **({"datasets": datasets} if datasets else {})}
+    options = "[loops.sapo.task_options]\n" + toml_options(options, "loops.sapo.task_options") if options else ""
     config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
                                                              external=external, peers=peers, task=task,
-                                                             datasets=options))
+                                                             device=device, datasets=options))
     swarm = Swarm(root / run, config=config)
     for i in range(peers):  # the same identities in every configuration: same policy inits, same questions
         key = keys / f"n{i}.key"
@@ -70,7 +87,7 @@ def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, roun
             (root / run / f"n{i}").mkdir(parents=True)
             shutil.copy(key, root / run / f"n{i}" / "identity.key")
     try:
-        nodes = swarm.start_chain(peers, members_within=None)
+        nodes = swarm.start_chain(peers, members_within=None) if task != "hf-lm" else start_slowly(swarm, peers)
         for i, n in enumerate(nodes):
             if not (keys / f"n{i}.key").exists():
                 shutil.copy(root / run / f"n{i}" / "identity.key", keys / f"n{i}.key")
@@ -99,6 +116,17 @@ def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, roun
     }
 
 
+def start_slowly(swarm: Swarm, peers: int) -> list:
+    """start_chain's start, waiting longer for each node: a transformers policy's task loads transformers and
+    reasoning-gym and trains its tokenizer before the node listens (tens of seconds on a busy 2-core box)."""
+    listen, bootstrap = swarm._prepared_first("n0")
+    nodes = [swarm.start("n0", *listen, wait=False)]
+    nodes += [swarm.start(f"n{i}", bootstrap=[bootstrap], wait=False) for i in range(1, peers)]
+    for node in nodes:
+        node.wait_ready(300)
+    return nodes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=300)
@@ -108,19 +136,29 @@ def main() -> None:
     parser.add_argument("--datasets", default="sparse", choices=sorted(DATASETS),
                         help="reasoning-gym only: sparse ones (2-3 character answers, the default: the regime SAPO's "
                         "gain is measured in), or the task's own (single digits)")
+    parser.add_argument("--model", default="tiny", choices=sorted(MODELS), help="hf-lm only: the policy's shape")
+    parser.add_argument("--sft-steps", type=int, default=150, help="hf-lm only: supervised warm-up steps")
+    parser.add_argument("--device", default="cpu")
     args = parser.parse_args()
-    datasets = DATASETS[args.datasets] if args.task == "reasoning-gym" else None
+    datasets = DATASETS[args.datasets] if args.task in ("reasoning-gym", "hf-lm") else None
+    lm = {**LM, **MODELS[args.model], "sft_steps": args.sft_steps} if args.task == "hf-lm" else None
     rows = []
     with tempfile.TemporaryDirectory(prefix="swarmd-bench-sapo-") as tmp:
         for seed in args.seeds:
             keys = Path(tmp) / f"keys-{seed}"
             keys.mkdir()
-            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers, args.task, datasets)
-            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers, args.task, datasets)
+            base = run_swarm(Path(tmp), keys, seed, 8, 0, args.rounds, args.peers, args.task, datasets, lm,
+                             args.device)
+            shared = run_swarm(Path(tmp), keys, seed, 4, 4, args.rounds, args.peers, args.task, datasets, lm,
+                               args.device)
             rows.append((seed, base, shared))
     what = {"reasoning-gym": "reasoning-gym " + (" + ".join(f"{k} {v}" for k, v in datasets.items()) if datasets
                                                  else "chain_sum + products over single digits") + " (its own scorer)",
             "arith": "2-digit arithmetic (binary reward)"}.get(args.task, args.task)
+    if args.task == "hf-lm":
+        what = (f"a transformers causal LM per peer ({args.model}: {MODELS[args.model]['model_type']}, "
+                f"{args.sft_steps} supervised warm-up steps) on reasoning-gym "
+                + " + ".join(f"{k} {v}" for k, v in datasets.items()) + f", device {args.device}")
     print(f"SAPO, {args.peers} peer processes, {args.rounds} rounds, 8 questions x 8 completions per round, {what}")
     print(f"{'seed':>4} | {'I/J':>4} | {'cumulative':>10} | {'first 50':>8} | {'last 50':>8} | "
           f"{'per-round reward, 6 bins':<41} | {'ext/rnd':>7} | {'B/round':>7} | {'missed':>6} | {'wall':>6}")
@@ -137,6 +175,10 @@ def main() -> None:
         ratio = shared["cumulative"] / base["cumulative"]
         wins += ratio > 1
         print(f"seed {seed}: 4/4 vs 8/0 cumulative reward ratio {ratio:.3f} ({(ratio - 1) * 100:+.0f}%)")
+    for name, k in (("8/0", 1), ("4/4", 2)):
+        means = [row[k]["cumulative"] / args.rounds for row in rows]
+        print(f"{name}: mean reward per round {sum(means) / len(means):.4f} (per seed: "
+              f"{', '.join(f'{m:.4f}' for m in means)})")
     mean = sum(s["cumulative"] for _, _, s in rows) / sum(b["cumulative"] for _, b, _ in rows)
     print(f"all seeds: ratio {mean:.3f}; sharing won on {wins} of {len(rows)} seeds "
           f"(goal: every seed; protocols.md acceptance: >= 1.10 on average)")

@@ -4,6 +4,9 @@ GRPO as the SAPO paper and genrl use it (``../shared/protocols.md`` 2.1): per qu
 A_i = (r_i - mean) / (std + 1e-8); per completion token ratio rho = exp(logp - logp_old), loss
 -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), clamped to +-10 per token, masked mean over completion
 tokens; Adam; no reference model. Groups whose rewards are all equal carry no signal and are dropped before the step.
+:func:`advantages` and :func:`loss` are the same for every policy (``protocols.tasks.hf_policy``'s transformers one
+too, which may add the KL term to a frozen reference: beta * (exp(ref - logp) - (ref - logp) - 1) per token, the k3
+estimator of DeepSeekMath's GRPO and TRL's GRPOTrainer).
 
 The policy reads and writes text (``protocols.arith``'s alphabet) through its own tokenizer, so peers with other
 model sizes (or other tokenizers) exchange nothing that depends on weights.
@@ -36,6 +39,28 @@ class Group:
     @property
     def informative(self) -> bool:
         return len(set(self.rewards)) > 1
+
+
+def advantages(rewards: list[float]) -> list[float]:
+    """A group's advantages: rewards standardised within the group (population std)."""
+    r = torch.tensor(rewards, dtype=torch.float64)
+    return ((r - r.mean()) / (r.std(unbiased=False) + 1e-8)).tolist()
+
+
+def loss(logp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, mask: torch.Tensor, eps_low: float = 0.2,
+         eps_high: float = 0.28, ref: torch.Tensor | None = None, beta: float = 0.0) -> torch.Tensor:
+    """The clipped GRPO objective as a loss, a masked mean over completion tokens.
+
+    ``logp``, ``old``, ``ref`` and ``mask`` are [rows, tokens] (the policy's, the sampling policy's and the frozen
+    reference's log-probabilities of each completion token; 1 where a token is the completion's), ``adv`` is
+    [rows, 1]. The policy term is clamped to +-10 per token; ``beta`` > 0 adds the KL penalty to ``ref``."""
+    ratio = torch.exp(logp - old)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    per_token = torch.clamp(-torch.min(ratio * adv, clipped * adv), -10, 10)
+    if beta and ref is not None:
+        delta = ref - logp
+        per_token = per_token + beta * (torch.exp(delta) - delta - 1)
+    return (per_token * mask).sum() / mask.sum().clamp(min=1)
 
 
 def tokenizable(text: str) -> bool:
@@ -118,9 +143,7 @@ class Policy:
             return {"groups": 0, "loss": 0.0}
         rows, advs, lens = [], [], []
         for grp in groups:
-            r = torch.tensor(grp.rewards, dtype=torch.float32)
-            a = (r - r.mean()) / (r.std(unbiased=False) + 1e-8)
-            for text, adv in zip(grp.completions, a.tolist()):
+            for text, adv in zip(grp.completions, advantages(grp.rewards)):
                 completion = self._completion_ids(text)
                 rows.append(self._prompt_ids(grp.prompt) + completion)
                 advs.append(adv)
@@ -136,11 +159,8 @@ class Policy:
         with torch.no_grad():
             old = self._logprobs(idx)
         for _ in range(self.epochs):
-            ratio = torch.exp(self._logprobs(idx) - old)
-            clipped = torch.clamp(ratio, 1 - self.eps_low, 1 + self.eps_high)
-            per_token = torch.clamp(-torch.min(ratio * adv, clipped * adv), -10, 10)
-            loss = (per_token * mask).sum() / mask.sum()
+            value = loss(self._logprobs(idx), old, adv, mask, self.eps_low, self.eps_high)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            value.backward()
             self.opt.step()
-        return {"groups": len(groups), "loss": loss.item()}
+        return {"groups": len(groups), "loss": value.item()}

@@ -20,8 +20,10 @@ Rounds are each peer's own: r in a message is its author's round (its seeds), an
 another's round; a peer that arrives late starts at its own round 0. Validation runs before anything is forwarded:
 malformed, oversized (message, item count, completion count and length, alphabet), forged (a spec that is not the
 author's for that round), equivocating (two item sets for one round) and out-of-run items are rejected, which penalises
-the peer that sent them; an author's older rounds and messages faster than 2 per second are ignored. Completions are
-text, re-tokenized by each receiver, so peers may run policies of any size. Rewards (own and external), items shared and
+the peer that sent them; an author's older rounds are ignored, and messages faster than 2 per second ignored and
+penalised (a flood). Completions are text (at most ``max_completion`` characters, so 4 bytes each in UTF-8, in the
+task's alphabet: printable text for a language model's), re-tokenized by each receiver, so peers may run policies of
+any size or tokenizer; completions and their bytes received are counted. Rewards (own and external), items shared and
 used, and bytes go to ``/status`` and, every ``report_every`` rounds, into the replicated progress register.
 """
 
@@ -335,6 +337,8 @@ class SapoLoop(TaskLoop):
         except Exception as e:
             raise TaskError(f"task {self.task.spec}: policy.step() raised {type(e).__name__}: {e}") from e
         loss = float(result.get("loss", 0.0)) if isinstance(result, dict) else float("nan")
+        if isinstance(result, dict) and type(result.get("truncated")) is int:  # cut to the policy's token budget
+            self.counters["completions_truncated"] += result["truncated"]
         groups_used = int(result.get("groups", len(groups))) if isinstance(result, dict) else 0
         broken = not math.isfinite(loss) or (self.model is not None and not all(
             codecs.all_finite(p) for p in self.model.parameters()))
@@ -530,8 +534,12 @@ class SapoLoop(TaskLoop):
             self.counters["stale"] += 1
             return Verdict.IGNORE  # older than what we hold from that peer: not forwarded
         if not self._rate.allow(author):
+            # rounds faster than anyone computes them: not used, not forwarded, and the author's fault (its
+            # signature is on them; an honest relay forwards only what it accepted, at the same rate)
             self.counters["ignored_rate"] += 1
-            return Verdict.IGNORE  # rounds faster than anyone computes them: not used, not forwarded
+            self._ctx.transport.penalties.penalize(author, "rate_limited", f"sapo: items faster than "
+                                                   f"{ITEM_RATE:g} rounds per second")
+            return Verdict.IGNORE
         if held is None and len(self.inbox) >= MAX_AUTHORS:  # make room: the oldest entry of a peer without standing
             victim = next((a for a in self.inbox if not self.standing.counts(a)), None)
             if victim is None:
@@ -541,6 +549,9 @@ class SapoLoop(TaskLoop):
             self.counters["inbox_evicted"] += 1
         self.inbox[author] = (r, items)
         self.inbox.move_to_end(author)
+        comps = [c for _, _, cs in items for c in cs]
+        self.counters["completions_received"] += len(comps)
+        self.counters["completion_bytes_received"] += sum(len(c.encode()) for c in comps)
         self._arrived.set()
         return Verdict.ACCEPT
 

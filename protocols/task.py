@@ -69,6 +69,7 @@ BUILTIN = {
     "digits": "swarmd.protocols.tasks.digits:make_task",
     "hf-text": "swarmd.protocols.tasks.hf_text:make_task",
     "reasoning-gym": "swarmd.protocols.tasks.rgym:make_task",
+    "hf-lm": "swarmd.protocols.tasks.hf_policy:make_task",
     "regression": "swarmd.protocols.tasks.regression:make_task",
 }
 

@@ -49,8 +49,11 @@ class RgymPolicy:
         return self.policy.step(groups)
 
 
-class ReasoningGymTask:
-    def __init__(self, datasets: dict, opts: dict):
+class Environment:
+    """reasoning-gym datasets as a SAPO environment: questions regenerated from (dataset, seed, index), scored by the
+    dataset's own ``score_answer`` (also the environment of ``protocols.tasks.hf_policy``'s transformers policy)."""
+
+    def __init__(self, datasets: dict):
         import reasoning_gym
 
         self._rg = reasoning_gym
@@ -59,12 +62,8 @@ class ReasoningGymTask:
             raise ValueError(f"unknown reasoning-gym datasets: {', '.join(unknown)}")
         for name, config in datasets.items():
             reasoning_gym.create_dataset(name, seed=0, size=1, **config)  # a bad config fails here, at start
-        if not set(opts["answer_chars"]) <= set(ALPHABET):
-            raise ValueError("answer_chars must be printable ASCII")
         self.configs = datasets
         self.datasets = sorted(datasets)
-        self.opts = opts
-        self.max_completion = opts["answer_len"]
         self.environment = f"reasoning-gym {reasoning_gym.__version__} " + json.dumps(datasets, sort_keys=True)
 
     @functools.lru_cache(maxsize=256)
@@ -82,6 +81,30 @@ class ReasoningGymTask:
     def score(self, q: Question, completion: str) -> float:
         return float(q.dataset.score_answer(completion, q.entry))
 
+    def reference(self, q: Question) -> str:
+        """The dataset's own answer (for a policy's supervised warm-up on its own questions, never from the wire)."""
+        return str(q.entry["answer"])
+
+
+def datasets_table(datasets: dict | list | None) -> dict:
+    """``datasets`` as {name: config}: a list of names gets reasoning-gym's default configs; None the default."""
+    if datasets is None:
+        datasets = DEFAULT_DATASETS
+    if isinstance(datasets, list):
+        datasets = {name: {} for name in datasets}
+    if not isinstance(datasets, dict) or not datasets:
+        raise ValueError("datasets must be a table {name = {config}} or a list of names")
+    return {k: dict(v) for k, v in datasets.items()}
+
+
+class ReasoningGymTask(Environment):
+    def __init__(self, datasets: dict, opts: dict):
+        super().__init__(datasets)
+        if not set(opts["answer_chars"]) <= set(ALPHABET):
+            raise ValueError("answer_chars must be printable ASCII")
+        self.opts = opts
+        self.max_completion = opts["answer_len"]
+
     def valid_completion(self, text: str) -> bool:
         return set(text) <= set(self.opts["answer_chars"])
 
@@ -94,15 +117,10 @@ def make_task(datasets: dict | list | None = None, d: int = 64, layers: int = 2,
               answer_chars: str = "0123456789-") -> ReasoningGymTask:
     """``datasets``: {name: config} (or a list of names with reasoning-gym's default configs); by default two
     small arithmetic datasets, chain_sum and products over single digits."""
-    if datasets is None:
-        datasets = DEFAULT_DATASETS
-    if isinstance(datasets, list):
-        datasets = {name: {} for name in datasets}
-    if not isinstance(datasets, dict) or not datasets:
-        raise ValueError("datasets must be a table {name = {config}} or a list of names")
+    datasets = datasets_table(datasets)
     if d % heads or not (8 <= d <= 1024 and 1 <= layers <= 12 and 1 <= prompt_len <= 512 and 1 <= answer_len <= 64):
         raise ValueError("need d a multiple of heads, 8 <= d <= 1024, 1 <= layers <= 12, 1 <= prompt_len <= 512, "
                          "1 <= answer_len <= 64")
     opts = dict(d=d, layers=layers, heads=heads, lr=lr, epochs=epochs, temperature=temperature,
                 prompt_len=prompt_len, answer_len=answer_len, answer_chars=answer_chars)
-    return ReasoningGymTask({k: dict(v) for k, v in datasets.items()}, opts)
+    return ReasoningGymTask(datasets, opts)
