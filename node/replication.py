@@ -134,7 +134,7 @@ BASE_SCHEMA = {
 }
 
 
-INTRO_BURST = 2048  # new authors one peer with standing may introduce at once (a page of entries)...
+INTRO_BURST = 4096  # new authors one peer with standing may introduce at once (two pages of entries)...
 INTRO_PER_S = 2.0  # ...and then this many a second
 MAX_INTRO_PEERS = 4096  # peers whose introduction budget we track (full budgets are forgotten first)
 RELAY_WINDOW_MS = 60_000  # ops a sync pulls are pushed on if written this recently
