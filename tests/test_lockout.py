@@ -2,14 +2,15 @@
 swarms that keep their state to their members, against real node processes."""
 
 import asyncio
+import json
 import time
 
 import pytest
 
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import make_op
-from swarmd.node.replication import CRDT_SPEC, PUSH, SYNC
-from swarmproc import LOCAL_CONFIG, Swarm, http_get, http_post, wait_for
+from swarmd.node.replication import CRDT_SPEC, PUSH, SYNC, WANT
+from swarmproc import LOCAL_CONFIG, REPO, Swarm, http_get, http_post, run_cli, wait_for
 from swarmd.transport.errors import TransportError
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
@@ -90,3 +91,63 @@ async def test_admitted_identities_beyond_the_author_table_lock_no_newcomer_out(
         s = n.status()["crdt"]
         assert s["authors"] == 4 and s["probation"] <= 300 and not s["refused_by"], (n.peer_id, s)
     print(f"newcomer's first write reached 3 honest nodes in {reached:.2f} s")
+
+
+@pytest.mark.timeout(180)
+def test_a_writer_whose_ops_peers_refuse_is_told_in_status_and_by_doctor(tmp_path, request):
+    # issue 80: a newcomer's write got 200, every peer refused it, and nothing told its operator. Here b refuses
+    # every op it gets (its store takes them for stamped in the future, as a node whose clock runs behind would).
+    swarm = Swarm(tmp_path / "nodes", config=cheap_config(tmp_path))
+    request.addfinalizer(swarm.close)
+    b = swarm.start("b", entry=[str(REPO / "tests" / "refusing_peer.py")])
+    a = swarm.start("a", bootstrap=[b.tcp_addr])
+    wait_for(lambda: b.peer_id in a.member_ids(), 30, "a to see b as a member")
+    assert not a.status()["crdt"]["refused_by"]
+    write(a, f"{a.peer_id}/x", 1)
+    wait_for(lambda: a.status()["crdt"]["refused_by"].get(b.peer_id, {}).get("ops", 0) >= 1, 30,
+             "a to learn that b refuses its ops")
+    assert a.status()["crdt"]["own_ops_refused"] >= 1
+    out = run_cli("doctor", "--data-dir", str(a.data_dir))
+    assert out.returncode == 0, out.stderr
+    assert "REFUSED" in out.stdout and "refused" in out.stdout.split("hint:", 1)[1], out.stdout
+    report = json.loads(run_cli("doctor", "--data-dir", str(a.data_dir), "--json").stdout)
+    assert report["writes"]["refused_by"][b.peer_id] >= 1
+    assert not b.status()["crdt"]["refused_by"]  # b's own writes reach a
+
+
+@pytest.mark.timeout(180)
+async def test_a_closed_swarm_serves_its_state_to_members_only(tmp_path, request):
+    # issue 80 item 4: a key not on a closed swarm's allowlist synced every op, a private kv value included
+    member = Identity.generate()
+    swarm = Swarm(tmp_path / "nodes", config=cheap_config(tmp_path))
+    request.addfinalizer(swarm.close)
+    data_dir = tmp_path / "nodes" / "a"
+    data_dir.mkdir(parents=True)
+    a_key, _ = Identity.load_or_create(data_dir / "identity.key")
+    closed = tmp_path / "closed.toml"
+    closed.write_text(cheap_config(tmp_path, f'allow = ["{a_key.peer_id}", "{member.peer_id}"]').read_text())
+    a = swarm.start("a", config=closed)
+    write(a, f"{a.peer_id}/secret", "private")
+
+    async def sync_as(key: Identity):
+        """Ask a for one page of its entries, then for the ops of every author it names: what a sync pulls."""
+        t = P2PDaemonTransport(key, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+        await t.start()
+        try:
+            await t.connect(a.tcp_addr)
+            async with await t.open_stream(a.peer_id, CRDT_SPEC, timeout=10) as stream:
+                await stream.send(SYNC, {"d": [], "after": None})
+                entries = (await asyncio.wait_for(stream.read_required(), 10)).body
+                await stream.send(WANT, {"have": {author: 0 for author in entries["vv"]}})
+                return (await asyncio.wait_for(stream.read_required(), 10)).body["ops"]
+        finally:
+            await t.close()
+
+    ops = await sync_as(member)  # a member reads the state
+    assert any(b"private" in w["b"] for w in ops)
+    with pytest.raises((TransportError, asyncio.IncompleteReadError, ConnectionError)):
+        await sync_as(Identity.generate())  # anyone else is refused before a word of it
+    s = a.status()
+    assert s["crdt"]["refused_not_member"] >= 1 and s["errors"]["crdt_not_member"] >= 1
+    metrics = http_get(a.url + "/metrics")
+    assert 'swarmd_errors_total{kind="crdt_not_member"}' in metrics
