@@ -14,7 +14,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from swarmd.crdt.store import OpStore  # noqa: E402
 from swarmd.transport.identity import Identity  # noqa: E402
 
-ME = Identity.load_or_create(Path(sys.argv[sys.argv.index("--data-dir") + 1]) / "identity.key")[0].peer_id
+DATA_DIR = Path(sys.argv[sys.argv.index("--data-dir") + 1])
+DATA_DIR.mkdir(parents=True, exist_ok=True)
+ME = Identity.load_or_create(DATA_DIR / "identity.key")[0].peer_id
 honest_receive_op = OpStore.receive_op
 
 
