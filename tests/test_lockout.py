@@ -149,5 +149,19 @@ async def test_a_closed_swarm_serves_its_state_to_members_only(tmp_path, request
         await sync_as(Identity.generate())  # anyone else is refused before a word of it
     s = a.status()
     assert s["crdt"]["refused_not_member"] >= 1 and s["errors"]["crdt_not_member"] >= 1
+
+    from swarmd.protocols.gossip import PUBSUB_SPEC, SUB
+
+    t = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await t.start()
+    try:  # gossip too: an outsider's pubsub stream is closed before it subscribes to anything
+        await t.connect(a.tcp_addr)
+        async with await t.open_stream(a.peer_id, PUBSUB_SPEC, timeout=10) as stream:
+            await stream.send(SUB, ["swarmd/any"])
+            with pytest.raises((TransportError, asyncio.IncompleteReadError, ConnectionError)):
+                await asyncio.wait_for(stream.read_required(), 10)
+    finally:
+        await t.close()
+    wait_for(lambda: a.status()["errors"].get("pubsub_not_member", 0) >= 1, 10, "the pubsub refusal to be counted")
     metrics = http_get(a.url + "/metrics")
     assert 'swarmd_errors_total{kind="crdt_not_member"}' in metrics
