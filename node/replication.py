@@ -135,7 +135,7 @@ BASE_SCHEMA = {
 
 
 INTRO_BURST = 4096  # new authors one peer with standing may introduce at once (two pages of entries)...
-INTRO_PER_S = 2.0  # ...and then this many a second
+INTRO_PER_S = 0.5  # ...and then this many a second (1,800 an hour)
 MAX_INTRO_PEERS = 4096  # peers whose introduction budget we track (full budgets are forgotten first)
 RELAY_WINDOW_MS = 60_000  # ops a sync pulls are pushed on if written this recently
 RECOVERY_ALONE_S = 120.0  # with no peer at all for this long, a node whose log was damaged writes again anyway
