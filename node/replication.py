@@ -457,6 +457,11 @@ class Replicator:
         self.counters["ops_received"] += len(wires)
         self.counters["ops_applied"] += len(applied)
         self.counters["ops_on_probation"] += probation
+        if probation:
+            held = self.store.probation_counts
+            self._log.log(logging.INFO, "probation", "crdt: %d op(s) from %s held on probation (authors without "
+                          "standing: %d held now, %d evicted to make room so far)", probation, peer_id,
+                          len(self.store.probation), held["evicted"])
         for reason, count in rejected.items():
             kind = PENALTY.get(reason)
             if kind is not None:
