@@ -28,7 +28,7 @@ new author is never refused for want of room. The caller says, for each op from 
 has *standing* (``vouch``: its own key sent the op, or a peer with standing introduced it within a quota; see
 ``node.replication``). An author with standing is merged as above. One without is held on *probation*: its chain
 (from op #1 or a base, at most ``MAX_PROBATION_OPS`` ops) verified and kept aside, outside the merged state, the
-version vector and the digests, at most ``max_authors`` of them and ``max_probation_bytes`` of bodies; when full,
+version vector and the digests, at most ``max_authors`` ops and ``max_probation_bytes`` of bodies; when full,
 the author on probation that was least recently heard from gives way (status ``probation``). An author on probation
 merges (with the ops it holds) as soon as an op of it arrives vouched. Since the merged state and the digests are
 functions of the merged authors only, replicas that merged the same authors have the same digest and the same
@@ -128,13 +128,14 @@ class OpStore:
         self.schema = dict(schema)
         self._verify = verify
         self.admission = admission  # None: every author is admitted (tests of the types alone)
-        self.max_authors = max_authors  # authors held on probation at most (merged authors are never refused)
+        self.max_authors = max_authors  # ops (so authors) held on probation at most; merged authors: never refused
         self.max_probation_bytes = max_probation_bytes
         # False: an op after #1 of an author we hold nothing of is held only while ``fetching`` names the author
         self.hold_unknown_authors = hold_unknown_authors
         self.fetching: set[str] = set()  # authors whose ops the caller is pulling now (op #1 on its way)
         self.probation: OrderedDict[str, list[Op]] = OrderedDict()  # author -> its chain, least recent first
         self._probation_bytes = 0
+        self._probation_ops = 0
         self.probation_counts: Counter = Counter()  # "held", "evicted", "merged"
         self._digests = [0] * BUCKETS  # per bucket: XOR of _entry_hash(author, seq) over its authors
         self._bucket_authors: dict[int, set[str]] = {}  # bucket -> its authors (made when the first one merges)
@@ -285,7 +286,8 @@ class OpStore:
         chain.append(op)
         self.probation.move_to_end(op.author)
         self._probation_bytes += len(op.body)
-        while len(self.probation) > max(1, self.max_authors) or self._probation_bytes > self.max_probation_bytes:
+        self._probation_ops += 1
+        while self._probation_ops > max(1, self.max_authors) or self._probation_bytes > self.max_probation_bytes:
             oldest = next(iter(self.probation))
             self._drop_probation(oldest)
             self.probation_counts["evicted"] += 1
@@ -296,6 +298,7 @@ class OpStore:
     def _drop_probation(self, author: str) -> list[Op]:
         chain = self.probation.pop(author, [])
         self._probation_bytes -= sum(len(o.body) for o in chain)
+        self._probation_ops -= len(chain)
         return chain
 
     def _promote(self, author: str) -> list[Op]:
@@ -661,6 +664,7 @@ class OpStore:
             "pending_bytes": self._pending_bytes,
             "probation": len(self.probation),
             "probation_bytes": self._probation_bytes,
+            "probation_ops": self._probation_ops,
             **{f"probation_{k}": n for k, n in sorted(self.probation_counts.items())},
             **{f"pending_{why}": n for why, n in sorted(self.pending_dropped.items())},
             "rejected": dict(self.rejected),
