@@ -65,24 +65,30 @@ def identities(swarm: str, n: int) -> tuple[list[dict], float]:
     return [msgpack.unpackb(w, raw=False) for w in packed[:n]], time.monotonic() - t0 if minted else 0.0
 
 
-async def push(target, wires: list, key: Identity, halfway: asyncio.Event) -> tuple[int, int]:
-    """Push over one connection; (ops acked as applied, refused). Sets ``halfway`` at half."""
+async def push(target, wires: list, key: Identity, halfway: asyncio.Event, stop: asyncio.Event
+               ) -> tuple[int, int, int]:
+    """Push over one connection, all of ``wires`` and then again from the start until ``stop`` (so the newcomer
+    writes while the flood goes on); (ops acked as applied, refused, passes). Sets ``halfway`` at half."""
     t = P2PDaemonTransport(key, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     await t.start()
-    applied = refused = 0
+    applied = refused = passes = 0
     try:
         await t.connect(target.tcp_addr)
         async with await t.open_stream(target.peer_id, CRDT_SPEC, timeout=10) as stream:
-            for start in range(0, len(wires), 1000):
-                if start >= len(wires) // 2:
-                    halfway.set()
-                await stream.send(PUSH, {"ops": wires[start:start + 1000]})
-                ack = (await asyncio.wait_for(stream.read_required(), 60)).body
-                applied, refused = applied + ack["applied"], refused + ack["rejected"]
+            while not (passes and stop.is_set()):
+                for start in range(0, len(wires), 1000):
+                    if start >= len(wires) // 2:
+                        halfway.set()
+                    if passes and stop.is_set():
+                        break
+                    await stream.send(PUSH, {"ops": wires[start:start + 1000]})
+                    ack = (await asyncio.wait_for(stream.read_required(), 60)).body
+                    applied, refused = applied + ack["applied"], refused + ack["rejected"]
+                passes += 1
     finally:
         halfway.set()
         await t.close()
-    return applied, refused
+    return applied, refused, passes
 
 
 class RssPeaks:
@@ -116,16 +122,16 @@ async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
         a = honest[0]
         await asyncio.sleep(3)  # start-up allocations settle
         rss = RssPeaks(honest)
-        halfway, t0 = asyncio.Event(), time.monotonic()
+        halfway, stop, t0 = asyncio.Event(), asyncio.Event(), time.monotonic()
         flood = None
         if mode == "stranger":
-            flood = asyncio.create_task(push(a, wires, Identity.generate(), halfway))
+            flood = asyncio.create_task(push(a, wires, Identity.generate(), halfway, stop))
         elif mode == "member":
             boss = Identity.generate()
             adm = Admission(a.status()["swarm"], BITS)
             own = make_op(boss.sign, boss.peer_id, 1, (int(time.time() * 1000), 0), [], "members",
                           adm.payload(boss.peer_id, await asyncio.to_thread(adm.mint, boss.peer_id))).wire()
-            flood = asyncio.create_task(push(a, [own] + wires, boss, halfway))
+            flood = asyncio.create_task(push(a, [own] + wires, boss, halfway, stop))
         else:
             halfway.set()
         await halfway.wait()
@@ -144,12 +150,14 @@ async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
             latency = time.monotonic() - w0
         except Exception:  # noqa: BLE001 - LOST in the table
             pass
-        pushed = await flood if flood is not None else (0, 0)
+        during = flood is not None and not flood.done()  # the write was measured while the flood went on
+        stop.set()
+        pushed = await flood if flood is not None else (0, 0, 0)
         seconds = time.monotonic() - t0
         growth = rss.stop()
         crdt = [n.status()["crdt"] for n in honest]
         return {"mode": mode, "identities": len(wires) if flood else 0, "latency": latency, "growth": growth,
-                "seconds": seconds, "acked": pushed, "authors": [c["authors"] for c in crdt],
+                "seconds": seconds, "acked": pushed, "during": during, "authors": [c["authors"] for c in crdt],
                 "probation": [c["probation"] for c in crdt], "evicted": crdt[0].get("probation_evicted", 0),
                 "refused": sum(crdt[0]["rejected"].values())}
     finally:
@@ -172,13 +180,15 @@ def print_lockout(rows: list[dict], minted: float) -> None:
     print(f"{'run':10} | {'identities':>10} | {'acked/refused':>15} | {'newcomer write':>14} | "
           f"{'RSS growth MB per honest node':>30} | {'authors merged':>16} | {'on probation':>22} | {'evicted':>7}")
     for r in rows:
-        lat = "LOST" if r["latency"] is None else f"{r['latency'] * 1e3:.0f} ms"
+        lat = ("LOST" if r["latency"] is None else f"{r['latency'] * 1e3:.0f} ms") + ("*" if r["during"] else "")
         growth = "/".join(f"{g:.0f}" for g in r["growth"])
-        acked = f"{r['acked'][0]}/{r['acked'][1]}"
+        acked = f"{r['acked'][0]}/{r['acked'][1]} x{r['acked'][2]}"
         print(f"{r['mode']:10} | {r['identities']:>10} | {acked:>15} | {lat:>14} | {growth:>30} | "
               f"{'/'.join(map(str, r['authors'])):>16} | {'/'.join(map(str, r['probation'])):>22} | "
               f"{r['evicted']:>7}")
-    print("newcomer write: from its POST /crdt's 200 to the key in every honest node's /state; growth: each honest "
+    print("acked: ops the attacked node acked as applied / refused, x the passes over the identities (the flood "
+          "starts again from the first until the newcomer's write is measured); newcomer write: from its POST "
+          "/crdt's 200 to the key in every honest node's /state (*: while the flood went on); growth: each honest "
           "node's peak RSS during the run over its RSS before; stranger: pushed by a key with no standing (held on "
           "probation, the least recent evicted); member: by a key with standing, which introduces at most "
           "INTRO_BURST authors at once and INTRO_PER_S a second. Goals: the write within 10 s, growth <= 64 MB")
