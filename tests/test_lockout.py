@@ -165,3 +165,63 @@ async def test_a_closed_swarm_serves_its_state_to_members_only(tmp_path, request
     wait_for(lambda: a.status()["errors"].get("pubsub_not_member", 0) >= 1, 10, "the pubsub refusal to be counted")
     metrics = http_get(a.url + "/metrics")
     assert 'swarmd_errors_total{kind="crdt_not_member"}' in metrics
+
+
+@pytest.mark.timeout(240)
+async def test_a_flood_of_admitted_member_records_does_not_stop_member_polls(tmp_path, request):
+    # issue 80 item 1: the DHT's members key kept every admitted record a peer stored, and a poll gets them all in
+    # one reply: about 9,000 records stopped every poll. Now a node stores at most dht.room.MAX_STORED of them,
+    # making room among strangers' records, and its polls go on.
+    from swarmd.dht.records import Ed25519RecordValidator, NodeRecord, dht_key_id, owner_tag
+    from swarmd.dht.room import MAX_STORED
+    from swarmd.transport._compat import load_hivemind
+
+    hm = load_hivemind()
+    from hivemind.dht.routing import DHTID
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    swarm = Swarm(tmp_path / "nodes", config=cheap_config(tmp_path))
+    request.addfinalizer(swarm.close)
+    a, b = swarm.start_chain(2)
+    s = a.status()
+    key, adm = s["dht"]["members_key"], Admission(s["swarm"], BITS)
+    n = 9000
+
+    def records() -> list[tuple]:
+        out, expiry = [], hm.get_dht_time() + 500
+        for _ in range(n):
+            who = Identity.generate()
+            record = NodeRecord(who.peer_id, ("/ip4/10.255.0.1/tcp/9",), "0", (), time.time(),
+                                s["dht"]["admission_rule"], adm.mint(who.peer_id))
+            r = hm.DHTRecord(dht_key_id(key), MSGPackSerializer.dumps(owner_tag(who.peer_id)),
+                             MSGPackSerializer.dumps(record.to_wire()), expiry)
+            out.append((DHTID.from_bytes(r.key), Ed25519RecordValidator(who, [key]).sign_value(r),
+                        owner_tag(who.peer_id), expiry))
+        return out
+
+    flood = await asyncio.to_thread(records)
+    mallory = Identity.generate()
+    t = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await t.start()
+    try:
+        await t.connect(a.tcp_addr)
+        node = await hm.DHTNode.create(p2p=t.hivemind_p2p, record_validator=Ed25519RecordValidator(mallory, [key]))
+        peer = hm.PeerID.from_base58(a.peer_id)
+        for start in range(0, n, 200):
+            batch = flood[start:start + 200]
+            await node.protocol.call_store(peer, [x[0] for x in batch], [x[1] for x in batch], batch[0][3],
+                                           subkeys=[x[2] for x in batch])
+        await node.shutdown()
+    finally:
+        await t.close()
+    polls = a.status()["dht"]["dht_polls"]
+    # a's own polls read what it stores: they come back with the records it kept, and go on
+    def discovered(node) -> float:
+        metrics = http_get(node.url + "/metrics")
+        return float(next(line.split()[-1] for line in metrics.splitlines()
+                          if line.startswith('swarmd_peers{state="member"}')))
+
+    wait_for(lambda: discovered(a) >= MAX_STORED // 2, 60, "a's member polls to return the records it kept")
+    wait_for(lambda: a.status()["dht"]["dht_polls"] >= polls + 2, 90, "a's member polls to go on")
+    d = a.status()["dht"]
+    assert d["members_key_evicted"] >= n - MAX_STORED and b.peer_id in a.member_ids()
