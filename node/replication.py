@@ -462,6 +462,8 @@ class Replicator:
             self._log.log(logging.INFO, "probation", "crdt: %d op(s) from %s held on probation (authors without "
                           "standing: %d held now, %d evicted to make room so far)", probation, peer_id,
                           len(self.store.probation), held["evicted"])
+        if rejected.get("unknown_author") and relay:
+            self.sync_soon(peer_id)  # it pushed ops whose author's op #1 we lack: a sync with it brings them
         for reason, count in rejected.items():
             kind = PENALTY.get(reason)
             if kind is not None:
@@ -590,6 +592,12 @@ class Replicator:
         if not ours:
             return
         n = min(ours, ack["rejected"])
+        if peer_id not in self.last_sync:
+            # a peer we never synced with may lack our earlier ops (it refuses a later one as unknown_author): a
+            # sync brings them, and only what it refuses after one counts
+            self.counters["own_ops_refused_before_sync"] += n
+            self.sync_soon(peer_id)
+            return
         entry = self.refused_by.setdefault(peer_id, {"ops": 0, "at": 0.0})
         entry["ops"] += n
         entry["at"] = self.clock.time()
