@@ -58,7 +58,7 @@ from swarmd.transport.clock import SYSTEM, Clock
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity, verify
-from swarmd.transport.penalties import RateLimitedLog
+from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
 from swarmd.transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,7 @@ class Replicator:
         self._verified: dict[tuple, bool] = {}  # (author, signed data, sig) checked off the event loop, used once
         self.store = OpStore(schema or BASE_SCHEMA, self._verify, max_skew_ms=max_skew_ms, admission=self.admission,
                              max_authors=max_authors, hold_unknown_authors=False)
-        self._intro: dict[str, tuple[float, float]] = {}  # peer -> (introductions it may still make, when counted)
+        self._intro = TokenBuckets(INTRO_PER_S, INTRO_BURST, max_keys=MAX_INTRO_PEERS, clock=clock.monotonic)
         self.refused_by: dict[str, dict] = {}  # peer -> {"ops": our ops it refused, "at": when last}
         self.ticket_file = data_dir / "admission.ticket"
         self._member_ticket: int | None = None
@@ -406,20 +406,10 @@ class Replicator:
         return vouch
 
     def _introduce(self, peer_id: str) -> bool:
-        """Take one introduction from ``peer_id``'s budget (a token bucket: ``INTRO_BURST``, ``INTRO_PER_S``)."""
-        now = self.clock.monotonic()
-        tokens, then = self._intro.get(peer_id, (INTRO_BURST, now))
-        tokens = min(INTRO_BURST, tokens + (now - then) * INTRO_PER_S)
-        if tokens < 1:
+        """Take one introduction from ``peer_id``'s budget (``INTRO_BURST`` at once, ``INTRO_PER_S`` a second)."""
+        if not self._intro.allow(peer_id):
             self.counters["introductions_refused"] += 1
             return False
-        self._intro[peer_id] = (tokens - 1, now)
-        if len(self._intro) > MAX_INTRO_PEERS:  # a full budget is what a forgotten peer starts with again
-            for p, (t, at) in list(self._intro.items()):
-                if min(INTRO_BURST, t + (now - at) * INTRO_PER_S) >= INTRO_BURST:
-                    del self._intro[p]
-            while len(self._intro) > MAX_INTRO_PEERS:
-                self._intro.pop(next(iter(self._intro)))
         self.counters["introductions"] += 1
         return True
 
