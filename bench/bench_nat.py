@@ -13,11 +13,18 @@ Modes: eim (endpoint-independent mapping, strict Linux conntrack), eim-liberal (
 track TCP sequence numbers), sym (a new random port per destination).
 
     python bench/bench_nat.py [--runs 20] [--modes eim eim-liberal sym] [--punch-wait 15]
+
+With --per-kind, per NAT kind (endpoint-, address-, port-dependent filtering; symmetric on one side, on both) and
+config (the embedded defaults as users get them, and/or the lab config): N fresh labs each, direct within 10 s and
+60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause:
+
+    python bench/bench_nat.py --per-kind --runs 50 [--kinds ...] [--configs defaults lab] [--punch-wait 60]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import os
 import shutil
@@ -45,9 +52,9 @@ listen = ["/ip4/0.0.0.0/tcp/4001"]
 """
 
 
-def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int, defaults: bool = False) -> dict:
+def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int) -> dict:
     config = root / "lab.toml"
-    config.write_text(DEFAULTS_NODE if defaults else LAB_NODE)
+    config.write_text(LAB_NODE)
     nat = "sym" if mode == "sym" else "eim"
     with NatLab(mode_a=nat, mode_b=nat, liberal=mode.endswith("liberal")) as lab:
         swarm = Swarm(root / "nodes", config=config)
@@ -63,12 +70,8 @@ def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int, defaults: bo
             b = start("b", [bootstrap])
             t0 = time.monotonic()
             try:
-                if defaults:  # the upgrade may come before a relayed ping: time from connected, by any path
-                    wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))),
-                             60, "a and b connected", interval=0.1)
-                else:
-                    wait_for(lambda: relayed_call_works(a, b, pub.peer_id) and relayed_call_works(b, a, pub.peer_id),
-                             30, "relayed calls", interval=0.1)
+                wait_for(lambda: relayed_call_works(a, b, pub.peer_id) and relayed_call_works(b, a, pub.peer_id),
+                         30, "relayed calls", interval=0.1)
                 relayed = time.monotonic() - t0
             except AssertionError:
                 return {"relayed": None, "direct": None, "punch_s": None, "tcp": None, "punched": None}
@@ -78,9 +81,6 @@ def one_run(root: Path, mode: str, punch_wait: float, blob_mb: int, defaults: bo
                 direct = time.monotonic() - t0
             except AssertionError:
                 direct = None
-            if defaults:
-                return {"relayed": relayed, "direct": direct, "punch_s": None, "tcp": None, "punched": None,
-                        "after_seen": None if direct is None else direct - relayed}
             blobs = 0
 
             def rate(puller, holder):
@@ -108,10 +108,15 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=["eim", "eim-liberal", "sym"])
     parser.add_argument("--punch-wait", type=float, default=15.0)
     parser.add_argument("--blob-mb", type=int, default=32)
-    parser.add_argument("--defaults", action="store_true", help="run the nodes on the embedded default config "
-                        "(only --listen /ip4/0.0.0.0/tcp/4001 given), as a new user does; no bulk rows")
+    parser.add_argument("--kinds", nargs="+", default=list(KINDS), choices=list(KINDS),
+                        help="with --per-kind: the NAT kinds")
+    parser.add_argument("--configs", nargs="+", default=["defaults"], choices=["defaults", "lab"],
+                        help="with --per-kind: the embedded defaults (only --listen given, as a new user does) "
+                        "and/or the lab config of tests/test_nat.py")
+    parser.add_argument("--per-kind", action="store_true", help="per NAT kind: direct within 10 s / 60 s, still "
+                        "relayed, median time to direct, failures by cause (no bulk rows)")
     args = parser.parse_args()
-    if args.defaults:
+    if args.per_kind:
         return main_defaults(args)
     reason = unavailable()
     if reason:
@@ -156,37 +161,106 @@ def main() -> None:
           "the other NATed node over the hole-punched connection; ratio = punched / TCP")
 
 
+# NAT kinds (RFC 4787): every router maps endpoint-independently (Linux keeps the source port) unless symmetric;
+# they differ in what they let in (tests/natlab.py, filter_*)
+KINDS = {
+    "endpoint": {"filter_a": "endpoint", "filter_b": "endpoint"},  # full cone: port 4001 open to anyone
+    "address": {"filter_a": "address", "filter_b": "address"},  # from addresses the host has sent to
+    "port": {},  # only replies of flows the host opened (the lab's default)
+    "sym-one": {"mode_a": "sym"},  # a behind a symmetric NAT (a new port per destination), b as "port"
+    "sym-both": {"mode_a": "sym", "mode_b": "sym"},
+}
+MAPPING_CAUSES = ("our-mapping", "their-mapping")
+
+
+def kind_run(root: Path, kind: str, config_text: str, wait: float) -> dict:
+    """One fresh lab of ``kind``: from the moment both NATed nodes list each other as connected, until both list
+    the other as direct or hole-punched (at most ``wait`` s; a symmetric NAT's failed punch, whose cause no retry
+    changes, ends the run early). Every failed punch attempt is reported with its cause."""
+    config = root / "lab.toml"
+    config.write_text(config_text)
+    with NatLab(**KINDS[kind]) as lab:
+        swarm = Swarm(root / "nodes", config=config)
+        try:
+            pub = swarm.start("pub", bootstrap=[], prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+            a, b = (swarm.start(x, bootstrap=[bootstrap], prefix=lab.cmd(x), via=functools.partial(lab.call, x))
+                    for x in "ab")
+            try:
+                wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))),
+                         60, "a and b connected", interval=0.1)
+            except AssertionError:
+                return {"seen": False, "direct": None, "path": None, "failures": [], "outcome": "never connected"}
+            t0 = time.monotonic()
+            first = min((a, b), key=lambda n: n.peer_id)  # the one that starts the punch
+            direct = path = None
+            failures: list[str] = []
+            deadline = t0 + wait
+            while time.monotonic() < deadline:
+                paths = [(p := peer(x, y.peer_id)) and p["path"] for x, y in ((a, b), (b, a))]
+                if all(p in ("direct", "hole-punched") for p in paths):
+                    direct, path = time.monotonic() - t0, paths[0]
+                    break
+                punches = first.status()["services"]["nat"]["punches"]
+                if punches and not punches[0]["ok"] and punches[0].get("cause") in MAPPING_CAUSES:
+                    break
+                time.sleep(0.1)
+            nat = first.status()["services"]["nat"]
+            for p in nat["punches"]:
+                if not p["ok"]:
+                    failures.append(p.get("cause", "error"))
+                elif p.get("tries", 1) > 1:
+                    failures += ["closed (retried at once)"] * (p["tries"] - 1)
+            if direct is not None:
+                outcome = path
+            elif not nat["punches"]:
+                outcome = "relayed: no punch attempt"
+            else:
+                outcome = "relayed: " + (nat["punches"][0].get("cause") or "error")
+            return {"seen": True, "direct": direct, "path": path, "failures": failures, "outcome": outcome}
+        finally:
+            swarm.close()
+
+
 def main_defaults(args) -> None:
-    """Hole punching with the shipped defaults: per mode, how many pairs went direct within 10 s of seeing each
-    other (goal >= 95% with endpoint-independent NATs)."""
-    results = {}
-    for mode in args.modes:
-        results[mode] = []
-        for i in range(args.runs):
-            with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
-                r = one_run(Path(tmp), mode, args.punch_wait, args.blob_mb, defaults=True)
-                results[mode].append(r)
-                if r["relayed"] is None or (r["after_seen"] is None and mode != "sym") or \
-                        (r["after_seen"] or 0) > 10:
-                    kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-defaults-{mode}-{i + 1}"
-                    shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-                    print(f"{mode} run {i + 1}: logs kept in {kept}", file=sys.stderr)
-            print(f"{mode} run {i + 1}: {r}", file=sys.stderr, flush=True)
-    print(f"NAT lab with the embedded default config, {args.runs} fresh labs per mode: 1 public node, 2 nodes "
-          "behind their own NAT, each started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>")
-    print(f"{'mode':<12} | {'connected':>9} | {'seen p50 / max':>15} | {'direct <= 10 s':>14} | {'direct at all':>13} "
-          f"| {'direct after seen p50 / max':>27}")
-    print("-" * 106)
-    for mode, runs in results.items():
-        seen = [r["relayed"] for r in runs if r["relayed"] is not None]
-        after = [r["after_seen"] for r in runs if r["after_seen"] is not None]
-        fast = sum(1 for x in after if x <= 10)
-        print(f"{mode:<12} | {len(seen):>4} / {len(runs):<2} | "
-              f"{(f'{statistics.median(seen):.1f} / {max(seen):.1f} s' if seen else '-'):>15} | "
-              f"{fast / len(runs):>14.0%} | {len(after) / len(runs):>13.0%} | "
-              f"{(f'{statistics.median(after):.1f} / {max(after):.1f} s' if after else '-'):>27}")
-    print("goal: >= 95% of pairs hole-punched within 10 s of seeing each other with endpoint-independent NATs, "
-          "on the defaults; seen = both list the other as connected (relayed or direct) after the second starts")
+    """Hole punching per NAT kind, as users get it: per kind, N fresh labs, direct within 10 s and 60 s of the two
+    NATed nodes seeing each other, still relayed, median time to direct, failures by cause (goal: >= 95% within
+    10 s wherever one side is endpoint-independent, on the defaults)."""
+    reason = unavailable()
+    if reason:
+        sys.exit(f"bench_nat: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    configs = {"defaults": DEFAULTS_NODE, "lab": LAB_NODE}
+    results: dict[tuple[str, str], list[dict]] = {}
+    for config in args.configs:
+        for kind in args.kinds:
+            runs = results[(config, kind)] = []
+            for i in range(args.runs):
+                with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
+                    r = kind_run(Path(tmp), kind, configs[config], args.punch_wait)
+                    runs.append(r)
+                    if r["direct"] is None or r["direct"] > 10 or r["failures"]:
+                        kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-{config}-{kind}-{i + 1}"
+                        shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+                        r["logs"] = str(kept)
+                print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
+    print(f"NAT lab, {args.runs} fresh labs per kind and config: 1 public node, 2 nodes behind their own NAT, each "
+          "started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>; times from both listing the other")
+    print(f"{'config':<8} | {'kind':<8} | {'<= 10 s':>7} | {'<= 60 s':>7} | {'relayed':>7} | {'median':>7} | "
+          f"{'how':<22} | failed attempts by cause")
+    print("-" * 120)
+    for (config, kind), runs in results.items():
+        n = len(runs)
+        direct = [r["direct"] for r in runs if r["direct"] is not None]
+        how = collections.Counter(r["outcome"] for r in runs)
+        causes = collections.Counter(c for r in runs for c in r["failures"])
+        print(f"{config:<8} | {kind:<8} | {sum(d <= 10 for d in direct):>3}/{n:<3} | {len(direct):>3}/{n:<3} | "
+              f"{n - len(direct):>3}/{n:<3} | "
+              f"{(f'{statistics.median(direct):.1f} s' if direct else '-'):>7} | "
+              f"{', '.join(f'{k} {v}' for k, v in how.most_common()):<22} | "
+              f"{', '.join(f'{k} {v}' for k, v in causes.most_common()) or '-'}")
+    print(f"relayed = not direct within {args.punch_wait:.0f} s, or a symmetric NAT's punch failed for a mapping "
+          "cause (no retry changes that; the run stops there). how: the path both ended on, else why not")
 
 
 if __name__ == "__main__":

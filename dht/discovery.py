@@ -123,16 +123,19 @@ class Discovery:
         clock: Callable[[], float] = time.time,
         on_greeted: Callable[[str], None] = lambda peer_id: None,
         policy: str = "",
-        admitted: Callable[[NodeRecord], bool] | None = None,
+        admitted: Callable[[NodeRecord], bool | str] | None = None,
         ticket: Callable[[], Awaitable[int | None]] | None = None,
+        window: Callable[[], int] | None = None,
     ):
         """``admitted``: the swarm's admission rule for the records under the members key (its ticket or the
         allowlist, crdt.admission), checked by every node that stores or reads them (None: any record about its
-        signer); ``ticket``: our own ticket, said in our record."""
+        signer; a string: refused for that reason); ``ticket``: our own ticket, said in our record (the rule may
+        bind it to a time window: ``window()`` is the current one, and a new window renews our record's ticket)."""
         self.transport = transport
         self.policy = policy  # the digest of our admission rule (crdt.admission), said in our record
         self._admitted = admitted
         self._ticket = ticket
+        self._window = window
         self.identity = identity
         self.config = config
         self.version = version
@@ -161,7 +164,7 @@ class Discovery:
     # ------------------------------------------------------------------ lifecycle
     async def start(self) -> None:
         hm = load_hivemind()
-        check = member_value_ok if self._admitted is None else member_check(self._admitted)
+        check = member_value_ok if self._admitted is None else member_check(self._admitted, self._window)
         self.validator = validator = Ed25519RecordValidator(
             self.identity, {self.members_key: check}, max_ttl=max(600.0, 4 * self.config.record_ttl))
         self.dht = await hm.DHTNode.create(
@@ -440,7 +443,8 @@ class Discovery:
             self.counters["policy_mismatch"] = self.counters.get("policy_mismatch", 0) + 1
             self._log.log(logging.WARNING, ("policy", record.peer_id),
                           "member %s runs another admission rule than ours (digest %s, ours %s: check "
-                          "state.admission_bits and state.allow, the same on every node of a swarm): our "
+                          "state.admission_bits and state.allow, the same on every node of a swarm, and that it "
+                          "runs a swarmd as recent as ours): our "
                           "replicated states cannot merge, so we do not replicate with it", record.peer_id,
                           record.policy, self.policy)
         if member is None:
@@ -522,12 +526,18 @@ class Discovery:
         record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
         if record.peer_id != peer_id:
             raise ProtocolViolation(f"hello: record is about {record.peer_id}, sent by {peer_id}", kind="forged")
-        admitted = self._admitted is None or self._admitted(record)
+        verdict = True if self._admitted is None else self._admitted(record)
+        admitted = verdict is True
         if not admitted and not self._take_unadmitted(record):
             self.counters["records_unadmitted"] = self.counters.get("records_unadmitted", 0) + 1
-            self._log.log(logging.INFO, ("unadmitted", source), "a %s record of %s carries no admission to this "
-                          "swarm (a work ticket for its peer id, or a place in state.allow): not taken as a member",
-                          source, peer_id)
+            if verdict == "old_ticket":
+                self._log.log(logging.WARNING, ("old_ticket", peer_id), "a %s record of %s carries an admission "
+                              "ticket of an older swarmd (not bound to a time window): not taken as a member; that "
+                              "node must be upgraded", source, peer_id)
+            else:
+                self._log.log(logging.INFO, ("unadmitted", source), "a %s record of %s carries no admission to "
+                              "this swarm (a work ticket for its peer id and the time, or a place in state.allow): "
+                              "not taken as a member", source, peer_id)
             return False
         now = self._clock()
         is_new = self._upsert(record, expires=now + self.config.record_ttl, source=source, now=now)

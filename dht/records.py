@@ -69,16 +69,21 @@ def member_value_ok(owner: str, value: Any) -> bool:
     return _member_record(owner, value) is not None
 
 
-def member_check(admitted: Callable[[NodeRecord], bool]) -> ValueCheck:
+def member_check(admitted: Callable[[NodeRecord], bool | str],
+                 window: Callable[[], int] | None = None) -> ValueCheck:
     """The members key's check in a swarm that prices identities: one node record about its signer, and
     ``admitted`` by the swarm's rule (its ticket, or the allowlist); a record that is not is refused as
-    "unadmitted"."""
+    "unadmitted" (or the reason ``admitted`` names). ``window``: the time window the rule's verdicts hold in (a
+    record's ticket is bound to one): a value accepted in one window is checked again in the next."""
     def check(owner: str, value: Any) -> bool | str:
         record = _member_record(owner, value)
         if record is None:
             return False
-        return True if admitted(record) else "unadmitted"
+        verdict = admitted(record)
+        return True if verdict is True else verdict if isinstance(verdict, str) and verdict else "unadmitted"
 
+    if window is not None:
+        check.window = window
     return check
 
 
@@ -186,7 +191,9 @@ class Ed25519RecordValidator(_hm.RecordValidatorBase):
         self.checks["verified"] += 1
         if not ident.verify(owner, signed, signature):
             return "bad_signature"
-        value_digest = _digest(record.key, owner.encode(), stripped.value) if remember else None
+        window = getattr(check, "window", None)
+        value_digest = _digest(record.key, owner.encode(), stripped.value,
+                               b"" if window is None else str(window()).encode()) if remember else None
         if self._values_ok.seen(value_digest):
             self.checks["value_remembered"] += 1
         else:
@@ -289,7 +296,7 @@ class NodeRecord:
     version: str
     loops: tuple[str, ...]
     issued: float  # issuer's wall clock (seconds)
-    policy: str = ""  # the digest of its admission rule ("": not said, a node from before it was)
+    policy: str = ""  # the digest of its admission rule ("": not said, by an older node)
     ticket: int | None = None  # its admission ticket (crdt.admission), in an open swarm
 
     def to_wire(self) -> dict:

@@ -1,3 +1,3 @@
 """swarmd node: daemon lifecycle, CLI, configuration, HTTP status."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

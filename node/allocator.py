@@ -6,19 +6,19 @@ between two costs:
 
 - ``reuse`` (the default): blocks up to 32 MiB (glibc's ceiling for this threshold) come from one heap, and a
   freed block stays there for the next round (the heap gives memory back only when 1 GiB or more is free at its
-  top: with 64 MiB, the chunks a 109M-parameter round decodes, 27 MB each and 8 at once, were given back and
-  faulted in again, and rounds took 1.5x as long for the same peak). A round then finds its buffers already
-  mapped: no page faults, no unmapping. Measured (2026-11-29, 2-core machine): a node's page faults fell from
-  66,000 to 1,700 a round (8 peers, 25 MB updates), its CPU time by 20-28%; DiLoCo end to end (4 peers, 109M
-  parameters, e3m0) took 2.6 s from every update in to the combined one against 3.8-4.0 with ``release``, its peak
-  RSS 4.6-4.7 GB against 4.4-4.5 (README, Benchmarks: "The allocator").
+  top: with 64 MiB, the chunks a 109M-parameter round decodes, 27 MB each and 8 at once, are given back and
+  faulted in again, and rounds take 1.5x as long for the same peak). A round then finds its buffers already
+  mapped: no page faults, no unmapping. On a 2-core machine this cuts a node's page faults from 66,000 to 1,700 a
+  round (8 peers, 25 MB updates) and its CPU time by 20-28%; DiLoCo end to end (4 peers, 109M parameters, e3m0)
+  takes 2.6 s from every update in to the combined one against 3.8-4.0 with ``release``, for a peak RSS of 4.6-4.7
+  GB against 4.4-4.5 (``docs/loops/diloco.md``, Settings: ``node.memory``).
 - ``release``: every block of 1 MiB or more gets its own mapping, given back to the system when freed, and the
   smaller blocks come from at most 2 heaps. The least resident memory, at the cost of faulting every page of
   every large buffer in again each round (and unmapping it, which stops the process's other threads' CPUs).
 
 Either way the threshold is fixed: by default glibc raises it to the size of each large block freed, up to
 32 MiB, and each thread that allocates gets its own heap (up to 8 a core) that keeps what it freed; a node's
-resident size then grew round after round (46M parameters end to end: 3.8-4.0 GB, against 2.8 GB released)."""
+resident size then grows round after round (46M parameters end to end: 3.8-4.0 GB, against 2.8 GB released)."""
 
 from __future__ import annotations
 

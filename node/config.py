@@ -125,6 +125,17 @@ class StateSection(_Section):
 
 class HttpSection(_Section):
     listen: str = "127.0.0.1:8470"
+    # more names (or addresses) the endpoint answers to in the Host header, e.g. a LAN name for a node bound to
+    # 0.0.0.0; loopback names and the machine's own addresses are always allowed there
+    allowed_hosts: list[str] = Field(default_factory=list, max_length=64)
+
+    @field_validator("allowed_hosts")
+    @classmethod
+    def _allowed_hosts(cls, v: list[str]) -> list[str]:
+        for name in v:
+            if not re.fullmatch(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]|[0-9A-Fa-f:.]{2,45}", name):
+                raise ValueError(f"{name!r} is not a host name or address (no port, no scheme)")
+        return [f"[{n}]" if ":" in n and not n.startswith("[") else n.lower() for n in v]
 
     @field_validator("listen")
     @classmethod

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable
 
-from swarmd.crdt.admission import Admission
+from swarmd.crdt.admission import Admission, RecordTicket
 from swarmd.dht.discovery import Discovery, DiscoveryConfig
 from swarmd.node import __version__, allocator, datadir
 from swarmd.node.config import Config, parse_host_port
@@ -149,11 +149,11 @@ class Node:
             loops=self.loop_names,
             on_greeted=lambda peer_id: self.discovery.policy_ok(peer_id) and self.replicator.sync_soon(peer_id),
             policy=admission.policy(),
-            # the members key asks for the same price of an identity as the replicated state: a record with a
-            # ticket (or from the allowlist); our own ticket is the replicator's
-            admitted=lambda record: admission.admits(record.peer_id, "members",
-                                                     admission.payload(record.peer_id, record.ticket)) is None,
-            ticket=lambda: self.replicator.member_ticket(),
+            # the members key asks for the same price of an identity as the replicated state, paid again in each
+            # time window: a record with a ticket of this window or the last (or from the allowlist)
+            admitted=lambda record: admission.record_refusal(record.peer_id, record.ticket, time.time()) or True,
+            ticket=self._record_ticket,
+            window=lambda: admission.epoch(time.time()),
         )
         self.replicator = Replicator(
             identity,
@@ -168,6 +168,7 @@ class Node:
             compatible=self.discovery.policy_ok,
         )
         self.book = AddressBook(data_dir)
+        self.transport.set_standing(self.has_standing)
         self.reach = Reach(self.transport, identity.peer_id,
                            members=lambda: set(self.replicator.store.value("members")) | set(self.discovery.members),
                            connected=lambda: set(self.connected), book=self.book,
@@ -175,7 +176,7 @@ class Node:
                            window=d.split_window)
         self.http = StatusServer(self, *parse_host_port(config.http.listen),
                                  extra_routes=[r for svc in self.services for r in svc.routes()],
-                                 token=datadir.http_token(data_dir))
+                                 token=datadir.http_token(data_dir), allowed_hosts=config.http.allowed_hosts)
         self.recorder = Recorder(self)
         self.started_at: float | None = None
         self._started_mono: float | None = None
@@ -184,6 +185,10 @@ class Node:
         self.connected: dict[str, ConnectedPeer] = {}
         self._list_failures = 0
         self.peer_state: dict[str, PeerState] = {}
+        self._ctx: NodeContext | None = None  # the services' context, once the node runs
+        self._added: asyncio.Queue = asyncio.Queue()  # services started on the running node (add_service)
+        self._record_tickets = RecordTicket(admission, identity.peer_id)
+        self._record_ticket_lock = asyncio.Lock()
 
     def _replication_peers(self) -> list[str]:
         """Connected peers that are swarm members (discovered or in the CRDT member set) and judge authors by the
@@ -191,6 +196,28 @@ class Node:
         crdt_members = set(self.replicator.store.value("members"))
         return [p for p in self.connected if (p in self.discovery.members or p in crdt_members)
                 and self.discovery.policy_ok(p)]
+
+    async def _record_ticket(self) -> int | None:
+        """Our record's ticket for the current time window, minted off the event loop as a window begins: the
+        record published with it is then renewed."""
+        async with self._record_ticket_lock:
+            started, minted = time.monotonic(), self._record_tickets.minted
+            nonce = await asyncio.to_thread(self._record_tickets.at, time.time())
+            if self._record_tickets.minted != minted:
+                logger.info("record ticket for time window %d minted in %.1f s", self._record_tickets.epoch,
+                            time.monotonic() - started)
+        return nonce
+
+    def has_standing(self, peer_id: str) -> bool:
+        """A peer the inbound stream budget keeps room for: a swarm member (its record or its members op came
+        with an admission ticket, or the allowlist names it) or one of our bootstrap peers. Called per inbound
+        stream: lookups only."""
+        if peer_id in self.discovery.members:
+            return True
+        adds, removed = self.replicator.store.states.get("members", {}).get(peer_id, ((), ()))
+        if set(adds) - set(removed):
+            return True
+        return any(b.peer_id == peer_id for b in self.discovery.bootstrap)
 
     def is_direct(self, peer_id: str) -> bool:
         conn = self.connected.get(peer_id)
@@ -230,6 +257,7 @@ class Node:
                     punched=self.is_punched,
                     anchors=lambda: {b.peer_id for b in self.discovery.bootstrap},
                 )
+                self._ctx = ctx
                 for svc in self.services:
                     await svc.start(ctx)
                 await self.http.start()
@@ -253,7 +281,7 @@ class Node:
                             ("dashboard recorder", self.recorder.run),
                             ("replication", self.replicator.run),
                             *((svc.name, svc.run) for svc in self.services),
-                        ])
+                        ], self._added)
                     finally:
                         datadir.remove_runtime(self.data_dir)
                 finally:
@@ -269,6 +297,19 @@ class Node:
             datadir.remove_stale_sockets(self.data_dir)  # closed: any socket a close did not remove
             self.replicator.close()
             self.reach.close()
+
+    async def add_service(self, svc: Service) -> None:
+        """Start a service (a training loop) on the running node: what a script does that attaches a run to a node
+        it started before (``swarmd.DiLoCo``). It shows in /status and /metrics like the others; HTTP routes of its
+        own are not served (the endpoint's routes are fixed once it listens)."""
+        if self._ctx is None:
+            raise RuntimeError("the node is not running: attach the service before it starts")
+        if svc.routes():
+            logger.warning("%s: its HTTP routes are not served (the loop was attached after the node started)",
+                           svc.name)
+        self.services.append(svc)
+        await svc.start(self._ctx)
+        self._added.put_nowait((svc.name, svc.run))
 
     def runtime_info(self) -> dict:
         return {
@@ -473,8 +514,9 @@ async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay:
         delay = min(delay * 2, max_delay)
 
 
-async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> None:
+async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]], added: asyncio.Queue | None = None) -> None:
     """Run the node's background loops (each supervised) until they all end or this is cancelled; then end them all.
+    Loops put on ``added`` join them as they come (while ``added`` is given, this runs until cancelled).
 
     One cancellation is not always enough: on Python 3.11 ``asyncio.wait_for`` swallows a cancellation that lands
     just as the awaited future completes (fixed in 3.12), and a loop around it runs on, so a TaskGroup, which cancels
@@ -482,9 +524,21 @@ async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]]) -> N
     running is cancelled again every half second, up to SHUTDOWN_STEP_S; one still running then is named in a
     warning and abandoned."""
     tasks = {asyncio.create_task(supervise(name, run), name=f"loop: {name}"): name for name, run in loops}
+    arriving = None if added is None else asyncio.ensure_future(added.get())
     try:
-        await asyncio.wait(tasks)
+        while True:
+            running = [t for t in tasks if not t.done()]
+            if not running and arriving is None:
+                return
+            done, _ = await asyncio.wait([*running, *([arriving] if arriving else [])],
+                                         return_when=asyncio.FIRST_COMPLETED)
+            if arriving in done:
+                name, run = arriving.result()
+                tasks[asyncio.create_task(supervise(name, run), name=f"loop: {name}")] = name
+                arriving = asyncio.ensure_future(added.get())
     finally:
+        if arriving is not None:
+            arriving.cancel()
         await end_tasks(tasks)
 
 

@@ -63,7 +63,9 @@ def settings_for(loop: str, nodes: int, rounds: int | None) -> list[str]:
     _, section = LOOPS[loop]
     items = [f"loops.{section}.min_peers={nodes}",
              "state.admission_bits=12",  # one machine: cheap membership tickets (a real swarm keeps 22)
-             f'node.swarm="demo-{secrets.token_hex(3)}"',  # its own swarm: never mixes with another demo's nodes
+             # its own swarm, named at random: never mixes with another demo's nodes, and no admission ticket for
+             # it can be minted before it exists (cheap 12-bit tickets are cheap only from then on)
+             f'node.swarm="demo-{secrets.token_hex(8)}"',
              'node.log_level="warning"',
              f"loops.{section}.threads=1"]  # several nodes on one machine: one compute thread each
     if rounds is not None:

@@ -4,6 +4,38 @@ it, tests call it on a status they make up)."""
 from __future__ import annotations
 
 
+# what each cause of a failed hole punch means and what the user can do (node.nat classifies them)
+FORWARD = ("forward a TCP port on the router to this node and start with --announce /ip4/<public ip>/tcp/<port>, "
+           "or turn on port mapping (network.port_mapping = true) if the router speaks UPnP / NAT-PMP")
+PUNCH_CAUSES = {
+    "our-mapping": "this node's NAT gives each destination its own port (a symmetric NAT): no peer can aim at it, "
+                   "so hole punching from here cannot work; " + FORWARD,
+    "their-mapping": "the peer's NAT changes the port (symmetric): hole punching to it cannot work; the peer (or "
+                     "this node) can " + FORWARD.replace("this node", "it"),
+    "closed": "the hole-punched connection closed while it was handed to the p2p daemon, again on the attempts made "
+              "at once after it: a firewall or NAT that resets new connections, or a peer that restarted",
+    "timeout": "no packet got through although both NATs keep the port: a firewall or NAT that filters inbound "
+               "connections even after ours went out (or drops unsolicited SYNs with a long delay); " + FORWARD,
+}
+
+
+def punch_hints(nat: dict, relayed: list[str]) -> list[str]:
+    """Why the last hole punches failed, one hint per cause, and what to do."""
+    failed = {}
+    for p in nat.get("punches", []):
+        if not p.get("ok"):
+            failed.setdefault(p.get("cause") or "timeout", []).append(p["peer"][-8:] if p.get("peer") else "?")
+    if nat.get("mapping") in ("changed", "varies") and relayed:
+        failed.setdefault("our-mapping", [])
+    hints = []
+    for cause, peers in failed.items():
+        who = f" (last with {', '.join(dict.fromkeys(peers))})" if peers else ""
+        hints.append(f"hole punching failed{who}: {PUNCH_CAUSES.get(cause, cause)}; the relay keeps working")
+    if not hints and nat.get("punch_attempts", 0) and not nat.get("punch_successes", 0):
+        hints.append("hole punching has not succeeded yet; the relay keeps working")
+    return hints
+
+
 def diagnose(s: dict) -> dict:
     """A doctor's report from a node's /status (pure: tested on its own)."""
     nat = s.get("services", {}).get("nat", {})
@@ -27,10 +59,12 @@ def diagnose(s: dict) -> dict:
                     + ("; the listen port is kept (endpoint-independent mapping likely: hole punching can work)"
                        if kept else "; the port changes (a symmetric NAT likely: hole punching will fail)"))
     punches = nat.get("punches", [])
+    last = punches[0] if punches else None
     punch = (f"{nat.get('punch_successes', 0)} of {nat.get('punch_attempts', 0)} attempts succeeded"
              + (f" (and {nat.get('punch_served_ok', 0)} of {nat.get('punch_served', 0)} that peers started)"
                 if nat.get("punch_served") else "")
-             + (f"; last: {'ok' if punches[0]['ok'] else punches[0].get('error')}" if punches else ""))
+             + ("" if last is None else "; last: ok" if last["ok"] else
+                f"; last: failed ({last.get('cause', 'error')}: {last.get('error')})"))
     hints = []
     reach = s["reachability"]
     if not s["peers"] and not s.get("bootstrap"):
@@ -51,10 +85,7 @@ def diagnose(s: dict) -> dict:
         hints.append(f"{len(relayed)} peer(s) only through a relay: control traffic works, bulk transfers go "
                      "through peers with a direct path; forwarding a port (or port_mapping = true) makes this "
                      "node directly reachable")
-    if nat.get("punch_attempts", 0) and not nat.get("punch_successes", 0):
-        hints.append("hole punching has not succeeded: a NAT that changes the port for each destination "
-                     "(symmetric), or a firewall that drops inbound SYNs even after ours went out, blocks it; the "
-                     "relay keeps working")
+    hints += punch_hints(nat, [p["peer_id"] for p in relayed])
     split = s.get("split") or {}
     if split.get("suspected"):
         hints.append(f"split: {split['lost']} of the {split['known']} members this node knows are reached neither "

@@ -6,8 +6,12 @@ the page loads nothing from elsewhere).
 Bound to 127.0.0.1 by default: it is for the person running the node, not for the swarm, nor for the web pages that
 person's browser opens. So every request passes :func:`StatusServer._guard` first:
 
-- ``Host`` must name the address we are bound to (a DNS-rebinding page reaches us under its own name): else 421;
-- a request with an ``Origin`` that is not ours (a cross-site form or fetch) is refused: 403;
+- ``Host`` must name the address we are bound to (a DNS-rebinding page reaches us under its own name): else 421.
+  Bound to 0.0.0.0 or :: (a container, a LAN node), the name in ``Host`` (any port: a published port differs from
+  ours) must be a loopback name, one of this machine's own addresses, its host name, or one of
+  ``http.allowed_hosts``;
+- a request with an ``Origin`` that is not ours (a cross-site form or fetch) is refused: 403. Ours is the endpoint's
+  own origin: ``http://<an allowed Host>``, the Host of the request itself when bound to 0.0.0.0 or ::;
 - anything but GET/HEAD needs ``Authorization: Bearer <token>``, the secret in ``<data dir>/http.token`` (mode 0600;
   ``swarmd write`` reads it): else 401;
 - a body over the route's limit (or a body without a Content-Length) is refused before it is read: 413 / 411.
@@ -25,6 +29,7 @@ import ipaddress
 import asyncio
 import json
 import logging
+import socket
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,12 +68,15 @@ BODY_LIMITS = {
     "/bulk": 1 << 30,  # a blob to announce (the node holds it in memory)
 }
 DEFAULT_BODY_LIMIT = 4 * KIB
+MAX_BODY_DEPTH = 32  # JSON nesting of a POST /crdt body (a value in the store is at most 8 deep: crdt/types.py)
 MAX_OPS_PER_WRITE = 1000  # ops signed in one POST /crdt (each is an Ed25519 signature on the event loop)
 
 
 class StatusServer:
-    def __init__(self, node: Node, host: str, port: int, extra_routes: list = (), token: str | None = None):
+    def __init__(self, node: Node, host: str, port: int, extra_routes: list = (), token: str | None = None,
+                 allowed_hosts: list[str] = ()):
         self.node = node
+        self._allowed_names = {n.lower() for n in allowed_hosts}  # the user's own names, at any port
         self._extra_routes = list(extra_routes)
         self.host = host
         self.port = port
@@ -122,6 +130,40 @@ class StatusServer:
             names |= {"localhost", "127.0.0.1", "[::1]"}
         self._hosts = {f"{n}:{port}" for n in names}
         self._origins = {f"http://{h}" for h in self._hosts}
+        self._unspecified = self.host in ("0.0.0.0", "::", "")
+        self._names = self._local_names() if self._unspecified else set()
+        self._names_at = time.monotonic()
+
+    def _local_names(self) -> set[str]:
+        """The names a request to an endpoint bound to every address may carry in Host: loopback names, this
+        machine's (container's) own addresses and host name, the unspecified address itself, the user's names."""
+        names = {"localhost", "127.0.0.1", "[::1]", "0.0.0.0", "[::]", *self._allowed_names}
+        try:
+            import psutil
+
+            for addrs in psutil.net_if_addrs().values():
+                for a in addrs:
+                    if a.family in (socket.AF_INET, socket.AF_INET6):
+                        ip = a.address.split("%")[0]
+                        names.add(f"[{ip.lower()}]" if ":" in ip else ip)
+        except (ImportError, OSError):
+            pass
+        hostname = socket.gethostname().lower()
+        if hostname:
+            names |= {hostname, hostname.split(".")[0]}
+        return names
+
+    def _host_ok(self, host: str) -> bool:
+        if host in self._hosts:
+            return True
+        name = _host_name(host)
+        if name in self._allowed_names:
+            return True
+        if not self._unspecified:
+            return False
+        if name not in self._names and time.monotonic() - self._names_at > 30.0:
+            self._names, self._names_at = self._local_names(), time.monotonic()  # an address added since
+        return name in self._names
 
     # ------------------------------------------------------------------ the guard
     def _refuse(self, kind: str, status: int, message: str, request: web.Request) -> web.Response:
@@ -135,12 +177,12 @@ class StatusServer:
 
     @web.middleware
     async def _guard(self, request: web.Request, handler):
-        unspecified = self.host in ("0.0.0.0", "::", "")
-        if not unspecified and request.headers.get("Host", "") not in self._hosts:
-            return self._refuse("bad_host", 421, "Host must be the address this node's endpoint is bound to",
-                                request)
+        host = request.headers.get("Host", "")
+        if not self._host_ok(host):
+            return self._refuse("bad_host", 421, "Host must name this node's endpoint (a loopback name, one of "
+                                "its addresses or a name in http.allowed_hosts)", request)
         origin = request.headers.get("Origin")
-        if origin is not None and origin not in self._origins and not unspecified:
+        if origin is not None and origin not in self._origins and origin.lower() != f"http://{host.lower()}":
             return self._refuse("foreign_origin", 403, "requests from other origins are refused", request)
         if request.method not in ("GET", "HEAD"):
             supplied = request.headers.get("Authorization", "")
@@ -181,20 +223,25 @@ class StatusServer:
         """Local writes: ``{"ops": [{"object": name, "payload": {...}}, ...]}``; answers once they are fsync'd."""
         try:
             body = await request.json()
+            if _deeper_than(body, MAX_BODY_DEPTH):
+                return self._refuse("bad_body", 400, f"the body is nested deeper than {MAX_BODY_DEPTH} levels",
+                                    request)
             items = [(item["object"], item["payload"]) for item in body["ops"]]
             if not items or not all(isinstance(o, str) and isinstance(p, dict) for o, p in items):
                 raise ValueError
             if len(items) > MAX_OPS_PER_WRITE:
                 return self._refuse("too_many_ops", 413, f"at most {MAX_OPS_PER_WRITE} ops per request", request)
+        except RecursionError:
+            return self._refuse("bad_body", 400, f"the body is nested deeper than {MAX_BODY_DEPTH} levels", request)
         except (ValueError, KeyError, TypeError):
-            return web.json_response({"error": 'expected {"ops": [{"object": str, "payload": {...}}, ...]}'},
-                                     status=400)
+            return self._refuse("bad_body", 400, 'expected {"ops": [{"object": str, "payload": {...}}, ...]}',
+                                request)
         try:
             ops = await self.node.replicator.write_many(items)
         except WritesPaused as e:
             return web.json_response({"error": str(e)}, status=503)
         except ValueError as e:
-            return web.json_response({"error": f"rejected: {e}"}, status=422)
+            return self._refuse("rejected_write", 422, f"rejected: {e}", request)
         except OSError as e:  # the log cannot persist them (disk full): nothing was applied
             return web.json_response({"error": f"not written: {e}"}, status=503)
         return web.json_response({"ops": [{"id": op.id.hex(), "seq": op.seq} for op in ops],
@@ -217,6 +264,28 @@ class StatusServer:
         body, content_type = item
         return web.Response(body=body, content_type=content_type, charset="utf-8",
                             headers={"Cache-Control": "max-age=3600", **PAGE_HEADERS})
+
+
+def _deeper_than(value, limit: int) -> bool:
+    """Whether parsed JSON nests lists/maps more than ``limit`` deep (walked without recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else ()
+        for child in children:
+            if isinstance(child, (dict, list)):
+                if depth + 1 > limit:
+                    return True
+                stack.append((child, depth + 1))
+    return False
+
+
+def _host_name(host: str) -> str:
+    """The name part of a Host header, lower case: 'Example:80' -> 'example', '[::1]:8470' -> '[::1]'."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else ""
+    return host.rpartition(":")[0] if ":" in host else host
 
 
 def _loopback(host: str) -> bool:

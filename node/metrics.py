@@ -131,6 +131,11 @@ class NodeCollector:
         punch.add_metric(["attempt"], nat.counters["punch_attempts"])
         punch.add_metric(["success"], nat.counters["punch_successes"])
         yield punch
+        failed = CounterMetricFamily("swarmd_hole_punch_failed", "Hole punches we started that failed, by cause "
+                                     "(after the retries made at once)", labels=["cause"])
+        for cause in ("closed", "our_mapping", "their_mapping", "timeout"):
+            failed.add_metric([cause], nat.counters[f"punch_failed_{cause}"])
+        yield failed
         answered = CounterMetricFamily("swarmd_hole_punch_answered", "Hole punches peers started with us",
                                        labels=["result"])
         answered.add_metric(["attempt"], nat.counters["punch_served"])
@@ -166,6 +171,8 @@ LOOP_SERIES = [
     ("deadlines_missed", "swarmd_loop_deadlines_missed", "Rounds that closed at the deadline without a peer "
      "they waited for", True),
     ("peers_missed", "swarmd_loop_peers_missed", "Peers a round waited for and closed without, summed", True),
+    ("task_mismatch", "swarmd_loop_task_mismatch", "Messages ignored as another task's (only those of peers with "
+     "standing or a direct link to us can mark the loop refused)", True),
 ]
 
 

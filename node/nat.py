@@ -25,7 +25,8 @@ from swarmd.transport.errors import MalformedMessage, ProtocolViolation, Transpo
 from swarmd.transport.multiaddrs import split_peer_addr, validate_peer_addr
 from swarmd.transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply, public)
-from swarmd.transport.punch import simultaneous_open
+from swarmd.transport.penalties import TokenBuckets
+from swarmd.transport.punch import PairTaken, simultaneous_open
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ class NatService:
     PUNCH_BACKOFF = 15.0  # after a failure, wait this long, doubling up to 10 minutes
     PUNCH_DIAL_TIMEOUT = 4.0  # covers the kernel's SYN retransmissions at 1 s and 3 s
     MAX_RESPONDING = 4  # punches we answer at once
+    PUNCH_TRIES = 3  # attempts in a row when the first fails in a way a retry can fix (see punch)
+    PUNCH_BURST = 4  # punches a peer may start with us at once (a retry comes right after a failure), 1 per 5 s more
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0, member_addrs=None, data_dir=None, hole_punching: bool = True,
@@ -96,13 +99,16 @@ class NatService:
         self.probes: list[dict] = []  # latest first
         self.counters: dict[str, int] = {"probes": 0, "dialbacks_ok": 0, "dialbacks_failed": 0,
                                          "punch_attempts": 0, "punch_successes": 0, "punch_served": 0,
-                                         "punch_served_ok": 0}
+                                         "punch_served_ok": 0, "punch_failed_closed": 0,
+                                         "punch_failed_our_mapping": 0, "punch_failed_their_mapping": 0,
+                                         "punch_failed_timeout": 0}
         self.last_probe: float | None = None
         self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
         self.punches: list[dict] = []  # latest first
-        self._punch_served_at: dict[str, float] = {}
+        self._punch_budget = TokenBuckets(0.2, self.PUNCH_BURST)
         self._relayed_since: dict[str, float] = {}
         self._responding: set[asyncio.Task] = set()
+        self._responding_to: dict[str, asyncio.Task] = {}  # peer -> its hole punch we are answering
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
@@ -191,14 +197,73 @@ class NatService:
         ips = sorted({ip_of(o)[0] for o in self.observed})
         return [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}" for ip in ips][:4]
 
-    async def punch(self, conn) -> bool | None:
-        """DCUtR-style, over the relayed connection: exchange predicted addresses (measuring the round trip), SYNC,
-        then both sides connect to each other at once (``transport.punch``) and hand the socket to their daemon,
-        this side as the dialer. The relayed connection stays up until the direct one exists."""
-        peer = conn.peer_id
+    def _candidates(self) -> list[str]:
+        """What we send a peer to punch to: the predicted addresses (our listen port), then the addresses peers
+        observed us at where the NAT changed the port (it may keep that mapping for other destinations too)."""
+        seen = [o for o in sorted(self.observed, key=self.observed.get, reverse=True) if ip_of(o)]
+        return list(dict.fromkeys(self._predicted() + seen))[:4]
+
+    def mapping(self) -> str:
+        """Our NAT's mapping as AutoNAT answers show it: "kept" (peers see our listen port), "changed" (one other
+        port), "varies" (a different port for different peers: a symmetric NAT), or "unknown"."""
         port = self._listen_port()
+        ports = {ip_of(o)[1] for o in self.observed if ip_of(o)}
+        if not ports or port is None:
+            return "unknown"
+        if ports == {port}:
+            return "kept"
+        return "changed" if len(ports) == 1 else "varies"
+
+    async def punch(self, conn) -> bool | None:
+        """DCUtR-style, over the relayed connection: exchange candidate addresses (measuring the round trip),
+        SYNC, then both sides connect to each other at once (``transport.punch``) and hand the socket to their
+        daemon, this side as the dialer. The relayed connection stays up until the direct one exists.
+
+        A hand-over whose punched connection closed (the NATs let us through) is retried at once, from the same
+        ports, as is a first simultaneous open that timed out (the peer's SYNs may have left late); up to
+        ``PUNCH_TRIES`` attempts. None: the peer did not take part (no attempt made)."""
+        peer = conn.peer_id
         started = time.monotonic()
         entry = {"peer": peer, "at": time.time()}
+        outcome = None
+        for tries in range(1, self.PUNCH_TRIES + 1):
+            again = await self._punch_once(conn)
+            if again is None:  # the peer did not take part (this time)
+                if outcome is None:
+                    return None
+                tries -= 1
+                break
+            outcome = again
+            ok, cause, detail = outcome
+            if ok or cause not in ("closed", "timeout") or (cause == "timeout" and tries > 1) \
+                    or tries == self.PUNCH_TRIES:
+                break
+            logger.info("hole punch to %s: attempt %d failed (%s: %s); trying again at once", peer, tries, cause,
+                        detail)
+            await self._back_to_relay(peer, conn)  # the next attempt is asked for over the relay
+        ok, cause, detail = outcome
+        seconds = round(time.monotonic() - started, 3)
+        if not ok:
+            self.counters["punch_failed_" + cause.replace("-", "_")] += 1
+            self.punches = [{**entry, "ok": False, "cause": cause, "error": detail[:160], "tries": tries,
+                             "seconds": seconds}] + self.punches[:11]
+            logger.info("hole punch to %s failed after %d attempt(s) (%s: %s); staying on the relay", peer, tries,
+                        cause, detail)
+            await self._back_to_relay(peer, conn)
+            return False
+        self.counters["punch_successes"] += 1
+        self.punches = [{**entry, "ok": True, "seconds": seconds, "tries": tries}] + self.punches[:11]
+        logger.info("hole punch to %s succeeded in %.2f s (attempt %d): direct connection %s", peer, seconds, tries,
+                    detail)
+        return True
+
+    async def _punch_once(self, conn) -> tuple[bool, str, str] | None:
+        """One attempt: (True, "", the direct address) or (False, cause, what failed); None if the peer did not
+        take part. Causes: "closed" (the punched connection closed in the hand-over), "our-mapping" / "their-
+        mapping" (no SYN got through, and our / the peer's NAT changes the port), "timeout" (no SYN got through,
+        the ports kept: a firewall or filtering NAT, or SYNs lost)."""
+        peer = conn.peer_id
+        port = self._listen_port()
         try:
             stream = await self.transport.open_stream(peer, PUNCH_SPEC, timeout=5)
         except TransportError as e:
@@ -207,7 +272,7 @@ class NatService:
         closing = None
         try:
             sent = time.monotonic()
-            await stream.send(CONNECT, {"addrs": self._predicted()})
+            await stream.send(CONNECT, {"addrs": self._candidates()})
             reply = await asyncio.wait_for(stream.read_required(), 10)
             rtt = time.monotonic() - sent
             theirs = parse_addrs(reply.body)
@@ -224,23 +289,45 @@ class NatService:
         self.counters["punch_attempts"] += 1
         try:
             await asyncio.sleep(rtt / 2)
-            sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
-            await self.transport.adopt(peer, sock, dialer=True, timeout=10)
-            now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
-            if now is None or now.path is not PathType.PUNCHED:
-                raise TransportError("the new connection is not the punched one")
-        except (TransportError, ProtocolViolation, OSError) as e:  # TimeoutError is an OSError
-            self.punches = [{**entry, "ok": False, "error": str(e)[:160] or type(e).__name__}] + self.punches[:11]
-            logger.info("hole punch to %s failed (%s); staying on the relay", peer, e)
-            await self._back_to_relay(peer, conn)
-            return False
+            try:
+                sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
+            except PairTaken:  # the NATs let new connections in: an ordinary dial is enough
+                return await self._dial_direct(peer, theirs)
+            except OSError as e:  # TimeoutError is an OSError
+                return False, self._no_syn_cause(theirs), str(e) or type(e).__name__
+            try:
+                await self.transport.adopt(peer, sock, dialer=True, timeout=10)
+                now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
+                if now is None or not now.path.direct:
+                    raise TransportError("the new connection is not the punched one")
+            except (TransportError, ProtocolViolation, OSError) as e:
+                return False, "closed", str(e) or type(e).__name__
         finally:
             await closing
-        self.counters["punch_successes"] += 1
-        seconds = time.monotonic() - started
-        self.punches = [{**entry, "ok": True, "seconds": round(seconds, 3)}] + self.punches[:11]
-        logger.info("hole punch to %s succeeded in %.2f s: direct connection %s", peer, seconds, now.addrs[0])
-        return True
+        return True, "", now.addrs[0]
+
+    async def _dial_direct(self, peer: str, theirs: list[tuple[str, int]]) -> tuple[bool, str, str]:
+        """The peer's SYN reached our listener, so new connections pass the NATs: replace the relayed connection
+        with an ordinary dial to the peer's addresses (the p2p daemon dials from another port)."""
+        addrs = [f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{p}" for ip, p in theirs[:4]]
+        try:
+            await self.transport.redial(peer, addrs, timeout=10.0)
+            now = {p.peer_id: p for p in await self.transport.peers()}.get(peer)
+            if now is None or not now.path.direct:
+                raise TransportError("the new connection is not a direct one")
+        except TransportError as e:
+            return False, "closed", f"direct dial: {e}"
+        return True, "", now.addrs[0]
+
+    def _no_syn_cause(self, theirs: list[tuple[str, int]]) -> str:
+        if self.mapping() in ("changed", "varies"):
+            return "our-mapping"
+        ports: dict[str, set] = {}
+        for ip, p in theirs:
+            ports.setdefault(ip, set()).add(p)
+        if any(len(v) > 1 for v in ports.values()):  # the peer was seen at another port than it listens on
+            return "their-mapping"
+        return "timeout"
 
     async def _back_to_relay(self, peer: str, conn) -> None:
         """A failed hand-over may have closed the relayed connection (the dialer's daemon drops it first)."""
@@ -252,33 +339,36 @@ class NatService:
             logger.warning("could not reconnect to %s through the relay: %s", peer, e)
 
     async def _serve_punch(self, stream) -> None:
-        """The responder's side: answer with our predicted addresses, wait for SYNC, then connect (in a task of its
-        own: the relayed connection carrying this stream may close when the direct one takes over). At most one
-        attempt per peer per 5 s and ``MAX_RESPONDING`` at once, so a peer cannot make us send many SYNs."""
+        """The responder's side: answer with our candidate addresses, wait for SYNC, then connect (in a task of its
+        own: the relayed connection carrying this stream may close when the direct one takes over). At most
+        ``PUNCH_BURST`` attempts per peer, one more every 5 s (a retry follows a failed attempt at once), and
+        ``MAX_RESPONDING`` at once, so a peer cannot make us send many SYNs."""
         request = await asyncio.wait_for(stream.read_required(), 10)
         if request.kind != CONNECT:
             raise MalformedMessage("punch: expected CONNECT")
         theirs = parse_addrs(request.body)
-        now = time.monotonic()
         port = self._listen_port()
-        busy = (now - self._punch_served_at.get(stream.peer_id, -1e9) < 5.0
-                or len(self._responding) >= self.MAX_RESPONDING)
-        if busy or port is None or not self.hole_punching or not self.relay_client or not theirs \
-                or not self._predicted():
+        refuse = (port is None or not self.hole_punching or not self.relay_client or not theirs
+                  or not self._predicted() or len(self._responding) >= self.MAX_RESPONDING)
+        if refuse or not self._punch_budget.allow(stream.peer_id):
             await stream.send(CONNECT, {"addrs": []})
             await stream.close(linger=2.0)
             return
-        self._punch_served_at[stream.peer_id] = now
-        if len(self._punch_served_at) > 1024:
-            self._punch_served_at = {p: t for p, t in self._punch_served_at.items() if now - t < 5.0}
-        await stream.send(CONNECT, {"addrs": self._predicted()})
+        stale = self._responding_to.get(stream.peer_id)
+        if stale is not None and not stale.done():  # the peer gave up on that one: free its ports for this one
+            stale.cancel()
+            await asyncio.gather(stale, return_exceptions=True)
+        await stream.send(CONNECT, {"addrs": self._candidates()})
         sync = await asyncio.wait_for(stream.read_required(), 10)
         if sync.kind != SYNC:
             raise MalformedMessage("punch: expected SYNC")
         self.counters["punch_served"] += 1
         task = asyncio.ensure_future(self._respond(stream.peer_id, port, theirs[:4]))
         self._responding.add(task)
+        self._responding_to[stream.peer_id] = task
         task.add_done_callback(self._responding.discard)
+        task.add_done_callback(lambda t, p=stream.peer_id: self._responding_to.get(p) is t
+                               and self._responding_to.pop(p))
 
     async def _respond(self, peer: str, port: int, theirs: list[tuple[str, int]]) -> None:
         try:
@@ -346,6 +436,7 @@ class NatService:
             "reachability": self.transport.reachability.value,
             "detected": self.transport.detected_reachability.value,
             "observed_addrs": sorted(self.observed),
+            "mapping": self.mapping(),
             "relay_client": self.relay_client,
             "relay_service": self.relay_service,
             "relays": self.relays,

@@ -1,8 +1,8 @@
-"""Split detection and healing (issue 17): does this node still reach the swarm it knows, and if not, get back.
+"""Split detection and healing: does this node still reach the swarm it knows, and if not, get back.
 
 Swarms split: a partition, a flapping link or a restarted router leaves two groups of nodes that each still work,
-and that never see each other again unless someone dials across (hivemind's issue #624). The DHT will not do it:
-each half's routing tables drop the other half, and its records expire.
+and that never see each other again unless someone dials across (a known problem of hivemind's swarms). The DHT will
+not do it: each half's routing tables drop the other half, and its records expire.
 
 How a node knows
 - every ``interval`` it asks up to ``per_round`` connected members (the least recently confirmed first) over
@@ -28,7 +28,8 @@ How it heals
 
 What it says: ``/status`` -> ``split``, ``swarmd doctor``'s hints, ``/metrics`` (``swarmd_split_*``). Neighbours'
 answers are untrusted: bounded, rate-limited per peer, and at worst they make us think a lost peer is reached through
-them (a split is then seen through the other neighbours, or later).
+them (a split is then seen through the other neighbours, or later). The user's view: ``docs/guides/join-a-swarm.md``,
+Splits.
 """
 
 from __future__ import annotations
@@ -55,8 +56,8 @@ ASK, ANSWER = 1, 2
 MAX_REPORTED = 1024
 REACH_SPEC = ProtocolSpec("reach", "1.0.0", max_frame=16 + 9 * MAX_REPORTED + 64, kinds=frozenset({ASK, ANSWER}))
 # the same frames, many asks a stream: an asker that asks every connected member each interval (a swarm of up to
-# ``per_round`` + 1) keeps one stream to each. A stream opened per ask was most of an idle node's CPU at 16 nodes
-# (its p2p daemon's and its own: 54% of a core for the 16 against 25% with no asks; bench notes in the README)
+# ``per_round`` + 1) keeps one stream to each. A stream opened per ask costs most of an idle node's CPU at 16 nodes
+# (its p2p daemon's and its own: 54% of a core for the 16 against 25% with no asks)
 REACH_KEPT_SPEC = ProtocolSpec("reach", "1.1.0", max_frame=REACH_SPEC.max_frame, kinds=REACH_SPEC.kinds)
 KEPT_IDLE = 4.0  # seconds: an asker asks on a kept stream only this soon after its last ask (a server keeps it 5 s
 # at least: ``Reach.keep_open``)
@@ -143,7 +144,7 @@ class Reach:
         self._isolated_since: float | None = None
         self._dialing: dict[str, asyncio.Task] = {}
         self._links: dict[str, tuple[Stream, float]] = {}  # peer -> (our reach/1.1.0 stream to it, its last ask)
-        self._one_shot: set[str] = set()  # connected peers that serve reach/1.0.0 only (a node before 1.1.0)
+        self._one_shot: set[str] = set()  # connected peers that serve reach/1.0.0 only (an older node)
         self.counters: collections.Counter = collections.Counter()
         self._started = clock()
         self._asks = TokenBuckets(rate=2.0, burst=10.0, clock=clock)

@@ -341,7 +341,7 @@ class Replicator:
             resolved = []
             for obj, payload in items:
                 if obj in self.store.schema and isinstance(self.store.schema[obj], ORSet) \
-                        and isinstance(payload, dict) and set(payload) == {"rm"}:
+                        and isinstance(payload, dict) and set(payload) == {"rm"} and isinstance(payload["rm"], str):
                     payload = {"rm": payload["rm"], "tags": ORSet.live_tags(self.store.states[obj], payload["rm"])}
                 resolved.append((obj, payload))
             bodies, refusal = self.store.draft(self.identity.peer_id, resolved, self._now_ms())

@@ -1,8 +1,8 @@
 """A procedurally generated, verifiable task family for RL post-training (the SAPO loop's default task).
 
 A question is fully determined by a *task spec* ``(generator id, version, seed, index)``: anyone can regenerate the
-question and its exact answer from the spec, so a peer never has to be trusted with ground truth. The family follows
-``../shared/protocols.md`` 2.4: four specialties over single digits a, b, c, with a two-digit answer, so a random
+question and its exact answer from the spec, so a peer never has to be trusted with ground truth. The family has
+four specialties over single digits a, b, c, with a two-digit answer (``docs/loops/sapo.md``), so a random
 policy is right about 1% of the time (a sparse reward, the regime where sharing rollouts helps):
 
     A: a + b          B: a * b mod 100          C: |a - b| + c          D: a + b + c

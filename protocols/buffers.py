@@ -1,15 +1,16 @@
 """Float32 buffers a round needs every time (the update's flat copy, the combined update, the chunks a reducer
 decodes), kept for the next round instead of freed and allocated again.
 
-Each round of a 25 MB update allocated about 125 MB of such buffers afresh. glibc (node/allocator.py, ``reuse``)
-keeps freed blocks, but an aligned block of the same size rarely fits the hole the last one left, so the heap grew
-for a dozen rounds, every new page faulting in (a node: 10-20 thousand faults a second in the first rounds of the
-exchange bench, its resident size rising from 250 to 870 MB for a 25 MB model), and the first rounds took up to
-three times a later one. Taken from here, a buffer is the one the last round gave back: mapped, no faults.
+Allocated afresh, each round of a 25 MB update would take about 125 MB of such buffers. glibc (node/allocator.py,
+``reuse``) keeps freed blocks, but an aligned block of the same size rarely fits the hole the last one left, so the
+heap would grow for a dozen rounds, every new page faulting in (a node: 10-20 thousand faults a second in the first
+rounds of the exchange bench, its resident size rising from 250 to 870 MB for a 25 MB model), and the first rounds
+would take up to three times a later one. Taken from here, a buffer is the one the last round gave back: mapped, no
+faults.
 
 A buffer is given back only where nothing else can still see it: its Python object referenced by the
 caller alone, and its storage by no view (torch's use count). Anything held elsewhere (a checkpoint being written,
-a redo's inputs, a numpy view) is left to the collector, as before. The pool holds at most ``max_bytes``; 0 keeps
+a redo's inputs, a numpy view) is left to the collector. The pool holds at most ``max_bytes``; 0 keeps
 nothing (node.memory = "release": memory given back at once)."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ Wire (TCP): request ``u32 length | msgpack {"hash", "peer", "ts", "sig"}``; repl
 (status 0 ok, 1 unknown hash, 2 refused). A connection carries further requests, one after another, each
 answered in full before the next is sent (a server keeps an idle one KEEPALIVE s; a client keeps its idle ones in a
 ``ConnectionPool`` for less), so a round's pulls from one source reuse one connection: no new TCP handshake, and on
-a real link no new slow start, for each chunk. A server that closes after one reply (before 2026-12-02) is still
+a real link no new slow start, for each chunk. A server that closes after one reply (an older node) is still
 understood: a pooled connection closed before its reply is retried once on a new one. A server holds at most
 ``max_served()`` connections at once; at a new one past that it closes one that waits for a request, the longest
 waiting of the host with the most waiting (a flood of idle connections from one host closes its own), counted
@@ -212,7 +212,7 @@ LOWAT = 256 << 10  # a body's socket wakes us when this much has come at most (S
 WAKE_EVERY = 0.05  # s: ... or what the transfer's rate brings in that long, whichever is less
 HOLD = 4 * WAKE_EVERY  # s: bytes held in the kernel this long without a read (a source that paused) are read then
 IDLE_TIMEOUT = 30.0  # a source that sends nothing for this long is dropped
-KEEPALIVE = 10.0  # s a server waits for a connection's next request (its first: the same 10 s as before)
+KEEPALIVE = 10.0  # s a server waits for a connection's next request (and for its first)
 POOL_IDLE = 5.0  # s a client keeps an idle connection (under KEEPALIVE: the server closes it after the client)
 POOL_PER_ADDR = 4  # idle connections kept to one source (a round pulls a few chunks of one source at once)
 POOL_MAX = 64  # ... and to all sources together
@@ -237,10 +237,9 @@ def max_served() -> int:
 def _large_buffer(size: int) -> mmap.mmap | bytearray:
     """A receive buffer for a body over GROW: anonymous memory of its whole size, whose pages the kernel provides
     as bytes are written into them, so it holds what actually arrived (a source announcing 4 GiB and sending 1 MiB
-    costs 1 MiB), with no copy as it fills. (Before 2026-12-02 a bytearray from GROW, doubled as bytes came: a
-    256 MiB body was allocated 1.9x over in fresh pages and copied once on the way, 0.24 s of a 0.45 s pull on
-    loopback.) Where the kernel refuses to map the size (an overcommit limit), a bytearray of GROW that
-    ``get_buffer`` doubles, as before."""
+    costs 1 MiB), with no copy as it fills. (A bytearray from GROW, doubled as bytes come, allocates a 256 MiB
+    body 1.9x over in fresh pages and copies it once on the way: 0.24 s of a 0.45 s pull on loopback.) Where the
+    kernel refuses to map the size (an overcommit limit), a bytearray of GROW that ``get_buffer`` doubles."""
     try:  # private: plain anonymous memory, as a bytearray's (a shared mapping's pages are shmem)
         return mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     except (OSError, OverflowError, ValueError):
@@ -299,7 +298,7 @@ class _Receiver(asyncio.BufferedProtocol):
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, nbytes)
             self.lowat = nbytes
         except (OSError, AttributeError):
-            return  # a transport without a socket option: every read wakes us, as before
+            return  # a transport without a socket option: every read wakes us
         if nbytes > 1 and self.release is None:
             self.release = asyncio.get_running_loop().call_later(HOLD, self._release)
 
@@ -748,8 +747,8 @@ class BulkService:
 
     async def _peer_hosts(self) -> dict[str, set[str]]:
         """For each connected peer, the IP hosts of its direct connections (cached for a second). One listing at a
-        time: the pulls that start together (a round's chunks, as its announcements come) wait for the same one (each
-        asked the daemon for its own before: 6% of a node's main thread in a round at N = 8)."""
+        time: the pulls that start together (a round's chunks, as its announcements come) wait for the same one (a
+        listing asked of the daemon for each pull costs 6% of a node's main thread in a round at N = 8)."""
         now = self._clock().monotonic()
         if self._hosts_cache is not None and now - self._hosts_cache[0] < 1.0:
             return self._hosts_cache[1]
@@ -773,7 +772,7 @@ class BulkService:
     # ------------------------------------------------------------------ serving
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """A connection's requests, one after another: each read whole and answered whole before the next is read;
-        the connection closed once none came for KEEPALIVE s (its first: 10 s, as when a connection carried one), at
+        the connection closed once none came for KEEPALIVE s (its first too), at
         the client's end, or at the first bad request."""
         self.counters["connections"] += 1
         peername = writer.get_extra_info("peername")

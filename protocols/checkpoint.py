@@ -5,7 +5,8 @@ temporary file, fsync'd, renamed, the directory fsync'd): a crash leaves the old
 one. Tensors named ``model.<parameter name>`` are the model's weights (what ``swarmd export`` writes out); others
 (``outer.<n>``, ``state.<name>``, DiLoCo's ``feedback.<n>``) are the loop's own state. The metadata (strings) says
 which loop, run, round and step, the weights' hash, the run's fingerprint, and how to rebuild the task (spec and
-options), so a file can be checked before it is used and exported without the config.
+options), so a file can be checked before it is used. The task named there is only a label: nothing imports it
+(`swarmd export --pretrained` rebuilds the model from the user's config or --task, never from a file).
 """
 
 from __future__ import annotations

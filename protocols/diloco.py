@@ -41,6 +41,7 @@ from swarmd.protocols.bulk import BulkError, BulkService, content_hash
 from swarmd.protocols.gossip import Gossip, Message, Verdict
 from swarmd.protocols.inner import SwarmAdamW, lr_scale, scale_lr
 from swarmd.protocols.standing import EARN, FRESH_EVERY, check_peer_ids, fresh_round, next_fresh_round
+from swarmd.protocols.steps import StepsEnded, UserSteps
 from swarmd.protocols.task import Task, TaskError
 from swarmd.protocols.taskloop import TAG, TaskLoop
 from swarmd.transport import clock
@@ -477,6 +478,8 @@ class DilocoLoop(TaskLoop):
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
         self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
+        # the inner steps of a user's own training loop (swarmd.DiLoCo) in place of ours on the task's data
+        self.user_steps: UserSteps | None = None
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -581,7 +584,17 @@ class DilocoLoop(TaskLoop):
         return self.cfg.rounds or math.inf
 
     async def run(self) -> None:
-        await self._guarded(self._run)
+        await self._guarded(self._run_until_left)
+
+    async def _run_until_left(self) -> None:
+        try:
+            await self._run()
+        except StepsEnded:  # the user's script left the run (swarmd.DiLoCo): keep where it got to
+            await asyncio.to_thread(self._save_checkpoint)
+            await self._last_progress()
+            self.state = "left"
+            logger.info("diloco run %s left by the training script at step %d (checkpoint saved)", self.cfg.run,
+                        self.step)
 
     async def _run(self) -> None:
         self.threads = tasks.set_threads(self.cfg.threads)
@@ -769,8 +782,26 @@ class DilocoLoop(TaskLoop):
         return sum(recent) / len(recent) if recent else None
 
     async def _train_step(self) -> None:
-        """One inner step, off the event loop (the seam a simulation paces with simulated compute time)."""
-        await asyncio.to_thread(self._inner_step)
+        """One inner step, off the event loop (the seam a simulation paces with simulated compute time): ours on the
+        task's data, or the one the user's own loop takes (``user_steps``, swarmd.DiLoCo)."""
+        if self.user_steps is None:
+            await asyncio.to_thread(self._inner_step)
+            return
+        loss = await self.user_steps.next_step()
+        if loss is not None:
+            self._record_loss(loss)
+
+    def _record_loss(self, value: float) -> bool:
+        """Keep a step's training loss; a non-finite one withholds our updates until a round gives us the global
+        weights back (False)."""
+        if not math.isfinite(value):
+            for p in range(self.cfg.fragments):
+                self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
+            self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
+            return False
+        self.train_loss = value
+        self._recent_losses.append(value)
+        return True
 
     def lr_factor(self) -> float:
         """The factor on the inner optimizer's base learning rate at our current inner step (``lr_schedule``)."""
@@ -791,9 +822,7 @@ class DilocoLoop(TaskLoop):
         if not math.isfinite(value):
             # this peer's training went wrong: no backward, no step, and our updates are withheld until a round
             # closes and gives us the global weights back
-            for p in range(self.cfg.fragments):
-                self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
-            self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
+            self._record_loss(value)
             return
         loss.backward()
         self._schedule_lr()
@@ -801,8 +830,7 @@ class DilocoLoop(TaskLoop):
         # the gradients are not held between steps: a round's exchange, whose transients are the node's peak of
         # memory, runs between two steps (4 bytes a parameter: 0.44 GB for a 109M model)
         self.inner_opt.zero_grad(set_to_none=True)
-        self.train_loss = value
-        self._recent_losses.append(value)
+        self._record_loss(value)
 
     # ------------------------------------------------------------------ sending and closing a round
     async def _send_update(self, p: int, r: int) -> None:

@@ -1,4 +1,4 @@
-"""The arithmetic of a round's reduce-scatter + all-gather (issue 15), pure and deterministic (no I/O).
+"""The arithmetic of a round's reduce-scatter + all-gather, pure and deterministic (no I/O).
 
 An update of ``n`` values is cut into ``part_count(n)`` parts of fixed element ranges (the same for every peer and
 round), each encoded on its own. At a round's close the participants are put in an order drawn from the round
@@ -8,7 +8,7 @@ combines the participants' chunks of its part with the same rule as the all-to-a
 clip factor, from the norms every participant announced with its update, then the mean in sorted peer order),
 encodes the result with the run's ``reduced_codec`` (its codec, or e3m0 for 1-bit sign updates) and everyone
 adopts those bytes: every peer ends with the same combined
-update, bit for bit, whoever reduced what.
+update, bit for bit, whoever reduced what (``docs/design/exchange.md``).
 
 The round's decisions are here too, as functions of what arrived (the DiLoCo loop is the I/O around them: pulls,
 publishes, waits): whose updates a round combines (``screen_members``), whether a reducer's part is one to take
@@ -47,8 +47,8 @@ def part_count(n: int, want: int) -> int:
 # ``parts = "auto"``: the number of parts follows the swarm. A scatter round's busiest peer takes in (N - 1)/N x S of
 # chunks for the parts it reduces, as much of the others' combined parts, and, when it audits a part, that part's
 # N - 1 chunks: (N - 1)/parts x S more. With 16 parts at N = 16 that audit alone is about S (2.50 x S in at the
-# busiest peer, bench_exchange); so the parts double until the whole fits BYTES_BUDGET x S: 16 (AUTO_PARTS_MIN, the
-# fixed default before) up to N = 8, 32 to N = 12, 64 to N = 22, 128 to N = 44, then MAX_PARTS
+# busiest peer, bench_exchange); so the parts double until the whole fits BYTES_BUDGET x S: 16 (AUTO_PARTS_MIN) up
+# to N = 8, 32 to N = 12, 64 to N = 22, 128 to N = 44, then MAX_PARTS
 AUTO_PARTS_MIN = 16
 AUTO_PARTS = tuple(AUTO_PARTS_MIN << i for i in range((MAX_PARTS // AUTO_PARTS_MIN).bit_length()))  # 16 ... 256
 BYTES_BUDGET = 2.2  # x S, a scatter round's bytes in at its busiest peer, audits included
@@ -136,11 +136,11 @@ class RateMeter:
 # the link probe before a run's first round: each founder times pulls of blobs the others serve for it (derived
 # from the server's id: nothing to announce, and no two peers' alike, so none is already held), PROBE_SIZES in
 # turn, until one takes MIN_BUSY (it timed the link, not the latency) or PROBE_SECONDS are spent. Without it round 0
-# had no rates: peers behind 50 kB/s uplinks got parts to reduce and the others' spans were a guess, the round
-# ended on 4 weights, and a run with two such uplinks of 4 never came back together (the simulator). Small: it
+# has no rates: peers behind 50 kB/s uplinks get parts to reduce and the others' spans are a guess, the round
+# ends on 4 weights, and a run with two such uplinks of 4 never comes back together (the simulator). Small: it
 # only has to tell a slow uplink from the others (a fast link's rate, latency and all, is still far above it), and
 # its bytes are on top of the exchange's (sizes up to 1/2 and 4 MiB cost a 4-peer run of a 0.15 MB update 1.8
-# updates a peer, and the exchange test's bound of 2.2 x its update a round failed)
+# updates a peer, past the exchange test's bound of 2.2 x its update a round)
 PROBE_SIZES = (1 << 14, 1 << 18)
 PROBE_SECONDS = 2.0
 
@@ -174,7 +174,7 @@ def probe_rate(pulls: Sequence[tuple[int, float, bool]]) -> float | None:
 def slow_last(chain, weights: dict[str, int]) -> tuple[str, ...]:
     """A round's chain of coordinators with the members measured slow (a rate weight under WEIGHT_FULL) moved to
     its end, each group in its order: a coordinator publishes the parts list after its own pulls, which a congested
-    uplink holds up behind its uploads (the simulator: a slow coordinator's parts combined a minority's chunks)."""
+    uplink holds up behind its uploads (in the simulator a slow coordinator's parts combine a minority's chunks)."""
     return tuple(sorted(chain, key=lambda a: weights.get(a, WEIGHT_FULL) < WEIGHT_FULL))
 
 
@@ -196,8 +196,8 @@ def measured_rates(members, reports: dict[str, dict[bytes, int]], short) -> dict
 def fastest_first(peers: Sequence[str], rates: Mapping[str, int]) -> list[str]:
     """``peers`` in the order to take a checkpoint from them: by ``rates`` (what we last received from each in a
     round), the fastest first; a peer not measured counts as fast as the fastest (nothing says it is slow), and
-    ties keep the given order. A checkpoint is the whole model: taken from a peer behind a slow uplink it took 47 s
-    in the simulator (2 MB at 50 kB/s), the rounds moved on meanwhile, and that uplink, busy serving it, held up
+    ties keep the given order. A checkpoint is the whole model: taken from a peer behind a slow uplink it takes 47 s
+    in the simulator (2 MB at 50 kB/s), the rounds move on meanwhile, and that uplink, busy serving it, holds up
     the peer's own round too."""
     known = [rates[a] for a in peers if a in rates]
     top = max(known, default=0)
@@ -274,8 +274,8 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
     """The round's audited parts (``audited_parts``) and their auditors: each by a peer other than its reducer, the
     first after it in the round's order that audits fewer than ceil(audited / N) parts (parts placed before move
     where that makes room), so no peer audits more than its share: an audit pulls its part's chunks, (N - 1)/parts
-    x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts were
-    both drawn audited both, and its bytes in went from 2.2 to 2.6 x S at N = 8). Where every other peer already
+    x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts are
+    both drawn audits both, and its bytes in go from 2.2 to 2.6 x S at N = 8). Where every other peer already
     has its share (a reducer of many of the drawn parts), the least loaded other peer audits. Every peer computes
     the same plan from the round and its agreed order."""
     n = len(ordered)
@@ -288,7 +288,7 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
     held: list[list[int]] = [[] for _ in range(n)]  # peer -> the parts it audits
     # a peer that reduces more than an even share of the parts (its rate weight above others', or the others'
     # below: 8 processes on 2 cores measure each other several times apart) already takes in more chunks: it
-    # audits last. Reducing 3 of 16 parts at N = 8 and auditing one, it took in 2.56 x S; one of 2 parts, 2.19
+    # audits last. Reducing 3 of 16 parts at N = 8 and auditing one, it takes in 2.56 x S; one of 2 parts, 2.19
     share = -(-parts // n)
     busy = collections.Counter(owners or ())
 
@@ -324,9 +324,9 @@ def audited_parts(run: str, r: int, p: int, parts: int, fraction: float) -> list
     """The parts of this round that are audited, drawn from the round, so every peer agrees and no reducer knows
     before the round closes (its parts come from the round's members) which of its parts will be checked. Where
     ``fraction`` x ``parts`` is one or more, exactly that many (rounded up or down at random, so that many on
-    average): with each part drawn on its own, 64 parts at N = 16 had more than 16 audited in about 4 rounds of
-    10, and then some peer audited two. Below one, each part on its own (``audited``), as before: such a round
-    audits at most one part or so either way."""
+    average): with each part drawn on its own, 64 parts at N = 16 have more than 16 audited in about 4 rounds of
+    10, and then some peer audits two. Below one, each part on its own (``audited``): such a round audits at most
+    one part or so either way."""
     if fraction >= 1.0:
         return list(range(parts))
     want = fraction * parts
@@ -471,8 +471,8 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
     shifts[j])`` is within that quantization of the dot product of the vectors themselves. Why exact: a peer's
     screen must decide as every other peer's does (an auditor that screens otherwise than a part's reducer disputes
     an honest part). A float dot product's low bits follow its summation order, which BLAS chooses by thread count
-    and CPU vector width (the float32 products before 2026-12-01 differed between 1 and 2 threads for 16 vectors,
-    and between MKL's SSE4.2, AVX2 and AVX-512 kernels), and a cosine within rounding of the limit would then fall
+    and CPU vector width (float32 products differ between 1 and 2 threads for 16 vectors, and between MKL's
+    SSE4.2, AVX2 and AVX-512 kernels), and a cosine within rounding of the limit would then fall
     either side.
     Here every product and every partial sum of a block is an integer below 2**53, exact in float64 whatever the
     order; the blocks' sums are added as integers. Block by block over the values (GRAM_BLOCK of each vector in one
@@ -522,7 +522,8 @@ def gram(vectors: Sequence[torch.Tensor]) -> tuple[list[list[int]], list[int]]:
         rows = block[:, :min(GRAM_BLOCK, n - start)]
         for i in used:
             # times a power of two (exact), then half to even: the same integers everywhere; one compiled pass
-            # (the float64 copy, the scaling and the rounding were three, 7 of a call's 13 ms for 8 x 780K values)
+            # (as three passes, the float64 copy, the scaling and the rounding take 7 of a call's 13 ms for 8 x 780K
+            # values)
             if flat[i] is not None:
                 kernels.quantize(flat[i][start:start + rows.shape[1]], scales[i], rows[i].numpy())
             else:
@@ -607,8 +608,8 @@ REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (
                "rule (4); parts assigned by reported rates (5); the screen's dot products exact, on values "
                "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1)")
 
-# the rule's text before the screen's products were exact (9803d69 and before, back to 9ccee58): a checkpoint that
-# version saved is resumed (DilocoLoop._build's earlier fingerprints), its nodes never met in a round
+# the rule's text of the version whose screen took its dot products by blocks, not exactly: a checkpoint that
+# version saved is resumed (DilocoLoop._build's earlier fingerprints), while its nodes never join ours in a round
 REDUCE_RULE_BEFORE_EXACT = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by "
                             "audit_plan, a fixed share of parts, reducers of over an even share last (7); all-to-all "
                             "combines by the same rule (4); parts assigned by reported rates (5); the screen's dot "
@@ -618,7 +619,7 @@ REDUCE_RULE_BEFORE_EXACT = ("clip-scaled, summed in sorted peer order, divided b
 def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size: int) -> torch.Tensor:
     """The combined part: the clip-scaled chunks summed one by one in sorted peer order, then divided by their
     count (zeros if none arrived). Elementwise operations only, in a fixed order, no reduction kernel whose
-    summation order depends on the shape (torch's mean over a stack summed small parts in another order than
+    summation order depends on the shape (torch's mean over a stack sums small parts in another order than
     large ones), and no stacked copy of every chunk (5.7x faster for 8 chunks of 3.1M values)."""
     if not chunks:
         return torch.zeros(size)
@@ -627,7 +628,7 @@ def reduce_part(chunks: dict[str, torch.Tensor], factors: dict[str, float], size
     flat = [_flat_f32(chunks[a]) for a in peers]
     if all(x is not None and x.size == flat[0].size for x in flat):
         # one compiled pass a chunk, each product rounded, then added (no fused multiply-add): the bits of the
-        # torch passes below, in 3 memory streams a chunk where those had 5 (a product buffer written and read)
+        # torch passes below, in 3 memory streams a chunk where those take 5 (a product buffer written and read)
         out, factor = torch.empty(flat[0].size, dtype=torch.float32), scale.numpy()
         kernels.scaled_copy(out.numpy(), flat[0], factor[0])
         for i in range(1, len(peers)):

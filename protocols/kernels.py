@@ -1,5 +1,5 @@
-"""Single passes over an update's values, compiled (numba): what the codecs and the exchange did in a dozen torch
-passes each, one loop that reads each value once. Each gives the bits of the torch code it replaced, bit for bit
+"""Single passes over an update's values, compiled (numba): what the codecs and the exchange would do in a dozen
+torch passes each, one loop that reads each value once. Each gives the bits of its torch equivalent, bit for bit
 (tests/test_kernels.py compares them on every kind of value): peers compare reduced parts byte for byte, so a node
 with these kernels and a node without them must agree.
 
@@ -112,7 +112,7 @@ def _e3m0(x, block, sqrt2, scales16, data, feedback, measure, values, decoded, l
                 dropped += np.float64(rest) * np.float64(rest)
                 if write:
                     decoded[a + i] = v
-        elif measure:  # (its own loop: with the feedback test inside one loop, this path took 5% longer)
+        elif measure:  # (its own loop: with the feedback test inside one loop, this path takes 5% longer)
             for i in range(k):  # what the others decode: its squares, and the values where asked
                 c = min(max(np.int32(127) - (yi[i] >> np.int32(23)), np.int32(0)), np.int32(7)) | sign[i]
                 v = values[c] * s
@@ -213,7 +213,7 @@ def scaled_copy(out, x, factor):
 @njit(**_OPTS)
 def _quantize_into(x, scale, out):
     """out = rint(float64(x) * scale), half to even (``quantize``'s and ``gram_rows``'s loop; 1-d slices: indexing
-    the 2-d rows value by value in the loop took 3.5x as long)."""
+    the 2-d rows value by value in the loop takes 3.5x as long)."""
     for t in range(x.size):
         out[t] = np.rint(np.float64(x[t]) * scale)
 

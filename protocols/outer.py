@@ -1,9 +1,10 @@
-"""Outer-step primitives for DiLoCo and Streaming DiLoCo (``../shared/protocols.md`` section 1): fragments, the outer
+"""Outer-step primitives for DiLoCo and Streaming DiLoCo (``docs/loops/diloco.md``): fragments, the outer
 Nesterov optimizer, robust combination of peers' pseudo-gradients, adaptive round deadlines, and the wait every
 loop's round (DiLoCo, SPSA, SAPO) closes with.
 
-Everything is deterministic given its inputs: peers are always combined in sorted peer-id order and reduced with
-``torch.stack(...).mean(0)``, so every node that combines the same set of updates gets bit-identical global weights.
+Everything is deterministic given its inputs: peers are always combined in sorted peer-id order, each operation
+rounded on its own in a fixed order (``exchange.reduce_part``), so every node that combines the same set of updates
+gets bit-identical global weights.
 """
 
 from __future__ import annotations
@@ -67,8 +68,8 @@ WEIGHTS_HASH = "blake3-128"
 
 
 def _fp32_bytes(tensors: list[torch.Tensor]):
-    """Each tensor's fp32 values as a uint8 array of its own buffer, in order: a bytes copy of each was a transient
-    the size of the weights."""
+    """Each tensor's fp32 values as a uint8 array of its own buffer, in order (a bytes copy of each would be a
+    transient the size of the weights)."""
     for t in tensors:
         yield t.detach().to("cpu", torch.float32).contiguous().view(-1).view(torch.uint8).numpy()
 
@@ -76,8 +77,8 @@ def _fp32_bytes(tensors: list[torch.Tensor]):
 def params_hash(tensors: list[torch.Tensor]) -> str:
     """The weights' hash: BLAKE3 of their fp32 bytes in order, 16 bytes as hex, on every core from the bulk store's
     threshold (``bulk.hasher``). Computed every round on the whole model (and once more on the fragment that
-    changed), while the training loop waits: BLAKE2b, before, took 72 ms for 100 MB of weights on the 2-core
-    machine (about 3 s a round for a 1B-parameter model), BLAKE3 7.5 ms."""
+    changed), while the training loop waits: BLAKE3 takes 7.5 ms for 100 MB of weights on a 2-core machine, BLAKE2b
+    72 ms (about 3 s a round for a 1B-parameter model)."""
     h = hasher(4 * sum(t.numel() for t in tensors))
     for data in _fp32_bytes(tensors):
         h.update(data)
@@ -85,8 +86,8 @@ def params_hash(tensors: list[torch.Tensor]) -> str:
 
 
 def params_hash_before_blake3(tensors: list[torch.Tensor]) -> str:
-    """The weights' hash of the version before WEIGHTS_HASH (BLAKE2b-128 of the same bytes): only to check a
-    checkpoint saved by it, which a node still resumes from (``DilocoLoop._resume_own``)."""
+    """The weights' hash that older versions saved in place of WEIGHTS_HASH (BLAKE2b-128 of the same bytes): only
+    to check a checkpoint saved by one, which a node still resumes from (``DilocoLoop._resume_own``)."""
     h = hashlib.blake2b(digest_size=16)
     for data in _fp32_bytes(tensors):
         h.update(data)
@@ -116,15 +117,15 @@ class OuterNesterov:
             raise ValueError("fragment size mismatch")
         step = grad if consume else torch.empty_like(grad)
         if all(_kernel_ready(t) for t in (buf, grad, params_flat)):
-            # one compiled pass, the same operations in the same order (kernels.nesterov): 6 passes and a
-            # hundred slices' torch calls before
+            # one compiled pass, the same operations in the same order (kernels.nesterov), where the torch path
+            # below takes 6 passes and a hundred slices' torch calls
             kernels.nesterov(buf.numpy(), grad.numpy(), params_flat.numpy(), np.float32(self.momentum),
                              np.float32(-self.lr), step.numpy())
             return step
         buf.mul_(self.momentum).add_(grad)
         # g + mu * buf as a product, then a sum, then -lr x that plus theta: each operation rounded on its own.
         # torch's add(alpha=) is one fused multiply-add in its AVX2 and AVX-512 kernels and a product and a sum in
-        # its scalar ones (CPUs without AVX2), so peers on other CPUs stepped to other bits from the same update.
+        # its scalar ones (CPUs without AVX2), so peers on other CPUs would step to other bits from the same update.
         # Slice by slice, through one small product buffer: no temporary the size of the fragment
         product = torch.empty(min(STEP_SLICE, buf.numel()), dtype=buf.dtype, device=buf.device)
         for start in range(0, buf.numel(), STEP_SLICE):
@@ -208,7 +209,7 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
         return None, rejected
     if method == "clipped_mean":
         # the scatter exchange's rule on whole updates (``exchange.reduce_part``): the same bits whichever way a
-        # round combines, and no stacked copies (a stack, its scaled copy and the mean held 2N + 1 updates at
+        # round combines, and no stacked copies (a stack, its scaled copy and the mean hold 2N + 1 updates at
         # once: 28 GB for 3 peers of a 1B model)
         return exchange.reduce_part(good, exchange.clip_factors(norms, clip), size), rejected
     stacked = torch.stack([good[peer] for peer in sorted(good)])

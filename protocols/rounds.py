@@ -74,9 +74,9 @@ def count_listed(ready: dict, unlisted: dict, direct, cap: int) -> None:
 def majority(votes: Mapping[str, str], salt: str = "") -> str:
     """The weight hash most voters report (``votes``: voter -> hash). A tie goes to the side of the voter drawn
     first for ``salt`` (the run and round): every peer picks the same side, no peer picks it by what it sends, and
-    the pick does not hang on the weights' bytes. (Ties went to the larger hash: a peer could win every tie by
-    nudging its weights, and since a hash differs with the CPU's float kernels, the simulator's runs took other
-    sides on other machines.)"""
+    the pick does not hang on the weights' bytes. (Were ties to go to the larger hash, a peer could win every tie
+    by nudging its weights, and since a hash differs with the CPU's float kernels, runs would take other sides on
+    other machines.)"""
     counts = collections.Counter(votes.values())
     top = max(counts.values())
     tied = {h for h, c in counts.items() if c == top}
@@ -190,10 +190,10 @@ class RoundWait:
         if not self.expected <= have:
             if self._held and have & self.waited and not (self.expected - have) & coming:
                 # held past the deadline because no one's contribution was here, and now one is: the hold is over,
-                # and only contributions on their way are waited for still. Waiting on for every expected peer, a
-                # peer whose uplink had served a joiner's checkpoint (so its pulls came after the deadline) waited
-                # for a peer killed meanwhile to deadline_high, closed after the others had stopped waiting for its
-                # view, and resynced (the simulator)
+                # and only contributions on their way are waited for still. Were it to wait on for every expected peer,
+                # a peer whose uplink serves a joiner's checkpoint (so its pulls come after the deadline) would wait
+                # for a peer killed meanwhile to deadline_high, close after the others have stopped waiting for its
+                # view, and resync (the simulator shows it)
                 return None
             return self.end - now
         quiet = self.slots - have
@@ -213,8 +213,8 @@ class RoundWait:
         until ``longest`` s after it ``began`` while peers it waits for are still in the run (``heard``: when a
         message of each last came; within 2 x ``longest``), and once someone's contribution is here, only for those on
         their way (``remaining``'s ``coming``). Returns how many such peers (0: close now). A round
-        closed alone gives the others nothing to follow: a swarm with two slow uplinks of 4 split into solo runs,
-        each peer taking a checkpoint from one that had moved on by the time it came. Peers gone for good are not
+        closed alone gives the others nothing to follow: a swarm with two slow uplinks of 4 splits into solo runs,
+        each peer taking a checkpoint from one that has moved on by the time it comes. Peers gone for good are not
         heard from, so a peer left alone closes its rounds again at the deadline."""
         if have & self.waited or self.end >= began + longest:
             return 0
@@ -402,8 +402,8 @@ class Sources:
     completions scores above 0. A source is *useless* when its last ``streak`` items all missed, and an honest policy
     whose hit rate is a quarter of the median of the other sources' recent hit rates (our own policy's included)
     would miss that many in a row with probability below ``USELESS_ALPHA``: ``(1 - median / 4) ** streak < 1e-6``.
-    That bound holds however a policy's right answers are spread over questions (counting completions as trials,
-    as this did first, is exact only for a policy whose every completion is right at random, independently).
+    That bound holds however a policy's right answers are spread over questions (counting completions as trials
+    is exact only for a policy whose every completion is right at random, independently).
     Garbage and wrong answers get there; so does an honest policy more than 4x weaker than the typical peer's,
     whose completions teach nobody anything either (a group whose completions all score 0 carries no advantage).
     A median, so one strong peer does not make the others useless, and a flood of sources that score nothing

@@ -1,6 +1,6 @@
 """Seed-based SPSA (MeZO-style zeroth-order fine-tuning) at about one byte per step per peer.
 
-The algorithm (``../shared/protocols.md`` 3.4), per step t and peer i:
+The algorithm (``docs/loops/spsa.md``), per step t and peer i:
 
 - seed(t, i) = BLAKE2b-64(run id || t || peer id) >> 1; seeds are derived, never sent;
 - z ~ N(0, I) in the fixed parameter order (the model's), from a CPU generator seeded with it: 16-bit integer
@@ -66,9 +66,9 @@ HISTORY = 1024  # evaluated losses kept for /status and the dashboard (a run may
 KEEP_APPLIED = 4  # closed windows whose batches stay decoded (a window's steps apply the one before; the log keeps
 # every window's bytes)
 # a log is many small signed batches (5 objects per >= 220 B, ~40 B an object): one decoded object per 32 B beyond
-# 64 KiB, not the default 64 (a log past ~700 KB, about 900 windows of 4 peers, was refused as too dense, and no
-# joiner could replay it: found by the SPSA kill bench). Served in parts of whole windows (2.0.0; 1.0.0 sent the
-# whole log in one frame of at most 32 MiB, which bounded an open run's length to ~40,000 windows of 4 peers)
+# 64 KiB, not the default 64 (at the default a log past ~700 KB, about 900 windows of 4 peers, is refused as too
+# dense, and no joiner can replay it). Served in parts of whole windows, so no frame bounds an open run's length
+# (one frame of at most 32 MiB holds ~40,000 windows of 4 peers)
 LOG_SPEC = ProtocolSpec("spsa-log", "2.0.0", max_frame=16 << 20, kinds=frozenset({1, 2}), item_bytes=32)
 LOG_PART_BYTES = 2 << 20  # a part of a served log: whole windows, until about this many bytes
 MAX_LOG_BYTES = 1 << 30  # the signed batches a joiner takes from one log (~1.5 M windows of 4 peers; the log is
@@ -278,10 +278,10 @@ _fp32_said = False
 
 def exact_fp32() -> None:
     """Float32 matmuls and cuDNN convolutions in full precision (no TF32) from here on, whatever a task set: an
-    auditor compares our losses with its own, computed on another device, within AUDIT_REL. Measured on an H200
-    (bench/bench_audit.py): fp32 on the GPU is within 2.6e-7 of the CPU, TF32 matmuls up to 4.6e-5 (an honest
-    peer failed 1 audit in 400); PyTorch turns TF32 on for convolutions by default. Process-wide: every loop of a
-    node that runs SPSA computes float32 without TF32. (The legacy flags: reading them raises once the newer
+    auditor compares our losses with its own, computed on another device, within AUDIT_REL. On an H200
+    (``docs/benchmarks/audit.md``): fp32 on the GPU is within 2.6e-7 of the CPU, TF32 matmuls up to 4.6e-5 (an
+    honest peer fails about 1 audit in 400); PyTorch turns TF32 on for convolutions by default. Process-wide: every
+    loop of a node that runs SPSA computes float32 without TF32. (The legacy flags: reading them raises once the newer
     per-backend ``fp32_precision`` API has set them inconsistently.)"""
     global _fp32_said
     try:
@@ -301,9 +301,9 @@ def exact_fp32() -> None:
 
 # z: each value a draw of Z_BITS bits from the seeded CPU generator (torch.randint: integer arithmetic, the same
 # on every CPU) looked up in a table of the standard normal's quantiles at the midpoints of 2^Z_BITS bins of equal
-# probability (float32; symmetric, |z| <= 4.325, variance 0.99998). torch.randn drew other low bits with torch's
+# probability (float32; symmetric, |z| <= 4.325, variance 0.99998). torch.randn draws other low bits with torch's
 # scalar kernels (a CPU without AVX2) than with its AVX2 ones (38% of 100,000 values), so peers on other CPUs
-# applied other perturbations; this is the same bits everywhere, and costs what randn did
+# would apply other perturbations; this is the same bits everywhere, and costs what randn does
 Z_BITS = 16
 
 
@@ -486,7 +486,7 @@ class BaseReceiver:
         return base_digest(self._views)
 
     def finite(self) -> bool:
-        # one min-max pass a tensor (a bool tensor of every value, then its all(), took 40x as long)
+        # one min-max pass a tensor (a bool tensor of every value, then its all(), takes 40x as long)
         return all(codecs.all_finite(t) for t in self.tensors)
 
 
@@ -908,7 +908,7 @@ class SPSALoop(TaskLoop):
         window = self.windows[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
-        # fresh key that joined and went quiet stalled every fresh window by the deadline). Our own batch is in
+        # fresh key that joined and went quiet would stall every fresh window by the deadline). Our own batch is in
         # the window like anyone's: we wait for it too
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
@@ -921,7 +921,7 @@ class SPSALoop(TaskLoop):
         self.applied[w] = {a: m for a, m in window.batches.items()
                            if (a in expected or a in slots) and a not in self.convicted}
         # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
-        # check sends whoever is off to resync) is applied as before, but cannot be audited. An author that stays
+        # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
         # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
         # other weights so as not to be audited, and is convicted
         other = self._other_weights(w)
@@ -954,8 +954,8 @@ class SPSALoop(TaskLoop):
             self._publish(JOIN, {"w": w + 2, "join": True})
         self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
         self.windows.pop(w, None)
-        for old in [x for x in self.applied if x < w - KEEP_APPLIED]:  # a run without end kept every window's
-            del self.applied[old]  # decoded batches: memory that grew with the run, on top of the log's bytes
+        for old in [x for x in self.applied if x < w - KEEP_APPLIED]:  # a run without end would keep
+            del self.applied[old]  # every window's decoded batches: memory growing with the run, beside the log
 
     def _expected(self, w: int) -> set[str]:
         joins = self.windows[w].joins - set(self.convicted)
@@ -994,7 +994,8 @@ class SPSALoop(TaskLoop):
             # and log we had replayed when our weights left the majority's after all the others: they led us here
             # (a base need not be the one its server's weights came from, and nothing in the bytes tells; no
             # penalty, an honest peer a moment off the run serves that too). Asked first again, as the smallest id
-            # among the holders, one sent us round for the whole run; two took turns where only the last was last
+            # among the holders, one could send us round for the whole run; with only the last of them put last,
+            # two could take turns
             if self._replayed_from is not None:
                 rounds.keep_latest(self._led_off, self._replayed_from, None, MAX_PEER_ENTRIES)
             self._resync_from = sorted(verdict.holders, key=lambda a: (a in self._led_off, not self._ctx.direct(a)))
@@ -1180,11 +1181,11 @@ class SPSALoop(TaskLoop):
             self._publish(JOIN, {"w": self.join_at, "join": True})
             # the peers we replayed on, and the authors of the log's window before its last where the log leads to
             # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
-            # is its server's word alone; a server that added six fresh keys' batches had them credited as
-            # founders, for good, and their votes outweighed the run's); the last window's authors earn credit as
+            # is its server's word alone; a server that added six fresh keys' batches would have them credited
+            # as founders, for good, and their votes would outweigh the run's); the last window's authors earn credit as
             # newcomers do, unless they are among those. Where nothing told (its server is the one peer we trust,
             # a bootstrap peer the user chose, or the others said nothing of that window: we started after it),
-            # the authors of its last two windows, as before: without them we would not wait for the peers the
+            # the authors of its last two windows: without them we would not wait for the peers the
             # others wait for, and close windows without them
             windows = sorted(self.applied)
             before_last = set(self.applied[windows[-2]]) if len(windows) >= 2 else set()
@@ -1246,8 +1247,8 @@ class SPSALoop(TaskLoop):
     async def _base_from(self, peer: str) -> bool:
         """Ask ``peer``, whose log we are about to replay, for its base model, and take it where it is not ours (the
         same trust as in its log: the peers we replay from are the ones whose word counts, or two direct ones).
-        True if we took it. A peer that serves no base (a version before bases were served, or one still building
-        its own) leaves ours as it is, as before; one whose base is not ours but does not send it raises (its log
+        True if we took it. A peer that serves no base (an older version, or one still building its own) leaves
+        ours as it is; one whose base is not ours but does not send it raises (its log
         would replay onto the wrong weights: the caller tries another peer), and one that sends a base other than
         it announced is penalised (raises)."""
         fetched = await self._fetch_base(peer)
@@ -1417,7 +1418,7 @@ class SPSALoop(TaskLoop):
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
         # a message that says again what its author said already (new gossip id, same content) is taken but not
         # forwarded: honest peers say each thing once (a ready is repeated only to direct peers, which keep it),
-        # and 100 fresh keys repeating their junk every second had every honest node verify and relay it again
+        # and 100 fresh keys repeating their junk every second would have every honest node verify and relay it again
         if kind is HASH:
             if self.hashes.get(w, {}).get(author) == body["h"][:16]:
                 return self._repeated()

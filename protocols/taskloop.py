@@ -104,8 +104,8 @@ class TaskLoop:
         return body
 
     def _foreign(self, author: str, body: dict) -> bool | None:
-        """None: the body's tag matches ours (go on); False: malformed (reject); True: another task (ignore, and
-        remembered: a run whose peers all train something else is refused)."""
+        """None: the body's tag matches ours (go on); False: malformed (reject); True: another task (ignore, and,
+        from a peer that vouches for itself, remembered: a run whose peers all train something else is refused)."""
         tag = body.pop("t", None)
         if not (isinstance(tag, list) and len(tag) == 2 and all(isinstance(x, str) and len(x) <= 32 for x in tag)):
             return False
@@ -113,11 +113,22 @@ class TaskLoop:
             self.mismatched.pop(author, None)
             return None
         self.counters["rejected_task_mismatch"] += 1
+        if not self._witness(author):
+            # anyone can make keys that claim another task: only peers with standing in the run, or linked to us
+            # directly (a connection each, not a signature each), may tell us that the run trains something else
+            self.counters["task_mismatch_unvouched"] += 1
+            return True
         self.mismatched[author] = tag
         self.mismatched.move_to_end(author)
         while len(self.mismatched) > MAX_MISMATCHED:
             self.mismatched.popitem(last=False)
         return True
+
+    def _witness(self, peer: str) -> bool:
+        """Is ``peer``'s word on which task the run trains worth a refusal? Its standing in the run (a listed peer,
+        a bootstrap peer, a founder, or one that earned it) or a direct connection of ours to it."""
+        standing, ctx = getattr(self, "standing", None), getattr(self, "_ctx", None)
+        return bool((standing is not None and standing.vouched(peer)) or (ctx is not None and ctx.direct(peer)))
 
     def _check_refusal(self, matching_peers: int) -> None:
         """While waiting to start: peers are here but none trains what we train -> say why, in /status and once a
@@ -125,13 +136,13 @@ class TaskLoop:
         if self.mismatched and matching_peers == 0:
             tags = collections.Counter(tuple(t) for t in self.mismatched.values())
             theirs, n = tags.most_common(1)[0]
-            self.refused = (f"this node's task does not match run {self.cfg.run!r}: {n} peer(s) train with "
-                            f"{describe_mismatch(self.fp, list(theirs))}; check task and task_options in "
-                            "[loops." + self.name + "] (peers of one run must use the same)")
+            self.refused = (f"peers with another task were seen in run {self.cfg.run!r} and none with ours: {n} "
+                            f"peer(s) train with {describe_mismatch(self.fp, list(theirs))}; if they are this run's "
+                            f"peers, the run's nodes must use the same task and task_options ([loops.{self.name}])")
             self.state = "refused"
             if self.clock.monotonic() - self._last_refusal_log > 60:
                 self._last_refusal_log = self.clock.monotonic()
-                logger.error("%s: %s", self.name, self.refused)
+                logger.warning("%s: %s", self.name, self.refused)
         elif self.refused:
             self.refused = None
             self.state = "waiting for peers"
@@ -319,6 +330,7 @@ class TaskLoop:
             "deadline_seconds": st.get("deadline_s", getattr(self.cfg, "deadline", None)),
             "deadlines_missed": self.counters.get("deadline_missed", 0),
             "peers_missed": self.counters.get("peers_missed", 0),
+            "task_mismatch": self.counters.get("rejected_task_mismatch", 0),
             "peers_in_last_round": self.timeline[-1]["participants"] if self.timeline else None,
             "running": 1.0 if st.get("state") == "running" else 0.0,
         }

@@ -131,6 +131,11 @@ class NatLab(_Lab):
     # routers that do not check TCP sequence numbers (nf_conntrack_tcp_be_liberal=1), like many NAT boxes that
     # are not Linux; by default the lab's routers are strict Linux conntrack
     liberal: bool = False
+    # inbound filtering per router (RFC 4787): "port" (address- and port-dependent: only replies of a flow we
+    # opened, the default), "address" (also new connections to the host's port 4001 from an address it has sent
+    # to), "endpoint" (new connections to port 4001 from anyone: a full cone, where the mapping keeps the port)
+    filter_a: str = "port"
+    filter_b: str = "port"
     prefix: str = field(default_factory=lambda: "sw" + uuid.uuid4().hex[:5])
 
     def __post_init__(self):
@@ -191,6 +196,31 @@ class NatLab(_Lab):
             self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-m", "conntrack", "--ctstate",
                     "ESTABLISHED,RELATED", "-j", "ACCEPT")
             self._x(router, "iptables", "-A", "INPUT", "-i", "wan", "-j", "DROP")
+            self._filtering(router, f"{lan}.10", self.filter_a if side == "a" else self.filter_b)
+
+    def _filtering(self, router: str, host: str, kind: str) -> None:
+        if kind == "port":
+            return
+        if kind not in ("address", "endpoint"):
+            raise ValueError(f"unknown filtering {kind!r}")
+        dnat = ["iptables", "-t", "nat", "-A", "PREROUTING", "-i", "wan", "-p", "tcp", "--dport", "4001"]
+        if kind == "address":  # remember where the host sent to; let in new connections from those addresses
+            self._x(router, "iptables", "-I", "FORWARD", "1", "-i", "lan", "-o", "wan", "-s", host, "-m", "recent",
+                    "--name", "swsent", "--rdest", "--set")
+            dnat += ["-m", "recent", "--name", "swsent", "--rsource", "--rcheck"]
+        self._x(router, *dnat, "-j", "DNAT", "--to-destination", f"{host}:4001")
+        self._x(router, "iptables", "-A", "FORWARD", "-i", "wan", "-o", "lan", "-m", "conntrack", "--ctstate",
+                "DNAT", "-j", "ACCEPT")
+
+    def reset_first_big_packet(self, side: str, port: int = 4001, size: int = 200) -> None:
+        """``side``'s router resets, once, the TCP connection from ``side``'s ``port`` to the other NAT's ``port``
+        at its first packet of ``size`` bytes or more (a handshake's first large message): the sender gets a RST,
+        the packet is dropped. A connection that closes right after it opened, on the wire."""
+        router, other = ("rA", "b") if side == "a" else ("rB", "a")
+        self._x(router, "iptables", "-I", "FORWARD", "1", "-i", "lan", "-o", "wan", "-p", "tcp", "-s",
+                self.lan_ip[side], "--sport", str(port), "-d", self.wan[other], "--dport", str(port), "-m", "length",
+                "--length", f"{size}:65535", "-m", "recent", "--name", "swreset", "!", "--rcheck", "-m", "recent",
+                "--name", "swreset", "--set", "-j", "REJECT", "--reject-with", "tcp-reset")
 
     # ------------------------------------------------------------------ running things inside
     def cmd(self, key: str) -> list[str]:

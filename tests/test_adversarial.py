@@ -112,7 +112,10 @@ async def test_introductions_must_be_signed_by_the_newcomer(swarm):
         from swarmd.crdt.admission import Admission
 
         bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
-        ticket = Admission(http_get(victim.url + "/status")["swarm"], bits).mint(newcomer.peer_id)
+        import time
+
+        rule = Admission(http_get(victim.url + "/status")["swarm"], bits)
+        ticket = rule.mint_record(newcomer.peer_id, rule.epoch(time.time()))
         # ...if it carries the swarm's admission: without a ticket it is answered but not taken
         body = msgpack.packb([INTRODUCE, seal(newcomer, record)])
         assert await send_raw(attacker, victim.peer_id, HELLO_SPEC, struct.pack(">I", len(body)) + body) != b""
@@ -172,7 +175,12 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         import tomllib
 
         bits = tomllib.loads(swarm.config.read_text())["state"]["admission_bits"]
-        for ticket, expected in ((None, False), (Admission(a.status()["swarm"], bits).mint(mallory.peer_id), True)):
+        import time
+
+        rule = Admission(a.status()["swarm"], bits)
+        # an op's ticket (an older swarmd's record) is no record ticket; one for this time window is
+        for ticket, expected in ((None, False), (rule.mint(mallory.peer_id), False),
+                                 (rule.mint_record(mallory.peer_id, rule.epoch(time.time())), True)):
             rec, value = sealed(ticket)
             answers = [await node.protocol.call_store(hm.PeerID.from_base58(v.peer_id), [DHTID.from_bytes(rec.key)],
                                                       [value], rec.expiration_time,
@@ -184,6 +192,7 @@ async def test_one_junk_member_entry_does_not_stop_discovery(swarm):
         for n in (a, b):
             assert n.status()["dht"]["records_refused"].get("malformed", 0) >= 1
             assert n.status()["dht"]["records_refused"].get("unadmitted", 0) >= 1
+            assert n.status()["dht"]["records_refused"].get("old_ticket", 0) >= 1
         # a member's record, unchanged from one poll to the next (re-stored every 20 s), is checked once, then
         # remembered
         wait_for(lambda: all(n.status()["dht"]["records_checked"].get("remembered", 0) >= 1 for n in (a, b)), 60,
@@ -307,3 +316,49 @@ async def test_big_frames_at_once_share_one_inbound_budget(swarm):
     assert s["event_loop"]["inbound_frames_waited"] >= 1  # the frames took turns
     assert peak[0] - before < 64 << 20, f"+{(peak[0] - before) >> 20} MB"
     assert http_get(victim.url + "/healthz")["ok"]
+
+
+@pytest.mark.timeout(180)
+async def test_fresh_keys_holding_idle_streams_leave_room_for_a_members_syncs(swarm):
+    # issue 80 item 5: 9 fresh keys x 64 idle streams filled the global inbound cap (512), unpenalised, and an
+    # honest member's syncs were refused meanwhile. Keys without standing now share a part of the budget, 16
+    # streams each; more from one key is its fault (penalised, then banned).
+    import json
+
+    from swarmd.protocols.gossip import PUBSUB_SPEC
+
+    a, b = await asyncio.to_thread(swarm.start_chain, 2)
+    keys = [P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+            for _ in range(9)]
+    streams = []
+
+    async def hold(key):
+        await key.start()
+        await key.connect(a.tcp_addr)
+        for _ in range(64):
+            try:
+                streams.append(await key.open_stream(a.peer_id, PUBSUB_SPEC, timeout=10))
+            except Exception:
+                pass  # refused once banned
+
+    try:
+        await asyncio.gather(*(hold(k) for k in keys))
+
+        def refused(s):
+            return s["errors"].get("stream_limit", 0) + s["errors"].get("banned_peer", 0)
+
+        s = await asyncio.to_thread(wait_for, lambda: (s := a.status()) and refused(s) >= 9 * 48 and s, 60,
+                                    "each key's streams over 16 to be refused")
+        assert s["penalties"].get("rate_limited", 0) >= 9 * 19  # 20 refusals at 5 points each: banned
+        assert {k.peer_id for k in keys} <= set(s["banned"])
+        # the member's write reaches the node while the keys still hold their streams (60 s before they idle out)
+        payload = {"k": f"{b.peer_id}/during", "v": 1}
+        await asyncio.to_thread(b.post, "/crdt", json.dumps({"ops": [{"object": "kv", "payload": payload}]}).encode())
+        await asyncio.to_thread(wait_for, lambda: http_get(a.url + "/state")["objects"]["kv"].get(payload["k"]) == 1,
+                                10, "the member's write to reach the node")
+        metrics = http_get(a.url + "/metrics")
+        assert 'kind="stream_limit"' in metrics and 'swarmd_peer_penalties_total{kind="rate_limited"}' in metrics
+    finally:
+        for st in streams:
+            await st.close()
+        await asyncio.gather(*(k.close() for k in keys), return_exceptions=True)

@@ -4,6 +4,7 @@ import socket
 import stat
 
 import pytest
+import swarmd
 
 from swarmproc import LOCAL_CONFIG, run_cli
 
@@ -98,7 +99,7 @@ def test_status_without_a_node(tmp_path):
 def test_help_and_version():
     assert run_cli("--help").returncode == 0
     v = run_cli("--version")
-    assert v.returncode == 0 and "0.1.0" in v.stdout
+    assert v.returncode == 0 and swarmd.__version__ in v.stdout
 
 
 @pytest.mark.timeout(60)
@@ -121,3 +122,15 @@ def test_the_node_sets_its_allocator_as_configured_and_shows_it(swarm):
     if glibc:  # (musl or another C library: the mode is shown, nothing is set)
         assert default.status()["allocator"]["mmap_threshold"] == 32 << 20
         assert released.status()["allocator"]["mmap_threshold"] == 1 << 20
+
+
+@pytest.mark.beside  # pure computation
+def test_each_demo_swarm_gets_a_fresh_random_name():
+    # issue 80 item 7: the demo's cheap 12-bit tickets must not be mintable before its swarm exists
+    import re
+
+    from swarmd.node.demo import settings_for
+
+    names = [next(s for s in settings_for("diloco", 3, 1) if s.startswith("node.swarm=")) for _ in range(2)]
+    assert all(re.fullmatch(r'node\.swarm="demo-[0-9a-f]{16}"', n) for n in names), names
+    assert names[0] != names[1]

@@ -13,6 +13,7 @@ import fcntl
 import json
 import os
 import random
+import re
 import subprocess
 import time
 from pathlib import Path
@@ -126,6 +127,7 @@ def test_the_compose_swarm_built_from_this_repository_closes_a_round(docker, tmp
             return s if d.get("rounds", 0) >= 1 else None
         status = wait_for(round_closed, 300, "the container swarm to close a DiLoCo round", interval=1.0)
         diloco = status["services"]["diloco"]
+        assert re.fullmatch(r"compose-[0-9a-f]{16}", status["swarm"]), status["swarm"]  # drawn at the first start
         assert diloco["history"][0]["participants"] == 3 and diloco["state"] in ("running", "done")
         # the bootstrap node and the two other peers, as discovery (the DHT's member records, polled on the default
         # config's interval) lists them: it may come after the first round, which needs only the connections

@@ -5,6 +5,7 @@ route's limit are refused before they are read; every refusal is counted and log
 import http.client
 import json
 import os
+import socket
 import stat
 from urllib.parse import urlsplit
 
@@ -77,5 +78,77 @@ def test_only_the_person_running_the_node_can_write_and_foreign_pages_cannot_rea
             line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
             assert float(line.split()[-1]) >= least, line
         assert node.log().count("http: refused") <= 5  # once a minute per kind
+    finally:
+        swarm.close()
+
+
+@pytest.mark.timeout(120)
+def test_bound_to_every_address_the_guard_stays_on(tmp_path):
+    # the image and the compose swarm bind 0.0.0.0: a rebinding page (a foreign Host) and a cross-site page (a
+    # foreign Origin) are still refused; loopback names, the machine's own addresses (at any port: a published
+    # port is not ours) and the user's own names are served
+    import psutil
+
+    swarm = Swarm(tmp_path / "nodes")
+    try:
+        node = swarm.start("a", "--http", "0.0.0.0:0", "--set", 'http.allowed_hosts=["Swarm.LAN"]')
+        port = urlsplit(node.url).port
+        for path in ("/status", "/state", "/dashboard", "/"):
+            assert request(node.url, "GET", path, headers={"Host": f"evil.example:{port}"})[0] == 421
+            assert request(node.url, "GET", path, headers={"Host": "evil.example"})[0] == 421
+        own = next((a.address for addrs in psutil.net_if_addrs().values() for a in addrs
+                    if a.family == socket.AF_INET and not a.address.startswith("127.")), None)
+        for host in (f"127.0.0.1:{port}", "127.0.0.1:18470", f"localhost:{port}", "swarm.lan:8470",
+                     *([f"{own}:{port}"] if own else [])):
+            assert request(node.url, "GET", "/status", headers={"Host": host})[0] == 200, host
+        # Origin is always checked: a foreign page's fetch, read or write, under our own Host
+        token = {"Authorization": f"Bearer {node.token}"}
+        op = json.dumps({"ops": [{"object": "kv", "payload": {"k": f"{node.peer_id}/x", "v": 1}}]}).encode()
+        assert request(node.url, "GET", "/status", headers={"Host": f"127.0.0.1:{port}",
+                                                             "Origin": "http://evil.example"})[0] == 403
+        assert request(node.url, "POST", "/crdt", op, {**token, "Host": f"127.0.0.1:{port}",
+                                                       "Origin": "http://evil.example"})[0] == 403
+        # the dashboard's own page (its origin is the Host it was loaded from) reads and writes
+        assert request(node.url, "GET", "/dashboard", headers={"Host": "127.0.0.1:18470",
+                                                                "Origin": "http://127.0.0.1:18470"})[0] == 200
+        assert request(node.url, "POST", "/crdt", op, {**token, "Host": f"localhost:{port}",
+                                                       "Origin": f"http://localhost:{port}"})[0] == 200
+        metrics = http_get(f"http://127.0.0.1:{port}/metrics")
+        for kind, least in (("bad_host", 8), ("foreign_origin", 2)):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= least, line
+    finally:
+        swarm.close()
+
+
+def answer(status: int, body: bytes) -> tuple[int, dict]:
+    return status, json.loads(body) if body.startswith(b"{") else {"error": body.decode()}
+
+
+@pytest.mark.timeout(120)
+def test_malformed_writes_of_the_token_holder_get_clean_refusals(tmp_path):
+    swarm = Swarm(tmp_path / "nodes")
+    try:
+        node = swarm.start("a")
+        auth = {"Authorization": f"Bearer {node.token}", "Content-Type": "application/json"}
+        before = http_get(node.url + "/state")["ops"]
+
+        def write(value: str) -> tuple[int, dict]:
+            body = '{"ops": [{"object": "kv", "payload": {"k": "%s/x", "v": %s}}]}' % (node.peer_id, value)
+            return answer(*request(node.url, "POST", "/crdt", body.encode(), auth))
+
+        for depth in (100_000, 990, 40):  # past the parser's recursion limit, just under it, and past ours
+            status, reply = write("[" * depth + "]" * depth)
+            assert status == 400 and "nested deeper" in reply["error"], (depth, status, reply)
+        assert write("[[1]]")[0] == 200
+        for rm in ([1], {"a": 1}, None):  # an OR-set removal names an element (a string)
+            body = json.dumps({"ops": [{"object": "members", "payload": {"rm": rm}}]}).encode()
+            status, reply = answer(*request(node.url, "POST", "/crdt", body, auth))
+            assert status == 422 and "malformed" in reply["error"], (rm, status, reply)
+        assert http_get(node.url + "/state")["ops"] == before + 1
+        metrics = http_get(node.url + "/metrics")
+        for kind, least in (("bad_body", 3), ("rejected_write", 3)):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= least, line
     finally:
         swarm.close()

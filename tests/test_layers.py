@@ -13,7 +13,8 @@ import pytest
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = {"node", "dht", "crdt", "transport", "protocols", "configs"}
+PACKAGES = {"node", "dht", "crdt", "transport", "protocols", "configs", "swarmd"}
+FOLDERS = PACKAGES - {"swarmd"}  # the repository's folders; ``swarmd/`` itself holds the library's front door
 
 # package -> packages of ours it may import
 ALLOWED = {
@@ -22,10 +23,12 @@ ALLOWED = {
     "dht": {"dht", "transport"},
     "node": {"node", "dht", "transport", "crdt", "configs"},
     "protocols": {"protocols", "node", "dht", "transport", "crdt"},
+    # the Python API (swarmd.Node, swarmd.DiLoCo): a composition root like the CLI, above every layer
+    "swarmd": PACKAGES,
 }
 COMPOSITION_ROOTS = {"node/cli.py", "node/__main__.py", "node/sim.py"}  # may import protocols to plug loops in
 PROTOCOLS_MAY_USE_FROM_NODE = {"node.services", "node"}
-TORCH_ALLOWED = {"protocols"}
+TORCH_ALLOWED = {"protocols", "swarmd"}
 
 
 def imports_of(path: Path):
@@ -40,7 +43,7 @@ def imports_of(path: Path):
 
 def _ours(name: str) -> str:
     """``swarmd.node.core`` -> ``node.core``: the installed package maps the repository's folders under ``swarmd``."""
-    return name.removeprefix("swarmd.")
+    return name if name == "swarmd" else name.removeprefix("swarmd.")
 
 
 def test_import_directions():
@@ -65,10 +68,11 @@ def test_import_directions():
 def test_import_linter_contracts_hold(tmp_path):
     """The same layering, checked by import-linter from the contracts in pyproject.toml (transitive imports
     included, which the check above does not follow). import-linter reads a package from one folder, while the
-    repository keeps ``swarmd``'s subpackages in folders of their own: the check runs on a copy laid out as installed."""
+    repository keeps ``swarmd``'s subpackages in folders of their own: the check runs on a copy laid out as
+    installed."""
     tree = tmp_path / "swarmd"
     shutil.copytree(ROOT / "swarmd", tree, ignore=shutil.ignore_patterns("__pycache__"))
-    for package in sorted(PACKAGES):
+    for package in sorted(FOLDERS):
         shutil.copytree(ROOT / package, tree / package, ignore=shutil.ignore_patterns("__pycache__", "static"))
     shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
     exe = shutil.which("lint-imports") or str(Path(sys.executable).parent / "lint-imports")

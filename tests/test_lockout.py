@@ -190,11 +190,11 @@ async def test_a_flood_of_admitted_member_records_does_not_stop_member_polls(tmp
     addrs = tuple(f"/ip6/fd00:1234:5678:9abc:def0:1234:5678:{i:04x}/tcp/65535" for i in range(16))
 
     def records() -> list[tuple]:
-        out, expiry = [], hm.get_dht_time() + 500
+        out, expiry, epoch = [], hm.get_dht_time() + 500, Admission.epoch(time.time())
         for _ in range(n):
             who = Identity.generate()
             record = NodeRecord(who.peer_id, addrs, "0", (), time.time(),
-                                s["dht"]["admission_rule"], adm.mint(who.peer_id))
+                                s["dht"]["admission_rule"], adm.mint_record(who.peer_id, epoch))
             r = hm.DHTRecord(dht_key_id(key), MSGPackSerializer.dumps(owner_tag(who.peer_id)),
                              MSGPackSerializer.dumps(record.to_wire()), expiry)
             out.append((DHTID.from_bytes(r.key), Ed25519RecordValidator(who, [key]).sign_value(r),

@@ -217,3 +217,44 @@ def test_one_far_peer_does_not_slow_the_near_ones():
 
     near, far = run_virtual(main())
     assert near < 0.05 and far > 1.0  # the near echo is back in about its own round trip
+
+
+@pytest.mark.timeout(60)
+def test_the_inbound_stream_budget_keeps_room_for_members_and_evicts_strangers_first():
+    # issue 80 item 5: peers without standing share max_streams - reserved (256) at 16 each; members have the
+    # rest, and once all 512 are taken a member's stream closes a stranger's (of the stranger holding the most)
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.001))
+        victim, *others = _hosts(net, 26)
+        strangers, members = others[:20], others[20:]
+        ids = {m.peer_id for m in members}
+        victim.set_standing(lambda peer: peer in ids)
+        await victim.serve(ECHO, _echo)
+        held = {}
+        for t in others:
+            await t.connect(net.address_of(victim.peer_id), timeout=5)
+        for t in strangers:
+            held[t.peer_id] = [await t.open_stream(victim.peer_id, ECHO) for _ in range(20)]
+        await asyncio.sleep(1.0)
+        runner, errors = victim._runner, victim.stats.errors
+        before = (runner.strangers_open, runner.total_open, errors["stream_limit"], errors["stream_limit_strangers"],
+                  dict(victim.penalties.totals))
+        for t in members:
+            held[t.peer_id] = [await t.open_stream(victim.peer_id, ECHO) for _ in range(60)]
+        await asyncio.sleep(1.0)
+        after = (runner.strangers_open, runner.total_open, errors["stream_evicted"])
+        # the last member's last stream, opened with all 512 taken, is served
+        probe = held[members[-1].peer_id][-1]
+        await probe.send(1, b"hi")
+        echoed = (await probe.read_required()).body
+        return before, after, echoed
+
+    before, after, echoed = run_virtual(main())
+    strangers_open, total_open, over_own_cap, share_full, penalties = before
+    assert strangers_open == total_open == 256  # 16 strangers x 16; the other 4 strangers found the share full
+    assert over_own_cap == 16 * 4  # each of the 16 opened 4 past its own cap: its fault
+    assert share_full == 4 * 20  # the last 4 found the strangers' share full: not their fault
+    assert penalties == {"rate_limited": 16 * 4}
+    strangers_left, total, evicted = after
+    assert total == 512 and evicted == 5 * 60 - 256 and strangers_left == 256 - evicted
+    assert echoed == b"hi"

@@ -151,3 +151,29 @@ def test_a_relay_found_through_the_dht_is_reserved_on_after_a_restart(tmp_path):
             assert a.status()["services"]["nat"]["relays"] == [relay1, relay2]
         finally:
             swarm.close()
+
+
+@pytest.mark.timeout(150)
+def test_a_punched_connection_that_closes_in_the_hand_over_is_punched_again_at_once(tmp_path):
+    """The punched connection closes mid-handshake (the dialer's router resets it once, at the daemons' first
+    large handshake message): the attempt is made again at once, from the same ports, and the pair is direct
+    seconds later, not after a backoff."""
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE)
+    with NatLab(mode_a="eim", mode_b="eim") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+            a = start_in(lab, swarm, "a", [bootstrap])
+            b = start_in(lab, swarm, "b", [bootstrap])
+            first, second = sorted((a, b), key=lambda n: n.peer_id)  # the dialer of the hand-over
+            lab.reset_first_big_packet("a" if first is a else "b")  # before the first attempt (punch_delay 5 s)
+            punches = wait_for(lambda: first.status()["services"]["nat"]["punches"], 40, "a hole punch")
+            assert punches[0]["ok"] and punches[0]["tries"] == 2, punches
+            assert punches[0]["seconds"] < 8
+            wait_for(lambda: all((p := peer(x, y.peer_id)) and p["path"] == "hole-punched"
+                                 for x, y in ((a, b), (b, a))), 10, "a hole-punched connection on both sides")
+            assert "attempt 1 failed (closed" in first.log()
+        finally:
+            swarm.close()

@@ -80,10 +80,33 @@ def test_doctor_explains_what_it_sees():
     assert report["reachability_source"] == "AutoNAT" and (report["direct"], report["relayed"]) == (1, 1)
     assert "listen port is kept" in report["nat"] and "198.51.100.1" in report["nat"]
     hints = " ".join(report["hints"])
-    assert "through a relay" in hints and "hole punching has not succeeded" in hints and "not connected" in hints
+    assert "through a relay" in hints and "hole punching failed" in hints and "not connected" in hints
     assert "no connection to any relay" not in hints
     sym = diagnose(status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"]))
     assert "symmetric" in sym["nat"]
+
+
+def test_doctor_names_why_hole_punching_failed_and_what_to_do():
+    def hints(**nat):
+        return " ".join(diagnose(status(observed_addrs=["/ip4/198.51.100.1/tcp/4001"], **nat))["hints"])
+
+    ours = hints(mapping="changed", punches=[{"ok": False, "cause": "our-mapping", "error": "no simultaneous open",
+                                              "peer": "peerBBBB"}])
+    assert "this node's NAT gives each destination its own port" in ours and "with peerBBBB" in ours
+    assert "--announce /ip4/<public ip>/tcp/<port>" in ours and "network.port_mapping = true" in ours
+    theirs = hints(mapping="kept", punches=[{"ok": False, "cause": "their-mapping", "error": "x", "peer": "B"}])
+    assert "the peer's NAT changes the port" in theirs and "this node's NAT" not in theirs
+    closed = hints(mapping="kept", punches=[{"ok": False, "cause": "closed", "error": "x", "peer": "B"}])
+    assert "closed while it was handed to the p2p daemon" in closed
+    timeout = hints(mapping="kept", punches=[{"ok": False, "cause": "timeout", "error": "x", "peer": "B"}])
+    assert "filters inbound connections" in timeout
+    report = diagnose(status(observed_addrs=[], mapping="kept", punches=[{"ok": False, "cause": "closed",
+                                                                         "error": "reset", "peer": "B"}]))
+    assert report["punch"].endswith("last: failed (closed: reset)")
+    # a symmetric NAT of our own is named even before a punch failed, once a peer is only relayed
+    assert "each destination its own port" in hints(mapping="varies", punches=[], punch_attempts=0)
+    assert "hole punching" not in hints(mapping="kept", punches=[{"ok": True, "peer": "B"}], punch_attempts=1,
+                                        punch_successes=1)
     lonely = diagnose(status(observed_addrs=[], relays=[]))
     assert "unknown" in lonely["nat"] and any("has no relay" in h for h in lonely["hints"])
 

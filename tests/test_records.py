@@ -309,3 +309,64 @@ def test_the_members_key_asks_for_an_admitted_identity_a_ticket_or_the_allowlist
     for bad in (-1, 2**64, 1.5, "7"):  # a ticket is an 8-byte nonce
         with pytest.raises(MalformedMessage):
             NodeRecord.from_wire({**NodeRecord(alice.peer_id, (), "0.1", (), 1.0).to_wire(), "tk": bad})
+
+
+def test_a_records_ticket_is_bound_to_a_time_window_and_an_older_swarmds_is_refused_by_name():
+    """Issue 80 item 7: tickets never expired, so a stock minted once (or ahead of time) held the members key for
+    good. A record's ticket is good in the window it was minted for and the next one; a record that carries an op's
+    ticket (an older swarmd's record) is refused as old_ticket; a value accepted in one window is checked again in
+    the next, not answered from what was remembered."""
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from swarmd.crdt.admission import WINDOW, Admission
+    from swarmd.dht.records import member_check
+
+    alice = Identity.generate()
+    rule = Admission("s", 16)  # 16 bits: a nonce that is a ticket for another window by chance is rare (2^-15)
+    clock = [hm.get_dht_time()]
+    epoch = rule.epoch(clock[0])
+    checker = Ed25519RecordValidator(Identity.generate(), {KEY: member_check(
+        lambda r: rule.record_refusal(r.peer_id, r.ticket, clock[0]) or True, lambda: rule.epoch(clock[0]))})
+
+    def signed(ticket):
+        wire = NodeRecord(alice.peer_id, ("/ip4/127.0.0.1/tcp/1",), "0.1", (), 1.0, "", ticket).to_wire()
+        rec = record(alice, value=MSGPackSerializer.dumps(wire), expiration=hm.get_dht_time() + 60)
+        return dataclasses.replace(rec, value=Ed25519RecordValidator(alice, [KEY]).sign_value(rec))
+
+    ticket = rule.mint_record(alice.peer_id, epoch)
+    assert checker.validate(signed(ticket))
+    clock[0] += WINDOW  # the next window: still good (a node renews as a window begins)
+    assert checker.validate(signed(ticket)) and checker.checks["value_remembered"] == 0
+    clock[0] += WINDOW  # two windows on: the same record bytes, checked again and refused
+    assert not checker.validate(signed(ticket))
+    assert rule.record_refusal(alice.peer_id, rule.mint_record(alice.peer_id, rule.epoch(clock[0])), clock[0]) is None
+    # an op's ticket (what an older swarmd put in its record) is named as such; a ticket for another swarm is not one
+    assert not checker.validate(signed(rule.mint(alice.peer_id)))
+    assert rule.record_refusal(alice.peer_id, Admission("t", 16).mint_record(alice.peer_id, rule.epoch(clock[0])),
+                               clock[0]) == "unadmitted"
+    assert checker.refused == {"unadmitted": 1, "old_ticket": 1}
+    assert Admission("s", 16).policy() != _digest_before_windows("s", 16)
+
+
+def _digest_before_windows(swarm: str, bits: int) -> str:
+    import hashlib
+
+    from swarmd.crdt.admission import DOMAIN
+
+    return hashlib.blake2b(DOMAIN + f"{swarm}\n{bits}".encode(), digest_size=8).hexdigest()
+
+
+def test_a_nodes_record_ticket_is_renewed_as_a_window_begins_and_only_then():
+    from swarmd.crdt.admission import WINDOW, Admission, RecordTicket
+
+    me = Identity.generate().peer_id
+    rule = Admission("s", 16)  # a ticket valid in another window by chance: 2^-15
+    ours = RecordTicket(rule, me)
+    start = (rule.epoch(hm.get_dht_time()) + 0.5) * WINDOW  # mid-window
+    first = ours.at(start)
+    assert ours.at(start + WINDOW / 4) == first and ours.minted == 1  # the same window: kept
+    renewed = ours.at(start + WINDOW)
+    assert ours.minted == 2 and all(rule.record_refusal(me, t, start + WINDOW) is None for t in (first, renewed))
+    assert rule.record_refusal(me, first, start + 2 * WINDOW) == "unadmitted"
+    assert rule.record_refusal(me, renewed, start + 2 * WINDOW) is None
+    assert RecordTicket(Admission("s", 22, allow=[me]), me).at(start) is None  # closed: the list admits

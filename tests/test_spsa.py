@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from swarmd.protocols import tinylm
-from swarmd.protocols.spsa import (BATCH, JOIN, NORMAL_TABLE, PERTURBATION, Z_BITS, SpsaConfig, Weights, capped, decode_grad,
-                            encode_grad, perturbation, screen_window, step_seed)
+from swarmd.protocols.spsa import (BATCH, JOIN, NORMAL_TABLE, PERTURBATION, Z_BITS, SpsaConfig, Weights, capped,
+                                   decode_grad, encode_grad, perturbation, screen_window, step_seed)
 from hostile import HostilePeer
 from swarmproc import Swarm, http_get, loop_config, wait_for
 

@@ -63,10 +63,13 @@ def write_task(folder: Path, name: str = "tiny_task.py", extra: str = "", body: 
 
 # ------------------------------------------------------------------ the seam itself (in process)
 @pytest.mark.beside
-def test_readme_shows_the_example_task_file_as_it_is():
-    readme = (REPO / "README.md").read_text()
-    blocks = re.findall(r"```python\n(.*?)```", readme, re.S)
-    assert EXAMPLE.read_text() in blocks, "README's 'Train your own model' must show examples/my_task.py verbatim"
+def test_the_guide_shows_the_example_task_file_as_it_is():
+    # the docs build includes the file itself (a snippet), so the page cannot drift from it; tests/test_docs_blocks.py
+    # runs the block
+    guide = (REPO / "docs" / "guides" / "train-your-own-model.md").read_text()
+    blocks = re.findall(r"```python\n(.*?)```", guide, re.S)
+    assert f'--8<-- "{EXAMPLE.relative_to(REPO)}"\n' in blocks, \
+        "docs/guides/train-your-own-model.md must show examples/my_task.py as it is"
 
 
 @pytest.mark.beside
@@ -366,7 +369,8 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
         wait_for(lambda: diloco(nodes[0]).get("rounds", 0) >= 1, 120, "the run to close a round")
         odd = swarm.start("odd", bootstrap=[nodes[1].tcp_addr], config=other)
         refused = wait_for(lambda: diloco(odd)["state"] == "refused" and diloco(odd), 60, "the odd node to refuse")
-        assert "does not match run 't'" in refused["refused"] and "model parameter layout" in refused["refused"]
+        assert "peers with another task were seen in run 't'" in refused["refused"]
+        assert "model parameter layout" in refused["refused"]
         doctor = run_cli("doctor", "--http", odd.url).stdout
         assert "diloco refused" in doctor and "model parameter layout" in doctor
         start = diloco(nodes[0])["rounds"]
@@ -383,6 +387,55 @@ def test_a_peer_with_another_model_is_refused_and_the_others_rounds_are_unaffect
         assert re.search(r"diloco +running +round [1-9]\d*/open-ended", summary)
     finally:
         swarm.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(180)
+async def test_fresh_keys_claiming_another_task_do_not_refuse_a_node_that_waits_alone(tmp_path):
+    # issue 80 item 6: keys that never connected, relayed with another run's tag, turned a node waiting for its
+    # peers to "refused" with an ERROR blaming its own task; only a peer with standing or a direct link may
+    import asyncio
+
+    from hostile import HostilePeer
+
+    from swarmd.protocols.diloco import READY
+    from swarmd.transport.identity import Identity
+    from swarmd.transport.wire import WIRE
+
+    swarm = Swarm(tmp_path / "nodes", config=config(tmp_path, run="alone", rounds=2, h=10, min_peers=2))
+    relay = HostilePeer(tmp_path / "relay")
+    try:
+        node = await asyncio.to_thread(swarm.start, "alone")
+        await asyncio.to_thread(wait_for, lambda: diloco(node)["state"] == "waiting for peers", 60,
+                                "the node to wait for its peers")
+        await relay.start(node, "diloco/alone", max_size=1024)
+        other = ["0" * 32, "1" * 32]  # another run's fingerprint
+        for _ in range(20):
+            await relay.send_as(Identity.generate(), WIRE.pack(READY, {"r": 0, "p": 0, "ready": "0" * 32,
+                                                                       "t": other}))
+        # what a refusal is made of is kept as each message is judged: none of them was kept
+        s = await asyncio.to_thread(wait_for, lambda: diloco(node).get("rejected_task_mismatch", 0) >= 20
+                                    and diloco(node), 60, "the fresh keys' messages to be seen and ignored")
+        assert s["state"] == "waiting for peers" and not s.get("refused") and s["mismatched_peers"] == 0, s
+        assert s["task_mismatch_unvouched"] == 20 and "another task" not in node.log()
+        metrics = node.get("/metrics")
+        assert 'swarmd_loop_task_mismatch_total{loop="diloco",run="alone"} 20.0' in metrics
+        # a peer linked to us directly that trains something else (its "ready" repeated, as a peer's is): said, in
+        # neutral words
+        refused = None
+        for _ in range(60):
+            await relay.send(WIRE.pack(READY, {"r": 0, "p": 0, "ready": "0" * 32, "t": other}))
+            s = await asyncio.to_thread(diloco, node)
+            if s["state"] == "refused":
+                refused = s
+                break
+            await asyncio.sleep(0.5)  # the pace of a peer's repeated "ready"
+        assert refused is not None, "the node never said that peers with another task were seen"
+        assert refused["refused"].startswith("peers with another task were seen in run 'alone'")
+        assert refused["mismatched_peers"] == 1
+    finally:
+        await relay.close()
+        await asyncio.to_thread(swarm.close)
 
 
 @pytest.mark.swarm
@@ -428,7 +481,7 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         assert final[0]["losses"][-1][1] < 6.3  # below ln(512): it learned from the text
         out = tmp_path / "hf"
         result = run_cli("export", "--data-dir", str(nodes[1].data_dir), "--out", str(tmp_path / "w.safetensors"),
-                         "--pretrained", str(out), timeout=120)
+                         "--pretrained", str(out), "--config", str(swarm.config), timeout=120)
         assert result.returncode == 0, result.stderr
         from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
@@ -443,6 +496,45 @@ def test_a_transformers_model_on_real_text_trains_and_exports_a_pretrained_direc
         assert abs(task.obj.evaluate(model) - final[1]["losses"][-1][1]) < 1e-3
     finally:
         swarm.close()
+
+
+def _export_in(cwd: Path, *args: str):
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "swarmd", "export", *args], capture_output=True, text=True,
+                          timeout=120, cwd=cwd, env=os.environ)
+
+
+@pytest.mark.beside  # CLI runs with no deadline to meet
+@pytest.mark.timeout(240)
+def test_export_never_imports_the_task_a_weights_file_names_nor_writes_outside_with_its_run_name(tmp_path):
+    # a shared weights file made to run a command on export, and to write outside the working directory
+    marker = tmp_path / "ran"
+    model = build_model(load("tinygpt", {}, "diloco"), 0)
+    node_dir, cwd = tmp_path / "node", tmp_path / "work" / "here"
+    cwd.mkdir(parents=True)
+    checkpoint.save(node_dir / checkpoint.DIR / "diloco-x.safetensors",
+                    {checkpoint.MODEL_PREFIX + k: v for k, v in model.state_dict().items()},
+                    {"loop": "diloco", "run": "x/../../escaped", "round": 1, "task": "os:system",
+                     "task_options": {"command": f"touch {marker}"}})
+    # --pretrained without a task the user names is refused before anything is read
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"))
+    assert result.returncode == 2 and "--config" in result.stderr and "--task" in result.stderr, result.stderr
+    assert not marker.exists()
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"), "--config",
+                        str(REPO / "configs" / "default.toml"))  # a config without a [loops.diloco] table
+    assert result.returncode == 2 and "no [loops.diloco] table" in result.stderr, result.stderr
+    # the user names the task: the model is rebuilt from it (the weights fit it), never from the file's os:system
+    result = _export_in(cwd, "--data-dir", str(node_dir), "--pretrained", str(cwd / "hf"), "--task", "tinygpt")
+    assert not marker.exists()
+    assert result.returncode == 1 and "tinygpt" in result.stderr and "not a transformers model" in result.stderr, \
+        result.stderr
+    # the run name from the file became one harmless name part, in the working directory
+    assert [p.name for p in cwd.iterdir()] == ["diloco-x_.._.._escaped-round1.safetensors"]
+    assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["here"] and not list(tmp_path.glob("escaped*"))
+    assert set(load_file(str(cwd / "diloco-x_.._.._escaped-round1.safetensors"))) == set(model.state_dict())
 
 
 @contextlib.contextmanager

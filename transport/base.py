@@ -262,38 +262,102 @@ class HandlerRunner:
     Error handling: a ProtocolViolation penalises the peer and is logged (rate limited); a TransportError (peer went
     away) is counted and logged at debug level; any other exception is our bug: logged with its traceback, rate
     limited, and the stream is closed. Nothing propagates to the caller.
+
+    Stream budget: ``max_streams`` inbound streams at once, ``max_streams_per_peer`` per peer. ``has_standing``
+    (set by the node: a swarm member, a bootstrap peer) splits it: peers without standing (fresh keys cost
+    nothing) hold at most ``max_streams - reserved`` together and ``max_streams_per_stranger`` each, so the
+    ``reserved`` part is always there for the swarm's members; when the whole budget is full, a member's stream
+    evicts a stranger's (the oldest of the stranger holding the most). A peer over its own cap is at fault:
+    refused and penalised; one refused because the budget is full is not (others filled it): refused, counted.
     """
 
     def __init__(self, penalties: PeerPenalties, stats: TransportStats, linger: float = 5.0, *,
-                 max_streams: int = 512, max_streams_per_peer: int = 64):
+                 max_streams: int = 512, max_streams_per_peer: int = 64, reserved: int = 256,
+                 max_streams_per_stranger: int = 16):
         self.linger = linger
         self.penalties = penalties
         self.stats = stats
         self.max_streams = max_streams
         self.max_streams_per_peer = max_streams_per_peer
+        self.reserved = reserved
+        self.max_streams_per_stranger = max_streams_per_stranger
+        self.has_standing: Callable[[str], bool] = lambda peer: True  # without a node: everyone, one budget
         self.open: Counter = Counter()  # inbound streams being handled, per peer
         self.total_open = 0
+        self.strangers_open = 0
+        # the handler tasks of strangers' streams, per stranger, oldest first (what a member's stream evicts)
+        self._strangers: dict[str, dict[asyncio.Task, None]] = {}
         self._bug_log = RateLimitedLog(logger, interval=30.0)
         self._limit_log = RateLimitedLog(logger, interval=30.0)
+
+    def _admit(self, peer: str, standing: bool, spec_id: str) -> bool:
+        cap = self.max_streams_per_peer if standing else self.max_streams_per_stranger
+        if self.open[peer] >= cap:
+            self.stats.errors["stream_limit"] += 1
+            self.penalties.penalize(peer, "rate_limited", f"too many inbound streams at once (over {cap})")
+            self._limit_log.log(logging.WARNING, ("peer", peer), "refused a %s stream from %s: %d open from it "
+                                "(at most %d)", spec_id, peer, self.open[peer], cap)
+            return False
+        if not standing and self.strangers_open >= self.max_streams - self.reserved:
+            self.stats.errors["stream_limit_strangers"] += 1
+            self._limit_log.log(logging.WARNING, "strangers", "refused a %s stream from %s: peers without standing "
+                                "hold %d streams, their share", spec_id, peer, self.strangers_open)
+            return False
+        if self.total_open >= self.max_streams and not (standing and self._evict()):
+            self.stats.errors["stream_limit"] += 1
+            self._limit_log.log(logging.WARNING, "all", "refused a %s stream from %s: %d open in all", spec_id,
+                                peer, self.total_open)
+            return False
+        return True
+
+    def _evict(self) -> bool:
+        """Close the oldest stream of the stranger holding the most, to make room for a member's."""
+        if not self._strangers:
+            return False
+        peer = max(self._strangers, key=lambda p: len(self._strangers[p]))
+        task = next(iter(self._strangers[peer]))
+        self._release(task, peer, False)
+        task.cancel()
+        self.stats.errors["stream_evicted"] += 1
+        self._limit_log.log(logging.INFO, "evict", "closed a stream of %s (no standing) to make room for a "
+                            "member's", peer)
+        return True
+
+    def _hold(self, task: asyncio.Task | None, peer: str, standing: bool) -> None:
+        self.open[peer] += 1
+        self.total_open += 1
+        if not standing:
+            self.strangers_open += 1
+            self._strangers.setdefault(peer, {})[task] = None
+
+    def _release(self, task: asyncio.Task | None, peer: str, standing: bool) -> None:
+        if not standing:
+            held = self._strangers.get(peer)
+            if held is None or task not in held:
+                return  # evicted: released then
+            del held[task]
+            if not held:
+                del self._strangers[peer]
+            self.strangers_open -= 1
+        self.total_open -= 1
+        self.open[peer] -= 1
+        if self.open[peer] <= 0:
+            del self.open[peer]
 
     async def run(self, handler: StreamHandler, stream: Stream) -> None:
         self.stats.streams_in += 1
         linger = 0.0  # an offender or a failed stream is closed at once; a served one lingers for the reply
         peer = stream.peer_id
-        counted = False
+        task = asyncio.current_task()
+        standing = counted = False
         try:
             if self.penalties.is_banned(peer):
                 self.stats.errors["banned_peer"] += 1
                 return
-            if self.open[peer] >= self.max_streams_per_peer or self.total_open >= self.max_streams:
-                self.stats.errors["stream_limit"] += 1
-                if self.open[peer] >= self.max_streams_per_peer:
-                    self.penalties.penalize(peer, "rate_limited", "too many inbound streams at once")
-                self._limit_log.log(logging.WARNING, ("limit", peer), "refused a %s stream from %s: %d open from "
-                                    "it, %d in all", stream.spec.id, peer, self.open[peer], self.total_open)
+            standing = bool(self.has_standing(peer))
+            if not self._admit(peer, standing, stream.spec.id):
                 return
-            self.open[peer] += 1
-            self.total_open += 1
+            self._hold(task, peer, standing)
             counted = True
             await handler(stream)
             linger = self.linger
@@ -310,10 +374,7 @@ class HandlerRunner:
             self._bug_log.log(logging.ERROR, stream.spec.id, "handler for %s crashed", stream.spec.id, exc_info=True)
         finally:
             if counted:
-                self.total_open -= 1
-                self.open[peer] -= 1
-                if self.open[peer] <= 0:
-                    del self.open[peer]
+                self._release(task, peer, standing)
             await stream.close(linger=linger)
 
 
@@ -340,9 +401,15 @@ class Transport(Protocol):
         """Make a TCP socket already connected to the peer's machine (hole-punched) our connection to the peer;
         both sides call it, one as dialer. The peer's identity is checked as on any dial."""
 
+    async def redial(self, peer_id: str, addrs: list[str], *, timeout: float) -> None:
+        """Replace our connections to the peer with a new one to ``addrs``."""
+
     async def open_stream(self, peer_id: str, spec: ProtocolSpec, *, timeout: float) -> Stream: ...
 
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None: ...
+
+    def set_standing(self, has_standing: Callable[[str], bool]) -> None:
+        """Which peers the inbound stream budget reserves room for (see :class:`HandlerRunner`)."""
 
     async def peers(self) -> list[ConnectedPeer]: ...
 

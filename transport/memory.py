@@ -566,6 +566,10 @@ class MemoryTransport:
         sock.close()
         raise TransportError("the in-memory transport has no sockets to adopt")
 
+    async def redial(self, peer_id: str, addrs: list[str], *, timeout: float = 10.0) -> None:
+        await self.disconnect(peer_id)
+        await self.connect_peer(peer_id, addrs, timeout=timeout)
+
     async def peers(self) -> list[ConnectedPeer]:
         return [ConnectedPeer(p, (self.net.address_of(p),), PathType.DIRECT) for p in sorted(self._connected)
                 if self.net.reachable(self.peer_id, p)]
@@ -607,6 +611,9 @@ class MemoryTransport:
         task = asyncio.get_running_loop().create_task(run())
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+
+    def set_standing(self, has_standing) -> None:
+        self._runner.has_standing = has_standing
 
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
         if spec.id in self._handlers:

@@ -33,6 +33,7 @@ from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity
 from swarmd.transport.multiaddrs import parse_listen_addr, split_peer_addr
 from swarmd.transport.penalties import PeerPenalties
+from swarmd.transport.handover import HandOver
 from swarmd.transport.punch import Splice
 
 logger = logging.getLogger(__name__)
@@ -111,7 +112,7 @@ def _install_flag_hook(hm) -> None:
     hm.P2P._make_process_args = staticmethod(make_process_args)
 
 
-class P2PDaemonTransport:
+class P2PDaemonTransport(HandOver):
     """Implements :class:`transport.base.Transport` on hivemind's ``P2P``."""
 
     def __init__(self, identity: Identity, config: P2PDaemonConfig, *, penalties: PeerPenalties | None = None):
@@ -130,6 +131,8 @@ class P2PDaemonTransport:
         # hole-punched connections spliced into the daemon: the loopback address the daemon sees -> the real one
         self._adopted: dict[str, str] = {}
         self._splices: dict[str, Splice] = {}
+        # peers whose connection is being handed to a hole-punched socket -> [holders, set when the hand-over ends]
+        self._handing_over: dict[str, list] = {}
 
     # ---------------------------------------------------------------- lifecycle
     async def start(self) -> None:
@@ -255,9 +258,13 @@ class P2PDaemonTransport:
         return peer_id
 
     async def connect_peer(self, peer_id: str, addrs: list[str], *, timeout: float = 10.0) -> None:
-        hm = load_hivemind()
         if peer_id == self.peer_id:
             raise PeerUnreachable("refusing to dial ourselves")
+        await self._after_hand_over(peer_id, timeout)
+        await self._connect(peer_id, addrs, timeout)
+
+    async def _connect(self, peer_id: str, addrs: list[str], timeout: float) -> None:
+        hm = load_hivemind()
         try:
             # hivemind's vendored Multiaddr encodes /p2p/<id> as a CIDv1, which p2pd rejects ("length greater than
             # remaining number of bytes"); py-multiaddr encodes it as the raw multihash p2pd expects (relayed
@@ -306,84 +313,6 @@ class P2PDaemonTransport:
                 best[peer_id] = conn
         return list(best.values())
 
-    # ---------------------------------------------------------------- hole-punched connections
-    MAX_ADOPTED = 64  # each one's bytes pass through this process
-
-    async def adopt(self, peer_id: str, sock: socket.socket, *, dialer: bool, timeout: float = 10.0) -> None:
-        """Make ``sock`` (a TCP connection to the peer's machine, e.g. hole-punched by ``transport.punch``) the
-        daemon's connection to ``peer_id``. The dialer's daemon drops its other connections to the peer (p2pd
-        will not dial a connected peer) and dials a one-shot loopback port spliced to the socket; the other side
-        splices the socket to its daemon's listener. The daemons' handshake runs end to end through the splice,
-        so the dialer's daemon checks the peer id as on any dial. Both sides must call this, one as dialer."""
-        loop = asyncio.get_running_loop()
-        ip, port = sock.getpeername()[:2]
-        real = f"/{'ip6' if ':' in ip else 'ip4'}/{ip}/tcp/{port}"
-        if len(self._splices) >= self.MAX_ADOPTED:
-            sock.close()
-            raise TransportError(f"already {len(self._splices)} hole-punched connections")
-        local = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        local.setblocking(False)
-        key = None
-        try:
-            if dialer:
-                local.bind(("127.0.0.1", 0))
-                local.listen(1)
-                key = f"/ip4/127.0.0.1/tcp/{local.getsockname()[1]}"
-                self._adopted[key] = real
-
-                async def accept_and_splice() -> Splice:
-                    conn, _ = await loop.sock_accept(local)
-                    return await Splice.start(conn, sock)
-
-                spliced = asyncio.ensure_future(accept_and_splice())
-                try:
-                    await self.disconnect(peer_id)
-                    await self.connect_peer(peer_id, [key], timeout=timeout)
-                    if not spliced.done():
-                        raise TransportError("the daemon connected to the peer another way")
-                    splice = spliced.result()
-                except BaseException:
-                    spliced.cancel()
-                    if spliced.done() and not spliced.cancelled() and spliced.exception() is None:
-                        spliced.result().close()
-                    raise
-            else:
-                host, listen_port = self._listen_tcp()
-                local.bind((host, 0))
-                key = f"/ip4/{host}/tcp/{local.getsockname()[1]}"
-                self._adopted[key] = real
-                await asyncio.wait_for(loop.sock_connect(local, (host, listen_port)), timeout)
-                splice = await Splice.start(local, sock)
-        except BaseException:
-            self._adopted.pop(key, None)
-            local.close()
-            sock.close()
-            raise
-        if dialer:
-            local.close()  # the listening socket: one connection only
-        self._splices[key] = splice
-        task = asyncio.ensure_future(self._forget_when_closed(key, splice, peer_id))
-        self._handler_tasks.add(task)
-        task.add_done_callback(self._handler_tasks.discard)
-
-    async def _forget_when_closed(self, key: str, splice: Splice, peer_id: str) -> None:
-        try:
-            await splice.closed.wait()
-        finally:
-            splice.close()
-            self._splices.pop(key, None)
-            self._adopted.pop(key, None)
-            logger.info("hole-punched connection to %s closed (%d bytes in, %d out)", peer_id, splice.bytes["b"],
-                        splice.bytes["a"])
-
-    def _listen_tcp(self) -> tuple[str, int]:
-        """Where our daemon accepts TCP on this machine (loopback for a wildcard listen address)."""
-        for addr in self.config.listen:
-            family, host, proto, port = parse_listen_addr(addr)
-            if proto == "tcp" and port and family == socket.AF_INET:
-                return ("127.0.0.1" if host == "0.0.0.0" else host), port
-        raise TransportError("no fixed IPv4 TCP listen port to hand a hole-punched connection to")
-
     async def addresses(self, *, refresh: bool = True) -> list[str]:
         """Our addresses with /p2p/<us>; a node with relays also lists, for each relay it is connected to, the
         relayed address ``<relay addr>/p2p-circuit/p2p/<us>`` (go-libp2p does not advertise relays it deems
@@ -401,6 +330,7 @@ class P2PDaemonTransport:
         hm = load_hivemind()
         if self.penalties.is_banned(peer_id):
             raise PeerUnreachable(f"peer {peer_id} is banned")
+        await self._after_hand_over(peer_id, timeout)
         try:
             _, reader, writer = await asyncio.wait_for(
                 self.hivemind_p2p.call_binary_stream_handler(hm.PeerID.from_base58(peer_id), spec.id), timeout
@@ -413,6 +343,9 @@ class P2PDaemonTransport:
             raise PeerUnreachable(f"opening {spec.id} to {peer_id} failed: {_short(e)}") from None
         self.stats.streams_out += 1
         return Stream(peer_id, spec, reader, writer, self.stats, budget=self.inbound)
+
+    def set_standing(self, has_standing) -> None:
+        self._runner.has_standing = has_standing
 
     async def serve(self, spec: ProtocolSpec, handler: StreamHandler) -> None:
         if spec.id in self._specs:

@@ -25,10 +25,17 @@ import asyncio
 import errno
 import logging
 import socket
+import struct
 
 logger = logging.getLogger(__name__)
 
 RETRY_AFTER = 0.1  # after a refused or reset attempt (a NAT that answers unsolicited SYNs with RST)
+PAIR_TAKEN_FOR = 0.5  # the address pair held this long by another socket (our listener's): give up
+
+
+class PairTaken(OSError):
+    """Our port already holds a connection to the peer's address: its SYN reached our listener (a NAT that lets
+    new connections in), so the peer can be dialed directly."""
 
 
 def _bound_socket(family: int, local_port: int) -> socket.socket:
@@ -44,12 +51,23 @@ def _bound_socket(family: int, local_port: int) -> socket.socket:
     return s
 
 
+def abort(sock: socket.socket) -> None:
+    """Close with a reset (SO_LINGER 0): no FIN_WAIT or TIME_WAIT holds the address pair, so a punch retried
+    at once can connect from the same port to the same address again."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    except OSError:
+        pass
+    sock.close()
+
+
 async def _connect_until(local_port: int, remote: tuple[str, int], deadline: float) -> socket.socket:
     """Keep connecting from ``local_port`` to ``remote`` until it succeeds or ``deadline`` (loop time) passes. One
     socket per try: the kernel retransmits its SYN with the same sequence number, which the NATs have tracked."""
     loop = asyncio.get_running_loop()
     family = socket.AF_INET6 if ":" in remote[0] else socket.AF_INET
     last: OSError | None = None
+    taken = None  # since when the address pair has been in use by another socket of ours
     while (left := deadline - loop.time()) > 0:
         s = _bound_socket(family, local_port)
         try:
@@ -64,6 +82,11 @@ async def _connect_until(local_port: int, remote: tuple[str, int], deadline: flo
             if e.errno not in (errno.ECONNREFUSED, errno.ECONNRESET, errno.EHOSTUNREACH, errno.ENETUNREACH,
                                errno.EADDRNOTAVAIL):
                 raise
+            if e.errno == errno.EADDRNOTAVAIL:
+                taken = taken or loop.time()
+                if loop.time() - taken > PAIR_TAKEN_FOR:
+                    raise PairTaken(errno.EADDRNOTAVAIL, f"{remote[0]}:{remote[1]} is already connected to our port "
+                                    "(the peer's connection came in to our listener: our NAT let it in)") from None
             await asyncio.sleep(min(RETRY_AFTER, max(0.0, deadline - loop.time())))
         except BaseException:
             s.close()
@@ -142,7 +165,10 @@ class _Half(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         if self.other is not None and self.other.transport is not None:
-            self.other.transport.close()
+            if self.splice.abortive:
+                self.splice.abort()
+            else:
+                self.other.transport.close()
         self.splice._half_closed()
 
 
@@ -152,12 +178,14 @@ class Splice:
     def __init__(self) -> None:
         self.bytes = {"a": 0, "b": 0}  # bytes read from each side
         self.closed = asyncio.Event()
+        self.abortive = False  # when one side closes, reset the other (see ``abort``) instead of closing it
         self._halves: list[_Half] = []
 
     @classmethod
-    async def start(cls, a: socket.socket, b: socket.socket) -> "Splice":
+    async def start(cls, a: socket.socket, b: socket.socket, *, abortive: bool = False) -> "Splice":
         loop = asyncio.get_running_loop()
         splice = cls()
+        splice.abortive = abortive
         half_a, half_b = _Half(splice, "a"), _Half(splice, "b")
         half_a.other, half_b.other = half_b, half_a
         try:
@@ -185,3 +213,15 @@ class Splice:
         for half in self._halves:
             if half.transport is not None:
                 half.transport.close()
+
+    def abort(self) -> None:
+        """Close both sides with a reset (see ``abort``): for a hand-over that failed."""
+        for half in self._halves:
+            if half.transport is None or half.transport.is_closing():
+                continue
+            try:
+                sock = half.transport.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            except (OSError, AttributeError, ValueError):  # already gone
+                pass
+            half.transport.abort()
