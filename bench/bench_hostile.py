@@ -6,6 +6,7 @@ honest 4-peer DiLoCo, SPSA and SAPO runs, next to the same runs unattacked.
     python bench/bench_hostile.py --part node --attacks 15   # the idle row and attack 15 only
     python bench/bench_hostile.py --part node --attacks 15 --nofile 1024   # ... the node limited to 1024 fds
     python bench/bench_hostile.py --part loops # the loop runs only
+    python bench/bench_hostile.py --part lockout --identities 30000   # admitted identities vs a newcomer (issue 80)
 
 Part 1: node ``a`` (with an honest peer ``b``) on loopback. For each attack, from fresh hostile processes' keys: the
 node's RSS (its Python process; its p2p daemon apart) before, at the peak while attacked and after; ``/healthz``
@@ -617,7 +618,9 @@ def print_loops(pairs) -> None:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["node", "loops", "all"], default="all")
+    parser.add_argument("--part", choices=["node", "loops", "lockout", "all"], default="all")
+    parser.add_argument("--identities", type=int, default=30_000, help="the lock-out part's admitted identities "
+                        "(minted on every core at 12 bits, about 2 ms each, and kept in /tmp for the next run)")
     parser.add_argument("--attacks", default="", help="part 1's attacks to run, by the numbers their names start "
                         "with, comma-separated (default: all; the idle row always runs)")
     parser.add_argument("--nofile", type=int, default=0, help="part 1: the attacked node's file descriptor limit "
@@ -629,6 +632,10 @@ async def main() -> None:
             print_node(await part_node(Path(tmp) / "node", only, args.nofile))
         if args.part in ("loops", "all"):
             print_loops(await part_loops(Path(tmp) / "loops"))
+        if args.part in ("lockout", "all"):
+            from hostile_lockout import part_lockout, print_lockout
+
+            print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities))
 
 
 if __name__ == "__main__":

@@ -5,10 +5,10 @@ Pure: no I/O, no asyncio, no torch, nothing else of swarmd's. Signing and verifi
 
 from swarmd.crdt.hlc import HLC
 from swarmd.crdt.ops import Op, OpError, decode_wire
-from swarmd.crdt.store import APPLIED, DUPLICATE, PENDING, REJECTED, OpStore, Result
+from swarmd.crdt.store import APPLIED, DUPLICATE, PENDING, PROBATION, REJECTED, OpStore, Result
 from swarmd.crdt.types import GCounter, LWWMap, MaxRegister, ORSet, PNCounter, ProgressRegister
 
 __all__ = [
     "APPLIED", "DUPLICATE", "GCounter", "HLC", "LWWMap", "MaxRegister", "ORSet", "Op", "OpError", "OpStore",
-    "PENDING", "PNCounter", "ProgressRegister", "REJECTED", "Result", "decode_wire",
+    "PENDING", "PNCounter", "PROBATION", "ProgressRegister", "REJECTED", "Result", "decode_wire",
 ]

@@ -14,11 +14,26 @@
   ahead of our clock), ``bad_causality`` (clock not after its author's previous op, or seq not following it),
   ``equivocation`` (a second, different op for an author's seq), ``pending_full`` (its author already holds its
   share of the pending budget), ``not_admitted`` (an author's op #1 without its admission, see
-  ``crdt.admission``), ``authors_full`` (a new author while we hold ``max_authors``: our limit, not the sender's
-  fault), ``over_quota`` (an author's op written less than ``QUOTA_WINDOW_MS`` after its op ``QUOTA_OPS`` back in
-  the same base period, by the ops' own clocks: at most 1,000 ops a minute per author, sustained, whatever objects
-  they rewrite; an op's clock cannot run ahead of real time by more than ``max_skew_ms``, so a chain cannot outrun the
-  quota, and the rule reads only the chain, so every replica decides the same way).
+  ``crdt.admission``), ``unknown_author`` (an op after #1 of an author whose op #1 we neither hold nor fetch: not
+  held, so keys that were never admitted cannot fill the pending budget; the caller names the authors it fetches
+  in ``fetching``), ``probation_full`` (an author on
+  probation already holds ``MAX_PROBATION_OPS``), ``over_quota`` (an author's op written less than
+  ``QUOTA_WINDOW_MS`` after its op ``QUOTA_OPS`` back in the same base period, by the ops' own clocks: at most 1,000
+  ops a minute per author, sustained, whatever objects they rewrite; an op's clock cannot run ahead of real time by
+  more than ``max_skew_ms``, so a chain cannot outrun the quota, and the rule reads only the chain, so every replica
+  decides the same way).
+
+**Standing and probation.** Identities cost a ticket, not a wall, so no count of them may close the store: a
+new author is never refused for want of room. The caller says, for each op from the network, whether its author
+has *standing* (``vouch``: its own key sent the op, or a peer with standing introduced it within a quota; see
+``node.replication``). An author with standing is merged as above. One without is held on *probation*: its chain
+(from op #1 or a base, at most ``MAX_PROBATION_OPS`` ops) verified and kept aside, outside the merged state, the
+version vector and the digests, at most ``max_authors`` ops and ``max_probation_bytes`` of bodies; when full,
+the author on probation that was least recently heard from gives way (status ``probation``). An author on probation
+merges (with the ops it holds) as soon as an op of it arrives vouched. Since the merged state and the digests are
+functions of the merged authors only, replicas that merged the same authors have the same digest and the same
+state, whichever flood each of them saw on probation; a flood of fresh identities evicts only other identities
+that nobody vouched for, never a member that wrote with standing.
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
 replica's content is summarized exactly by its version vector ``{author: last seq}``. An op is held (``pending``)
@@ -44,9 +59,9 @@ Pure: no I/O, no clock, no keys; the caller passes ``now_ms`` and a signature ve
 from __future__ import annotations
 
 import hashlib
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import msgpack
 
@@ -58,6 +73,8 @@ from swarmd.crdt.ops import (
 from swarmd.crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
+PROBATION = "probation"  # verified, held aside until its author has standing (not merged, not in the digest)
+MAX_PROBATION_OPS = 16  # ops of one author held on probation
 # an author's op must come QUOTA_WINDOW_MS after its op QUOTA_OPS back in the same base period, by their clocks (the
 # same on every node: part of the protocol). A period's first QUOTA_OPS ops are free, so a period of BASE_EVERY ops
 # takes at least QUOTA_WINDOW_MS: at most 1,000 ops a minute, sustained
@@ -105,11 +122,21 @@ class OpStore:
         max_op_size: int = 4096,
         admission: Admission | None = None,
         max_authors: int = 20_000,
+        max_probation_bytes: int = 4 << 20,
+        hold_unknown_authors: bool = True,
     ):
         self.schema = dict(schema)
         self._verify = verify
         self.admission = admission  # None: every author is admitted (tests of the types alone)
-        self.max_authors = max_authors
+        self.max_authors = max_authors  # ops (so authors) held on probation at most; merged authors: never refused
+        self.max_probation_bytes = max_probation_bytes
+        # False: an op after #1 of an author we hold nothing of is held only while ``fetching`` names the author
+        self.hold_unknown_authors = hold_unknown_authors
+        self.fetching: set[str] = set()  # authors whose ops the caller is pulling now (op #1 on its way)
+        self.probation: OrderedDict[str, list[Op]] = OrderedDict()  # author -> its chain, least recent first
+        self._probation_bytes = 0
+        self._probation_ops = 0
+        self.probation_counts: Counter = Counter()  # "held", "evicted", "merged"
         self._digests = [0] * BUCKETS  # per bucket: XOR of _entry_hash(author, seq) over its authors
         self._bucket_authors: dict[int, set[str]] = {}  # bucket -> its authors (made when the first one merges)
         self.max_skew_ms = max_skew_ms
@@ -153,12 +180,12 @@ class OpStore:
     def _op_at(self, author: str, seq: int) -> Op:
         return self.ops[self.chains[author][seq - self.first.get(author, 1)]]
 
-    def receive(self, wire: Any, now_ms: int) -> Result:
+    def receive(self, wire: Any, now_ms: int, vouch: Callable[[str], bool] | None = None) -> Result:
         try:
             op = decode_wire(wire, max_size=self.max_wire_size)
         except OpError as e:
             return self._reject(e.reason)
-        return self.receive_op(op, now_ms)
+        return self.receive_op(op, now_ms, vouch)
 
     def _check(self, op: Op, now_ms: int | None = None) -> str | None:
         """What the op's own bytes allow (shape, rights, size, the base schedule, its clock's skew from ``now_ms``
@@ -198,20 +225,92 @@ class OpStore:
             return self.admission.admits(op.author, "members", self.admission.payload(op.author, p.get("ticket")))
         return None
 
-    def receive_op(self, op: Op, now_ms: int) -> Result:
+    def receive_op(self, op: Op, now_ms: int, vouch: Callable[[str], bool] | None = None) -> Result:
+        """``vouch(author)``: whether an author we have not merged has standing (asked once per such op; None:
+        every author has, as for our own log)."""
+        author = op.author
+        promoted: list[Op] = []
+        if author not in self.chains:
+            if vouch is not None and not vouch(author):
+                return self._on_probation(op, now_ms)
+            if author in self.probation:
+                promoted = self._promote(author)
+        result = self._receive_merged(op, now_ms)
+        if promoted:
+            result.applied[:0] = promoted
+        return result
+
+    def _receive_merged(self, op: Op, now_ms: int) -> Result:
         if op.id in self.ops or op.id in self.pending or op.seq < self.first.get(op.author, 1):
             return Result(DUPLICATE, op=op)  # known, or restated by the author's base we hold
         reason = self._check(op, now_ms)
         if reason is not None:
             return self._reject(reason, op)
-        if op.author not in self.chains and len(self.chains) >= self.max_authors:
-            return self._reject("authors_full", op)
+        last = self.last_seq(op.author)
+        gap = op.seq > last + 1 and op.object != BASE_OBJECT
+        if gap and not last and not self.hold_unknown_authors and op.author not in self.fetching:
+            return self._reject("unknown_author", op)
         if not verify_op(op, self._verify):
             return self._reject("bad_signature", op)
-        last = self.last_seq(op.author)
-        if op.seq > last + 1 and op.object != BASE_OBJECT:
+        if gap:
             return self._hold(op, (op.author, op.seq - 1), now_ms)
         return self._apply_ready(op)
+
+    # ------------------------------------------------------------------ probation
+    def _on_probation(self, op: Op, now_ms: int) -> Result:
+        """Hold an op of an author without standing aside (see the module's docstring)."""
+        chain = self.probation.get(op.author)
+        if chain is not None and op.seq <= chain[-1].seq and op.seq >= chain[0].seq:
+            if chain[op.seq - chain[0].seq].id == op.id:
+                return Result(DUPLICATE, op=op)
+            return self._reject("equivocation", op)
+        reason = self._check(op, now_ms)
+        if reason is not None:
+            return self._reject(reason, op)
+        restart = op.seq == 1 or op.object == BASE_OBJECT  # op #1 or a base carries the author's admission
+        if chain is None or op.seq != chain[-1].seq + 1:
+            if not restart or (chain is not None and op.seq < chain[0].seq):
+                return self._reject("unknown_author", op)  # its chain's start is not ours to hold: not held
+        elif len(chain) >= MAX_PROBATION_OPS:
+            return self._reject("probation_full", op)
+        elif chain[-1].id not in op.parents or chain[-1].clock >= op.clock:
+            return self._reject("bad_causality", op)
+        if not verify_op(op, self._verify):
+            return self._reject("bad_signature", op)
+        if chain is not None and op.seq != chain[-1].seq + 1:
+            self._drop_probation(op.author)  # a later base: it restates what we held
+            chain = None
+        if chain is None:
+            chain = self.probation[op.author] = []
+            self.probation_counts["held"] += 1
+        chain.append(op)
+        self.probation.move_to_end(op.author)
+        self._probation_bytes += len(op.body)
+        self._probation_ops += 1
+        while self._probation_ops > max(1, self.max_authors) or self._probation_bytes > self.max_probation_bytes:
+            oldest = next(iter(self.probation))
+            self._drop_probation(oldest)
+            self.probation_counts["evicted"] += 1
+            if oldest == op.author:
+                break
+        return Result(PROBATION, op=op)
+
+    def _drop_probation(self, author: str) -> list[Op]:
+        chain = self.probation.pop(author, [])
+        self._probation_bytes -= sum(len(o.body) for o in chain)
+        self._probation_ops -= len(chain)
+        return chain
+
+    def _promote(self, author: str) -> list[Op]:
+        """Merge the chain an author held on probation (verified when it came): the ops it applied."""
+        applied: list[Op] = []
+        for op in self._drop_probation(author):
+            result = self._apply_ready(op)
+            if result.status == REJECTED:
+                break
+            applied.extend(result.applied)
+        self.probation_counts["merged"] += 1
+        return applied
 
     def _hold(self, op: Op, missing: tuple, now_ms: int) -> Result:
         share = self.max_pending_share
@@ -563,6 +662,10 @@ class OpStore:
             "compacted": self.compacted,
             "pending": len(self.pending),
             "pending_bytes": self._pending_bytes,
+            "probation": len(self.probation),
+            "probation_bytes": self._probation_bytes,
+            "probation_ops": self._probation_ops,
+            **{f"probation_{k}": n for k, n in sorted(self.probation_counts.items())},
             **{f"pending_{why}": n for why, n in sorted(self.pending_dropped.items())},
             "rejected": dict(self.rejected),
         }

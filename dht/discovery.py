@@ -28,8 +28,10 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
-from swarmd.dht.records import (Ed25519RecordValidator, NodeRecord, member_check, member_value_ok,
-                                open_envelope, owner_tag, seal)
+from swarmd.dht.records import (
+    Ed25519RecordValidator, NodeRecord, dht_key_id, member_check, member_value_ok, open_envelope, owner_tag, seal,
+)
+from swarmd.dht.room import BoundedKey
 from swarmd.transport.framing import unpack_record
 from swarmd.transport._compat import load_hivemind
 from swarmd.transport.base import Stream
@@ -175,6 +177,11 @@ class Discovery:
             cache_nearest=0,
             reuse_get_requests=False,
         )
+        # the members key's records that this node stores for the DHT: at most dht.room.MAX_STORED, making room
+        from hivemind.dht.routing import DHTID
+
+        BoundedKey(self.dht.protocol.storage, DHTID.from_bytes(dht_key_id(self.members_key)),
+                   lambda peer: peer == self.identity.peer_id or peer in self._greeted, self.counters)
         await self.transport.serve(HELLO_SPEC, self._on_hello)
 
     async def run(self) -> None:

@@ -706,6 +706,11 @@ def doctor(data_dir, http, as_json) -> None:
                                      "members reached by no one near" if split.get("suspected") else
                                      f"none ({split.get('known') or 0} known members reached)")
                  + (f"; the last one lasted {last['seconds']} s, healed {_ago(last['healed_at'])}" if last else ""))
+    writes = report["writes"]
+    lines.append("writes        " + (f"REFUSED: {writes['refused_ops']} of this node's ops refused by "
+                                     f"{len(writes['refused_by'])} peer(s)" if writes["refused_ops"] else
+                                     "no peer has refused this node's ops")
+                 + ("; PAUSED (re-fetching own ops after log damage)" if writes["paused"] else ""))
     lines.append("")
     lines += [f"hint: {h}" for h in report["hints"]] or ["no problems found"]
     click.echo("\n".join(lines))

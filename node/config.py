@@ -118,7 +118,9 @@ class StateSection(_Section):
     admission_bits: int = Field(22, ge=0, le=40)
     # Closed swarm: only these peer ids may write (no ticket needed). Empty: open.
     allow: list[str] = []
-    max_authors: int = Field(20_000, ge=1, le=10_000_000)  # authors a replica holds at most (our limit)
+    # ops of authors without standing held aside at most (the least recently heard from give way; authors with standing
+    # are never refused: crdt.store, "Standing and probation")
+    max_authors: int = Field(20_000, ge=1, le=10_000_000)
 
 
 class HttpSection(_Section):

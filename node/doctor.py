@@ -95,6 +95,19 @@ def diagnose(s: dict) -> dict:
     if unconnected:
         hints.append(f"{len(unconnected)} member(s) not connected: they may be offline, or behind NATs with no "
                      "relay in common")
+    crdt = s.get("crdt") or {}
+    refused = crdt.get("refused_by") or {}
+    writes = {"refused_by": {p: v.get("ops", 0) for p, v in sorted(refused.items())},
+              "refused_ops": sum(v.get("ops", 0) for v in refused.values()),
+              "paused": bool(crdt.get("writes_paused"))}
+    if refused:
+        hints.append(f"{len(refused)} peer(s) refused {writes['refused_ops']} of this node's own writes, so they do "
+                     f"not reach the swarm ({', '.join(sorted(refused)[:3])}{'...' if len(refused) > 3 else ''}): "
+                     "check that every node runs the same swarmd version with the same node.swarm, "
+                     "state.admission_bits and state.allow, that this machine's clock is right, and the peers' logs")
+    if writes["paused"]:
+        hints.append("writes are paused: the op log was damaged and this node is re-fetching its own ops from a "
+                     "peer (it writes again once one answers, or after 2 minutes alone)")
     for name, svc in sorted(s.get("services", {}).items()):
         if svc.get("state") == "refused":
             hints.append(f"{name} refused: {svc.get('refused')}")
@@ -115,5 +128,6 @@ def diagnose(s: dict) -> dict:
         "peers": [{"peer_id": p["peer_id"], "path": p["path"], "relay": p["relay"], "since": p["path_since"]}
                   for p in peers],
         "split": {k: split.get(k) for k in ("suspected", "lost", "known", "seconds", "last_split")},
+        "writes": writes,
         "hints": hints,
     }

@@ -107,6 +107,15 @@ class NodeCollector:
                                   value=crdt.compacted)
         yield GaugeMetricFamily("swarmd_crdt_log_records", "Records in the op log", value=node.replicator.log.records)
         yield GaugeMetricFamily("swarmd_crdt_heads", "Heads of the op DAG", value=len(crdt.heads))
+        yield GaugeMetricFamily("swarmd_crdt_authors", "Authors merged into the replicated state",
+                                value=len(crdt.chains))
+        yield GaugeMetricFamily("swarmd_crdt_probation_authors", "Authors without standing held aside (bounded by "
+                                "state.max_authors; the least recent gives way)", value=len(crdt.probation))
+        probation = CounterMetricFamily("swarmd_crdt_probation", "Authors on probation: held, evicted (made room), "
+                                        "merged (vouched for)", labels=["event"])
+        for event, count in crdt.probation_counts.items():
+            probation.add_metric([event], count)
+        yield probation
         rejected = CounterMetricFamily("swarmd_crdt_rejected_ops", "Ops rejected by reason", labels=["reason"])
         for reason, count in crdt.rejected.items():
             rejected.add_metric([reason], count)

@@ -19,6 +19,14 @@ So a sync costs what differs, never the whole version vector: with a million aut
 Anti-entropy runs every ``sync_interval`` with a random connected member, and at once with a peer we have just
 greeted, so a node that was offline or just joined catches up from any peer.
 
+An op of an author we have not merged is merged only if its author has *standing* with us: its own key sent it
+(a node pushes and syncs its own ops itself), or a peer with standing introduced it, at most ``INTRO_BURST`` new
+authors at once and ``INTRO_PER_S`` a second per peer; otherwise the store holds it on probation (``crdt.store``),
+bounded, not relayed, not logged. A flood of admitted identities pushed by a stranger therefore only cycles through
+the probation table, and the authors that honest members wrote with stay merged, so nobody is locked out by a count
+of identities. In a closed swarm (an allowlist), streams of keys outside the list are refused both ways: its state is
+private to its members.
+
 Every op from the network is verified by the store (signature, author rights, clock skew, causality, size). A
 rejected op is counted by reason and penalises the peer that sent it: honest peers only relay ops they verified.
 Ops we apply are appended to the op log and fsync'd before we acknowledge them (a local write returns, a PUSH is
@@ -37,8 +45,9 @@ from typing import Any, Callable
 
 import msgpack
 
-from swarmd.crdt import (REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister,
-                         decode_wire)
+from swarmd.crdt import (
+    PROBATION, REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire,
+)
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
 from swarmd.crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
@@ -49,7 +58,7 @@ from swarmd.transport.clock import SYSTEM, Clock
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity, verify
-from swarmd.transport.penalties import RateLimitedLog
+from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
 from swarmd.transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
 
 logger = logging.getLogger(__name__)
@@ -109,7 +118,8 @@ PENALTY = {
     "bad_causality": "malformed",
     "not_admitted": "forged",  # an honest peer applies (and so relays) only admitted authors' ops
     "over_quota": "malformed",  # the rule reads only the author's chain: an honest peer never relays such an op
-    # "authors_full" and "pending_full" are our limits, never the sender's fault: counted and logged, no penalty
+    # "pending_full", "probation_full" and "unknown_author" are our limits (an honest relay may send an op before its
+    # author's op #1 reached us), never the sender's fault: counted and logged, no penalty
     "future_clock": "stale",  # may be clock skew between honest nodes: a light penalty
     "equivocation": "stale",  # an honest relay may carry the other fork first
 }
@@ -124,6 +134,9 @@ BASE_SCHEMA = {
 }
 
 
+INTRO_BURST = 4096  # new authors one peer with standing may introduce at once (two pages of entries)...
+INTRO_PER_S = 0.5  # ...and then this many a second (1,800 an hour)
+MAX_INTRO_PEERS = 4096  # peers whose introduction budget we track (full budgets are forgotten first)
 RELAY_WINDOW_MS = 60_000  # ops a sync pulls are pushed on if written this recently
 RECOVERY_ALONE_S = 120.0  # with no peer at all for this long, a node whose log was damaged writes again anyway
 
@@ -158,7 +171,9 @@ class Replicator:
         self.admission = admission or Admission()
         self._verified: dict[tuple, bool] = {}  # (author, signed data, sig) checked off the event loop, used once
         self.store = OpStore(schema or BASE_SCHEMA, self._verify, max_skew_ms=max_skew_ms, admission=self.admission,
-                             max_authors=max_authors)
+                             max_authors=max_authors, hold_unknown_authors=False)
+        self._intro = TokenBuckets(INTRO_PER_S, INTRO_BURST, max_keys=MAX_INTRO_PEERS, clock=clock.monotonic)
+        self.refused_by: dict[str, dict] = {}  # peer -> {"ops": our ops it refused, "at": when last}
         self.ticket_file = data_dir / "admission.ticket"
         self._member_ticket: int | None = None
         self._ticket_lock = asyncio.Lock()
@@ -376,21 +391,45 @@ class Replicator:
             for key in keys:
                 self._verified.pop(key, None)
 
+    def _voucher(self, peer_id: str) -> Callable[[str], bool]:
+        """Whether an author we have not merged has standing when ``peer_id`` sends its op: its own key sends it,
+        or ``peer_id`` has standing itself and its introduction budget allows one more author."""
+        me, granted = self.identity.peer_id, set()
+
+        def vouch(author: str) -> bool:
+            if author in (peer_id, me) or author in granted:
+                return True
+            if peer_id not in self.store.chains or not self._introduce(peer_id):
+                return False
+            granted.add(author)
+            return True
+        return vouch
+
+    def _introduce(self, peer_id: str) -> bool:
+        """Take one introduction from ``peer_id``'s budget (``INTRO_BURST`` at once, ``INTRO_PER_S`` a second)."""
+        if not self._intro.allow(peer_id):
+            self.counters["introductions_refused"] += 1
+            return False
+        self.counters["introductions"] += 1
+        return True
+
     async def _apply_wires(self, peer_id: str, wires: list, seen: dict[str, int] | None,
                            relay: bool = False) -> tuple[int, int]:
         now = self._now_ms()
         applied: list[Op] = []
         rejected = Counter()
+        vouch, probation = self._voucher(peer_id), 0
         for i, wire in enumerate(wires):
             if i and i % 16 == 0:
                 # a batch of a thousand ops must not hold the event loop: 16 ops of 4 KiB of empty maps (the most
                 # costly to decode) are about 5 ms
                 await asyncio.sleep(0)
-            result = self.store.receive(wire, now)
+            result = self.store.receive(wire, now, vouch)
+            applied.extend(result.applied)  # a rejected op may follow its author's held ops it promoted
             if result.status == REJECTED:
                 rejected[result.reason] += 1
             else:
-                applied.extend(result.applied)
+                probation += result.status == PROBATION
                 if seen is not None and result.op is not None:
                     seen[result.op.author] = max(seen.get(result.op.author, 0), result.op.seq)
         if applied:
@@ -407,6 +446,14 @@ class Replicator:
                     self._outbox_event.set()
         self.counters["ops_received"] += len(wires)
         self.counters["ops_applied"] += len(applied)
+        self.counters["ops_on_probation"] += probation
+        if probation:
+            held = self.store.probation_counts
+            self._log.log(logging.INFO, "probation", "crdt: %d op(s) from %s held on probation (authors without "
+                          "standing: %d held now, %d evicted to make room so far)", probation, peer_id,
+                          len(self.store.probation), held["evicted"])
+        if rejected.get("unknown_author") and relay:
+            self.sync_soon(peer_id)  # it pushed ops whose author's op #1 we lack: a sync with it brings them
         for reason, count in rejected.items():
             kind = PENALTY.get(reason)
             if kind is not None:
@@ -418,7 +465,20 @@ class Replicator:
         return len(applied), sum(rejected.values())
 
     # ------------------------------------------------------------------ protocol: server side
+    def _private_from(self, peer_id: str) -> bool:
+        """A closed swarm's state is for its members only: no stream with a key outside the allowlist."""
+        return self.admission.closed and peer_id not in self.admission.allow
+
+    def _refuse_outsider(self, peer_id: str, way: str) -> None:
+        self.counters["refused_not_member"] += 1
+        self.transport.stats.errors["crdt_not_member"] += 1
+        self._log.log(logging.WARNING, ("outsider", way), "crdt: %s stream with %s refused: not on this closed "
+                      "swarm's allowlist (state.allow)", way, peer_id)
+
     async def _on_stream(self, stream: Stream) -> None:
+        if self._private_from(stream.peer_id):
+            self._refuse_outsider(stream.peer_id, "inbound")
+            return
         if not self._compatible(stream.peer_id):
             # another admission rule (its member record says so): it would take our authors' ops for forged and
             # we its; honest, not the peer's fault, so refused without a penalty (discovery logs the mismatch)
@@ -449,6 +509,9 @@ class Replicator:
         """Push ``ops`` to ``peer_id``: a few bytes over the stream kept to it (``KEPT_PUSH_BYTES``), opened on the
         first push; a kept stream that fails or answers late is closed and the push goes over a new one (the ops
         are idempotent: one the peer got twice is acked as known)."""
+        if self._private_from(peer_id):
+            self._refuse_outsider(peer_id, "outbound")
+            return
         small = sum(len(op.body) for op in ops) <= KEPT_PUSH_BYTES
         kept = self._kept.pop(peer_id, None) if small else None
         if kept is not None:
@@ -506,10 +569,41 @@ class Replicator:
             if reply.kind != ACK:
                 raise MalformedMessage("crdt: expected ACK")
             self.counters["ops_sent"] += len(batch)
+            self._note_ack(stream.peer_id, batch, reply.body)
+
+    def _note_ack(self, peer_id: str, batch: list[Op], ack: Any) -> None:
+        """What a peer refused of a batch that carried our own ops: the writer learns that its writes do not spread
+        (``refused_by`` in /status, ``swarmd doctor``). An ACK counts the whole batch; ops of ours that a peer had
+        already are acked as applied or known, never as refused, so a refusal of a batch of ours alone is ours."""
+        if not isinstance(ack, dict) or type(ack.get("rejected")) is not int or ack["rejected"] <= 0:
+            return
+        me = self.identity.peer_id
+        ours = sum(op.author == me for op in batch)
+        if not ours:
+            return
+        n = min(ours, ack["rejected"])
+        if peer_id not in self.last_sync:
+            # a peer we never synced with may lack our earlier ops (it refuses a later one as unknown_author): a
+            # sync brings them, and only what it refuses after one counts
+            self.counters["own_ops_refused_before_sync"] += n
+            self.sync_soon(peer_id)
+            return
+        entry = self.refused_by.setdefault(peer_id, {"ops": 0, "at": 0.0})
+        entry["ops"] += n
+        entry["at"] = self.clock.time()
+        self.counters["own_ops_refused"] += n
+        self._log.log(logging.WARNING, ("refused_by", peer_id), "crdt: %s refused %d of our op(s) (it refused %d "
+                      "so far): our writes may not reach the swarm; see its log and `swarmd doctor`", peer_id, n,
+                      entry["ops"])
+        if len(self.refused_by) > 256:
+            self.refused_by.pop(min(self.refused_by, key=lambda p: self.refused_by[p]["at"]))
 
     async def sync_with(self, peer_id: str) -> None:
         """Page through the buckets where ``peer_id``'s state differs from ours: pull what we lack, push what it
         lacks."""
+        if self._private_from(peer_id):
+            self._refuse_outsider(peer_id, "outbound")
+            return
         async with await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0) as stream:
             after = None
             for _ in range(MAX_PAGES):
@@ -526,7 +620,11 @@ class Replicator:
                     break
                 want, lacking = self.store.page_diff(theirs, buckets, after, nxt)
                 if want:
-                    await self._pull_page(stream, peer_id, theirs)
+                    self.store.fetching.update(want)  # their op #1 is on its way: later ops wait for it
+                    try:
+                        await self._pull_page(stream, peer_id, theirs)
+                    finally:
+                        self.store.fetching.difference_update(want)
                 ops, _ = self.store.ops_after(lacking, 10 * SYNC_BATCH, 10 * PUSH_BYTES)
                 if ops:
                     await self._push_on(stream, ops)
@@ -635,6 +733,7 @@ class Replicator:
                 "log_damaged_stretches": self.log.damaged_mid,
                 "writes_paused": not self._recovered.is_set(),
                 "last_sync": {p: t for p, t in sorted(self.last_sync.items())},
+                "refused_by": {p: dict(v) for p, v in sorted(self.refused_by.items())},
                 **{k: v for k, v in sorted(self.counters.items())},
             }
         )

@@ -346,6 +346,14 @@ class Gossip:
     async def _on_stream(self, stream: Stream) -> None:
         peer = stream.peer_id
         penalties = self._ctx.transport.penalties
+        admission = getattr(self._ctx.replicator, "admission", None)
+        if admission is not None and admission.closed and peer not in admission.allow:
+            # a closed swarm's messages are for its members: an outsider neither reads nor writes them
+            self.counters["refused_not_member"] += 1
+            self._ctx.transport.stats.errors["pubsub_not_member"] += 1
+            self._log.log(logging.WARNING, ("outsider", "pubsub"), "pubsub: stream from %s refused: not on this "
+                          "closed swarm's allowlist (state.allow)", peer)
+            return
         try:
             while True:
                 message = await stream.read()

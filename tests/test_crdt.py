@@ -391,13 +391,85 @@ def test_an_author_is_admitted_only_by_its_ticketed_first_op():
     assert (r.status, r.reason) == (REJECTED, "not_admitted")
 
 
-def test_authors_beyond_our_limit_are_refused_as_our_limit():
-    s = OpStore(schema(), verify, max_authors=2)
-    for who in IDS[:2]:
-        write(s, who, "count", {"n": 1})
-    r = s.receive(make_op(IDS[2].sign, IDS[2].peer_id, 1, (NOW, 0), [], "count", {"n": 1}).wire(), NOW)
-    assert (r.status, r.reason) == (REJECTED, "authors_full")
-    write(s, IDS[0], "count", {"n": 1})  # known authors go on writing
+def _admitted(adm, who: Identity, now=NOW):
+    """``who``'s op #1: its ticketed members add."""
+    return make_op(who.sign, who.peer_id, 1, (now, 0), [], "members", adm.payload(who.peer_id, adm.mint(who.peer_id)))
+
+
+def test_a_flood_of_admitted_identities_makes_room_and_locks_nobody_out():
+    # issue 80 item 1: a store holding max_authors refused every new author for good (authors_full): 20,000 admitted
+    # identities closed the swarm. Now authors without standing wait on probation, the least recent gives way, and
+    # a newcomer's ops merge as soon as an op of it comes vouched for.
+    from swarmd.crdt import PROBATION
+    from swarmd.crdt.admission import Admission
+
+    adm = Admission("lab", bits=4)
+    members, newcomer = IDS[:2], IDS[2]
+    replicas = [OpStore(schema(), verify, admission=adm, max_authors=50) for _ in range(2)]
+    honest = []
+    for who in members:
+        honest.append(_admitted(adm, who))
+        honest.append(make_op(who.sign, who.peer_id, 2, (NOW + 1, 0), [honest[-1].id], "count", {"n": 1}))
+    for r in replicas:
+        for op in honest:
+            assert r.receive(op.wire(), NOW, vouch=lambda a: True).status == APPLIED
+    before = replicas[0].digest()
+    for k, r in enumerate(replicas):  # each replica sees a different flood of 300 fresh admitted identities
+        for _ in range(300):
+            sybil = Identity.generate()
+            res = r.receive(_admitted(adm, sybil).wire(), NOW, vouch=lambda a: False)
+            assert res.status == PROBATION
+        assert len(r.probation) == 50 and r.probation_counts["evicted"] == 250
+        assert r.digest() == before and r.value("members") == sorted(w.peer_id for w in members)
+        assert set(r.chains) == {w.peer_id for w in members}  # members who wrote keep their standing
+    # the newcomer: its op #1 and first write reach a replica unvouched (say, relayed), then vouched
+    first = _admitted(adm, newcomer)
+    note = make_op(newcomer.sign, newcomer.peer_id, 2, (NOW + 5, 0), [first.id], "count", {"n": 7})
+    unvouched = replicas[0]
+    assert [unvouched.receive(op.wire(), NOW, vouch=lambda a: False).status for op in (first, note)] == \
+        [PROBATION, PROBATION]
+    assert unvouched.value("count")["total"] == 2  # on probation: not merged yet
+    r = unvouched.receive(note.wire(), NOW, vouch=lambda a: True)
+    assert r.status == DUPLICATE and [o.id for o in r.applied] == [first.id, note.id]
+    vouched = replicas[1]
+    for op in (first, note):
+        assert vouched.receive(op.wire(), NOW, vouch=lambda a: True).status == APPLIED
+    assert unvouched.digest() == vouched.digest() != before
+    assert unvouched.values() == vouched.values() and unvouched.value("count")["total"] == 9
+    assert "authors_full" not in unvouched.rejected
+    # a probation chain is a chain: another fork, a gap, or an op after #1 of an author never seen is refused
+    sybil = Identity.generate()
+    one = _admitted(adm, sybil)
+    assert unvouched.receive(one.wire(), NOW, vouch=lambda a: False).status == PROBATION
+    fork = make_op(sybil.sign, sybil.peer_id, 1, (NOW + 1, 0), [], "members", one.payload)
+    gap = make_op(sybil.sign, sybil.peer_id, 3, (NOW + 3, 0), [one.id], "count", {"n": 1})
+    stray = make_op(Identity.generate().sign, "x", 2, (NOW, 0), [], "count", {"n": 1})
+    assert unvouched.receive(fork.wire(), NOW, vouch=lambda a: False).reason == "equivocation"
+    assert unvouched.receive(gap.wire(), NOW, vouch=lambda a: False).reason == "unknown_author"
+    assert unvouched.receive(stray.wire(), NOW, vouch=lambda a: False).reason == "unknown_author"
+    held = unvouched.summary()  # at most max_authors ops held: the newcomer's second op took a sybil's place
+    assert held["probation"] == held["probation_ops"] == 49
+
+
+def test_ops_of_authors_never_seen_are_held_only_while_their_first_op_is_fetched():
+    # issue 80 item 7: ops at seq > 1 of keys that were never admitted were held as pending: 40 such keys filled the
+    # 8 MiB budget and evicted honest held ops
+    who = IDS[0]
+    src = store()
+    ops = [write(src, who, "count", {"n": 1}) for _ in range(3)]
+    s = OpStore(schema(), verify, hold_unknown_authors=False)
+    assert s.receive(ops[1].wire(), NOW).reason == "unknown_author" and not s.pending
+    for _ in range(40):
+        mallory = Identity.generate()
+        orphan = make_op(mallory.sign, mallory.peer_id, 5, (NOW, 0), [], "count", {"n": 1})
+        assert s.receive(orphan.wire(), NOW).reason == "unknown_author"
+    assert not s.pending and s.rejected["unknown_author"] == 41
+    s.fetching.add(who.peer_id)  # a sync is pulling its ops: a later one may come first and waits
+    assert s.receive(ops[2].wire(), NOW).status == PENDING
+    s.fetching.clear()
+    assert s.receive(ops[0].wire(), NOW).status == APPLIED
+    assert s.receive(ops[1].wire(), NOW).status == APPLIED and not s.pending  # an author we hold: held as before
+    assert s.value("count")["total"] == 3
 
 
 def _many_authors(n: int, prefix: str, seqs=lambda i: 1) -> list:

@@ -245,9 +245,16 @@ async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(tmp_
     fresh = [Identity.generate() for _ in range(1000)]
     free = [make_op(w.sign, w.peer_id, 1, (now, 0), [], "members", {"add": w.peer_id}).wire() for w in fresh]
     bought = await asyncio.to_thread(_admitted_authors, PAGE + 300, a.status()["swarm"], 6)
+    # the pusher is one of the admitted authors: its own op #1 gives it standing, and its standing lets it introduce
+    # the others (INTRO_BURST at once), which a stranger's push would only put on probation
+    boss = Identity.generate()
+    from swarmd.crdt.admission import Admission
+    adm = Admission(a.status()["swarm"], bits=6)
+    bought.insert(0, make_op(boss.sign, boss.peer_id, 1, (now, 0), [], "members",
+                             adm.payload(boss.peer_id, adm.mint(boss.peer_id))))
 
-    async def push(ops) -> list[dict]:
-        attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    async def push(ops, key: Identity) -> list[dict]:
+        attacker = P2PDaemonTransport(key, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
         await attacker.start()
         acks = []
         try:
@@ -260,23 +267,23 @@ async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(tmp_
             await attacker.close()
         return acks
 
-    assert await push(free) == [{"applied": 0, "rejected": 1000}]
+    assert await push(free, Identity.generate()) == [{"applied": 0, "rejected": 1000}]
     s = a.status()
     assert s["crdt"]["rejected"]["not_admitted"] == 1000 and s["members"] == 1
     assert s["penalties"]["forged"] >= 1
 
-    acks = await push([op.wire() for op in bought])
-    assert sum(ack["applied"] for ack in acks) == PAGE + 300
+    acks = await push([op.wire() for op in bought], boss)
+    assert sum(ack["applied"] for ack in acks) == PAGE + 301
     # b catches up through more than one page of entries; nobody is called malformed or penalised for it
-    wait_for(lambda: b.status()["members"] == PAGE + 301, 60, "b to sync every admitted author")
+    wait_for(lambda: b.status()["members"] == PAGE + 302, 60, "b to sync every admitted author")
     post(a, [("kv", {"k": f"{a.peer_id}/after", "v": 1})])
     wait_for(lambda: state(b)["objects"]["kv"].get(f"{a.peer_id}/after") == 1, 30, "an honest write to propagate")
     for node, other in ((a, b), (b, a)):
         s = node.status()
         assert other.peer_id not in s["banned"] and s["penalties"].get("malformed", 0) == 0
-        assert s["crdt"]["authors"] == PAGE + 302
+        assert s["crdt"]["authors"] == PAGE + 303
         # /status lists at most 512 peers and counts the rest (attackers may still be listed as connected)
-        assert len(s["peers"]) == 512 and s["peers_omitted"] >= PAGE + 301 - 512
+        assert len(s["peers"]) == 512 and s["peers_omitted"] >= PAGE + 302 - 512
     wait_for(lambda: converged([a, b]), 30, "a and b to converge")
 
 
@@ -286,24 +293,32 @@ async def test_a_batch_verified_off_the_event_loop_binds_each_signature_to_its_b
     # altered but the same signature, sent next to the genuine op, must still be refused as a bad signature
     from swarmd.node.replication import PREVERIFY_AT
 
+    from swarmd.crdt.admission import Admission
+
     a = swarm.start("a")
     mallory = Identity.generate()
     now = int(time.time() * 1000)
-    genuine = [make_op(mallory.sign, mallory.peer_id, 2, (now, 0), [os.urandom(32)], "kv",
-                       {"k": f"{mallory.peer_id}/k{i}", "v": 1}) for i in range(PREVERIFY_AT)]
+    adm = Admission(a.status()["swarm"], bits=12)
+    first = make_op(mallory.sign, mallory.peer_id, 1, (now, 0), [], "members",
+                    adm.payload(mallory.peer_id, adm.mint(mallory.peer_id)))
+    genuine, prev = [], first
+    for i in range(PREVERIFY_AT):  # a chain after it, each op naming an unknown op besides its previous one
+        prev = make_op(mallory.sign, mallory.peer_id, 2 + i, (now + 1 + i, 0), [prev.id, os.urandom(32)], "kv",
+                       {"k": f"{mallory.peer_id}/k{i}", "v": 1})
+        genuine.append(prev)
     assert all(op.body[-1:] == b"\x01" for op in genuine)  # the value 1 ends the body
     altered = [{"b": op.body[:-1] + b"\x02", "s": op.sig} for op in genuine]  # v: 1 -> 2, same signature
-    attacker = P2PDaemonTransport(Identity.generate(), P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    attacker = P2PDaemonTransport(mallory, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
     await attacker.start()
     try:
         await attacker.connect(a.tcp_addr)
-        batch = [w for pair in zip(altered, [op.wire() for op in genuine]) for w in pair]
+        batch = [first.wire()] + [w for pair in zip(altered, [op.wire() for op in genuine]) for w in pair]
         async with await attacker.open_stream(a.peer_id, CRDT_SPEC) as stream:
             await stream.send(PUSH, {"ops": batch})
             ack = (await stream.read_required()).body
     finally:
         await attacker.close()
-    # the genuine ops are held (their parent is unknown); every altered copy is refused
-    assert ack == {"applied": 0, "rejected": PREVERIFY_AT}
+    # the genuine ops apply; every altered copy is refused
+    assert ack == {"applied": PREVERIFY_AT + 1, "rejected": PREVERIFY_AT}
     s = a.status()["crdt"]
-    assert s["rejected"] == {"bad_signature": PREVERIFY_AT} and s["pending"] == PREVERIFY_AT
+    assert s["rejected"] == {"bad_signature": PREVERIFY_AT} and s["pending"] == 0

@@ -1,0 +1,194 @@
+"""bench_hostile.py's lock-out part (issue 80): many admitted identities pushed at a small swarm, and a newcomer that
+joins meanwhile and writes once; next to the same swarm unattacked, in the same run.
+
+    python bench/bench_hostile.py --part lockout --identities 30000
+
+Each run: ``nodes`` honest nodes (configs/local.toml: tickets of 12 bits, ``state.max_authors`` 20,000); the
+identities (each a fresh key with its ticketed op #1, minted here on every core, kept in /tmp for the next run) are
+pushed at the first node over one connection, 1,000 a message, by a stranger (``stranger``) or by a member with
+standing that introduces them (``member``: its own op #1 first, from its own key). Halfway through the push a
+newcomer node starts and, once it is a member, writes one kv key: its latency is from its write's 200 to the key
+being in every honest node's state. RSS: each honest node's Python process, before the run and its peak during it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing
+import os
+import threading
+import time
+from pathlib import Path
+
+import msgpack
+import psutil
+from swarmproc import Swarm, http_get, http_post, wait_for
+
+from swarmd.crdt.admission import Admission
+from swarmd.crdt.ops import make_op
+from swarmd.node.replication import CRDT_SPEC, PUSH
+from swarmd.transport.identity import Identity
+from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
+
+MB = 1 << 20
+BITS = 12  # configs/local.toml's, the demo's
+
+
+def _mint(args: tuple[str, int, int]) -> list[bytes]:
+    swarm, n, now = args
+    adm, out = Admission(swarm, BITS), []
+    for _ in range(n):
+        k = Identity.generate()
+        op = make_op(k.sign, k.peer_id, 1, (now, 0), [], "members", adm.payload(k.peer_id, adm.mint(k.peer_id)))
+        out.append(msgpack.packb(op.wire(), use_bin_type=True))
+    return out
+
+
+CHUNK = 10_000  # identities per cache file
+
+
+def identities(swarm: str, n: int) -> tuple[list[dict], float]:
+    """n admitted identities' op #1s (wires), and the seconds minting took (0: all read from the cache, which holds
+    them in files of CHUNK, so a larger run mints only what the cache lacks)."""
+    t0, procs, minted, packed = time.monotonic(), max(1, os.cpu_count() or 1), False, []
+    for chunk in range((n + CHUNK - 1) // CHUNK):
+        cache = Path(f"/tmp/swarmd-bench-identities-{swarm}-{BITS}-{chunk}.msgpack")
+        if cache.exists():
+            part = msgpack.unpackb(cache.read_bytes(), raw=False)
+        else:
+            now, minted = int(time.time() * 1000), True
+            with multiprocessing.Pool(procs) as pool:
+                parts = pool.map(_mint, [(swarm, CHUNK // procs + (i < CHUNK % procs), now) for i in range(procs)])
+            part = [w for p in parts for w in p]
+            cache.write_bytes(msgpack.packb(part, use_bin_type=True))
+        packed.extend(part)
+    return [msgpack.unpackb(w, raw=False) for w in packed[:n]], time.monotonic() - t0 if minted else 0.0
+
+
+async def push(target, wires: list, key: Identity, halfway: asyncio.Event, stop: asyncio.Event
+               ) -> tuple[int, int, int]:
+    """Push over one connection, all of ``wires`` and then again from the start until ``stop`` (so the newcomer
+    writes while the flood goes on); (ops acked as applied, refused, passes). Sets ``halfway`` at half."""
+    t = P2PDaemonTransport(key, P2PDaemonConfig(listen=["/ip4/127.0.0.1/tcp/0"]))
+    await t.start()
+    applied = refused = passes = 0
+    try:
+        await t.connect(target.tcp_addr)
+        async with await t.open_stream(target.peer_id, CRDT_SPEC, timeout=10) as stream:
+            while not (passes and stop.is_set()):
+                for start in range(0, len(wires), 1000):
+                    if start >= len(wires) // 2:
+                        halfway.set()
+                    if passes and stop.is_set():
+                        break
+                    await stream.send(PUSH, {"ops": wires[start:start + 1000]})
+                    ack = (await asyncio.wait_for(stream.read_required(), 60)).body
+                    applied, refused = applied + ack["applied"], refused + ack["rejected"]
+                passes += 1
+    finally:
+        halfway.set()
+        await t.close()
+    return applied, refused, passes
+
+
+class RssPeaks:
+    def __init__(self, nodes):
+        self.procs = [psutil.Process(n.pid) for n in nodes]
+        self.before = [p.memory_info().rss for p in self.procs]
+        self.peak = list(self.before)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            for i, p in enumerate(self.procs):
+                try:
+                    self.peak[i] = max(self.peak[i], p.memory_info().rss)
+                except psutil.Error:
+                    pass
+            self._stop.wait(0.1)
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        return [(pk - b) / MB for pk, b in zip(self.peak, self.before)]
+
+
+async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
+    swarm = Swarm(tmp / mode)
+    try:
+        honest = await asyncio.to_thread(swarm.start_chain, nodes)
+        a = honest[0]
+        await asyncio.sleep(3)  # start-up allocations settle
+        rss = RssPeaks(honest)
+        halfway, stop, t0 = asyncio.Event(), asyncio.Event(), time.monotonic()
+        flood = None
+        if mode == "stranger":
+            flood = asyncio.create_task(push(a, wires, Identity.generate(), halfway, stop))
+        elif mode == "member":
+            boss = Identity.generate()
+            adm = Admission(a.status()["swarm"], BITS)
+            own = make_op(boss.sign, boss.peer_id, 1, (int(time.time() * 1000), 0), [], "members",
+                          adm.payload(boss.peer_id, await asyncio.to_thread(adm.mint, boss.peer_id))).wire()
+            flood = asyncio.create_task(push(a, [own] + wires, boss, halfway, stop))
+        else:
+            halfway.set()
+        await halfway.wait()
+        newcomer = await asyncio.to_thread(swarm.start, "newcomer", bootstrap=[a.tcp_addr])
+        await asyncio.to_thread(wait_for, lambda: all(newcomer.peer_id in n.member_ids() for n in honest), 120,
+                                "the newcomer to be a member")
+        key = f"{newcomer.peer_id}/hello"
+        await asyncio.to_thread(http_post, newcomer.url + "/crdt",
+                                json_body={"ops": [{"object": "kv", "payload": {"k": key, "v": 1}}]})
+        w0 = time.monotonic()
+        latency = None
+        try:
+            await asyncio.to_thread(
+                wait_for, lambda: all(http_get(n.url + "/state")["objects"]["kv"].get(key) == 1 for n in honest),
+                60, "the newcomer's write on every honest node", 0.02)
+            latency = time.monotonic() - w0
+        except Exception:  # noqa: BLE001 - LOST in the table
+            pass
+        during = flood is not None and not flood.done()  # the write was measured while the flood went on
+        stop.set()
+        pushed = await flood if flood is not None else (0, 0, 0)
+        seconds = time.monotonic() - t0
+        growth = rss.stop()
+        crdt = [n.status()["crdt"] for n in honest]
+        return {"mode": mode, "identities": len(wires) if flood else 0, "latency": latency, "growth": growth,
+                "seconds": seconds, "acked": pushed, "during": during, "authors": [c["authors"] for c in crdt],
+                "probation": [c["probation"] for c in crdt], "evicted": crdt[0].get("probation_evicted", 0),
+                "refused": sum(crdt[0]["rejected"].values())}
+    finally:
+        await asyncio.to_thread(swarm.close)
+
+
+async def part_lockout(tmp: Path, n: int, nodes: int = 4) -> tuple[list[dict], float]:
+    wires, minted = await asyncio.to_thread(identities, "swarmd", n)
+    rows = []
+    for mode in ("unattacked", "stranger", "member"):
+        rows.append(await one_run(tmp, mode, wires, nodes))
+        print(f"  lock-out {mode}: done in {rows[-1]['seconds']:.0f} s", flush=True)
+    return rows, minted
+
+
+def print_lockout(rows: list[dict], minted: float) -> None:
+    print(f"\nLock-out (issue 80): admitted identities (tickets of {BITS} bits) pushed at node 0 of a "
+          f"{len(rows[0]['growth'])}-node swarm; a newcomer joins halfway and writes once"
+          + (f" (minting took {minted:.0f} s)" if minted else " (identities from the cache)"))
+    print(f"{'run':10} | {'identities':>10} | {'acked/refused':>15} | {'newcomer write':>14} | "
+          f"{'RSS growth MB per honest node':>30} | {'authors merged':>16} | {'on probation':>22} | {'evicted':>7}")
+    for r in rows:
+        lat = ("LOST" if r["latency"] is None else f"{r['latency'] * 1e3:.0f} ms") + ("*" if r["during"] else "")
+        growth = "/".join(f"{g:.0f}" for g in r["growth"])
+        acked = f"{r['acked'][0]}/{r['acked'][1]} x{r['acked'][2]}"
+        print(f"{r['mode']:10} | {r['identities']:>10} | {acked:>15} | {lat:>14} | {growth:>30} | "
+              f"{'/'.join(map(str, r['authors'])):>16} | {'/'.join(map(str, r['probation'])):>22} | "
+              f"{r['evicted']:>7}")
+    print("acked: ops the attacked node acked as applied / refused, x the passes over the identities (the flood "
+          "starts again from the first until the newcomer's write is measured); newcomer write: from its POST "
+          "/crdt's 200 to the key in every honest node's /state (*: while the flood went on); growth: each honest "
+          "node's peak RSS during the run over its RSS before; stranger: pushed by a key with no standing (held on "
+          "probation, the least recent evicted); member: by a key with standing, which introduces at most "
+          "INTRO_BURST authors at once and INTRO_PER_S a second. Goals: the write within 10 s, growth <= 64 MB")
