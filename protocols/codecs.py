@@ -646,6 +646,15 @@ def get(name: str, **params: Any) -> Codec:
     return type(base)(**params) if params else base
 
 
+def configured(name: str, options: dict) -> Codec:
+    """A codec by name with a config's options (e.g. "topk2", {"density": 0.03125}); ValueError where the name or
+    an option is unknown or out of range."""
+    try:
+        return get(name, **options)
+    except TypeError as e:
+        raise ValueError(f"codec {name!r}: {e}") from None
+
+
 def encode(x: torch.Tensor, codec: str | Codec = "e3m0") -> bytes:
     return (get(codec) if isinstance(codec, str) else codec).encode(x).to_wire()
 
