@@ -1205,3 +1205,35 @@ def test_sparse_two_bit_updates_with_decayed_error_feedback_in_place_of_momentum
     for s in statuses:
         assert s["bits_per_param_step"] == round(8 * s["bytes_sent"] / (s["parameters"] * s["step"]), 6)
         assert 0.075 < s["bits_per_param_step"] < 0.12, s["bits_per_param_step"]
+
+
+@pytest.mark.timeout(120)
+def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpoint(tmp_path):
+    """What the topk2 codec left out of a peer's last update (its residual, per fragment) is saved in its own
+    checkpoint and comes back when it restarts (kill -9 mid-round), bit for bit; it ends on the swarm's weights."""
+    from swarmd.protocols import checkpoint
+
+    resumed = []
+
+    class Records(_paced(diloco.DilocoLoop, 0.1)):
+        def _resume_own(self):
+            super()._resume_own()
+            resumed.append({p: r.clone() for p, r in self.residual.items()})
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=8, dim=2048, codec="topk2", codec_options={"density": 1 / 16, "chunk": 256},
+                   feedback_decay=0.95, outer_lr=1.0, outer_momentum=0.0)
+        victim = sim.peers[3]
+        async with sim:
+            await sim.start_all()
+            await _kill_mid_round(sim, victim)
+            saved, _ = checkpoint.load(checkpoint.latest(sim.dirs[victim], "diloco"))
+            sim.classes[victim] = Records
+            await sim.start(victim, restart=True)
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return saved, _finals(sim)
+
+    saved, finals = run_virtual(main())
+    assert len(finals) == 1
+    assert float(saved["feedback.0"].norm()) > 0
+    assert resumed and torch.equal(resumed[0][0], saved["feedback.0"])
