@@ -9,8 +9,10 @@ sync leaves out into the next one, so over rounds nothing of a peer's steps is l
 The encoding of n values, cut into chunks of ``chunk`` (a power of two) consecutive values, the last one shorter
 where n is not a multiple:
 
-- each chunk keeps its k = round(density x chunk) largest magnitudes (the last chunk min(k, its length)), their
-  offsets in the chunk in increasing order (a chunk's offsets are distinct: the encoding of a tensor is unique);
+- each chunk keeps its k = round(density x chunk) largest magnitudes, their offsets in the chunk in increasing order
+  (a chunk's offsets are distinct: the encoding of a tensor is unique); a last, shorter chunk of m values keeps
+  ceil(k x m / chunk) of them, as dense as the others (the loop cuts an update into parts at any value, so every part
+  ends in one);
 - each kept value is a sign and one of the chunk's L = 2^(bits - 1) magnitude levels, the levels chosen by a few
   rounds of Lloyd's algorithm on the kept magnitudes (each level the mean of the magnitudes it stands for: a
   statistical scale per chunk, as MuLoCo's and SparseLoCo's quantizers keep one per row);
@@ -70,7 +72,8 @@ class SparseCodec(codecs.Codec):
         n, c = flat.numel(), self.chunk
         full, rem = divmod(n, c)
         offsets, codes, levels = [], [], []
-        for rows, k in ((flat[: full * c].view(full, c), self.k), (flat[full * c:].view(1, rem), min(self.k, rem))):
+        tail = last_kept(self.k, rem, c)
+        for rows, k in ((flat[: full * c].view(full, c), self.k), (flat[full * c:].view(1, rem), tail)):
             if rows.numel() == 0:
                 continue
             idx = torch.sort(torch.topk(rows.abs(), k, dim=1, sorted=False).indices, dim=1).values
@@ -100,7 +103,7 @@ class SparseCodec(codecs.Codec):
         if len(enc.scales) != 2 * chunks * levels or levels not in LEVELS:
             raise codecs.CodecError(f"{self.name}: scales must hold 1, 2, 4 or 8 bfloat16 levels per chunk")
         bits, width = LEVELS[levels], c.bit_length() - 1
-        last = min(k, rem) if rem else 0
+        last = last_kept(k, rem, c)
         kept = full * k + last
         at = -(-kept * width // 8)
         codecs._need(len(enc.data), at + -(-kept * bits // 8), "data")
@@ -129,7 +132,12 @@ class SparseCodec(codecs.Codec):
     def kept_fraction(self, n: int) -> float:
         """The fraction of ``n`` values an encoding keeps."""
         full, rem = divmod(n, self.chunk)
-        return (full * self.k + min(self.k, rem)) / n if n else 0.0
+        return (full * self.k + last_kept(self.k, rem, self.chunk)) / n if n else 0.0
+
+
+def last_kept(k: int, rem: int, chunk: int) -> int:
+    """The values a last, shorter chunk of ``rem`` values keeps: ceil(k x rem / chunk), at least one (none of none)."""
+    return min(rem, max(1, -(-k * rem // chunk))) if rem else 0
 
 
 def quantize(vals: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:

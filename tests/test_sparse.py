@@ -29,7 +29,7 @@ def test_round_trip_keeps_each_chunks_top_k_with_its_sign_and_nearest_level(n, b
     levels = 1 << (bits - 1)
     for a, part in chunked(x, codec.chunk):
         got = y[a:a + part.numel()]
-        k = min(codec.k, part.numel())
+        k = codec.k if part.numel() == codec.chunk else math.ceil(codec.k * part.numel() / codec.chunk)
         kept = got != 0
         assert int(kept.sum()) == k  # (random values: none is zero, every kept level positive)
         top = torch.topk(part.abs(), k).indices
@@ -74,7 +74,7 @@ def test_wire_size_is_the_formula_and_bits_per_parameter_come_from_the_bytes(chu
     x = torch.randn(n)
     wire = codec.encode(x).to_wire()
     k, width, levels = codec.k, chunk.bit_length() - 1, 1 << (bits - 1)
-    kept = 100 * k + min(k, chunk // 2)
+    kept = 100 * k + math.ceil(k / 2)  # the last half chunk keeps half as many
     body = math.ceil(kept * width / 8) + math.ceil(kept * bits / 8) + 2 * levels * 101
     assert body < len(wire) <= body + 64  # the map's fields and bin headers
     assert codec.wire_size(x) == len(wire) == codec.wire_size(torch.zeros(n))  # fixed by n, not by the values
@@ -103,7 +103,7 @@ def with_offsets(obj, chunk, offsets):
 
 
 def refusals():
-    base = good()  # 40 values, chunks of 16: 16 + 16 + 8, k = 4 each
+    base = good()  # 40 values, chunks of 16: 16 + 16 + 8, k = 4, 4 and 2
     cases = {
         "truncated data": {**base, "data": base["data"][:-1]},
         "extra data": {**base, "data": base["data"] + b"\x00"},
@@ -115,15 +115,16 @@ def refusals():
         "k = 0": {**base, "k": 0},
         "k over the chunk": {**base, "k": 17},
         "oversized shape": {**base, "shape": [1 << 24]},
-        "offset past the last chunk": with_offsets(base, 16, [0, 1, 2, 3] * 2 + [0, 1, 2, 8]),
-        "offsets not increasing": with_offsets(base, 16, [3, 1, 2, 4] + [0, 1, 2, 3] * 2),
-        "offset repeated": with_offsets(base, 16, [0, 1, 2, 3, 5, 5, 6, 7, 0, 1, 2, 3]),
-        "last offsets repeated": with_offsets(base, 16, [0, 1, 2, 3] * 2 + [0, 1, 1, 3]),
+        "offset past the last chunk": with_offsets(base, 16, [0, 1, 2, 3] * 2 + [0, 8]),
+        "offsets not increasing": with_offsets(base, 16, [3, 1, 2, 4] + [0, 1, 2, 3] + [0, 1]),
+        "offset repeated": with_offsets(base, 16, [0, 1, 2, 3, 5, 5, 6, 7, 0, 1]),
+        "last offsets repeated": with_offsets(base, 16, [0, 1, 2, 3] * 2 + [1, 1]),
+        "last offsets decreasing": with_offsets(base, 16, [0, 1, 2, 3] * 2 + [3, 1]),
         "infinite level": {**base, "scales": b"\x80\x7f" + base["scales"][2:]},
         "NaN level": {**base, "scales": b"\xc0\x7f" + base["scales"][2:]},
         "negative level": {**base, "scales": b"\x80\xbf" + base["scales"][2:]},
     }
-    odd = good(n=5, chunk=16, density=3 / 16)  # 3 offsets of 4 bits: the last byte's high nibble is padding
+    odd = good(n=5, chunk=16, density=3 / 16)  # 1 offset, 1 code of 2 bits: each byte's high bits are padding
     raw = bytearray(odd["data"])
     raw[1] |= 0xF0
     cases["nonzero padding bits"] = {**odd, "data": bytes(raw)}
@@ -135,6 +136,14 @@ def test_decoder_refuses_malformed_payloads_with_codec_error(what):
     payload = packed(**refusals()[what])
     with pytest.raises(C.CodecError):
         C.decode(payload, max_elements=1 << 20)
+
+
+def test_a_short_last_chunk_keeps_as_dense_a_share_as_the_others():
+    assert [sparse.last_kept(64, m, 4096) for m in (0, 1, 63, 64, 65, 2048, 4095)] == [0, 1, 1, 1, 2, 32, 64]
+    codec = sparse.SparseCodec()  # an update cut into 16 parts costs about what it costs whole
+    whole = 8 * codec.wire_size(torch.randn(1_377_408)) / 1_377_408
+    parts = 8 * sum(codec.wire_size(torch.randn(86_088)) for _ in range(16)) / 1_377_408
+    assert parts < 1.04 * whole
 
 
 def test_the_unchanged_payloads_decode():
