@@ -1,10 +1,13 @@
 """Sparse outer updates: per-chunk top-k, each kept value in 2 bits (SparseLoCo's class of codec; codec id 7,
 ``"topk2"``), and the bit accounting of what a peer sends.
 
-Why: at equal bytes, "sparsify, a few bits a value, error feedback" learns better than dense 1-bit values (SparseLoCo,
-arXiv 2508.15706: top-1.56% of each 4096-long chunk, 2-bit values, 12-bit indices, about 0.23 bits a parameter a
-sync). The loop's error feedback (``DilocoConfig.error_feedback``, on by default for this codec) carries what a
-sync leaves out into the next one, so over rounds nothing of a peer's steps is lost, only delayed.
+Why: SparseLoCo (arXiv 2508.15706: top-1.56% of each 4096-long chunk, 2-bit values, 12-bit indices, about 0.23 bits a
+parameter a sync, error feedback in place of outer momentum) reports better loss than full-precision DiLoCo at
+H = 15..250 on a 512M model, at ~4,400x fewer bytes than data parallelism. On a small model and a short run
+(bench_diloco_sim.py's h30-topk2 rows, 14 syncs) it is well behind today's sign + error feedback at H = 4: error
+feedback needs many syncs to deliver what a sparse update leaves out. The loop's error feedback
+(``DilocoConfig.error_feedback``, on by default for this codec) carries what a sync leaves out into the next one, so
+over rounds nothing of a peer's steps is lost, only delayed.
 
 The encoding of n values, cut into chunks of ``chunk`` (a power of two) consecutive values, the last one shorter
 where n is not a multiple:
@@ -42,7 +45,7 @@ from swarmd.protocols import codecs
 
 MIN_CHUNK, MAX_CHUNK = 16, 1 << 14
 LEVELS = {1: 1, 2: 2, 4: 3, 8: 4}  # magnitude levels per chunk -> bits per value (sign included)
-LLOYD_ROUNDS = 4  # Lloyd iterations on a chunk's kept magnitudes (2 levels: the levels settle in 2 or 3)
+LLOYD_ROUNDS = 4  # Lloyd iterations on a chunk's kept magnitudes
 DEFAULT_DENSITY, DEFAULT_CHUNK, DEFAULT_BITS = 1 / 64, 4096, 2
 
 
