@@ -93,6 +93,8 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "h30-topk2-d32": ("H=30 top-1/32 of 4096, 2-bit, ef 0.95", {**SPARSE, "options": {"density": 1 / 32}}),
     "h15-topk2": ("H=15 topk2, ef 0.95", {**SPARSE, "h": 15}),
     "h4-topk2": ("H=4 topk2, ef 0.95", {**SPARSE, "h": 4}),
+    "h4-topk2-d12": ("H=4 top-1/12 of 4096, 2-bit, ef 0.95 (sign's bytes)", {**SPARSE, "h": 4,
+                                                                             "options": {"density": 1 / 12}}),
     "h30-topk2-muon": ("H=30 topk2, ef 0.95, Muon inner (AdamW on the rest)", {**SPARSE, "inner": "muon"}),
     "h30-topk2-muon-lr1e-3": ("H=30 topk2, ef 0.95, Muon inner, lr 1e-3", {**SPARSE, "inner": "muon", "lr": 1e-3}),
 }
