@@ -38,7 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
         "mom": 0.0, "warmup": 0, "cosine": False, "betas": (0.9, 0.95),
-        "recode": None}
+        "recode": None, "options": {}, "decay": 1.0}
+# issue 82's rows: every one with the best DiLoCo row's inner tuning (h4-sign-ef-b2.99-lr1.5e-3, as in
+# configs/diloco-hf-1bit), the reference too (dp-b2.99-lr1.5e-3: pass it as --reference); the sparse rows as SparseLoCo
+# runs them: error feedback with decay 0.95 in place of outer momentum (outer SGD, lr 1)
+TUNED = {"betas": (0.9, 0.99), "lr": 1.5e-3}
+SPARSE = {**TUNED, "h": 30, "codec": "topk2", "ef": True, "decay": 0.95}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
@@ -81,6 +86,17 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "h50-nesterov": ("H=50 e3m0, outer Nesterov (0.7, 0.9) (the paper)", {"h": 50, "olr": 0.7, "mom": 0.9}),
     "topk-h2": ("H=2 top-1.1% + error feedback", {"h": 2, "codec": "topk", "ratio": 0.011, "ef": True}),
     "topk-h6": ("H=6 top-3.3% + error feedback", {"h": 6, "codec": "topk", "ratio": 0.033, "ef": True}),
+    "h30-nesterov-fp32": ("plain DiLoCo: H=30 fp32, outer Nesterov (0.7, 0.9), tuned inner",
+                          {**TUNED, "h": 30, "codec": "none", "olr": 0.7, "mom": 0.9}),
+    "h30-topk2": ("H=30 top-1/64 of 4096, 2-bit, ef 0.95, no outer momentum", SPARSE),
+    "h30-topk2-ef1": ("H=30 topk2, ef without decay", {**SPARSE, "decay": 1.0}),
+    "h30-topk2-d32": ("H=30 top-1/32 of 4096, 2-bit, ef 0.95", {**SPARSE, "options": {"density": 1 / 32}}),
+    "h15-topk2": ("H=15 topk2, ef 0.95", {**SPARSE, "h": 15}),
+    "h4-topk2": ("H=4 topk2, ef 0.95", {**SPARSE, "h": 4}),
+    "h4-topk2-d12": ("H=4 top-1/12 of 4096, 2-bit, ef 0.95 (sign's bytes)", {**SPARSE, "h": 4,
+                                                                             "options": {"density": 1 / 12}}),
+    "h30-topk2-muon": ("H=30 topk2, ef 0.95, Muon inner (AdamW on the rest)", {**SPARSE, "inner": "muon"}),
+    "h30-topk2-muon-lr1e-3": ("H=30 topk2, ef 0.95, Muon inner, lr 1e-3", {**SPARSE, "inner": "muon", "lr": 1e-3}),
 }
 DEFAULT = ["dp", "h13", "h13-none", "h13-ef", "h13-adamw", "h50-nesterov"]
 
@@ -92,7 +108,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
 
     from swarmd.protocols import codecs, outer
     from swarmd.protocols import task as tasks
-    from swarmd.protocols.inner import SwarmAdamW, lr_scale, scale_lr
+    from swarmd.protocols.inner import SwarmAdamW, lr_scale, muon_for, scale_lr
 
     s = {**BASE, **SETTINGS[name][1]}
     if s.get("dp"):  # the process bench's reference itself, on one thread
@@ -110,17 +126,19 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
 
     def adamw(model: torch.nn.Module, swarm: bool) -> torch.optim.Optimizer:
         kw = {"lr": s["lr"], "betas": tuple(s["betas"]), "weight_decay": 0.1}
+        if s["inner"] == "muon":
+            return muon_for(model, peers=peers, **kw)
         if swarm:
             return SwarmAdamW(model.parameters(), peers=peers, **kw)
         return torch.optim.AdamW(model.parameters(), **kw)
 
     codec = (codecs.get("topk", ratio=s["ratio"]) if s["codec"] == "topk" else codecs.get("sign", block=64)
-             if s["codec"] == "sign64" else codecs.get(s["codec"]))
+             if s["codec"] == "sign64" else codecs.configured(s["codec"], s["options"]))
     models = [tasks.build_model(task, seed).to(dev) for _ in range(peers)]
     params = [[p for _, p in tasks.trainable(m)] for m in models]
     global_flat = outer.flatten(params[0])
-    opts = [adamw(m, s["inner"] == "swarm-adamw") for m in models]
-    feedback = [codecs.ErrorFeedback(codec) for _ in models]
+    opts = [adamw(m, s["inner"] != "adamw") for m in models]
+    feedback = [codecs.ErrorFeedback(codec, s["decay"]) for _ in models]
     outer_opt = outer.OuterNesterov([global_flat.numel()], s["olr"], s["mom"])
     step = syncs = sent = refused = 0
     while step < steps:
@@ -166,6 +184,8 @@ def main() -> None:
                         "seed: the model's initialisation and the data order")
     parser.add_argument("--bench-shards", action="store_true", help="the workers (and dp) read the data shards of "
                         "bench_diloco.py's peers (their fixed identities' shards) instead of shards 0 .. N-1")
+    parser.add_argument("--reference", default="dp", help="the data-parallel setting the gaps are taken against "
+                        "(give it the best DiLoCo row's tuning: dp-b2.99-lr1.5e-3 for the tuned rows)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="runs at once")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # a worker: run this setting, print its JSON
     args = parser.parse_args()
@@ -186,7 +206,9 @@ def main() -> None:
     unknown = [n for n in args.settings if n not in SETTINGS]
     if unknown:
         parser.error(f"unknown settings {unknown}; --list names them")
-    names = ["dp", *[n for n in dict.fromkeys(args.settings) if n != "dp"]]
+    if not SETTINGS.get(args.reference, ("", {}))[1].get("dp"):
+        parser.error("--reference must name a data-parallel setting (dp...)")
+    names = [args.reference, *[n for n in dict.fromkeys(args.settings) if n != args.reference]]
     seeds = list(dict.fromkeys(args.seeds))
 
     def launch(job: tuple[str, int]) -> dict:
@@ -207,36 +229,38 @@ def main() -> None:
           f"{args.steps} inner steps each, device {args.device}, validation loss at the end, seed"
           f"{'s' if len(seeds) > 1 else ''} {' '.join(map(str, seeds))}"
           + (", the process bench's peers' shards" if args.bench_shards else ""))
-    for line in table(names, seeds, results):
+    for line in table(names, seeds, results, args.reference):
         print(line)
-    print("DP bytes: one fp32 gradient per step; goal (issue 13): DiLoCo within 5% of dp at >= 100x fewer bytes")
+    print("DP bytes: one fp32 gradient per step (32 bits / param / step); bits/p/step: the bytes each peer's encoded "
+          "updates took, x 8 / (parameters x inner steps)")
 
 
-def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dict]) -> list[str]:
-    """One row per setting. One seed: its loss and gap to dp. Several: the mean loss, the mean of the per-seed gaps
-    (each against the same seed's dp) and their range."""
+def table(names: list[str], seeds: list[int], results: dict[tuple[str, int], dict], reference: str = "dp") -> list[str]:
+    """One row per setting. One seed: its loss and gap to ``reference`` (a dp setting). Several: the mean loss, the
+    mean of the per-seed gaps (each against the same seed's reference) and their range."""
     many = len(seeds) > 1
     nw, ww = max(14, *map(len, names)), max(50, *(len(SETTINGS[n][0]) for n in names))
     head = (f"{'setting':{nw}s} | {'what':{ww}s} | " + ("mean val | mean vs DP | vs DP range      " if many else
                                                      "val loss |   vs DP") +
-            " | syncs | MB sent/peer | DP bytes / bytes |  wall")
+            " | syncs | MB sent/peer | bits/p/step | DP bytes / bytes |  wall")
     lines = [head, "-" * len(head)]
     for name in names:
         runs = [results[(name, seed)] for seed in seeds]
-        gaps = [(r["loss"] / results[("dp", seed)]["loss"] - 1) * 100 for r, seed in zip(runs, seeds)]
+        gaps = [(r["loss"] / results[(reference, seed)]["loss"] - 1) * 100 for r, seed in zip(runs, seeds)]
         loss, gap = sum(r["loss"] for r in runs) / len(runs), sum(gaps) / len(gaps)
-        r, ref = runs[0], results[("dp", seeds[0])]
+        r, ref = runs[0], results[(reference, seeds[0])]
         cells = (f"{loss:8.4f} | {gap:+9.1f}% | {min(gaps):+6.1f}% .. {max(gaps):+5.1f}%" if many else
                  f"{loss:8.4f} | {gap:+6.1f}%")
         lines.append(f"{name:{nw}s} | {SETTINGS[name][0]:{ww}s} | {cells} | {r['syncs']:5d} | "
-                     f"{r['bytes'] / 1e6:12.3f} | {ref['bytes'] / max(1, r['bytes']):15.0f}x | "
+                     f"{r['bytes'] / 1e6:12.3f} | {32 * r['bytes'] / ref['bytes']:11.4f} | "
+                     f"{ref['bytes'] / max(1, r['bytes']):15.0f}x | "
                      f"{max(x['wall'] for x in runs):4.0f}s")
     if many:
-        lines.append("per seed (val loss, vs the same seed's dp):")
+        lines.append(f"per seed (val loss, vs the same seed's {reference}):")
         for name in names:
             lines.append(f"{name:{nw}s}   " + "  ".join(
                 f"{seed}: {results[(name, seed)]['loss']:.4f} "
-                f"{(results[(name, seed)]['loss'] / results[('dp', seed)]['loss'] - 1) * 100:+.1f}%"
+                f"{(results[(name, seed)]['loss'] / results[(reference, seed)]['loss'] - 1) * 100:+.1f}%"
                 for seed in seeds))
     return lines
 

@@ -17,6 +17,8 @@ Wire format (msgpack map, keys in this order; stable, with golden byte fixtures 
 | 3 | int8 | 8 + 32/block | blockwise absmax s: abs(x'-x) <= s/254 (half a quantization step) |
 | 4 | e3m0 | 4 + 16/block | sign + 3-bit exponent, x' = +-s*2^-e, e in 0..7 (Streaming DiLoCo's FP4); abs(x'-x) <= (sqrt(2)-1)*abs(x) + s*2^-7 |
 | 5 | topk | 64*k/n | keeps the k largest magnitudes exactly (fp32), drops the rest; with error feedback the dropped part is carried into the next encode |
+| 6 | sign | 1 + 16/block | sign x the block's mean magnitude |
+| 7 | topk2 | (k/chunk) x (log2(chunk) + bits) + 16 x 2^(bits-1) / chunk | per-chunk top-k, each kept value a sign and one of the chunk's levels (``protocols/sparse.py``) |
 
 ``encode_into(x, out)`` writes the wire bytes straight into a preallocated buffer (the same bytes
 ``encode(x).to_wire()`` gives), ``encode_wire(x)`` into a new bytearray (one copy of the data, not three), and
@@ -610,24 +612,29 @@ class TopKCodec(Codec):
 class ErrorFeedback:
     """Wraps a lossy codec with error feedback: encode(x) sends C(x + r) and keeps r <- x + r - D(C(x + r)).
 
-    Over many rounds the sum of what was decoded equals the sum of the inputs minus the final residual."""
+    Over many rounds the sum of what was decoded equals the sum of the inputs minus the final residual. With
+    ``decay`` below 1 the residual is carried as decay x r (SparseLoCo's error feedback: an old residual fades)."""
 
-    def __init__(self, codec: Codec):
+    def __init__(self, codec: Codec, decay: float = 1.0):
         self.codec = codec
+        self.decay = decay
         self.residual: torch.Tensor | None = None
 
     def encode(self, x: torch.Tensor) -> Encoded:
         flat = _flat32(x)
         if self.residual is None or self.residual.shape != flat.shape:
             self.residual = torch.zeros_like(flat)
-        corrected = flat + self.residual
+        corrected = flat + self.residual if self.decay == 1.0 else flat + self.decay * self.residual
         enc = self.codec.encode(corrected.view(x.shape))
         self.residual = corrected - self.codec.decode_flat(enc, None)
         return enc
 
 
+# (the sparse codec, id 7, lives in its own module: it builds on this one's primitives)
+from swarmd.protocols.sparse import SparseCodec  # noqa: E402
+
 CODECS: dict[int, Codec] = {c.id: c for c in (NoneCodec(), Fp16Codec(), Bf16Codec(), Int8Codec(), E3M0Codec(),
-                                              TopKCodec(), SignCodec())}
+                                              TopKCodec(), SignCodec(), SparseCodec())}
 BY_NAME: dict[str, Codec] = {c.name: c for c in CODECS.values()}
 
 
@@ -637,6 +644,15 @@ def get(name: str, **params: Any) -> Codec:
     if base is None:
         raise ValueError(f"unknown codec {name!r}; known: {', '.join(sorted(BY_NAME))}")
     return type(base)(**params) if params else base
+
+
+def configured(name: str, options: dict) -> Codec:
+    """A codec by name with a config's options (e.g. "topk2", {"density": 0.03125}); ValueError where the name or
+    an option is unknown or out of range."""
+    try:
+        return get(name, **options)
+    except TypeError as e:
+        raise ValueError(f"codec {name!r}: {e}") from None
 
 
 def encode(x: torch.Tensor, codec: str | Codec = "e3m0") -> bytes:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch.optim._muon import muon  # torch.optim.Muon's own update (the pinned torch's functional form)
 
 
 class SwarmAdamW(torch.optim.Optimizer):
@@ -43,37 +44,111 @@ class SwarmAdamW(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            lr, eps, wd, m_peers = group["lr"], group["eps"], group["weight_decay"], group["peers"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                grad = p.grad
-                if grad.is_sparse:
-                    raise RuntimeError("SwarmAdamW does not take sparse gradients")
-                state = self.state[p]
-                if not state:
-                    state["step"] = 0
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                state["step"] += 1
-                t = state["step"]
-                m, v = state["exp_avg"], state["exp_avg_sq"]
-                if wd:
-                    p.mul_(1 - lr * wd)
-                m.lerp_(grad, 1 - beta1)
-                v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
-                if m_peers == 1:
-                    denom = (v / bc2).sqrt_()
-                else:
-                    # min(v/M + (1 - 1/M) m^2, v) = v/M + (1 - 1/M) min(m^2, v) on the bias-corrected moments,
-                    # computed in v's scale (times bc2) in one temporary the size of the parameter
-                    denom = torch.mul(m, m).mul_(bc2 / (bc1 * bc1))
-                    torch.minimum(denom, v, out=denom)
-                    denom.mul_(1 - 1 / m_peers).add_(v, alpha=1 / m_peers).div_(bc2).sqrt_()
-                p.addcdiv_(m, denom.add_(eps), value=-lr / bc1)
+            self._group_step(group)
         return loss
+
+    def _group_step(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        lr, eps, wd, m_peers = group["lr"], group["eps"], group["weight_decay"], group["peers"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            grad = p.grad
+            if grad.is_sparse:
+                raise RuntimeError("SwarmAdamW does not take sparse gradients")
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            t = state["step"]
+            m, v = state["exp_avg"], state["exp_avg_sq"]
+            if wd:
+                p.mul_(1 - lr * wd)
+            m.lerp_(grad, 1 - beta1)
+            v.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            bc1, bc2 = 1 - beta1 ** t, 1 - beta2 ** t
+            if m_peers == 1:
+                denom = (v / bc2).sqrt_()
+            else:
+                # min(v/M + (1 - 1/M) m^2, v) = v/M + (1 - 1/M) min(m^2, v) on the bias-corrected moments,
+                # computed in v's scale (times bc2) in one temporary the size of the parameter
+                denom = torch.mul(m, m).mul_(bc2 / (bc1 * bc1))
+                torch.minimum(denom, v, out=denom)
+                denom.mul_(1 - 1 / m_peers).add_(v, alpha=1 / m_peers).div_(bc2).sqrt_()
+            p.addcdiv_(m, denom.add_(eps), value=-lr / bc1)
+
+
+# the parameters Muon leaves to AdamW although they are matrices: the embeddings (nn.Embedding, and a head tied to
+# them) and the output head, by its module's name (Muon's authors and MuLoCo keep both on AdamW)
+HEAD_NAMES = frozenset({"lm_head", "head", "output", "classifier", "score"})
+
+
+class MuonAdamW(SwarmAdamW):
+    """Muon (``torch.optim.Muon``'s update: momentum, Newton-Schulz orthogonalisation, its learning-rate adjustment)
+    on the hidden 2-D weight matrices, SwarmAdamW on every other parameter (``torch.optim.Muon`` takes 2-D
+    parameters only). One optimizer, so the loop's schedule, checkpoint and ``set_peers`` see every group: the
+    Muon groups are marked ``muon = True`` and carry Muon's settings; ``set_peers`` sizes only the AdamW groups'
+    step. MuLoCo (arXiv 2505.23725) reports Muon inner steps help DiLoCo most where it is weakest: more peers and
+    compressed updates. ``adjust_lr_fn = "match_rms_adamw"`` (the default here) scales Muon's step to AdamW's
+    RMS, so one learning rate serves both kinds of group."""
+
+    def __init__(self, muon_params, adamw_params, lr: float = 4e-4, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, weight_decay: float = 0.1, peers: int = 1, momentum: float = 0.95,
+                 nesterov: bool = True, ns_steps: int = 5, adjust_lr_fn: str = "match_rms_adamw"):
+        muon_params, adamw_params = list(muon_params), list(adamw_params)
+        if any(p.ndim != 2 for p in muon_params):
+            raise ValueError("Muon takes 2-D parameters only")
+        # torch's own checks of Muon's settings (lr, momentum, adjust_lr_fn)
+        probe = torch.optim.Muon([torch.zeros(1, 1)], lr=lr, weight_decay=weight_decay, momentum=momentum,
+                                 nesterov=nesterov, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn)
+        muon_group = {**probe.defaults, "params": muon_params, "muon": True}
+        groups = [g for g in (muon_group, {"params": adamw_params, "muon": False}) if g["params"]]
+        super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, peers=peers)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if not group["muon"]:
+                self._group_step(group)
+                continue
+            params = [p for p in group["params"] if p.grad is not None]
+            buffers = []
+            for p in params:
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buffers.append(state["momentum_buffer"])
+            muon(params, [p.grad for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
+                 momentum=group["momentum"], nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+                 eps=group["eps"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
+                 has_complex=False)
+        return loss
+
+
+def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
+    """(Muon's parameters, AdamW's) of ``model``'s trainable ones: Muon takes the 2-D weights of every module but the
+    embeddings and the output head (``HEAD_NAMES``); each parameter once (a tied one goes where its first module
+    puts it, the embedding first)."""
+    embedded = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    head = {id(p) for name, m in model.named_modules() if name.rsplit(".", 1)[-1] in HEAD_NAMES
+            for p in m.parameters(recurse=False)}
+    matrices, rest = [], []
+    for p in model.parameters():  # (each parameter once, tied ones too)
+        if not p.requires_grad:
+            continue
+        (matrices if p.ndim == 2 and id(p) not in embedded and id(p) not in head else rest).append(p)
+    return matrices, rest
+
+
+def muon_for(model: torch.nn.Module, **settings) -> MuonAdamW:
+    """The ``inner_optimizer = "muon"`` optimizer of ``model``: Muon on its hidden matrices, SwarmAdamW on the rest."""
+    return MuonAdamW(*muon_split(model), **settings)
 
 
 def lr_scale(step: int, total: int, warmup: int = 0, final: float = 0.1) -> float:

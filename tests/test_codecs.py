@@ -16,7 +16,7 @@ from swarmd.protocols import codecs as C
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
 
 FIXTURES = Path(__file__).parent / "fixtures" / "codecs"
-NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk", "sign"]
+NAMES = ["none", "fp16", "bf16", "int8", "e3m0", "topk", "sign", "topk2"]
 
 
 def tensors():
@@ -76,6 +76,15 @@ def test_error_bounds(params):
             assert torch.equal(y.reshape(-1)[kept], flat[kept])  # kept entries are exact
             if bool(kept.any()) and bool((~kept).any()):
                 assert bool(flat[~kept].abs().max() <= flat[kept].abs().min())  # it kept the largest
+        elif name == "topk2":  # one short chunk at these sizes: ceil(64 n / 4096) kept
+            kept = y.reshape(-1) != 0
+            assert int(kept.sum()) <= math.ceil(64 * flat.numel() / 4096)
+            assert torch.equal(y.reshape(-1)[kept] < 0, flat[kept] < 0)
+            if bool(kept.any()) and bool((~kept).any()):
+                assert bool(flat[~kept].abs().max() <= flat[kept].abs().min())  # it kept the largest
+            if bool(kept.any()):  # two levels, each the mean of the magnitudes it stands for (to bfloat16)
+                assert len(set(y.reshape(-1)[kept].abs().tolist())) <= 2
+                assert float(y.abs().max()) <= float(flat.abs().max()) * (1 + 2**-8)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -255,6 +264,7 @@ GOLDEN = {
     "e3m0": C.get("e3m0", block=4),
     "topk": C.get("topk", ratio=0.3),
     "sign": C.get("sign", block=4),
+    "topk2": C.get("topk2", density=0.25, chunk=16),
 }
 
 
@@ -309,7 +319,7 @@ def test_crafted_payloads_raise_only_codec_error_and_allocate_by_their_size():
     rng = random.Random(1234)
     x = torch.randn(3, 70, generator=torch.Generator().manual_seed(1))
     seeds = [msgpack.loads(codecs.get(name).encode(x).to_wire()) for name in ("none", "fp16", "bf16", "int8", "e3m0",
-                                                                                 "topk", "sign")]
+                                                                                 "topk", "sign", "topk2")]
     values = [0, 1, -1, 2**31, 2**63 - 1, 7, 3.5, "x", b"\x00" * 9, [], [1, 2], None, True]
     for i in range(4000):
         obj = dict(rng.choice(seeds))

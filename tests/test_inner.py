@@ -97,3 +97,74 @@ def test_the_lr_schedule_warms_up_linearly_then_follows_a_cosine_to_its_final_fr
     # an open-ended run (total 0): the warm-up, then the base for ever
     assert lr_scale(1, 0, warmup=4) == 0.5 and lr_scale(10**9, 0, warmup=4) == 1.0
     assert lr_scale(0, 0) == 1.0 == lr_scale(7, 0)  # no schedule at all
+
+
+class _TinyLM(torch.nn.Module):
+    """An embedding, two hidden matrices with a bias and a norm, a head: where Muon applies and where it does not."""
+
+    def __init__(self, tied: bool):
+        super().__init__()
+        self.embed = torch.nn.Embedding(32, 8)
+        self.up = torch.nn.Linear(8, 16)
+        self.down = torch.nn.Linear(16, 8, bias=False)
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = torch.nn.Linear(8, 32, bias=False)
+        if tied:
+            self.lm_head.weight = self.embed.weight
+
+    def forward(self, tokens):
+        return self.lm_head(self.norm(self.down(torch.relu(self.up(self.embed(tokens))))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("tied", [False, True])
+def test_muon_takes_the_hidden_matrices_adamw_the_rest_and_each_steps_as_its_torch_optimizer(tied):
+    from swarmd.protocols import checkpoint
+    from swarmd.protocols.inner import MuonAdamW, muon_for, muon_split
+
+    torch.manual_seed(0)
+    model, ref = _TinyLM(tied), _TinyLM(tied)
+    ref.load_state_dict(model.state_dict())
+    matrices, rest = muon_split(model)
+    assert [id(p) for p in matrices] == [id(model.up.weight), id(model.down.weight)]
+    assert {id(p) for p in rest} == {id(p) for p in model.parameters()} - {id(p) for p in matrices}
+    opt = muon_for(model, lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1, peers=1)
+    assert isinstance(opt, MuonAdamW) and [g["muon"] for g in opt.param_groups] == [True, False]
+    m_ref, r_ref = muon_split(ref)
+    refs = [torch.optim.Muon(m_ref, lr=2e-2, weight_decay=0.1, adjust_lr_fn="match_rms_adamw"),
+            torch.optim.AdamW(r_ref, lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1)]
+    start = [p.detach().clone() for p in model.parameters()]
+    for step in range(4):
+        tokens = torch.randint(0, 32, (4, 6), generator=torch.Generator().manual_seed(step))
+        for m, opts in ((model, [opt]), (ref, refs)):
+            for o in opts:
+                o.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(m(tokens).reshape(-1, 32), tokens.reshape(-1)).backward()
+            for o in opts:
+                o.step()
+    for ours, theirs, before in zip(model.parameters(), ref.parameters(), start):
+        assert not torch.equal(ours, before)  # every parameter stepped
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    # its state goes through the loop's checkpoint and comes back into a fresh one
+    tensors, meta = checkpoint.optimizer_entries(opt)
+    fresh = muon_for(model, lr=2e-2, weight_decay=0.1)
+    checkpoint.restore_optimizer(fresh, tensors, meta)
+    assert torch.equal(fresh.state[model.up.weight]["momentum_buffer"], opt.state[model.up.weight]["momentum_buffer"])
+    with pytest.raises(ValueError):
+        MuonAdamW([model.up.bias], [])
+
+
+@pytest.mark.timeout(60)
+def test_the_loop_config_takes_muon_and_the_sparse_codec_settings():
+    from pydantic import ValidationError
+
+    from swarmd.protocols.diloco import DilocoConfig
+
+    cfg = DilocoConfig(inner_optimizer="muon", codec="topk2", codec_options={"density": 1 / 32, "chunk": 1024},
+                       feedback_decay=0.95)
+    assert cfg.shared()["codec_options"] == {"density": 1 / 32, "chunk": 1024}
+    assert "codec_options" not in DilocoConfig().shared()  # runs that never set it keep their fingerprint
+    for bad in ({"codec": "topk2", "codec_options": {"chunk": 1000}}, {"codec_options": {"nonsense": 1}},
+                {"codec": "nope"}, {"feedback_decay": 0}, {"inner_optimizer": "sgd"}):
+        with pytest.raises(ValidationError):
+            DilocoConfig(**bad)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from swarmd.protocols import codecs, exchange, outer
 from swarmd.protocols.diloco.wire import (
     MAX_PARTS,
@@ -26,11 +26,16 @@ class DilocoConfig(BaseModel):
     overlap: int = Field(0, ge=0)  # tau: inner steps run while a fragment's update travels
     alpha: float = Field(0.0, ge=0, le=1)  # local weight when merging an overlapped fragment
     codec: str = "e3m0"
+    # the codec's settings (part of the run's fingerprint), e.g. {density = 0.015625, chunk = 4096, bits = 2} for
+    # "topk2" (protocols/sparse.py), {block = 64} for "sign"
+    codec_options: dict = {}
     # error feedback: each peer adds what the codec dropped of its last update to its next one (Deep Gradient
     # Compression, 1-bit Adam), so the swarm gets, over rounds, what a peer's steps moved. "auto": on for the codecs
     # that drop magnitudes ("sign", "topk"), off for the others (with e3m0 it gained nothing: bench_diloco_sim.py).
     # Each peer's own state (one fp32 copy of the weights), not part of the run's fingerprint
     error_feedback: str = Field("auto", pattern=r"^(auto|on|off)$")
+    # the residual carried as decay x itself (SparseLoCo's 0.95: an old residual fades); 1: all of it
+    feedback_decay: float = Field(1.0, gt=0, le=1)
     # the codec of a scatter round's combined parts (what each reducer sends everyone): "auto" is the run's codec,
     # except e3m0 for "sign" (the sign of the peers' mean loses what they agree on: +2.8% validation loss in
     # bench_diloco_sim's h4-sign-ef-rc; e3m0 keeps it at 3.7x a sign part's bytes in the all-gather)
@@ -40,7 +45,7 @@ class DilocoConfig(BaseModel):
     # own choice, not part of the run's fingerprint. A longer second-moment average (beta2 0.99) steadies
     # swarm-adamw's estimate of the swarm's gradient variance from one peer's batches: bench_diloco_sim.py's
     # h4-sign-ef-b2.99 rows, and the README
-    inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw)$")
+    inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw|muon)$")  # muon: protocols/inner.py
     inner_lr: float = Field(4e-4, gt=0)
     inner_betas: tuple[float, float] = (0.9, 0.95)
     weight_decay: float = Field(0.1, ge=0)
@@ -94,6 +99,11 @@ class DilocoConfig(BaseModel):
             raise ValueError("inner_betas: two numbers in [0, 1), e.g. [0.9, 0.95]")
         return v
 
+    @model_validator(mode="after")
+    def _codec(self) -> "DilocoConfig":
+        codecs.configured(self.codec, self.codec_options)  # an unknown codec or option is refused here
+        return self
+
     def options(self) -> dict:
         return dict(self.task_options)
 
@@ -109,6 +119,7 @@ class DilocoConfig(BaseModel):
                 "outer_step": outer.OUTER_STEP,
                 # (only where it is not the run's codec: runs that never set it keep their fingerprint)
                 **({"reduced_codec": reduced} if reduced != self.codec else {}),
+                **({"codec_options": self.codec_options} if self.codec_options else {}),
                 # the reduced parts' bytes depend on how e3m0 picks its codes (codecs.E3M0_ENCODER)
                 **({"e3m0_encoder": codecs.E3M0_ENCODER} if reduced == "e3m0" else {})}
 

@@ -9,7 +9,7 @@ from swarmd.node import allocator
 from swarmd.protocols import exchange, outer
 from swarmd.protocols import task as tasks
 from swarmd.protocols.diloco.wire import RULES
-from swarmd.protocols.inner import SwarmAdamW
+from swarmd.protocols.inner import SwarmAdamW, muon_for
 from swarmd.protocols.task import TaskError
 
 
@@ -68,6 +68,9 @@ class FragmentsMixin:
             if not isinstance(self.inner_opt, torch.optim.Optimizer):
                 raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
                                 "expected a torch.optim.Optimizer")
+        elif self.cfg.inner_optimizer == "muon":
+            self.inner_opt = muon_for(self.model, lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
+                                      weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
         elif self.cfg.inner_optimizer == "swarm-adamw":
             self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
                                         weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))

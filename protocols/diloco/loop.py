@@ -41,6 +41,7 @@ from swarmd.protocols.diloco.wire import (
 )
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.inner import lr_scale, scale_lr
+from swarmd.protocols.sparse import bits_per_param_step
 from swarmd.protocols.steps import StepsEnded, UserSteps
 from swarmd.protocols.task import Task
 from swarmd.protocols.taskloop import TaskLoop
@@ -58,7 +59,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         self.train_loss: float | None = None
         self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
         self.topic = f"diloco/{config.run}"
-        self.codec = codecs.get(config.codec)
+        self.codec = codecs.configured(config.codec, config.codec_options)
         self.reduced_codec = codecs.get(config.reduced())
         self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
                                                           and config.codec in FEEDBACK_CODECS)
@@ -388,6 +389,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                             if getattr(self, "inner_opt", None) is not None else None),
             "withheld": {str(p): why for p, why in self.skipped.items()},
             "codec": self.cfg.codec,
+            "bits_per_param_step": (round(bits_per_param_step(self.counters["bytes_sent"], sum(
+                g.numel() for g in self.global_flat), self.step), 6) if hasattr(self, "global_flat") else None),
             # error feedback: the norm of what the codec dropped of our last update, per fragment (null: off)
             "residual_norm": ({str(p): v for p, v in sorted(self._residual_norms.items())}
                               if self.feedback else None),

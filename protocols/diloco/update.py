@@ -74,7 +74,7 @@ class UpdateMixin:
         lossless = self.codec.lossless  # what the others decode is ``delta`` itself, bit for bit
         residual = self.residual.get(p) if self.feedback and not lossless else None
         if residual is not None and residual.shape == delta.shape:
-            delta.add_(residual)  # what the codec dropped of our last update travels with this one
+            delta.add_(residual, alpha=self.cfg.feedback_decay)  # what the codec dropped of our last update
         bounds = self._bounds(p, self._want_parts(p))
         if isinstance(self.codec, codecs.E3M0Codec):
             # (the default codec) one pass a part: its bytes, the norm of what the others decode of it and, with

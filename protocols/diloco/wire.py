@@ -22,8 +22,8 @@ MAX_LATE_PULLS = 4  # per round: counted peers' updates pulled after we closed i
 HISTORY = 1024  # closed rounds and evaluated losses kept for /status and the dashboard (a run may never end)
 MAX_REDUCED_ENTRIES = 4 * exchange.MAX_PARTS  # per round: reduced-part and audit messages kept
 MAX_PART_BYTES = 1 << 30  # one encoded part
-FEEDBACK_CODECS = ("sign", "topk")  # error_feedback = "auto" turns it on for these
-REDUCED_AUTO = {"sign": "e3m0"}  # reduced_codec = "auto": the run's codec but for these
+FEEDBACK_CODECS = ("sign", "topk", "topk2")  # error_feedback = "auto" turns it on for these
+REDUCED_AUTO = {"sign": "e3m0", "topk2": "e3m0"}  # reduced_codec = "auto": the run's codec but for these
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
