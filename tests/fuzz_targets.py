@@ -204,7 +204,7 @@ def _message(topic: str, author: str, data: bytes):
 def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     """Each loop's pubsub validator on a real loop object (built-in task), as a node runs it: returns a verdict,
     never raises. DiLoCo's pulls of accepted updates are replaced by a no-op (the pull path is not a decoder)."""
-    from swarmd.protocols import bulk, diloco, sapo, spsa
+    from swarmd.protocols import bulk, diloco, outer, sapo, spsa
     from swarmd.protocols.gossip import Verdict
     from swarmd.protocols.task import load
 
@@ -228,7 +228,7 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     d._pull = no_pull
     d._build()  # the model and its global copy: an update for the current round is checked against its hash
     tag = [d.fp["layout"], d.fp["config"]]
-    base = diloco.outer.params_hash([d.global_flat[1]])
+    base = outer.params_hash([d.global_flat[1]])
     d_seeds = [WIRE.pack(diloco.READY, {"r": 1, "p": 0, "ready": "h" * 32, "t": tag}),
                WIRE.pack(diloco.JOIN, {"r": 2, "p": 1, "join": True, "t": tag}),
                WIRE.pack(diloco.ROUND_HASH, {"r": 1, "p": 0, "h": "h" * 32, "t": tag}),

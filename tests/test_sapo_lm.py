@@ -331,7 +331,8 @@ async def test_four_lm_peers_share_rollouts_survive_kill_9_and_export(tmp_path: 
         # the exported policy is a save_pretrained directory with its tokenizer and chat template
         out = tmp_path / "exported"
         result = await asyncio.to_thread(run_cli, "export", "--data-dir", str(nodes[3].data_dir), "--loop", "sapo",
-                                         "--out", str(tmp_path / "w.safetensors"), "--pretrained", str(out))
+                                         "--out", str(tmp_path / "w.safetensors"), "--pretrained", str(out),
+                                         "--config", str(larger))  # the config that node ran with
         assert result.returncode == 0, result.stderr
         model = AutoModelForCausalLM.from_pretrained(out, local_files_only=True)
         tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
