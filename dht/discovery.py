@@ -268,7 +268,7 @@ class Discovery:
     # ------------------------------------------------------------------ admission rule
     def policy_ok(self, peer_id: str) -> bool:
         """Whether ``peer_id`` judges authors as we do (its record says the same admission digest, or says none:
-        a node from before records carried it, or one we have no record of). A peer with another rule (other
+        an older node whose record does not carry it, or one we have no record of). A peer with another rule (other
         ``state.admission_bits`` or ``state.allow``, in the same swarm) would refuse our authors' ops as forged, and
         we theirs: replicating with it would only get honest nodes to penalise and ban each other."""
         member = self.members.get(peer_id)

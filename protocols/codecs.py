@@ -284,8 +284,8 @@ class Codec:
 
     def encode_wire(self, x: torch.Tensor) -> bytearray:
         """The wire bytes of ``x`` (``encode(x).to_wire()``) in a new bytearray, written once: no bytes object of
-        the data and then of the whole message first (each a copy of the encoding; an update's bytes were copied
-        three times on their way to the bulk store)."""
+        the data and then of the whole message first (each a copy of the encoding: an update's bytes would be
+        copied three times on their way to the bulk store)."""
         head, data = self._parts(x)
         prefix = _wire_prefix(head, data.numel())
         out = bytearray(len(prefix) + data.numel())
@@ -452,10 +452,10 @@ class E3M0Codec(BlockCodec):
         y = |x| * (sqrt(2) / s), e = 127 - (y's biased exponent), clamped to 0..7 (zeros and subnormals give 7).
         One IEEE multiply, then integer operations: the same bytes on every CPU (a vectorized log2 is not
         correctly rounded, and an auditor's reduction is compared with its reducer's byte for byte), and 2x
-        faster than the log2 (a 109M-parameter update took 1.1 s to encode, the biggest item of a node's round).
-        One compiled pass (``kernels.e3m0_encode``; since 2026-12-03): 25 MB of values in 3.2 ms on one core,
-        against 17-19 ms for the dozen torch passes over cached slices before it, and 43 ms before those; the
-        same bytes (tests/test_kernels.py keeps the torch encoder and compares)."""
+        faster than the log2 (which takes 1.1 s for a 109M-parameter update, the biggest item of a node's round).
+        One compiled pass (``kernels.e3m0_encode``): 25 MB of values in 3.2 ms on one core, against 17-19 ms for
+        a dozen torch passes over cached slices; the same bytes (tests/test_kernels.py keeps the torch encoder and
+        compares)."""
         flat = _flat32(x, check=False)  # (the kernel checks the values in its pass)
         n, b = flat.numel(), self.block
         scales16 = np.empty(-(-n // b), dtype=np.uint16)
@@ -468,8 +468,8 @@ class E3M0Codec(BlockCodec):
         """The wire bytes of ``x`` (as ``encode_wire``) and, from the same pass (``kernels.e3m0_encode_measured``),
         the sum of the squares of what a decoder gets from them (float64), the decoded values written into
         ``decoded`` where given: a sender's norm of its update as the others see it, without decoding its own bytes
-        again and a norm pass over them (a DiLoCo round's update, before: 25 MB decoded and measured, 6% of a
-        node's worker CPU at N = 8). ``x``: a contiguous 1-d float32 CPU tensor, only read. Where ``x`` holds NaN or
+        again and a norm pass over them (for a DiLoCo round's update, 25 MB decoded and measured, that pass costs 6%
+        of a node's worker CPU at N = 8). ``x``: a contiguous 1-d float32 CPU tensor, only read. Where ``x`` holds NaN or
         infinity: CodecError."""
         scales16, data, into = self._one_pass_buffers(x, decoded, "encode_wire_measured")
         finite, kept = kernels.e3m0_encode_measured(x.detach().numpy(), self.block, _SQRT2_F32, scales16, data,

@@ -1,10 +1,10 @@
 """Topic publish/subscribe across the mesh: a validated epidemic broadcast over our own streams.
 
-Why not the p2p daemon's gossipsub (measured, ``../shared/spikes/REPORT.md``): it forwards every message before our
-code can validate it, drops silently when its 32-slot queues overflow, and drops payloads of 1 MiB or more. In a
-permissionless mesh we must not forward what we have not validated, and a drop must be visible. py-libp2p's
-gossipsub would need the py-libp2p backend (NAT issue). So this module implements the gossipsub ideas itself on
-``/swarmd/pubsub/1.0.0``, one long-lived stream per direction per peer:
+Why not the p2p daemon's gossipsub (measured; ``docs/design/architecture.md``, Gossip): it forwards every
+message before our code can validate it, drops silently when its 32-slot queues overflow, and drops payloads of
+1 MiB or more. In a permissionless mesh we must not forward what we have not validated, and a drop must be
+visible. py-libp2p's gossipsub would need the py-libp2p backend (NAT issue). So this module implements the
+gossipsub ideas itself on ``/swarmd/pubsub/1.0.0``, one long-lived stream per direction per peer:
 
 - **Signed messages**: ``{"b": [1, topic, author, seq, ts_ms, data], "s": Ed25519 sig}``, id = BLAKE2b-128 of the
   body. Receivers verify the author's signature before anything else.

@@ -1,6 +1,6 @@
 """A small policy for the arithmetic task, sampling, and a GRPO step (no KL term, clipped ratio).
 
-GRPO as the SAPO paper and genrl use it (``../shared/protocols.md`` 2.1): per question group, advantages
+GRPO as the SAPO paper and genrl use it (``docs/loops/sapo.md``): per question group, advantages
 A_i = (r_i - mean) / (std + 1e-8); per completion token ratio rho = exp(logp - logp_old), loss
 -min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A), clamped to +-10 per token, masked mean over completion
 tokens; Adam; no reference model. Groups whose rewards are all equal carry no signal and are dropped before the step.

@@ -1,6 +1,7 @@
 """SAPO (Swarm sAmpling Policy Optimization): RL post-training where peers share rollouts, not weights.
 
-Each round r, every peer (``../shared/protocols.md`` 2.1, with the reference implementation's weaknesses fixed):
+Each round r, every peer (``docs/loops/sapo.md``; the SAPO paper's loop, with its reference implementation's
+weaknesses fixed):
 
 1. samples ``questions`` tasks from its generator, at a seed that is a function of (run, seed, its peer id, r), so
    anyone can tell whether a spec really is that peer's for that round;
@@ -368,7 +369,7 @@ class SapoLoop(TaskLoop):
         self._resume_checkpoint()
         # rounds we shared items of after that checkpoint (or without one): the others hold them, and a second,
         # different set of items for one of them is equivocation (refused, penalised: 30 times in 40 restarts of
-        # the kill bench, before); we go on after the last one, its training lost with the process
+        # the kill bench without this marker); we go on after the last one, its training lost with the process
         marker = checkpoint.load_marker(self._marker_path())
         if marker is not None and marker.get("fingerprint") == self.fp and type(marker.get("round")) is int \
                 and marker["round"] >= self.round:

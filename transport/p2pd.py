@@ -3,7 +3,7 @@
 Runs on the caller's event loop. The daemon is a child process that exits by itself when our persistent control
 connection closes (so it never outlives us, even after SIGKILL).
 
-Decisions made here (see README, "Transport"):
+Decisions made here (see ``docs/design/architecture.md``, Transport):
 - p2pd is started *without* bootstrap peers: dialing, retries and backoff are ours (``dht.discovery``), so an
   unreachable bootstrap shows in /status instead of failing start-up.
 - Port mapping (UPnP/NAT-PMP) is off unless configured; the public IPFS bootstrap list is never used.
@@ -80,13 +80,13 @@ _EXTRA_FLAGS: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd
 _EXTRA_ENV: contextvars.ContextVar[dict] = contextvars.ContextVar("swarmd_p2pd_env", default={})
 ENV = "/usr/bin/env"
 # the p2p daemon's garbage collector (Go's GOGC), unless the user sets their own: a collection once the
-# heap has grown by half of what was live after the last one (Go's default: by all of it). Until 2026-11-29 the
-# daemon ran with a soft heap limit instead (GOMEMLIMIT=48MiB: 80 -> 67 MB RSS per daemon at 16 nodes), which sat
-# just above its live heap: the collector ran almost without a pause, more so the more connections (the heap grows
-# with them). Measured with 24 idle nodes, per daemon: 6.5% of a core and 71 MB with the limit; 3.4% and 100 MB with
-# neither; 3.7% and 83 MB with GOGC 50 (4.8% and 77 MB with 30). In the exchange bench the limit cost 0.09-0.10 s of
-# daemon CPU a round against 0.05-0.07 at 8 nodes, 0.80 against 0.36 at 16; and 32 nodes on 2 cores did not all
-# start (bench_join) with it. GOGC has no such cliff: the collector's work follows the heap, whatever the connections
+# heap has grown by half of what was live after the last one (Go's default: by all of it). Not a soft heap limit
+# (GOMEMLIMIT=48MiB: 80 -> 67 MB RSS per daemon at 16 nodes): it sits just above the daemon's live heap, so the
+# collector runs almost without a pause, more so the more connections (the heap grows with them). With 24 idle
+# nodes, per daemon: 6.5% of a core and 71 MB with the limit; 3.4% and 100 MB with neither; 3.7% and 83 MB with
+# GOGC 50 (4.8% and 77 MB with 30). In the exchange bench the limit costs 0.09-0.10 s of daemon CPU a round against
+# 0.05-0.07 at 8 nodes, 0.80 against 0.36 at 16; and 32 nodes on 2 cores do not all start (bench_join) with it
+# (``docs/benchmarks/join.md``). GOGC has no such cliff: the collector's work follows the heap, whatever the connections
 DAEMON_GOGC = "50"
 
 

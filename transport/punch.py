@@ -1,6 +1,6 @@
 """TCP hole punching by simultaneous open, and the splice that hands a punched socket to the p2p daemon.
 
-Why our own sockets (measured in the NAT lab, see README "Through NATs"): a Linux NAT with default (strict)
+Why our own sockets (measured in the NAT lab, see ``docs/benchmarks/nat.md``): a Linux NAT with default (strict)
 connection tracking only forwards the packets of a TCP handshake whose sequence numbers match the SYN that opened
 the mapping. So the socket that sends the NAT-opening SYN must be the socket that completes the handshake. p2pd's
 control API can neither do a simultaneous open nor decide which side acts as the secure-channel initiator, so:

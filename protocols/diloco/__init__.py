@@ -1,4 +1,4 @@
-"""DiLoCo and Streaming DiLoCo outer steps, peer to peer (``../shared/protocols.md`` section 1).
+"""DiLoCo and Streaming DiLoCo outer steps, peer to peer (``docs/loops/diloco.md``).
 
 Each peer runs inner AdamW steps on its own data shard. The model is split into ``fragments`` (1 = plain DiLoCo);
 fragment p is synced every ``inner_steps`` steps, staggered by p * inner_steps / fragments:

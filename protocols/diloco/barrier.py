@@ -16,7 +16,7 @@ from swarmd.protocols.diloco.wire import (
 from swarmd.protocols.inner import SwarmAdamW
 from swarmd.transport.errors import ProtocolViolation, TransportError
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class BarrierMixin:

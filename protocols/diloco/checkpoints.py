@@ -33,7 +33,7 @@ from swarmd.transport.errors import MalformedMessage, ProtocolViolation, Transpo
 from swarmd.transport.framing import unpack
 from swarmd.transport.wire import WIRE, UnknownKind
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class CheckpointsMixin:

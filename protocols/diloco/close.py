@@ -24,7 +24,7 @@ from swarmd.protocols.diloco.wire import (
 from swarmd.protocols.inner import SwarmAdamW
 from swarmd.protocols.standing import fresh_round
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class CloseMixin:

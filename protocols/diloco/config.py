@@ -44,7 +44,7 @@ class DilocoConfig(BaseModel):
     # peers' batches, protocols/inner.py) or plain "adamw"; inner_betas and weight_decay either way. Each peer's
     # own choice, not part of the run's fingerprint. A longer second-moment average (beta2 0.99) steadies
     # swarm-adamw's estimate of the swarm's gradient variance from one peer's batches: bench_diloco_sim.py's
-    # h4-sign-ef-b2.99 rows, and the README
+    # h4-sign-ef-b2.99 rows (docs/benchmarks/diloco-sim.md)
     inner_optimizer: str = Field("swarm-adamw", pattern=r"^(adamw|swarm-adamw|muon)$")  # muon: protocols/inner.py
     inner_lr: float = Field(4e-4, gt=0)
     inner_betas: tuple[float, float] = (0.9, 0.95)

@@ -16,7 +16,7 @@ from swarmd.protocols.diloco.wire import (
     SERVING_POLL,
 )
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class ConformMixin:

@@ -17,7 +17,7 @@ from swarmd.protocols.diloco.wire import (
     _probe_hash,
 )
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class LinksMixin:

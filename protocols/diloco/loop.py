@@ -46,7 +46,7 @@ from swarmd.protocols.steps import StepsEnded, UserSteps
 from swarmd.protocols.task import Task
 from swarmd.protocols.taskloop import TaskLoop
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, ScatterMixin, ConformMixin,

@@ -14,7 +14,7 @@ from swarmd.protocols.diloco.wire import (
     MAX_LATE_PULLS,
 )
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class PullsMixin:

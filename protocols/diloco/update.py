@@ -16,7 +16,7 @@ from swarmd.protocols.diloco.wire import (
 )
 from swarmd.transport.wire import WIRE
 
-logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the package, as before the split
+logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
 class UpdateMixin:
