@@ -67,7 +67,7 @@ class BarrierMixin:
         """The initial weights to start from, where they are not ours: the hash most of the directly connected
         ready peers and we hold (ties: the smallest), or None. Peers of one run build the task's initial weights
         from the same seed, but torch draws other low bits under other CPU kernels (its scalar ones, on a CPU
-        without AVX2, or an ARM CPU's): without this such peers never started together. Only before the first
+        without AVX2, or an ARM CPU's): without this such peers never start together. Only before the first
         round, from the task's weights (not from a checkpoint of a later round). Holders are asked a bounded number
         of times (rounds.StartWeights): hashes a flood of fresh keys announce cost a start a few asks at most."""
         if any(self.rounds_done) or self.step:

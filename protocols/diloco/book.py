@@ -64,8 +64,8 @@ class RoundBook:
     def blobs_going(self, r: int, p: int) -> set[bytes] | None:
         """After closing round r of fragment p, the blobs no round still keeps: those of rounds before r - 1, and
         of round r - 1 all but our own (a chunk or part pulled from another member mattered only while that
-        round's members were closing it: for a 100 MB update at 4 peers, 1.5 x its size a node held a round
-        longer). A blob also named by a round still kept (the same bytes) stays."""
+        round's members were closing it: for a 100 MB update at 4 peers, keeping them would hold 1.5 x its size a
+        round longer). A blob also named by a round still kept (the same bytes) stays."""
         going: set[bytes] = set()
         for old in [k for k in self.blobs if k[1] == p and k[0] < r]:
             if old[0] < r - 1:

@@ -90,9 +90,9 @@ class CheckpointsMixin:
         if found is None:
             return
         tensors, meta = found
-        # saved by the version before the BLAKE3 weights hash (its fingerprint is one of earlier_fps): checked with
-        # that version's hash; from here on the weights go by ours (the start barrier compares global_hash()). One
-        # saved by the version before the e3m0 encoder's name has our hash: nothing to convert
+        # saved by an older version that hashes weights with BLAKE2b (its fingerprint is one of earlier_fps):
+        # checked with that version's hash; from here on the weights go by ours (the start barrier compares
+        # global_hash()). One saved by an older version that names no e3m0 encoder has our hash: nothing to convert
         earlier = meta.get("fingerprint") == self._fp_before_blake3
         # saved under other rules than ours and than the versions we list (a later or earlier version that names
         # this run by its resumable fingerprint): the same run's weights, checked by our hash
@@ -245,8 +245,8 @@ class CheckpointsMixin:
             await asyncio.sleep(0.05)
         size = self.bulk.announcements[blob].size if blob in self.bulk.announcements else None
         # before a byte of it is allocated: a checkpoint of our model is its weights and momentum in fp32 and a
-        # few headers, round counters and participants (a server that announced 4 GiB for a small model had us
-        # pull and hold all of it before its tensors were found too large)
+        # few headers, round counters and participants (else a server that announces 4 GiB for a small model has
+        # us pull and hold all of it before its tensors are found too large)
         budget = self._checkpoint_budget()
         if size is not None and size > budget:
             raise ProtocolViolation(f"diloco-ckpt: {size} B announced, a checkpoint of our model is at most {budget} B")

@@ -79,8 +79,8 @@ class CloseMixin:
         def covered() -> bool:
             """The round's coordinator's member view is here and names only peers whose contribution we hold: we
             take its view (``_agree``), so waiting on for anyone else changes nothing. Without this, a joiner (its
-            deadline deadline_high, before it has measured one) waited that long for a peer killed meanwhile,
-            which the coordinator had left out, and fell behind the others (the simulator)."""
+            deadline deadline_high, before it has measured one) waits that long for a peer killed meanwhile,
+            which the coordinator left out, and falls behind the others (the simulator shows it)."""
             if not coordinator or coordinator[0] == me or coordinator[0] not in pending.views:
                 return False
             return not rounds.resolve_view(pending.views[coordinator[0]], {rounds.short_id(a): a for a in have()})[1]
@@ -203,8 +203,8 @@ class CloseMixin:
         new, h, hp = await asyncio.to_thread(apply)
         if new is not self.global_flat[p]:
             # the new weights and their hashes become visible together, here on the event loop: an announcement
-            # checked meanwhile saw the old ones and their cached hashes (before, it found the version bumped by
-            # the worker thread and hashed the new weights itself, on the loop)
+            # checked meanwhile sees the old ones and their cached hashes (never a version bumped by the worker
+            # thread, whose new weights it would hash itself, on the loop)
             before, self.global_flat[p] = self.global_flat[p], new
             self._global_version += 1
             self._hashes[None] = (self._global_version, h)
@@ -217,8 +217,8 @@ class CloseMixin:
         # the next round's candidates are this round's members, refused or not: a refusal judges one update, not
         # the peer (an honest update near convergence can be mostly its shard's noise, and in scatter only the
         # reducers of a part see its chunks), and every peer agrees on the members, the refused one included, so
-        # it counts itself in next round exactly when the others do (before, the others dropped a refused peer
-        # while it counted itself in: it combined another set of updates and resynced; the simulator showed it).
+        # it counts itself in next round exactly when the others do (were the others to drop a refused peer that
+        # counts itself in, it would combine another set of updates and resync; the simulator shows it).
         # A refused peer earns no standing (below), so one refused round after round stops counting and is waited
         # for only as a newcomer, and the penalties ban a sender of garbage
         if members - {me}:
@@ -308,9 +308,9 @@ class CloseMixin:
         """The round's members, the same at every peer (``rounds.MemberAgreement``): we publish our view and take
         the view of the round's coordinator. The peers it names must have announced an update from our weights
         (an announcement still on its way is waited for), and in all-to-all their updates are pulled: all within
-        one span (``_span``), after which what is missing is left out (we may then end on other weights than the others,
-        and resync or redo as before). A coordinator's view naming more newcomers than a round takes is not
-        followed (ours is)."""
+        one span (``_span``), after which what is missing is left out (we may then end on other weights than the
+        others, and resync or redo after the close: ``_check_previous``). A coordinator's view naming more newcomers
+        than a round takes is not followed (ours is)."""
         r, p = key
         me = self._ctx.identity.peer_id
         if not self.cfg.agree or len(members) > MAX_VIEW:

@@ -101,7 +101,7 @@ class ConformMixin:
         # where it names a minority's, everyone's (from their owners), even where ours is the same as its part:
         # the coordinator reduces such a part from everyone's too (a peer whose part was the coordinator's minority
         # one kept it, and ended alone: the simulator, two uplinks falling mid-run, seed 15)
-        # (a part over another view of the members, whose set is None, only where ours differs, as before)
+        # (a part over another view of the members, whose set is None: only where ours differs)
         followed, of_all = {}, {}
         for k, h in enumerate(hashes):
             whose = exchange.unpack_set(ordered, sets[k])
@@ -123,8 +123,8 @@ class ConformMixin:
                 # the coordinator's part combines a minority's chunks (its own pulls came late: a congested
                 # uplink delays a peer's requests too), and ours may combine other chunks than the other peers':
                 # every peer that does not follow it reduces the part from all the members' chunks (from any
-                # holder), the same bytes wherever all of them come in the span. Keeping ours, the peers ended
-                # on as many weights as there were peers (the simulator: a coordinator whose uplink fell to
+                # holder), the same bytes wherever all of them come in the span. Keeping ours, the peers end
+                # on as many weights as there are peers (the simulator: a coordinator whose uplink fell to
                 # 50 kB/s mid-round)
                 await self._of_all(k, members, parts, used, compute, computed, wait)
             elif action == "not_conformed":
@@ -176,9 +176,9 @@ class ConformMixin:
         """Wait until ``done()`` holds for ``span``, and while we are still serving one of ``blobs`` (the round's:
         our chunks and parts, the chunks we pulled), and ``span`` after the last transfer ended, up to
         deadline_high: the others cannot be done before those bytes reached them. A peer whose uplink is the
-        round's bottleneck finished its own pulls long before the others, and its wait for the coordinator's parts
-        list ran out while the coordinator was still pulling from it: it kept its own parts and resynced (the
-        simulator: one uplink down to 50 kB/s mid-run)."""
+        round's bottleneck finishes its own pulls long before the others, and without this its wait for the
+        coordinator's parts list runs out while the coordinator is still pulling from it: it keeps its own parts and
+        resyncs (the simulator: one uplink down to 50 kB/s mid-run)."""
         now = self.clock.monotonic()
         end, cap = now + span, now + max(span, self.cfg.deadline_high)
         while not done():

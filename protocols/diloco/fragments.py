@@ -23,16 +23,16 @@ class FragmentsMixin:
         named = tasks.trainable(model)
         shared = self.cfg.shared()
         self.fp = tasks.fingerprint(self.task, shared, named)
-        # the same run under the versions before: before the e3m0 encoder was named (the log2 encoder), and before
-        # that, before the weights hash was named (BLAKE2b). We resume their checkpoints (the weights are the same
+        # the same run under older versions of the rules: one that names no e3m0 encoder (the log2 encoder), and
+        # one that names no weights hash either (BLAKE2b). We resume their checkpoints (the weights are the same
         # run's), never mix with their nodes in a round
         before_encoder = {k: v for k, v in shared.items() if k != "e3m0_encoder"}
         self._fp_before_blake3 = tasks.fingerprint(
             self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)
         self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), self._fp_before_blake3]
-        # and before the screen's exact products and the outer step's unfused operations (2026-12-01): the rule's
-        # text before, no outer step named. (Its weights stepped with fused multiply-adds on AVX2 CPUs: the same
-        # run's weights to resume from, where the start barrier finds the swarm at the same round and hash)
+        # and one without the screen's exact products and the outer step's unfused operations: its rule's text, no
+        # outer step named. (Its weights step with fused multiply-adds on AVX2 CPUs: the same run's weights to
+        # resume from, where the start barrier finds the swarm at the same round and hash)
         before_exact = {**{k: v for k, v in shared.items() if k != "outer_step"},
                         "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
         self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
@@ -87,7 +87,7 @@ class FragmentsMixin:
     def _base_hash(self, p: int) -> str:
         """Fragment p's global weights' hash (what updates name as their base), computed once per change of the
         global weights: every incoming announcement is checked against it, and hashing a fragment on the event loop
-        per message was a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model)."""
+        per message is a quarter of a node's time at N = 8 (25 MB updates; seconds per message for a 1B model)."""
         if len(self.global_flat) == 1:
             return self.global_hash()  # the same bytes
         return self._cached_hash(p)

@@ -63,8 +63,9 @@ class ScatterMixin:
                           first: str | None = None) -> bool:
             """Reduce part k from the members' chunks (``only`` those: False if one of them did not come) by
             ``until``. The chunks are pulled as bytes and decoded only when the part is reduced, a few parts at a
-            time (``_reducing``): decoded, a round's chunks were a copy of the update held at once. ``first``: a
-            member that holds them all (the coordinator whose part we follow), asked before each chunk's owner."""
+            time (``_reducing``): decoded on arrival, a round's chunks would be a copy of the update held at once.
+            ``first``: a member that holds them all (the coordinator whose part we follow), asked before each chunk's
+            owner."""
             a, b = bounds[k]
             if not isinstance(until, StepEnd):
                 until = self._pulls_end(key, until, span)

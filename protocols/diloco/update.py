@@ -144,8 +144,7 @@ class UpdateMixin:
     def _pseudo_gradient(self, p: int, local: list[torch.Tensor]) -> torch.Tensor:
         """Our update for fragment p: the global weights minus ``local``, our parameters of that fragment, in one new
         flat fp32 tensor on the CPU (one kept from an earlier round where there is one: ``_buffers``), each parameter
-        subtracted where it lies (one pass; before, a flat copy of our weights was made first, and the difference
-        computed in it)."""
+        subtracted where it lies (one pass: no flat copy of our weights made first to compute the difference in)."""
         glob = self.global_flat[p]
         out = self._buffers.take(glob.numel())  # (global_flat's tensors: flat fp32 on the CPU)
         at = 0
