@@ -232,7 +232,7 @@ class TaskLoop:
         at most one write every ``progress_every`` seconds. A value that comes sooner waits, and only the newest
         one waiting is written when the interval ends (or at once when the run ends). Each write is a signed op
         that every peer of the swarm verifies, logs and forwards: written every round, at N = 8 and 1-second
-        rounds, that was a tenth of a node's event loop (the exchange bench)."""
+        rounds, that is a tenth of a node's event loop (the exchange bench)."""
         if self._ctx.replicator is None:
             return
         value = {"step": int(step), "samples": int(samples), "loss": float(loss), "bytes": int(sent),

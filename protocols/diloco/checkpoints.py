@@ -300,10 +300,10 @@ class CheckpointsMixin:
         self.state = "joining"
         # the fastest sources first: a checkpoint is the whole model (exchange.fastest_first); and the peers whose
         # checkpoint we had joined from when our weights left the majority's after all the others. Their weights
-        # were the run's (their hash is checked) but their outer momentum need not be (no peer publishes a hash of
-        # it): asked first again (the fastest, or the first of the holders, none measured) one sent us round for
-        # the whole run, each of our updates refused for its other base; two, taking turns, did too where only the
-        # last was put last. No penalty: nothing shows they lied
+        # are the run's (their hash is checked) but their outer momentum need not be (no peer publishes a hash of
+        # it): asked first again (the fastest, or the first of the holders, none measured) one would send us round for
+        # the whole run, each of our updates refused for its other base; two, taking turns, would too where only the
+        # last is put last. No penalty: nothing shows they lied
         for peer in sorted(exchange.fastest_first(peers, self.links.source_rates),
                            key=lambda a: a in self.resyncs.led_off):
             try:
@@ -322,8 +322,8 @@ class CheckpointsMixin:
                     self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
                 continue
             # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
-            # by their hash), and one past the run's end had a joiner end the run at once on the weights it joined
-            # with, having never contributed (the simulator)
+            # by their hash), and one past the run's end would have a joiner end the run at once on the weights it
+            # joined with, having never contributed (the simulator)
             low, high = self._steps_of(done)
             step = min(max(ckpt["step"], low), high)
             if step != ckpt["step"]:
@@ -334,8 +334,9 @@ class CheckpointsMixin:
             self.resyncs.checkpoint_from = peer
             # the peers that vouched for this state (they hold its hash), and those it was made with that say so
             # themselves (they published its hash for its round): the list is its server's word alone, and a key
-            # credited from it counted as a founder of ours for good (a server that listed six fresh keys had their
-            # word outvote the run's peers at our first hash check, and we took their weights: the simulator)
+            # credited from it would count as a founder of ours for good (a server that lists six fresh keys would
+            # have their word outvote the run's peers at our first hash check, and we would take their weights: the
+            # simulator)
             holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
                        if h == ckpt["global_hash"]}
             listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
@@ -355,8 +356,8 @@ class CheckpointsMixin:
                 self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
             # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
-            # ahead of ours then, and not held: ask its server for them (a joiner that arrived as the swarm
-            # announced closed its first round alone at deadline_high, then fell behind and resynced: the
+            # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
+            # announces closes its first round alone at deadline_high, then falls behind and resyncs: the
             # simulator, 1 MB updates at 2 MB/s)
             ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
                          - {rounds.short_id(self._ctx.identity.peer_id)})

@@ -46,7 +46,7 @@ class CloseMixin:
         # others still make it in time
         # plus the time our last exchange took: the peers ended it at different times (a slow uplink serves its
         # receivers one after another), and so announce this round that much apart; with the deadline alone, a
-        # round after a slow exchange closed with whoever was first, and the swarm split (the simulator: one
+        # round after a slow exchange closes with whoever is first, and the swarm splits (the simulator: one
         # peer's uplink down to 50 kB/s mid-run, rounds of 1-2 members after it)
         spread = min(self.timings.close[-1], self.cfg.deadline_high) if self.timings.close else 0.0
         wait = rounds.plan_wait(self.standing, base, f"{self.cfg.run}/{r}/{p}", fresh=fresh_round(r), now=blocked_from,
@@ -271,7 +271,7 @@ class CloseMixin:
         peer's member view names (it closed the round holding it) and gossip has not brought us a little after that
         view came (FETCH_AFTER, or a quarter of deadline_low if less) is asked of that peer (one peer at a time,
         each once; checked as any fetched announcement). Without it, a peer whose gossip lost one announcement
-        waited to its deadline every round, closed after the others had stopped waiting for it, and was left out,
+        waits to its deadline every round, closes after the others have stopped waiting for it, and is left out,
         round after round (the simulator: a peer blind to another's announcements). Ends early once ``covered()``
         (the coordinator's view is here and we hold everything it names)."""
         r, p = key

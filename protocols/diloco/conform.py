@@ -27,7 +27,7 @@ class ConformMixin:
         """Every peer ends on the round's coordinator's parts. A part whose reducer was late (or disputed) is
         reduced by each peer that gave up on it from the chunks that came to it by then, and the reducer's own
         part may lack a chunk that came too late to it: peers could end on different weights (at 16 peers on two
-        cores most rounds did: 126 parts fell back in one). The coordinator (the member view we took) publishes
+        cores most rounds would: 126 parts fall back in one). The coordinator (the member view we took) publishes
         each part's blob hash and the members whose chunks it combines; a peer whose part differs reduces it again
         from exactly those chunks (pulled from anyone who holds them), so the result is checked, not trusted: a
         coordinator can choose only among the honest reductions of a majority's chunks. The wait is one span
@@ -68,8 +68,8 @@ class ConformMixin:
                 and not gone():
             # a round with a member this round measured slow: the coordinator's own pulls may run to their cap
             # (deadline_high from the step's start) and its list come after that; we wait for it up to there.
-            # With one span, a fast coordinator whose reduce step waited on the slow peer's chunks published its
-            # list after two of the others had stopped waiting, and they resynced (the simulator: one uplink of 4
+            # With one span, a fast coordinator whose reduce step waits on the slow peer's chunks publishes its
+            # list after two of the others have stopped waiting, and they resync (the simulator: one uplink of 4
             # falling mid-run, seeds 7 and 15). The price: a coordinator that hangs in such a round costs that
             # wait, deadline_high (plus a span) at most, instead of one span; one that is gone, nothing more
             me = self._ctx.identity.peer_id
@@ -79,7 +79,7 @@ class ConformMixin:
             if slow and moving is not None:
                 self.counters["parts_wait_extended"] += 1
                 # and one more span at least: a list published by then may still be behind a slow coordinator's
-                # uploads (it came 10 ms after a peer had stopped waiting: two uplinks falling, seed 2)
+                # uploads (it comes 10 ms after a peer has stopped waiting: two uplinks falling, seed 2)
                 until = max(moving.start + self.cfg.deadline_high + span / 2, self.clock.monotonic() + span)
                 await outer.wait_until(lambda: coordinator in pending.parts or gone(), self._event,
                                        until - self.clock.monotonic(), poll=SERVING_POLL)
@@ -159,8 +159,8 @@ class ConformMixin:
         """The time our pulls of the chunks of ``needed`` (part -> whose chunks) get, each from ``first`` or its
         owner, whichever is faster (``_chunk_source``), as ``compute`` pulls them: one span, or deadline_high where one
         of those sources sends slowly (``exchange.transfer_wait``). A peer whose uplink fell mid-round serves them
-        slowly, all at once: with one span the others gave up on its chunks while they came, kept their own parts,
-        and the round split (the simulator: two uplinks of 4 falling to 50 kB/s mid-run; 1 of 16 draws clean)."""
+        slowly, all at once: with one span the others give up on its chunks while they come, keep their own parts,
+        and the round splits (the simulator: two uplinks of 4 falling to 50 kB/s mid-run; 1 of 16 draws clean)."""
         me = self._ctx.identity.peer_id
         need: dict[str, int] = collections.Counter()
         for k, whose in needed.items():
@@ -222,7 +222,7 @@ class ConformMixin:
         and the chunks it had by then were few) are replaced, within ``wait``, by a reducer's part that combines a
         majority's, or else reduced again from the chunks that came since. The others never follow a minority part
         (``exchange.conform_action``): they reduce it from all the members' chunks (``_conform``), and a
-        coordinator that kept it ended alone on other weights and resynced (the simulator, 4 peers on 200 kB/s
+        coordinator that keeps it would end alone on other weights and resync (the simulator, 4 peers on 200 kB/s
         links: round 0's coordinator, a part of 1 or 2 chunks of 4). A reducer's part is taken as in the reduce
         step (its blob is the one the reducer signed; audits judge reducers); one reduced again is checked by the
         others against the chunks it names."""
