@@ -288,8 +288,8 @@ class _Receiver(asyncio.BufferedProtocol):
     def _wake_at(self, nbytes: int) -> None:
         """Wake us when ``nbytes`` have come (SO_RCVLOWAT: the kernel holds the socket unreadable till then; an
         end or an error wakes us at once). On a link slower than this machine bytes come a packet or two at a time,
-        and each came up to Python on its own. Back to 1 when nothing was read for HOLD (``_release``: a source that
-        paused, or slowed below the rate so far): what has come is never held longer."""
+        and each would come up to Python on its own. Back to 1 when nothing was read for HOLD (``_release``: a source
+        that paused, or slowed below the rate so far): what has come is never held longer."""
         nbytes = max(1, nbytes)
         if nbytes == self.lowat:
             return
@@ -815,7 +815,7 @@ class BulkService:
                 await writer.drain()
                 if status != OK:
                     # a refusal ends the connection: a stream of refused requests costs the sender a connection
-                    # each, as it did when every connection carried one (each costs us a signature check)
+                    # each, as a connection that carries one request does (each costs us a signature check)
                     return
                 served += 1
                 if served > 1:

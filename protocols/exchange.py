@@ -249,8 +249,8 @@ def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = No
     up its last parts, and the members under theirs take them, in the round's order, lowest part first. So a change
     of one member's weight moves only the parts its share gained or lost, and a guess of the owners made before
     every member's rate report is in (the prefetch of a round's chunks) is still right for the others: with every
-    part placed by a smooth weighted round robin, one weight under full reshuffled the whole interleaving (15 of
-    16 parts moved where a share lost 2), and 50 of 442 chunks prefetched in a run at N = 8 went unused. Equal
+    part placed by a smooth weighted round robin, one weight under full reshuffles the whole interleaving (15 of
+    16 parts move where a share loses 2), and 50 of 442 chunks prefetched in a run at N = 8 go unused. Equal
     weights, or none, or all 0: the plain round robin."""
     n = len(ordered)
     w = [max(0, int(weights.get(a, 0))) for a in ordered] if weights else [1] * n
@@ -608,8 +608,8 @@ REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (
                "rule (4); parts assigned by reported rates (5); the screen's dot products exact, on values "
                "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1)")
 
-# the rule's text of the version whose screen took its dot products by blocks, not exactly: a checkpoint that
-# version saved is resumed (DilocoLoop._build's earlier fingerprints), while its nodes never join ours in a round
+# the rule's text of the older version whose screen takes its dot products by blocks, not exactly: a checkpoint
+# that version saved is resumed (DilocoLoop._build's earlier fingerprints), while its nodes never join ours in a round
 REDUCE_RULE_BEFORE_EXACT = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by "
                             "audit_plan, a fixed share of parts, reducers of over an even share last (7); all-to-all "
                             "combines by the same rule (4); parts assigned by reported rates (5); the screen's dot "

@@ -137,9 +137,9 @@ class VirtualTimeLoop(asyncio.SelectorEventLoop):
 
     def run_in_executor(self, executor, func, *args):
         """asyncio's, but the result is handed to its future by the loop itself, at its next wait (``select``),
-        in the order the work was started: not by the worker thread as soon as it is done, which put it among the
-        callbacks of the current step when it was fast and after them when it was slow (a run under load replayed
-        another schedule than the same run alone)."""
+        in the order the work was started: not by the worker thread as soon as it is done, which would put it among
+        the callbacks of the current step when it is fast and after them when it is slow (a run under load would
+        replay another schedule than the same run alone)."""
         self._check_closed()
         if executor is None:
             executor = self._default_executor
@@ -230,9 +230,9 @@ class Downlink:
     Writes are timed when they are sent, not when they arrive, so a write from a far peer (arriving late) may be
     timed before a write from a near one (arriving early). Each write takes the first free span of its length at or
     after its arrival: the near one is not queued behind the far one, which arrives later (a single "busy until"
-    time did queue it: one peer with a slow link held every other peer's bytes to a host until its own arrived, and
-    the simulator's DiLoCo peers missed each other's updates). Adjacent spans merge, and spans in the past are
-    dropped, so a saturated link holds one span."""
+    time would queue it: one peer with a slow link would hold every other peer's bytes to a host until its own
+    arrived, and the simulator's DiLoCo peers would miss each other's updates). Adjacent spans merge, and spans in
+    the past are dropped, so a saturated link holds one span."""
 
     def __init__(self) -> None:
         self.spans: list[list[float]] = []  # [start, end], sorted, disjoint
