@@ -69,10 +69,10 @@ MAX_PUSH_OPS = 1000
 SYNC_BATCH = 1000
 PUSH_BYTES = 4 << 20  # op bodies per PUSH or OPS frame (the frame limit is 8 MiB)
 # a push of few bytes (a node's progress record, a member op, their relays) goes over a stream kept to that peer, not
-# a new one: a p2p stream opened, used for one PUSH and ACK and closed cost both nodes and their p2p daemons 3.0 ms of
-# CPU against 0.37 ms on a kept stream (loopback, 2-core machine), and an 8-node DiLoCo swarm pushed about 20 times
-# a node a round (each node's progress record, to everyone and relayed on), which its p2p daemon and event loop
-# carried as a fixed cost of every round (``docs/benchmarks/crdt.md``, Kept push streams)
+# a new one: a p2p stream opened, used for one PUSH and ACK and closed costs both nodes and their p2p daemons 3.0 ms
+# of CPU against 0.37 ms on a kept stream (loopback, 2-core machine), and an 8-node DiLoCo swarm pushes about 20
+# times a node a round (each node's progress record, to everyone and relayed on), which its p2p daemon and event loop
+# carry as a fixed cost of every round (``docs/benchmarks/crdt.md``, Kept push streams)
 KEPT_PUSH_BYTES = 64 << 10  # op bodies: a larger push (a joiner's catch-up, a base) gets a stream of its own
 KEPT_REPLY = 5.0  # s: an ACK later than this on a kept stream: the stream is taken for broken (a partition, a peer
 # restarted), closed, and the push goes over a new stream, with the usual timeouts

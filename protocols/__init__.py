@@ -1,1 +1,1 @@
-"""Training loops and the gossip layer they publish through (DiLoCo, SAPO, SPSA). Filled by later issues."""
+"""Training loops and the gossip layer they publish through (DiLoCo, SAPO, SPSA)."""
