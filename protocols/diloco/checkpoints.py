@@ -255,9 +255,9 @@ class CheckpointsMixin:
             if self.faults:
                 await self.faults.enter("checkpoint-pulled", self, source=peer)
         ckpt = WIRE.check_blob(CHECKPOINT, unpack(body))
-        # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault). Before,
-        # no round counters crashed our loop (an IndexError) and a momentum of another size wedged it at its
-        # next outer step
+        # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault).
+        # Unchecked, no round counters would crash our loop (an IndexError) and a momentum of another size would
+        # wedge it at its next outer step
         done, sizes = ckpt["rounds_done"], [g.numel() for g in self.global_flat]
         if len(done) != self.cfg.fragments or max(done) - min(done) > 1 or max(done) > self._rounds():
             raise ProtocolViolation(f"diloco-ckpt: round counters {done[:4]} are not {self.cfg.fragments} "
