@@ -99,8 +99,8 @@ class ConformMixin:
         everyone = frozenset(members)
         # part -> the chunks we take it from: those the coordinator names (from it first) where ours differs, or,
         # where it names a minority's, everyone's (from their owners), even where ours is the same as its part:
-        # the coordinator reduces such a part from everyone's too (a peer whose part was the coordinator's minority
-        # one kept it, and ended alone: the simulator, two uplinks falling mid-run, seed 15)
+        # the coordinator reduces such a part from everyone's too (a peer whose part is the coordinator's minority
+        # one would keep it, and end alone: the simulator, two uplinks falling mid-run, seed 15)
         # (a part over another view of the members, whose set is None: only where ours differs)
         followed, of_all = {}, {}
         for k, h in enumerate(hashes):
@@ -268,8 +268,8 @@ class ConformMixin:
         (``exchange.reducers`` takes parts from the round robin only from a member over its share, and gives them
         to those under theirs; a part we would gain from a slow member is pulled at the close). The pulls of parts
         no longer ours stop where they have not ended. (Each guess from the reports so far, the parts placed by a
-        smooth weighted round robin, 50 of 442 chunks prefetched in a run at N = 8 went unused: 0.1 x S a round
-        for nothing, and the busiest peer took in 2.36 x S.)"""
+        smooth weighted round robin, 50 of 442 chunks prefetched in a run at N = 8 go unused: 0.1 x S a round
+        for nothing, and the busiest peer takes in 2.36 x S.)"""
         r, p = key
         me = self._ctx.identity.peer_id
         likely = self.participants.get(p, self.start_state.initial) | {me}

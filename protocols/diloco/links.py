@@ -58,9 +58,9 @@ class LinksMixin:
 
         And, with ``slowest`` (kB/s: the slowest of the round's ``members`` members' rates, ``_slowest_rate``),
         that member sending each peer its chunks (about 1/N of an update each) at that rate: every peer's steps
-        wait on it, not only ours. With our receive rate alone, the fast peers gave their steps 1.5 s of a round
-        that needed 4 s for a peer whose uplink had fallen to 50 kB/s, gave up on its chunks at different times
-        and ended on different weights (the simulator; ``bench/bench_sim.py --uplink``)."""
+        wait on it, not only ours. With our receive rate alone, the fast peers give their steps 1.5 s of a round
+        that needs 4 s for a peer whose uplink has fallen to 50 kB/s, give up on its chunks at different times
+        and end on different weights (the simulator; ``bench/bench_sim.py --uplink``)."""
         moved = self._update_bytes(p) + sum(self._part_bytes(p, reduced=True))  # the chunks in, the combined out
         need = moved / self._transfer_rate()
         if slowest:

@@ -72,9 +72,9 @@ class PullsMixin:
         and if it fails us (gone: killed mid-round), from each of ``holders`` in turn ((peer, addrs): the round's
         other members, any of which may have pulled it already: a pulled blob is kept and served, and its hash is
         the one ``peer`` signed), all within ``timeout``; a part that came from a holder is counted as ``counter``.
-        Without the holders, a member that pulled a dead peer's chunk (the part's auditor, a prefetch) combined it
-        and the others could not: the round split (found by the simulator, and seen as the kill bench's survivors
-        diverging); and a reducer that died after serving its part to some members left the others without it.
+        Without the holders, a member that pulled a dead peer's chunk (the part's auditor, a prefetch) combines it
+        and the others cannot: the round splits (found by the simulator, and seen as the kill bench's survivors
+        diverging); and a reducer that dies after serving its part to some members leaves the others without it.
         With ``out`` (a float32 view of ``elements`` values) the part is decoded into it, not into a new tensor;
         without ``decode``, the (hash-checked) bytes are returned as they came, to be decoded when used. A
         ``StepEnd`` as the timeout: its time, as arrivals move it."""

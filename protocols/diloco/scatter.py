@@ -48,8 +48,8 @@ class ScatterMixin:
         span = self._span(p, slowest, len(ordered))
         end = self.clock.monotonic() + span
         # the pulls' end moves while parts still come: the span's transfer time is a guess before the first
-        # measurement (on a slower link than min_bandwidth round 0 had 1 s for ~11 s of transfers, and every peer
-        # ended it on its own weights: the simulator at 100 kB/s)
+        # measurement (on a slower link than min_bandwidth, a fixed end gives round 0 1 s for ~11 s of transfers, and
+        # every peer ends it on its own weights: the simulator at 100 kB/s)
         pulls = self._pulls_end(key, end, span)
         # the combined update, filled as parts come: a part taken from its reducer is decoded straight into its
         # place (no second copy of the update); one we reduced is copied in at the end (``parts`` -> our tensor)
