@@ -52,7 +52,7 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
 def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path, monkeypatch, part_bytes):
     """(600: the log it replays comes in parts of a window or two each, as a long run's log does.)"""
     if part_bytes:
-        monkeypatch.setattr(spsa, "LOG_PART_BYTES", part_bytes)
+        monkeypatch.setattr(spsa.log, "LOG_PART_BYTES", part_bytes)  # (log_parts reads it there)
 
     async def main():
         sim = _sim(tmp_path, 4, windows=16)
