@@ -37,7 +37,7 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
             return _finals(sim), [lp.losses for lp in loops], sim.report(0.0), \
-                [(len(lp.applied), len(lp.my_hashes), len(lp.log)) for lp in loops]
+                [(len(lp.book.applied), len(lp.book.my_hashes), len(lp.book.log)) for lp in loops]
 
     finals, losses, report, kept = run_virtual(main())
     assert len(finals) == 1 and report["diverged"] == 0
@@ -89,7 +89,7 @@ def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
             d.weights._load(None, 0.0)
             await sim.until(sim.finished, 300, "everyone to finish")
             return d.counters, _finals(sim), [sim.loop(p).counters.get("diverged", 0) for p in sim.peers[1:]], \
-                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
+                [set(sim.loop(p).book.applied[max(sim.loop(p).book.applied)]) for p in sim.peers]
 
     counters, finals, others, last = run_virtual(main())
     assert counters["diverged"] >= 1 and len(finals) == 1 and others == [0, 0, 0]
@@ -112,7 +112,7 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
             sim.net.heal()
             await sim.until(sim.finished, 600, "everyone to finish")
             return split, _finals(sim), {p: sim.loop(p).counters.get("diverged", 0) for p in sim.peers}, \
-                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
+                [set(sim.loop(p).book.applied[max(sim.loop(p).book.applied)]) for p in sim.peers]
 
     split, finals, diverged, last = run_virtual(main())
     assert len(split) >= 2  # the sides did part
@@ -150,7 +150,7 @@ def test_a_peer_whose_bytes_are_not_its_probes_is_convicted_by_every_honest_audi
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
             honest = [sim.loop(p) for p in sim.peers[:4]]
-            return ({lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest],
+            return ({lp.final_hash for lp in honest}, [dict(lp.audits.convicted) for lp in honest],
                     [lp.offenders.get(bad, {}).get("refused", {}) for lp in honest],
                     [sim.nodes[p].transport.penalties.score(bad) for p in sim.peers[:4]],
                     [lp.counters.get("audited_steps", 0) for lp in honest], [lp.status()["audits"] for lp in honest],
@@ -183,7 +183,7 @@ def test_a_peer_that_claims_other_weights_to_dodge_the_audits_is_convicted(tmp_p
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
             honest = [sim.loop(p) for p in sim.peers[:4]]
-            return {lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest], bad
+            return {lp.final_hash for lp in honest}, [dict(lp.audits.convicted) for lp in honest], bad
 
     finals, convicted, bad = run_virtual(main())
     assert all(set(c) == {bad} for c in convicted), convicted
@@ -200,7 +200,7 @@ def test_honest_peers_pass_every_audit(tmp_path):
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
-            return [lp.counters.get("audited_steps", 0) for lp in loops], [dict(lp.convicted) for lp in loops], \
+            return [lp.counters.get("audited_steps", 0) for lp in loops], [dict(lp.audits.convicted) for lp in loops], \
                 [lp.counters.get("rejected_audit", 0) for lp in loops], _finals(sim)
 
     audited, convicted, rejected, finals = run_virtual(main())
@@ -244,22 +244,22 @@ def test_a_peer_behind_the_swarm_takes_the_counting_peers_windows_ahead_and_refu
     lp, other = run_virtual(main())
     # a long run's log, as a joiner gets it (these windows' real signed batches, 3,000 windows of 3 peers): within
     # what the log protocol lets a frame carry (it was refused as too dense past ~800 windows of 4 peers)
-    long_log = [[w, batches] for w in range(3000) for batches in [lp.log[w % len(lp.log)][1]]]
+    long_log = [[w, batches] for w in range(3000) for batches in [lp.book.log[w % len(lp.book.log)][1]]]
     parts = list(spsa.log_parts(long_log, 200_000))
     assert len(parts) > 3 and [p[2] for p in parts] == [True] * (len(parts) - 1) + [False]
     for first, windows, more in parts:
         body = {"w": first, "windows": windows, "more": more}
         assert framing.decode(framing.encode(2, body), spsa.LOG_SPEC).body == body
     assert sum((p[1] for p in parts), []) == long_log
-    last = max(lp.applied)
-    message = lp.applied[last][other]  # a batch of a counting peer, signed by it
+    last = max(lp.book.applied)
+    message = lp.book.applied[last][other]  # a batch of a counting peer, signed by it
     lp.state, lp.window = "running", last - 12  # as if we were 12 windows behind
-    lp.windows.clear()
-    del lp.applied[last]  # not closed yet, for a peer that far behind
+    lp.book.open.clear()
+    del lp.book.applied[last]  # not closed yet, for a peer that far behind
     assert lp.standing.counts(other)
-    assert lp._validate(message) is spsa.Verdict.ACCEPT and other in lp.windows[last].batches
+    assert lp._validate(message) is spsa.Verdict.ACCEPT and other in lp.book.open[last].batches
     assert lp.counters.get("rejected_future", 0) == 0
-    lp.windows.clear()
+    lp.book.open.clear()
     lp.standing.counts = lambda author: False  # a stranger's batch that far ahead: flooding steps
     assert lp._validate(message) is spsa.Verdict.REJECT and lp.counters["rejected_future"] == 1
 
@@ -403,12 +403,12 @@ def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalise
     def liar(base, late):
         class Liar(base):
             async def _serve_base(self, stream):
-                honest = self._base
-                self._base = [b + 1.0 for b in honest]  # the bytes change, the hash it announces does not
+                honest = self.base.tensors
+                self.base.tensors = [b + 1.0 for b in honest]  # the bytes change, the hash it announces does not
                 try:
                     await super()._serve_base(stream)
                 finally:
-                    self._base = honest
+                    self.base.tensors = honest
         return Liar
 
     finals, joiner, _, score, honest = _join_asking_first(tmp_path, liar)
@@ -548,8 +548,8 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
             started = await sim.until(lambda: all(sim.loop(p).state != "waiting for peers" for p in honest), 200,
                                       "the founders to start")
             await sim.until(lambda: all(sim.loop(p).final_hash for p in honest), 300, "the founders to finish")
-            return started, {sim.loop(p).final_hash for p in honest}, [sim.loop(p)._start_bases.asks for p in honest], \
-                [sim.loop(p).status() for p in honest]
+            return started, {sim.loop(p).final_hash for p in honest}, \
+                [sim.loop(p).start_state.bases.asks for p in honest], [sim.loop(p).status() for p in honest]
 
     started, finals, asks, status = run_virtual(main())
     assert len(finals) == 1 and all(s["participants"] == 3 for s in status)
@@ -580,14 +580,14 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_
 
         class OtherBase(base):
             async def _serve_base(self, stream):
-                honest = self._base, self.base_state_hash
-                self._base = [b + shift for b in honest[0]]
-                self.base_state_hash = spsa.base_digest(spsa.base_arrays(self._base_layout, self._base))
-                self._base_served.clear()  # its own limits are its own: it serves whenever asked
+                honest = self.base.tensors, self.base.state_hash
+                self.base.tensors = [b + shift for b in honest[0]]
+                self.base.state_hash = spsa.base_digest(spsa.base_arrays(self.base.layout, self.base.tensors))
+                self.base.served.clear()  # its own limits are its own: it serves whenever asked
                 try:
                     await super()._serve_base(stream)
                 finally:
-                    self._base, self.base_state_hash = honest
+                    self.base.tensors, self.base.state_hash = honest
         return OtherBase
 
     finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base,
@@ -615,21 +615,21 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
     def adds_batches(base, late):
         class AddsBatches(base):
             async def _serve_log(self, stream):
-                honest = self.log
+                honest = self.book.log
                 log = [list(entry) for entry in honest]
                 for entry in log[-2:]:
                     w = entry[0]
                     for ident in keys:
                         data = WIRE.pack(spsa.BATCH, self._tag({"w": w, "b": bytes(self.cfg.window),
-                                                                "h": bytes.fromhex(self.my_hashes[w][:16])}))
+                                                                "h": bytes.fromhex(self.book.my_hashes[w][:16])}))
                         body = msgpack.packb([1, self.topic, ident.peer_id, w + 1, self.gossip._now_ms(), data],
                                              use_bin_type=True)
                         entry[1] = [*entry[1], {"b": body, "s": ident.sign(pubsub.SIGN_DOMAIN + body)}]
-                self.log = log
+                self.book.log = log
                 try:
                     await super()._serve_log(stream)
                 finally:
-                    self.log = honest
+                    self.book.log = honest
         return AddsBatches
 
     class Sybil(spsa.SPSALoop):
@@ -640,7 +640,7 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
             while True:
                 for w in range(self.window, self.window + 3):  # the windows the run is at, as it hears them
                     self._publish(spsa.HASH, {"w": w, "h": "f" * 32})
-                self.window = max(self.windows, default=self.window)
+                self.window = max(self.book.open, default=self.window)
                 await asyncio.sleep(0.5)
 
     async def main():
@@ -713,7 +713,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
-            return sim.loop(a).counters, sim.loop(a)._initial, _finals(sim)
+            return sim.loop(a).counters, sim.loop(a).start_state.initial, _finals(sim)
 
     counters, initial, finals = run_virtual(main())
     assert len(finals) == 1 and set(initial) == set(sim.peers)

@@ -33,6 +33,8 @@ base model as peers serve it), ``start`` (the start barrier and the late path), 
 """
 
 from swarmd.protocols.gossip import Verdict  # noqa: F401  (tests read verdicts through the package)
+from swarmd.protocols.spsa.book import Window, WindowBook  # noqa: F401
+from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.audits import (  # noqa: F401
     AUDIT_REL,
     AUDIT_TOL_Q,
@@ -89,9 +91,6 @@ from swarmd.protocols.spsa.weights import (  # noqa: F401
     exact_fp32,
     perturbation,
     tensors_hash,
-)
-from swarmd.protocols.spsa.windows import (  # noqa: F401
-    Window,
 )
 from swarmd.protocols.spsa.wire import (  # noqa: F401
     _ENTRY,

@@ -42,8 +42,8 @@ class AuditsMixin:
     def _plan_audits(self, w: int, me: str) -> None:
         """Which of window w's steps we re-probe, and whose: up to ``audit_peers`` of the peers we expect in it,
         ``audit_steps`` steps each, drawn by our own secret generator."""
-        for old in [x for x in self._audit_plan if x < w]:
-            del self._audit_plan[old]
+        for old in [x for x in self.audits.plan if x < w]:
+            del self.audits.plan[old]
         if not self.per_step or not self.cfg.audit_peers:
             return
         # the peers the window will take batches from (those whose word counts and the newcomers holding its
@@ -53,29 +53,29 @@ class AuditsMixin:
                                 now=0.0, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
         peers = sorted((wait.expected | wait.slots) - {me})
         plan: dict[int, list[str]] = {}
-        for peer in self._audit_rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
-            for i in self._audit_rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
+        for peer in self.audits.rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
+            for i in self.audits.rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
                 plan.setdefault(i, []).append(peer)
-        self._audit_plan[w] = plan
+        self.audits.plan[w] = plan
 
     def _other_weights(self, w: int) -> set[str]:
         """The authors of window w's batches probed at weights other than ours; counts, per author, the windows in
         a row it did so while ours were the weights of most of the window's batches."""
-        mine = self.my_hashes[w][:16]
-        hashes = {a: _batch_hash(m) for a, m in self.applied[w].items()}
+        mine = self.book.my_hashes[w][:16]
+        hashes = {a: _batch_hash(m) for a, m in self.book.applied[w].items()}
         other = {a for a, h in hashes.items() if h != mine}
         majority = len(hashes) - len(other) > len(hashes) / 2
-        for peer in [p for p in self._off_weights if p not in other]:
-            del self._off_weights[peer]
+        for peer in [p for p in self.audits.off_weights if p not in other]:
+            del self.audits.off_weights[peer]
         for peer in other:
-            self._off_weights[peer] += int(majority)
+            self.audits.off_weights[peer] += int(majority)
         self.counters["batches_other_weights"] += len(other)
         return other
 
     def _judge_audits(self, w: int, batches: dict[str, Message]) -> set[str]:
         """The peers of window w whose bytes failed a re-probe of ours (they are convicted: refused from then on)."""
         failed = set()
-        for peer, probes in self._audits.pop(w, {}).items():
+        for peer, probes in self.audits.probes.pop(w, {}).items():
             message = batches.get(peer)
             if message is None:
                 continue  # its batch did not come: nothing to judge
@@ -91,14 +91,14 @@ class AuditsMixin:
                           f"{decode_grad(sent[i]):+.4g}, re-probing the step gives "
                           f"{(plus - minus) / (2 * self.cfg.eps):+.4g} ({len(wrong)} of {len(probes)} audited steps "
                           "wrong)")
-        for old in [x for x in self._audits if x < w]:
-            del self._audits[old]
+        for old in [x for x in self.audits.probes if x < w]:
+            del self.audits.probes[old]
         return failed
 
     def _convict(self, peer: str, w: int, why: str) -> None:
-        self.convicted[peer] = w
-        while len(self.convicted) > MAX_PEER_ENTRIES:
-            self.convicted.popitem(last=False)
+        self.audits.convicted[peer] = w
+        while len(self.audits.convicted) > MAX_PEER_ENTRIES:
+            self.audits.convicted.popitem(last=False)
         self.counters["rejected_audit"] += 1
         self._ctx.transport.penalties.penalize(peer, "invalid_message", f"{why}; its bytes are refused from now on")
 

@@ -116,31 +116,31 @@ class BaseMixin:
         fetched = await self._fetch_base(peer)
         if fetched is None:
             return False
-        self._replacing_base = True
+        self.base.replacing = True
         try:
             await asyncio.to_thread(self._take_base, *fetched, peer, "join")  # passes over the whole model
         finally:
-            self._replacing_base = False
+            self.base.replacing = False
         return True
 
     async def _fetch_base(self, peer: str) -> tuple[list[torch.Tensor], str] | None:
         """``peer``'s base model (its tensors in base_layout's order, and its hash), checked against the hash it
         announced, or None where it holds ours or serves none (see _base_from)."""
-        size = base_size(self._base_layout)
+        size = base_size(self.base.layout)
         head = None
         try:
             async with await self._ctx.transport.open_stream(peer, BASE_SPEC, timeout=10) as stream:
-                await stream.send(BASE_REQUEST.code, {"have": self.base_state_hash})
+                await stream.send(BASE_REQUEST.code, {"have": self.base.state_hash})
                 head = await asyncio.wait_for(stream.read_required(), 30)
                 if head.kind != BASE_HEAD.code:
                     raise MalformedMessage("spsa-base: the base's head expected")
-                if head.body["hash"] == self.base_state_hash:
+                if head.body["hash"] == self.base.state_hash:
                     return None
                 if head.body["size"] != size:  # before anything is allocated: a base is our own model's size
                     raise ProtocolViolation(f"spsa-base: {head.body['size']} B, our base model is {size} B")
                 if not self._ctx.direct(peer):  # a whole model's bytes never cross a relay (nor would it send them)
                     raise TransportError("it is reached through a relay only")
-                receiver = BaseReceiver(self._base_layout)
+                receiver = BaseReceiver(self.base.layout)
                 with self.work.track(f"base model pull from {peer[-8:]}", total=size, unit="B") as work:
                     while not receiver.done:
                         part = await asyncio.wait_for(stream.read_required(), 60)
@@ -159,13 +159,13 @@ class BaseMixin:
                 raise TransportError(f"its base model is not ours, and did not come: {e or type(e).__name__}") \
                     from None
             self.counters["base_ask_failed"] += 1
-            self._base_log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
+            self.base.log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
                                "keeping ours", peer, e or type(e).__name__)
             return None
         except ProtocolViolation as e:
             self.counters["base_unusable"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
-            self._base_log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
+            self.base.log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
             raise
         return receiver.tensors, digest
 
@@ -173,8 +173,8 @@ class BaseMixin:
         """How far a fetched base is from ours: the largest difference of a floating tensor relative to its largest
         magnitude in ours (outer.relative_difference), inf where another tensor (integer buffers, masks) differs."""
         apart = 0.0
-        for (_, i, t), theirs in zip(self._base_layout, tensors):
-            ours = self._base[i] if i is not None else t.detach().to("cpu")
+        for (_, i, t), theirs in zip(self.base.layout, tensors):
+            ours = self.base.tensors[i] if i is not None else t.detach().to("cpu")
             if not ours.is_floating_point():
                 if not torch.equal(ours, theirs):
                     return math.inf
@@ -187,8 +187,8 @@ class BaseMixin:
                    apart: float | None = None) -> None:
         """A peer's base model in place of ours: its perturbed parameters as our base, the rest into the model.
         ``when``: "start" (the founders' base, within rounding of ours) or "join" (the base of the log we replay)."""
-        base: list[torch.Tensor | None] = [None] * len(self._base)
-        for (_, i, _), value in zip(self._base_layout, tensors):
+        base: list[torch.Tensor | None] = [None] * len(self.base.tensors)
+        for (_, i, _), value in zip(self.base.layout, tensors):
             if i is not None:
                 base[i] = value
         if any(b is None for b in base):  # every parameter is in the state dict: not expected
@@ -196,24 +196,24 @@ class BaseMixin:
         if apart is None:
             apart = self._base_apart(tensors)
         with torch.no_grad():
-            for (_, i, t), value in zip(self._base_layout, tensors):
+            for (_, i, t), value in zip(self.base.layout, tensors):
                 if i is None:
                     t.copy_(value)  # the model's own tensor (frozen parameter or buffer): its device and dtype
-        self._base = base
-        self.base_state_hash = digest
-        self.base_hash = tensors_hash(base)
-        self.base_taken = {"source": peer, "hash": self.base_hash, "apart": apart, "when": when}
+        self.base.tensors = base
+        self.base.state_hash = digest
+        self.base.hash = tensors_hash(base)
+        self.base.taken = {"source": peer, "hash": self.base.hash, "apart": apart, "when": when}
         self.counters["bases_taken"] += 1
         logger.info("spsa: %s the base model of %s (%s; %.3g of a parameter's scale from ours: built on another CPU%s)",
-                    "starting from" if when == "start" else "replaying onto", peer, self.base_hash, apart,
+                    "starting from" if when == "start" else "replaying onto", peer, self.base.hash, apart,
                     "" if when == "start" else ", or trained another way")
 
     async def _serve_base(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
         if message.kind != BASE_REQUEST.code:
             raise MalformedMessage("spsa-base: expected a request")
-        digest, layout, base = self.base_state_hash, self._base_layout, self._base  # taking a base replaces them
-        if digest is None or self._replacing_base:
+        digest, layout, base = self.base.state_hash, self.base.layout, self.base.tensors  # taking a base replaces them
+        if digest is None or self.base.replacing:
             return  # not built yet, or being replaced: the stream ends, and the asker replays onto its own
         size = base_size(layout)
         await stream.send(BASE_HEAD.code, {"hash": digest, "size": size})
@@ -222,14 +222,14 @@ class BaseMixin:
         # the whole model's bytes: over a direct connection only (never through a relay), to one peer once in
         # BASE_SERVE_EVERY, to BASE_SERVES peers at once
         peer, now = stream.peer_id, self.clock.monotonic()
-        if not self._ctx.direct(peer) or now - self._base_served.get(peer, -math.inf) < BASE_SERVE_EVERY \
-                or self._base_serving.locked():
+        if not self._ctx.direct(peer) or now - self.base.served.get(peer, -math.inf) < BASE_SERVE_EVERY \
+                or self.base.serving.locked():
             self.counters["base_serve_refused"] += 1
-            self._base_log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
+            self.base.log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
                                "relay, served it lately, or %d others are being served)", peer, BASE_SERVES)
             return
-        rounds.keep_latest(self._base_served, peer, now, MAX_PEER_ENTRIES)
-        async with self._base_serving:
+        rounds.keep_latest(self.base.served, peer, now, MAX_PEER_ENTRIES)
+        async with self.base.serving:
             # an asker that reads slowly holds a slot: at most as long as 256 kB/s takes
             async with asyncio.timeout(30 + size / BASE_SERVE_RATE):
                 for part in base_parts(base_arrays(layout, base)):

@@ -28,15 +28,15 @@ class CheckpointsMixin:
         tensors = self._model_tensors(self.weights.model)
         for name, c in zip(self.names, self.weights.canonical):
             tensors["model." + name] = c.to(tensors["model." + name].dtype).clone()
-        log = msgpack.packb(self.log, use_bin_type=True)
+        log = msgpack.packb(self.book.log, use_bin_type=True)
         tensors["state.log"] = torch.frombuffer(bytearray(log), dtype=torch.uint8) if log else torch.zeros(0,
                                                                                                      dtype=torch.uint8)
-        if self.base_taken is not None:  # the base we replay onto is a peer's, not the one we build: kept too
-            for name, b in zip(self.names, self._base):
+        if self.base.taken is not None:  # the base we replay onto is a peer's, not the one we build: kept too
+            for name, b in zip(self.names, self.base.tensors):
                 tensors[BASE_PREFIX + name] = b.clone()
         h = self.weights.hash()
         self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final,
-                   **({"base_taken": self.base_taken} if self.base_taken is not None else {}))
+                   **({"base_taken": self.base.taken} if self.base.taken is not None else {}))
         self.counters["checkpoints_saved"] += 1
 
     def _resume_own(self) -> None:
@@ -64,10 +64,10 @@ class CheckpointsMixin:
                            self._checkpoint_path())
             self._reset_to_base()
             return
-        self.log = log
+        self.book.log = log
         self._resume_base(tensors, meta)
         for w, wires in log[-KEEP_APPLIED:]:
-            self.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
+            self.book.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
         self.final = bool(meta.get("final"))
         self.resumed = {"source": "own checkpoint", "round": self.window, "step": meta["step"], "hash": saved_hash}
@@ -82,16 +82,16 @@ class CheckpointsMixin:
         base and probes the run's model, not the ones this CPU builds."""
         taken = meta.get("base_taken")
         base = [tensors.get(BASE_PREFIX + n) for n in self.names]
-        if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self._base)):
+        if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self.base.tensors)):
             return
-        others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self._base_layout if i is None]
+        others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self.base.layout if i is None]
         if any(v is None or v.shape != t.shape or v.dtype != t.dtype for t, v in others):
             logger.warning("spsa: our checkpoint's base does not fit the model; replaying onto the one we build")
             return
         with torch.no_grad():
             for t, v in others:
                 t.copy_(v)
-        self._base = [b.to(torch.float32) for b in base]
-        self.base_hash = tensors_hash(self._base)
-        self.base_state_hash = base_digest(base_arrays(self._base_layout, self._base))
-        self.base_taken = taken
+        self.base.tensors = [b.to(torch.float32) for b in base]
+        self.base.hash = tensors_hash(self.base.tensors)
+        self.base.state_hash = base_digest(base_arrays(self.base.layout, self.base.tensors))
+        self.base.taken = taken

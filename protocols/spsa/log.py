@@ -127,23 +127,22 @@ class LogMixin:
 
     def _reset_to_base(self) -> None:
         """Back to the base weights with an empty log (before replaying a peer's log)."""
-        for c, b in zip(self.weights.canonical, self._base):
+        for c, b in zip(self.weights.canonical, self.base.tensors):
             c.copy_(b)
         self.weights._load(None, 0.0)
-        self.applied.clear()
-        self.log.clear()
-        self._audits.clear()
-        self._audit_plan.clear()
+        self.book.reset()
+        self.audits.probes.clear()
+        self.audits.plan.clear()
         self.window = 0
         self.final = False
 
     async def _resync(self) -> None:
         """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
-        peers, self._resync_from = self._resync_from, []
+        peers, self.resyncs.resync_from = self.resyncs.resync_from, []
         # then the other counting peers we reach directly: the majority's holders may be out of our reach, and a
         # log that is not the majority's is found out at the next hash check
         me = self._ctx.identity.peer_id
-        peers += sorted(p for p in self.standing.counting(set(self.applied.get(self.window - 1, {})) - {me})
+        peers += sorted(p for p in self.standing.counting(set(self.book.applied.get(self.window - 1, {})) - {me})
                         if self._ctx.direct(p) and p not in peers)
         closed = self.window  # windows 0 .. closed - 1: a log that stops short of them would lose the last ones
         self._reset_to_base()
@@ -180,7 +179,7 @@ class LogMixin:
                         self.counters["log_inconsistent"] += 1
                         replayed = None
                         raise ValueError("its windows do not lead to the weights the others said they held there")
-                    self._replayed_from = peer_id
+                    self.resyncs.replayed_from = peer_id
                     break
                 except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                     logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
@@ -198,10 +197,10 @@ class LogMixin:
             # who counts, as the log's windows say: the others' view, our own place included (a peer that was cut
             # off and missed their windows is a newcomer to them, and must see itself as one, or it would take its
             # own batches where they do not)
-            self.standing.rebuild(self._initial, replayed)
+            self.standing.rebuild(self.start_state.initial, replayed)
         else:
             # contribute two windows after the live one, and say so now, so everyone expects us from then on
-            self.join_at = next_fresh_round(max(self.window, max(self.windows, default=self.window)) + 2)
+            self.join_at = next_fresh_round(max(self.window, max(self.book.open, default=self.window)) + 2)
             self._publish(JOIN, {"w": self.join_at, "join": True})
             # the peers we replayed on, and the authors of the log's window before its last where the log leads to
             # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
@@ -211,9 +210,9 @@ class LogMixin:
             # a bootstrap peer the user chose, or the others said nothing of that window: we started after it),
             # the authors of its last two windows: without them we would not wait for the peers the
             # others wait for, and close windows without them
-            windows = sorted(self.applied)
-            before_last = set(self.applied[windows[-2]]) if len(windows) >= 2 else set()
-            listed = set(self.applied[windows[-1]]) | before_last if windows else set()
+            windows = sorted(self.book.applied)
+            before_last = set(self.book.applied[windows[-2]]) if len(windows) >= 2 else set()
+            listed = set(self.book.applied[windows[-1]]) | before_last if windows else set()
             confirmed = before_last if leads else listed
             self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
             self.standing.found(trusted | confirmed)
@@ -228,10 +227,10 @@ class LogMixin:
         reached us): its windows' batches are each signed by their author, but which ones a window holds is its
         server's word alone, and a batch added or left out moves the weights. None where none of them said
         anything of that window (nothing to tell by)."""
-        last = max(self.applied, default=None)
-        said = {a: _batch_hash(m)[:16] for a, m in self.applied.get(last, {}).items() if a in peers}
+        last = max(self.book.applied, default=None)
+        said = {a: _batch_hash(m)[:16] for a, m in self.book.applied.get(last, {}).items() if a in peers}
         if not said:  # none of theirs in the log's last window (left out?): what they said there, as it reached us
-            live = self.hashes.get(last, {})
+            live = self.book.hashes.get(last, {})
             said = {p: live[p] for p in peers if p in live}
         if not said:
             return None
@@ -252,9 +251,9 @@ class LogMixin:
         if not kept:
             self._reset_to_base()
         for w, batches in verified:
-            self.applied[w] = batches
+            self.book.applied[w] = batches
             if w >= kept:
-                self.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
+                self.book.log.append([w, [m.wire() for _, m in sorted(batches.items())]])
         contributors = log_contributors(verified, self._screen)
         self.window = len(entries)
         start, todo = max(0, kept - 1), max(0, len(entries) - 1)
@@ -270,16 +269,16 @@ class LogMixin:
 
     def _kept_prefix(self, entries: list) -> int:
         """How many windows of our own log the served log begins with, byte for byte (0: none, or it differs)."""
-        ours = len(self.log)
+        ours = len(self.book.log)
         if not ours or ours > len(entries):
             return 0
-        packed = msgpack.packb(self.log, use_bin_type=True)
+        packed = msgpack.packb(self.book.log, use_bin_type=True)
         return ours if msgpack.packb(entries[:ours], use_bin_type=True) == packed else 0
 
     async def _serve_log(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
         if message.kind != LOG_REQUEST.code:
             raise MalformedMessage("spsa-log: expected a request")
-        log = list(self.log)  # as it is now: a log only grows, but a resync may start it again meanwhile
+        log = list(self.book.log)  # as it is now: a log only grows, but a resync may start it again meanwhile
         for first, windows, more in log_parts(log):
             await stream.send(LOG_PART.code, {"w": first, "windows": windows, "more": more})

@@ -9,11 +9,9 @@ import logging
 import math
 import random
 
-import torch
 from swarmd.node.services import NodeContext
-from swarmd.protocols import rounds
 from swarmd.protocols import task as tasks
-from swarmd.protocols.gossip import Gossip, Message
+from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.spsa.audits import AuditsMixin
 from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
 from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
@@ -23,11 +21,12 @@ from swarmd.protocols.spsa.log import LogMixin
 from swarmd.protocols.spsa.start import StartMixin
 from swarmd.protocols.spsa.validate import ValidateMixin
 from swarmd.protocols.spsa.weights import Weights, base_digest
-from swarmd.protocols.spsa.windows import Window, WindowsMixin
-from swarmd.protocols.spsa.wire import BASE_SERVES, BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
+from swarmd.protocols.spsa.book import WindowBook
+from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
+from swarmd.protocols.spsa.windows import WindowsMixin
+from swarmd.protocols.spsa.wire import BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
 from swarmd.protocols.task import Task, TaskError
 from swarmd.protocols.taskloop import TaskLoop
-from swarmd.transport.penalties import RateLimitedLog
 
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
 
@@ -52,59 +51,29 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.cfg = config
         self._init_task(task)
         self.topic = f"spsa/{config.run}"
-        self.windows: dict[int, Window] = collections.defaultdict(Window)
-        self.applied: dict[int, dict[str, Message]] = {}  # closed windows: author -> batch
-        self.log: list[list] = []  # closed windows in order: [window, [signed batch, ...]] (possibly empty)
-        self.hashes: dict[int, dict[str, str]] = collections.defaultdict(dict)  # window -> author -> hash
-        self.my_hashes: dict[int, str] = {}
+        self.book = WindowBook()  # what we keep of each window, and for how long
+        self.base, self.start_state = Base(logger), Start()
+        self.resyncs, self.audits = Resyncs(), Audits()
         self.counters: collections.Counter = collections.Counter()
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
         self.weights: Weights | None = None
-        self.base_hash: str | None = None
-        self._base: list[torch.Tensor] = []  # the base's perturbed parameters (canonical float32)
-        self._base_layout: list = []  # the model's state dict as a base is served (base_layout)
-        self.base_state_hash: str | None = None  # of the whole base as served (base_digest)
-        self.base_taken: dict | None = None  # the base we replay onto, where a peer's replaced ours (/status)
-        self._base_serving = asyncio.Semaphore(BASE_SERVES)
-        self._base_served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
-        self._base_log = RateLimitedLog(logger, interval=30.0)
-        self._replacing_base = False  # a peer's base is being taken in place of ours (none is served meanwhile)
-        self._start_bases = rounds.StartWeights()  # whose base we asked for at the start, and how many asks left
         self.final = False  # every window applied (the run ended)
-        self._start_hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.final_hash: str | None = None
         self.replay_seconds: float | None = None
         self._sent_up_to = -1  # the last window we published a batch for
         self.state = "starting"
         self._ctx: NodeContext | None = None
         self._arrived = asyncio.Event()
-        self._initial: set[str] = set()
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
-        self.ready: dict[str, str] = {}  # peer -> base model hash it announced
-        # "ready"s from authors our connection list does not show as direct yet (it lags our links, and a peer stops
-        # announcing once it starts): counted once they are, the newest READY_UNLISTED kept
-        self._ready_unlisted: dict[str, str] = {}
-        self._resync_from: list[str] = []
-        self._replayed_from: str | None = None  # the peer whose base and log we replayed last
-        # the peers whose base and log we had replayed when our weights left the majority's (the latest
-        # MAX_PEER_ENTRIES): a resync asks them after the others
-        self._led_off: dict[str, None] = {}
-        self._screened: dict[int, tuple] = {}  # window -> (its batches, (peers refused as out of scale, cap))
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
-        self._audit_plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
-        self._audits: dict[int, dict[str, list]] = {}  # window -> peer -> [(step in window, L+, L-)] re-probed
-        self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
-        self._off_weights: collections.Counter = collections.Counter()  # peer -> windows in a row off ours (the
-        # majority's)
-        self._audit_rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps
 
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
         # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
         # from a signature of ours (deterministic, secret)
-        self._audit_rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
+        self.audits.rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
         self._init_standing(ctx)
         self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
@@ -137,7 +106,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.per_step
                                                 else "data"}, perturbed)
         self.names = names
-        self._base_layout = base_layout(model, [p for _, p in perturbed])
+        self.base.layout = base_layout(model, [p for _, p in perturbed])
         self.weights = Weights(model, [p for _, p in perturbed],
                                loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
                                                                                                     self.device)))
@@ -155,9 +124,10 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.state = "building base model"
         with self.work.track("base model build"):
             await asyncio.to_thread(self._build)
-        self.base_hash = self.weights.hash()
-        self._base = [c.clone() for c in self.weights.canonical]
-        self.base_state_hash = await asyncio.to_thread(lambda: base_digest(base_arrays(self._base_layout, self._base)))
+        self.base.hash = self.weights.hash()
+        self.base.tensors = [c.clone() for c in self.weights.canonical]
+        self.base.state_hash = await asyncio.to_thread(
+            lambda: base_digest(base_arrays(self.base.layout, self.base.tensors)))
         self._resume_own()
         total = self._total()
         if self.window < total:
@@ -172,11 +142,11 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
                 g = await asyncio.to_thread(self._step, w, i, contribute, me)  # never on the event loop
                 if contribute:
                     codes.append(self._code(g, w * self.cfg.window + i))
-            self.my_hashes[w] = self.weights.hash()  # windows < w applied
+            self.book.my_hashes[w] = self.weights.hash()  # windows < w applied
             if contribute:
-                self._publish(BATCH, {"w": w, "b": bytes(codes), "h": bytes.fromhex(self.my_hashes[w][:16])})
+                self._publish(BATCH, {"w": w, "b": bytes(codes), "h": bytes.fromhex(self.book.my_hashes[w][:16])})
             elif w % self.cfg.hash_every == 0:
-                self._publish(HASH, {"w": w, "h": self.my_hashes[w]})
+                self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
             if w % self.cfg.eval_every == 0:
                 loss = await asyncio.to_thread(self._evaluate)
                 if loss is not None:
@@ -188,7 +158,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
             self.window = w + 1
             if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
                 await asyncio.to_thread(self._save_checkpoint, False)
-            if self._resync_from:
+            if self.resyncs.resync_from:
                 await self._resync()
         if not self.final:
             last = self.window - 1
@@ -213,9 +183,9 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         step = w * self.cfg.window + i
         if w > 0:
             self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
-        for peer in self._audit_plan.get(w, {}).get(i, ()):  # the same weights its probe of this step had
+        for peer in self.audits.plan.get(w, {}).get(i, ()):  # the same weights its probe of this step had
             losses = self.weights.losses(self._batch(peer, step), step_seed(self.cfg.run, step, peer), self.cfg.eps)
-            self._audits.setdefault(w, {}).setdefault(peer, []).append((i, *losses))
+            self.audits.probes.setdefault(w, {}).setdefault(peer, []).append((i, *losses))
         if not contribute:
             return None
         return self.weights.probe(self._batch(me, step), step_seed(self.cfg.run, step, me), self.cfg.eps)
@@ -246,18 +216,19 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
             **self._task_status(),
             "window": self.window,
             "step": self.window * self.cfg.window,
-            "participants": len(self.applied.get(self.window - 1, {})),
+            "participants": len(self.book.applied.get(self.window - 1, {})),
             "weights_hash": self.final_hash or (self.weights.hash() if self.weights is not None else None),
             "final_hash": self.final_hash,
-            "base_hash": self.base_hash,
-            "base_taken": self.base_taken,
-            "base_bytes": base_size(self._base_layout),  # what a peer that takes our base pulls
+            "base_hash": self.base.hash,
+            "base_taken": self.base.taken,
+            "base_bytes": base_size(self.base.layout),  # what a peer that takes our base pulls
             "losses": list(self.losses)[-40:],
-            "log_windows": len(self.log),
+            "log_windows": len(self.book.log),
             "replay_seconds": self.replay_seconds,
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
             "audits": self._audit_state(),
-            "convicted": dict(list(self.convicted.items())[-64:]),  # peer -> the window its bytes failed an audit
+            # peer -> the window its bytes failed an audit
+            "convicted": dict(list(self.audits.convicted.items())[-64:]),
             **dict(sorted(self.counters.items())),
         }
 

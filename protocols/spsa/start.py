@@ -22,7 +22,7 @@ class StartMixin:
         us, replay the log and join two windows ahead."""
         me = self._ctx.identity.peer_id
         self.state = "waiting for peers"
-        self._start_hash = start = self.weights.hash()
+        self.start_state.hash = start = self.weights.hash()
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         since = None  # when we first saw a ready peer with another base
         while True:
@@ -35,30 +35,31 @@ class StartMixin:
                 # first window we have not sent a batch for
                 if await self._replay_from(ahead, rejoin=self._sent_up_to >= 0):
                     return
-                for window in self.windows.values():  # none served: do not follow them again at once
+                for window in self.book.open.values():  # none served: do not follow them again at once
                     for a in ahead:
                         window.batches.pop(a, None)
                 self.state = "waiting for peers"
             target = self._start_choice(start)
             if target is not None and await self._take_start_base(target):
-                self._start_hash = start = self.weights.hash()
+                self.start_state.hash = start = self.weights.hash()
                 self._publish(READY, {"w": self.window, "ready": start})  # at once: our new base
                 continue
-            rounds.count_listed(self.ready, self._ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
-            ready = {p for p, h in self.ready.items() if h == start and self._ctx.direct(p)} | {me}
+            rounds.count_listed(self.start_state.ready, self.start_state.ready_unlisted, self._ctx.direct,
+                                MAX_PEER_ENTRIES)
+            ready = {p for p, h in self.start_state.ready.items() if h == start and self._ctx.direct(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
-                self._initial = ready
+                self.start_state.initial = ready
                 self.standing.found(ready)
-                self.ready.clear()
-                self._ready_unlisted.clear()
+                self.start_state.ready.clear()
+                self.start_state.ready_unlisted.clear()
                 self.state = "running"
                 return
-            if self.ready and any(h != start for h in self.ready.values()):
-                self.counters["base_mismatch_peers"] = others = sum(h != start for h in self.ready.values())
+            if self.start_state.ready and any(h != start for h in self.start_state.ready.values()):
+                self.counters["base_mismatch_peers"] = others = sum(h != start for h in self.start_state.ready.values())
                 since = since if since is not None else self.clock.monotonic()
                 if self.clock.monotonic() - since > MISMATCH_SAID_AFTER:  # (a base within rounding is taken at once)
-                    self._base_log.log(logging.WARNING, "mismatch", "spsa: waiting for peers: %d ready peer(s) hold "
+                    self.base.log.log(logging.WARNING, "mismatch", "spsa: waiting for peers: %d ready peer(s) hold "
                                        "another base model than ours (%d with ours, min_peers = %d). A base within "
                                        "rounding of ours is taken at the start; one further apart (pretrained on "
                                        "another CPU) is not, and its peer joins once the run has begun", others,
@@ -72,9 +73,10 @@ class StartMixin:
         scalar ones, an ARM CPU's): without this such peers never founded a run together. Only at window 0, from the
         base (not from a checkpoint of a later window); see _take_start_base for what is taken. Holders are asked
         a bounded number of times (rounds.StartWeights): hashes a flood of fresh keys announce cost a few asks."""
-        if self.window or self.log:
+        if self.window or self.book.log:
             return None
-        return self._start_bases.choice(start, {a: h for a, h in self.ready.items() if self._ctx.direct(a)})
+        ready = self.start_state.ready
+        return self.start_state.bases.choice(start, {a: h for a, h in ready.items() if self._ctx.direct(a)})
 
     async def _take_start_base(self, target: str) -> bool:
         """Take a holder's base of hash ``target`` if each of its tensors is within rounding of ours (outer.ROUNDING
@@ -82,39 +84,39 @@ class StartMixin:
         weights of its choosing. Beyond that (a base pretrained on each peer: its steps carry the rounding far) it is
         refused, without a penalty: we wait, or join the run once it has begun, onto its log server's base. A holder
         is asked once."""
-        direct = {a: h for a, h in self.ready.items() if self._ctx.direct(a)}
-        for peer in self._start_bases.holders(target, direct):
-            if not self._start_bases.ask(peer, target):  # asked once, whatever comes of it; a bounded number
+        direct = {a: h for a, h in self.start_state.ready.items() if self._ctx.direct(a)}
+        for peer in self.start_state.bases.holders(target, direct):
+            if not self.start_state.bases.ask(peer, target):  # asked once, whatever comes of it; a bounded number
                 break
             try:
                 fetched = await self._fetch_base(peer)
                 if fetched is None:
                     raise ValueError("it served no base")
                 tensors, digest = fetched
-                perturbed = {i: t for (_, i, _), t in zip(self._base_layout, tensors) if i is not None}
+                perturbed = {i: t for (_, i, _), t in zip(self.base.layout, tensors) if i is not None}
                 if tensors_hash([perturbed[i] for i in sorted(perturbed)]) != target:
                     raise ValueError("not the base it said it was ready with")  # it may have taken another since
                 apart = await asyncio.to_thread(self._base_apart, tensors)
             except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                 if not isinstance(e, ProtocolViolation):  # (counted and penalised where it was found)
                     self.counters["base_unusable"] += 1
-                self._base_log.log(logging.WARNING, ("start", peer), "spsa: the base model of %s unusable: %s",
+                self.base.log.log(logging.WARNING, ("start", peer), "spsa: the base model of %s unusable: %s",
                                    peer, e)
                 continue
             if apart > outer.ROUNDING:
                 self.counters["base_refused"] += 1
-                self._base_log.log(logging.WARNING, ("far", peer), "spsa: not starting from the base model of %s: "
+                self.base.log.log(logging.WARNING, ("far", peer), "spsa: not starting from the base model of %s: "
                                    "%.3g of a parameter's scale from ours (another CPU's rounding is below %g; a "
                                    "model() that trains carries it further): we start with the peers that hold ours, "
                                    "or join the run once it has begun", peer, apart, outer.ROUNDING)
                 continue
-            self._replacing_base = True
+            self.base.replacing = True
             try:
                 await asyncio.to_thread(self._take_base, tensors, digest, peer, "start", apart)
                 self._reset_to_base()
             finally:
-                self._replacing_base = False
-            self._start_bases.taken(peer)
+                self.base.replacing = False
+            self.start_state.bases.taken(peer)
             return True
         return False
 
@@ -123,9 +125,9 @@ class StartMixin:
         whose word counts, or else from two directly connected peers (a key that is not connected to us, or one
         connected outsider alone, cannot send us down the late path). Empty: it has not."""
         counting, direct = set(), set()
-        for w in list(self.windows):
+        for w in list(self.book.open):
             if w > self.window:
-                authors = set(self.windows[w].batches) - {self._ctx.identity.peer_id}
+                authors = set(self.book.open[w].batches) - {self._ctx.identity.peer_id}
                 counting |= self.standing.counting(authors)
                 direct |= {a for a in authors if self._ctx.direct(a)}
         if counting:

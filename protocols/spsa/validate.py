@@ -35,28 +35,29 @@ class ValidateMixin:
             # penalise honest peers and leave us without the windows we need to catch up (the backlog is bounded)
             self.counters["rejected_future"] += 1
             return Verdict.REJECT
-        if len(self.windows) > 256 and w not in self.windows:
+        if len(self.book.open) > 256 and w not in self.book.open:
             self.counters["ignored_backlog"] += 1
             return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
         # a message that says again what its author said already (new gossip id, same content) is taken but not
         # forwarded: honest peers say each thing once (a ready is repeated only to direct peers, which keep it),
         # and 100 fresh keys repeating their junk every second would have every honest node verify and relay it again
         if kind is HASH:
-            if self.hashes.get(w, {}).get(author) == body["h"][:16]:
+            if self.book.hashes.get(w, {}).get(author) == body["h"][:16]:
                 return self._repeated()
             self._vote(w, author, body["h"][:16])
             return Verdict.ACCEPT
         if kind is READY:
-            if self.ready.get(author) == body["ready"]:
+            if self.start_state.ready.get(author) == body["ready"]:
                 return self._repeated()
             # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
             # one not listed as direct yet waits for our next look at the list (the start barrier's count)
             if self.state != "running":
-                rounds.hear_ready(self.ready, self._ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                start = self.start_state
+                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
                                   MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
         if kind is JOIN:
-            joins = self.windows[w].joins
+            joins = self.book.open[w].joins
             if author in joins:
                 return self._repeated()
             if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
@@ -68,14 +69,14 @@ class ValidateMixin:
         if max(b & 0x7F for b in body["b"]) > self._max_code:
             self.counters["rejected_out_of_range"] += 1
             return Verdict.REJECT  # a projected gradient beyond the run's clip
-        if self._closed(w):
+        if self.book.closed(w):
             # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
             self.counters["late"] += 1
             self._record_late(w, author)
             self._ctx.transport.penalties.penalize(message.received_from or message.author, "stale",
                                                    "spsa batch for a closed window")
             return Verdict.IGNORE
-        batches = self.windows[w].batches
+        batches = self.book.open[w].batches
         existing = batches.get(author)
         if existing is not None and existing.data != message.data:
             self.counters["equivocation"] += 1
@@ -96,6 +97,6 @@ class ValidateMixin:
 
     def _vote(self, w: int, author: str, h: str) -> None:
         """A peer's weights hash for window w (the first 16 hex digits): its vote in the hash check."""
-        hashes = self.hashes[w]
+        hashes = self.book.hashes[w]
         if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
             hashes[author] = h

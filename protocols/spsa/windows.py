@@ -4,24 +4,16 @@ check."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
 
 import msgpack
 from swarmd.protocols import rounds
-from swarmd.protocols.gossip import Message
 from swarmd.protocols.spsa.audits import OFF_WEIGHTS_LIMIT
 from swarmd.protocols.spsa.codes import capped, screen_window
-from swarmd.protocols.spsa.wire import JOIN, KEEP_APPLIED, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
+from swarmd.protocols.spsa.wire import JOIN, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
 from swarmd.protocols.standing import fresh_round
 from swarmd.transport.wire import WIRE
 
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
-
-
-@dataclass
-class Window:
-    batches: dict[str, Message] = field(default_factory=dict)  # author -> signed batch
-    joins: set[str] = field(default_factory=set)  # peers that announced they start contributing at this window
 
 
 class WindowsMixin:
@@ -37,15 +29,15 @@ class WindowsMixin:
         self.counters[f"{kind}_messages"] += 1
         self.counters[f"{kind}_wire_bytes"] += wire
         if "b" in body:
-            self.windows[body["w"]].batches[self._ctx.identity.peer_id] = self.gossip.cache[mid]
+            self.book.open[body["w"]].batches[self._ctx.identity.peer_id] = self.gossip.cache[mid]
             self._sent_up_to = max(self._sent_up_to, body["w"])
         if "join" in body:
-            self.windows[body["w"]].joins.add(self._ctx.identity.peer_id)
+            self.book.open[body["w"]].joins.add(self._ctx.identity.peer_id)
 
     async def _close_window(self, w: int) -> None:
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
         everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
-        window = self.windows[w]
+        window = self.book.open[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
         # fresh key that joined and went quiet would stall every fresh window by the deadline). Our own batch is in
@@ -58,73 +50,63 @@ class WindowsMixin:
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
-        self.applied[w] = {a: m for a, m in window.batches.items()
-                           if (a in expected or a in slots) and a not in self.convicted}
+        self.book.applied[w] = {a: m for a, m in window.batches.items()
+                           if (a in expected or a in slots) and a not in self.audits.convicted}
         # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
         # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
         # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
         # other weights so as not to be audited, and is convicted
         other = self._other_weights(w)
-        audited = self._judge_audits(w, {a: m for a, m in self.applied[w].items() if a not in other})
-        for peer in sorted(a for a in other if self._off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
-            self._convict(peer, w, f"spsa window {w}: {self._off_weights[peer]} windows in a row probed at weights "
-                          "other than the majority's, without resyncing")
+        audited = self._judge_audits(w, {a: m for a, m in self.book.applied[w].items() if a not in other})
+        for peer in sorted(a for a in other if self.audits.off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
+            self._convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed at "
+                          "weights other than the majority's, without resyncing")
             audited.add(peer)
         for peer in audited:  # out of the window, like a batch that never came (not in our log either)
-            del self.applied[w][peer]
-        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.applied[w].items()})
+            del self.book.applied[w][peer]
+        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.book.applied[w].items()})
         for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
             self.counters["rejected_extreme"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message",
                                                    f"spsa window {w}: gradients out of scale with the others'")
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
-                           participants=set(self.applied[w]) - extreme, missing=waited - set(window.batches),
+                           participants=set(self.book.applied[w]) - extreme, missing=waited - set(window.batches),
                            rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
-        self.standing.record(set(self.applied[w]) - extreme)
-        for old in [x for x in self.hashes if x < w - 2 * self.cfg.hash_every]:
-            del self.hashes[old]
-        for old in [x for x in self.my_hashes if x < w - 2 * self.cfg.hash_every]:
-            del self.my_hashes[old]
-        self.counters["unexpected_batches"] += len(window.batches) - len(self.applied[w])
+        self.standing.record(set(self.book.applied[w]) - extreme)
+        self.counters["unexpected_batches"] += len(window.batches) - len(self.book.applied[w])
         me = self._ctx.identity.peer_id
-        if me in window.batches and me not in self.applied[w]:
+        if me in window.batches and me not in self.book.applied[w]:
             # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
             # expecting us; standing judges us as them): ask to be expected again, two windows on
             self.counters["joins_repeated"] += 1
             self._publish(JOIN, {"w": w + 2, "join": True})
-        self.log.append([w, [m.wire() for _, m in sorted(self.applied[w].items())]])
-        self.windows.pop(w, None)
-        for old in [x for x in self.applied if x < w - KEEP_APPLIED]:  # a run without end would keep
-            del self.applied[old]  # every window's decoded batches: memory growing with the run, beside the log
+        self.book.log.append([w, [m.wire() for _, m in sorted(self.book.applied[w].items())]])
+        self.book.close(w, self.cfg.hash_every)
 
     def _expected(self, w: int) -> set[str]:
-        joins = self.windows[w].joins - set(self.convicted)
+        joins = self.book.open[w].joins - set(self.audits.convicted)
         if w == 0:
-            return set(self._initial) | joins
-        return set(self.applied.get(w - 1, {})) | joins
-
-    def _closed(self, w: int) -> bool:
-        """Window w is closed here (``applied`` keeps the last few closed windows, contiguous)."""
-        return w in self.applied or (bool(self.applied) and w < min(self.applied))
+            return set(self.start_state.initial) | joins
+        return set(self.book.applied.get(w - 1, {})) | joins
 
     def _bytes_for(self, w: int, i: int) -> dict[str, int]:
         """Step i of window w: every applied peer's byte, capped, less the peers whose bytes are out of scale."""
-        batches = {author: _batch_bytes(m) for author, m in self.applied.get(w, {}).items()}
+        batches = {author: _batch_bytes(m) for author, m in self.book.applied.get(w, {}).items()}
         out, cap = self._screen(w, batches)
         return {author: capped(b[i], cap) for author, b in batches.items() if author not in out}
 
     def _screen(self, w: int, batches: dict[str, bytes]) -> tuple[set[str], int]:
         """screen_window, computed once per window's set of batches (a resync may replace a window's batches)."""
         key = tuple(sorted(batches.items()))
-        hit = self._screened.get(w)
+        hit = self.book.screened.get(w)
         if hit is None or hit[0] != key:
-            self._screened[w] = (key, screen_window(batches))
-            for old in [x for x in self._screened if x < w - 2 or x > w + 2]:
-                del self._screened[old]
-        return self._screened[w][1]
+            self.book.screened[w] = (key, screen_window(batches))
+            for old in [x for x in self.book.screened if x < w - 2 or x > w + 2]:
+                del self.book.screened[old]
+        return self.book.screened[w][1]
 
     def _check_hashes(self, w: int) -> None:
-        verdict = rounds.hash_verdict(self.my_hashes[w][:16], self.hashes.get(w, {}), self.standing.vouched,
+        verdict = rounds.hash_verdict(self.book.my_hashes[w][:16], self.book.hashes.get(w, {}), self.standing.vouched,
                                       me=self._ctx.identity.peer_id, salt=f"{self.cfg.run}/{w}")
         if verdict is not None and not verdict.agrees:
             self.counters["diverged"] += 1
@@ -136,6 +118,7 @@ class WindowsMixin:
             # penalty, an honest peer a moment off the run serves that too). Asked first again, as the smallest id
             # among the holders, one could send us round for the whole run; with only the last of them put last,
             # two could take turns
-            if self._replayed_from is not None:
-                rounds.keep_latest(self._led_off, self._replayed_from, None, MAX_PEER_ENTRIES)
-            self._resync_from = sorted(verdict.holders, key=lambda a: (a in self._led_off, not self._ctx.direct(a)))
+            if self.resyncs.replayed_from is not None:
+                rounds.keep_latest(self.resyncs.led_off, self.resyncs.replayed_from, None, MAX_PEER_ENTRIES)
+            self.resyncs.resync_from = sorted(verdict.holders,
+                                              key=lambda a: (a in self.resyncs.led_off, not self._ctx.direct(a)))
