@@ -213,6 +213,9 @@ class BaseMixin:
         if message.kind != BASE_REQUEST.code:
             raise MalformedMessage("spsa-base: expected a request")
         digest, layout, base = self.base.state_hash, self.base.layout, self.base.tensors  # taking a base replaces them
+        if self.faults:  # a test's: a slow server, or a base other than ours (its hash, its tensors)
+            await self.faults.enter("serve-base", self, source=stream.peer_id)
+            digest, base = self.faults.altered("serve-base", self, (digest, base), source=stream.peer_id)
         if digest is None or self.base.replacing:
             return  # not built yet, or being replaced: the stream ends, and the asker replays onto its own
         size = base_size(layout)

@@ -280,5 +280,7 @@ class LogMixin:
         if message.kind != LOG_REQUEST.code:
             raise MalformedMessage("spsa-log: expected a request")
         log = list(self.book.log)  # as it is now: a log only grows, but a resync may start it again meanwhile
+        if self.faults:  # a log a test has us serve otherwise
+            log = self.faults.altered("serve-log", self, log, source=stream.peer_id)
         for first, windows, more in log_parts(log):
             await stream.send(LOG_PART.code, {"w": first, "windows": windows, "more": more})

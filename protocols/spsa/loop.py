@@ -11,6 +11,7 @@ import random
 
 from swarmd.node.services import NodeContext
 from swarmd.protocols import task as tasks
+from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.spsa.audits import AuditsMixin
 from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
@@ -68,6 +69,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self._arrived = asyncio.Event()
         self._max_code = encode_grad(config.clip, config.clip) & 0x7F
         self.per_step = False  # the task draws batches by step (batch_at): audits possible
+        self.faults = FaultPlan()  # a test's faults by peer, window and phase (none in production)
 
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
@@ -197,9 +199,14 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
 
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):
-            return encode_grad(g, self.cfg.clip)
-        self._nonfinite("the loss", f"is not finite at step {step}; sending the smallest step instead of a gradient")
-        return 0
+            code = encode_grad(g, self.cfg.clip)
+        else:
+            self._nonfinite("the loss", f"is not finite at step {step}; sending the smallest step instead of a "
+                            "gradient")
+            code = 0
+        if self.faults:  # a test's Byzantine byte
+            code = self.faults.altered("code", self, code, r=step // self.cfg.window, info={"step": step})
+        return code
 
     async def _report_progress(self, loss: float) -> None:
         """Our progress into the replicated state (the CRDT's per-peer progress register)."""

@@ -29,6 +29,8 @@ class StartMixin:
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"w": self.window, "ready": start})
             ahead = self._run_started_without_us()
+            if self.faults:  # the peers a test has us replay from, in its order
+                ahead = self.faults.altered("replay-from", self, ahead)
             if ahead:
                 # replayed on top of our own checkpoint where the served log begins with our log, else from the
                 # base; a restart of this loop (it crashed) while the others still count us: back at once, from the

@@ -21,6 +21,8 @@ class ValidateMixin:
         except UnknownKind:
             self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
             return Verdict.IGNORE
+        if self.faults and self.faults.drops("message", self, r=body.get("w"), source=message.author, kind=kind):
+            return Verdict.IGNORE
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward

@@ -20,6 +20,8 @@ class WindowsMixin:
     """SPSALoop's windows: publishing, closing, applying, the hash check."""
 
     def _publish(self, kind, body: dict) -> None:
+        if self.faults:  # a message a test has us say otherwise
+            body = self.faults.altered("publish", self, body, r=body["w"], kind=kind)
         payload = WIRE.pack(kind, self._tag(body))
         mid = self.gossip.publish(self.topic, payload)
         # what went on the wire for it: the signed message, framed (counted once, as its author sends it);
