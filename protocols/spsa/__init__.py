@@ -33,8 +33,6 @@ base model as peers serve it), ``start`` (the start barrier and the late path), 
 """
 
 from swarmd.protocols.gossip import Verdict  # noqa: F401  (tests read verdicts through the package)
-from swarmd.protocols.spsa.book import Window, WindowBook  # noqa: F401
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.audits import (  # noqa: F401
     AUDIT_REL,
     AUDIT_TOL_Q,
@@ -48,6 +46,7 @@ from swarmd.protocols.spsa.base import (  # noqa: F401
     base_parts,
     base_size,
 )
+from swarmd.protocols.spsa.book import Window, WindowBook  # noqa: F401
 from swarmd.protocols.spsa.checkpoints import (  # noqa: F401
     BASE_PREFIX,
 )
@@ -78,6 +77,7 @@ from swarmd.protocols.spsa.loop import (  # noqa: F401
 from swarmd.protocols.spsa.start import (  # noqa: F401
     MISMATCH_SAID_AFTER,
 )
+from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.weights import (  # noqa: F401
     DRAW_CHUNK,
     NORMAL_TABLE,

@@ -58,11 +58,11 @@ class AuditsMixin:
                 plan.setdefault(i, []).append(peer)
         self.audits.plan[w] = plan
 
-    def _other_weights(self, w: int) -> set[str]:
-        """The authors of window w's batches probed at weights other than ours; counts, per author, the windows in
-        a row it did so while ours were the weights of most of the window's batches."""
+    def _other_weights(self, w: int, batches: dict[str, Message]) -> set[str]:
+        """The authors of window w's ``batches`` probed at weights other than ours; counts, per author, the windows
+        in a row it did so while ours were the weights of most of the window's batches."""
         mine = self.book.my_hashes[w][:16]
-        hashes = {a: _batch_hash(m) for a, m in self.book.applied[w].items()}
+        hashes = {a: _batch_hash(m) for a, m in batches.items()}
         other = {a for a, h in hashes.items() if h != mine}
         majority = len(hashes) - len(other) > len(hashes) / 2
         for peer in [p for p in self.audits.off_weights if p not in other]:

@@ -9,6 +9,7 @@ import math
 from collections.abc import Iterator
 
 import torch
+
 from swarmd.protocols import codecs, outer, rounds
 from swarmd.protocols.spsa.weights import _bytes_of, base_digest, tensors_hash
 from swarmd.protocols.spsa.wire import (

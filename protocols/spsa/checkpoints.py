@@ -7,6 +7,7 @@ import logging
 
 import msgpack
 import torch
+
 from swarmd.protocols import checkpoint
 from swarmd.protocols.gossip import decode_message
 from swarmd.protocols.spsa.base import base_arrays

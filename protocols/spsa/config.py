@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
+
 from swarmd.protocols.spsa.weights import PERTURBATION
 from swarmd.protocols.standing import check_peer_ids
 

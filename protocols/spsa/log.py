@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgpack
+
 from swarmd.protocols import rounds
 from swarmd.protocols.gossip import SIGN_DOMAIN as PUBSUB_DOMAIN
 from swarmd.protocols.gossip import Message, decode_message

@@ -15,15 +15,15 @@ from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.spsa.audits import AuditsMixin
 from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
+from swarmd.protocols.spsa.book import WindowBook
 from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
 from swarmd.protocols.spsa.codes import encode_grad, step_seed
 from swarmd.protocols.spsa.config import SpsaConfig
 from swarmd.protocols.spsa.log import LogMixin
 from swarmd.protocols.spsa.start import StartMixin
+from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
 from swarmd.protocols.spsa.validate import ValidateMixin
 from swarmd.protocols.spsa.weights import Weights, base_digest
-from swarmd.protocols.spsa.book import WindowBook
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
 from swarmd.protocols.spsa.windows import WindowsMixin
 from swarmd.protocols.spsa.wire import BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
 from swarmd.protocols.task import Task, TaskError

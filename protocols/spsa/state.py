@@ -9,6 +9,7 @@ import logging
 import random
 
 import torch
+
 from swarmd.protocols import rounds
 from swarmd.protocols.spsa.wire import BASE_SERVES
 from swarmd.transport.penalties import RateLimitedLog

@@ -9,6 +9,7 @@ import math
 import statistics
 
 import torch
+
 from swarmd.protocols.spsa.audits import AUDIT_REL
 from swarmd.protocols.spsa.codes import decode_grad, step_seed
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import msgpack
+
 from swarmd.protocols import rounds
 from swarmd.protocols.spsa.audits import OFF_WEIGHTS_LIMIT
 from swarmd.protocols.spsa.codes import capped, screen_window
@@ -52,37 +53,38 @@ class WindowsMixin:
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
             logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
-        self.book.applied[w] = {a: m for a, m in window.batches.items()
-                           if (a in expected or a in slots) and a not in self.audits.convicted}
+        # the window's batches, as we apply them (the closed window's entry in the book)
+        taken = self.book.applied[w] = {a: m for a, m in window.batches.items()
+                                        if (a in expected or a in slots) and a not in self.audits.convicted}
         # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
         # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
         # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
         # other weights so as not to be audited, and is convicted
-        other = self._other_weights(w)
-        audited = self._judge_audits(w, {a: m for a, m in self.book.applied[w].items() if a not in other})
+        other = self._other_weights(w, taken)
+        audited = self._judge_audits(w, {a: m for a, m in taken.items() if a not in other})
         for peer in sorted(a for a in other if self.audits.off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
             self._convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed at "
                           "weights other than the majority's, without resyncing")
             audited.add(peer)
         for peer in audited:  # out of the window, like a batch that never came (not in our log either)
-            del self.book.applied[w][peer]
-        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in self.book.applied[w].items()})
+            del taken[peer]
+        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in taken.items()})
         for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
             self.counters["rejected_extreme"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message",
                                                    f"spsa window {w}: gradients out of scale with the others'")
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
-                           participants=set(self.book.applied[w]) - extreme, missing=waited - set(window.batches),
+                           participants=set(taken) - extreme, missing=waited - set(window.batches),
                            rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
-        self.standing.record(set(self.book.applied[w]) - extreme)
-        self.counters["unexpected_batches"] += len(window.batches) - len(self.book.applied[w])
+        self.standing.record(set(taken) - extreme)
+        self.counters["unexpected_batches"] += len(window.batches) - len(taken)
         me = self._ctx.identity.peer_id
-        if me in window.batches and me not in self.book.applied[w]:
+        if me in window.batches and me not in taken:
             # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
             # expecting us; standing judges us as them): ask to be expected again, two windows on
             self.counters["joins_repeated"] += 1
             self._publish(JOIN, {"w": w + 2, "join": True})
-        self.book.log.append([w, [m.wire() for _, m in sorted(self.book.applied[w].items())]])
+        self.book.log.append([w, [m.wire() for _, m in sorted(taken.items())]])
         self.book.close(w, self.cfg.hash_every)
 
     def _expected(self, w: int) -> set[str]:
