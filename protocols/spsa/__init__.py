@@ -28,8 +28,9 @@ The package's modules, one concept each: ``config`` (SpsaConfig), ``wire`` (the 
 kept of them), ``codes`` (a step's byte: seeds, its code, a window's screening), ``weights`` (the perturbation and the
 canonical weights), ``windows`` (publishing, closing a window, the bytes a step applies, the hash check), ``audits``
 (re-probing the others' steps), ``log`` (serving, reading and replaying the log of signed batches), ``base`` (the
-base model as peers serve it), ``start`` (the start barrier and the late path), ``checkpoints`` (ours) and
-``validate`` (the pubsub validator); ``loop`` (SPSALoop) schedules the windows and composes them.
+base model as peers serve it), ``start`` (the start barrier and the late path), ``checkpoints`` (ours),
+``validate`` (the pubsub validator), ``book`` (what is kept per window, and for how long) and ``state`` (the
+loop's other long-lived state, by concern); ``loop`` (SPSALoop) schedules the windows and composes them.
 """
 
 from swarmd.protocols.gossip import Verdict  # noqa: F401  (tests read verdicts through the package)
