@@ -327,7 +327,7 @@ class LoopSim:
         self.dirs = {p: root / p[-12:] for p in self.peers}
         self.lives = {p: 0 for p in self.peers}
         self.classes: dict[str, type] = {}  # peer -> its loop class, where it is not the honest one
-        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo loop reads them)
+        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo and SPSA loops read them)
         self.faults = FaultPlan()
         self.nodes: dict[str, SimNode] = {}
         self.kills = self.restarts = 0
@@ -447,7 +447,9 @@ class SpsaSim(LoopSim):
         self.loop_cls = _closing_after(spsa.SPSALoop, "_close_window", self.dcfg.window * churn.step_seconds)
 
     def _make_loop(self, cls, gossip, bulk):
-        return cls(gossip, self.dcfg, self.task)
+        loop = cls(gossip, self.dcfg, self.task)
+        loop.faults = self.faults
+        return loop
 
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values()]

@@ -18,6 +18,12 @@ packed), ``checkpoint-served`` (enter: after serving one), ``checkpoint-pulled``
 ``source``), ``joined`` (enter: we joined from a checkpoint), ``ask-early`` (drops: a round's wait asks no peer for the
 announcements its view names), ``announcement-served`` (alter: a signed
 announcement we serve), ``publish`` (a note: we publish a message of ``kind``; ``watch`` it, then ``happened``).
+
+SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte we send for a step,
+``info["step"]``), ``publish`` (alter: the body of a message of ``kind`` we publish, before it is signed),
+``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
+base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
+[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order).
 """
 
 from __future__ import annotations

@@ -60,7 +60,7 @@ def _signed(who, topic: str, data: bytes, seq: int = 1) -> dict:
 
 @pytest.mark.beside
 def test_a_served_log_is_verified_whole_and_its_contributors_are_the_screened_batches():
-    """SPSA's replay, without a loop: a joiner reads a peer's log (protocols/spsa.py read_log) and counts each
+    """SPSA's replay, without a loop: a joiner reads a peer's log (protocols/spsa/log.py read_log) and counts each
     window's contributors as the live peers did (log_contributors): the batches less those refused as out of
     scale. Any fault anywhere in the log refuses the whole log before anything is taken from it."""
     import msgpack
@@ -233,7 +233,7 @@ def test_the_perturbation_is_normal_quantiles_and_a_step_rounds_each_operation_o
     # drawn a chunk of indices at a time: the same values whatever the chunk, across the parameters' boundaries
     shapes = [torch.Size([999]), torch.Size([40, 60]), torch.Size([1])]
     whole = perturbation(shapes, 9)
-    monkeypatch.setattr("swarmd.protocols.spsa.DRAW_CHUNK", 1000)
+    monkeypatch.setattr("swarmd.protocols.spsa.weights.DRAW_CHUNK", 1000)  # (_perturbation_flat reads it there)
     assert all(torch.equal(a, b) for a, b in zip(whole, perturbation(shapes, 9)))
     assert torch.equal(torch.cat([t.view(-1) for t in whole]), perturbation([torch.Size([100_000])], 9)[0][:3400])
     # a step: -lr/M x dec(b) x z, then added, each rounded on its own (no fused multiply-add)

@@ -37,7 +37,7 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
             return _finals(sim), [lp.losses for lp in loops], sim.report(0.0), \
-                [(len(lp.applied), len(lp.my_hashes), len(lp.log)) for lp in loops]
+                [(len(lp.book.applied), len(lp.book.my_hashes), len(lp.book.log)) for lp in loops]
 
     finals, losses, report, kept = run_virtual(main())
     assert len(finals) == 1 and report["diverged"] == 0
@@ -52,7 +52,7 @@ def test_four_peers_end_bit_identical_and_learn(tmp_path):
 def test_a_peer_killed_and_restarted_resumes_and_ends_with_the_others(tmp_path, monkeypatch, part_bytes):
     """(600: the log it replays comes in parts of a window or two each, as a long run's log does.)"""
     if part_bytes:
-        monkeypatch.setattr(spsa, "LOG_PART_BYTES", part_bytes)
+        monkeypatch.setattr(spsa.log, "LOG_PART_BYTES", part_bytes)  # (log_parts reads it there)
 
     async def main():
         sim = _sim(tmp_path, 4, windows=16)
@@ -89,7 +89,7 @@ def test_a_peer_whose_weights_drift_resyncs_from_the_majority(tmp_path):
             d.weights._load(None, 0.0)
             await sim.until(sim.finished, 300, "everyone to finish")
             return d.counters, _finals(sim), [sim.loop(p).counters.get("diverged", 0) for p in sim.peers[1:]], \
-                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
+                [set(sim.loop(p).book.applied[max(sim.loop(p).book.applied)]) for p in sim.peers]
 
     counters, finals, others, last = run_virtual(main())
     assert counters["diverged"] >= 1 and len(finals) == 1 and others == [0, 0, 0]
@@ -112,7 +112,7 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
             sim.net.heal()
             await sim.until(sim.finished, 600, "everyone to finish")
             return split, _finals(sim), {p: sim.loop(p).counters.get("diverged", 0) for p in sim.peers}, \
-                [set(sim.loop(p).applied[max(sim.loop(p).applied)]) for p in sim.peers]
+                [set(sim.loop(p).book.applied[max(sim.loop(p).book.applied)]) for p in sim.peers]
 
     split, finals, diverged, last = run_virtual(main())
     assert len(split) >= 2  # the sides did part
@@ -124,12 +124,9 @@ def test_a_partition_splits_the_windows_and_after_the_heal_the_minority_takes_th
     assert all(diverged[p] >= 1 for p in list(diverged)[:2])  # the minority saw it was off and replayed
 
 
-def _byzantine(base, flip):
-    """A loop class whose bytes are its honest ones with the sign flipped where ``flip(step)`` says."""
-    class Byzantine(base):
-        def _code(self, g, step):
-            return super()._code(g, step) ^ (0x80 if flip(step) else 0)
-    return Byzantine
+def _byzantine(sim, peer, flip):
+    """``peer``'s bytes are its honest ones with the sign flipped where ``flip(step)`` says."""
+    sim.faults.alter("code", lambda e, code: code ^ (0x80 if flip(e.info["step"]) else 0), peer=peer)
 
 
 @pytest.mark.timeout(120)
@@ -145,12 +142,12 @@ def test_a_peer_whose_bytes_are_not_its_probes_is_convicted_by_every_honest_audi
     async def main():
         sim = _sim(tmp_path, 5, windows=10, audit_steps=4)
         bad = sim.peers[4]
-        sim.classes[bad] = _byzantine(sim.loop_cls, flip)  # paced like the others
+        _byzantine(sim, bad, flip)
         async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
             honest = [sim.loop(p) for p in sim.peers[:4]]
-            return ({lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest],
+            return ({lp.final_hash for lp in honest}, [dict(lp.audits.convicted) for lp in honest],
                     [lp.offenders.get(bad, {}).get("refused", {}) for lp in honest],
                     [sim.nodes[p].transport.penalties.score(bad) for p in sim.peers[:4]],
                     [lp.counters.get("audited_steps", 0) for lp in honest], [lp.status()["audits"] for lp in honest],
@@ -172,18 +169,14 @@ def test_a_peer_that_claims_other_weights_to_dodge_the_audits_is_convicted(tmp_p
         sim = _sim(tmp_path, 5, windows=10)
         bad = sim.peers[4]
 
-        class Dodger(_byzantine(sim.loop_cls, lambda step: True)):
-            def _publish(self, kind, body):
-                if kind is spsa.BATCH:
-                    body = {**body, "h": bytes(8)}  # not the weights it holds
-                super()._publish(kind, body)
-
-        sim.classes[bad] = Dodger
+        _byzantine(sim, bad, lambda step: True)
+        sim.faults.alter("publish", lambda e, body: {**body, "h": bytes(8)},  # not the weights it holds
+                         peer=bad, kind=spsa.BATCH)
         async with sim:
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).final_hash for p in sim.peers[:4]), 300, "the honest to finish")
             honest = [sim.loop(p) for p in sim.peers[:4]]
-            return {lp.final_hash for lp in honest}, [dict(lp.convicted) for lp in honest], bad
+            return {lp.final_hash for lp in honest}, [dict(lp.audits.convicted) for lp in honest], bad
 
     finals, convicted, bad = run_virtual(main())
     assert all(set(c) == {bad} for c in convicted), convicted
@@ -200,7 +193,7 @@ def test_honest_peers_pass_every_audit(tmp_path):
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             loops = [sim.loop(p) for p in sim.peers]
-            return [lp.counters.get("audited_steps", 0) for lp in loops], [dict(lp.convicted) for lp in loops], \
+            return [lp.counters.get("audited_steps", 0) for lp in loops], [dict(lp.audits.convicted) for lp in loops], \
                 [lp.counters.get("rejected_audit", 0) for lp in loops], _finals(sim)
 
     audited, convicted, rejected, finals = run_virtual(main())
@@ -244,22 +237,22 @@ def test_a_peer_behind_the_swarm_takes_the_counting_peers_windows_ahead_and_refu
     lp, other = run_virtual(main())
     # a long run's log, as a joiner gets it (these windows' real signed batches, 3,000 windows of 3 peers): within
     # what the log protocol lets a frame carry (it was refused as too dense past ~800 windows of 4 peers)
-    long_log = [[w, batches] for w in range(3000) for batches in [lp.log[w % len(lp.log)][1]]]
+    long_log = [[w, batches] for w in range(3000) for batches in [lp.book.log[w % len(lp.book.log)][1]]]
     parts = list(spsa.log_parts(long_log, 200_000))
     assert len(parts) > 3 and [p[2] for p in parts] == [True] * (len(parts) - 1) + [False]
     for first, windows, more in parts:
         body = {"w": first, "windows": windows, "more": more}
         assert framing.decode(framing.encode(2, body), spsa.LOG_SPEC).body == body
     assert sum((p[1] for p in parts), []) == long_log
-    last = max(lp.applied)
-    message = lp.applied[last][other]  # a batch of a counting peer, signed by it
+    last = max(lp.book.applied)
+    message = lp.book.applied[last][other]  # a batch of a counting peer, signed by it
     lp.state, lp.window = "running", last - 12  # as if we were 12 windows behind
-    lp.windows.clear()
-    del lp.applied[last]  # not closed yet, for a peer that far behind
+    lp.book.open.clear()
+    del lp.book.applied[last]  # not closed yet, for a peer that far behind
     assert lp.standing.counts(other)
-    assert lp._validate(message) is spsa.Verdict.ACCEPT and other in lp.windows[last].batches
+    assert lp._validate(message) is spsa.Verdict.ACCEPT and other in lp.book.open[last].batches
     assert lp.counters.get("rejected_future", 0) == 0
-    lp.windows.clear()
+    lp.book.open.clear()
     lp.standing.counts = lambda author: False  # a stranger's batch that far ahead: flooding steps
     assert lp._validate(message) is spsa.Verdict.REJECT and lp.counters["rejected_future"] == 1
 
@@ -370,22 +363,22 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
 
 
-def _join_asking_first(tmp_path, first_class, first=lambda founders: founders[:1]) -> tuple:
-    """Three founders, some of them (``first`` of them, in order) of ``first_class(base class, the joiner's id)``,
-    and a joiner built elsewhere that replays from those before any other: (final hashes, the joiner's status, the
-    first's counters, its penalty score at the joiner, the other founders)."""
+def _join_asking_first(tmp_path, first_class=None, first=lambda founders: founders[:1], faults=None) -> tuple:
+    """Three founders, some of them (``first`` of them, in order) of ``first_class(base class, the joiner's id)``
+    or with the faults ``faults(sim, the founder, the joiner's id)`` adds, and a joiner built elsewhere that replays
+    from those before any other: (final hashes, the joiner's status, the first's counters, its penalty score at the
+    joiner, the other founders)."""
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
         firsts, late = first(sim.peers[:3]), sim.peers[3]
-
-        class Joiner(_built_elsewhere(sim.loop_cls)):
-            def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(),
-                              key=lambda p: firsts.index(p) if p in firsts else len(firsts))
-
+        sim.faults.alter("replay-from", lambda e, peers: sorted(
+            peers, key=lambda p: firsts.index(p) if p in firsts else len(firsts)), peer=late)
         for p in firsts:
-            sim.classes[p] = first_class(sim.loop_cls, late)
-        sim.classes[late] = Joiner
+            if first_class is not None:
+                sim.classes[p] = first_class(sim.loop_cls, late)
+            if faults is not None:
+                faults(sim, p, late)
+        sim.classes[late] = _built_elsewhere(sim.loop_cls)
         async with sim:
             await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -400,18 +393,10 @@ def _join_asking_first(tmp_path, first_class, first=lambda founders: founders[:1
 def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalised(tmp_path):
     """The peer a joiner replays from first serves base bytes other than the hash it announced: refused (its
     penalty), and the joiner takes the next peer's base and log."""
-    def liar(base, late):
-        class Liar(base):
-            async def _serve_base(self, stream):
-                honest = self._base
-                self._base = [b + 1.0 for b in honest]  # the bytes change, the hash it announces does not
-                try:
-                    await super()._serve_base(stream)
-                finally:
-                    self._base = honest
-        return Liar
+    def liar(sim, server, late):  # the bytes change, the hash it announces does not
+        sim.faults.alter("serve-base", lambda e, base: (base[0], [b + 1.0 for b in base[1]]), peer=server)
 
-    finals, joiner, _, score, honest = _join_asking_first(tmp_path, liar)
+    finals, joiner, _, score, honest = _join_asking_first(tmp_path, faults=liar)
     assert len(finals) == 1
     assert joiner["base_unusable"] == 1 and score > 0
     assert joiner["bases_taken"] == 1 and joiner["base_taken"]["source"] in honest
@@ -527,6 +512,7 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
     async def main():
         sim = _sim(tmp_path, 8, windows=6, min_peers=3)
         honest, sybils = sim.peers[:3], sim.peers[3:]
+        stalls = []
 
         class Sybil(sim.loop_cls):
             async def _run(self):
@@ -536,11 +522,9 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
                     self._publish(spsa.READY, {"w": 0, "ready": "0" * 32})
                     await asyncio.sleep(1.0)
 
-            async def _serve_base(self, stream):
-                await asyncio.sleep(3600)  # the asker's wait gives up first
-
         for p in sybils:
             sim.classes[p] = Sybil
+            stalls.append(sim.faults.hang("serve-base", peer=p))  # the asker's wait gives up first
         async with sim:
             await sim.start_all(sybils)
             await asyncio.sleep(2.0)  # their readiness is in before the founders start
@@ -548,10 +532,12 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
             started = await sim.until(lambda: all(sim.loop(p).state != "waiting for peers" for p in honest), 200,
                                       "the founders to start")
             await sim.until(lambda: all(sim.loop(p).final_hash for p in honest), 300, "the founders to finish")
-            return started, {sim.loop(p).final_hash for p in honest}, [sim.loop(p)._start_bases.asks for p in honest], \
-                [sim.loop(p).status() for p in honest]
+            return started, {sim.loop(p).final_hash for p in honest}, \
+                [sim.loop(p).start_state.bases.asks for p in honest], [sim.loop(p).status() for p in honest], \
+                sum(f.fired for f in stalls)
 
-    started, finals, asks, status = run_virtual(main())
+    started, finals, asks, status, stalled = run_virtual(main())
+    assert stalled == 6  # each founder's two asks
     assert len(finals) == 1 and all(s["participants"] == 3 for s in status)
     assert asks == [2, 2, 2] and all(s["base_ask_failed"] == 2 and s["base_taken"] is None for s in status)
     assert started < 2 * 30 + 20  # two asks' waits (30 s each) and the barrier
@@ -574,23 +560,17 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_
         monkeypatch.setattr(spsa.SPSALoop, "_log_leads_where_they_said", lambda self, peers: None)
     made = []
 
-    def other_base(base, late):
+    def other_base(sim, server, late):
         made.append(late)
         shift = 0.25 * len(made)  # each its own base
 
-        class OtherBase(base):
-            async def _serve_base(self, stream):
-                honest = self._base, self.base_state_hash
-                self._base = [b + shift for b in honest[0]]
-                self.base_state_hash = spsa.base_digest(spsa.base_arrays(self._base_layout, self._base))
-                self._base_served.clear()  # its own limits are its own: it serves whenever asked
-                try:
-                    await super()._serve_base(stream)
-                finally:
-                    self._base, self.base_state_hash = honest
-        return OtherBase
+        def serve(e, honest):
+            e.loop.base.served.clear()  # its own limits are its own: it serves whenever asked
+            base = [b + shift for b in honest[1]]
+            return spsa.base_digest(spsa.base_arrays(e.loop.base.layout, base)), base
+        sim.faults.alter("serve-base", serve, peer=server)
 
-    finals, joiner, server, score, honest = _join_asking_first(tmp_path, other_base,
+    finals, joiner, server, score, honest = _join_asking_first(tmp_path, faults=other_base,
                                                                first=lambda founders: sorted(founders)[:servers])
     assert len(finals) == 1 and joiner["participants"] == 4
     assert server["base_served"] == 1  # asked once: the replays after went to other holders
@@ -612,25 +592,16 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
     the joiner takes the next peer's."""
     joined, keys = None, []
 
-    def adds_batches(base, late):
-        class AddsBatches(base):
-            async def _serve_log(self, stream):
-                honest = self.log
-                log = [list(entry) for entry in honest]
-                for entry in log[-2:]:
-                    w = entry[0]
-                    for ident in keys:
-                        data = WIRE.pack(spsa.BATCH, self._tag({"w": w, "b": bytes(self.cfg.window),
-                                                                "h": bytes.fromhex(self.my_hashes[w][:16])}))
-                        body = msgpack.packb([1, self.topic, ident.peer_id, w + 1, self.gossip._now_ms(), data],
-                                             use_bin_type=True)
-                        entry[1] = [*entry[1], {"b": body, "s": ident.sign(pubsub.SIGN_DOMAIN + body)}]
-                self.log = log
-                try:
-                    await super()._serve_log(stream)
-                finally:
-                    self.log = honest
-        return AddsBatches
+    def adds_batches(e, honest):
+        lp, log = e.loop, [list(entry) for entry in honest]
+        for entry in log[-2:]:
+            w = entry[0]
+            for ident in keys:
+                data = WIRE.pack(spsa.BATCH, lp._tag({"w": w, "b": bytes(lp.cfg.window),
+                                                      "h": bytes.fromhex(lp.book.my_hashes[w][:16])}))
+                body = msgpack.packb([1, lp.topic, ident.peer_id, w + 1, lp.gossip._now_ms(), data], use_bin_type=True)
+                entry[1] = [*entry[1], {"b": body, "s": ident.sign(pubsub.SIGN_DOMAIN + body)}]
+        return log
 
     class Sybil(spsa.SPSALoop):
         async def _run(self):
@@ -640,7 +611,7 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
             while True:
                 for w in range(self.window, self.window + 3):  # the windows the run is at, as it hears them
                     self._publish(spsa.HASH, {"w": w, "h": "f" * 32})
-                self.window = max(self.windows, default=self.window)
+                self.window = max(self.book.open, default=self.window)
                 await asyncio.sleep(0.5)
 
     async def main():
@@ -649,12 +620,8 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
         sim = _sim(tmp_path, 10, windows=16, min_peers=3)
         founders, late, sybils = sim.peers[:3], sim.peers[3], sim.peers[4:]
         first = min(founders)
-
-        class Joiner(sim.loop_cls):
-            def _run_started_without_us(self):
-                return sorted(super()._run_started_without_us(), key=lambda p: p != first)
-
-        sim.classes[first], sim.classes[late] = adds_batches(sim.loop_cls, late), Joiner
+        adds = sim.faults.alter("serve-log", adds_batches, peer=first)
+        sim.faults.alter("replay-from", lambda e, peers: sorted(peers, key=lambda p: p != first), peer=late)
         for p in sybils:
             sim.classes[p] = Sybil
         async with sim:
@@ -668,9 +635,10 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
                             "the run's peers to finish")
             joiner = sim.loop(late)
             return ({sim.loop(p).final_hash for p in [*founders, late]}, joiner.status(),
-                    [joiner.standing.vouched(s) for s in sybils])
+                    [joiner.standing.vouched(s) for s in sybils], adds.fired)
 
-    finals, joiner, vouched = run_virtual(main())
+    finals, joiner, vouched, served = run_virtual(main())
+    assert served >= 1 and joiner["log_inconsistent"] >= 1  # the keys' log was served, and refused
     assert not any(vouched), vouched
     assert len(finals) == 1 and joiner["participants"] == 4, joiner
 
@@ -684,18 +652,19 @@ def test_a_joiner_that_trusts_one_peer_alone_credits_the_authors_of_its_log_and_
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
         first, late = min(sim.peers[:3]), sim.peers[3]
+        offered = []  # the peers it would have replayed from, each time it looked
 
-        class Joiner(sim.loop_cls):
-            def _run_started_without_us(self):
-                return [first] if first in super()._run_started_without_us() else []
-
-        sim.classes[late] = Joiner
+        def only_first(e, peers):
+            offered.append(peers)
+            return [first] if first in peers else []
+        sim.faults.alter("replay-from", only_first, peer=late)
         async with sim:
             await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
-            return _finals(sim), sim.loop(late).status()
+            return _finals(sim), sim.loop(late).status(), offered, first
 
-    finals, joiner = run_virtual(main())
+    finals, joiner, offered, first = run_virtual(main())
+    assert any(first in peers and len(peers) > 1 for peers in offered), offered  # others were there to trust
     assert len(finals) == 1 and joiner["participants"] == 4
     assert joiner.get("diverged", 0) == 0 and joiner.get("log_authors_unconfirmed", 0) == 0, joiner
 
@@ -713,7 +682,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
-            return sim.loop(a).counters, sim.loop(a)._initial, _finals(sim)
+            return sim.loop(a).counters, sim.loop(a).start_state.initial, _finals(sim)
 
     counters, initial, finals = run_virtual(main())
     assert len(finals) == 1 and set(initial) == set(sim.peers)

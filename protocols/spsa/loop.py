@@ -1,0 +1,246 @@
+"""The SPSA loop: it builds the model, schedules the windows (steps, batch, evaluation, close, hash check,
+checkpoint, resync) and composes the parts from its sibling modules."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import random
+
+from swarmd.node.services import NodeContext
+from swarmd.protocols import task as tasks
+from swarmd.protocols.faults import FaultPlan
+from swarmd.protocols.gossip import Gossip
+from swarmd.protocols.spsa.audits import AuditsMixin
+from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
+from swarmd.protocols.spsa.book import WindowBook
+from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
+from swarmd.protocols.spsa.codes import encode_grad, step_seed
+from swarmd.protocols.spsa.config import SpsaConfig
+from swarmd.protocols.spsa.log import LogMixin
+from swarmd.protocols.spsa.start import StartMixin
+from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
+from swarmd.protocols.spsa.validate import ValidateMixin
+from swarmd.protocols.spsa.weights import Weights, base_digest
+from swarmd.protocols.spsa.windows import WindowsMixin
+from swarmd.protocols.spsa.wire import BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
+from swarmd.protocols.task import Task, TaskError
+from swarmd.protocols.taskloop import TaskLoop
+
+logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
+
+
+class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
+    """The loop as a node service. Timeline of window w (``window`` steps):
+
+    1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
+       then probe at the new weights and encode our byte;
+    2. publish our batch for w (if we participate in w);
+    3. close w: wait for the batches of w's expected participants (those of w-1, plus peers that announced they
+       join at w), at most ``deadline`` seconds; the batches that arrived are w's participants, everywhere.
+
+    A late joiner fetches the log (the signed batches of every closed window) from a peer, verifies each batch's
+    signature, replays it onto the base model, follows the live windows without contributing, announces that it
+    joins two windows ahead, and contributes from there."""
+
+    name = "spsa"
+
+    def __init__(self, gossip: Gossip, config: SpsaConfig, task: Task):
+        self.gossip = gossip
+        self.cfg = config
+        self._init_task(task)
+        self.topic = f"spsa/{config.run}"
+        self.book = WindowBook()  # what we keep of each window, and for how long
+        self.base, self.start_state = Base(logger), Start()
+        self.resyncs, self.audits = Resyncs(), Audits()
+        self.counters: collections.Counter = collections.Counter()
+        self.window = 0  # the window being computed
+        self.join_at = 0  # the first window we contribute to
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
+        self.weights: Weights | None = None
+        self.final = False  # every window applied (the run ended)
+        self.final_hash: str | None = None
+        self.replay_seconds: float | None = None
+        self._sent_up_to = -1  # the last window we published a batch for
+        self.state = "starting"
+        self._ctx: NodeContext | None = None
+        self._arrived = asyncio.Event()
+        self._max_code = encode_grad(config.clip, config.clip) & 0x7F
+        self.per_step = False  # the task draws batches by step (batch_at): audits possible
+        self.faults = FaultPlan()  # a test's faults by peer, window and phase (none in production)
+
+    async def start(self, ctx: NodeContext) -> None:
+        self._ctx = ctx
+        # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
+        # from a signature of ours (deterministic, secret)
+        self.audits.rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
+        self._init_standing(ctx)
+        self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
+        self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
+        await ctx.transport.serve(LOG_SPEC, self._serve_log)
+        await ctx.transport.serve(BASE_SPEC, self._serve_base)
+
+    async def close(self) -> None:
+        self._stop_progress()
+
+    def _total(self) -> float:
+        return -(-self.cfg.steps // self.cfg.window) if self.cfg.steps else math.inf
+
+    def _build(self) -> None:
+        self._setup_device()
+        model = tasks.build_model(self.task, self.cfg.base_seed)
+        named = tasks.trainable(model)
+        names = [n for n, _ in named]
+        if self.task.has("perturbed"):
+            chosen = self.task.call("perturbed", model)
+            if not isinstance(chosen, (list, tuple)) or not chosen or any(n not in names for n in chosen):
+                raise TaskError(f"{self.task.where('perturbed')} must return a non-empty list of trainable "
+                                "parameter names")
+            names = [n for n in names if n in set(chosen)]  # the model's order, whatever order it gave
+        model = model.to(self.device).eval()
+        by_name = dict(model.named_parameters())
+        perturbed = [(n, by_name[n]) for n in names]
+        # peers that draw their batches by step (batch_at) and peers that read a stream cannot audit each other:
+        # they are not one run
+        self.per_step = self.task.has("batch_at")
+        self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.per_step
+                                                else "data"}, perturbed)
+        self.names = names
+        self.base.layout = base_layout(model, [p for _, p in perturbed])
+        self.weights = Weights(model, [p for _, p in perturbed],
+                               loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
+                                                                                                    self.device)))
+        self.data = None if self.per_step else tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id),
+                                                               self.cfg.base_seed)
+
+    def _evaluate(self) -> float | None:
+        return tasks.evaluate(self.task, self.weights.model)
+
+    async def run(self) -> None:
+        await self._guarded(self._run)
+
+    async def _run(self) -> None:
+        self.threads = tasks.set_threads(self.cfg.threads)
+        self.state = "building base model"
+        with self.work.track("base model build"):
+            await asyncio.to_thread(self._build)
+        self.base.hash = self.weights.hash()
+        self.base.tensors = [c.clone() for c in self.weights.canonical]
+        self.base.state_hash = await asyncio.to_thread(
+            lambda: base_digest(base_arrays(self.base.layout, self.base.tensors)))
+        self._resume_own()
+        total = self._total()
+        if self.window < total:
+            await self._start_or_catch_up()
+        me = self._ctx.identity.peer_id
+        while self.window < total:
+            w = self.window
+            contribute = w >= self.join_at
+            self._plan_audits(w, me)
+            codes = []
+            for i in range(self.cfg.window):
+                g = await asyncio.to_thread(self._step, w, i, contribute, me)  # never on the event loop
+                if contribute:
+                    codes.append(self._code(g, w * self.cfg.window + i))
+            self.book.my_hashes[w] = self.weights.hash()  # windows < w applied
+            if contribute:
+                self._publish(BATCH, {"w": w, "b": bytes(codes), "h": bytes.fromhex(self.book.my_hashes[w][:16])})
+            elif w % self.cfg.hash_every == 0:
+                self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
+            if w % self.cfg.eval_every == 0:
+                loss = await asyncio.to_thread(self._evaluate)
+                if loss is not None:
+                    self.losses.append((w * self.cfg.window, round(loss, 5)))
+                    await self._report_progress(loss)
+            await self._close_window(w)
+            if w % self.cfg.hash_every == 0:
+                self._check_hashes(w)  # once the window's batches (their hashes) are in
+            self.window = w + 1
+            if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
+                await asyncio.to_thread(self._save_checkpoint, False)
+            if self.resyncs.resync_from:
+                await self._resync()
+        if not self.final:
+            last = self.window - 1
+            for i in range(self.cfg.window):
+                await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
+                                        self._bytes_for(last, i), self.cfg.lr)
+            self.final = True
+            loss = await asyncio.to_thread(self._evaluate)
+            if loss is not None:
+                self.losses.append((self.window * self.cfg.window, round(loss, 5)))
+            await asyncio.to_thread(self._save_checkpoint, True)
+        self.final_hash = self.weights.hash()
+        await self._last_progress()
+        self.state = "done"
+        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
+                    self.final_hash)
+        await asyncio.Event().wait()
+
+    def _step(self, w: int, i: int, contribute: bool, me: str) -> float | None:
+        """Step i of window w: apply window w-1's bytes for the step one window back, then probe (if we
+        contribute)."""
+        step = w * self.cfg.window + i
+        if w > 0:
+            self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
+        for peer in self.audits.plan.get(w, {}).get(i, ()):  # the same weights its probe of this step had
+            losses = self.weights.losses(self._batch(peer, step), step_seed(self.cfg.run, step, peer), self.cfg.eps)
+            self.audits.probes.setdefault(w, {}).setdefault(peer, []).append((i, *losses))
+        if not contribute:
+            return None
+        return self.weights.probe(self._batch(me, step), step_seed(self.cfg.run, step, me), self.cfg.eps)
+
+    def _batch(self, peer: str, step: int):
+        if not self.per_step:
+            return next(self.data)
+        return self.task.call("batch_at", tasks.shard_of(peer), self.cfg.base_seed, step)
+
+    def _code(self, g: float, step: int) -> int:
+        if math.isfinite(g):
+            code = encode_grad(g, self.cfg.clip)
+        else:
+            self._nonfinite("the loss", f"is not finite at step {step}; sending the smallest step instead of a "
+                            "gradient")
+            code = 0
+        if self.faults:  # a test's Byzantine byte
+            code = self.faults.altered("code", self, code, r=step // self.cfg.window, info={"step": step})
+        return code
+
+    async def _report_progress(self, loss: float) -> None:
+        """Our progress into the replicated state (the CRDT's per-peer progress register)."""
+        steps = self.window * self.cfg.window
+        await self._write_progress(steps, self._samples(steps), loss, self.counters["step_wire_bytes"], self.window)
+
+    def status(self) -> dict:
+        steps = max(1, self.window * self.cfg.window)
+        return {
+            "run": self.cfg.run,
+            "state": self.state,
+            "round": self.window,
+            "total_rounds": self._total() if self.cfg.steps else 0,
+            **self._task_status(),
+            "window": self.window,
+            "step": self.window * self.cfg.window,
+            "participants": len(self.book.applied.get(self.window - 1, {})),
+            "weights_hash": self.final_hash or (self.weights.hash() if self.weights is not None else None),
+            "final_hash": self.final_hash,
+            "base_hash": self.base.hash,
+            "base_taken": self.base.taken,
+            "base_bytes": base_size(self.base.layout),  # what a peer that takes our base pulls
+            "losses": list(self.losses)[-40:],
+            "log_windows": len(self.book.log),
+            "replay_seconds": self.replay_seconds,
+            "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
+            "audits": self._audit_state(),
+            # peer -> the window its bytes failed an audit
+            "convicted": dict(list(self.audits.convicted.items())[-64:]),
+            **dict(sorted(self.counters.items())),
+        }
+
+    def bytes_sent(self) -> int:
+        return int(self.counters["step_wire_bytes"])
+
+    def routes(self) -> list:
+        return []

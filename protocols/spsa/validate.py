@@ -1,0 +1,104 @@
+"""The validator of the run's pubsub messages: every message is judged before it is relayed."""
+
+from __future__ import annotations
+
+from swarmd.protocols import rounds
+from swarmd.protocols.gossip import Message, Verdict
+from swarmd.protocols.spsa.wire import CARRIER, HASH, JOIN, MAX_PEER_ENTRIES, READY, READY_UNLISTED
+from swarmd.protocols.standing import FRESH_EVERY
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.wire import WIRE, UnknownKind
+
+
+class ValidateMixin:
+    """SPSALoop's pubsub validator."""
+
+    def _validate(self, message: Message) -> Verdict:
+        try:
+            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
+        except MalformedMessage:
+            return Verdict.REJECT
+        except UnknownKind:
+            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
+            return Verdict.IGNORE
+        if self.faults and self.faults.drops("message", self, r=body.get("w"), source=message.author, kind=kind):
+            return Verdict.IGNORE
+        foreign = self._foreign(message.author, body)
+        if foreign is not None:
+            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        author = message.author
+        if not self.standing.admitted(author):
+            self.counters["not_admitted"] += 1
+            return Verdict.IGNORE  # a closed run: not one of its peers
+        w = body["w"]
+        if self.state == "running" and w > self.window + 4 + FRESH_EVERY and not self.standing.counts(author):
+            # far ahead of the swarm we run with: flooding steps. Not from a peer whose word counts: that we are
+            # behind it is the likelier story (a restart's log replay, a slow machine), and rejecting would
+            # penalise honest peers and leave us without the windows we need to catch up (the backlog is bounded)
+            self.counters["rejected_future"] += 1
+            return Verdict.REJECT
+        if len(self.book.open) > 256 and w not in self.book.open:
+            self.counters["ignored_backlog"] += 1
+            return Verdict.IGNORE  # while we are not running yet, hold a bounded backlog only
+        # a message that says again what its author said already (new gossip id, same content) is taken but not
+        # forwarded: honest peers say each thing once (a ready is repeated only to direct peers, which keep it),
+        # and 100 fresh keys repeating their junk every second would have every honest node verify and relay it again
+        if kind is HASH:
+            if self.book.hashes.get(w, {}).get(author) == body["h"][:16]:
+                return self._repeated()
+            self._vote(w, author, body["h"][:16])
+            return Verdict.ACCEPT
+        if kind is READY:
+            if self.start_state.ready.get(author) == body["ready"]:
+                return self._repeated()
+            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
+            # one not listed as direct yet waits for our next look at the list (the start barrier's count)
+            if self.state != "running":
+                start = self.start_state
+                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                                  MAX_PEER_ENTRIES, READY_UNLISTED)
+            return Verdict.ACCEPT
+        if kind is JOIN:
+            joins = self.book.open[w].joins
+            if author in joins:
+                return self._repeated()
+            if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
+                joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_window)
+            return Verdict.ACCEPT
+        if len(body["b"]) != self.cfg.window:  # a BATCH
+            self.counters["rejected_malformed"] += 1
+            return Verdict.REJECT
+        if max(b & 0x7F for b in body["b"]) > self._max_code:
+            self.counters["rejected_out_of_range"] += 1
+            return Verdict.REJECT  # a projected gradient beyond the run's clip
+        if self.book.closed(w):
+            # a byte for a window already closed: not forwarded, lightly scored (an honest peer can be slow once)
+            self.counters["late"] += 1
+            self._record_late(w, author)
+            self._ctx.transport.penalties.penalize(message.received_from or message.author, "stale",
+                                                   "spsa batch for a closed window")
+            return Verdict.IGNORE
+        batches = self.book.open[w].batches
+        existing = batches.get(author)
+        if existing is not None and existing.data != message.data:
+            self.counters["equivocation"] += 1
+            return Verdict.REJECT
+        if existing is not None:
+            return self._repeated()
+        if len(batches) >= MAX_PEER_ENTRIES and not self.standing.counts(author):
+            self.counters["ignored_batches"] += 1
+            return Verdict.IGNORE
+        batches[author] = message
+        self._vote(w, author, body["h"].hex())
+        self._arrived.set()
+        return Verdict.ACCEPT
+
+    def _repeated(self) -> Verdict:
+        self.counters["repeated"] += 1
+        return Verdict.IGNORE
+
+    def _vote(self, w: int, author: str, h: str) -> None:
+        """A peer's weights hash for window w (the first 16 hex digits): its vote in the hash check."""
+        hashes = self.book.hashes[w]
+        if author in hashes or len(hashes) < MAX_PEER_ENTRIES or self.standing.counts(author):
+            hashes[author] = h
