@@ -55,6 +55,10 @@ STEP_SCRIPT = textwrap.dedent("""
         return times
 
     if mode == "plain":
+        # the node sets the process's allocator (node/allocator.py) as it starts; the loop without a swarm gets the
+        # same, so the two differ by the API alone (without it, the plain loop's steps fault their pages in again)
+        from swarmd.node import allocator
+        allocator.configure("reuse")
         times = train()
     else:
         node = swarmd.Node(config=sys.argv[5], data_dir=data_dir)

@@ -166,6 +166,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
             if self.resyncs.resync_from:
                 peers, self.resyncs.resync_from = self.resyncs.resync_from, []
                 self.counters["resyncs"] += 1
+                if self.user_steps is not None:
+                    await self.user_steps.hold()  # the script's step under way ends before the weights change
                 if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
                     self.state = "running"  # keep our weights; the next round's hashes tell again
                 rounds_done, waiting = self.rounds_done, {}
@@ -174,10 +176,13 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                         waiting[p] = (rounds_done[p], self.step)
                 continue
             if self.step < total:
-                if self._behind_as_follower():
+                if self.user_steps is None and self._behind_as_follower():
                     self.counters["steps_skipped"] += 1
                     await asyncio.sleep(0)
                 else:
+                    if self.user_steps is not None:  # the script may run on to the next step the loop acts at
+                        self.user_steps.grant(_next_event(self.step, total, h, offsets, rounds_done, rounds,
+                                                          waiting) - self.step)
                     t0 = self.clock.monotonic()
                     await self._train_step()
                     self.timings.compute += self.clock.monotonic() - t0
@@ -415,3 +420,16 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
     def routes(self) -> list:
         return []
 
+
+def _next_event(step: int, total: int, h: int, offsets: list[int], rounds_done: list[int], rounds: float,
+                waiting: dict[int, tuple[int, int]]) -> int:
+    """The first step after ``step`` at whose end the schedule acts on the model: a fragment's update announced
+    (every h steps from its offset), a waiting round closed, or the run's last step."""
+    event = total
+    for p, offset in enumerate(offsets):
+        if p not in waiting and rounds_done[p] < rounds:
+            k = max(1, -(-(step + 1 - offset) // h))
+            event = min(event, offset + k * h)
+    for _, close_at in waiting.values():
+        event = min(event, max(close_at, step + 1))
+    return max(event, step + 1)
