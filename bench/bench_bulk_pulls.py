@@ -1,5 +1,5 @@
-"""Bulk pulls one after another from one source (a round's chunks of one peer): over a new TCP connection each, as
-before 2026-12-02, and over the kept connections of a ``ConnectionPool``, in the same run. The source is a
+"""Bulk pulls one after another from one source (a round's chunks of one peer): over a new TCP connection each (the
+baseline), and over the kept connections of a ``ConnectionPool``, in the same run. The source is a
 ``BulkService`` in its own process (its real request checks: signature, membership, rate); the puller signs each
 request as a node does. Reported per pull: wall time, the CPU of each end (the puller's process time, the source's
 from /proc), and the new connections the source accepted.

@@ -17,8 +17,8 @@ as the DiLoCo paper does.
 The peers' batches are the reference's to the sample: a peer's data shard comes from its peer id
 (``protocols.task.shard_of``), so the bench gives the peers of every row the same four identities (keys from fixed
 seeds) and the reference those four shards; ``--seed`` then sets the model's initialisation and every shard's order
-on both sides. (Before 2026-11-27 the reference read shards 0-3 and the peers their random ones: the same
-distribution, other samples.)
+on both sides. (With the reference on shards 0-3 and the peers on random ones the data would be the same
+distribution but other samples, and the comparison noisier.)
 
 ``--pretrain N`` starts every peer and the reference from the same model pretrained N steps (the DiLoCo paper's
 setting: it trains on from a pretrained checkpoint); without it, from random init.

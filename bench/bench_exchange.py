@@ -10,7 +10,7 @@ wait for each other at a barrier, and time = a round's period, from the moment t
 trained weights to the moment the last was ready again (our update's preparation, the exchange, the outer step and
 one SGD step; the median over rounds); "exchange s": the same less the SGD step and the barrier, to the moment the
 last peer began its next inner step (the part of a round hivemind's timing has a counterpart of). ``--free``: the
-bench before 2026-11-29 (evening): the peers train (AdamW) and announce as they go, and time = a node's median span
+peers train (AdamW) and announce as they go, and time = a node's median span
 from announcing its update to holding the round's combined update (the slowest node's), which leaves out our own
 update's preparation and the steps on either side. "after
 all in": from the round's close (every update announced, the members agreed) to the combined update.
@@ -84,7 +84,7 @@ peers = {peers}
 
 # the nodes' own settings with ``--intervals default``: the shipped intervals (member poll 5 s, CRDT anti-entropy 5 s,
 # ...), as a user runs a node; ``tests`` is the test suite's loopback node (tests/swarmproc.py LOOPBACK_NODE: poll
-# 3 s, anti-entropy 1 s), which the bench used before 2026-11-29 (16 idle nodes: 66% of a core against 54-59%)
+# 3 s, anti-entropy 1 s), whose faster intervals cost more (16 idle nodes: 66% of a core against 54-59%)
 NODE_DEFAULTS = """
 [network]
 listen = ["/ip4/127.0.0.1/tcp/0"]
@@ -115,8 +115,8 @@ class PeakMemory:
     Every 0.3 s, in a thread, it reads each process's RSS and CPU times (``/proc/<pid>/stat``, cheap) and reads a
     peer's PSS (``smaps_rollup``: a walk of the process's page tables in the kernel) only when that peer's RSS is
     at a new high (over PSS_NEW_HIGH x its highest so far), and PSS_EVERY seconds after its last reading. Reading
-    the PSS of every process every 0.3 s took 120 ms of kernel CPU a sample for the 16 processes of 8 swarmd peers,
-    about 13% of a core taken from the peers it measured (2026-11-29)."""
+    the PSS of every process every 0.3 s takes 120 ms of kernel CPU a sample for the 16 processes of 8 swarmd peers,
+    about 13% of a core taken from the peers it measures."""
 
     PSS_EVERY = 5.0  # seconds
     PSS_NEW_HIGH = 1.01  # x the peer's highest RSS when its PSS was read: a new high

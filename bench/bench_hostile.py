@@ -294,7 +294,7 @@ async def attack_fresh_key_streams(a, b, keys: int = 9, each: int = 64) -> str:
 async def attack_bulk_connections(a, b, count: int = 3000) -> None:
     """``count`` TCP connections to the node's bulk port that never send a request, held while ``b`` pulls a blob
     of ``a``'s through it (raises if that pull fails): a full server closes the longest waiting of the flooding
-    host to take a new connection (before 2026-12-03 it held every one, a descriptor each, for 10 s)."""
+    host to take a new connection (rather than holding every one, a descriptor each, for 10 s)."""
     host, port = (await asyncio.to_thread(a.status))["services"]["bulk"]["addrs"][0].rsplit(":", 1)
     put = await asyncio.to_thread(http_post, a.url + "/bulk?codec=raw", os.urandom(1 << 20))
     await asyncio.to_thread(wait_for, lambda: b.status()["services"]["bulk"]["announcements"] >= 1, 20,

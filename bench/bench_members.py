@@ -9,7 +9,7 @@ Between two polls, the share of members that a node's ``refresh_interval`` (20 s
 ``Discovery.poll_every()`` re-store their records: the same value, re-signed with a later expiry.
 
 Measured per poll: the polling process's CPU (Python; its p2p daemon is not counted), and the storing process's CPU
-for the same poll, once with today's code and once as before 2026-11-29 (a poll every 5 s whatever the swarm's size,
+for the same poll, once with the current code and once with the baseline (a poll every 5 s whatever the swarm's size,
 each record's signature and value checked in full and parsed again by the poll at every poll: the validator's
 ``remember=0`` and the poll's memory of the last records emptied before each poll). The two alternate poll by poll
 against the same DHT, so the ratio is measured under the same load. "Share of a core" is a poll's CPU over the
@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 REFRESH = 20.0  # discovery.refresh_interval's default: each member re-stores its record this often
-BEFORE_EVERY = 5.0  # the poll interval before 2026-11-29, whatever the swarm's size
+BEFORE_EVERY = 5.0  # the baseline's poll interval, whatever the swarm's size
 
 
 def _signer_for(identities):

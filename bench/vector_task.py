@@ -31,8 +31,8 @@ class VectorTask:
         while True:
             step += 1
             # torch.roll(base, k) as a view of the vector twice over, no copy: a new 4 x size-byte tensor a step
-            # (before 2026-12-04) was page faults, and a copy a pass over it, that the exchange's rounds paid for
-            # on the cores they share
+            # would be page faults, and a copy a pass over it, that the exchange's rounds pay for on the cores they
+            # share
             k = step * 7919 % n
             yield twice[n - k:2 * n - k]
 
@@ -82,8 +82,8 @@ class TogetherVectorTask(SgdVectorTask):
         hivemind's averagers' ``multiprocessing.Barrier``: no polling. Under a file lock each node opens the step's
         FIFO (read-write, which never blocks on Linux) and counts the arrivals; the last to arrive writes one byte
         for each of the others, each of which blocks reading its byte (every waiter holds the FIFO open before the
-        last one counts it, so no byte is lost). Before 2026-12-04 the waiters polled a release file every
-        millisecond: up to 7 processes waking 1000 times a second each, on the cores the exchange shares. Up to
+        last one counts it, so no byte is lost). Polling a release file every millisecond instead would wake up to
+        7 processes 1000 times a second each, on the cores the exchange shares. Up to
         60 s: a node that skips a step (a resync) must not hang the others; ``periods`` leaves out a step that not
         every node reached."""
         import fcntl
@@ -93,8 +93,8 @@ class TogetherVectorTask(SgdVectorTask):
         with open(self.dir / ".lock", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)
             # a node that skipped an inner step (it joined from a peer's checkpoint) counts one step fewer than
-            # the others: it joins the step they wait at, not one they passed (else they waited out the timeout
-            # at every step, and it at every round: 60 s a round, seen once on 2026-12-04)
+            # the others: it joins the step they wait at, not one they passed (else they wait out the timeout
+            # at every step, and it at every round: 60 s a round)
             names = os.listdir(self.dir)
             self.steps = max([self.steps + 1] + [int(name.split(".")[0]) for name in names if name[:1].isdigit()])
             step = f"{self.steps:06d}"
