@@ -131,9 +131,9 @@ async def test_a_blob_pulled_over_a_libp2p_stream_is_checked_like_one_over_tcp(t
 
 @pytest.mark.timeout(60)
 async def test_a_source_announcing_4_gib_costs_what_it_sends_not_what_it_announces():
-    # issue 14 item 4: a bulk pull allocated the announced size (up to 4 GiB) when the header arrived and held it
-    # for 300 s. Since 2026-12-02 a large body is read into anonymous memory of its size, which the kernel provides
-    # as it is written: the bound is on resident memory (sampled while the pull runs), not only Python's heap
+    # issue 14 item 4: a bulk pull must not allocate the announced size (up to 4 GiB) when the header arrives and
+    # hold it for 300 s. A large body is read into anonymous memory of its size, which the kernel provides as it is
+    # written: the bound is on resident memory (sampled while the pull runs), not only Python's heap
     import threading
     import tracemalloc
 

@@ -150,8 +150,8 @@ def _pinned_input() -> torch.Tensor:
 def test_the_reduced_codecs_bytes_are_pinned(name, block, digest):
     # peers compare reduced parts byte for byte, and a run's fingerprint names the e3m0 encoder (E3M0_ENCODER), not
     # its bytes: a change of an encoder that changes one byte must change the run's fingerprint too (then this
-    # digest). These are the bytes of the encoders of 2026-12-02, before their packing went through int16 pairs
-    # and numpy (the same bytes)
+    # digest). These are the bytes of the plain torch encoders (tests/test_kernels.py keeps them as the reference);
+    # the packing through int16 pairs and numpy gives the same bytes
     import hashlib
 
     wire = bytes(C.get(name, block=block).encode_wire(_pinned_input()))

@@ -31,7 +31,7 @@ def alive(pid: int) -> bool:
 
 def _states(root: Path) -> str:
     """What each node says of itself (its loop, its members, its gossip links and mesh), for a failure's message:
-    a start that never came (seen once in a full suite run, 2026-12-02) is read from it, not guessed."""
+    a start that never comes (a full suite run on a loaded machine can show one) is read from it, not guessed."""
     out = []
     for i in range(3):
         try:

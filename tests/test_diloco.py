@@ -62,7 +62,7 @@ def test_streaming_survives_a_node_killed_mid_run(tmp_path):
         if history[-1]["participants"] != 2:
             # on a starved machine one survivor's last update can miss the deadline: the last round closes without
             # it (at the coordinator, whose member view the other takes), and the final hash check gives both the
-            # same weights (a fresh-clone run 2 minutes slower than usual ended so once, 2026-11-29). Only a missed
+            # same weights (a run much slower than usual, as on a fresh clone, can end so). Only a missed
             # deadline, an update left out of the view or a resync may explain it
             late = ("deadline_missed", "own_update_left_out", "resyncs")
             assert sum(s.get(k, 0) for s in final for k in late) >= 1, [{k: s.get(k) for k in late} for s in final]
@@ -192,7 +192,7 @@ def test_a_peer_whose_cpu_draws_other_initial_weights_starts_with_the_others(tmp
         assert len({s["final_hash"] for s in final}) == 1
         assert final[0]["history"][0]["participants"] == 3  # started together
         # which side takes which depends on whose readiness a node hears first (ties go to the smaller hash): the
-        # scalar node takes the others' weights, or they take its own (2026-12-01: both seen)
+        # scalar node takes the others' weights, or they take its own (both happen)
         takers = [(n, s) for n, s in zip(nodes, final) if s["initial_weights"] is not None]
         assert takers and all(s.get("initial_weights_taken") == 1 and s.get("initial_other_weights_peers", 0) >= 1
                               and 0 < s["initial_weights"]["apart"] < 1e-5

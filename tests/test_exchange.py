@@ -487,8 +487,8 @@ def _screened() -> dict:
 @pytest.mark.timeout(120)
 def test_the_screen_and_an_all_to_all_combination_are_the_same_bits_with_any_threads_and_cpu_kernels():
     """Peers run on other CPUs and thread counts: the screen's products and the all-to-all's norms must not follow
-    them (the float32 products before 2026-12-01 differed between 1 and 2 threads for 16 vectors, and between
-    MKL's SSE4.2, AVX2 and AVX-512 kernels). Here: 1 and 2 threads, and another process whose MKL and ATen use
+    them (plain float32 products differ between 1 and 2 threads for 16 vectors, and between MKL's SSE4.2, AVX2
+    and AVX-512 kernels). Here: 1 and 2 threads, and another process whose MKL and ATen use
     their SSE4.2 and scalar kernels."""
     before = torch.get_num_threads()
     try:

@@ -1,6 +1,6 @@
-"""The compiled kernels (protocols/kernels.py) give the bits of the torch passes they replaced: peers compare
+"""The compiled kernels (protocols/kernels.py) give the bits of the plain torch passes they stand for: peers compare
 reduced parts byte for byte and screen on exact integers, so a kernel that differs in one bit splits a run. The
-torch code of 2026-12-02 is kept here as the reference; each kernel is compared with it on every kind of value
+plain torch code is kept here as the reference; each kernel is compared with it on every kind of value
 (random, zeros and -0.0, subnormals, extremes, a block whose scale is a bfloat16 subnormal), every block size and
 count parity, and the kernels refuse arrays of the wrong size instead of reading or writing past them."""
 
@@ -24,7 +24,7 @@ pytestmark = pytest.mark.timeout(120)
 
 # ---------------------------------------------------------------------------------------------- torch references
 def _torch_e3m0(flat: torch.Tensor, b: int) -> tuple[bytes, bytes]:
-    """The e3m0 encoder of 2026-12-02 (codecs.E3M0Codec._slice on the whole vector): scales' bytes, codes' bytes."""
+    """The plain torch e3m0 encoder (codecs.E3M0Codec._slice on the whole vector): scales' bytes, codes' bytes."""
     n = flat.numel()
     if n % b == 0:
         view = flat.view(-1, b)
@@ -49,7 +49,7 @@ def _torch_e3m0(flat: torch.Tensor, b: int) -> tuple[bytes, bytes]:
 
 
 def _torch_e3m0_decode(enc: C.Encoded) -> torch.Tensor:
-    """The e3m0 decode of 2026-12-02: numpy's take through the 256-row pairs table, then each block times its
+    """The plain e3m0 decode: numpy's take through the 256-row pairs table, then each block times its
     scale (codecs._decode_by_table)."""
     n, b = math.prod(enc.shape), enc.block
     result = torch.empty(n, dtype=torch.float32)
@@ -243,7 +243,7 @@ def test_kernels_refuse_wrong_sizes_instead_of_overrunning():
 
 
 def _torch_nesterov(buf, params, grad, lr, momentum):
-    """OuterNesterov.step of 2026-12-02 (slices through a product buffer, each operation rounded on its own)."""
+    """OuterNesterov.step in plain torch (slices through a product buffer, each operation rounded on its own)."""
     from swarmd.protocols import outer
 
     buf.mul_(momentum).add_(grad)

@@ -82,8 +82,8 @@ def _stepped() -> str:
 @pytest.mark.timeout(120)
 def test_the_outer_step_is_the_same_bits_with_torchs_scalar_kernels():
     """A CPU without AVX2 runs torch's scalar kernels: its outer step must land on the bits an AVX2 or AVX-512
-    CPU's does (add(alpha=) fused the product and the sum in the vector kernels only, so before 2026-12-01 such
-    peers ended on other weights from the same combined update)."""
+    CPU's does (add(alpha=) fuses the product and the sum in the vector kernels only, so with it such peers would
+    end on other weights from the same combined update)."""
     out = subprocess.run([sys.executable, "-c", _STEPS], cwd=Path(__file__).resolve().parent.parent,
                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=100)

@@ -602,10 +602,10 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
     weights). The others measure it slow and report that with their updates, so from then on it reduces fewer parts
     (``exchange.rate_weights``): rounds of all 4, one final weights, no resync.
 
-    Seed 1 ended on two weights with 3 resyncs before a round's steps waited on its slowest member (the span
-    takes the rate the others measured from it), a peer kept waiting for the coordinator's parts list while it still
-    served the round's bytes, and a peer following the coordinator's part asked the coordinator for its chunks
-    first (2026-11-27; ``bench/bench_sim.py --uplink``: 13 of seeds 1-16 clean, none before).
+    Seed 1 ends on two weights with 3 resyncs unless a round's steps wait on its slowest member (the span takes
+    the rate the others measured from it), a peer stops waiting for the coordinator's parts list while it still
+    serves the round's bytes, and a peer following the coordinator's part does not ask the coordinator for its
+    chunks first (``bench/bench_sim.py --uplink``: 13 of seeds 1-16 clean with all three, none without).
     The fewer parts hold on any seed."""
 
     def slow_one(sim, cfg):
@@ -722,13 +722,13 @@ def test_one_uplink_falling_mid_round_the_others_wait_for_a_late_coordinators_pa
 
 @pytest.mark.timeout(180)
 def test_a_slow_coordinators_parts_list_that_comes_behind_its_uploads_is_still_waited_for(tmp_path):
-    """Two uplinks of 4 fell to 50 kB/s after round 2, the coordinator's among them (seed 2). It published its
-    parts list within the wait the others give it (deadline_high from the step's start), but the list went out
-    behind its chunk uploads and reached one peer 10 ms after that peer's first span of waiting had ended, itself
-    after the extended wait's end: that peer kept its parts (2 final weights). The extended wait now gives at
-    least one more span: one weights, no resync, all 4 every round. Since a part's wait wakes on its own part's
-    messages (2026-11-29) that seed's course no longer reaches the extended wait, and one uplink falling (seed 3)
-    does: without the extended wait it ends on 2 weights, one member lost from a round."""
+    """Two uplinks of 4 falling to 50 kB/s after round 2, the coordinator's among them (seed 2): it publishes
+    its parts list within the wait the others give it (deadline_high from the step's start), but the list can go
+    out behind its chunk uploads and reach one peer 10 ms after that peer's first span of waiting ended, itself
+    after the extended wait's end: that peer would keep its parts (2 final weights). The extended wait gives at
+    least one more span: one weights, no resync, all 4 every round. With a part's wait waking on its own part's
+    messages that seed's course no longer reaches the extended wait, and one uplink falling (seed 3) does: without
+    the extended wait it ends on 2 weights, one member lost from a round."""
 
     counters = _clean_after_uplinks_fall(tmp_path, 3, 1, ("parts_wait_extended", "parts_coordinator_missing"))
     assert counters["parts_wait_extended"] >= 1 and counters["parts_coordinator_missing"] == 0, counters
@@ -737,9 +737,9 @@ def test_a_slow_coordinators_parts_list_that_comes_behind_its_uploads_is_still_w
 @pytest.mark.timeout(180)
 def test_a_coordinator_killed_before_its_parts_list_in_a_round_with_a_slow_member_costs_no_long_wait(tmp_path):
     """One uplink of 4 falls to 50 kB/s after round 2; round 3's coordinator is killed as it is about to publish
-    its parts list. The others waited for the list while they still served their bytes (the slow uplink's) and
-    then, in a round with a member measured slow, up to deadline_high from their step's start (the coordinator's
-    own pulls may run that long): round 3 closed 12.3 s after the kill. A coordinator that was connected to us
+    its parts list. Waiting for the list while they still serve their bytes (the slow uplink's) and then, in a
+    round with a member measured slow, up to deadline_high from their step's start (the coordinator's own pulls
+    may run that long), the others would close round 3 12.3 s after the kill. A coordinator that was connected to us
     when the step began and is gone publishes nothing more: they stop waiting when it leaves (0.7 s)."""
     async def main():
         hung = asyncio.get_running_loop().create_future()  # the coordinator that hangs
@@ -829,13 +829,13 @@ def test_a_scatter_rounds_waits_wake_on_their_own_parts_messages_not_on_every_me
 @pytest.mark.timeout(120)
 def test_peers_that_do_not_follow_a_coordinators_minority_part_reduce_it_from_all_chunks(tmp_path):
     """The round's coordinator is the peer whose uplink falls to 50 kB/s in it: its own pulls wait behind its
-    uploads, its parts list names parts reduced from a minority's chunks, which no one follows. Each of the others
-    had kept its own part, from the chunks that had reached it, and the round ended on four weights; now each
-    reduces such a part from all the members' chunks (from any holder), and the run ends on one weights. (Seed 4
-    showed it first; since the round's span waits on its slowest member (2026-11-27) seed 4 ends on two weights
-    again, the slow coordinator's minority parts unsolved there, and seed 9 shows this. Seed 9 ended on two weights
-    on an AVX-512 machine while a tie went to the larger weight hash; with ties drawn from the voters it ends on one
-    on every CPU, and seed 4 on one after 6 resyncs.)"""
+    uploads, its parts list names parts reduced from a minority's chunks, which no one follows. Were each of the
+    others to keep its own part, from the chunks that reached it, the round would end on four weights; each
+    reduces such a part from all the members' chunks (from any holder), and the run ends on one weights. (Seed 9
+    shows it: with the round's span waiting on its slowest member seed 4 ends on two weights, the slow
+    coordinator's minority parts unsolved there. With a tie going to the larger weight hash seed 9 ends on two
+    weights on an AVX-512 machine; with ties drawn from the voters it ends on one on every CPU, and seed 4 on one
+    after 6 resyncs.)"""
 
     loops, finals, _ = _links_change_after_two_rounds(tmp_path, 9, first_uplink_falls(50e3), rounds=8)
     counters = {k: sum(lp.counters[k] for lp in loops.values()) for k in ("parts_of_all_members", "resyncs")}
@@ -847,12 +847,11 @@ def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
     """One peer's uplink falls to 50 kB/s after round 2. A coordinator's own pulls wait behind its uploads, so a
     slow one publishes parts reduced from a minority's chunks: members the others measured slow in the last round
     come last in the chain of coordinators (their rate weights, the same at every peer that closed that round with
-    them; ``exchange.slow_last``, tested on its own in test_exchange.py). Seed 2 ran clean with it and ended on two
-    weights without it, in the simulator's schedule before its worker threads' results were handed over at a fixed
-    point (2026-11-27); in the schedule since, seeds 1-24 end the same with the chain order or without it, and
-    only seed 18 ran clean (all 4 in every round, one final weights, no resync): a regression test of that run
-    and of the peer being measured slow, not of the order's effect (issue 17, open). Since a round's span waits on
-    its slowest member (2026-11-27, night) 13 of seeds 1-16 run clean (the test above)."""
+    them; ``exchange.slow_last``, tested on its own in test_exchange.py). In the simulator's schedule
+    (its worker threads' results handed over at a fixed point) seeds 1-24 end the same with the chain order or
+    without it, and seed 18 runs clean (all 4 in every round, one final weights, no resync): a regression test of
+    that run and of the peer being measured slow, not of the order's effect (issue 17, open). With a round's span
+    waiting on its slowest member 13 of seeds 1-16 run clean (the test above)."""
 
     loops, finals, slow = _links_change_after_two_rounds(tmp_path, 18, first_uplink_falls(50e3), rounds=8)
     assert len(finals) == 1 and sum(lp.counters["resyncs"] for lp in loops.values()) == 0, finals
@@ -1135,10 +1134,10 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
 @pytest.mark.timeout(120)
 def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the_start(tmp_path):
     """A node's connection list (what ``direct`` reads) lags its links: the daemon's listing is refreshed every
-    2 s. A "ready" from a peer not yet listed as direct was dropped, and a peer stops announcing once it starts:
-    a node that heard the last peer's "ready"s only inside that lag stayed at the start barrier while the others
-    started counting it, and joined their run from a checkpoint a round later (seen once in the exchange bench,
-    8 nodes, 2026-12-04). Here node A lists B as direct only 3 s after A starts, B starts within that time."""
+    2 s. A peer stops announcing once it starts, so a "ready" from a peer not yet listed as direct must count:
+    dropped, a node that heard the last peer's "ready"s only inside that lag would stay at the start barrier while
+    the others start counting it, and join their run from a checkpoint a round later (the exchange bench at 8
+    nodes can show it). Here node A lists B as direct only 3 s after A starts, B starts within that time."""
     sim = DilocoSim(SimConfig(peers=4, seed=7), ChurnConfig(rounds=4, dim=256, inner_steps=40), tmp_path)
     a, late = sim.peers[0], sim.peers[1]
     sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)

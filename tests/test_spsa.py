@@ -204,9 +204,9 @@ def _applied() -> str:
 @pytest.mark.timeout(120)
 def test_perturbations_and_steps_are_the_same_bits_with_torchs_scalar_kernels():
     """A CPU without AVX2 runs torch's scalar kernels: it must draw the perturbations and step to the weights an
-    AVX2 or AVX-512 CPU does. Before 2026-12-01 z was torch.randn (38% of 100,000 values drew other low bits under
-    the scalar kernels) and a step was add(alpha=) (fused in the vector kernels only): such a peer kept disagreeing
-    with the others' weights hash."""
+    AVX2 or AVX-512 CPU does. With z from torch.randn (38% of 100,000 values draw other low bits under the
+    scalar kernels) or a step by add(alpha=) (fused in the vector kernels only) such a peer keeps disagreeing with
+    the others' weights hash."""
     out = subprocess.run([sys.executable, "-c", _APPLIED], cwd=Path(__file__).resolve().parent.parent,
                          env={**os.environ, "ATEN_CPU_CAPABILITY": "default", "OMP_NUM_THREADS": "1"},
                          capture_output=True, text=True, timeout=100)
@@ -313,8 +313,8 @@ async def test_four_nodes_end_bit_identical_and_garbage_changes_nothing(tmp_path
 @pytest.mark.timeout(240)
 def test_a_node_joining_at_step_100_on_another_cpu_replays_onto_the_runs_base_and_matches(tmp_path):
     """The late node runs torch's scalar kernels (a CPU without AVX2), which pretrain the base model with other low
-    bits: it replayed onto its own base and never agreed with the run (the code before 2026-12-02). It takes the base
-    of the peer it replays from.
+    bits: replaying onto its own base it would never agree with the run. It takes the base of the peer it replays
+    from.
 
     1000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
     ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute (two

@@ -673,7 +673,7 @@ def test_a_joiner_that_trusts_one_peer_alone_credits_the_authors_of_its_log_and_
 def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the_start(tmp_path):
     """As DiLoCo's (test_rounds_sim.py): node A lists B as direct only 3 s after A starts, and B, which hears
     everyone at once, starts within that time and announces no more. A's count must still take B's "ready"
-    (before 2026-12-04 it was dropped: A stayed at the barrier and replayed the others' log to join them)."""
+    (dropped, it would leave A at the barrier, replaying the others' log to join them)."""
     sim = _sim(tmp_path, 4, windows=6)
     a, late = sim.peers[0], sim.peers[1]
     sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)
