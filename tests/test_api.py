@@ -59,7 +59,8 @@ def evaluate(model):
 
 
 def user_folder(root: Path) -> Path:
-    """The script's folder: train.py, configs/ (a package), node.py: the names that used to collide with swarmd's."""
+    """The script's folder: train.py, configs/ (a package), node.py: names of swarmd's own folders, which a user's
+    script is free to use."""
     folder = root / "project"
     (folder / "configs").mkdir(parents=True)
     (folder / "configs" / "__init__.py").write_text(USER_CONFIGS)

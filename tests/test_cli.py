@@ -104,7 +104,7 @@ def test_help_and_version():
 
 @pytest.mark.timeout(60)
 def test_a_node_without_loops_does_not_load_torch(swarm):
-    # the README says the node itself never imports torch; the loops' task machinery did, for every node
+    # the README says the node itself never imports torch: not even by way of the loops' task machinery
     node = swarm.start("bare")
     with open(f"/proc/{node.pid}/maps") as maps:
         libraries = maps.read()

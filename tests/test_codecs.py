@@ -394,7 +394,7 @@ def test_a_payload_is_decoded_in_place_and_exactly_as_msgpack_parses_it():
             assert isinstance(enc.data, memoryview) and enc.data.obj is payload and enc.data.readonly
             assert _parsed(payload, True) == _parsed(payload, False)
             assert torch.equal(C.decode(payload), C.decode(bytes(payload)))
-    # other layouts of the same map (valid msgpack, not what our encoder writes) parse the whole, as before
+    # other layouts of the same map (valid msgpack, not what our encoder writes) parse the whole
     x = C.get("int8").encode(torch.randn(1000, generator=rng))
     fields = {"v": 1, "codec": x.codec, "dtype": C.DTYPE_IDS[x.dtype], "shape": list(x.shape), "block": x.block,
               "k": x.k, "scales": x.scales, "data": x.data}

@@ -17,8 +17,8 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("users", [{}, {"GOGC": "200"}, {"GOMEMLIMIT": "200MiB"}])
 async def test_the_daemon_collects_its_garbage_at_our_pace_unless_the_user_set_one(users, monkeypatch):
-    """The daemon runs with GOGC = DAEMON_GOGC and no heap limit of ours (the 48 MiB soft limit of before sat just
-    above its live heap: its collector ran almost without a pause, twice the daemon's CPU idle or in an exchange);
+    """The daemon runs with GOGC = DAEMON_GOGC and no heap limit of ours (a 48 MiB soft limit sits just above its
+    live heap: its collector runs almost without a pause, twice the daemon's CPU idle or in an exchange);
     a user's own GOGC wins, a GOMEMLIMIT of theirs applies too; this process's environment is left as it was."""
     for name in ("GOGC", "GOMEMLIMIT"):
         monkeypatch.delenv(name, raising=False)

@@ -41,8 +41,8 @@ def test_virtual_time_jumps_instead_of_sleeping():
 @pytest.mark.timeout(30)
 def test_a_worker_threads_result_lands_at_the_same_point_however_fast_the_thread_is():
     """A thread's result is handed over at the loop's next wait, in the order the work was started: not wherever
-    the thread happened to finish among the callbacks the loop was running (a fast thread landed before callbacks
-    a slow one landed after, and a run under load replayed another schedule). The loop is kept busy (real time)
+    the thread happened to finish among the callbacks the loop was running (a fast thread would land before callbacks
+    a slow one lands after, and a run under load would replay another schedule). The loop is kept busy (real time)
     while the threads run, so a fast thread finishes mid-step."""
 
     def run(delays: tuple[float, float]) -> list:

@@ -624,8 +624,8 @@ def test_a_peer_whose_uplink_slows_down_reduces_fewer_parts_and_every_round_keep
 @pytest.mark.timeout(180)
 def test_two_slow_uplinks_from_the_start_are_probed_before_round_0_and_every_round_keeps_all(tmp_path):
     """4 peers exchange a 0.27 MB update by reduce-scatter at 2 MB/s, two of them behind 50 kB/s uplinks from the
-    start. Round 0 used to have no rates: the slow peers got parts to reduce, the others' spans were a guess for
-    2 MB/s, the round ended on 4 weights, and the hash draw sent the others to resync from a slow peer's uplink
+    start. Without rates in round 0 the slow peers get parts to reduce, the others' spans are a guess for
+    2 MB/s, the round ends on 4 weights, and the hash draw sends the others to resync from a slow peer's uplink
     (seeds 1-4, 8 rounds: 3, 1, 2 and 2 final weights, 8, 6, 8 and 12 resyncs). The founders' link probe
     (``exchange.PROBE_SIZES``, before their first update) measures each peer's uplink, so round 0's span already
     waits on the slowest member's rate: all 4 in every round, one final weights, no resync (``bench/bench_sim.py
@@ -863,13 +863,13 @@ def test_a_peer_the_others_measured_slow_coordinates_no_round(tmp_path):
 @pytest.mark.timeout(180)
 def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured_time(tmp_path):
     """4 peers on 200 kB/s links (up and down) exchanging a 0.27 MB update (262,144 values in int8) by
-    reduce-scatter with the default min_bandwidth of 10 MB/s: the exchange step got 0.05 s for seconds of
-    transfers, and rounds closed with 1 to 3 of the 4 members. The span takes the receive rate the last scatter
-    steps measured (this seed then: one final weights, 1 resync, 3.4 members a round), and a coordinator replaces
-    a part it reduced from fewer than a majority's chunks before publishing its list (round 0's coordinator had
-    reduced one from a minority's chunks, the others kept theirs, and it resynced; that is tested on its own
-    above). Now a scatter step's pulls end later while parts still come (``StepEnd``): no resync, all 4 in every
-    round (seeds 1-8: ``bench/bench_sim.py --slow``).
+    reduce-scatter with the default min_bandwidth of 10 MB/s: sized by it alone the exchange step gets 0.05 s for
+    seconds of transfers, and rounds close with 1 to 3 of the 4 members. The span takes the receive rate the last
+    scatter steps measured (with that alone this seed: one final weights, 1 resync, 3.4 members a round), and a
+    coordinator replaces a part it reduced from fewer than a majority's chunks before publishing its list (else
+    round 0's coordinator reduces one from a minority's chunks, the others keep theirs, and it resyncs; that is
+    tested on its own above). A scatter step's pulls end later while parts still come (``StepEnd``): no resync,
+    all 4 in every round (seeds 1-8: ``bench/bench_sim.py --slow``).
 
     The same run under two string-hash seeds, side by side: a simulation replays one schedule whatever the
     process's hash seed (peer ids and blob hashes are str and bytes; a set of them iterated in hash order once made
@@ -1017,7 +1017,7 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
         tmp_path, other_momentum, lambda founders: sorted(founders)[:servers], rounds=16,
         outer_momentum=0.9)  # (the simulator's default: none)
     assert len(finals) == 1, counters
-    # before, it took that checkpoint again at each resync (7 joins in these 16 rounds), its updates refused to the end
+    # taking that checkpoint again at each resync would be 7 joins in these 16 rounds, its updates refused to the end
     assert counters["joined_from_checkpoint"] == servers + 1 and counters["diverged"] == servers, counters
     assert resumed["source"] not in [f"checkpoint of {p}" for p in liars]
     assert history[-1]["participants"] == 5  # it contributes at the end

@@ -647,8 +647,8 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
 def test_a_joiner_that_trusts_one_peer_alone_credits_the_authors_of_its_log_and_keeps_in_step(tmp_path):
     """A joiner whose one trusted peer is the one it replays from (as a node bootstrapped from one peer, the one
     the user chose): nothing tells whether that log's windows hold the run's batches, so their authors are
-    credited as before, and it waits for the peers the others wait for (crediting that peer alone, it closed
-    windows without them and was off the run at its first hash check)."""
+    credited as usual, and it waits for the peers the others wait for (crediting that peer alone, it would close
+    windows without them and be off the run at its first hash check)."""
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
         first, late = min(sim.peers[:3]), sim.peers[3]
