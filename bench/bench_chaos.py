@@ -482,8 +482,8 @@ def kill_part(args, tmp: Path, loop: str = "diloco") -> dict:
     def converged() -> int:
         """Waits for one CRDT state everywhere; returns how many acknowledged writes some node lacks. The writes
         acknowledged before the wait: one acknowledged after it began may still be on its way once the digests are
-        equal (the writer goes on meanwhile), and would count as lost when it is not (an earlier version took the
-        list after the wait). Each missing key is printed."""
+        equal (the writer goes on meanwhile), and would count as lost when it is not (hence the list is taken before
+        the wait). Each missing key is printed."""
         everyone = [*here["survivors"], here["victim"]]
         want = set(acked)
         wait_for(lambda: len({x.get("/state")["digest"] for x in everyone}) == 1, 120,

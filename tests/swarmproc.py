@@ -98,8 +98,8 @@ def _ephemeral_low() -> int:
 
 def free_port() -> int:
     """A TCP port on loopback that nothing listens on now, below the kernel's ephemeral range: a port that bind(0)
-    handed out here was free only until the next process's bind(0) or connect() took it, and a node told to listen
-    there failed to start ("already in use", seen once in a fresh-clone run while other nodes bound their own)."""
+    hands out here is free only until the next process's bind(0) or connect() takes it, and a node told to listen
+    there fails to start ("already in use", as in a fresh-clone run while other nodes bind their own)."""
     high = _ephemeral_low()
     for _ in range(200):
         port = _PORTS.randrange(max(1024, high - 12000), high)

@@ -872,7 +872,7 @@ def test_peers_on_slower_links_than_min_bandwidth_give_the_exchange_the_measured
     all 4 in every round (seeds 1-8: ``bench/bench_sim.py --slow``).
 
     The same run under two string-hash seeds, side by side: a simulation replays one schedule whatever the
-    process's hash seed (peer ids and blob hashes are str and bytes; a set of them iterated in hash order once made
+    process's hash seed (peer ids and blob hashes are str and bytes; a set of them iterated in hash order can make
     this run end on 1 or 2 weights from one process to the next)."""
     import json
     import os
