@@ -570,11 +570,11 @@ def main() -> None:
                         "or release); both, comma-separated, each run in turn (a same-run baseline)")
     parser.add_argument("--daemon-env", default="default", help="the Go runtime's settings for swarmd's p2p "
                         "daemons: default (swarmd's own: transport.p2pd.DAEMON_GOGC) or assignments joined by +, "
-                        "e.g. GOMEMLIMIT=48MiB+GOGC=100 (the setting before 2026-11-29); several, comma-separated, "
+                        "e.g. GOMEMLIMIT=48MiB+GOGC=100 (a memory-capped alternative); several, comma-separated, "
                         "each run in turn (a same-run baseline)")
     parser.add_argument("--intervals", default="default", help="the nodes' background intervals: default (the "
                         "shipped ones, as a user runs a node) or tests (the test suite's faster member poll and CRDT "
-                        "anti-entropy, the bench's before 2026-11-29); both, comma-separated, each run in turn")
+                        "anti-entropy); both, comma-separated, each run in turn")
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
@@ -582,8 +582,8 @@ def main() -> None:
                         "state: a node's memory is then the exchange's; default AdamW, the loop's)")
     parser.add_argument("--free", action="store_true", help="swarmd's peers train and announce as they go (the "
                         "vector trained by AdamW), and s/round is a node's span from announcing its update to the "
-                        "combined one, waiting for the others included: the bench before 2026-11-29 (evening), which "
-                        "left our own update's preparation and the peers' steps out of the time. Default: the peers "
+                        "combined one, waiting for the others included, which "
+                        "leaves our own update's preparation and the peers' steps out of the time. Default: the peers "
                         "start each round together, as hivemind's averagers do (a barrier among them after each inner "
                         "step, the vector trained by plain SGD), and s/round is a round's period from the last peer "
                         "ready with its update to the last ready with the next (the exchange, the outer step and one "
