@@ -107,28 +107,20 @@ class MuonAdamW(SwarmAdamW):
         groups = [g for g in (muon_group, {"params": adamw_params, "muon": False}) if g["params"]]
         super().__init__(groups, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, peers=peers)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        for group in self.param_groups:
-            if not group["muon"]:
-                self._group_step(group)
-                continue
-            params = [p for p in group["params"] if p.grad is not None]
-            buffers = []
-            for p in params:
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buffers.append(state["momentum_buffer"])
-            muon(params, [p.grad for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
-                 momentum=group["momentum"], nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
-                 eps=group["eps"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"],
-                 has_complex=False)
-        return loss
+    def _group_step(self, group: dict) -> None:
+        if not group["muon"]:
+            super()._group_step(group)
+            return
+        params = [p for p in group["params"] if p.grad is not None]
+        buffers = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+            buffers.append(state["momentum_buffer"])
+        muon(params, [p.grad for p in params], buffers, lr=group["lr"], weight_decay=group["weight_decay"],
+             momentum=group["momentum"], nesterov=group["nesterov"], ns_coefficients=group["ns_coefficients"],
+             eps=group["eps"], ns_steps=group["ns_steps"], adjust_lr_fn=group["adjust_lr_fn"], has_complex=False)
 
 
 def muon_split(model: torch.nn.Module) -> tuple[list[torch.nn.Parameter], list[torch.nn.Parameter]]:
