@@ -51,9 +51,8 @@ from swarmd.protocols.grpo import Group
 from swarmd.protocols.standing import check_peer_ids
 from swarmd.protocols.task import Task, TaskError
 from swarmd.protocols.taskloop import TAG, TaskLoop
-from swarmd.transport.errors import MalformedMessage
 from swarmd.transport.penalties import TokenBuckets
-from swarmd.transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple, UnknownKind
+from swarmd.transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple
 
 logger = logging.getLogger(__name__)
 
@@ -498,14 +497,12 @@ class SapoLoop(TaskLoop):
 
     # ------------------------------------------------------------------ validation (runs before forwarding)
     def _validate(self, message: Message) -> Verdict:
-        try:
-            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
-        except MalformedMessage:
-            self.counters["rejected_malformed"] += 1
-            return Verdict.REJECT
-        except UnknownKind:
-            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
-            return Verdict.IGNORE
+        unpacked = self._unpack(CARRIER, message)
+        if isinstance(unpacked, Verdict):
+            if unpacked is Verdict.REJECT:
+                self.counters["rejected_malformed"] += 1
+            return unpacked
+        kind, body = unpacked
         foreign = self._foreign(message.author, body)
         if foreign is not None:
             return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward

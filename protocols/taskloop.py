@@ -15,13 +15,15 @@ import torch
 
 from swarmd.node.services import WorkBoard
 from swarmd.protocols import checkpoint
+from swarmd.protocols.gossip import Message, Verdict
 from swarmd.protocols.outer import wait_event
 from swarmd.protocols.rounds import RoundWait
 from swarmd.protocols.standing import Standing
 from swarmd.protocols.task import Task, TaskError, describe_mismatch, pick_device
 from swarmd.transport import clock
 from swarmd.transport.clock import Clock
-from swarmd.transport.wire import Str, Tuple
+from swarmd.transport.errors import MalformedMessage
+from swarmd.transport.wire import WIRE, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 
@@ -102,6 +104,18 @@ class TaskLoop:
     def _tag(self, body: dict) -> dict:
         body["t"] = [self.fp["layout"], self.fp["config"]]
         return body
+
+    def _unpack(self, carrier: str, message: Message) -> tuple[object, dict] | Verdict:
+        """A pubsub message of the loop's carrier as (kind, body), the kind's schema checked (types and bounds); or
+        the verdict where there is nothing to judge: REJECT for a malformed one, IGNORE for a kind a newer peer
+        sends (counted: not ours to judge or forward)."""
+        try:
+            return WIRE.unpack(carrier, message.data)
+        except MalformedMessage:
+            return Verdict.REJECT
+        except UnknownKind:
+            self.counters["unknown_kind"] += 1
+            return Verdict.IGNORE
 
     def _foreign(self, author: str, body: dict) -> bool | None:
         """None: the body's tag matches ours (go on); False: malformed (reject); True: another task (ignore, and,

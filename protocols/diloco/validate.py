@@ -24,8 +24,6 @@ from swarmd.protocols.diloco.wire import (
 )
 from swarmd.protocols.gossip import Message, Verdict
 from swarmd.protocols.standing import FRESH_EVERY
-from swarmd.transport.errors import MalformedMessage
-from swarmd.transport.wire import WIRE, UnknownKind
 
 
 class ValidateMixin:
@@ -33,13 +31,10 @@ class ValidateMixin:
 
     # ------------------------------------------------------------------ validation
     def _validate(self, message: Message) -> Verdict:
-        try:
-            kind, body = WIRE.unpack(CARRIER, message.data)  # the kind's schema checked: types and bounds
-        except MalformedMessage:
-            return Verdict.REJECT
-        except UnknownKind:
-            self.counters["unknown_kind"] += 1  # a newer peer's message: not ours to judge or forward
-            return Verdict.IGNORE
+        unpacked = self._unpack(CARRIER, message)
+        if isinstance(unpacked, Verdict):
+            return unpacked
+        kind, body = unpacked
         if self.faults and self.faults.drops("message", self, r=body.get("r"), p=body.get("p"),
                                              source=message.author, kind=kind):
             return Verdict.IGNORE
