@@ -503,13 +503,9 @@ class SapoLoop(TaskLoop):
                 self.counters["rejected_malformed"] += 1
             return unpacked
         kind, body = unpacked
-        foreign = self._foreign(message.author, body)
-        if foreign is not None:
-            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        if (refused := self._refusal(message.author, body)) is not None:
+            return refused
         author = message.author
-        if not self.standing.admitted(author):
-            self.counters["not_admitted"] += 1
-            return Verdict.IGNORE  # a closed run: not one of its peers
         if kind is READY:
             if self.state != "running" and self._ctx.direct(author) and len(self.ready) < MAX_AUTHORS:
                 self.ready.add(author)

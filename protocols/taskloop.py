@@ -117,6 +117,18 @@ class TaskLoop:
             self.counters["unknown_kind"] += 1
             return Verdict.IGNORE
 
+    def _refusal(self, author: str, body: dict) -> Verdict | None:
+        """The verdict on a well-formed message that is not this run's to judge (None: go on): another run's task
+        (ignored, and remembered for a refusal) or a malformed tag (rejected), or an author a closed run does not
+        admit (ignored, counted)."""
+        foreign = self._foreign(author, body)
+        if foreign is not None:
+            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        if not self.standing.admitted(author):
+            self.counters["not_admitted"] += 1
+            return Verdict.IGNORE  # a closed run: not one of its peers
+        return None
+
     def _foreign(self, author: str, body: dict) -> bool | None:
         """None: the body's tag matches ours (go on); False: malformed (reject); True: another task (ignore, and,
         from a peer that vouches for itself, remembered: a run whose peers all train something else is refused)."""

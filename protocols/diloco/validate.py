@@ -38,12 +38,8 @@ class ValidateMixin:
         if self.faults and self.faults.drops("message", self, r=body.get("r"), p=body.get("p"),
                                              source=message.author, kind=kind):
             return Verdict.IGNORE
-        foreign = self._foreign(message.author, body)
-        if foreign is not None:
-            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
-        if not self.standing.admitted(message.author):
-            self.counters["not_admitted"] += 1
-            return Verdict.IGNORE  # a closed run: not one of its peers
+        if (refused := self._refusal(message.author, body)) is not None:
+            return refused
         r, p = body["r"], body["p"]
         if not 0 <= p < self.cfg.fragments or not 0 <= r <= (self.cfg.rounds + 1 if self.cfg.rounds else 2**31):
             return Verdict.REJECT

@@ -18,13 +18,9 @@ class ValidateMixin:
         kind, body = unpacked
         if self.faults and self.faults.drops("message", self, r=body.get("w"), source=message.author, kind=kind):
             return Verdict.IGNORE
-        foreign = self._foreign(message.author, body)
-        if foreign is not None:
-            return Verdict.IGNORE if foreign else Verdict.REJECT  # another run's task: not ours to judge or forward
+        if (refused := self._refusal(message.author, body)) is not None:
+            return refused
         author = message.author
-        if not self.standing.admitted(author):
-            self.counters["not_admitted"] += 1
-            return Verdict.IGNORE  # a closed run: not one of its peers
         w = body["w"]
         if self.state == "running" and w > self.window + 4 + FRESH_EVERY and not self.standing.counts(author):
             # far ahead of the swarm we run with: flooding steps. Not from a peer whose word counts: that we are
