@@ -59,11 +59,13 @@ class SimConfig:
 
 class SimNode:
     """One simulated node: gossip and CRDT replication over an in-memory transport, and optionally a DiLoCo loop
-    (``loop``: its config and task; the node's data dir then holds its checkpoints, so a restarted node resumes)."""
+    (``loop``: its config and task; the node's data dir then holds its checkpoints, so a restarted node resumes).
+    ``listed_late`` (peer -> seconds) delays when the node lists a neighbour among its direct connections, counted
+    from each start: a real node's connection list lags its links (the daemon's listing is read every 2 s)."""
 
     def __init__(self, net: MemoryNetwork, identity: Identity, admission: Admission, cfg: SimConfig, clock: Clock,
                  *, neighbours: set[str] | None = None, log: MemoryOpLog | None = None, data_dir: Path = SIM_DIR,
-                 loop: Callable | None = None, life: int = 0):
+                 loop: Callable | None = None, life: int = 0, listed_late: dict[str, float] | None = None):
         self.identity = identity
         self.peer_id = identity.peer_id
         self.transport: MemoryTransport = net.add(identity)
@@ -89,16 +91,21 @@ class SimNode:
         self.life = life
         self.admission = admission
         self.received: dict[bytes, float] = {}  # flood message id -> virtual time it was delivered here
+        self.listed_late = dict(listed_late or {})
+        self.started_at = clock.monotonic()
         self._tasks: list[asyncio.Task] = []
         self.up = False
 
     def direct(self, peer: str) -> bool:
-        return peer in self.neighbours and self.transport.net.reachable(self.peer_id, peer)
+        lag = self.listed_late.get(peer)
+        return (peer in self.neighbours and self.transport.net.reachable(self.peer_id, peer)
+                and (lag is None or self.clock.monotonic() - self.started_at > lag))
 
     def members(self) -> list[str]:
         return [p for p in sorted(self.neighbours) if self.transport.net.reachable(self.peer_id, p)]
 
     async def start(self) -> None:
+        self.started_at = self.clock.monotonic()
         await self.transport.start()
         await serve_ping(self.transport)
         if self.replicator is not None:
@@ -284,30 +291,11 @@ class ChurnConfig:
     exchange: str = "auto"
 
 
-def _paced(cls, step_seconds: float):
-    """A DiLoCo loop whose inner steps take ``step_seconds`` of simulated time (the real compute costs none)."""
-    class Paced(cls):
-        async def _train_step(self) -> None:
-            await super()._train_step()
-            await asyncio.sleep(step_seconds)
-    return Paced
-
-
-def lists_direct_late(cls, peer: str, seconds: float):
-    """A loop whose node lists ``peer`` as directly connected only ``seconds`` after it starts, as a real node's
-    connection list lags its links (the daemon's listing is read every 2 s)."""
-    class ListsLate(cls):
-        async def start(self, ctx):
-            listed, since = ctx.direct, ctx.clock.monotonic()
-            ctx.direct = lambda p: listed(p) and (p != peer or ctx.clock.monotonic() - since > seconds)
-            await super().start(ctx)
-    return ListsLate
-
-
 class LoopSim:
     """A training loop's swarm in one process (a full mesh, as every real swarm within ``max_peers`` is): nodes can
-    be started late, killed (as ``kill -9``: their op log and data dir stay), restarted, cut off by a partition;
-    ``classes`` may give a peer a subclass of the loop (a Byzantine peer, a slow one). The round code is the loop's
+    be started late, killed (as ``kill -9``: their op log and data dir stay), restarted, cut off by a partition,
+    started with no loop (a peer whose words a test forges: ``say``), or list a peer as directly connected late
+    (``list_late``); ``faults`` holds what fails where and when (protocols/faults.py). The round code is the loop's
     own, on virtual time. A subclass names the loop: ``_setup`` (its config, task and class), ``_make_loop`` and
     ``report``. ``async with sim:`` stops every node at the end."""
 
@@ -316,6 +304,8 @@ class LoopSim:
 
         self.cfg, self.churn, self.root = cfg, churn, root
         self.tasks = tasks
+        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo and SPSA loops read them)
+        self.faults = FaultPlan()
         self._setup(settings)
         self.net = MemoryNetwork(link=LinkSpec(latency=cfg.latency, up=cfg.bandwidth, down=cfg.bandwidth,
                                                loss=cfg.loss), seed=cfg.seed)
@@ -327,8 +317,7 @@ class LoopSim:
         self.dirs = {p: root / p[-12:] for p in self.peers}
         self.lives = {p: 0 for p in self.peers}
         self.classes: dict[str, type] = {}  # peer -> its loop class, where it is not the honest one
-        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo and SPSA loops read them)
-        self.faults = FaultPlan()
+        self.listing_lags: dict[str, dict[str, float]] = {}  # peer -> {neighbour: seconds it is listed late}
         self.nodes: dict[str, SimNode] = {}
         self.kills = self.restarts = 0
 
@@ -350,15 +339,34 @@ class LoopSim:
     def loop(self, peer: str):
         return self.nodes[peer].loop
 
-    async def start(self, peer: str, *, restart: bool = False) -> SimNode:
+    def list_late(self, peer: str, other: str, seconds: float) -> None:
+        """``peer``'s node lists ``other`` as directly connected only ``seconds`` after it starts (each start), as
+        a real node's connection list lags its links."""
+        self.listing_lags.setdefault(peer, {})[other] = seconds
+
+    def say(self, peer: str, kind, body: dict) -> bytes:
+        """Publish a message of the run's loop as ``peer``, through its node's gossip, tagged with the run's
+        fingerprint (taken from a peer whose loop has built its model): a peer's words without its loop's say, as
+        a Sybil's or a forger's. Returns the message id."""
+        from swarmd.transport.wire import WIRE
+
+        built = next(n.loop for n in self.nodes.values() if n.loop is not None and n.loop.fp is not None)
+        gossip = self.nodes[peer].gossip
+        if built.topic not in gossip.topics:
+            gossip.subscribe(built.topic, max_size=1 << 20, queue_size=0)
+        return gossip.publish(built.topic, WIRE.pack(kind, {**body, "t": [built.fp["layout"], built.fp["config"]]}))
+
+    async def start(self, peer: str, *, restart: bool = False, loop: bool = True) -> SimNode:
+        """Start ``peer``'s node (``restart``: a new life with the same identity, op log and data dir); ``loop``
+        False: its node only (gossip, replication, transport), which runs no training loop."""
         self.dirs[peer].mkdir(parents=True, exist_ok=True)
         if restart:
             self.lives[peer] += 1
             self.restarts += 1
         node = SimNode(self.net, self._by_id[peer], self.admission, self.cfg, current(),
                        neighbours=set(self.peers) - {peer}, log=self.logs[peer], data_dir=self.dirs[peer],
-                       loop=functools.partial(self._make_loop, self.classes.get(peer, self.loop_cls)),
-                       life=self.lives[peer])
+                       loop=functools.partial(self._make_loop, self.classes.get(peer, self.loop_cls)) if loop else None,
+                       life=self.lives[peer], listed_late=self.listing_lags.get(peer))
         self.nodes[peer] = node
         await node.start()
         await _reconnect(self.nodes, peer)
@@ -376,7 +384,7 @@ class LoopSim:
         return [n for n in self.nodes.values() if n.up]
 
     def finished(self) -> bool:
-        return all(n.loop.state in ("done", "failed") for n in self.live())
+        return all(n.loop.state in ("done", "failed") for n in self.live() if n.loop is not None)
 
     async def until(self, cond, timeout: float, what: str) -> float:
         return await until(cond, timeout, what, 0.1)
@@ -401,7 +409,17 @@ class DilocoSim(LoopSim):
                         deadline_low=1.0, deadline_high=10.0, exchange=churn.exchange, codec="int8", inner_lr=0.05,
                         outer_lr=1.0, outer_momentum=0.0, device="cpu", threads=1)
         self.dcfg = diloco.DilocoConfig(**{**defaults, **settings})
-        self.loop_cls = _paced(diloco.DilocoLoop, churn.step_seconds)
+        self.loop_cls = diloco.DilocoLoop
+        # simulated compute: each inner step takes its peer's pace of virtual time (the real compute costs none)
+        self.paces: dict[str, float] = {}
+        self.faults.add("step", "enter", self._compute)
+
+    def pace(self, peer: str, seconds: float) -> None:
+        """``peer``'s inner steps take ``seconds`` of simulated time each (the others' ``churn.step_seconds``)."""
+        self.paces[peer] = seconds
+
+    async def _compute(self, event) -> None:
+        await asyncio.sleep(self.paces.get(event.me, self.churn.step_seconds))
 
     def _make_loop(self, cls, gossip, bulk):
         loop = cls(gossip, bulk, self.dcfg, self.task)
@@ -409,7 +427,7 @@ class DilocoSim(LoopSim):
         return loop
 
     def report(self, took: float) -> dict:
-        loops = [n.loop for n in self.nodes.values()]
+        loops = [n.loop for n in self.nodes.values() if n.loop is not None]
         finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
         parts = [h["participants"] for lp in loops for h in lp.history]
         return {
@@ -452,7 +470,7 @@ class SpsaSim(LoopSim):
         return loop
 
     def report(self, took: float) -> dict:
-        loops = [n.loop for n in self.nodes.values()]
+        loops = [n.loop for n in self.nodes.values() if n.loop is not None]
         finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
         return {"peers": self.cfg.peers, "windows": self.churn.rounds, "kills": self.kills,
                 "restarts": self.restarts, "simulated_s": took, "done": sum(lp.state == "done" for lp in loops),
@@ -482,7 +500,7 @@ class SapoSim(LoopSim):
         return cls(gossip, self.dcfg, self.task)
 
     def report(self, took: float) -> dict:
-        loops = [n.loop for n in self.nodes.values()]
+        loops = [n.loop for n in self.nodes.values() if n.loop is not None]
         return {"peers": self.cfg.peers, "rounds": self.churn.rounds, "kills": self.kills,
                 "restarts": self.restarts, "simulated_s": took, "done": sum(lp.state == "done" for lp in loops),
                 "items_used_external": sum(lp.counters.get("items_used_external", 0) for lp in loops),

@@ -10,7 +10,9 @@ few named phases the loop reports an :class:`Event` and the plan's matching faul
 - ``plan.altered(phase, loop, value, ...)``: a value the loop computed or serves, changed (a Byzantine update, a
   checkpoint that lies).
 
-DiLoCo's phases (``protocols/diloco/``): ``update`` (alter: our pseudo-gradient, r = the round it is for),
+DiLoCo's phases (``protocols/diloco/``): ``built`` (enter: the model is built and our own checkpoint, if any,
+resumed; before the start barrier), ``step`` (enter: an inner step has run, ``info["step"]``; the simulator's
+compute time is a delay here), ``update`` (alter: our pseudo-gradient, r = the round it is for),
 ``scatter`` (enter: a scatter round's exchange starts), ``conform`` (enter: its parts are made the coordinator's;
 ``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from ``source``), ``message`` (drops: a
 pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the checkpoint we serve, as a dict before it is

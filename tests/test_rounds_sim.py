@@ -8,8 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from swarmd.node.sim import (ChurnConfig, DilocoSim, SimConfig, _paced, diloco_links_change, first_uplink_falls,
-                      lists_direct_late)
+from swarmd.node.sim import ChurnConfig, DilocoSim, SimConfig, diloco_links_change, first_uplink_falls
 from swarmd.protocols import codecs, diloco
 from swarmd.transport.memory import LinkSpec, run_virtual
 
@@ -142,7 +141,7 @@ def test_a_slow_peer_costs_the_others_a_deadline_not_the_run(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
         slow = sim.peers[3]
-        sim.classes[slow] = _paced(diloco.DilocoLoop, 0.5)  # five times slower inner steps
+        sim.pace(slow, 0.5)  # five times slower inner steps
         async with sim:
             await sim.start_all()
             took = await sim.until(lambda: all(sim.loop(p).state == "done" for p in sim.peers[:3]), 600,
@@ -1140,7 +1139,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     nodes can show it). Here node A lists B as direct only 3 s after A starts, B starts within that time."""
     sim = DilocoSim(SimConfig(peers=4, seed=7), ChurnConfig(rounds=4, dim=256, inner_steps=40), tmp_path)
     a, late = sim.peers[0], sim.peers[1]
-    sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)
+    sim.list_late(a, late, 3.0)
 
     async def main():
         async with sim:
@@ -1214,10 +1213,8 @@ def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpo
 
     resumed = []
 
-    class Records(_paced(diloco.DilocoLoop, 0.1)):
-        def _resume_own(self):
-            super()._resume_own()
-            resumed.append({p: r.clone() for p, r in self.residual.items()})
+    def records(event) -> None:  # what it holds once its model is built and its own checkpoint resumed
+        resumed.append({p: r.clone() for p, r in event.loop.residual.items()})
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=8, dim=2048, codec="topk2", codec_options={"density": 1 / 16, "chunk": 256},
@@ -1227,7 +1224,7 @@ def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpo
             await sim.start_all()
             await _kill_mid_round(sim, victim)
             saved, _ = checkpoint.load(checkpoint.latest(sim.dirs[victim], "diloco"))
-            sim.classes[victim] = Records
+            sim.faults.signal("built", records, peer=victim)
             await sim.start(victim, restart=True)
             await sim.until(sim.finished, 300, "everyone to finish")
             return saved, _finals(sim)

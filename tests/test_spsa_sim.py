@@ -8,7 +8,7 @@ import msgpack
 import pytest
 import torch
 
-from swarmd.node.sim import ChurnConfig, SimConfig, SpsaSim, lists_direct_late
+from swarmd.node.sim import ChurnConfig, SimConfig, SpsaSim
 from swarmd.protocols import gossip as pubsub
 from swarmd.protocols import spsa
 from swarmd.transport import framing
@@ -676,7 +676,7 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     (dropped, it would leave A at the barrier, replaying the others' log to join them)."""
     sim = _sim(tmp_path, 4, windows=6)
     a, late = sim.peers[0], sim.peers[1]
-    sim.classes[a] = lists_direct_late(sim.loop_cls, late, 3.0)
+    sim.list_late(a, late, 3.0)
 
     async def main():
         async with sim:

@@ -139,6 +139,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         with self.work.track("model build"):
             await asyncio.to_thread(self._build)
         self._resume_own()
+        if self.faults:
+            await self.faults.enter("built", self)
         if not (self.cfg.rounds and min(self.rounds_done) >= self.cfg.rounds):  # else: our saved run had ended
             if not self.rounds_done[0]:
                 await self._serve_probe()
@@ -185,6 +187,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                                                           waiting) - self.step)
                     t0 = self.clock.monotonic()
                     await self._train_step()
+                    if self.faults:
+                        await self.faults.enter("step", self, info={"step": self.step})
                     self.timings.compute += self.clock.monotonic() - t0
                 self.step += 1
             for p in range(self.cfg.fragments):
