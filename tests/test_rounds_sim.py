@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from swarmd.node.sim import ChurnConfig, DilocoSim, SimConfig, diloco_links_change, first_uplink_falls
-from swarmd.protocols import codecs, diloco
+from swarmd.protocols import codecs, diloco, outer
 from swarmd.transport.memory import LinkSpec, run_virtual
 
 pytestmark = pytest.mark.beside  # pure computation or virtual time (tests/conftest.py)
@@ -1035,41 +1035,47 @@ def test_a_checkpoint_that_lists_fresh_keys_as_participants_gives_them_no_say(tm
         return {**ckpt, "participants": {str(p): sorted(set(v) | set(sybil_ids))
                                          for p, v in event.loop.participants.items()}}
 
-    joined = None  # set once the joiner has joined: the keys speak from then on (before, with no peer to trust
-    # yet, a fresh joiner follows the majority of its directly connected peers, whoever they are)
+    async def speak(sim, sybils: list[str], run: list[str]) -> None:
+        """The keys' words once the joiner is in (before, with no peer to trust yet, a fresh joiner follows the
+        majority of its directly connected peers, whoever they are): the hash of weights of their own (the run's
+        initial ones plus 1) for the rounds about the run's latest, and a checkpoint of those weights, rounds
+        ahead, to whoever asks."""
+        none = codecs.get("none")
+        fake = [g + 1.0 for g in sim.loop(sybils[0]).global_flat]
+        fake_hash = outer.params_hash(fake)
+        said = {"latest": 0}
 
-    class Sybil(diloco.DilocoLoop):
-        async def _run(self):
-            await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
-            self.state = "waiting for peers"
-            fake = [g + 1.0 for g in self.global_flat]
-            await joined.wait()
-            while True:
-                latest = max((r for r, _ in self.book.hashes), default=0)
-                self.global_flat, self.rounds_done = fake, [latest + 1]  # what its checkpoint serves
+        def serves_fake(event, ckpt: dict) -> dict:
+            return {**ckpt, "global": [none.encode(g).to_wire() for g in fake], "rounds_done": [said["latest"] + 1],
+                    "global_hash": fake_hash}
+
+        for p in sybils:
+            sim.faults.alter("checkpoint", serves_fake, peer=p)
+        while True:
+            said["latest"] = latest = max(0, max(sim.loop(p).rounds_done[0] for p in run) - 1)  # its last hash
+            for p in sybils:
                 for r in range(max(0, latest - 1), latest + 3):
-                    self._publish(diloco.ROUND_HASH, {"r": r, "p": 0, "h": self.global_hash()})
-                await asyncio.sleep(0.5)
+                    sim.say(p, diloco.ROUND_HASH, {"r": r, "p": 0, "h": fake_hash})
+            await asyncio.sleep(0.5)
 
     async def main():
-        nonlocal joined
-        joined = asyncio.Event()
         sim = _sim(tmp_path, 11, rounds=12, min_peers=4)
         founders, late, sybils = sim.peers[:4], sim.peers[4], sim.peers[5:]
         sybil_ids.extend(sybils)
         # the first of the holders the joiner lists (none is measured faster)
         sim.faults.alter("checkpoint", lists, peer=min(founders))
         for p in sybils:
-            sim.classes[p] = Sybil
+            sim.faults.hang("built", peer=p)  # a key's node has built the run's model and never trains it
         async with sim:
             await sim.start_all(sybils)
             await sim.start_all(founders)
             await sim.until(lambda: min(sim.loop(p).rounds_done[0] for p in founders) >= 3, 120, "round 3")
             await sim.start(late)
             await sim.until(lambda: sim.loop(late).counters["joined_from_checkpoint"], 120, "the join")
-            joined.set()
+            speaking = asyncio.create_task(speak(sim, sybils, [*founders, late]))
             await sim.until(lambda: all(sim.loop(p).state == "done" for p in [*founders, late]), 300,
                             "the run's peers to finish")
+            speaking.cancel()
             joiner = sim.loop(late)
             return (joiner.counters, {sim.loop(p).final_hash for p in [*founders, late]}, joiner.history,
                     [joiner.standing.vouched(s) for s in sybils])

@@ -590,7 +590,7 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
     other weights than the run. A replayed log must lead to the weights the other peers it trusts said they held
     at its last window: the keys' batches moved them, so the log is refused before anything of it is kept, and
     the joiner takes the next peer's."""
-    joined, keys = None, []
+    keys = []
 
     def adds_batches(e, honest):
         lp, log = e.loop, [list(entry) for entry in honest]
@@ -603,36 +603,32 @@ def test_a_log_that_carries_fresh_keys_batches_gives_them_no_say(tmp_path):
                 entry[1] = [*entry[1], {"b": body, "s": ident.sign(pubsub.SIGN_DOMAIN + body)}]
         return log
 
-    class Sybil(spsa.SPSALoop):
-        async def _run(self):
-            await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
-            self.state = "waiting for peers"
-            await joined.wait()
-            while True:
-                for w in range(self.window, self.window + 3):  # the windows the run is at, as it hears them
-                    self._publish(spsa.HASH, {"w": w, "h": "f" * 32})
-                self.window = max(self.book.open, default=self.window)
-                await asyncio.sleep(0.5)
+    async def vote(sim, sybils: list[str], run: list[str]) -> None:
+        """The keys' votes once the joiner is in: weights of their own for the windows the run is at."""
+        while True:
+            window = max(sim.loop(p).window for p in run)
+            for p in sybils:
+                for w in range(window, window + 3):
+                    sim.say(p, spsa.HASH, {"w": w, "h": "f" * 32})
+            await asyncio.sleep(0.5)
 
     async def main():
-        nonlocal joined
-        joined = asyncio.Event()
         sim = _sim(tmp_path, 10, windows=16, min_peers=3)
         founders, late, sybils = sim.peers[:3], sim.peers[3], sim.peers[4:]
         first = min(founders)
         adds = sim.faults.alter("serve-log", adds_batches, peer=first)
         sim.faults.alter("replay-from", lambda e, peers: sorted(peers, key=lambda p: p != first), peer=late)
-        for p in sybils:
-            sim.classes[p] = Sybil
         async with sim:
-            await sim.start_all(sybils)
+            for p in sybils:  # the keys' nodes: peers of the swarm that run no loop
+                await sim.start(p, loop=False)
             keys.extend(sim.nodes[p].identity for p in sybils)
             await _found_then_join(sim, late)
             await sim.until(lambda: sim.loop(late).state == "running" and sim.loop(late).window
                             >= sim.loop(late).join_at, 120, "the join")
-            joined.set()
+            voting = asyncio.create_task(vote(sim, sybils, [*founders, late]))
             await sim.until(lambda: all(sim.loop(p).final_hash for p in [*founders, late]), 300,
                             "the run's peers to finish")
+            voting.cancel()
             joiner = sim.loop(late)
             return ({sim.loop(p).final_hash for p in [*founders, late]}, joiner.status(),
                     [joiner.standing.vouched(s) for s in sybils], adds.fired)
