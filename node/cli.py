@@ -14,6 +14,7 @@ import re
 import signal
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
@@ -106,7 +107,7 @@ def start(config_path, settings, **flags) -> None:
         identity, created = Identity.load_or_create(data_dir / datadir.IDENTITY_FILE)
         if created:
             logging.getLogger("swarmd").info("created identity %s in %s", identity.peer_id, data_dir)
-        code = _run_node(config, identity, data_dir, prepared)
+        code = _run_node(config, identity, data_dir, prepared, _root_obj().get("on_loops"))
     finally:
         lock.release()
     # Everything is closed and flushed; skip interpreter finalization, which resets signal handlers to their
@@ -117,7 +118,12 @@ def start(config_path, settings, **flags) -> None:
     os._exit(code)
 
 
-def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
+def _root_obj() -> dict:
+    """What ``main``'s caller handed the command (``main(on_loops=...)``)."""
+    return click.get_current_context().find_root().obj or {}
+
+
+def _run_node(config, identity, data_dir: Path, prepared: list, on_loops=None) -> int:
     import asyncio
 
     import uvloop
@@ -131,7 +137,10 @@ def _run_node(config, identity, data_dir: Path, prepared: list) -> int:
     gossip = Gossip()
     tcp_hosts = [a.split("/")[2] for a in config.network.listen if a.startswith("/ip4/") and "/tcp/" in a]
     bulk = BulkService(gossip, host=tcp_hosts[0] if tcp_hosts else "0.0.0.0", port=config.network.bulk_port)
-    services = [gossip, bulk] + _loops(prepared, gossip, bulk)
+    loops = _loops(prepared, gossip, bulk)
+    if on_loops is not None:
+        on_loops(loops)
+    services = [gossip, bulk] + loops
     node = Node(config, identity, data_dir, services=services)
     stop_signals = 0
 
@@ -655,9 +664,12 @@ def _peer_id_or_error(path: Path) -> str:
         return "unreadable"
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, *, on_loops: Callable[[list], None] | None = None) -> None:
+    """The ``swarmd`` command. ``on_loops``, for a script that runs the command in its own process: called with the
+    training loops ``start`` made from the config, before the node starts them (a test's peer installs its fault
+    plan on them: ``tests/byzantine_peer.py``)."""
     try:
-        cli.main(args=argv, prog_name="swarmd", standalone_mode=False)
+        cli.main(args=argv, prog_name="swarmd", standalone_mode=False, obj={"on_loops": on_loops})
     except click.UsageError as e:
         hint = f" (see `swarmd {e.ctx.info_name} --help`)" if e.ctx and e.ctx.parent else ""
         print(f"swarmd: error: {e.format_message()}{hint}", file=sys.stderr)

@@ -12,7 +12,9 @@ few named phases the loop reports an :class:`Event` and the plan's matching faul
 
 DiLoCo's phases (``protocols/diloco/``): ``built`` (enter: the model is built and our own checkpoint, if any,
 resumed; before the start barrier), ``step`` (enter: an inner step has run, ``info["step"]``; the simulator's
-compute time is a delay here), ``update`` (alter: our pseudo-gradient, r = the round it is for),
+compute time is a delay here), ``update`` (alter: our pseudo-gradient, r = the round it is for), ``encoded``
+(alter: our update as we will serve and announce it, the tuple (payloads, their hashes, the update as the others
+decode it or None, its norm, the base's hash)),
 ``scatter`` (enter: a scatter round's exchange starts), ``conform`` (enter: its parts are made the coordinator's;
 ``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from ``source``), ``message`` (drops: a
 pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the checkpoint we serve, as a dict before it is
@@ -26,6 +28,11 @@ SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte w
 ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
 base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
 [window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order).
+
+SAPO's phase (``protocols/sapo.py``): ``share`` (alter: the completions we share for a round, a list per question;
+``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)).
+
+A node run by ``swarmd start`` reaches its loops through ``node.cli.main(on_loops=...)`` (tests/byzantine_peer.py).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from swarmd.node.services import NodeContext
 from swarmd.protocols import checkpoint, codecs, rounds
 from swarmd.protocols import task as tasks
 from swarmd.protocols.checkpoint import model_state
+from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip, Message, Verdict
 from swarmd.protocols.grpo import Group
 from swarmd.protocols.standing import check_peer_ids
@@ -233,6 +234,7 @@ class SapoLoop(TaskLoop):
         self.policy = None
         self.model: torch.nn.Module | None = None
         self.last_loss: float | None = None
+        self.faults = FaultPlan()  # a test's faults by peer, round and phase (none in production)
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -399,6 +401,8 @@ class SapoLoop(TaskLoop):
 
     # ------------------------------------------------------------------ rounds
     def _publish(self, r: int, q_seed: int, specs: list[tuple[str, int]], comps: list[list[str]]) -> None:
+        if self.faults:
+            comps = self.faults.altered("share", self, comps, r=r, info={"q_seed": q_seed, "specs": specs})
         body = {"r": r, "items": [{"spec": [d, q_seed, k], "comps": c} for (d, k), c in zip(specs, comps)]}
         mid = self.gossip.publish(self.topic, WIRE.pack(ROLLOUTS, self._tag(body)))
         self.counters["items_shared"] += len(comps)

@@ -1,18 +1,25 @@
 """A swarmd node that trains like the others but sends Byzantine contributions to its loops. Run as a script in place
-of ``python -m node`` with the behaviour as its first argument (a test seam from outside production code):
+of ``python -m swarmd`` with the behaviour as its first argument:
 
     python tests/byzantine_peer.py diloco:scale100 start --config ...
 
-DiLoCo (its pseudo-gradient, before it is encoded and announced with the current base's hash):
-  ``scale100`` x100; ``nan`` NaN and Inf values; ``noise`` Gaussian noise of the honest update's norm; ``stale`` the
-  update it computed 3 rounds before (from an old base); ``same`` the update of its first round, every round.
-SPSA (its bytes): ``extreme`` the largest allowed |g| with a random sign at every step; ``random`` a random allowed
-  byte at every step; ``noise`` its honest |g| with a random sign (honest-sized noise); ``inverted`` its honest |g|
-  with the opposite sign (gradient ascent at an honest size).
-SAPO (the completions it shares): ``garbage`` random strings of the task's alphabet; ``wrong`` every completion
-  replaced by a well-formed wrong answer (the right answer's length, valid on the wire, scored 0 by the verifier).
+It runs the real node and installs a fault plan (protocols/faults.py) on the loops ``swarmd start`` makes
+(``node.cli.main(on_loops=...)``): what it sends is altered at the loop's named phases, its code is the honest one.
+
+DiLoCo (its pseudo-gradient, phase ``update``, before it is encoded and announced with the current base's hash):
+  ``scale100`` x100; ``noise`` Gaussian noise of the honest update's norm; ``stale`` the update it computed 3 rounds
+  before (from an old base); ``same`` the update of its first round, every round; ``nan`` (phase ``encoded``) its
+  honest update's parts in the run's codec with NaN in place of every float the codec keeps (its block scales, else
+  its values): it announces the honest, finite norm and serves bytes that decode to NaN.
+SPSA (its bytes, phase ``code``): ``extreme`` the largest allowed |g| with a random sign at every step; ``random`` a
+  random allowed byte at every step; ``noise`` its honest |g| with a random sign (honest-sized noise); ``inverted``
+  its honest |g| with the opposite sign (gradient ascent at an honest size).
+SAPO (the completions it shares, phase ``share``): ``garbage`` random strings of the task's alphabet; ``wrong`` every
+  completion replaced by a well-formed wrong answer (the right answer's length, valid on the wire, scored 0 by the
+  verifier).
 """
 
+import dataclasses
 import random
 import sys
 from pathlib import Path
@@ -21,95 +28,106 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from swarmd.protocols import codecs, diloco, sapo, spsa  # noqa: E402
+from swarmd.node.cli import main  # noqa: E402
+from swarmd.protocols import codecs, sapo, spsa  # noqa: E402
+from swarmd.protocols.bulk import content_hash  # noqa: E402
+from swarmd.protocols.faults import FaultPlan  # noqa: E402
 
 MODE = sys.argv.pop(1)
-loop, behaviour = MODE.split(":")
+LOOP, BEHAVIOUR = MODE.split(":")
 rng = random.Random(7)
 
-if loop == "diloco":
-    honest_update = diloco.DilocoLoop._pseudo_gradient
-    sent: dict[int, list[torch.Tensor]] = {}
 
-    def byzantine_update(self, p, local):
-        u = honest_update(self, p, local)
-        history = sent.setdefault(p, [])
+def diloco_faults(plan: FaultPlan) -> None:
+    sent: dict[int, list[torch.Tensor]] = {}  # fragment -> its last 4 honest updates
+    first: dict[int, torch.Tensor] = {}  # fragment -> its first round's update
+
+    def update(event, u: torch.Tensor) -> torch.Tensor:
+        history = sent.setdefault(event.p, [])
         history.append(u.clone())
         del history[:-4]
-        if behaviour == "scale100":
+        if BEHAVIOUR == "scale100":
             return u * 100
-        if behaviour == "nan":
-            u = u.clone()
-            u[::7] = float("nan")
-            u[1::7] = float("inf")
-            return u
-        if behaviour == "noise":
+        if BEHAVIOUR == "noise":
             g = torch.Generator().manual_seed(rng.randrange(2**31))
             z = torch.randn(u.numel(), generator=g)
             return z * (u.norm() / z.norm().clamp(min=1e-30))
-        if behaviour == "stale":
-            return history[0] if len(history) == 4 else u
-        if behaviour == "same":
-            first = sent.setdefault(-1 - p, [u.clone()])
-            return first[0]
-        raise SystemExit(f"unknown diloco behaviour {behaviour!r}")
+        if BEHAVIOUR == "stale":  # (a copy: the loop reuses the buffer of the update it sent)
+            return history[0].clone() if len(history) == 4 else u
+        return first.setdefault(event.p, u.clone()).clone()  # "same"
 
-    diloco.DilocoLoop._pseudo_gradient = byzantine_update
-    if behaviour == "nan":
-        # our own codec refuses to encode NaN: this peer's lets them through to the wire, and reads its own update
-        # back as finite, so it announces a finite norm and serves bytes that decode to NaN and infinity
-        honest_decode = codecs.decode
-        codecs._check_finite = lambda x: None
-        codecs.decode = lambda *a, **k: torch.nan_to_num(honest_decode(*a, **k), nan=0.0, posinf=0.0, neginf=0.0)
-        codecs.NoneCodec.lossless = False  # (with codec none too: the norm measured on what it reads back)
+    def nan_parts(event, prepared: tuple) -> tuple:
+        payloads, hashes, mine, norm, base = prepared
+        poisoned = []
+        for payload in payloads:
+            enc = codecs.from_wire(bytes(payload))
+            field = "scales" if enc.scales else "data"
+            nan = b"\xff" * len(getattr(enc, field))  # a float whose bytes are all 0xff is NaN, in any width
+            poisoned.append(bytearray(dataclasses.replace(enc, **{field: nan}).to_wire()))
+        return poisoned, [content_hash(x) for x in poisoned], mine, norm, base
 
-elif loop == "spsa":
-    honest_code = spsa.SPSALoop._code
+    if BEHAVIOUR == "nan":
+        plan.alter("encoded", nan_parts)
+    elif BEHAVIOUR in ("scale100", "noise", "stale", "same"):
+        plan.alter("update", update)
+    else:
+        raise SystemExit(f"unknown diloco behaviour {BEHAVIOUR!r}")
 
-    def byzantine_code(self, g, step):
-        if behaviour == "noise":
-            return honest_code(self, g, step) ^ (0x80 if rng.random() < 0.5 else 0)
-        if behaviour == "inverted":
-            return honest_code(self, g, step) ^ 0x80
-        if behaviour == "extreme":
-            return (0x80 if rng.random() < 0.5 else 0) | self._max_code
-        if behaviour == "random":
-            return (0x80 if rng.random() < 0.5 else 0) | rng.randrange(self._max_code + 1)
-        raise SystemExit(f"unknown spsa behaviour {behaviour!r}")
 
-    spsa.SPSALoop._code = byzantine_code
+def spsa_faults(plan: FaultPlan) -> None:
+    def code(event, honest: int) -> int:
+        cfg = event.loop.cfg
+        top = spsa.encode_grad(cfg.clip, cfg.clip) & 0x7F  # the largest |g| a byte may carry
+        sign = 0x80 if rng.random() < 0.5 else 0
+        if BEHAVIOUR == "noise":
+            return honest ^ sign
+        if BEHAVIOUR == "inverted":
+            return honest ^ 0x80
+        if BEHAVIOUR == "extreme":
+            return sign | top
+        return sign | rng.randrange(top + 1)  # "random"
 
-elif loop == "sapo":
-    honest_publish = sapo.SapoLoop._publish
+    if BEHAVIOUR not in ("noise", "inverted", "extreme", "random"):
+        raise SystemExit(f"unknown spsa behaviour {BEHAVIOUR!r}")
+    plan.alter("code", code)
 
-    def wrong(self, dataset, q_seed, index) -> str:
+
+def sapo_faults(plan: FaultPlan) -> None:
+    def wrong(loop, dataset, q_seed, index) -> str:
         """A well-formed wrong answer: as long as the right one, passing the wire rules, scoring 0 with the task's
         own verifier (what a receiver cannot tell from a right one without verifying it)."""
-        q = sapo.question(self.task, dataset, q_seed, index)
+        q = sapo.question(loop.task, dataset, q_seed, index)
         size = len(getattr(q, "answer", "00"))
         for _ in range(100):
             x = "".join(rng.choice("0123456789") for _ in range(size))
-            if self.rules.valid(x) and sapo.reward(self.task, q, x) == 0.0:
+            if loop.rules.valid(x) and sapo.reward(loop.task, q, x) == 0.0:
                 return x
         raise SystemExit("no wrong answer found")
 
-    def byzantine_publish(self, r, q_seed, specs, comps):
-        if behaviour == "garbage":
+    def share(event, comps: list[list[str]]) -> list[list[str]]:
+        loop = event.loop
+        if BEHAVIOUR == "garbage":
             alphabet = "0123456789-+ abcdefghijklmnopqrstuvwxyz"
-            comps = [["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in c]
-                     for c in comps]
-            comps = [[x if self.rules.valid(x) else "0" for x in c] for c in comps]
-        elif behaviour == "wrong":
-            comps = [[wrong(self, d, q_seed, k) for _ in c] for (d, k), c in zip(specs, comps)]
-        else:
-            raise SystemExit(f"unknown sapo behaviour {behaviour!r}")
-        honest_publish(self, r, q_seed, specs, comps)
+            comps = [["".join(rng.choice(alphabet) for _ in range(rng.randrange(1, 12))) for _ in c] for c in comps]
+            return [[x if loop.rules.valid(x) else "0" for x in c] for c in comps]
+        return [[wrong(loop, d, event.info["q_seed"], k) for _ in c] for (d, k), c in zip(event.info["specs"], comps)]
 
-    sapo.SapoLoop._publish = byzantine_publish
+    if BEHAVIOUR not in ("garbage", "wrong"):
+        raise SystemExit(f"unknown sapo behaviour {BEHAVIOUR!r}")
+    plan.alter("share", share)
 
-else:
-    raise SystemExit(f"unknown loop {loop!r}")
 
-from swarmd.node.cli import main  # noqa: E402
+PLANS = {"diloco": diloco_faults, "spsa": spsa_faults, "sapo": sapo_faults}
+if LOOP not in PLANS:
+    raise SystemExit(f"unknown loop {LOOP!r}")
+PLAN = FaultPlan()
+PLANS[LOOP](PLAN)
 
-main()
+
+def install(loops: list) -> None:
+    for loop in loops:
+        if loop.name == LOOP:
+            loop.faults = PLAN
+
+
+main(on_loops=install)

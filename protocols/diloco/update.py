@@ -41,6 +41,8 @@ class UpdateMixin:
             self.counters["updates_withheld"] += 1
             logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
             return
+        if self.faults:
+            prepared = self.faults.altered("encoded", self, prepared, r=r, p=p)
         payloads, hashes, mine, norm, base = prepared
         for blob_hash, payload in zip(hashes, payloads):
             self.bulk.keep_prepared(blob_hash, payload)  # served to whoever the round makes pull them
