@@ -8,29 +8,33 @@ few named phases the loop reports an :class:`Event` and the plan's matching faul
   kills the node meanwhile), raise, or signal the test;
 - ``plan.drops(phase, loop, ...)``: whether to drop what arrives (a message the gossip validator sees);
 - ``plan.altered(phase, loop, value, ...)``: a value the loop computed or serves, changed (a Byzantine update, a
-  checkpoint that lies).
+  checkpoint that lies);
+- ``plan.note(phase, loop, ...)``: a moment the loop goes through where it cannot wait (a synchronous method): a
+  test ``watch``es it, or acts on it at once (``on``: a callback).
 
 DiLoCo's phases (``protocols/diloco/``): ``built`` (enter: the model is built and our own checkpoint, if any,
 resumed; before the start barrier), ``step`` (enter: an inner step has run, ``info["step"]``; the simulator's
-compute time is a delay here), ``update`` (alter: our pseudo-gradient, r = the round it is for), ``encoded``
-(alter: our update as we will serve and announce it, the tuple (payloads, their hashes, the update as the others
-decode it or None, its norm, the base's hash)),
-``scatter`` (enter: a scatter round's exchange starts), ``conform`` (enter: its parts are made the coordinator's;
-``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from ``source``), ``message`` (drops: a
-pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the checkpoint we serve, as a dict before it is
-packed), ``checkpoint-served`` (enter: after serving one), ``checkpoint-pulled`` (enter: after pulling one from
-``source``), ``joined`` (enter: we joined from a checkpoint), ``ask-early`` (drops: a round's wait asks no peer for the
-announcements its view names), ``announcement-served`` (alter: a signed
-announcement we serve), ``publish`` (a note: we publish a message of ``kind``; ``watch`` it, then ``happened``).
+compute time is a delay here), ``update`` (alter: our pseudo-gradient, r = the round it is for), ``encoded`` (alter:
+our update as we will serve and announce it, the tuple (payloads, their hashes, the update as the others decode it
+or None, its norm, the base's hash)), ``scatter`` (enter: a scatter round's exchange starts), ``conform`` (enter:
+its parts are made the coordinator's; ``info["coordinator"]``), ``fetch`` (enter: a part or chunk is pulled from
+``source``), ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``checkpoint`` (alter: the
+checkpoint we serve, as a dict before it is packed), ``checkpoint-served`` (enter: after serving one),
+``checkpoint-pulled`` (enter: after pulling one from ``source``), ``joined`` (enter: we joined from a checkpoint),
+``ask-early`` (drops: a round's wait asks no peer for the announcements its view names), ``announcement-served``
+(alter: a signed announcement we serve), ``publish`` (a note: we publish a message of ``kind``, ``info["body"]``;
+``watch`` it, then ``happened``, or act ``on`` it), ``reduce`` (enter: we combine a round's updates: a scatter part,
+``info["part"]``, or all-to-all's whole updates), ``closed`` (enter: round r of every fragment closed).
 
 SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte we send for a step,
 ``info["step"]``), ``publish`` (alter: the body of a message of ``kind`` we publish, before it is signed),
 ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
 base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
-[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order).
+[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
+``closed`` (enter: window r closed).
 
-SAPO's phase (``protocols/sapo.py``): ``share`` (alter: the completions we share for a round, a list per question;
-``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)).
+SAPO's phases (``protocols/sapo.py``): ``share`` (alter: the completions we share for a round, a list per question;
+``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``closed`` (enter: round r closed).
 
 A node run by ``swarmd start`` reaches its loops through ``node.cli.main(on_loops=...)`` (tests/byzantine_peer.py).
 """
@@ -58,8 +62,8 @@ class Event:
 @dataclass
 class Fault:
     phase: str
-    effect: str  # "enter", "drop" or "alter"
-    action: Callable | None = None  # enter: async (event) -> None; alter: (event, value) -> value
+    effect: str  # "enter", "drop", "alter" or "note"
+    action: Callable | None = None  # enter: async (event) -> None; alter: (event, value) -> value; note: (event)
     peer: str | None = None
     round: int | None = None
     fragment: int | None = None
@@ -127,6 +131,10 @@ class FaultPlan:
     def alter(self, phase: str, fn: Callable[[Event, Any], Any], **match) -> Fault:
         return self.add(phase, "alter", fn, **match)
 
+    def on(self, phase: str, then: Callable[[Event], None], **match) -> Fault:
+        """``then(event)`` where the loop notes ``phase`` (at once: the loop does not wait for anything there)."""
+        return self.add(phase, "note", then, **match)
+
     def watch(self, phase: str) -> None:
         self._watched.add(phase)
 
@@ -153,7 +161,9 @@ class FaultPlan:
             await fault.action(event)
 
     def note(self, phase: str, loop, **kw) -> None:
-        self._event(phase, loop, kw)
+        event = self._event(phase, loop, kw)
+        for fault in self._matching(event, "note"):
+            fault.action(event)
 
     def drops(self, phase: str, loop, **kw) -> bool:
         return bool(self._matching(self._event(phase, loop, kw), "drop"))

@@ -286,6 +286,8 @@ class SapoLoop(TaskLoop):
                 self.sources.scored(me, g.rewards)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
             await self._close_round(r)
+            if self.faults:
+                await self.faults.enter("closed", self, r=r)
             external, ext_reward, scored = await asyncio.to_thread(self._draw_external, rng)
             self._judge_sources(r, scored)
             local = rounds.pick_local(own, cfg.local, rng)

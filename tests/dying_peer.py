@@ -1,6 +1,8 @@
 """A swarmd node that dies at a chosen point of a DiLoCo run, for the fault tests and the kill bench. Run as a script in
-place of ``python -m node`` (a test seam from outside production code): the first argument names the point, the rest
-are swarmd's.
+place of ``python -m swarmd``: the first argument names the point, the rest are swarmd's. It runs the real node and
+installs a fault plan (protocols/faults.py) on the loops ``swarmd start`` makes (``node.cli.main(on_loops=...)``):
+the loop's phases say when to die; a checkpoint's and an op log's writes, below the loops, are wrapped where they
+reach the file system.
 
 The tests' points (exit 137, what kill -9 leaves):
 
@@ -16,9 +18,10 @@ first such moment after it closed a round (an SPSA window) with the swarm in thi
 
   inner        DiLoCo: after 1..H-1 more inner steps (mid-round, its update not computed)
   travel       DiLoCo: 0.05-0.5 s after it announced its update (the others are pulling its chunks)
-  reduce       DiLoCo: inside a part reduction (scatter: its update announced, the parts it reduces never come)
+  reduce       DiLoCo: as it combines a round's updates (scatter: a part; its update announced, the parts it
+               reduces never come)
   probe        SPSA: after 1..window-1 more steps of a window (its batch of bytes not sent)
-  sapo: rollout  SAPO: while it samples and scores its round's completions (its items not shared)
+  sapo: rollout  SAPO: once it sampled and scored its round's completions (its items not shared)
   published    SPSA, SAPO: 0.05-0.5 s after it published its window's bytes / its round's items (the others are
                validating, forwarding and applying or scoring them)
   checkpoint   any loop: inside a checkpoint save, at one of: ``torn`` (half the new file written), ``written``
@@ -39,35 +42,33 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from swarmd.node import oplog  # noqa: E402
-from swarmd.protocols import checkpoint, diloco, exchange, sapo, spsa  # noqa: E402
+from swarmd.node.cli import main  # noqa: E402
+from swarmd.protocols import checkpoint, diloco, spsa  # noqa: E402
+from swarmd.protocols.faults import FaultPlan  # noqa: E402
 
 point = sys.argv.pop(1)
-calls = {"reduce": 0}
-honest_reduce = exchange.reduce_part
-honest_publish = diloco.DilocoLoop._publish
+plan = FaultPlan()
+loop_name = "diloco"
 
 
-def reduce_part(chunks, factors, size):
-    calls["reduce"] += 1
-    if point == "reducing" and calls["reduce"] == 3:
-        os._exit(137)
-    return honest_reduce(chunks, factors, size)
+def reducing() -> None:
+    reductions = {"n": 0}
+
+    async def third(event) -> None:
+        reductions["n"] += 1
+        if reductions["n"] == 3:
+            os._exit(137)
+    plan.add("reduce", "enter", third)
 
 
-def publish(self, kind, body):
-    if point == "published" and kind is diloco.REDUCED and body["r"] >= 1:
-        self.bulk.drop([body["blob"]])  # nobody gets it from us
+def published() -> None:
+    def unserved(event) -> None:  # a reduced part nobody gets from us
+        event.loop.bulk.drop([event.info["body"]["blob"]])
         threading.Timer(0.5, os._exit, (137,)).start()
-    return honest_publish(self, kind, body)
+    plan.on("publish", unserved, kind=diloco.REDUCED, when=lambda e: e.r >= 1)
 
 
-exchange.reduce_part = reduce_part
-diloco.DilocoLoop._publish = publish
-
-if point.startswith("kill:"):
-    parts = point.split(":")[1:]
-    loop_name, phase = parts if len(parts) == 2 else ("diloco", parts[0])
-    loop_cls = {"diloco": diloco.DilocoLoop, "spsa": spsa.SPSALoop, "sapo": sapo.SapoLoop}[loop_name]
+def kill(loop: str, phase: str) -> None:
     rng = random.Random()
     armed = {"on": False, "steps": None}
 
@@ -75,89 +76,51 @@ if point.startswith("kill:"):
         print(f"dying_peer: kill at {phase}:{how}", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
-    def arm_after(method: str) -> None:
-        """Armed once ``method`` (the loop's round close, async) returned once in this life."""
-        honest = getattr(loop_cls, method)
+    async def arm(event) -> None:  # once a round (an SPSA window) closed with the swarm in this life
+        if not armed["on"]:
+            armed["on"] = True
+            print(f"dying_peer: armed at round {event.r}", flush=True)
+    plan.add("closed", "enter", arm)
 
-        async def closing(self, r, *a, **k):
-            out = await honest(self, r, *a, **k)
-            if not armed["on"]:
-                armed["on"] = True
-                print(f"dying_peer: armed at round {r}", flush=True)
-            return out
+    def after_steps(count: int, how: str) -> None:
+        if armed["steps"] is None:
+            armed["steps"] = rng.randrange(1, count)
+        armed["steps"] -= 1
+        if armed["steps"] <= 0:
+            die(how)
 
-        setattr(loop_cls, method, closing)
+    def later(how: str) -> None:
+        threading.Timer(rng.uniform(0.05, 0.5), die, (how,)).start()
 
-    arm_after({"diloco": "_after_round", "spsa": "_close_window", "sapo": "_close_round"}[loop_name])
-
-    if (loop_name, phase) == ("diloco", "inner"):
-        honest_inner = diloco.DilocoLoop._inner_step
-
-        def inner_step(self):
-            if armed["on"]:
-                if armed["steps"] is None:
-                    armed["steps"] = rng.randrange(1, self.cfg.inner_steps)
-                armed["steps"] -= 1
-                if armed["steps"] <= 0:
-                    die(f"step {self.step}")
-            honest_inner(self)
-
-        diloco.DilocoLoop._inner_step = inner_step
-    elif (loop_name, phase) == ("diloco", "travel"):
-        def travel_publish(self, kind, body):
-            mid = publish(self, kind, body)
-            if armed["on"] and kind is diloco.UPDATE:
-                threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {body['r']}",)).start()
-            return mid
-
-        diloco.DilocoLoop._publish = travel_publish
-    elif (loop_name, phase) == ("diloco", "reduce"):
-        def reduce_dying(chunks, factors, size):
-            if armed["on"]:
-                die("reducing")
-            return reduce_part(chunks, factors, size)
-
-        exchange.reduce_part = reduce_dying
-    elif (loop_name, phase) == ("spsa", "probe"):
-        honest_step = spsa.SPSALoop._step
-
-        def step(self, w, i, contribute, me):
-            if armed["on"] and contribute:
-                if armed["steps"] is None:
-                    armed["steps"] = rng.randrange(1, self.cfg.window)
-                armed["steps"] -= 1
-                if armed["steps"] <= 0:
-                    die(f"window {w} step {i}")
-            return honest_step(self, w, i, contribute, me)
-
-        spsa.SPSALoop._step = step
-    elif (loop_name, phase) == ("sapo", "rollout"):
-        honest_rollouts = sapo.SapoLoop._rollouts
-
-        def rollouts(self, q_seed, specs):
-            if armed["on"]:
-                die(f"round {self.round}")
-            return honest_rollouts(self, q_seed, specs)
-
-        sapo.SapoLoop._rollouts = rollouts
-    elif (loop_name, phase) == ("spsa", "published"):
-        honest_spsa_publish = spsa.SPSALoop._publish
-
-        def spsa_publish(self, kind, body):
-            honest_spsa_publish(self, kind, body)
-            if armed["on"] and kind is spsa.BATCH:
-                threading.Timer(rng.uniform(0.05, 0.5), die, (f"window {body['w']}",)).start()
-
-        spsa.SPSALoop._publish = spsa_publish
-    elif (loop_name, phase) == ("sapo", "published"):
-        honest_sapo_publish = sapo.SapoLoop._publish
-
-        def sapo_publish(self, r, q_seed, specs, comps):
-            honest_sapo_publish(self, r, q_seed, specs, comps)
-            if armed["on"]:
-                threading.Timer(rng.uniform(0.05, 0.5), die, (f"round {r}",)).start()
-
-        sapo.SapoLoop._publish = sapo_publish
+    if (loop, phase) == ("diloco", "inner"):
+        async def step(event) -> None:
+            after_steps(event.loop.cfg.inner_steps, f"step {event.info['step']}")
+        plan.add("step", "enter", step, when=lambda e: armed["on"])
+    elif (loop, phase) == ("diloco", "travel"):
+        plan.on("publish", lambda e: later(f"round {e.r}"), kind=diloco.UPDATE, when=lambda e: armed["on"])
+    elif (loop, phase) == ("diloco", "reduce"):
+        async def reduce(event) -> None:
+            die("reducing")
+        plan.add("reduce", "enter", reduce, when=lambda e: armed["on"])
+    elif (loop, phase) == ("spsa", "probe"):
+        def probe(event, code: int) -> int:
+            after_steps(event.loop.cfg.window, f"window {event.r} step {event.info['step'] % event.loop.cfg.window}")
+            return code
+        plan.alter("code", probe, when=lambda e: armed["on"])
+    elif (loop, phase) == ("sapo", "rollout"):
+        def rollout(event, comps):
+            die(f"round {event.r}")
+        plan.alter("share", rollout, when=lambda e: armed["on"])
+    elif (loop, phase) == ("spsa", "published"):
+        def batch(event, body: dict) -> dict:
+            later(f"window {body['w']}")
+            return body
+        plan.alter("publish", batch, kind=spsa.BATCH, when=lambda e: armed["on"])
+    elif (loop, phase) == ("sapo", "published"):
+        def shared(event, comps):
+            later(f"round {event.r}")
+            return comps
+        plan.alter("share", shared, when=lambda e: armed["on"])
     elif phase == "checkpoint":
         how = rng.choice(["torn", "written", "renamed"])
         honest_save_file, honest_replace = checkpoint.save_file, os.replace
@@ -197,8 +160,27 @@ if point.startswith("kill:"):
 
         oplog.OpLog.append = append
     else:
-        raise SystemExit(f"unknown phase {phase!r} for {loop_name}")
+        raise SystemExit(f"unknown phase {phase!r} for {loop}")
 
-from swarmd.node.cli import main  # noqa: E402
 
-main()
+if point == "reducing":
+    reducing()
+elif point == "published":
+    published()
+elif point.startswith("kill:"):
+    parts = point.split(":")[1:]
+    loop_name, phase = parts if len(parts) == 2 else ("diloco", parts[0])
+    if loop_name not in ("diloco", "spsa", "sapo"):
+        raise SystemExit(f"unknown loop {loop_name!r}")
+    kill(loop_name, phase)
+else:
+    raise SystemExit(f"unknown point {point!r}")
+
+
+def install(loops: list) -> None:
+    for loop in loops:
+        if loop.name == loop_name:
+            loop.faults = plan
+
+
+main(on_loops=install)

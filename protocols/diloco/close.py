@@ -146,6 +146,8 @@ class CloseMixin:
                 self._measure_rate(self.book.moving.pop(key))
         else:
             updates = {a: pending.updates[a] for a in members}
+            if self.faults:
+                await self.faults.enter("reduce", self, r=r, p=p)
             combined, rejected = await asyncio.to_thread(outer.combine, updates, self.global_flat[p].numel())
             self.timings.phases["combine"].append(self.clock.monotonic() - started)
             if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.global_flat[p].numel() <= self.cfg.redo_bytes:

@@ -204,6 +204,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                     rounds_done[p] += 1
                     if p == self.cfg.fragments - 1:
                         await self._after_round(rounds_done[p])
+                        if self.faults:
+                            await self.faults.enter("closed", self, r=rounds_done[p] - 1)
         await self._settle_final()
         for p in list(self._redo):
             self._drop_redo(p)

@@ -166,6 +166,8 @@ class ScatterMixin:
                     # decoded into the reduction's own buffer, its values now in the payload
                     return payload, content_hash(payload), codecs.decode(payload, out=combined)
 
+                if self.faults:
+                    await self.faults.enter("reduce", self, r=r, p=p, info={"part": k})
                 payload, blob_hash, decoded = await asyncio.to_thread(reduce_and_encode)
                 drop(chunks)
             computed[k] = (self.bulk.keep_prepared(blob_hash, payload), decoded, len(payload), whose)

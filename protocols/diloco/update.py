@@ -162,6 +162,6 @@ class UpdateMixin:
 
     def _publish(self, kind, body: dict) -> bytes:
         if self.faults:
-            self.faults.note("publish", self, r=body.get("r"), p=body.get("p"), kind=kind)
+            self.faults.note("publish", self, r=body.get("r"), p=body.get("p"), kind=kind, info={"body": body})
         return self.gossip.publish(self.topic, WIRE.pack(kind, self._tag(body)))
 

@@ -155,6 +155,8 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
                     self.losses.append((w * self.cfg.window, round(loss, 5)))
                     await self._report_progress(loss)
             await self._close_window(w)
+            if self.faults:
+                await self.faults.enter("closed", self, r=w)
             if w % self.cfg.hash_every == 0:
                 self._check_hashes(w)  # once the window's batches (their hashes) are in
             self.window = w + 1
