@@ -497,7 +497,9 @@ class SapoSim(LoopSim):
         self.loop_cls = _closing_after(sapo.SapoLoop, "_close_round", churn.inner_steps * churn.step_seconds)
 
     def _make_loop(self, cls, gossip, bulk):
-        return cls(gossip, self.dcfg, self.task)
+        loop = cls(gossip, self.dcfg, self.task)
+        loop.faults = self.faults
+        return loop
 
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values() if n.loop is not None]
