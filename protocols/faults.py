@@ -33,8 +33,10 @@ base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: t
 [window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
 ``closed`` (enter: window r closed).
 
-SAPO's phases (``protocols/sapo.py``): ``share`` (alter: the completions we share for a round, a list per question;
-``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``closed`` (enter: round r closed).
+SAPO's phases (``protocols/sapo.py``): ``rollouts`` (alter: our round's (scored groups, completions), as we train on
+and share them; ``info`` as ``share``'s), ``share`` (alter: the completions we share for a round, a list per
+question; ``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``closed`` (enter: round r
+closed).
 
 A node run by ``swarmd start`` reaches its loops through ``node.cli.main(on_loops=...)`` (tests/byzantine_peer.py).
 """

@@ -280,6 +280,9 @@ class SapoLoop(TaskLoop):
             q_seed = question_seed(cfg.run, cfg.seed, me, r)
             specs = [(datasets[k % len(datasets)], k) for k in range(cfg.questions)]
             own, comps = await asyncio.to_thread(self._rollouts, q_seed, specs)  # never on the event loop
+            if self.faults:
+                own, comps = self.faults.altered("rollouts", self, (own, comps), r=r,
+                                                 info={"q_seed": q_seed, "specs": specs})
             own_reward = sum(sum(g.rewards) for g in own) / (len(own) * cfg.completions)
             await asyncio.to_thread(self._mark_published, r)  # on disk before anyone can hold it
             for g in own:  # our own policy is one of the sources a peer's completions are judged against

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from swarmd.node.sim import ChurnConfig, SapoSim, SimConfig, _closing_after
+from swarmd.node.sim import ChurnConfig, SapoSim, SimConfig
 from swarmd.protocols import sapo
 from swarmd.transport.memory import run_virtual
 
@@ -17,11 +17,9 @@ def _sim(tmp_path, peers: int, rounds: int = 10, **settings) -> SapoSim:
     return SapoSim(SimConfig(peers=peers, seed=3), ChurnConfig(rounds=rounds), tmp_path, **settings)
 
 
-class Poisoner(sapo.SapoLoop):
-    """Shares the same wrong answer for every completion of every question."""
-
-    def _publish(self, r, q_seed, specs, comps):
-        super()._publish(r, q_seed, specs, [["999"] * len(c) for c in comps])
+def poisons(event, comps: list[list[str]]) -> list[list[str]]:
+    """Shares the same wrong answer for every completion of every question (SAPO's ``share`` phase)."""
+    return [["999"] * len(c) for c in comps]
 
 
 @pytest.mark.timeout(120)
@@ -47,7 +45,7 @@ def test_a_poisoners_items_are_rescored_and_never_used(tmp_path):
     async def main():
         sim = _sim(tmp_path, 4)
         poisoner = sim.peers[0]
-        sim.classes[poisoner] = _closing_after(Poisoner, "_close_round", 1.0)  # as the honest ones: 10 x 0.1 s
+        sim.faults.alter("share", poisons, peer=poisoner)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -61,19 +59,19 @@ def test_a_poisoners_items_are_rescored_and_never_used(tmp_path):
 
 
 def oracle(accuracy: float):
-    """A policy class that answers right with probability ``accuracy`` (its own rollouts and what it shares): an
-    honest peer of a known strength, so the test does not wait for a tiny policy to learn."""
+    """A policy that answers right with probability ``accuracy`` (its own rollouts and what it shares; SAPO's
+    ``rollouts`` phase): an honest peer of a known strength, so the test does not wait for a tiny policy to learn."""
 
-    class Oracle(sapo.SapoLoop):
-        def _rollouts(self, q_seed, specs):
-            rng = random.Random(f"{accuracy}/{q_seed}")
-            questions = [sapo.question(self.task, d, q_seed, k) for d, k in specs]
-            comps = [[q.answer if rng.random() < accuracy else f"{(int(q.answer) + 1) % 100:02d}"
-                      for _ in range(self.cfg.completions)]
-                     for q in questions]
-            return [sapo.score(self.task, d, q_seed, k, c) for (d, k), c in zip(specs, comps)], comps
+    def answers(event, rolled: tuple) -> tuple:
+        lp, q_seed, specs = event.loop, event.info["q_seed"], event.info["specs"]
+        rng = random.Random(f"{accuracy}/{q_seed}")
+        questions = [sapo.question(lp.task, d, q_seed, k) for d, k in specs]
+        comps = [[q.answer if rng.random() < accuracy else f"{(int(q.answer) + 1) % 100:02d}"
+                  for _ in range(lp.cfg.completions)]
+                 for q in questions]
+        return [sapo.score(lp.task, d, q_seed, k, c) for (d, k), c in zip(specs, comps)], comps
 
-    return Oracle
+    return answers
 
 
 @pytest.mark.timeout(120)
@@ -84,8 +82,9 @@ def test_a_source_that_never_scores_is_penalised_as_useless_and_honest_ones_neve
     async def main():
         sim = _sim(tmp_path, 4, rounds=24, questions=8, completions=4)
         poisoner = sim.peers[0]
-        for peer, cls in zip(sim.peers, [Poisoner, oracle(0.5), oracle(0.3), oracle(0.15)]):
-            sim.classes[peer] = _closing_after(cls, "_close_round", 1.0)
+        sim.faults.alter("share", poisons, peer=poisoner)
+        for peer, accuracy in zip(sim.peers[1:], [0.5, 0.3, 0.15]):
+            sim.faults.alter("rollouts", oracle(accuracy), peer=peer)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
