@@ -462,7 +462,8 @@ class SpsaSim(LoopSim):
                         window=window, min_peers=self.cfg.peers, checkpoint_every=1, deadline=2.0, hash_every=1,
                         eval_every=1, lr=0.002, eps=1e-2, device="cpu", threads=1)
         self.dcfg = spsa.SpsaConfig(**{**defaults, **settings})
-        self.loop_cls = _closing_after(spsa.SPSALoop, "_close_window", self.dcfg.window * churn.step_seconds)
+        self.loop_cls = spsa.SPSALoop
+        self.faults.delay("close", self.dcfg.window * churn.step_seconds)  # a window's simulated compute
 
     def _make_loop(self, cls, gossip, bulk):
         loop = cls(gossip, self.dcfg, self.task)
@@ -494,7 +495,8 @@ class SapoSim(LoopSim):
                         questions=4, completions=4, local=2, external=2, deadline=2.0, checkpoint_every=2,
                         report_every=1, device="cpu", threads=1)
         self.dcfg = sapo.SapoConfig(**{**defaults, **settings})
-        self.loop_cls = _closing_after(sapo.SapoLoop, "_close_round", churn.inner_steps * churn.step_seconds)
+        self.loop_cls = sapo.SapoLoop
+        self.faults.delay("close", churn.inner_steps * churn.step_seconds)  # a round's simulated compute
 
     def _make_loop(self, cls, gossip, bulk):
         loop = cls(gossip, self.dcfg, self.task)
@@ -507,18 +509,6 @@ class SapoSim(LoopSim):
                 "restarts": self.restarts, "simulated_s": took, "done": sum(lp.state == "done" for lp in loops),
                 "items_used_external": sum(lp.counters.get("items_used_external", 0) for lp in loops),
                 "deadline_missed": sum(lp.counters.get("deadline_missed", 0) for lp in loops)}
-
-
-def _closing_after(cls, close: str, seconds: float):
-    """A loop class whose rounds take ``seconds`` of simulated time: its ``close`` method (the round's close) waits
-    that long first. The round's real compute runs in worker threads, which cost no simulated time."""
-    original = getattr(cls, close)
-
-    async def paced(self, r: int) -> None:
-        await asyncio.sleep(seconds)
-        await original(self, r)
-
-    return type(f"Paced{cls.__name__}", (cls,), {close: paced})
 
 
 async def diloco_churn(cfg: SimConfig, churn: ChurnConfig, root: Path) -> dict:

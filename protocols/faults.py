@@ -31,12 +31,13 @@ SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte w
 ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
 base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
 [window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
-``closed`` (enter: window r closed).
+``close`` (enter: window r is about to close; the simulator's compute time is a delay here), ``closed`` (enter:
+window r closed).
 
 SAPO's phases (``protocols/sapo.py``): ``rollouts`` (alter: our round's (scored groups, completions), as we train on
 and share them; ``info`` as ``share``'s), ``share`` (alter: the completions we share for a round, a list per
-question; ``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``closed`` (enter: round r
-closed).
+question; ``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``close`` (enter: round r is
+about to close; the simulator's compute time is a delay here), ``closed`` (enter: round r closed).
 
 A node run by ``swarmd start`` reaches its loops through ``node.cli.main(on_loops=...)`` (tests/byzantine_peer.py).
 """

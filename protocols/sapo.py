@@ -288,6 +288,8 @@ class SapoLoop(TaskLoop):
             for g in own:  # our own policy is one of the sources a peer's completions are judged against
                 self.sources.scored(me, g.rewards)
             self._publish(r, q_seed, specs, comps)  # a silo (J = 0) shares too: others may learn from it
+            if self.faults:
+                await self.faults.enter("close", self, r=r)
             await self._close_round(r)
             if self.faults:
                 await self.faults.enter("closed", self, r=r)

@@ -154,6 +154,8 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
                 if loss is not None:
                     self.losses.append((w * self.cfg.window, round(loss, 5)))
                     await self._report_progress(loss)
+            if self.faults:
+                await self.faults.enter("close", self, r=w)
             await self._close_window(w)
             if self.faults:
                 await self.faults.enter("closed", self, r=w)
