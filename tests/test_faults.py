@@ -100,3 +100,15 @@ def test_a_watched_phase_is_logged_for_happened():
     assert plan.happened("publish", me="peer-a", kind="reduced", r=2)
     assert not plan.happened("publish", me="peer-b", kind="reduced", r=2)
     assert len(plan.log) == 1
+
+
+@pytest.mark.timeout(10)
+def test_on_acts_at_once_where_the_loop_notes_a_phase_it_matches():
+    plan = FaultPlan()
+    acted = []
+    plan.on("publish", lambda e: acted.append((e.me, e.r, e.info["body"])), kind="update", when=lambda e: e.r >= 1)
+    assert plan
+    plan.note("publish", A, r=0, kind="update", info={"body": "first"})  # before its round
+    plan.note("publish", B, r=1, kind="reduced", info={"body": "reduced"})  # another kind
+    plan.note("publish", B, r=1, kind="update", info={"body": "second"})
+    assert acted == [("peer-b", 1, "second")] and not plan.log  # acting on a phase does not watch it
