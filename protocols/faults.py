@@ -24,7 +24,8 @@ checkpoint we serve, as a dict before it is packed), ``checkpoint-served`` (ente
 ``ask-early`` (drops: a round's wait asks no peer for the announcements its view names), ``announcement-served``
 (alter: a signed announcement we serve), ``publish`` (a note: we publish a message of ``kind``, ``info["body"]``;
 ``watch`` it, then ``happened``, or act ``on`` it), ``reduce`` (enter: we combine a round's updates: a scatter part,
-``info["part"]``, or all-to-all's whole updates), ``closed`` (enter: round r of every fragment closed).
+``info["part"]``, or all-to-all's whole updates), ``reduced`` (alter, in a worker thread: a scatter part we
+reduced, before it is encoded), ``closed`` (enter: round r of every fragment closed).
 
 SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte we send for a step,
 ``info["step"]``), ``publish`` (alter: the body of a message of ``kind`` we publish, before it is signed),

@@ -160,6 +160,8 @@ class ScatterMixin:
 
                 def reduce_and_encode() -> tuple[bytearray, bytes, torch.Tensor]:
                     combined = exchange.reduce_part(chunks, factors, b - a)
+                    if self.faults:
+                        combined = self.faults.altered("reduced", self, combined, r=r, p=p, info={"part": k})
                     payload = self.reduced_codec.encode_wire(combined)
                     if self.reduced_codec.lossless:  # its values are the payload's, bit for bit
                         return payload, content_hash(payload), combined
