@@ -2,6 +2,7 @@
 ``configs`` package and a ``node.py`` of its own, DiLoCo wrapped around the script's loop across real processes;
 kill -9 and restart; export and reload; bad input answered in one line."""
 
+import http.client
 import json
 import os
 import queue
@@ -11,6 +12,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -281,3 +283,44 @@ def test_spsa_runs_from_a_script_with_a_task_object_to_the_end(tmp_path):
         view = node.status()["services"]["spsa"]
         assert view["state"] == "done" and view["step"] >= 64, view
         assert node.status()["loops"]["spsa/api-spsa"]["state"] == "done"
+
+
+def _ask(url: str, method: str, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_loop_attached_after_the_node_started_serves_its_routes_behind_the_guard(tmp_path):
+    """A script starts its node, then attaches a run: the run's own routes (SAPO's /sapo/history) are served on
+    the node's endpoint like those of a configured loop, and the endpoint's guard stands in front of them."""
+    import swarmd
+
+    node = swarmd.Node(config=LOCAL_CONFIG, data_dir=tmp_path / "d")
+    with node:
+        url = node.status_url
+        assert _ask(url, "GET", "/sapo/history")[0] == 404  # no run yet
+        run = swarmd.SAPO(node, "arith", run="late", settings={"rounds": 2, "questions": 2, "completions": 2,
+                                                               "local": 2, "external": 0})
+        run.start()
+        run.wait(timeout=150)
+        status, body = _ask(url, "GET", "/sapo/history")
+        assert status == 200 and json.loads(body)["run"] == "late" and len(json.loads(body)["rounds"]) == 2, body
+        assert _ask(url, "HEAD", "/sapo/history")[0] == 200
+        port = urlsplit(url).port
+        assert _ask(url, "GET", "/sapo/history", {"Host": f"evil.example:{port}"})[0] == 421  # DNS rebinding
+        assert _ask(url, "GET", "/sapo/history", {"Origin": "http://evil.example"})[0] == 403
+        assert _ask(url, "POST", "/sapo/history")[0] == 401  # a write without the token, even to a read route
+        token = (tmp_path / "d" / "http.token").read_text()
+        assert _ask(url, "POST", "/sapo/history", {"Authorization": f"Bearer {token}"})[0] == 405
+        assert _ask(url, "GET", "/status")[0] == 200  # the node's own routes are served as before
+        metrics = http_get(url + "/metrics")
+        for kind in ("bad_host", "foreign_origin", "unauthorized"):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= 1, line
