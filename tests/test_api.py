@@ -4,6 +4,7 @@ kill -9 and restart; export and reload; bad input answered in one line."""
 
 import http.client
 import json
+import logging
 import os
 import queue
 import shutil
@@ -297,7 +298,7 @@ def _ask(url: str, method: str, path: str, headers: dict | None = None) -> tuple
 
 
 @pytest.mark.timeout(180)
-def test_a_loop_attached_after_the_node_started_serves_its_routes_behind_the_guard(tmp_path):
+def test_a_loop_attached_after_the_node_started_serves_its_routes_behind_the_guard(tmp_path, caplog):
     """A script starts its node, then attaches a run: the run's own routes (SAPO's /sapo/history) are served on
     the node's endpoint like those of a configured loop, and the endpoint's guard stands in front of them."""
     import swarmd
@@ -320,6 +321,12 @@ def test_a_loop_attached_after_the_node_started_serves_its_routes_behind_the_gua
         token = (tmp_path / "d" / "http.token").read_text()
         assert _ask(url, "POST", "/sapo/history", {"Authorization": f"Bearer {token}"})[0] == 405
         assert _ask(url, "GET", "/status")[0] == 200  # the node's own routes are served as before
+        # a second run claiming the same route: the first keeps it, and the log says so
+        with caplog.at_level(logging.WARNING, logger="swarmd.node.core"):
+            swarmd.SAPO(node, "arith", run="later", settings={"rounds": 1, "questions": 2, "completions": 2,
+                                                              "local": 2, "external": 0}).start()
+        assert json.loads(_ask(url, "GET", "/sapo/history")[1])["run"] == "late"
+        assert "GET /sapo/history already served by another service" in caplog.text, caplog.text
         metrics = http_get(url + "/metrics")
         for kind in ("bad_host", "foreign_origin", "unauthorized"):
             line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
