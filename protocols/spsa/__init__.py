@@ -29,8 +29,9 @@ kept of them), ``codes`` (a step's byte: seeds, its code, a window's screening),
 canonical weights), ``windows`` (publishing, closing a window, the bytes a step applies, the hash check), ``audits``
 (re-probing the others' steps), ``log`` (serving, reading and replaying the log of signed batches), ``base`` (the
 base model as peers serve it), ``start`` (the start barrier and the late path), ``checkpoints`` (ours),
-``validate`` (the pubsub validator), ``book`` (what is kept per window, and for how long) and ``state`` (the
-loop's other long-lived state, by concern); ``loop`` (SPSALoop) schedules the windows and composes them.
+``validate`` (the pubsub validator), ``model`` (the model we probe and its batches), ``book`` (the window we
+compute, what arrives for the open ones, what is kept per window and for how long) and ``state`` (the loop's other
+long-lived state, by concern); ``loop`` (SPSALoop) schedules the windows and composes them.
 """
 
 from swarmd.protocols.gossip import Verdict  # noqa: F401  (tests read verdicts through the package)
@@ -47,7 +48,7 @@ from swarmd.protocols.spsa.base import (  # noqa: F401
     base_parts,
     base_size,
 )
-from swarmd.protocols.spsa.book import Window, WindowBook  # noqa: F401
+from swarmd.protocols.spsa.book import Arrivals, Window, WindowBook  # noqa: F401
 from swarmd.protocols.spsa.checkpoints import (  # noqa: F401
     BASE_PREFIX,
 )

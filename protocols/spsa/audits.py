@@ -7,6 +7,7 @@ import math
 
 from swarmd.protocols import rounds
 from swarmd.protocols.gossip import Message
+from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import G0, decode_grad
 from swarmd.protocols.spsa.wire import MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes, _batch_hash
 from swarmd.protocols.standing import fresh_round
@@ -39,13 +40,11 @@ def audit_agrees(sent: int, plus: float, minus: float, eps: float, clip: float) 
 class AuditsMixin:
     """SPSALoop's audits."""
 
-    def _plan_audits(self, w: int, me: str) -> None:
-        """Which of window w's steps we re-probe, and whose: up to ``audit_peers`` of the peers we expect in it,
-        ``audit_steps`` steps each, drawn by our own secret generator."""
-        for old in [x for x in self.audits.plan if x < w]:
-            del self.audits.plan[old]
+    def _plan_audits(self, w: int, me: str) -> dict[int, list[str]]:
+        """Which of window w's steps we re-probe, and whose (step in window -> peers): up to ``audit_peers`` of the
+        peers we expect in it, ``audit_steps`` steps each, drawn by our own secret generator."""
         if not self.per_step or not self.cfg.audit_peers:
-            return
+            return {}
         # the peers the window will take batches from (those whose word counts and the newcomers holding its
         # slots, as _close_window picks them), not every key that announced a join: a hundred fresh keys that join
         # and never deliver would take our re-probes
@@ -56,7 +55,7 @@ class AuditsMixin:
         for peer in self.audits.rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
             for i in self.audits.rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
                 plan.setdefault(i, []).append(peer)
-        self.audits.plan[w] = plan
+        return plan
 
     def _other_weights(self, w: int, batches: dict[str, Message]) -> set[str]:
         """The authors of window w's ``batches`` probed at weights other than ours; counts, per author, the windows
@@ -72,10 +71,11 @@ class AuditsMixin:
         self.counters["batches_other_weights"] += len(other)
         return other
 
-    def _judge_audits(self, w: int, batches: dict[str, Message]) -> set[str]:
-        """The peers of window w whose bytes failed a re-probe of ours (they are convicted: refused from then on)."""
-        failed = set()
-        for peer, probes in self.audits.probes.pop(w, {}).items():
+    def _judge_audits(self, window: Window, batches: dict[str, Message]) -> set[str]:
+        """The peers of ``window`` whose bytes failed a re-probe of ours (they are convicted: refused from then
+        on)."""
+        w, failed = window.w, set()
+        for peer, probes in window.probes.items():
             message = batches.get(peer)
             if message is None:
                 continue  # its batch did not come: nothing to judge
@@ -91,8 +91,6 @@ class AuditsMixin:
                           f"{decode_grad(sent[i]):+.4g}, re-probing the step gives "
                           f"{(plus - minus) / (2 * self.cfg.eps):+.4g} ({len(wrong)} of {len(probes)} audited steps "
                           "wrong)")
-        for old in [x for x in self.audits.probes if x < w]:
-            del self.audits.probes[old]
         return failed
 
     def _convict(self, peer: str, w: int, why: str) -> None:

@@ -27,13 +27,13 @@ class CheckpointsMixin:
         """The canonical weights (every window before the last closed one applied, or all of them when
         ``final``), the log of signed batches (for late joiners, and the last window's bytes to apply next)."""
         tensors = self._model_tensors(self.weights.model)
-        for name, c in zip(self.names, self.weights.canonical):
+        for name, c in zip(self.model.names, self.weights.canonical):
             tensors["model." + name] = c.to(tensors["model." + name].dtype).clone()
         log = msgpack.packb(self.book.log, use_bin_type=True)
         tensors["state.log"] = torch.frombuffer(bytearray(log), dtype=torch.uint8) if log else torch.zeros(0,
                                                                                                      dtype=torch.uint8)
         if self.base.taken is not None:  # the base we replay onto is a peer's, not the one we build: kept too
-            for name, b in zip(self.names, self.base.tensors):
+            for name, b in zip(self.model.names, self.base.tensors):
                 tensors[BASE_PREFIX + name] = b.clone()
         h = self.weights.hash()
         self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final,
@@ -46,7 +46,7 @@ class CheckpointsMixin:
             return
         tensors, meta = found
         try:
-            canonical = [tensors["model." + n].to(torch.float32) for n in self.names]
+            canonical = [tensors["model." + n].to(torch.float32) for n in self.model.names]
             if [c.shape for c in canonical] != list(self.weights.shapes):
                 raise ValueError("its weights have other shapes")
             log = msgpack.unpackb(tensors["state.log"].numpy().tobytes(), raw=False) if tensors["state.log"].numel() \
@@ -82,7 +82,7 @@ class CheckpointsMixin:
         and the model's other tensors as saved (the base put its own there), so a restart replays onto the run's
         base and probes the run's model, not the ones this CPU builds."""
         taken = meta.get("base_taken")
-        base = [tensors.get(BASE_PREFIX + n) for n in self.names]
+        base = [tensors.get(BASE_PREFIX + n) for n in self.model.names]
         if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self.base.tensors)):
             return
         others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self.base.layout if i is None]

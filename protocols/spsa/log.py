@@ -132,8 +132,6 @@ class LogMixin:
             c.copy_(b)
         self.weights._load(None, 0.0)
         self.book.reset()
-        self.audits.probes.clear()
-        self.audits.plan.clear()
         self.window = 0
         self.final = False
 

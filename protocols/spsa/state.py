@@ -55,11 +55,10 @@ class Resyncs:
 
 
 class Audits:
-    """Which steps of whose we re-probe, what the re-probes gave, and whom they convicted."""
+    """Whom the audits convicted, who keeps probing other weights than ours, and the secret draw of which steps we
+    re-probe (a window's own re-probes are its ``Window``'s)."""
 
     def __init__(self) -> None:
-        self.plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
-        self.probes: dict[int, dict[str, list]] = {}  # window -> peer -> [(step in window, L+, L-)] re-probed
         self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
         self.off_weights: collections.Counter = collections.Counter()  # peer -> windows in a row off ours (the
         # majority's)

@@ -81,7 +81,7 @@ class ValidateMixin:
             return Verdict.IGNORE
         batches[author] = message
         self._vote(w, author, body["h"].hex())
-        self._arrived.set()
+        self.book.arrived.set()
         return Verdict.ACCEPT
 
     def _repeated(self) -> Verdict:

@@ -9,6 +9,7 @@ import msgpack
 
 from swarmd.protocols import rounds
 from swarmd.protocols.spsa.audits import OFF_WEIGHTS_LIMIT
+from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import capped, screen_window
 from swarmd.protocols.spsa.wire import JOIN, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
 from swarmd.protocols.standing import fresh_round
@@ -37,9 +38,10 @@ class WindowsMixin:
         if "join" in body:
             self.book.open[body["w"]].joins.add(self._ctx.identity.peer_id)
 
-    async def _close_window(self, w: int) -> None:
+    async def _close_window(self, ours: Window) -> None:
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
         everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
+        w = ours.w
         window = self.book.open[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
@@ -48,7 +50,7 @@ class WindowsMixin:
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
         expected, slots, waited = wait.expected, wait.slots, wait.waited
-        await self._wait_round(wait, self._arrived, lambda: set(window.batches))
+        await self._wait_round(wait, self.book.arrived, lambda: set(window.batches))
         self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(window.batches))
         if not waited <= set(window.batches):
             self.counters["deadline_missed"] += 1
@@ -61,7 +63,7 @@ class WindowsMixin:
         # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
         # other weights so as not to be audited, and is convicted
         other = self._other_weights(w, taken)
-        audited = self._judge_audits(w, {a: m for a, m in taken.items() if a not in other})
+        audited = self._judge_audits(ours, {a: m for a, m in taken.items() if a not in other})
         for peer in sorted(a for a in other if self.audits.off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
             self._convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed at "
                           "weights other than the majority's, without resyncing")
