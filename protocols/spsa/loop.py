@@ -117,6 +117,29 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         await self._guarded(self._run)
 
     async def _run(self) -> None:
+        await self._build_base()
+        self._resume_own()
+        total = self._total()
+        if self.window < total:
+            await self._start_or_catch_up()
+        while self.window < total:
+            window = self._open_window(self.window)
+            await self._compute(window)
+            self._send(window)
+            await self._evaluate(window.w)
+            await self._close_window(window)
+            await self._after_close(window.w, total)
+        if not self.final:
+            await self._finish()
+        self.final_hash = self.weights.hash()
+        await self._last_progress()
+        self.state = "done"
+        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
+                    self.final_hash)
+        await asyncio.Event().wait()
+
+    async def _build_base(self) -> None:
+        """The model, and the base we replay onto: the weights as built."""
         self.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building base model"
         with self.work.track("base model build"):
@@ -130,53 +153,56 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.base.tensors = [c.clone() for c in self.weights.canonical]
         self.base.state_hash = await asyncio.to_thread(
             lambda: base_digest(base_arrays(self.base.layout, self.base.tensors)))
-        self._resume_own()
-        total = self._total()
-        if self.window < total:
-            await self._start_or_catch_up()
-        me = self._ctx.identity.peer_id
-        while self.window < total:
-            w = self.window
-            window = Window(w, self.cfg.window, contribute=w >= self.join_at, audits=self._plan_audits(w, me))
-            for i in range(self.cfg.window):
-                g = await asyncio.to_thread(self._step, window, i)  # never on the event loop
-                if window.contribute:
-                    window.codes.append(self._code(g, window.step(i)))
-            self.book.my_hashes[w] = self.weights.hash()  # windows < w applied
+
+    def _open_window(self, w: int) -> Window:
+        """Window w as we start it: whether we contribute, and which of its steps we re-probe."""
+        return Window(w, self.cfg.window, contribute=w >= self.join_at,
+                      audits=self._plan_audits(w, self._ctx.identity.peer_id))
+
+    async def _compute(self, window: Window) -> None:
+        """The window's steps (never on the event loop), and our byte for each if we contribute."""
+        for i in range(self.cfg.window):
+            g = await asyncio.to_thread(self._step, window, i)
             if window.contribute:
-                self._publish(BATCH, {"w": w, "b": bytes(window.codes),
-                                      "h": bytes.fromhex(self.book.my_hashes[w][:16])})
-            elif w % self.cfg.hash_every == 0:
-                self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
-            if w % self.cfg.eval_every == 0:
-                loss = await asyncio.to_thread(self.model.evaluate)
-                if loss is not None:
-                    self.losses.append((w * self.cfg.window, round(loss, 5)))
-                    await self._report_progress(loss)
-            await self._close_window(window)
-            if w % self.cfg.hash_every == 0:
-                self._check_hashes(w)  # once the window's batches (their hashes) are in
-            self.window = w + 1
-            if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
-                await asyncio.to_thread(self._save_checkpoint, False)
-            if self.resyncs.resync_from:
-                await self._resync()
-        if not self.final:
-            last = self.window - 1
-            for i in range(self.cfg.window):
-                await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
-                                        self._bytes_for(last, i), self.cfg.lr)
-            self.final = True
+                window.codes.append(self._code(g, window.step(i)))
+        self.book.my_hashes[window.w] = self.weights.hash()  # windows < w applied
+
+    def _send(self, window: Window) -> None:
+        """Our batch for the window (with our weights' hash), or our hash alone where a hash check is due."""
+        w = window.w
+        if window.contribute:
+            self._publish(BATCH, {"w": w, "b": bytes(window.codes), "h": bytes.fromhex(self.book.my_hashes[w][:16])})
+        elif w % self.cfg.hash_every == 0:
+            self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
+
+    async def _evaluate(self, w: int) -> None:
+        if w % self.cfg.eval_every == 0:
             loss = await asyncio.to_thread(self.model.evaluate)
             if loss is not None:
-                self.losses.append((self.window * self.cfg.window, round(loss, 5)))
-            await asyncio.to_thread(self._save_checkpoint, True)
-        self.final_hash = self.weights.hash()
-        await self._last_progress()
-        self.state = "done"
-        logger.info("spsa run %s done after %d steps: weights %s", self.cfg.run, self.window * self.cfg.window,
-                    self.final_hash)
-        await asyncio.Event().wait()
+                self.losses.append((w * self.cfg.window, round(loss, 5)))
+                await self._report_progress(loss)
+
+    async def _after_close(self, w: int, total: float) -> None:
+        """Once window w is closed: the hash check, the next window, a checkpoint, a resync where one is due."""
+        if w % self.cfg.hash_every == 0:
+            self._check_hashes(w)  # once the window's batches (their hashes) are in
+        self.window = w + 1
+        if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
+            await asyncio.to_thread(self._save_checkpoint, False)
+        if self.resyncs.resync_from:
+            await self._resync()
+
+    async def _finish(self) -> None:
+        """The run's end: the last window's bytes applied (the one-window lag), a last evaluation and checkpoint."""
+        last = self.window - 1
+        for i in range(self.cfg.window):
+            await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
+                                    self._bytes_for(last, i), self.cfg.lr)
+        self.final = True
+        loss = await asyncio.to_thread(self.model.evaluate)
+        if loss is not None:
+            self.losses.append((self.window * self.cfg.window, round(loss, 5)))
+        await asyncio.to_thread(self._save_checkpoint, True)
 
     def _step(self, window: Window, i: int) -> float | None:
         """Step i of ``window``: apply the window before's bytes for the step one window back, re-probe the steps
