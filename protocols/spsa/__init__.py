@@ -20,7 +20,7 @@ windows peers publish a hash of their weights, and a peer that disagrees with th
 replaying the log. The log (every applied, signed batch) lets a late joiner rebuild the base model, verify each
 batch's signature and replay to the same weights bit for bit; where its CPU builds the base with other low bits
 (another CPU's kernels draw and pretrain a seed's model otherwise), it replays onto the base of the peer it replays
-from (``spsa-base``: ``_base_from``), and founders whose bases differ by rounding start from the one most of them
+from (``spsa-base``: ``Base.take_from``), and founders whose bases differ by rounding start from the one most of them
 hold (``_start_choice``).
 
 
@@ -42,6 +42,8 @@ from swarmd.protocols.spsa.audits import (  # noqa: F401
     audit_agrees,
 )
 from swarmd.protocols.spsa.base import (  # noqa: F401
+    BASE_PREFIX,
+    Base,
     BaseReceiver,
     base_arrays,
     base_layout,
@@ -49,9 +51,6 @@ from swarmd.protocols.spsa.base import (  # noqa: F401
     base_size,
 )
 from swarmd.protocols.spsa.book import Arrivals, Window, WindowBook  # noqa: F401
-from swarmd.protocols.spsa.checkpoints import (  # noqa: F401
-    BASE_PREFIX,
-)
 from swarmd.protocols.spsa.codes import (  # noqa: F401
     CAP_Q,
     EXTREME_Q,
@@ -79,7 +78,7 @@ from swarmd.protocols.spsa.loop import (  # noqa: F401
 from swarmd.protocols.spsa.start import (  # noqa: F401
     MISMATCH_SAID_AFTER,
 )
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start  # noqa: F401
+from swarmd.protocols.spsa.state import Audits, Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.weights import (  # noqa: F401
     DRAW_CHUNK,
     NORMAL_TABLE,

@@ -207,7 +207,7 @@ class LogMixin:
                              ) -> tuple[list[set[str]], bool | None] | None:
         """Replay ``peer_id``'s log onto its base (ours, or its own); None where it has fewer than ``at_least``
         windows. Raises where its base, its log or where the log leads is not usable."""
-        base_taken = await self._base_from(peer_id)  # the log replays onto its base: ours, or its own
+        base_taken = await self.base.take_from(peer_id)  # the log replays onto its base: ours, or its own
         async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
             await stream.send(LOG_REQUEST.code, None)
             entries = await read_log_parts(stream)

@@ -14,7 +14,7 @@ from swarmd.protocols import task as tasks
 from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.spsa.audits import AuditsMixin
-from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
+from swarmd.protocols.spsa.base import Base, base_layout, base_size
 from swarmd.protocols.spsa.book import Window, WindowBook
 from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
 from swarmd.protocols.spsa.codes import encode_grad, step_seed
@@ -22,9 +22,9 @@ from swarmd.protocols.spsa.config import SpsaConfig
 from swarmd.protocols.spsa.log import LogMixin
 from swarmd.protocols.spsa.model import Model
 from swarmd.protocols.spsa.start import StartMixin
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
+from swarmd.protocols.spsa.state import Audits, Resyncs, Start
 from swarmd.protocols.spsa.validate import ValidateMixin
-from swarmd.protocols.spsa.weights import Weights, base_digest
+from swarmd.protocols.spsa.weights import Weights
 from swarmd.protocols.spsa.windows import WindowsMixin
 from swarmd.protocols.spsa.wire import BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
 from swarmd.protocols.task import Task
@@ -33,7 +33,7 @@ from swarmd.protocols.taskloop import TaskLoop
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
 
 
-class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
+class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
     """The loop as a node service. Timeline of window w (``window`` steps):
 
     1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
@@ -53,9 +53,10 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.cfg = config
         self._init_task(task)
         self.book = WindowBook()  # what we keep of each window, and for how long
-        self.base, self.start_state = Base(logger), Start()
-        self.resyncs, self.audits = Resyncs(), Audits()
         self.counters: collections.Counter = collections.Counter()
+        self.base = Base(self, self.counters, self.work)  # the base model we replay onto, and serve
+        self.start_state = Start()
+        self.resyncs, self.audits = Resyncs(), Audits()
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
@@ -96,7 +97,8 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
-        await ctx.transport.serve(BASE_SPEC, self._serve_base)
+        self.base.start(ctx)
+        await ctx.transport.serve(BASE_SPEC, self.base.serve)
 
     async def close(self) -> None:
         self._stop_progress()
@@ -149,10 +151,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
             for c, value in zip(self.weights.canonical, built):
                 c.copy_(value)
             self.weights._load(None, 0.0)
-        self.base.hash = self.weights.hash()
-        self.base.tensors = [c.clone() for c in self.weights.canonical]
-        self.base.state_hash = await asyncio.to_thread(
-            lambda: base_digest(base_arrays(self.base.layout, self.base.tensors)))
+        await self.base.built(self.weights.canonical)
 
     def _open_window(self, w: int) -> Window:
         """Window w as we start it: whether we contribute, and which of its steps we re-probe."""
