@@ -39,6 +39,7 @@ from swarmd.protocols.spsa.audits import (  # noqa: F401
     AUDIT_REL,
     AUDIT_TOL_Q,
     OFF_WEIGHTS_LIMIT,
+    Auditor,
     audit_agrees,
 )
 from swarmd.protocols.spsa.base import (  # noqa: F401
@@ -78,7 +79,7 @@ from swarmd.protocols.spsa.loop import (  # noqa: F401
 from swarmd.protocols.spsa.start import (  # noqa: F401
     MISMATCH_SAID_AFTER,
 )
-from swarmd.protocols.spsa.state import Audits, Resyncs, Start  # noqa: F401
+from swarmd.protocols.spsa.state import Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.weights import (  # noqa: F401
     DRAW_CHUNK,
     NORMAL_TABLE,

@@ -7,13 +7,12 @@ import asyncio
 import collections
 import logging
 import math
-import random
 
 from swarmd.node.services import NodeContext
 from swarmd.protocols import task as tasks
 from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip
-from swarmd.protocols.spsa.audits import AuditsMixin
+from swarmd.protocols.spsa.audits import Auditor
 from swarmd.protocols.spsa.base import Base, base_layout, base_size
 from swarmd.protocols.spsa.book import Window, WindowBook
 from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
@@ -22,7 +21,7 @@ from swarmd.protocols.spsa.config import SpsaConfig
 from swarmd.protocols.spsa.log import LogMixin
 from swarmd.protocols.spsa.model import Model
 from swarmd.protocols.spsa.start import StartMixin
-from swarmd.protocols.spsa.state import Audits, Resyncs, Start
+from swarmd.protocols.spsa.state import Resyncs, Start
 from swarmd.protocols.spsa.validate import ValidateMixin
 from swarmd.protocols.spsa.weights import Weights
 from swarmd.protocols.spsa.windows import WindowsMixin
@@ -33,7 +32,7 @@ from swarmd.protocols.taskloop import TaskLoop
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
 
 
-class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
+class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
     """The loop as a node service. Timeline of window w (``window`` steps):
 
     1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
@@ -56,7 +55,8 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin
         self.counters: collections.Counter = collections.Counter()
         self.base = Base(self, self.counters, self.work)  # the base model we replay onto, and serve
         self.start_state = Start()
-        self.resyncs, self.audits = Resyncs(), Audits()
+        self.resyncs = Resyncs()
+        self.audits = Auditor(config, self.counters)  # whose steps we re-probe, and whom that convicted
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
@@ -90,9 +90,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin
 
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
-        # from a signature of ours (deterministic, secret)
-        self.audits.rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
+        self.audits.start(ctx)
         self._init_standing(ctx)
         self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
@@ -155,8 +153,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin
 
     def _open_window(self, w: int) -> Window:
         """Window w as we start it: whether we contribute, and which of its steps we re-probe."""
-        return Window(w, self.cfg.window, contribute=w >= self.join_at,
-                      audits=self._plan_audits(w, self._ctx.identity.peer_id))
+        return Window(w, self.cfg.window, contribute=w >= self.join_at, audits=self._audit_plan(w))
 
     async def _compute(self, window: Window) -> None:
         """The window's steps (never on the event loop), and our byte for each if we contribute."""
@@ -254,7 +251,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, StartMixin, CheckpointsMixin
             "log_windows": len(self.book.log),
             "replay_seconds": self.replay_seconds,
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
-            "audits": self._audit_state(),
+            "audits": self.audits.state(self.model is not None, self.per_step),
             # peer -> the window its bytes failed an audit
             "convicted": dict(list(self.audits.convicted.items())[-64:]),
             **dict(sorted(self.counters.items())),

@@ -1,10 +1,8 @@
 """The loop's long-lived state that is not a window's nor the base's (``base.Base``), in one holder per concern: the
-start barrier's (``Start``), what our resyncs came from (``Resyncs``) and the audits' (``Audits``)."""
+start barrier's (``Start``) and what our resyncs came from (``Resyncs``)."""
 
 from __future__ import annotations
 
-import collections
-import random
 
 
 from swarmd.protocols import rounds
@@ -32,14 +30,3 @@ class Resyncs:
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others
         self.led_off: dict[str, None] = {}
-
-
-class Audits:
-    """Whom the audits convicted, who keeps probing other weights than ours, and the secret draw of which steps we
-    re-probe (a window's own re-probes are its ``Window``'s)."""
-
-    def __init__(self) -> None:
-        self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
-        self.off_weights: collections.Counter = collections.Counter()  # peer -> windows in a row off ours (the
-        # majority's)
-        self.rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps

@@ -8,7 +8,6 @@ import logging
 import msgpack
 
 from swarmd.protocols import rounds
-from swarmd.protocols.spsa.audits import OFF_WEIGHTS_LIMIT
 from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import capped, screen_window
 from swarmd.protocols.spsa.wire import JOIN, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
@@ -62,11 +61,11 @@ class WindowsMixin:
         # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
         # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
         # other weights so as not to be audited, and is convicted
-        other = self._other_weights(w, taken)
-        audited = self._judge_audits(ours, {a: m for a, m in taken.items() if a not in other})
-        for peer in sorted(a for a in other if self.audits.off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
-            self._convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed at "
-                          "weights other than the majority's, without resyncing")
+        other = self.audits.other_weights(self.book.my_hashes[w], taken)
+        audited = self.audits.judge(ours, {a: m for a, m in taken.items() if a not in other})
+        for peer in self.audits.dodging(other):
+            self.audits.convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed "
+                                "at weights other than the majority's, without resyncing")
             audited.add(peer)
         for peer in audited:  # out of the window, like a batch that never came (not in our log either)
             del taken[peer]
@@ -88,6 +87,17 @@ class WindowsMixin:
             self._publish(JOIN, {"w": w + 2, "join": True})
         self.book.log.append([w, [m.wire() for _, m in sorted(taken.items())]])
         self.book.close(w, self.cfg.hash_every)
+
+    def _audit_plan(self, w: int) -> dict[int, list[str]]:
+        """Which of window w's steps we re-probe, and whose (``Auditor.plan``): of the peers the window will take
+        batches from (those whose word counts and the newcomers holding its slots, as _close_window picks them), not
+        every key that announced a join: a hundred fresh keys that join and never deliver would take our
+        re-probes."""
+        if not self.per_step or not self.cfg.audit_peers:
+            return {}
+        wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
+                                now=0.0, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
+        return self.audits.plan(sorted((wait.expected | wait.slots) - {self._ctx.identity.peer_id}))
 
     def _expected(self, w: int) -> set[str]:
         joins = self.book.open[w].joins - set(self.audits.convicted)
