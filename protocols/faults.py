@@ -25,7 +25,9 @@ SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte w
 base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
 [window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
 ``built`` (alter: the perturbed parameters' float32 values as the model was built, in the model's order; what it
-returns is the base we start from: a base with other low bits, as another CPU's kernels build one).
+returns is the base we start from: a base with other low bits, as another CPU's kernels build one),
+``replay-leads`` (alter: whether the log just replayed from ``source`` leads to the weights the other peers said
+they held at its last window: True, False, or None where nothing tells).
 """
 
 from __future__ import annotations
