@@ -43,7 +43,11 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
 
     A late joiner fetches the log (the signed batches of every closed window) from a peer, verifies each batch's
     signature, replays it onto the base model, follows the live windows without contributing, announces that it
-    joins two windows ahead, and contributes from there."""
+    joins two windows ahead, and contributes from there.
+
+    Its collaborators: the model it probes (``Model``), the base model it replays onto and serves (``Base``), the
+    audits (``Auditor``) and what it keeps across windows (``WindowBook``); each window it computes is a ``Window``,
+    passed through its phases (open, compute, send, evaluate, close, after the close)."""
 
     name = "spsa"
 

@@ -41,7 +41,7 @@ class WindowsMixin:
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
         everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
         w = ours.w
-        window = self.book.open[w]
+        arrivals = self.book.open[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
         # fresh key that joined and went quiet would stall every fresh window by the deadline). Our own batch is in
@@ -49,13 +49,13 @@ class WindowsMixin:
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
         expected, slots, waited = wait.expected, wait.slots, wait.waited
-        await self._wait_round(wait, self.book.arrived, lambda: set(window.batches))
-        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(window.batches))
-        if not waited <= set(window.batches):
+        await self._wait_round(wait, self.book.arrived, lambda: set(arrivals.batches))
+        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(arrivals.batches))
+        if not waited <= set(arrivals.batches):
             self.counters["deadline_missed"] += 1
-            logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
+            logger.warning("spsa window %d closed without %s", w, sorted(waited - set(arrivals.batches)))
         # the window's batches, as we apply them (the closed window's entry in the book)
-        taken = self.book.applied[w] = {a: m for a, m in window.batches.items()
+        taken = self.book.applied[w] = {a: m for a, m in arrivals.batches.items()
                                         if (a in expected or a in slots) and a not in self.audits.convicted}
         # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
         # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
@@ -75,12 +75,12 @@ class WindowsMixin:
             self._ctx.transport.penalties.penalize(peer, "invalid_message",
                                                    f"spsa window {w}: gradients out of scale with the others'")
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
-                           participants=set(taken) - extreme, missing=waited - set(window.batches),
+                           participants=set(taken) - extreme, missing=waited - set(arrivals.batches),
                            rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
         self.standing.record(set(taken) - extreme)
-        self.counters["unexpected_batches"] += len(window.batches) - len(taken)
+        self.counters["unexpected_batches"] += len(arrivals.batches) - len(taken)
         me = self._ctx.identity.peer_id
-        if me in window.batches and me not in taken:
+        if me in arrivals.batches and me not in taken:
             # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
             # expecting us; standing judges us as them): ask to be expected again, two windows on
             self.counters["joins_repeated"] += 1
