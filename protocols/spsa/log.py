@@ -135,9 +135,10 @@ class LogMixin:
         self.window = 0
         self.final = False
 
-    async def _resync(self) -> None:
-        """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
-        peers, self.resyncs.resync_from = self.resyncs.resync_from, []
+    async def _resync(self, peers: list[str]) -> None:
+        """Back to the base weights, then replay a majority peer's log (bit-exact: ``peers``' first, in order),
+        then rejoin."""
+        peers = list(peers)
         # then the other counting peers we reach directly: the majority's holders may be out of our reach, and a
         # log that is not the majority's is found out at the next hash check
         me = self._ctx.identity.peer_id

@@ -184,13 +184,13 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
 
     async def _after_close(self, w: int, total: float) -> None:
         """Once window w is closed: the hash check, the next window, a checkpoint, a resync where one is due."""
-        if w % self.cfg.hash_every == 0:
-            self._check_hashes(w)  # once the window's batches (their hashes) are in
+        # (the hash check once the window's batches, which carry their authors' hashes, are in)
+        resync_from = self._check_hashes(w) if w % self.cfg.hash_every == 0 else []
         self.window = w + 1
         if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
             await asyncio.to_thread(self._save_checkpoint, False)
-        if self.resyncs.resync_from:
-            await self._resync()
+        if resync_from:
+            await self._resync(resync_from)
 
     async def _finish(self) -> None:
         """The run's end: the last window's bytes applied (the one-window lag), a last evaluation and checkpoint."""

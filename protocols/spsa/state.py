@@ -3,8 +3,6 @@ start barrier's (``Start``) and what our resyncs came from (``Resyncs``)."""
 
 from __future__ import annotations
 
-
-
 from swarmd.protocols import rounds
 
 
@@ -22,10 +20,9 @@ class Start:
 
 
 class Resyncs:
-    """Whom a resync asks, and whose base and log our last replays came from."""
+    """Whose base and log our last replays came from."""
 
     def __init__(self) -> None:
-        self.resync_from: list[str] = []  # the peers the next resync asks (empty: none due)
         self.replayed_from: str | None = None  # the peer whose base and log we replayed last
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others

@@ -121,7 +121,9 @@ class WindowsMixin:
                 del self.book.screened[old]
         return self.book.screened[w][1]
 
-    def _check_hashes(self, w: int) -> None:
+    def _check_hashes(self, w: int) -> list[str]:
+        """The hash check of window w: the peers to resync from, in order, where our weights are not the
+        majority's (empty: they are, or nothing to tell)."""
         verdict = rounds.hash_verdict(self.book.my_hashes[w][:16], self.book.hashes.get(w, {}), self.standing.vouched,
                                       me=self._ctx.identity.peer_id, salt=f"{self.cfg.run}/{w}")
         if verdict is not None and not verdict.agrees:
@@ -136,5 +138,5 @@ class WindowsMixin:
             # two could take turns
             if self.resyncs.replayed_from is not None:
                 rounds.keep_latest(self.resyncs.led_off, self.resyncs.replayed_from, None, MAX_PEER_ENTRIES)
-            self.resyncs.resync_from = sorted(verdict.holders,
-                                              key=lambda a: (a in self.resyncs.led_off, not self._ctx.direct(a)))
+            return sorted(verdict.holders, key=lambda a: (a in self.resyncs.led_off, not self._ctx.direct(a)))
+        return []
