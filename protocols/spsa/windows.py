@@ -8,6 +8,7 @@ import logging
 import msgpack
 
 from swarmd.protocols import rounds
+from swarmd.protocols.gossip import Message
 from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import capped, screen_window
 from swarmd.protocols.spsa.wire import JOIN, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
@@ -57,23 +58,7 @@ class WindowsMixin:
         # the window's batches, as we apply them (the closed window's entry in the book)
         taken = self.book.applied[w] = {a: m for a, m in arrivals.batches.items()
                                         if (a in expected or a in slots) and a not in self.audits.convicted}
-        # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
-        # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
-        # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
-        # other weights so as not to be audited, and is convicted
-        other = self.audits.other_weights(self.book.my_hashes[w], taken)
-        audited = self.audits.judge(ours, {a: m for a, m in taken.items() if a not in other})
-        for peer in self.audits.dodging(other):
-            self.audits.convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed "
-                                "at weights other than the majority's, without resyncing")
-            audited.add(peer)
-        for peer in audited:  # out of the window, like a batch that never came (not in our log either)
-            del taken[peer]
-        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in taken.items()})
-        for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
-            self.counters["rejected_extreme"] += 1
-            self._ctx.transport.penalties.penalize(peer, "invalid_message",
-                                                   f"spsa window {w}: gradients out of scale with the others'")
+        audited, extreme = self._refuse(ours, taken)
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=set(taken) - extreme, missing=waited - set(arrivals.batches),
                            rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
@@ -87,6 +72,30 @@ class WindowsMixin:
             self._publish(JOIN, {"w": w + 2, "join": True})
         self.book.log.append([w, [m.wire() for _, m in sorted(taken.items())]])
         self.book.close(w, self.cfg.hash_every)
+
+    def _refuse(self, ours: Window, taken: dict[str, Message]) -> tuple[set[str], set[str]]:
+        """Window ``ours``'s batches that are refused: those that failed an audit (taken out of ``taken``: out of the
+        window, like a batch that never came, and not in our log either), and those out of scale with the others'
+        (left in: still in the log, every replaying peer refuses them the same way)."""
+        w = ours.w
+        # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
+        # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
+        # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
+        # other weights so as not to be audited, and is convicted
+        other = self.audits.other_weights(self.book.my_hashes[w], taken)
+        audited = self.audits.judge(ours, {a: m for a, m in taken.items() if a not in other})
+        for peer in self.audits.dodging(other):
+            self.audits.convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed "
+                                "at weights other than the majority's, without resyncing")
+            audited.add(peer)
+        for peer in audited:
+            del taken[peer]
+        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in taken.items()})
+        for peer in extreme:
+            self.counters["rejected_extreme"] += 1
+            self._ctx.transport.penalties.penalize(peer, "invalid_message",
+                                                   f"spsa window {w}: gradients out of scale with the others'")
+        return audited, extreme
 
     def _audit_plan(self, w: int) -> dict[int, list[str]]:
         """Which of window w's steps we re-probe, and whose (``Auditor.plan``): of the peers the window will take
