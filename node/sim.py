@@ -98,7 +98,7 @@ class SimNode:
 
     def direct(self, peer: str) -> bool:
         lag = self.listed_late.get(peer)
-        return (peer in self.neighbours and self.transport.net.reachable(self.peer_id, peer)
+        return (peer in self.neighbours and self.transport.net.direct(self.peer_id, peer)
                 and (lag is None or self.clock.monotonic() - self.started_at > lag))
 
     def members(self) -> list[str]:

@@ -186,6 +186,7 @@ class CloseMixin:
                            participants=participants, missing=missing, rejected={**other_base, **rejected})
         self.standing.record(participants)
         self.book.closed_contributed(r, p, participants)
+        self.counters["rounds_with_our_update" if me in participants else "rounds_without_our_update"] += 1
         broken = bool(self.skipped.pop(p, None))
 
         def apply() -> tuple[torch.Tensor, str, str]:

@@ -28,6 +28,8 @@ class Links:
         self.slow_link_said = False
         self.encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
         self.sources: dict[str, asyncio.Semaphore] = {}  # peer -> the pulls from it at once
+        # peers we have no direct path to -> their updates we asked the members we reach for (MAX_PEER_ENTRIES)
+        self.through_members: dict[str, int] = {}
 
 
 class Resyncs:
