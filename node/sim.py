@@ -304,7 +304,8 @@ class LoopSim:
 
         self.cfg, self.churn, self.root = cfg, churn, root
         self.tasks = tasks
-        # the faults a test injects by peer, round and phase (protocols/faults.py; the DiLoCo and SPSA loops read them)
+        # the faults a test injects by peer, round and phase (protocols/faults.py; every loop of the sim reads them),
+        # and the simulated compute time the subclass's _setup puts there
         self.faults = FaultPlan()
         self._setup(settings)
         self.net = MemoryNetwork(link=LinkSpec(latency=cfg.latency, up=cfg.bandwidth, down=cfg.bandwidth,
@@ -346,8 +347,8 @@ class LoopSim:
 
     def say(self, peer: str, kind, body: dict) -> bytes:
         """Publish a message of the run's loop as ``peer``, through its node's gossip, tagged with the run's
-        fingerprint (taken from a peer whose loop has built its model): a peer's words without its loop's say, as
-        a Sybil's or a forger's. Returns the message id."""
+        fingerprint (taken from a peer whose loop has built its model): words no honest loop would say, a Sybil's
+        or a forger's. Returns the message id."""
         from swarmd.transport.wire import WIRE
 
         built = next(n.loop for n in self.nodes.values() if n.loop is not None and n.loop.fp is not None)
