@@ -317,7 +317,6 @@ class LoopSim:
         self.logs = {p: MemoryOpLog() for p in self.peers}
         self.dirs = {p: root / p[-12:] for p in self.peers}
         self.lives = {p: 0 for p in self.peers}
-        self.classes: dict[str, type] = {}  # peer -> its loop class, where it is not the honest one
         self.listing_lags: dict[str, dict[str, float]] = {}  # peer -> {neighbour: seconds it is listed late}
         self.nodes: dict[str, SimNode] = {}
         self.kills = self.restarts = 0
@@ -366,7 +365,7 @@ class LoopSim:
             self.restarts += 1
         node = SimNode(self.net, self._by_id[peer], self.admission, self.cfg, current(),
                        neighbours=set(self.peers) - {peer}, log=self.logs[peer], data_dir=self.dirs[peer],
-                       loop=functools.partial(self._make_loop, self.classes.get(peer, self.loop_cls)) if loop else None,
+                       loop=functools.partial(self._make_loop, self.loop_cls) if loop else None,
                        life=self.lives[peer], listed_late=self.listing_lags.get(peer))
         self.nodes[peer] = node
         await node.start()

@@ -30,13 +30,14 @@ reduced, before it is encoded), ``closed`` (enter: round r of every fragment clo
 SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte we send for a step,
 ``info["step"]``), ``publish`` (alter: the body of a message of ``kind`` we publish, before it is signed),
 ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
-base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
-[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
+base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list
+of [window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
 ``built`` (alter: the perturbed parameters' float32 values as the model was built, in the model's order; what it
-returns is the base we start from: a base with other low bits, as another CPU's kernels build one),
-``replay-leads`` (alter: whether the log just replayed from ``source`` leads to the weights the other peers said
-they held at its last window: True, False, or None where nothing tells), ``close`` (enter: window r is about to
-close; the simulator's compute time is a delay here), ``closed`` (enter: window r closed).
+returns is the base we start from: a base with other low bits, as another CPU's kernels build one), ``replay-leads``
+(alter: whether the log just replayed from ``source`` leads to the weights the other peers said they held at its
+last window: True, False, or None where nothing tells), ``start`` (enter: our model and base are built and our own
+checkpoint resumed, before the start barrier or a late start), ``close`` (enter: window r is about to close; the
+simulator's compute time is a delay here), ``closed`` (enter: window r closed).
 
 SAPO's phases (``protocols/sapo.py``): ``rollouts`` (alter: our round's (scored groups, completions), as we train on
 and share them; ``info`` as ``share``'s), ``share`` (alter: the completions we share for a round, a list per

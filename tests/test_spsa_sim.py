@@ -491,24 +491,25 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
         honest, sybils = sim.peers[:3], sim.peers[3:]
         stalls = []
 
-        class Sybil(sim.loop_cls):
-            async def _run(self):
-                await asyncio.to_thread(self._build)  # (its messages then carry the run's fingerprint)
-                self.state = "waiting for peers"
-                while True:
-                    self._publish(spsa.READY, {"w": 0, "ready": "0" * 32})
-                    await asyncio.sleep(1.0)
+        async def announce() -> None:  # the keys' readiness, with a base of their own
+            while True:
+                for p in sybils:
+                    sim.say(p, spsa.READY, {"w": 0, "ready": "0" * 32})
+                await asyncio.sleep(1.0)
 
         for p in sybils:
-            sim.classes[p] = Sybil
+            sim.faults.hang("start", peer=p)  # a key's node has built the run's model and never starts it
             stalls.append(sim.faults.hang("serve-base", peer=p))  # the asker's wait gives up first
         async with sim:
             await sim.start_all(sybils)
+            await sim.until(lambda: all(sim.loop(p).fp for p in sybils), 60, "the keys' models")
+            announcing = asyncio.create_task(announce())
             await asyncio.sleep(2.0)  # their readiness is in before the founders start
             await sim.start_all(honest)
             started = await sim.until(lambda: all(sim.loop(p).state != "waiting for peers" for p in honest), 200,
                                       "the founders to start")
             await sim.until(lambda: all(sim.loop(p).final_hash for p in honest), 300, "the founders to finish")
+            announcing.cancel()
             return started, {sim.loop(p).final_hash for p in honest}, \
                 [sim.loop(p).start_state.bases.asks for p in honest], [sim.loop(p).status() for p in honest], \
                 sum(f.fired for f in stalls)

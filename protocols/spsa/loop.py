@@ -125,6 +125,8 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
         self._resume_own()
         total = self._total()
         if self.window < total:
+            if self.faults:
+                await self.faults.enter("start", self)
             await self._start_or_catch_up()
         while self.window < total:
             window = self._open_window(self.window)
