@@ -72,14 +72,21 @@ MODELS = {
 }
 
 
-def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
-              task: str, datasets: dict | None = None, lm: dict | None = None, device: str = "cpu") -> dict:
-    run = f"bench-s{seed}-{local}-{external}"
+def sapo_table(seed: int, local: int, external: int, rounds: int, peers: int, task: str,
+               datasets: dict | None = None, lm: dict | None = None, device: str = "cpu") -> str:
+    """The ``[loops.sapo]`` table of one setting. Both settings of a seed share the run name: a peer's questions
+    are a function of (run, seed, its id, round), so with the same identities they are the same questions."""
     options = {**(lm or {}), **({"datasets": datasets} if datasets else {})}
     options = "[loops.sapo.task_options]\n" + toml_options(options, "loops.sapo.task_options") if options else ""
-    config = loop_config(root / f"{run}.toml", CONFIG.format(run=run, seed=seed, rounds=rounds, local=local,
-                                                             external=external, peers=peers, task=task,
-                                                             device=device, datasets=options))
+    return CONFIG.format(run=f"bench-s{seed}", seed=seed, rounds=rounds, local=local, external=external,
+                         peers=peers, task=task, device=device, datasets=options)
+
+
+def run_swarm(root: Path, keys: Path, seed: int, local: int, external: int, rounds: int, peers: int,
+              task: str, datasets: dict | None = None, lm: dict | None = None, device: str = "cpu") -> dict:
+    run = f"bench-s{seed}-{local}-{external}"  # this setting's directory (the run's name is the seed's)
+    config = loop_config(root / f"{run}.toml", sapo_table(seed, local, external, rounds, peers, task, datasets, lm,
+                                                          device))
     swarm = Swarm(root / run, config=config)
     for i in range(peers):  # the same identities in every configuration: same policy inits, same questions
         key = keys / f"n{i}.key"
