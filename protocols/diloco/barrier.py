@@ -30,7 +30,7 @@ class BarrierMixin:
         self.state = "waiting for peers"
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
-            claims = {a: h for (r, p), hashes in self.book.hashes.items() if r >= self.rounds_done[p]
+            claims = {a: h for (r, p), hashes in self.book.hashes.items() if r >= self.fragments[p].rounds_done
                       for a, h in hashes.items()}
             ahead = self._trusted_claimers(claims)
             if ahead:  # rounds we have not closed have closed without us: take a checkpoint and join
@@ -91,7 +91,7 @@ class BarrierMixin:
                 if any(ckpt["rounds_done"]) or ckpt["step"] or ckpt["global_hash"] != target:
                     raise ValueError("not the initial weights it announced")
                 apart = max(outer.relative_difference(ours, theirs, [self.params[i].numel() for i in frag])
-                            for ours, theirs, frag in zip(self.global_flat, global_flat, self.frag_index))
+                            for ours, theirs, frag in zip(self.fragments.weights(), global_flat, self.frag_index))
             except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
                     ValueError) as e:
                 self.counters["initial_weights_unusable"] += 1

@@ -43,12 +43,12 @@ class CheckpointsMixin:
     def _global_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the global weights in place of our local trainable parameters."""
         tensors = self._model_tensors(self.model)
-        for p, frag in enumerate(self.frag_index):
+        for frag in self.fragments:
             offset = 0
-            for i in frag:
+            for i in frag.params:
                 param = self.params[i]
                 n = param.numel()
-                tensors["model." + self.names[i]] = self.global_flat[p][offset:offset + n].view(param.shape) \
+                tensors["model." + self.names[i]] = frag.weights[offset:offset + n].view(param.shape) \
                     .to(param.dtype).clone()
                 offset += n
         return tensors
@@ -59,28 +59,28 @@ class CheckpointsMixin:
         tensors, opt_meta = self._with_optimizer(tensors, self.inner_opt)  # the inner optimizer's moments too
         # what the codec dropped of our last update (error feedback): ours alone, as the inner moments are; a peer's
         # checkpoint (``_checkpoint``) carries the swarm's state only
-        tensors.update({f"feedback.{p}": r for p, r in dict(self.residual).items()})
+        tensors.update({f"feedback.{f.index}": f.residual for f in self.fragments if f.residual is not None})
         h = self.global_hash()
-        self._save(tensors, round=self.rounds_done[-1], rounds_done=list(self.rounds_done), step=self.step, hash=h,
+        self._save(tensors, round=self.rounds_done[-1], rounds_done=self.rounds_done, step=self.step, hash=h,
                    participants={str(p): sorted(v) for p, v in self.participants.items()}, **opt_meta)
         self.counters["checkpoints_saved"] += 1
 
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
-        for p in list(self._redo):  # their inputs were other weights
-            self._drop_redo(p)
-        self.residual.clear()  # what the codec dropped of updates from other weights
-        self._residual_norms.clear()
-        self.global_flat = global_flat
-        self._global_version += 1
+        for f in self.fragments:
+            if f.redo is not None:  # its inputs were other weights
+                self._drop_redo(f.index)
+            f.drop_residual()  # what the codec dropped of updates from other weights
+        self.fragments.replace_all(global_flat)
         self.outer_opt.buffers = momentum
         with torch.no_grad():
-            for p, frag in enumerate(self.frag_index):
-                outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
-        self.rounds_done = list(rounds_done)
+            for f in self.fragments:
+                outer.unflatten_into(global_flat[f.index], [self.params[i] for i in f.params])
         self.step = step
-        self.participants = {int(p): set(v) for p, v in participants.items()}
+        listed = {int(p): set(v) for p, v in participants.items()}
+        for f, done in zip(self.fragments, rounds_done):
+            f.rounds_done, f.participants = done, listed.get(f.index)
 
     def _resume_own(self) -> None:
         """Continue from our own checkpoint of this run (if any, of this task, and intact). The start barrier then
@@ -118,12 +118,14 @@ class CheckpointsMixin:
             for p, g in enumerate(global_flat):
                 r = tensors.get(f"feedback.{p}")
                 if r is not None and r.numel() == g.numel() and codecs.all_finite(r):
-                    self.residual[p] = r.to(torch.float32).reshape(-1).clone()
-                    self._residual_norms[p] = round(float(self.residual[p].norm()), 6)
+                    f = self.fragments[p]
+                    f.residual = r.to(torch.float32).reshape(-1).clone()
+                    f.residual_norm = round(float(f.residual.norm()), 6)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
         digest = self.global_hash() if earlier else meta["hash"]
         self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": digest,
-                        "optimizer_state": inner, "residual": sorted(self.residual)}
+                        "optimizer_state": inner,
+                        "residual": [f.index for f in self.fragments if f.residual is not None]}
         if earlier:
             self.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
         elif other_rules:
@@ -137,9 +139,9 @@ class CheckpointsMixin:
     def _checkpoint(self) -> bytes:
         none = codecs.get("none")
         ckpt = {
-            "global": [none.encode(g).to_wire() for g in self.global_flat],
+            "global": [none.encode(f.weights).to_wire() for f in self.fragments],
             "momentum": [none.encode(b).to_wire() for b in self.outer_opt.buffers],
-            "rounds_done": list(self.rounds_done),
+            "rounds_done": self.rounds_done,
             "step": self.step,
             "participants": {str(p): sorted(v) for p, v in self.participants.items()},
             "global_hash": self.global_hash(),
@@ -258,7 +260,7 @@ class CheckpointsMixin:
         # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault).
         # Unchecked, no round counters would crash our loop (an IndexError) and a momentum of another size would
         # wedge it at its next outer step
-        done, sizes = ckpt["rounds_done"], [g.numel() for g in self.global_flat]
+        done, sizes = ckpt["rounds_done"], [f.numel() for f in self.fragments]
         if len(done) != self.cfg.fragments or max(done) - min(done) > 1 or max(done) > self._rounds():
             raise ProtocolViolation(f"diloco-ckpt: round counters {done[:4]} are not {self.cfg.fragments} "
                                     f"fragments' rounds of a {self._rounds()}-round run")
@@ -280,7 +282,7 @@ class CheckpointsMixin:
     def _checkpoint_budget(self) -> int:
         """The most bytes a peer's checkpoint of our model may take (``_checkpoint``): two fp32 tensors of every
         fragment, 4 KiB of header each, and 16 MiB for the rest (the participants of a swarm of thousands)."""
-        return 8 * sum(g.numel() for g in self.global_flat) + 8192 * self.cfg.fragments + (16 << 20)
+        return 8 * sum(f.numel() for f in self.fragments) + 8192 * self.cfg.fragments + (16 << 20)
 
     def _steps_of(self, rounds_done: list[int]) -> tuple[int, int]:
         """The inner steps a peer that closed ``rounds_done`` rounds (of each fragment) can be at: fragment p's
@@ -351,9 +353,9 @@ class CheckpointsMixin:
                 # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
                 # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
                 # have closed already, and they drop such a join (joins_ignored)
-                now = max(self.rounds_done[p], self._swarm_round(p) + 1)
-                self.join_round[p] = now + 1 if rejoin else next_fresh_round(now + 2)
-                self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
+                now = max(self.fragments[p].rounds_done, self._swarm_round(p) + 1)
+                self.fragments[p].join_round = now + 1 if rejoin else next_fresh_round(now + 2)
+                self._publish(JOIN, {"r": self.fragments[p].join_round, "p": p, "join": True})
             self.counters["joined_from_checkpoint"] += 1
             # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
             # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
@@ -362,9 +364,9 @@ class CheckpointsMixin:
             ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
                          - {rounds.short_id(self._ctx.identity.peer_id)})
             for p in range(self.cfg.fragments):
-                if ids and self.rounds_done[p] < self._rounds():
+                if ids and self.fragments[p].rounds_done < self._rounds():
                     ask = asyncio.get_running_loop().create_task(
-                        self._fetch_announcements(peer, self.rounds_done[p], p, ids))
+                        self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
                     self._asks.add(ask)
                     ask.add_done_callback(self._asks.discard)
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,

@@ -272,7 +272,7 @@ class ConformMixin:
         for nothing, and the busiest peer takes in 2.36 x S.)"""
         r, p = key
         me = self._ctx.identity.peer_id
-        likely = self.participants.get(p, self.start_state.initial) | {me}
+        likely = self.fragments[p].last_members(self.start_state.initial) | {me}
         if peer == me or peer not in likely or len(likely) < 2:
             return
         pending.prefetchable.add(peer)

@@ -9,7 +9,6 @@ import logging
 import math
 import statistics
 
-import torch
 from swarmd.node.services import NodeContext
 from swarmd.protocols import buffers, codecs, outer, rounds
 from swarmd.protocols import task as tasks
@@ -18,14 +17,14 @@ from swarmd.protocols.diloco.barrier import BarrierMixin
 from swarmd.protocols.diloco.book import RoundBook
 from swarmd.protocols.diloco.state import Links, Resyncs, Start, Timings
 from swarmd.protocols.diloco.checkpoints import CheckpointsMixin
-from swarmd.protocols.diloco.close import CloseMixin
 from swarmd.protocols.diloco.config import DilocoConfig
 from swarmd.protocols.diloco.conform import ConformMixin
+from swarmd.protocols.diloco.fragment import Fragments
 from swarmd.protocols.diloco.fragments import FragmentsMixin
 from swarmd.protocols.diloco.links import LinksMixin
-from swarmd.protocols.diloco.pending import Redo
 from swarmd.protocols.diloco.pulls import PullsMixin
 from swarmd.protocols.diloco.redo import RedoMixin
+from swarmd.protocols.diloco.round import Round
 from swarmd.protocols.diloco.scatter import ScatterMixin
 from swarmd.protocols.diloco.update import UpdateMixin
 from swarmd.protocols.diloco.validate import ValidateMixin
@@ -49,7 +48,7 @@ from swarmd.protocols.taskloop import TaskLoop
 logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
-class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin, PullsMixin, ScatterMixin, ConformMixin,
+class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin, ScatterMixin, ConformMixin,
                  BarrierMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
     name = "diloco"
 
@@ -57,20 +56,14 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         self.gossip, self.bulk, self.cfg = gossip, bulk, config
         self._init_task(task)
         self.train_loss: float | None = None
-        self.skipped: dict[int, str] = {}  # fragment -> why our update for its current round is withheld
         self.topic = f"diloco/{config.run}"
         self.codec = codecs.configured(config.codec, config.codec_options)
         self.reduced_codec = codecs.get(config.reduced())
         self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
                                                           and config.codec in FEEDBACK_CODECS)
-        self.residual: dict[int, torch.Tensor] = {}  # fragment -> what the codec dropped of our last update
-        self._residual_norms: dict[int, float] = {}
+        self.fragments = Fragments(config.fragments)  # each fragment's state from round to round (built with the model)
         self.book = RoundBook()  # what we keep of each (round, fragment), and for how long
         self.links, self.resyncs, self.start_state, self.timings = Links(), Resyncs(), Start(), Timings()
-        self.participants: dict[int, set[str]] = {}  # fragment -> participants of its last closed round
-        self._global_version = 0  # bumped wherever global_flat (or one of its tensors) is replaced
-        # fragment (None: all of them) -> (_global_version, the hash of its global weights)
-        self._hashes: dict[int | None, tuple[int, str]] = {}
         # per closed round: fragment, round, participants, global hash (the last HISTORY)
         self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
@@ -80,21 +73,16 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                                                initial=max(config.deadline_low, 10.0))
         self.state = "starting"
         self.step = 0
-        self.join_round: dict[int, int] = {}  # fragment -> first round we contribute to (late joiner)
         self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
-        # fragment -> {peer whose word counts: the last round it says it closed}; the swarm's round is their median
-        self._closed_by: dict[int, dict[str, int]] = collections.defaultdict(dict)
         self.started = None
         self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()
         self.final_hash: str | None = None
-        self.rounds_done: list[int] = []
         self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
         self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
         self._missing_logged: dict[str, float] = {}
         self.exchange_view: dict = {}
-        self._redo: dict[int, Redo] = {}  # fragment -> the inputs of its last close (all-to-all, within redo_bytes)
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
         self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
@@ -152,10 +140,9 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
         total = rounds * h + max(offsets)
         waiting: dict[int, tuple[int, int]] = {}  # fragment -> (round, step at which to close)
-        rounds_done = self.rounds_done
-        for p in range(self.cfg.fragments):  # a late joiner may arrive mid-round: follow that round at once
-            if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
-                waiting[p] = (rounds_done[p], self.step)
+        for f in self.fragments:  # a late joiner may arrive mid-round: follow that round at once
+            if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
+                waiting[f.index] = (f.rounds_done, self.step)
         while self.step < total or waiting:
             if not self.resyncs.resync_from and (behind := self._fallen_behind()):
                 self.counters["fell_behind"] += 1
@@ -170,10 +157,10 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                     await self.user_steps.hold()  # the script's step under way ends before the weights change
                 if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
                     self.state = "running"  # keep our weights; the next round's hashes tell again
-                rounds_done, waiting = self.rounds_done, {}
-                for p in range(self.cfg.fragments):
-                    if rounds_done[p] < rounds and self.step >= offsets[p] + (rounds_done[p] + 1) * h:
-                        waiting[p] = (rounds_done[p], self.step)
+                waiting = {}
+                for f in self.fragments:
+                    if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
+                        waiting[f.index] = (f.rounds_done, self.step)
                 continue
             if self.step < total:
                 if self.user_steps is None and self._behind_as_follower():
@@ -181,28 +168,31 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                     await asyncio.sleep(0)
                 else:
                     if self.user_steps is not None:  # the script may run on to the next step the loop acts at
-                        self.user_steps.grant(_next_event(self.step, total, h, offsets, rounds_done, rounds,
+                        self.user_steps.grant(_next_event(self.step, total, h, offsets, self.rounds_done, rounds,
                                                           waiting) - self.step)
                     t0 = self.clock.monotonic()
                     await self._train_step()
                     self.timings.compute += self.clock.monotonic() - t0
                 self.step += 1
-            for p in range(self.cfg.fragments):
-                if p not in waiting and rounds_done[p] < rounds and self.step >= offsets[p] + h \
+            for f in self.fragments:
+                p = f.index
+                if p not in waiting and f.rounds_done < rounds and self.step >= offsets[p] + h \
                         and (self.step - offsets[p]) % h == 0:
-                    r = rounds_done[p]
+                    r = f.rounds_done
                     await self._send_update(p, r)
                     waiting[p] = (r, self.step + self.cfg.overlap)
             for p, (r, close_at) in list(waiting.items()):
                 if self.step >= close_at or self.step >= total:
                     await self._close_round(p, r)
                     del waiting[p]
-                    rounds_done[p] += 1
+                    f = self.fragments[p]
+                    f.rounds_done += 1
                     if p == self.cfg.fragments - 1:
-                        await self._after_round(rounds_done[p])
+                        await self._after_round(f.rounds_done)
         await self._settle_final()
-        for p in list(self._redo):
-            self._drop_redo(p)
+        for f in self.fragments:
+            if f.redo is not None:
+                self._drop_redo(f.index)
         self.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
@@ -213,6 +203,9 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
             self._publish(ROUND_HASH, {"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
 
+    async def _close_round(self, p: int, r: int) -> None:
+        await Round(self, p, r).close()
+
     def _behind_as_follower(self) -> bool:
         """Whether our next inner step would be thrown away: we follow every fragment's current round without
         contributing to it (a joiner before its join round), and the peers that count have closed it already (the
@@ -221,17 +214,17 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         swarm (a checkpoint that aged on its way, a slow start) is in step by the round it joins, instead of
         staying that far behind and sending late updates every round. Its local weights are the global ones after
         each round anyway."""
-        if not self.rounds_done:
+        if not self.fragments.built:
             return False
-        for p, r in enumerate(self.rounds_done):
-            if r >= self.join_round.get(p, 0) or self._swarm_round(p) < r:
+        for f in self.fragments:
+            if f.rounds_done >= f.join_round or self._swarm_round(f.index) < f.rounds_done:
                 return False
         return True
 
     def _swarm_round(self, p: int) -> int:
         """The last round of fragment p the run has closed, as far as we know: the median of the last rounds the
         peers whose word counts say they closed (so a few that lie about it move nothing); -1 if none said."""
-        closed = [r for a, r in self._closed_by[p].items() if self.standing.counts(a)]
+        closed = [r for a, r in self.fragments[p].closed_by.items() if self.standing.counts(a)]
         return statistics.median_high(closed) if closed else -1
 
     def _fallen_behind(self) -> list[str]:
@@ -254,7 +247,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         round deadline, for the hashes of the last round from the peers that count and published one for the
         round before; in the minority, take the majority's final weights from one of them."""
         p = self.cfg.fragments - 1
-        r = self.rounds_done[p] - 1
+        r = self.fragments[p].rounds_done - 1
         ours = self.book.published.get((r, p))
         if ours is None or r < 0:
             return  # the run ended before we closed a round (or we joined at its very end): nothing to compare
@@ -265,7 +258,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
             return {a: h for a, h in self.book.hashes.get((round_, p), {}).items()
                     if a != me and self.standing.vouched(a)}
 
-        expected = set(theirs(r - 1)) | set(self.participants.get(p, set())) - {me}
+        expected = set(theirs(r - 1)) | set(self.fragments[p].last_members(set())) - {me}
         expected = {a for a in expected if self.standing.counts(a)}
         until = self.clock.monotonic() + self.deadline.value()
         while self.clock.monotonic() < until and not expected <= set(theirs(r)):
@@ -276,7 +269,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         if verdict is None or verdict.agrees:
             return
         if redo is not None and redo.round == r and await self._redo_with(p, redo, lambda fixed: outer.params_hash(
-                [*self.global_flat[:p], fixed, *self.global_flat[p + 1:]]) == verdict.majority):
+                [*(w := self.fragments.weights())[:p], fixed, *w[p + 1:]]) == verdict.majority):
             return
         self.counters["diverged"] += 1
         self.counters["resyncs"] += 1
@@ -290,7 +283,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         of them, closing rounds without them): wait while they progress (up to ``deadline_high`` without any) for
         most of them to publish their hash of round r, so the last round is compared with theirs, not with none."""
         me = self._ctx.identity.peer_id
-        peers = {a for a in self._closed_by[p] if a != me and self.standing.counts(a)}
+        peers = {a for a in self.fragments[p].closed_by if a != me and self.standing.counts(a)}
         seen = self._swarm_round(p)
         if not peers or seen >= r - 1:
             return
@@ -337,8 +330,9 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
         """Keep a step's training loss; a non-finite one withholds our updates until a round gives us the global
         weights back (False)."""
         if not math.isfinite(value):
-            for p in range(self.cfg.fragments):
-                self.skipped.setdefault(p, f"the loss became {value} at step {self.step}")
+            for f in self.fragments:
+                if f.skipped is None:
+                    f.skipped = f"the loss became {value} at step {self.step}"
             self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
             return False
         self.train_loss = value
@@ -381,7 +375,8 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
     # ------------------------------------------------------------------ views
     def status(self) -> dict:
         wall = (self.clock.monotonic() - self.started) if self.started else 0.0
-        rounds_done = getattr(self, "rounds_done", None)
+        rounds_done = self.rounds_done
+        built = self.fragments.built
         return {
             "run": self.cfg.run,
             "state": self.state,
@@ -392,18 +387,18 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, CloseMixin, RedoMixin, LinksMixin,
                          if getattr(self, "inner_opt", None) is not None else None),
             "inner_betas": ([list(g["betas"]) for g in self.inner_opt.param_groups if "betas" in g][:8]
                             if getattr(self, "inner_opt", None) is not None else None),
-            "withheld": {str(p): why for p, why in self.skipped.items()},
+            "withheld": {str(f.index): f.skipped for f in self.fragments if f.skipped is not None},
             "codec": self.cfg.codec,
             "bits_per_param_step": (round(bits_per_param_step(self.counters["bytes_sent"], sum(
-                g.numel() for g in self.global_flat), self.step), 6) if hasattr(self, "global_flat") else None),
+                f.numel() for f in self.fragments), self.step), 6) if built else None),
             # error feedback: the norm of what the codec dropped of our last update, per fragment (null: off)
-            "residual_norm": ({str(p): v for p, v in sorted(self._residual_norms.items())}
+            "residual_norm": ({str(f.index): f.residual_norm for f in self.fragments if f.residual_norm is not None}
                               if self.feedback else None),
             **self._task_status(),
             "step": self.step,
-            "global_hash": self.final_hash or (self.global_hash() if hasattr(self, "global_flat") else None),
+            "global_hash": self.final_hash or (self.global_hash() if built else None),
             "final_hash": self.final_hash,
-            "parameters": sum(g.numel() for g in self.global_flat) if hasattr(self, "global_flat") else None,
+            "parameters": sum(f.numel() for f in self.fragments) if built else None,
             "history": list(self.history)[-64:],
             "losses": list(self.losses)[-40:],
             "compute_fraction": round(1 - self.timings.blocked / wall, 4) if wall else None,

@@ -33,7 +33,7 @@ class ScatterMixin:
             await self.faults.enter("scatter", self, r=key[0], p=key[1])
         r, p = key
         me = self._ctx.identity.peer_id
-        n = self.global_flat[p].numel()
+        n = self.fragments[p].numel()
         bounds = self._bounds(p, self._round_parts(key))
         # before the digest: every peer refuses the same updates from the same announcements
         members, rejected = exchange.screen_members(

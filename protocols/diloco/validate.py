@@ -56,12 +56,12 @@ class ValidateMixin:
                 rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
                                   MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
-        done = self.rounds_done[p] if self.rounds_done else 0
+        done = self.fragments[p].rounds_done if self.fragments.built else 0
         if kind is JOIN:
             horizon = done + 2 + FRESH_EVERY
             joins = self.book.joins[(r, p)] if done <= r <= horizon else set()
             if done <= r <= horizon and (len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author)):
-                joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_round)
+                joins.add(author)  # a newcomer among them gets a slot only if picked (see Round._gather)
             else:
                 self.counters["joins_ignored"] += 1
             return Verdict.ACCEPT
@@ -71,7 +71,7 @@ class ValidateMixin:
                 hashes[author] = body["h"]
             # (r = cfg.rounds says "the run ended here"; cfg.rounds 0 is a run without end)
             if self.standing.counts(author) and (r < self.cfg.rounds or not self.cfg.rounds):
-                closed = self._closed_by[p]
+                closed = self.fragments[p].closed_by
                 if r > closed.get(author, -1) and (author in closed or len(closed) < MAX_PEER_ENTRIES):
                     closed[author] = r
             return Verdict.ACCEPT
@@ -82,9 +82,9 @@ class ValidateMixin:
             # an update computed from other global weights than ours is kept (we may be the one that drifted and
             # resync before we close that round) but not forwarded; every update's base is checked when we close
             # its round
-            other_base = bool(self.rounds_done) and r == done \
+            other_base = self.fragments.built and r == done \
                 and ann.base != self._base_hash(p)
-            if self.rounds_done and r < self.rounds_done[p]:
+            if self.fragments.built and r < done:
                 self.counters["late_updates"] += 1
                 self._record_late(r, message.author, p)
                 self._pull_late(r, p, message.author, ann)
@@ -97,7 +97,8 @@ class ValidateMixin:
                 return Verdict.IGNORE
             if not self.standing.counts(author) and self.state == "running":
                 # a newcomer: taken only if it can hold a slot this round
-                candidates = self.participants.get(p, self.start_state.initial) | self.book.joins.get((r, p), set())
+                candidates = self.fragments[p].last_members(self.start_state.initial) \
+                    | self.book.joins.get((r, p), set())
                 if author not in candidates or \
                         sum(not self.standing.counts(a) for a in pending.announced) >= MAX_NEWCOMER_PULLS:
                     self.counters["newcomer_updates_not_pulled"] += 1
@@ -105,7 +106,7 @@ class ValidateMixin:
             pending.announced[author] = ann
             pending.signed[author] = message.wire()  # for a peer whose gossip did not bring it (a member view's)
             self._event.set()  # (a member view may be waiting for it)
-            if not self.rounds_done or self._mode(p) == "all-to-all":
+            if not self.fragments.built or self._mode(p) == "all-to-all":
                 self._start_pull((r, p), pending, author)
             else:
                 pending.arrivals[author] = self.clock.monotonic()
@@ -116,8 +117,8 @@ class ValidateMixin:
                 self.counters["other_base_held"] += 1
                 return Verdict.IGNORE
             return Verdict.ACCEPT
-        if (kind is MEMBERS or kind is PARTS or kind is REDUCED or kind is AUDIT) and self.rounds_done \
-                and not self.rounds_done[p] <= r <= self.rounds_done[p] + 2:
+        if (kind is MEMBERS or kind is PARTS or kind is REDUCED or kind is AUDIT) and self.fragments.built \
+                and not done <= r <= done + 2:
             return Verdict.IGNORE  # a round's exchange messages: kept for the rounds we are at or about to close
         if kind is MEMBERS:
             if not self.standing.counts(author):
@@ -137,7 +138,7 @@ class ValidateMixin:
                 return Verdict.REJECT  # a malformed list, signed by its author: counts against it
             pending = self.book.pending[(r, p)]
             if not self.standing.counts(author) or (
-                    author not in self.participants.get(p, self.start_state.initial)
+                    author not in self.fragments[p].last_members(self.start_state.initial)
                     and len(pending.parts) >= MAX_PARTS_LISTS):
                 self.counters["parts_ignored"] += 1
                 return Verdict.IGNORE
@@ -183,7 +184,7 @@ class ValidateMixin:
     def _max_part(self, p: int, k: int, count: int, reduced: bool = False) -> int:
         """The most bytes part k of fragment p cut into ``count`` parts may claim (checked before anything is
         pulled, so a peer cannot make us allocate for a size it made up); ``reduced``: a combined part's."""
-        if not self.rounds_done:  # not built yet: only the absolute cap
+        if not self.fragments.built:  # not built yet: only the absolute cap
             return MAX_PART_BYTES
         sizes = self._part_bytes(p, reduced, count)
         return sizes[k] + PART_SLACK if k < len(sizes) else 0
