@@ -25,7 +25,6 @@ from swarmd.protocols.diloco.links import LinksMixin
 from swarmd.protocols.diloco.pulls import PullsMixin
 from swarmd.protocols.diloco.redo import RedoMixin
 from swarmd.protocols.diloco.round import Round
-from swarmd.protocols.diloco.scatter import ScatterMixin
 from swarmd.protocols.diloco.update import UpdateMixin
 from swarmd.protocols.diloco.validate import ValidateMixin
 from swarmd.protocols.faults import FaultPlan
@@ -48,7 +47,7 @@ from swarmd.protocols.taskloop import TaskLoop
 logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
 
-class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin, ScatterMixin, ConformMixin,
+class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin, ConformMixin,
                  BarrierMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
     name = "diloco"
 

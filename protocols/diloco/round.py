@@ -12,12 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 from swarmd.protocols import exchange, outer, rounds
-from swarmd.protocols.diloco.pending import Received, Redo
+from swarmd.protocols.diloco.alltoall import EXCHANGES
 from swarmd.protocols.diloco.wire import (
     FETCH_AFTER,
     FETCH_WAIT,
     JOIN,
-    MAX_LATE_PULLS,
     MAX_NEWCOMER_PULLS,
     MAX_VIEW,
     MEMBERS,
@@ -330,27 +329,7 @@ class Round:
     async def _combine(self, members: set[str], base_now: str,
                        started: float) -> tuple[torch.Tensor | None, dict[str, str]]:
         """The members' updates combined (None: nothing to combine), and the refused ones with why."""
-        lp, pending = self.loop, self.pending
-        if self.mode == "scatter":
-            lp.book.moving[self.key] = Received(started, last=started)
-            pending.linked = frozenset(lp._ctx.members())
-            try:
-                return await lp._scatter(self.key, pending, members)
-            finally:
-                lp._measure_rate(lp.book.moving.pop(self.key))
-        updates = {a: pending.updates[a] for a in members}
-        combined, rejected = await asyncio.to_thread(outer.combine, updates, self.frag.numel())
-        lp.timings.phases["combine"].append(lp.clock.monotonic() - started)
-        if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * self.frag.numel() <= lp.cfg.redo_bytes:
-            late = sorted((pending.arrivals[a], a) for a in members if a != self.me and a in pending.arrivals)
-            redo = self.frag.redo = Redo(self.r, frozenset(members), updates, self.frag.weights, base_now,
-                                         lp.outer_opt.buffers[self.p].clone(), late[-1][1] if late else None)
-            # counted peers' updates still being pulled: kept for a redo when they come
-            on_way = sorted(a for a in pending.pulling - set(pending.updates) - pending.failed
-                            if pending.announced.get(a) and pending.announced[a].base == base_now
-                            and lp.standing.counts(a))
-            redo.pulling.update(dict.fromkeys(on_way[:MAX_LATE_PULLS]))
-        return combined, rejected
+        return await EXCHANGES[self.mode](self, members, base_now, started).combine()
 
     def _time(self, members: set[str], started: float) -> None:
         """Where the round's time went (``/status``: timings, the exchange's view)."""
