@@ -1011,7 +1011,7 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
     only the last one was put last, they took turns)."""
     def other_momentum(event, ckpt: dict) -> dict:
         none = codecs.get("none")
-        return {**ckpt, "momentum": [none.encode(b + 0.5).to_wire() for b in event.loop.outer_opt.buffers]}
+        return {**ckpt, "momentum": [none.encode(b + 0.5).to_wire() for b in event.loop.replica.outer_opt.buffers]}
 
     counters, finals, history, resumed, liars, _, _ = _late_join(
         tmp_path, other_momentum, lambda founders: sorted(founders)[:servers], rounds=16,
@@ -1106,7 +1106,7 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
     checked). Each is refused as unusable (its server
     penalised) and the joiner takes the next peer's; none crashes its loop or poisons its next outer step."""
     def malformed(event, ckpt: dict) -> dict:
-        ckpt, none, buffers = dict(ckpt), codecs.get("none"), event.loop.outer_opt.buffers
+        ckpt, none, buffers = dict(ckpt), codecs.get("none"), event.loop.replica.outer_opt.buffers
         if fault == "no rounds":
             ckpt["rounds_done"] = []
         elif fault == "too large":  # weights of 5M values (20 MB) for a model of 256

@@ -43,7 +43,7 @@ class AllToAllRound:
         if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * frag.numel() <= lp.cfg.redo_bytes:
             late = sorted((pending.arrivals[a], a) for a in members if a != rnd.me and a in pending.arrivals)
             redo = frag.redo = Redo(rnd.r, frozenset(members), updates, frag.weights, base,
-                                    lp.outer_opt.buffers[rnd.p].clone(), late[-1][1] if late else None)
+                                    lp.replica.outer_opt.buffers[rnd.p].clone(), late[-1][1] if late else None)
             # counted peers' updates still being pulled: kept for a redo when they come
             on_way = sorted(a for a in pending.pulling - set(pending.updates) - pending.failed
                             if pending.announced.get(a) and pending.announced[a].base == base

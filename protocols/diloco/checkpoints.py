@@ -42,21 +42,21 @@ class CheckpointsMixin:
     # ------------------------------------------------------------------ our own checkpoint (the data dir)
     def _global_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the global weights in place of our local trainable parameters."""
-        tensors = self._model_tensors(self.model)
+        tensors = self._model_tensors(self.replica.model)
         for frag in self.fragments:
             offset = 0
             for i in frag.params:
-                param = self.params[i]
+                param = self.replica.params[i]
                 n = param.numel()
-                tensors["model." + self.names[i]] = frag.weights[offset:offset + n].view(param.shape) \
+                tensors["model." + self.replica.names[i]] = frag.weights[offset:offset + n].view(param.shape) \
                     .to(param.dtype).clone()
                 offset += n
         return tensors
 
     def _save_checkpoint(self) -> None:
         tensors = self._global_state()
-        tensors.update({f"outer.{p}": b for p, b in enumerate(self.outer_opt.buffers)})
-        tensors, opt_meta = self._with_optimizer(tensors, self.inner_opt)  # the inner optimizer's moments too
+        tensors.update({f"outer.{p}": b for p, b in enumerate(self.replica.outer_opt.buffers)})
+        tensors, opt_meta = self._with_optimizer(tensors, self.replica.inner_opt)  # the inner optimizer's moments too
         # what the codec dropped of our last update (error feedback): ours alone, as the inner moments are; a peer's
         # checkpoint (``_checkpoint``) carries the swarm's state only
         tensors.update({f"feedback.{f.index}": f.residual for f in self.fragments if f.residual is not None})
@@ -73,10 +73,10 @@ class CheckpointsMixin:
                 self._drop_redo(f.index)
             f.drop_residual()  # what the codec dropped of updates from other weights
         self.fragments.replace_all(global_flat)
-        self.outer_opt.buffers = momentum
+        self.replica.outer_opt.buffers = momentum
         with torch.no_grad():
             for f in self.fragments:
-                outer.unflatten_into(global_flat[f.index], [self.params[i] for i in f.params])
+                outer.unflatten_into(global_flat[f.index], self.replica.of(f))
         self.step = step
         listed = {int(p): set(v) for p, v in participants.items()}
         for f, done in zip(self.fragments, rounds_done):
@@ -98,7 +98,7 @@ class CheckpointsMixin:
         # this run by its resumable fingerprint): the same run's weights, checked by our hash
         other_rules = not self._listed(meta)
         try:
-            global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
+            global_flat = [outer.flatten([tensors["model." + self.replica.names[i]] for i in frag])
                            for frag in self.frag_index]
             momentum = [tensors[f"outer.{p}"].to(torch.float32) for p in range(self.cfg.fragments)]
             if (outer.params_hash_before_blake3 if earlier else outer.params_hash)(global_flat) != meta["hash"]:
@@ -109,11 +109,12 @@ class CheckpointsMixin:
             logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
-        inner = self._restore_optimizer(self.inner_opt, tensors, meta)
-        if inner and isinstance(self.inner_opt, SwarmAdamW):  # the last round's participants: state, not a setting
+        inner = self._restore_optimizer(self.replica.inner_opt, tensors, meta)
+        # the last round's participants: state, not a setting
+        if inner and isinstance(self.replica.inner_opt, SwarmAdamW):
             peers = (meta["optimizer"].get("param_groups") or [{}])[0].get("peers")
             if isinstance(peers, int) and peers >= 1:
-                self.inner_opt.set_peers(peers)
+                self.replica.inner_opt.set_peers(peers)
         if self.feedback:  # our last update's residual, where it fits its fragment (else it starts at zero)
             for p, g in enumerate(global_flat):
                 r = tensors.get(f"feedback.{p}")
@@ -140,7 +141,7 @@ class CheckpointsMixin:
         none = codecs.get("none")
         ckpt = {
             "global": [none.encode(f.weights).to_wire() for f in self.fragments],
-            "momentum": [none.encode(b).to_wire() for b in self.outer_opt.buffers],
+            "momentum": [none.encode(b).to_wire() for b in self.replica.outer_opt.buffers],
             "rounds_done": self.rounds_done,
             "step": self.step,
             "participants": {str(p): sorted(v) for p, v in self.participants.items()},
@@ -158,7 +159,7 @@ class CheckpointsMixin:
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
         # it may ask us next for the announcements of the round it is about to follow (``_join_from_checkpoint``)
-        rounds.keep_latest(self._ckpt_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
+        rounds.keep_latest(self.links.checkpoint_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
         if self.faults:
             await self.faults.enter("checkpoint-served", self, source=stream.peer_id)
 
@@ -180,7 +181,7 @@ class CheckpointsMixin:
         wanted = set()
         # (or one we just served a checkpoint, far larger than these: a joiner whose announcements of its first
         # round came while it pulled the checkpoint, before it could hold them)
-        joiner = self.clock.monotonic() - self._ckpt_served.get(asker, -math.inf) <= self.cfg.deadline_high
+        joiner = self.clock.monotonic() - self.links.checkpoint_served.get(asker, -math.inf) <= self.cfg.deadline_high
         if held and (asker in held or self.standing.counts(asker) or joiner) and asker not in served \
                 and len(served) < MAX_PEER_ENTRIES:
             served.add(asker)
@@ -367,8 +368,8 @@ class CheckpointsMixin:
                 if ids and self.fragments[p].rounds_done < self._rounds():
                     ask = asyncio.get_running_loop().create_task(
                         self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
-                    self._asks.add(ask)
-                    ask.add_done_callback(self._asks.discard)
+                    self.resyncs.asks.add(ask)
+                    ask.add_done_callback(self.resyncs.asks.discard)
             self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
                             "hash": ckpt["global_hash"]}
             self.state = "running"

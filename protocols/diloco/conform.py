@@ -310,9 +310,9 @@ class ConformMixin:
 
     def _log_missing(self, peer: str, what: str) -> None:
         now = self.clock.monotonic()
-        if now - self._missing_logged.get(peer, 0.0) > 30.0:
-            if len(self._missing_logged) > 4096:
-                self._missing_logged.clear()
-            self._missing_logged[peer] = now
+        if now - self.links.missing_logged.get(peer, 0.0) > 30.0:
+            if len(self.links.missing_logged) > 4096:
+                self.links.missing_logged.clear()
+            self.links.missing_logged[peer] = now
             logger.warning("diloco: %s: %s", peer, what)
 

@@ -27,9 +27,8 @@ class FragmentsMixin:
         # one that names no weights hash either (BLAKE2b). We resume their checkpoints (the weights are the same
         # run's), never mix with their nodes in a round
         before_encoder = {k: v for k, v in shared.items() if k != "e3m0_encoder"}
-        self._fp_before_blake3 = tasks.fingerprint(
-            self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)
-        self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), self._fp_before_blake3]
+        self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), tasks.fingerprint(
+            self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)]
         # and one without the screen's exact products and the outer step's unfused operations: its rule's text, no
         # outer step named. (Its weights step with fused multiply-adds on AVX2 CPUs: the same run's weights to
         # resume from, where the start barrier finds the swarm at the same round and hash)
@@ -37,12 +36,13 @@ class FragmentsMixin:
                         "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
         self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
         self.resumable_fp = tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k not in RULES}, named)
-        self.model = model.to(self.device)
-        named = tasks.trainable(self.model)
-        self.names = [n for n, _ in named]
-        self.params = [p for _, p in named]
-        frag_index = tasks.fragment_indices(self.task, self.model, self.cfg.fragments)
-        self.fragments.build(frag_index, [outer.flatten([self.params[i] for i in f]) for f in frag_index])
+        replica = self.replica
+        replica.model = model.to(self.device)
+        named = tasks.trainable(replica.model)
+        replica.names = [n for n, _ in named]
+        replica.params = [p for _, p in named]
+        frag_index = tasks.fragment_indices(self.task, replica.model, self.cfg.fragments)
+        self.fragments.build(frag_index, [outer.flatten([replica.params[i] for i in f]) for f in frag_index])
         for p in range(self.cfg.fragments):
             for count in self._part_counts(p):  # here in the worker thread: the exchange mode depends on them
                 self._part_bytes(p, False, count)
@@ -54,28 +54,34 @@ class FragmentsMixin:
         # dropped early
         self.bulk.reserve(8 * sum(max(self._update_bytes(p), sum(self._part_bytes(p, reduced=True)))
                                   for p in range(self.cfg.fragments)))
-        self.outer_opt = outer.OuterNesterov([f.numel() for f in self.fragments], self.cfg.outer_lr,
-                                             self.cfg.outer_momentum)
+        replica.outer_opt = outer.OuterNesterov([f.numel() for f in self.fragments], self.cfg.outer_lr,
+                                                self.cfg.outer_momentum)
         # a round's large buffers kept for the next (protocols/buffers.py): our update's flat copy, the combined
         # update (which becomes the global weights, the old ones given back), the chunks we decode (about one
         # fragment's worth at once); room for 3 fragments, none where node.memory = "release"
         self._buffers.max_bytes = 0 if allocator.applied()["mode"] == "release" else \
             3 * 4 * max(f.numel() for f in self.fragments)
         if self.task.has("optimizer"):
-            self.inner_opt = self.task.call("optimizer", self.model.parameters())
-            if not isinstance(self.inner_opt, torch.optim.Optimizer):
-                raise TaskError(f"{self.task.where('optimizer')} returned {type(self.inner_opt).__name__}, "
+            replica.inner_opt = self.task.call("optimizer", replica.model.parameters())
+            if not isinstance(replica.inner_opt, torch.optim.Optimizer):
+                raise TaskError(f"{self.task.where('optimizer')} returned {type(replica.inner_opt).__name__}, "
                                 "expected a torch.optim.Optimizer")
         elif self.cfg.inner_optimizer == "muon":
-            self.inner_opt = muon_for(self.model, lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
-                                      weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
+            replica.inner_opt = muon_for(replica.model, lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
+                                         weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
         elif self.cfg.inner_optimizer == "swarm-adamw":
-            self.inner_opt = SwarmAdamW(self.model.parameters(), lr=self.cfg.inner_lr, betas=self.cfg.inner_betas,
-                                        weight_decay=self.cfg.weight_decay, peers=max(1, self.cfg.min_peers))
+            replica.inner_opt = SwarmAdamW(replica.model.parameters(), lr=self.cfg.inner_lr,
+                                           betas=self.cfg.inner_betas, weight_decay=self.cfg.weight_decay,
+                                           peers=max(1, self.cfg.min_peers))
         else:
-            self.inner_opt = torch.optim.AdamW(self.model.parameters(), lr=self.cfg.inner_lr,
-                                               betas=self.cfg.inner_betas, weight_decay=self.cfg.weight_decay)
-        self.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
+            replica.inner_opt = torch.optim.AdamW(replica.model.parameters(), lr=self.cfg.inner_lr,
+                                                  betas=self.cfg.inner_betas, weight_decay=self.cfg.weight_decay)
+        replica.data = tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id), self.cfg.seed)
+
+    @property
+    def _fp_before_blake3(self) -> dict | None:
+        """The fingerprint of this run under the version that hashed weights with BLAKE2b (``_build``)."""
+        return self.earlier_fps[1] if len(self.earlier_fps) > 1 else None
 
     def global_hash(self) -> str:
         return self.fragments.global_hash()

@@ -15,7 +15,7 @@ from swarmd.protocols import task as tasks
 from swarmd.protocols.bulk import BulkService
 from swarmd.protocols.diloco.barrier import BarrierMixin
 from swarmd.protocols.diloco.book import RoundBook
-from swarmd.protocols.diloco.state import Links, Resyncs, Start, Timings
+from swarmd.protocols.diloco.state import Links, Record, Resyncs, Start, Timings
 from swarmd.protocols.diloco.checkpoints import CheckpointsMixin
 from swarmd.protocols.diloco.config import DilocoConfig
 from swarmd.protocols.diloco.conform import ConformMixin
@@ -24,6 +24,7 @@ from swarmd.protocols.diloco.fragments import FragmentsMixin
 from swarmd.protocols.diloco.links import LinksMixin
 from swarmd.protocols.diloco.pulls import PullsMixin
 from swarmd.protocols.diloco.redo import RedoMixin
+from swarmd.protocols.diloco.replica import Replica
 from swarmd.protocols.diloco.round import Round
 from swarmd.protocols.diloco.update import UpdateMixin
 from swarmd.protocols.diloco.validate import ValidateMixin
@@ -32,7 +33,6 @@ from swarmd.protocols.diloco.wire import (
     ANN_SPEC,
     CKPT_SPEC,
     FEEDBACK_CODECS,
-    HISTORY,
     MAX_MESSAGE,
     REDUCING,
     ROUND_HASH,
@@ -54,40 +54,58 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
     def __init__(self, gossip: Gossip, bulk: BulkService, config: DilocoConfig, task: Task):
         self.gossip, self.bulk, self.cfg = gossip, bulk, config
         self._init_task(task)
-        self.train_loss: float | None = None
-        self.topic = f"diloco/{config.run}"
         self.codec = codecs.configured(config.codec, config.codec_options)
         self.reduced_codec = codecs.get(config.reduced())
-        self.feedback = config.error_feedback == "on" or (config.error_feedback == "auto"
-                                                          and config.codec in FEEDBACK_CODECS)
+        self.replica = Replica()  # our model, its optimizers and data (built with the model)
         self.fragments = Fragments(config.fragments)  # each fragment's state from round to round (built with the model)
         self.book = RoundBook()  # what we keep of each (round, fragment), and for how long
         self.links, self.resyncs, self.start_state, self.timings = Links(), Resyncs(), Start(), Timings()
-        # per closed round: fragment, round, participants, global hash (the last HISTORY)
-        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
-        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)
-        self._recent_losses: list[float] = []
+        self.record = Record()  # what the run reports
         self.counters: collections.Counter = collections.Counter()
         self.deadline = outer.AdaptiveDeadline(low=config.deadline_low, high=config.deadline_high,
                                                initial=max(config.deadline_low, 10.0))
         self.state = "starting"
         self.step = 0
-        self._last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
         self.started = None
-        self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
         self._ctx: NodeContext | None = None
         self._event = asyncio.Event()
-        self.final_hash: str | None = None
-        self._ckpt_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint (MAX_PEER_ENTRIES)
-        self._asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
-        self._missing_logged: dict[str, float] = {}
-        self.exchange_view: dict = {}
         # scatter: parts whose chunks are decoded and reduced at once (each holds its members' chunks decoded)
         self._reducing = asyncio.Semaphore(REDUCING)
         self._buffers = buffers.Buffers(0)  # (its room set once the model is built)
         # the inner steps of a user's own training loop (swarmd.DiLoCo) in place of ours on the task's data
         self.user_steps: UserSteps | None = None
         self.faults = FaultPlan()  # a test's faults by peer, round and phase (none in production)
+
+    @property
+    def topic(self) -> str:
+        return f"diloco/{self.cfg.run}"
+
+    @property
+    def feedback(self) -> bool:
+        """Whether what the codec drops of our update is carried into the next one (error feedback)."""
+        cfg = self.cfg
+        return cfg.error_feedback == "on" or (cfg.error_feedback == "auto" and cfg.codec in FEEDBACK_CODECS)
+
+    # what the run reports, for the callers outside the package (the simulator, the training API, tests)
+    @property
+    def final_hash(self) -> str | None:
+        """The global weights' hash the run ended on (None until it ends)."""
+        return self.record.final_hash
+
+    @property
+    def history(self) -> collections.deque[dict]:
+        """The last closed rounds: fragment, round, participants, global hash."""
+        return self.record.history
+
+    @property
+    def losses(self) -> collections.deque[tuple[int, float]]:
+        """The evaluations: (step, loss)."""
+        return self.record.losses
+
+    @property
+    def exchange_view(self) -> dict:
+        """The last round's exchange (``/status`` exchange)."""
+        return self.record.exchange
 
     # ------------------------------------------------------------------ service
     async def start(self, ctx: NodeContext) -> None:
@@ -99,7 +117,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
 
     async def close(self) -> None:
         self._stop_progress()
-        running = [t for t in (self.links.probe, *self._asks) if t is not None]
+        running = [t for t in (self.links.probe, *self.resyncs.asks) if t is not None]
         for task in running:
             task.cancel()
         await asyncio.gather(*running, return_exceptions=True)
@@ -192,7 +210,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
         for f in self.fragments:
             if f.redo is not None:
                 self._drop_redo(f.index)
-        self.final_hash = self.global_hash()
+        self.record.final_hash = self.global_hash()
         if self.saved is None or self.saved.get("round") != self.rounds_done[-1]:
             await asyncio.to_thread(self._save_checkpoint)
         await self._last_progress()
@@ -301,19 +319,14 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
         """After the last fragment's round closed (every fragment has closed ``done`` rounds): evaluate, report,
         checkpoint."""
         if done % self.cfg.eval_every == 0:
-            loss = await asyncio.to_thread(tasks.evaluate, self.task, self.model)
+            loss = await asyncio.to_thread(tasks.evaluate, self.task, self.replica.model)
             if loss is None:  # a task without evaluate(): the mean training loss of the round
-                loss = self._round_loss()
+                loss = self.record.round_loss()
             if loss is not None:
-                self.losses.append((self.step, round(loss, 5)))
+                self.record.losses.append((self.step, round(loss, 5)))
                 await self._report(loss)
         if self.cfg.checkpoint_every and done % self.cfg.checkpoint_every == 0:
             await asyncio.to_thread(self._save_checkpoint)
-
-    def _round_loss(self) -> float | None:
-        recent = [x for x in self._recent_losses if math.isfinite(x)]
-        self._recent_losses.clear()
-        return sum(recent) / len(recent) if recent else None
 
     async def _train_step(self) -> None:
         """One inner step, off the event loop (the seam a simulation paces with simulated compute time): ours on the
@@ -334,8 +347,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
                     f.skipped = f"the loss became {value} at step {self.step}"
             self._nonfinite(f"the loss ({value})", f"at step {self.step}; skipping the step and withholding our update")
             return False
-        self.train_loss = value
-        self._recent_losses.append(value)
+        self.record.trained(value)
         return True
 
     def lr_factor(self) -> float:
@@ -346,13 +358,13 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
     def _schedule_lr(self) -> None:
         if self.cfg.lr_schedule == "constant" and not self.cfg.warmup_steps:
             return  # the optimizer's own lr, untouched
-        scale_lr(self.inner_opt, self.lr_factor())
+        scale_lr(self.replica.inner_opt, self.lr_factor())
 
     def _inner_step(self) -> None:
-        self.model.train()
-        batch = tasks.to_device(next(self.data), self.device)
-        loss = tasks.loss_value(self.task, self.model, batch)
-        self.inner_opt.zero_grad(set_to_none=True)
+        self.replica.model.train()
+        batch = tasks.to_device(next(self.replica.data), self.device)
+        loss = tasks.loss_value(self.task, self.replica.model, batch)
+        self.replica.inner_opt.zero_grad(set_to_none=True)
         value = float(loss.detach())
         if not math.isfinite(value):
             # this peer's training went wrong: no backward, no step, and our updates are withheld until a round
@@ -361,10 +373,10 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             return
         loss.backward()
         self._schedule_lr()
-        self.inner_opt.step()
+        self.replica.inner_opt.step()
         # the gradients are not held between steps: a round's exchange, whose transients are the node's peak of
         # memory, runs between two steps (4 bytes a parameter: 0.44 GB for a 109M model)
-        self.inner_opt.zero_grad(set_to_none=True)
+        self.replica.inner_opt.zero_grad(set_to_none=True)
         self._record_loss(value)
 
     async def _report(self, loss: float) -> None:
@@ -381,11 +393,11 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             "state": self.state,
             "round": rounds_done[-1] if rounds_done else 0,
             "total_rounds": self.cfg.rounds,
-            "train_loss": None if self.train_loss is None else round(self.train_loss, 5),
-            "inner_lr": ([round(g["lr"], 8) for g in self.inner_opt.param_groups][:8]
-                         if getattr(self, "inner_opt", None) is not None else None),
-            "inner_betas": ([list(g["betas"]) for g in self.inner_opt.param_groups if "betas" in g][:8]
-                            if getattr(self, "inner_opt", None) is not None else None),
+            "train_loss": None if self.record.train_loss is None else round(self.record.train_loss, 5),
+            "inner_lr": ([round(g["lr"], 8) for g in self.replica.inner_opt.param_groups][:8]
+                         if self.replica.inner_opt is not None else None),
+            "inner_betas": ([list(g["betas"]) for g in self.replica.inner_opt.param_groups if "betas" in g][:8]
+                            if self.replica.inner_opt is not None else None),
             "withheld": {str(f.index): f.skipped for f in self.fragments if f.skipped is not None},
             "codec": self.cfg.codec,
             "bits_per_param_step": (round(bits_per_param_step(self.counters["bytes_sent"], sum(
@@ -398,13 +410,13 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             "global_hash": self.final_hash or (self.global_hash() if built else None),
             "final_hash": self.final_hash,
             "parameters": sum(f.numel() for f in self.fragments) if built else None,
-            "history": list(self.history)[-64:],
-            "losses": list(self.losses)[-40:],
+            "history": list(self.record.history)[-64:],
+            "losses": list(self.record.losses)[-40:],
             "compute_fraction": round(1 - self.timings.blocked / wall, 4) if wall else None,
-            "initial_weights": self.initial_weights,
+            "initial_weights": self.record.initial_weights,
             "deadline_s": round(self.deadline.value(), 2),
             "transfer_rate_bps": round(self._transfer_rate()) if self.links.rates else None,
-            "exchange": {"setting": self.cfg.exchange, **self.exchange_view},
+            "exchange": {"setting": self.cfg.exchange, **self.record.exchange},
             # a round's large buffers kept for the next (protocols/buffers.py): bytes held, taken (reused: from
             # the pool), given back, refused (held elsewhere, or no room)
             "buffers": self._buffers.status(),

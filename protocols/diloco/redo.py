@@ -67,7 +67,8 @@ class RedoMixin:
         me = self._ctx.identity.peer_id
 
         def search() -> tuple[frozenset[str], torch.Tensor, torch.Tensor] | None:
-            opt = outer.OuterNesterov([], self.outer_opt.lr, self.outer_opt.momentum)  # the same step, bit for bit
+            steps = self.replica.outer_opt
+            opt = outer.OuterNesterov([], steps.lr, steps.momentum)  # the same step, bit for bit
             for members in redo.variants(me):
                 combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
                 opt.buffers = {p: redo.momentum.clone()}
@@ -79,8 +80,8 @@ class RedoMixin:
         found = await asyncio.to_thread(search)
         if found is None:
             return False
-        members, fixed, self.outer_opt.buffers[p] = found
-        frag = [self.params[i] for i in self.fragments[p].params]
+        members, fixed, self.replica.outer_opt.buffers[p] = found
+        frag = self.replica.of(self.fragments[p])
         with torch.no_grad():
             outer.unflatten_into(outer.flatten(frag) + (fixed - self.fragments[p].weights), frag)
         self.fragments.replace(p, fixed)
@@ -144,11 +145,11 @@ class RedoMixin:
             ann = pending.announced.get(a)
             if ann is None:
                 continue
-            if a != self._ctx.identity.peer_id and self._last_parts.get((a, p)) == ann.parts:
+            if a != self._ctx.identity.peer_id and self.book.last_parts.get((a, p)) == ann.parts:
                 out[a] = "replayed"
-            self._last_parts[(a, p)] = ann.parts
-            self._last_parts.move_to_end((a, p))
-        while len(self._last_parts) > MAX_REMEMBERED_UPDATES:
-            self._last_parts.popitem(last=False)
+            self.book.last_parts[(a, p)] = ann.parts
+            self.book.last_parts.move_to_end((a, p))
+        while len(self.book.last_parts) > MAX_REMEMBERED_UPDATES:
+            self.book.last_parts.popitem(last=False)
         return out
 

@@ -61,7 +61,8 @@ class Round:
         h = await self._apply(combined)
         self._next_candidates(members, participants)
         lp._check_previous(self.p, self.r)
-        lp.history.append({"round": self.r, "fragment": self.p, "participants": len(participants), "global_hash": h})
+        lp.record.history.append({"round": self.r, "fragment": self.p, "participants": len(participants),
+                                  "global_hash": h})
         lp._publish(ROUND_HASH, {"r": self.r, "p": self.p, "h": h})
         lp.book.closed_published(self.r, self.p, h)
         self.finalize()
@@ -337,7 +338,7 @@ class Round:
         if pending.sent_at is not None:  # our update announced -> the round's combined update in hand
             lp.timings.exchange.append(lp.clock.monotonic() - pending.sent_at)
         lp.timings.close.append(lp.clock.monotonic() - started)  # every update announced -> combined update in hand
-        lp.exchange_view = {"mode": self.mode, "round": self.r, "fragment": self.p, "members": len(members),
+        lp.record.exchange = {"mode": self.mode, "round": self.r, "fragment": self.p, "members": len(members),
                             "parts": lp._round_parts(self.key),
                             **(lp.links.assignment if self.mode == "scatter" else {}),
                             "close_seconds": round(lp.timings.close[-1], 3),
@@ -378,9 +379,10 @@ class Round:
             fragment (seconds for a large model) that held the event loop, so they run in a worker thread; the
             training loop waits for it here, so nothing else changes the weights meanwhile."""
             # in scatter the combined update is a buffer of ours, used by nothing else: the new weights take its place
-            new = frag.weights if combined is None else lp.outer_opt.step(p, frag.weights, combined, consume=scatter)
+            new = frag.weights if combined is None else lp.replica.outer_opt.step(p, frag.weights, combined,
+                                                                                consume=scatter)
             # a peer whose training went wrong (non-finite loss or weights) takes the global weights as they are
-            outer.merge_into([lp.params[i] for i in frag.params], new, lp.cfg.alpha, broken=broken)
+            outer.merge_into(lp.replica.of(frag), new, lp.cfg.alpha, broken=broken)
             if combined is None:
                 return new, lp.global_hash(), ""  # unchanged: the cached hash
             flat = [*(w := lp.fragments.weights())[:p], new, *w[p + 1:]]
@@ -423,8 +425,8 @@ class Round:
             # simulator). Peers that are really gone stop counting after a few missed rounds (protocols.standing),
             # so this costs at most those rounds' deadlines
             frag.participants = frag.last_members(lp.start_state.initial) | members
-        if isinstance(lp.inner_opt, SwarmAdamW) and participants:
-            lp.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
+        if isinstance(lp.replica.inner_opt, SwarmAdamW) and participants:
+            lp.replica.inner_opt.set_peers(len(participants))  # the next round averages about as many peers' steps
 
     def finalize(self) -> None:
         """The round's end: its prefetches cancelled, its book entry and the blobs no round keeps given back."""

@@ -73,7 +73,7 @@ class UpdateMixin:
         update is not finite (our weights, since the global ones are: the codec refuses NaN and infinity, and that
         check is the only pass made for it)."""
         frag = self.fragments[p]
-        delta = self._pseudo_gradient(p, [self.params[i] for i in frag.params])
+        delta = self._pseudo_gradient(p, self.replica.of(frag))
         lossless = self.codec.lossless  # what the others decode is ``delta`` itself, bit for bit
         residual = frag.residual if self.feedback and not lossless else None
         if residual is not None and residual.shape == delta.shape:
