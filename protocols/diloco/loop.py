@@ -156,10 +156,10 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
         rounds = self._rounds()
         offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
         total = rounds * h + max(offsets)
-        waiting: dict[int, tuple[int, int]] = {}  # fragment -> (round, step at which to close)
+        waiting: dict[int, tuple[Round, int]] = {}  # fragment -> (its open round, step at which to close it)
         for f in self.fragments:  # a late joiner may arrive mid-round: follow that round at once
             if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
-                waiting[f.index] = (f.rounds_done, self.step)
+                waiting[f.index] = (Round(self, f.index, f.rounds_done), self.step)
         while self.step < total or waiting:
             if not self.resyncs.resync_from and (behind := self._fallen_behind()):
                 self.counters["fell_behind"] += 1
@@ -177,7 +177,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
                 waiting = {}
                 for f in self.fragments:
                     if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
-                        waiting[f.index] = (f.rounds_done, self.step)
+                        waiting[f.index] = (Round(self, f.index, f.rounds_done), self.step)
                 continue
             if self.step < total:
                 if self.user_steps is None and self._behind_as_follower():
@@ -195,12 +195,12 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
                 p = f.index
                 if p not in waiting and f.rounds_done < rounds and self.step >= offsets[p] + h \
                         and (self.step - offsets[p]) % h == 0:
-                    r = f.rounds_done
-                    await self._send_update(p, r)
-                    waiting[p] = (r, self.step + self.cfg.overlap)
-            for p, (r, close_at) in list(waiting.items()):
+                    rnd = Round(self, p, f.rounds_done)
+                    await rnd.announce()
+                    waiting[p] = (rnd, self.step + self.cfg.overlap)
+            for p, (rnd, close_at) in list(waiting.items()):
                 if self.step >= close_at or self.step >= total:
-                    await self._close_round(p, r)
+                    await rnd.close()
                     del waiting[p]
                     f = self.fragments[p]
                     f.rounds_done += 1
@@ -219,9 +219,6 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
         while True:  # keep saying where the run ended, so a node that arrives later can take the final weights
             self._publish(ROUND_HASH, {"r": self.cfg.rounds, "p": self.cfg.fragments - 1, "h": self.final_hash})
             await asyncio.sleep(5.0)
-
-    async def _close_round(self, p: int, r: int) -> None:
-        await Round(self, p, r).close()
 
     def _behind_as_follower(self) -> bool:
         """Whether our next inner step would be thrown away: we follow every fragment's current round without
@@ -428,7 +425,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
 
 
 def _next_event(step: int, total: int, h: int, offsets: list[int], rounds_done: list[int], rounds: float,
-                waiting: dict[int, tuple[int, int]]) -> int:
+                waiting: dict[int, tuple[Round, int]]) -> int:
     """The first step after ``step`` at whose end the schedule acts on the model: a fragment's update announced
     (every h steps from its offset), a waiting round closed, or the run's last step."""
     event = total

@@ -1,6 +1,7 @@
-"""Closing one round of one fragment (hivemind's ``AllReduceRunner``: one object per round, dropped with
-``finalize``): the wait for its members' updates, the member agreement, the exchange that combines them, the outer
-step, and what the round leaves behind (its history, its hash, its book entries and blobs given back)."""
+"""One round of one fragment (hivemind's ``AllReduceRunner``: one object per round, dropped with ``finalize``):
+our update announced, then its close: the wait for its members' updates, the member agreement, the exchange that
+combines them, the outer step, and what the round leaves behind (its history, its hash, its book entries and blobs
+given back)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 from swarmd.protocols import exchange, outer, rounds
 from swarmd.protocols.diloco.alltoall import EXCHANGES
+from swarmd.protocols.diloco.pending import Pending
 from swarmd.protocols.diloco.wire import (
     FETCH_AFTER,
     FETCH_WAIT,
@@ -32,23 +34,30 @@ logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whol
 
 
 class Round:
-    """Round r of fragment p, from the start of its close to its end. What the round gathered while it was open
-    (its ``Pending``) is the loop's book entry until ``finalize`` gives it back; what the close decides (the members,
-    the combined update, the refusals) goes from one step to the next by argument."""
+    """Round r of fragment p, from our update's announcement (the schedule makes it when the round's inner steps
+    are done, or when a joiner starts to follow a round under way) to the end of its close. What the round gathers
+    while it is open (its ``Pending``: the others' messages come before we make it) is the loop's book entry until
+    ``finalize`` gives it back; what the close decides (the members, the combined update, the refusals) goes from
+    one step to the next by argument."""
 
     def __init__(self, loop: DilocoLoop, p: int, r: int) -> None:
         self.loop = loop
         self.r, self.p, self.key = r, p, (r, p)
         self.frag = loop.fragments[p]
-        self.pending = loop.book.pending[self.key]
+        self.pending: Pending | None = None  # the book's entry, taken when the close starts
         self.me = loop._ctx.identity.peer_id
         self.mode = "all-to-all"  # (the exchange's, decided when the wait starts)
         self.wait: rounds.RoundWait | None = None  # whom the round waits for, and how long
         self.coordinator: tuple[str, ...] = ()  # the round's first coordinator, when members are agreed
         self.blocked_from = 0.0  # when the training loop started waiting for this close
 
+    async def announce(self) -> None:
+        """Our update for the round, announced (``UpdateMixin._send_update``)."""
+        await self.loop._send_update(self.p, self.r)
+
     async def close(self) -> None:
         lp = self.loop
+        self.pending = lp.book.pending[self.key]
         missing, waited_s = await self._gather()
         base_now, other_base = await self._screen()
         members, replayed, started = await self._members(base_now)
