@@ -53,7 +53,7 @@ class LinksMixin:
         the default 10 MB/s get 0.05 s for seconds of transfers: over seeds 1-8, 4 runs end on 2 or 3 different
         weights, none has fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 end
         split, 4 have 0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well
-        (``_majority_parts``), all 8 end on one weights with no resync and 4 members a round
+        (``ConformStep._majority_parts``), all 8 end on one weights with no resync and 4 members a round
         (``bench/bench_sim.py --slow``).
 
         And, with ``slowest`` (kB/s: the slowest of the round's ``members`` members' rates, ``_slowest_rate``),

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from swarmd.protocols import codecs, exchange, outer
 from swarmd.protocols.bulk import BulkError, content_hash
+from swarmd.protocols.diloco.conform import ConformStep
 from swarmd.protocols.diloco.pending import Received, StepEnd, _decode_part
 from swarmd.protocols.diloco.wire import (
     AUDIT,
@@ -26,7 +27,7 @@ class ScatterRound:
     parts the round's order gives us and publish them (with the members whose chunks each combines), audit a part
     when the round draws it for us, and take every other part from its reducer; a part whose reducer fails us by
     the deadline, or that its auditor disputes, we reduce ourselves from the members' chunks. Then every peer takes
-    the round's coordinator's parts (``_conform``): peers that reduced a late part themselves, from other chunks
+    the round's coordinator's parts (``ConformStep``): peers that reduced a late part themselves, from other chunks
     than its reducer (a chunk that did not come in time somewhere), end on the same weights.
 
     What the exchange fills as it goes lives on it: the combined update (a part taken from its reducer is decoded
@@ -84,8 +85,7 @@ class ScatterRound:
                              *(self._take(k, k in auditing) for k in range(len(self.bounds)) if k not in mine))
         reduced = lp.clock.monotonic()
         lp.timings.phases["reduce"].append(reduced - started)
-        await lp._conform(rnd.key, self.pending, self.members, self.ordered, self.digest, self.parts, self.used,
-                          self.compute, self.computed, self.span)
+        await ConformStep(self).run()
         lp.timings.phases["conform"].append(lp.clock.monotonic() - reduced)
         return await asyncio.to_thread(self._assemble), {**self.screened, **self.rejected}
 
