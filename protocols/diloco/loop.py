@@ -139,6 +139,12 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
                         self.step)
 
     async def _run(self) -> None:
+        await self._begin()
+        await self._schedule()
+        await self._end()
+
+    async def _begin(self) -> None:
+        """The model built, our own checkpoint resumed, the start barrier passed and the link probe begun."""
         self.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building the model"
         with self.work.track("model build"):
@@ -152,45 +158,22 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             if others and not self.rounds_done[0]:
                 self.links.probe = asyncio.get_running_loop().create_task(self._probe_links(others))
         self.started = self.clock.monotonic()
+
+    async def _schedule(self) -> None:
+        """The inner steps and each fragment's rounds: fragment p's round starts (our update announced) every
+        inner_steps steps from its offset, p * inner_steps / fragments, and closes ``overlap`` steps later."""
         h = self.cfg.inner_steps
         rounds = self._rounds()
         offsets = [p * h // self.cfg.fragments for p in range(self.cfg.fragments)]
         total = rounds * h + max(offsets)
-        waiting: dict[int, tuple[Round, int]] = {}  # fragment -> (its open round, step at which to close it)
-        for f in self.fragments:  # a late joiner may arrive mid-round: follow that round at once
-            if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
-                waiting[f.index] = (Round(self, f.index, f.rounds_done), self.step)
+        waiting = self._under_way(offsets, rounds)  # fragment -> (its open round, step at which to close it)
         while self.step < total or waiting:
-            if not self.resyncs.resync_from and (behind := self._fallen_behind()):
-                self.counters["fell_behind"] += 1
-                logger.warning("diloco: the swarm closed round %d, two past ours (%d); taking a checkpoint",
-                               max(map(self._swarm_round, range(len(self.rounds_done)))), min(self.rounds_done))
-                self.resyncs.counted_before_resync = self._still_counted()
-                self.resyncs.resync_from = behind
-            if self.resyncs.resync_from:
-                peers, self.resyncs.resync_from = self.resyncs.resync_from, []
-                self.counters["resyncs"] += 1
-                if self.user_steps is not None:
-                    await self.user_steps.hold()  # the script's step under way ends before the weights change
-                if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
-                    self.state = "running"  # keep our weights; the next round's hashes tell again
-                waiting = {}
-                for f in self.fragments:
-                    if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h:
-                        waiting[f.index] = (Round(self, f.index, f.rounds_done), self.step)
+            if self._resync_due():
+                await self._resync()
+                waiting = self._under_way(offsets, rounds)
                 continue
             if self.step < total:
-                if self.user_steps is None and self._behind_as_follower():
-                    self.counters["steps_skipped"] += 1
-                    await asyncio.sleep(0)
-                else:
-                    if self.user_steps is not None:  # the script may run on to the next step the loop acts at
-                        self.user_steps.grant(_next_event(self.step, total, h, offsets, self.rounds_done, rounds,
-                                                          waiting) - self.step)
-                    t0 = self.clock.monotonic()
-                    await self._train_step()
-                    self.timings.compute += self.clock.monotonic() - t0
-                self.step += 1
+                await self._inner(_next_event(self.step, total, h, offsets, self.rounds_done, rounds, waiting))
             for f in self.fragments:
                 p = f.index
                 if p not in waiting and f.rounds_done < rounds and self.step >= offsets[p] + h \
@@ -206,6 +189,50 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
                     f.rounds_done += 1
                     if p == self.cfg.fragments - 1:
                         await self._after_round(f.rounds_done)
+
+    def _under_way(self, offsets: list[int], rounds: float) -> dict[int, tuple[Round, int]]:
+        """The rounds whose inner steps are behind us (a late joiner, or a resync, may arrive mid-round): followed
+        at once, closed at this step."""
+        h = self.cfg.inner_steps
+        return {f.index: (Round(self, f.index, f.rounds_done), self.step) for f in self.fragments
+                if f.rounds_done < rounds and self.step >= offsets[f.index] + (f.rounds_done + 1) * h}
+
+    def _resync_due(self) -> bool:
+        """Whether we take a checkpoint now: our weights left the majority's (``resync_from`` set at a close), or
+        the swarm is two rounds past ours."""
+        if not self.resyncs.resync_from and (behind := self._fallen_behind()):
+            self.counters["fell_behind"] += 1
+            logger.warning("diloco: the swarm closed round %d, two past ours (%d); taking a checkpoint",
+                           max(map(self._swarm_round, range(len(self.rounds_done)))), min(self.rounds_done))
+            self.resyncs.counted_before_resync = self._still_counted()
+            self.resyncs.resync_from = behind
+        return bool(self.resyncs.resync_from)
+
+    async def _resync(self) -> None:
+        peers, self.resyncs.resync_from = self.resyncs.resync_from, []
+        self.counters["resyncs"] += 1
+        if self.user_steps is not None:
+            await self.user_steps.hold()  # the script's step under way ends before the weights change
+        if not await self._join_from_checkpoint(peers, rejoin=self.resyncs.counted_before_resync):
+            self.state = "running"  # keep our weights; the next round's hashes tell again
+
+    async def _inner(self, next_event: int) -> None:
+        """One inner step (none where it would be thrown away: ``_behind_as_follower``); ``next_event``: the first
+        step at whose end the schedule acts on the model, up to which a user's script may run on."""
+        if self.user_steps is None and self._behind_as_follower():
+            self.counters["steps_skipped"] += 1
+            await asyncio.sleep(0)
+        else:
+            if self.user_steps is not None:  # the script may run on to the next step the loop acts at
+                self.user_steps.grant(next_event - self.step)
+            t0 = self.clock.monotonic()
+            await self._train_step()
+            self.timings.compute += self.clock.monotonic() - t0
+        self.step += 1
+
+    async def _end(self) -> None:
+        """The last round settled with the others, our final checkpoint saved; then where the run ended is
+        published every few seconds, for a node that arrives later."""
         await self._settle_final()
         for f in self.fragments:
             if f.redo is not None:
