@@ -309,76 +309,90 @@ class CheckpointsMixin:
         # last is put last. No penalty: nothing shows they lied
         for peer in sorted(exchange.fastest_first(peers, self.links.source_rates),
                            key=lambda a: a in self.resyncs.led_off):
-            try:
-                ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
-                done = ckpt["rounds_done"]
-                published = self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
-                published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
-                    {a: h for a, h in published.items() if a in peers}
-                if published and ckpt["global_hash"] not in published.values():
-                    raise ValueError("checkpoint does not match any published global hash")
-            except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
-                    ValueError) as e:
-                self.counters["checkpoint_source_failed"] += 1
-                logger.warning("checkpoint from %s unusable: %s", peer, e)
-                if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
-                    self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
+            if (pulled := await self._usable_checkpoint(peer, peers)) is None:
                 continue
-            # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
-            # by their hash), and one past the run's end would have a joiner end the run at once on the weights it
-            # joined with, having never contributed (the simulator)
-            low, high = self._steps_of(done)
-            step = min(max(ckpt["step"], low), high)
-            if step != ckpt["step"]:
-                self.counters["checkpoint_step_clamped"] += 1
-                logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
-                               peer, ckpt["step"], done, low, high, step)
-            self._adopt(global_flat, momentum, done, step, ckpt["participants"])
-            self.resyncs.checkpoint_from = peer
-            # the peers that vouched for this state (they hold its hash), and those it was made with that say so
-            # themselves (they published its hash for its round): the list is its server's word alone, and a key
-            # credited from it would count as a founder of ours for good (a server that lists six fresh keys would
-            # have their word outvote the run's peers at our first hash check, and we would take their weights: the
-            # simulator)
-            holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
-                       if h == ckpt["global_hash"]}
-            listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
-            self.standing.found(set(peers) | (listed & holders))
-            self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
-            self.book.took_checkpoint(self.rounds_done)
-            self.start_state.initial = set()
-            # follow the next round of each fragment, contribute from the one after (announced now)
-            for p in range(self.cfg.fragments):
-                # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
-                # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
-                # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
-                # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
-                # have closed already, and they drop such a join (joins_ignored)
-                now = max(self.fragments[p].rounds_done, self._swarm_round(p) + 1)
-                self.fragments[p].join_round = now + 1 if rejoin else next_fresh_round(now + 2)
-                self._publish(JOIN, {"r": self.fragments[p].join_round, "p": p, "join": True})
-            self.counters["joined_from_checkpoint"] += 1
-            # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
-            # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
-            # announces closes its first round alone at deadline_high, then falls behind and resyncs: the
-            # simulator, 1 MB updates at 2 MB/s)
-            ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
-                         - {rounds.short_id(self._ctx.identity.peer_id)})
-            for p in range(self.cfg.fragments):
-                if ids and self.fragments[p].rounds_done < self._rounds():
-                    ask = asyncio.get_running_loop().create_task(
-                        self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
-                    self.resyncs.asks.add(ask)
-                    ask.add_done_callback(self.resyncs.asks.discard)
-            self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
-                            "hash": ckpt["global_hash"]}
-            self.state = "running"
-            logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
-                        ckpt["global_hash"])
+            self._joined(peer, peers, *pulled, rejoin)
             if self.faults:
                 await self.faults.enter("joined", self, source=peer)
             return True
         self.counters["checkpoint_join_failed"] += 1
         logger.warning("diloco: none of %d peer(s) served a usable checkpoint", len(peers))
         return False
+
+    async def _usable_checkpoint(self, peer: str, peers: list[str]) -> tuple[dict, list, list] | None:
+        """``peer``'s checkpoint, pulled and checked against the global hashes the peers that count (or else
+        ``peers``) published for its round; None (counted, and a penalty where it is malformed) if unusable."""
+        try:
+            ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
+            done = ckpt["rounds_done"]
+            published = self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
+            published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
+                {a: h for a, h in published.items() if a in peers}
+            if published and ckpt["global_hash"] not in published.values():
+                raise ValueError("checkpoint does not match any published global hash")
+        except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
+                ValueError) as e:
+            self.counters["checkpoint_source_failed"] += 1
+            logger.warning("checkpoint from %s unusable: %s", peer, e)
+            if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
+                self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
+            return None
+        return ckpt, global_flat, momentum
+
+    def _joined(self, peer: str, peers: list[str], ckpt: dict, global_flat: list, momentum: list,
+                rejoin: bool) -> None:
+        """``peer``'s checkpoint taken: our weights, counters and standing from it, and the rounds we follow and
+        contribute to from here announced."""
+        done = ckpt["rounds_done"]
+        # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
+        # by their hash), and one past the run's end would have a joiner end the run at once on the weights it
+        # joined with, having never contributed (the simulator)
+        low, high = self._steps_of(done)
+        step = min(max(ckpt["step"], low), high)
+        if step != ckpt["step"]:
+            self.counters["checkpoint_step_clamped"] += 1
+            logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
+                           peer, ckpt["step"], done, low, high, step)
+        self._adopt(global_flat, momentum, done, step, ckpt["participants"])
+        self.resyncs.checkpoint_from = peer
+        # the peers that vouched for this state (they hold its hash), and those it was made with that say so
+        # themselves (they published its hash for its round): the list is its server's word alone, and a key
+        # credited from it would count as a founder of ours for good (a server that lists six fresh keys would
+        # have their word outvote the run's peers at our first hash check, and we would take their weights: the
+        # simulator)
+        holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
+                   if h == ckpt["global_hash"]}
+        listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
+        self.standing.found(set(peers) | (listed & holders))
+        self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
+        self.book.took_checkpoint(self.rounds_done)
+        self.start_state.initial = set()
+        # follow the next round of each fragment, contribute from the one after (announced now)
+        for p in range(self.cfg.fragments):
+            # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
+            # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
+            # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
+            # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
+            # have closed already, and they drop such a join (joins_ignored)
+            now = max(self.fragments[p].rounds_done, self._swarm_round(p) + 1)
+            self.fragments[p].join_round = now + 1 if rejoin else next_fresh_round(now + 2)
+            self._publish(JOIN, {"r": self.fragments[p].join_round, "p": p, "join": True})
+        self.counters["joined_from_checkpoint"] += 1
+        # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
+        # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
+        # announces closes its first round alone at deadline_high, then falls behind and resyncs: the
+        # simulator, 1 MB updates at 2 MB/s)
+        ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
+                     - {rounds.short_id(self._ctx.identity.peer_id)})
+        for p in range(self.cfg.fragments):
+            if ids and self.fragments[p].rounds_done < self._rounds():
+                ask = asyncio.get_running_loop().create_task(
+                    self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
+                self.resyncs.asks.add(ask)
+                ask.add_done_callback(self.resyncs.asks.discard)
+        self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
+                        "hash": ckpt["global_hash"]}
+        self.state = "running"
+        logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
+                    ckpt["global_hash"])
 
