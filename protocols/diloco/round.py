@@ -48,7 +48,7 @@ class Round:
         self.me = loop._ctx.identity.peer_id
         self.mode = "all-to-all"  # (the exchange's, decided when the wait starts)
         self.wait: rounds.RoundWait | None = None  # whom the round waits for, and how long
-        self.coordinator: tuple[str, ...] = ()  # the round's first coordinator, when members are agreed
+        self.chain_head: tuple[str, ...] = ()  # the first of the round's chain of coordinators (none: no agreement)
         self.blocked_from = 0.0  # when the training loop started waiting for this close
 
     async def announce(self) -> None:
@@ -56,6 +56,8 @@ class Round:
         await self.loop._send_update(self.p, self.r)
 
     async def close(self) -> None:
+        """Close the round: its members waited for and agreed, their updates combined, the outer step taken, the
+        round recorded and published, and its book entries given back (``finalize``)."""
         lp = self.loop
         self.pending = lp.book.pending[self.key]
         missing, waited_s = await self._gather()
@@ -90,7 +92,7 @@ class Round:
         take its view (``Round._agree``), so waiting on for anyone else changes nothing. Without this, a joiner (its
         deadline deadline_high, before it has measured one) waits that long for a peer killed meanwhile,
         which the coordinator left out, and falls behind the others (the simulator shows it)."""
-        coordinator, pending = self.coordinator, self.pending
+        coordinator, pending = self.chain_head, self.pending
         if not coordinator or coordinator[0] == self.me or coordinator[0] not in pending.views:
             return False
         return not rounds.resolve_view(pending.views[coordinator[0]],
@@ -129,7 +131,7 @@ class Round:
                                    "round closes without it", r, p)
             for peer in sorted(set(pending.announced) - pending.pulling - set(pending.updates)):
                 lp._start_pull(key, pending, peer)  # announced while we were in the other mode
-        self.coordinator = lp._chain(r, p)[:1] if lp.cfg.agree else ()
+        self.chain_head = lp._chain(r, p)[:1] if lp.cfg.agree else ()
         await self._wait_asking(wait)
         # closing with our own update alone while the others are behind (a slow exchange, a checkpoint on its way)
         # would leave them nothing to follow: wait on for them, up to deadline_high (rounds.RoundWait.hold_alone)
