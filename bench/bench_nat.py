@@ -19,6 +19,13 @@ config (the embedded defaults as users get them, and/or the lab config): N fresh
 60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause:
 
     python bench/bench_nat.py --per-kind --runs 50 [--kinds ...] [--configs defaults lab] [--punch-wait 60]
+
+With --diloco, a 4-peer DiLoCo run (two public peers, one behind an endpoint-independent NAT, one behind a
+symmetric NAT: the two NATed ones have no direct path to each other) next to the same run with all four public, in
+the same invocation: rounds whose combination holds every peer's update, the symmetric peer's update, pulls made
+through the public members, bulk requests refused for coming over a relay, and the median round time:
+
+    python bench/bench_nat.py --diloco --runs 3 [--rounds 12]
 """
 
 from __future__ import annotations
@@ -41,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 
 from natlab import NatLab, unavailable  # noqa: E402
 from swarmproc import Swarm, wait_for  # noqa: E402
-from test_nat import LAB_NODE, peer, relayed_call_works  # noqa: E402
+from test_nat import LAB_DILOCO, LAB_NODE, peer, relayed_call_works  # noqa: E402
 
 
 # what a new user runs: `swarmd start --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>`, the embedded
@@ -115,9 +122,14 @@ def main() -> None:
                         "and/or the lab config of tests/test_nat.py")
     parser.add_argument("--per-kind", action="store_true", help="per NAT kind: direct within 10 s / 60 s, still "
                         "relayed, median time to direct, failures by cause (no bulk rows)")
+    parser.add_argument("--diloco", action="store_true", help="a 4-peer DiLoCo run with one peer behind a symmetric "
+                        "NAT next to the same run all public (--runs each, --rounds rounds)")
+    parser.add_argument("--rounds", type=int, default=12, help="with --diloco: the run's rounds")
     args = parser.parse_args()
     if args.per_kind:
         return main_defaults(args)
+    if args.diloco:
+        return main_diloco(args)
     reason = unavailable()
     if reason:
         sys.exit(f"bench_nat: {reason}")
@@ -261,6 +273,72 @@ def main_defaults(args) -> None:
               f"{', '.join(f'{k} {v}' for k, v in causes.most_common()) or '-'}")
     print(f"relayed = not direct within {args.punch_wait:.0f} s, or a symmetric NAT's punch failed for a mapping "
           "cause (no retry changes that; the run stops there). how: the path both ended on, else why not")
+
+
+
+def diloco_run(root: Path, public: bool, rounds: int) -> dict:
+    """One 4-peer DiLoCo run in a fresh lab: pub and pub2 public; a (endpoint-independent NAT) and b (symmetric
+    NAT), or (``public``) two more public nodes in their place."""
+    config = root / "lab.toml"
+    config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}"))
+    with NatLab(mode_a="eim", mode_b="sym") as lab:
+        swarm = Swarm(root / "nodes", config=config)
+        try:
+            def start(where, name, port, bootstrap=()):
+                extra = ("--listen", f"/ip4/0.0.0.0/tcp/{port}", "--http", f"127.0.0.1:{8470 + port - 4001}")
+                return swarm.start(name, *extra, bootstrap=list(bootstrap), prefix=lab.cmd(where),
+                                   via=functools.partial(lab.call, where))
+            pub = start("pub", "pub", 4001)
+            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
+            nodes = [pub, start("pub", "pub2", 4002, bootstrap)]
+            nodes += ([start("pub", "c", 4003, bootstrap), start("pub", "d", 4004, bootstrap)] if public else
+                      [start("a", "a", 4001, bootstrap), start("b", "b", 4001, bootstrap)])
+
+            def diloco(n) -> dict:
+                return n.status()["services"]["diloco"]
+            wait_for(lambda: all(diloco(n)["state"] == "running" for n in nodes), 120, "the run to start")
+            began = time.monotonic()
+            final = wait_for(lambda: all(diloco(n)["state"] in ("done", "failed") for n in nodes)
+                             and [diloco(n) for n in nodes], 60 + 20 * rounds, "the run to end")
+            took = time.monotonic() - began
+            last = final[-1]  # b: the symmetric-NAT peer (or the fourth public one)
+            return {
+                "full": min(sum(h["participants"] == 4 for h in s["history"]) for s in final),
+                "rounds": rounds,
+                "last_in": last["reach"]["rounds_with_our_update"],
+                "through": sum(s.get("pulls_through_members", 0) for s in final),
+                "refused_relayed": sum(n.status()["services"]["bulk"].get("refused_relayed", 0) for n in nodes),
+                "round_s": took / rounds,
+                "same": len({s["final_hash"] for s in final}) == 1,
+            }
+        finally:
+            swarm.close()
+
+
+def main_diloco(args) -> None:
+    reason = unavailable()
+    if reason:
+        sys.exit(f"bench_nat: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    rows = []
+    for i in range(args.runs):  # alternated, so both settings see the machine's load alike
+        for public in (True, False):
+            with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-diloco-") as tmp:
+                r = {"setting": "all public" if public else "one symmetric NAT", **diloco_run(Path(tmp), public,
+                                                                                             args.rounds)}
+            print(f"run {i + 1}: {r}", file=sys.stderr, flush=True)
+            rows.append(r)
+    print(f"DiLoCo in the NAT lab: 4 peers, {args.rounds} rounds of 20 inner steps (tests/test_nat.py's LAB_DILOCO), "
+          f"{args.runs} run(s) per setting, alternated")
+    print("| setting | run | rounds with all 4 updates | the 4th peer's update in | pulls through members | "
+          "bulk requests over a relay | round time (s) | one final hash |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, r in enumerate(rows):
+        print(f"| {r['setting']} | {i // 2 + 1} | {r['full']} of {r['rounds']} | {r['last_in']} of {r['rounds']} | "
+              f"{r['through']} | {r['refused_relayed']} | {r['round_s']:.2f} | {'yes' if r['same'] else 'NO'} |")
+    for setting in ("all public", "one symmetric NAT"):
+        times = [r["round_s"] for r in rows if r["setting"] == setting]
+        print(f"{setting}: median round time {statistics.median(times):.2f} s")
 
 
 if __name__ == "__main__":

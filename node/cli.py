@@ -711,6 +711,7 @@ def doctor(data_dir, http, as_json) -> None:
                                      f"{len(writes['refused_by'])} peer(s)" if writes["refused_ops"] else
                                      "no peer has refused this node's ops")
                  + ("; PAUSED (re-fetching own ops after log damage)" if writes["paused"] else ""))
+    lines += [f"training      {t}" for t in report["training"]]
     lines.append("")
     lines += [f"hint: {h}" for h in report["hints"]] or ["no problems found"]
     click.echo("\n".join(lines))

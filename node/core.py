@@ -300,13 +300,14 @@ class Node:
 
     async def add_service(self, svc: Service) -> None:
         """Start a service (a training loop) on the running node: what a script does that attaches a run to a node
-        it started before (``swarmd.DiLoCo``). It shows in /status and /metrics like the others; HTTP routes of its
-        own are not served (the endpoint's routes are fixed once it listens)."""
+        it started before (``swarmd.DiLoCo``). It shows in /status, /metrics and the dashboard like the others, and
+        the endpoint serves its HTTP routes from now on."""
         if self._ctx is None:
             raise RuntimeError("the node is not running: attach the service before it starts")
-        if svc.routes():
-            logger.warning("%s: its HTTP routes are not served (the loop was attached after the node started)",
-                           svc.name)
+        taken = self.http.add_routes(svc.routes())
+        if taken:
+            logger.warning("%s: %s already served by another service; not served for this one", svc.name,
+                           ", ".join(taken))
         self.services.append(svc)
         await svc.start(self._ctx)
         self._added.put_nowait((svc.name, svc.run))

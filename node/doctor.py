@@ -108,6 +108,20 @@ def diagnose(s: dict) -> dict:
     if writes["paused"]:
         hints.append("writes are paused: the op log was damaged and this node is re-fetching its own ops from a "
                      "peer (it writes again once one answers, or after 2 minutes alone)")
+    training = []
+    for name, svc in sorted(s.get("services", {}).items()):
+        paths = svc.get("reach")
+        if not isinstance(paths, dict) or not paths.get("rounds_closed"):
+            continue
+        ours, closed, through = paths["rounds_with_our_update"], paths["rounds_closed"], paths["through_members"]
+        training.append(f"{name}: this node's update was in {ours} of {closed} rounds"
+                        + (f"; {len(through)} peer(s) without a direct path, their updates pulled through members "
+                           f"({', '.join(p[-8:] for p in sorted(through)[:3])}{'...' if len(through) > 3 else ''})"
+                           if through else ""))
+        if closed - ours > closed // 4:
+            hints.append(f"{name}: this node's update was left out of {closed - ours} of {closed} rounds: its "
+                         "uplink may be too slow for the round deadline (see transfer_rate_bps and deadline_s), or "
+                         "no member with a direct path to it was in those rounds")
     for name, svc in sorted(s.get("services", {}).items()):
         if svc.get("state") == "refused":
             hints.append(f"{name} refused: {svc.get('refused')}")
@@ -129,5 +143,6 @@ def diagnose(s: dict) -> dict:
                   for p in peers],
         "split": {k: split.get(k) for k in ("suspected", "lost", "known", "seconds", "last_split")},
         "writes": writes,
+        "training": training,
         "hints": hints,
     }

@@ -16,6 +16,11 @@ person's browser opens. So every request passes :func:`StatusServer._guard` firs
   ``swarmd write`` reads it): else 401;
 - a body over the route's limit (or a body without a Content-Length) is refused before it is read: 413 / 411.
 
+A service's own routes (``/bulk``, ``/topics/...``, SAPO's ``/sapo/history``) are served whether it started with the
+node or was attached to the running node later (``swarmd.DiLoCo`` on a node a script started before): aiohttp's
+router is frozen once it listens, so routes added later live in :class:`LateRoutes`, one resource of that router
+which resolves them as the router does its own. A request to one passes the same guard.
+
 Each refusal is counted in ``/metrics`` (``swarmd_errors_total{kind="http_..."}``) and logged at most once a minute
 per kind.
 """
@@ -35,6 +40,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from aiohttp import web
+from aiohttp.web_urldispatcher import AbstractResource
 
 from swarmd.node.metrics import CONTENT_TYPE, make_registry, render
 from swarmd.node.replication import WritesPaused
@@ -72,12 +78,73 @@ MAX_BODY_DEPTH = 32  # JSON nesting of a POST /crdt body (a value in the store i
 MAX_OPS_PER_WRITE = 1000  # ops signed in one POST /crdt (each is an Ed25519 signature on the event loop)
 
 
+class LateRoutes(AbstractResource):
+    """Routes added after the endpoint started listening, resolved as the app's own.
+
+    Registered last under ``/``, the router asks it about a path only after its own routes for that path (and for
+    each of the path's prefixes) matched nothing, so an added route never shadows one served from the start. The
+    match it returns is the added route's own: the guard, ``request.match_info`` and the body limit by route see
+    that route, as they would had it been there from the start.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._routes = web.UrlDispatcher()  # builds each added route's resource; never frozen, never an app's
+        self._served: set[tuple[str, str]] = set()
+
+    def add(self, routes: list, served: set[tuple[str, str]]) -> list[str]:
+        """Add ``routes`` (aiohttp RouteDefs); returns "METHOD path" of those already served (in ``served``, the
+        app's own, or added before), which are left out: the first service to serve a route keeps it."""
+        taken = []
+        for route in routes:
+            key = (route.method, route.path)
+            if key in served or key in self._served:
+                taken.append(f"{route.method} {route.path}")
+                continue
+            self._served.add(key)
+            route.register(self._routes)
+        return taken
+
+    @property
+    def canonical(self) -> str:
+        return "/"
+
+    async def resolve(self, request: web.Request):
+        allowed: set[str] = set()
+        for resource in self._routes.resources():
+            match, methods = await resource.resolve(request)
+            if match is not None:
+                return match, methods
+            allowed |= methods
+        return None, allowed
+
+    def url_for(self, **kwargs: str):
+        raise RuntimeError("routes added to a running endpoint are not named")
+
+    def add_prefix(self, prefix: str) -> None:
+        raise RuntimeError("routes added to a running endpoint are served at their own paths")
+
+    def get_info(self) -> dict:
+        return {"routes": [f"{r.method} {r.resource.canonical}" for r in self]}
+
+    def raw_match(self, path: str) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return sum(len(resource) for resource in self._routes.resources())
+
+    def __iter__(self):
+        return (route for resource in self._routes.resources() for route in resource)
+
+
 class StatusServer:
     def __init__(self, node: Node, host: str, port: int, extra_routes: list = (), token: str | None = None,
                  allowed_hosts: list[str] = ()):
         self.node = node
         self._allowed_names = {n.lower() for n in allowed_hosts}  # the user's own names, at any port
         self._extra_routes = list(extra_routes)
+        self._late = LateRoutes()
+        self._served: set[tuple[str, str]] = set()  # (method, path) of the app's own routes
         self.host = host
         self.port = port
         self.token = token
@@ -104,7 +171,15 @@ class StatusServer:
                 *self._extra_routes,
             ]
         )
+        app.router.register_resource(self._late)
+        self._served = {(route.method, route.resource.canonical) for route in app.router.routes()
+                        if route.resource is not self._late}
         return app
+
+    def add_routes(self, routes: list) -> list[str]:
+        """Serve a service's routes from now on (the endpoint may already listen); returns "METHOD path" of those
+        another route already serves, which are not served twice."""
+        return self._late.add(routes, self._served)
 
     async def start(self) -> None:
         self._runner = web.AppRunner(self._app(), access_log=None, handle_signals=False)

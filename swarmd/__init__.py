@@ -30,6 +30,7 @@ _EXPORTS = {
     "SPSA": "swarmd.training",
     "SAPO": "swarmd.training",
     "DiLoCoCallback": "swarmd.integrations",
+    "DiLoCoLightningCallback": "swarmd.lightning_callback",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

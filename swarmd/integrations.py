@@ -15,7 +15,7 @@ import torch
 from transformers import TrainerCallback
 
 from swarmd.embedded import Node
-from swarmd.training import DiLoCo
+from swarmd.training import DiLoCo, check_arguments
 
 
 def _unwrapped(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
@@ -36,6 +36,9 @@ class DiLoCoCallback(TrainerCallback):
     def __init__(self, node: Node, *, run: str, sync_every: int, fragments: int = 1, overlap: int = 0,
                  rounds: int = 0, evaluate: Callable[[torch.nn.Module], float] | None = None,
                  settings: Mapping[str, Any] | None = None, start_timeout: float | None = None):
+        settings = check_arguments("swarmd.DiLoCoCallback", node, run=run, sync_every=sync_every,
+                                   fragments=fragments, overlap=overlap, rounds=rounds, evaluate=evaluate,
+                                   settings=settings)
         self.node = node
         self.arguments = dict(run=run, sync_every=sync_every, fragments=fragments, overlap=overlap, rounds=rounds,
                               evaluate=evaluate, settings=settings, start_timeout=start_timeout)

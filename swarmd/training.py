@@ -84,7 +84,36 @@ def _validated(cls: type[BaseModel], fields: dict, what: str) -> BaseModel:
         msg = err["msg"].removeprefix("Value error, ")
         if err["type"] == "extra_forbidden":
             msg = "unknown setting (check the spelling)"
-        raise ValueError(f"{what}: {field}: {msg}") from None
+        raise ValueError(f"{what}: {field}: {msg}" if field else f"{what}: {msg}") from None  # a check of several
+
+
+def check_arguments(what: str, node: Node, *, run: str, sync_every: int, fragments: int, overlap: int, rounds: int,
+                    evaluate: Callable[[torch.nn.Module], float] | None, settings: Mapping[str, Any] | None) -> dict:
+    """The checks of a DiLoCo run's arguments that need no model (a trainer callback makes them when it is built,
+    long before the trainer hands it the model); returns ``settings`` as a dict. ``what`` names the caller in the
+    one-line errors."""
+    if not isinstance(node, Node):
+        raise TypeError(f"{what}: node must be a swarmd.Node, not {type(node).__name__}")
+    for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("overlap", overlap, 0),
+                             ("rounds", rounds, 0)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < low:
+            raise ValueError(f"{what}: {name} must be an integer >= {low}, not {value!r}")
+    if overlap >= sync_every:
+        raise ValueError(f"{what}: overlap ({overlap}) must be below sync_every ({sync_every})")
+    if evaluate is not None and not callable(evaluate):
+        raise TypeError(f"{what}: evaluate must be a function evaluate(model) -> float")
+    settings = dict(settings or {})
+    for key in settings:
+        if key in SCRIPT_OWNS:
+            raise ValueError(f"{what}: settings[{key!r}] is the script's own: set it on the inner optimizer "
+                             "(or a scheduler of yours)")
+        if key in OWN_ARGUMENTS:
+            raise ValueError(f"{what}: settings[{key!r}] is given by the argument {OWN_ARGUMENTS[key]!r}, not "
+                             "through settings")
+    # the settings' names and values, checked now (the model's own fields are checked once there is a model)
+    _validated(DilocoConfig, {"run": run, "inner_steps": sync_every, "fragments": fragments, "overlap": overlap,
+                              "rounds": rounds, **settings}, what)
+    return settings
 
 
 def _model_device(model: torch.nn.Module) -> str:
@@ -122,29 +151,13 @@ class DiLoCo:
                  sync_every: int, fragments: int = 1, overlap: int = 0, rounds: int = 0,
                  evaluate: Callable[[torch.nn.Module], float] | None = None,
                  settings: Mapping[str, Any] | None = None, start_timeout: float | None = None):
-        if not isinstance(node, Node):
-            raise TypeError(f"swarmd.DiLoCo: node must be a swarmd.Node, not {type(node).__name__}")
+        settings = check_arguments("swarmd.DiLoCo", node, run=run, sync_every=sync_every, fragments=fragments,
+                                   overlap=overlap, rounds=rounds, evaluate=evaluate, settings=settings)
         if not isinstance(model, torch.nn.Module):
             raise TypeError(f"swarmd.DiLoCo: model must be a torch.nn.Module, not {type(model).__name__}")
         if not isinstance(inner_optimizer, torch.optim.Optimizer):
             raise TypeError("swarmd.DiLoCo: inner_optimizer must be a torch.optim.Optimizer, not "
                             f"{type(inner_optimizer).__name__}")
-        for name, value, low in (("sync_every", sync_every, 1), ("fragments", fragments, 1), ("overlap", overlap, 0),
-                                 ("rounds", rounds, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise ValueError(f"swarmd.DiLoCo: {name} must be an integer >= {low}, not {value!r}")
-        if overlap >= sync_every:
-            raise ValueError(f"swarmd.DiLoCo: overlap ({overlap}) must be below sync_every ({sync_every})")
-        if evaluate is not None and not callable(evaluate):
-            raise TypeError("swarmd.DiLoCo: evaluate must be a function evaluate(model) -> float")
-        settings = dict(settings or {})
-        for key in settings:
-            if key in SCRIPT_OWNS:
-                raise ValueError(f"swarmd.DiLoCo: settings[{key!r}] is the script's own: set it on inner_optimizer "
-                                 "(or a scheduler of yours)")
-            if key in OWN_ARGUMENTS:
-                raise ValueError(f"swarmd.DiLoCo: settings[{key!r}] is given by the argument "
-                                 f"{OWN_ARGUMENTS[key]!r}, not through settings")
         if not any(p.requires_grad for p in model.parameters()):
             raise ValueError("swarmd.DiLoCo: the model has no trainable parameters")
         _check_optimizer(model, inner_optimizer)

@@ -2,7 +2,9 @@
 ``configs`` package and a ``node.py`` of its own, DiLoCo wrapped around the script's loop across real processes;
 kill -9 and restart; export and reload; bad input answered in one line."""
 
+import http.client
 import json
+import logging
 import os
 import queue
 import shutil
@@ -11,6 +13,7 @@ import sys
 import textwrap
 import threading
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -210,6 +213,31 @@ def test_a_transformers_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
             p.close()
 
 
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_lightning_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
+    """Two Lightning fits of one module, each with the callback and two batches accumulated per optimizer step:
+    they end on one model, after exactly rounds x sync_every optimizer steps (twice as many batches)."""
+    folder = tmp_path / "project"
+    folder.mkdir()
+    shutil.copy(HERE / "lightning_script.py", folder / "train_pl.py")
+    peers: list[Script] = []
+    try:
+        peers.append(Script(folder, tmp_path / "a", [2], script="train_pl.py"))
+        boot = [a for a in peers[0].read(120)["addresses"] if "/tcp/" in a][:1]
+        peers.append(Script(folder, tmp_path / "b", [2], boot, script="train_pl.py"))
+        peers[1].read(120)
+        ends = [p.read(200) for p in peers]
+        assert ends[0]["final"] == ends[1]["final"] is not None, ends  # one model, trained by two Trainers
+        assert all(e["rounds"] == 4 and e["steps"] == 20 and e["batches"] == 40 for e in ends), ends
+        assert all(e["state"] == "done" for e in ends), ends
+        # each round's loss is the mean of the losses the callback reported from the training steps' outputs
+        assert all(len(e["losses"]) == 4 and e["losses"][-1][1] < e["losses"][0][1] for e in ends), ends
+    finally:
+        for p in peers:
+            p.close()
+
+
 @pytest.mark.beside
 @pytest.mark.timeout(120)
 def test_import_swarmd_puts_one_name_on_the_path_and_leaves_torch_out(tmp_path):
@@ -218,8 +246,9 @@ def test_import_swarmd_puts_one_name_on_the_path_and_leaves_torch_out(tmp_path):
         import swarmd
         from swarmd.node.config import load_config
         load_config(None)  # swarmd's own default.toml, whatever configs/ the working directory has
-        print("torch" in sys.modules, sorted(n for n in ("node", "dht", "crdt", "transport", "protocols", "configs")
-                                             if importlib.util.find_spec(n) is not None))
+        heavy = any(m in sys.modules for m in ("torch", "lightning", "transformers"))
+        print(heavy, sorted(n for n in ("node", "dht", "crdt", "transport", "protocols", "configs")
+                            if importlib.util.find_spec(n) is not None))
     """)
     (tmp_path / "elsewhere").mkdir()
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path / "elsewhere", capture_output=True, text=True,
@@ -266,6 +295,67 @@ def test_bad_input_gets_a_one_line_error_naming_what_is_wrong(tmp_path):
         swarmd.SPSA(node, object(), run="s")
 
 
+@pytest.mark.beside
+@pytest.mark.timeout(120)
+def test_the_trainer_callbacks_answer_bad_input_in_one_line(tmp_path):
+    """Both callbacks check their arguments when built, as DiLoCo does; the Lightning one checks the module and the
+    optimizers Lightning configured when fit starts, before the run is entered (the node is never started)."""
+    import lightning.pytorch as pl
+
+    import swarmd
+
+    node = swarmd.Node(config=LOCAL_CONFIG, data_dir=tmp_path / "d")
+    for callback in (swarmd.DiLoCoCallback, swarmd.DiLoCoLightningCallback):
+        name = f"swarmd.{callback.__name__}"
+        cases = [
+            (dict(sync_every=0), ValueError, f"{name}: sync_every must be an integer >= 1, not 0"),
+            (dict(sync_every=5, overlap=5), ValueError, f"{name}: overlap (5) must be below sync_every (5)"),
+            (dict(sync_every=5, settings={"min_peer": 4}), ValueError, f"{name}: min_peer: unknown setting"),
+            (dict(sync_every=5, settings={"codec": "zip"}), ValueError, f"{name}: unknown codec 'zip'"),
+            (dict(sync_every=5, settings={"inner_lr": 1.0}), ValueError, "the script's own"),
+            (dict(sync_every=5, evaluate="loss"), TypeError, f"{name}: evaluate must be a function"),
+        ]
+        for kwargs, error, words in cases:
+            with pytest.raises(error) as caught:
+                callback(node, run="r", **kwargs)
+            assert words in str(caught.value) and "\n" not in str(caught.value), (kwargs, caught.value)
+        with pytest.raises(TypeError, match=f"{name}: node must be a swarmd.Node"):
+            callback("node", run="r", sync_every=5)
+
+    class Module(pl.LightningModule):
+        def __init__(self, optimizers):
+            super().__init__()
+            self.layer = torch.nn.Linear(4, 1)
+            self.other = torch.nn.Linear(4, 1, bias=False).requires_grad_(False)
+            self.make = optimizers
+            self.automatic_optimization = len(optimizers(self)) == 1
+
+        def training_step(self, batch, batch_idx):
+            return self.layer(batch[0]).pow(2).mean()
+
+        def configure_optimizers(self):
+            return self.make(self)
+
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(8, 4)), batch_size=4)
+    modules = [
+        (Module(lambda m: [torch.optim.SGD(m.layer.parameters(), lr=0.1), torch.optim.SGD(m.layer.parameters(),
+                                                                                       lr=0.1)]),
+         "swarmd.DiLoCoLightningCallback: configure_optimizers gave 2 optimizers"),
+        (Module(lambda m: [torch.optim.SGD([m.layer.weight, m.other.weight], lr=0.1)]),
+         "swarmd.DiLoCoLightningCallback: inner_optimizer steps 1 tensor(s) that are not the model's trainable"),
+        (Module(lambda m: [torch.optim.SGD([m.layer.weight], lr=0.1)]),
+         "swarmd.DiLoCoLightningCallback: 1 trainable parameter(s) of the model are not in inner_optimizer"),
+    ]
+    for module, words in modules:
+        callback = swarmd.DiLoCoLightningCallback(node, run="r", sync_every=5)
+        trainer = pl.Trainer(max_steps=2, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False, callbacks=[callback])
+        with pytest.raises(ValueError) as caught:
+            trainer.fit(module, data)
+        assert str(caught.value).startswith(words) and "\n" not in str(caught.value), caught.value
+        assert callback.diloco is None and not node.running  # refused before the run was entered
+
+
 @pytest.mark.timeout(180)
 def test_spsa_runs_from_a_script_with_a_task_object_to_the_end(tmp_path):
     """The task-driven loops' Python entry point: an SPSA run of a task object (the seam's duck-typed contract) on
@@ -281,3 +371,50 @@ def test_spsa_runs_from_a_script_with_a_task_object_to_the_end(tmp_path):
         view = node.status()["services"]["spsa"]
         assert view["state"] == "done" and view["step"] >= 64, view
         assert node.status()["loops"]["spsa/api-spsa"]["state"] == "done"
+
+
+def _ask(url: str, method: str, path: str, headers: dict | None = None) -> tuple[int, bytes]:
+    parts = urlsplit(url)
+    conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=10)
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, resp.read()
+    finally:
+        conn.close()
+
+
+@pytest.mark.timeout(180)
+def test_a_loop_attached_after_the_node_started_serves_its_routes_behind_the_guard(tmp_path, caplog):
+    """A script starts its node, then attaches a run: the run's own routes (SAPO's /sapo/history) are served on
+    the node's endpoint like those of a configured loop, and the endpoint's guard stands in front of them."""
+    import swarmd
+
+    node = swarmd.Node(config=LOCAL_CONFIG, data_dir=tmp_path / "d")
+    with node:
+        url = node.status_url
+        assert _ask(url, "GET", "/sapo/history")[0] == 404  # no run yet
+        run = swarmd.SAPO(node, "arith", run="late", settings={"rounds": 2, "questions": 2, "completions": 2,
+                                                               "local": 2, "external": 0})
+        run.start()
+        run.wait(timeout=150)
+        status, body = _ask(url, "GET", "/sapo/history")
+        assert status == 200 and json.loads(body)["run"] == "late" and len(json.loads(body)["rounds"]) == 2, body
+        assert _ask(url, "HEAD", "/sapo/history")[0] == 200
+        port = urlsplit(url).port
+        assert _ask(url, "GET", "/sapo/history", {"Host": f"evil.example:{port}"})[0] == 421  # DNS rebinding
+        assert _ask(url, "GET", "/sapo/history", {"Origin": "http://evil.example"})[0] == 403
+        assert _ask(url, "POST", "/sapo/history")[0] == 401  # a write without the token, even to a read route
+        token = (tmp_path / "d" / "http.token").read_text()
+        assert _ask(url, "POST", "/sapo/history", {"Authorization": f"Bearer {token}"})[0] == 405
+        assert _ask(url, "GET", "/status")[0] == 200  # the node's own routes are served as before
+        # a second run claiming the same route: the first keeps it, and the log says so
+        with caplog.at_level(logging.WARNING, logger="swarmd.node.core"):
+            swarmd.SAPO(node, "arith", run="later", settings={"rounds": 1, "questions": 2, "completions": 2,
+                                                              "local": 2, "external": 0}).start()
+        assert json.loads(_ask(url, "GET", "/sapo/history")[1])["run"] == "late"
+        assert "GET /sapo/history already served by another service" in caplog.text, caplog.text
+        metrics = http_get(url + "/metrics")
+        for kind in ("bad_host", "foreign_origin", "unauthorized"):
+            line = next(x for x in metrics.splitlines() if f'kind="http_{kind}"' in x)
+            assert float(line.split()[-1]) >= 1, line

@@ -177,3 +177,62 @@ def test_a_punched_connection_that_closes_in_the_hand_over_is_punched_again_at_o
             assert "attempt 1 failed (closed" in first.log()
         finally:
             swarm.close()
+
+
+LAB_DILOCO = """
+[loops.diloco]
+run = "lab"
+rounds = 8
+inner_steps = 20
+min_peers = 4
+inner_lr = 1e-3
+deadline_low = 5.0  # a loaded CI machine: the rounds close as soon as every update is in, so this costs nothing
+codec = "e3m0"
+[loops.diloco.task_options]
+batch = 8
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_members(tmp_path):
+    """Four DiLoCo peers: two public (pub, pub2), a behind an endpoint-independent NAT, b behind a symmetric one, so
+    a and b have no direct path to each other (punching fails; the relay carries control traffic only). Each pulls
+    the other's update from the public members, which pulled it themselves: every round combines all four, b's
+    update included, and no bulk byte crosses the relay. Before, a and b could not start the run with the others
+    (only directly connected peers counted at the start) and their rounds closed without each other's update."""
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE + LAB_DILOCO)
+    with NatLab(mode_a="eim", mode_b="sym") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
+            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
+                               bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+            a, b = start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)
+            nodes = [pub, pub2, a, b]
+
+            def diloco(n) -> dict:
+                return n.status()["services"]["diloco"]
+            final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
+                             200, "the run to end on every node")
+            assert len({s["final_hash"] for s in final}) == 1
+            for s in final:
+                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
+                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
+                assert not s.get("resyncs")
+            for n, other in ((a, b), (b, a)):
+                assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
+                assert diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
+                assert diloco(n)["via_members"] >= 8
+            for s in final[:2]:  # the public members pull every update from its author
+                assert s["reach"]["through_members"] == {}
+            for n in nodes:
+                assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
+            doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
+                                                    str(b.data_dir)], capture_output=True, text=True, timeout=30)
+            assert doctor.returncode == 0, doctor.stderr
+            assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
+                    f"path, their updates pulled through members ({a.peer_id[-8:]})") in doctor.stdout
+        finally:
+            swarm.close()

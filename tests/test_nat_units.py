@@ -144,3 +144,18 @@ async def test_a_peer_with_a_relayed_and_a_direct_connection_is_listed_once_on_i
 
 async def _done(value):
     return value
+
+
+def test_doctor_says_what_a_training_run_receives_through_members_and_what_this_node_contributes():
+    s = status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"])
+    s["services"]["diloco"] = {"state": "running", "reach": {
+        "through_members": {"12D3KooW" + "A" * 44: 9},
+        "rounds_with_our_update": 9, "rounds_closed": 12}}
+    report = diagnose(s)
+    assert report["training"] == ["diloco: this node's update was in 9 of 12 rounds; 1 peer(s) without a direct "
+                                  "path, their updates pulled through members (AAAAAAAA)"]
+    assert not any("left out" in h for h in report["hints"])
+    s["services"]["diloco"]["reach"]["rounds_with_our_update"] = 6
+    assert any("left out of 6 of 12 rounds" in h for h in diagnose(s)["hints"])
+    s["services"]["diloco"]["reach"]["rounds_closed"] = 0  # nothing closed yet: nothing to say
+    assert diagnose(s)["training"] == []

@@ -48,8 +48,9 @@ class BarrierMixin:
             if barrier.announce(self.clock.monotonic()):
                 self._publish(READY, {"r": 0, "p": 0, "ready": base})
             start = self.start_state
-            rounds.count_listed(start.ready, start.ready_unlisted, self._ctx.direct, MAX_PEER_ENTRIES)
-            ready = {p for p, h in self.start_state.ready.items() if h == base and self._ctx.direct(p)} | {me}
+            linked = self._linked()
+            rounds.count_listed(start.ready, start.ready_unlisted, linked, MAX_PEER_ENTRIES)
+            ready = {p for p, h in self.start_state.ready.items() if h == base and linked(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self.start_state.initial = ready
@@ -62,6 +63,13 @@ class BarrierMixin:
                 self.state = "running"
                 return
             await asyncio.sleep(0.1)
+
+    def _linked(self):
+        """Whether a peer can found a run with us: connected, directly or through a relay. A peer we reach only
+        through a relay (behind a symmetric NAT, or one punching failed for) still counts in every round: its bulk
+        bytes come through the members we both reach directly (``PullsMixin._through_members``), never the relay."""
+        members = set(self._ctx.members())
+        return lambda peer: self._ctx.direct(peer) or peer in members
 
     def _initial_choice(self, base: str) -> str | None:
         """The initial weights to start from, where they are not ours: the hash most of the directly connected

@@ -441,6 +441,12 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             "deadline_s": round(self.deadline.value(), 2),
             "transfer_rate_bps": round(self._transfer_rate()) if self.links.rates else None,
             "exchange": {"setting": self.cfg.exchange, **self.record.exchange},
+            # how the others' updates reach us and ours reaches the rounds: peers we have no direct path to, whose
+            # updates came through members we reach (pulls asked of them), and the rounds our update was in
+            "reach": {"through_members": dict(sorted(self.links.through_members.items())),
+                      "rounds_with_our_update": self.counters["rounds_with_our_update"],
+                      "rounds_closed": self.counters["rounds_with_our_update"]
+                      + self.counters["rounds_without_our_update"]},
             # a round's large buffers kept for the next (protocols/buffers.py): bytes held, taken (reused: from
             # the pool), given back, refused (held elsewhere, or no room)
             "buffers": self._buffers.status(),

@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import torch
 from swarmd.protocols import codecs, rounds
 from swarmd.protocols.bulk import BulkError
 from swarmd.protocols.diloco.pending import Announced, Pending, StepEnd, _decode_part
-from swarmd.protocols.diloco.wire import (
-    MAX_LATE_PULLS,
-)
+from swarmd.protocols.diloco.wire import MAX_LATE_PULLS, MAX_PEER_ENTRIES
+
+THROUGH_MEMBERS_AGAIN = 0.25  # s between asks of the members for an update we cannot pull from its author
 
 logger = logging.getLogger("swarmd.protocols.diloco")  # one logger for the whole package
 
@@ -65,9 +66,9 @@ class PullsMixin:
         return end
 
     async def _fetch_part(self, key: tuple[int, int], peer: str, blob: bytes, size: int, addrs, elements: int,
-                          timeout: float | StepEnd, holders: list[tuple[str, tuple]] = (),
+                          timeout: float | StepEnd, holders: list[tuple[str, tuple]] | Callable = (),
                           counter: str = "chunks_from_other_holders", out: torch.Tensor | None = None,
-                          decode: bool = True) -> torch.Tensor | bytearray:
+                          decode: bool = True, again: float = 0.0) -> torch.Tensor | bytearray:
         """One encoded part that ``peer`` named, pulled and decoded (off the event loop when large): from ``peer``,
         and if it fails us (gone: killed mid-round), from each of ``holders`` in turn ((peer, addrs): the round's
         other members, any of which may have pulled it already: a pulled blob is kept and served, and its hash is
@@ -77,32 +78,41 @@ class PullsMixin:
         diverging); and a reducer that dies after serving its part to some members leaves the others without it.
         With ``out`` (a float32 view of ``elements`` values) the part is decoded into it, not into a new tensor;
         without ``decode``, the (hash-checked) bytes are returned as they came, to be decoded when used. A
-        ``StepEnd`` as the timeout: its time, as arrivals move it."""
+        ``StepEnd`` as the timeout: its time, as arrivals move it. With ``again`` (seconds), the holders are asked
+        again every ``again`` s until the end: they may pull the part only after we first ask them."""
         if self.faults:
             await self.faults.enter("fetch", self, r=key[0], p=key[1], source=peer)
         end = timeout if isinstance(timeout, StepEnd) else StepEnd(self.clock.monotonic() + max(0.05, timeout))
-        sources = [(peer, addrs), *[(h, a) for h, a in holders if h != peer]]
+        found = holders if callable(holders) else (lambda: holders)
+        sources = [(peer, addrs), *[(h, a) for h, a in found() if h != peer]]
         body, failure = None, None
         meter = pending.meter if (pending := self.book.pending.get(key)) is not None else None
-        for i, (source, where) in enumerate(sources):
-            if end.at - self.clock.monotonic() <= 0:
-                break
-            got = 0
-            if meter is not None:
-                meter.start(source, self.clock.monotonic())
-            try:
-                async with self._source(source):
-                    body = await self._by(end, self.bulk.pull_from(blob, size, source, list(where)))
-                got = size
-            except (BulkError, asyncio.TimeoutError) as e:
-                failure = failure or e
-                continue
-            finally:
+        order, i = sources, -1
+        while True:
+            for source, where in order:
+                i += 1
+                if end.at - self.clock.monotonic() <= 0:
+                    break
+                got = 0
                 if meter is not None:
-                    meter.end(source, self.clock.monotonic(), got)
-            if i:
-                self.counters[counter] += 1
-            break
+                    meter.start(source, self.clock.monotonic())
+                try:
+                    async with self._source(source):
+                        body = await self._by(end, self.bulk.pull_from(blob, size, source, list(where)))
+                    got = size
+                except (BulkError, asyncio.TimeoutError) as e:
+                    failure = failure or e
+                    continue
+                finally:
+                    if meter is not None:
+                        meter.end(source, self.clock.monotonic(), got)
+                if i:
+                    self.counters[counter] += 1
+                break
+            if body is not None or not again or end.at - self.clock.monotonic() <= again:
+                break
+            await asyncio.sleep(again)  # the holders may have it by now, and more may have announced
+            order = [(h, a) for h, a in found() if h != peer]
         if body is None:
             raise failure or asyncio.TimeoutError()
         self.book.blobs[key].add(blob)
@@ -128,6 +138,26 @@ class PullsMixin:
             return
         redo.pulling[peer] = asyncio.get_running_loop().create_task(self._pull((r, p), peer, ann, into=redo.late))
 
+    def _through_members(self, key: tuple[int, int], peer: str) -> tuple[Callable | list, float, float]:
+        """Where an update of ``peer`` comes from besides ``peer`` itself (all-to-all): nowhere while we reach it
+        directly. Without a direct path (it is behind a symmetric NAT, or punching failed) its bytes never cross a
+        relay; the round's members we reach directly pull it too (they reach it: it dialed them), keep it and serve
+        it under the hash it signed, so we ask them, again every THROUGH_MEMBERS_AGAIN s, up to the round's longest
+        deadline (the members read afresh each time: they announce after us, some of them)."""
+        if self._ctx is None or self._ctx.direct(peer):
+            return [], 0.0, 300.0
+        me = self._ctx.identity.peer_id
+
+        def holders() -> list[tuple[str, tuple]]:
+            pending = self.book.pending.get(key)
+            announced = pending.announced if pending is not None else {}
+            return [(m, a.addrs) for m, a in announced.items() if m not in (peer, me) and self._ctx.direct(m)]
+        self.counters["pulls_through_members"] += 1
+        through = self.links.through_members
+        if peer in through or len(through) < MAX_PEER_ENTRIES:
+            through[peer] = through.get(peer, 0) + 1
+        return holders, THROUGH_MEMBERS_AGAIN, self.cfg.deadline_high
+
     async def _pull(self, key: tuple[int, int], peer: str, ann: Announced,
                     into: dict[str, torch.Tensor] | None = None) -> None:
         """All-to-all: the whole update of ``peer``, every part (into its round's pending updates, or ``into``)."""
@@ -136,7 +166,9 @@ class PullsMixin:
                 raise codecs.CodecError(f"{len(ann.parts)} parts, not one of {sorted(self._part_counts(key[1]))}")
             # (whatever the count, the parts decoded one after another make the whole update)
             bounds = self._bounds(key[1], len(ann.parts))
-            chunks = await asyncio.gather(*(self._fetch_part(key, peer, h, size, ann.addrs, b - a, 300.0)
+            holders, again, timeout = self._through_members(key, peer)
+            chunks = await asyncio.gather(*(self._fetch_part(key, peer, h, size, ann.addrs, b - a, timeout,
+                                                             holders=holders, counter="via_members", again=again)
                                             for h, size, (a, b) in zip(ann.parts, ann.sizes, bounds)))
             update = torch.cat(chunks) if len(chunks) > 1 else chunks[0]
             if update.dim() != 1:

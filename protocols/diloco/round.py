@@ -377,6 +377,7 @@ class Round:
                          participants=participants, missing=missing, rejected={**other_base, **rejected})
         lp.standing.record(participants)
         lp.book.closed_contributed(self.r, self.p, participants)
+        lp.counters["rounds_with_our_update" if self.me in participants else "rounds_without_our_update"] += 1
         return participants
 
     async def _apply(self, combined: torch.Tensor | None) -> str:

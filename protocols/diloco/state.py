@@ -31,6 +31,8 @@ class Links:
         self.sources: dict[str, asyncio.Semaphore] = {}  # peer -> the pulls from it at once
         self.checkpoint_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint
         self.missing_logged: dict[str, float] = {}  # peer -> when we last logged a part of its that did not come
+        # peers we have no direct path to -> their updates we asked the members we reach for (MAX_PEER_ENTRIES)
+        self.through_members: dict[str, int] = {}
 
 
 class Resyncs:

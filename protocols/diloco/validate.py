@@ -49,11 +49,11 @@ class ValidateMixin:
             # whose word counts
             self.links.heard[author] = self.clock.monotonic()
         if kind is READY:
-            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
-            # one not listed as direct yet waits for our next look at the list (``rounds.count_listed``)
+            # only connected peers (``_linked``) can found a run with us, so only theirs are kept (first come,
+            # capped); one not listed yet waits for our next look at the list (``rounds.count_listed``)
             if self.state != "running":
                 start = self.start_state
-                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._linked()(author),
                                   MAX_PEER_ENTRIES, READY_UNLISTED)
             return Verdict.ACCEPT
         done = self.fragments[p].rounds_done if self.fragments.built else 0
