@@ -93,7 +93,7 @@ class SimNode:
         self.up = False
 
     def direct(self, peer: str) -> bool:
-        return peer in self.neighbours and self.transport.net.reachable(self.peer_id, peer)
+        return peer in self.neighbours and self.transport.net.direct(self.peer_id, peer)
 
     def members(self) -> list[str]:
         return [p for p in sorted(self.neighbours) if self.transport.net.reachable(self.peer_id, p)]

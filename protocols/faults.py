@@ -23,7 +23,11 @@ SPSA's phases (``protocols/spsa/``; r = the window): ``code`` (alter: the byte w
 ``info["step"]``), ``publish`` (alter: the body of a message of ``kind`` we publish, before it is signed),
 ``message`` (drops: a pubsub message from ``source`` of ``kind``), ``serve-base`` (enter: ``source`` asks for our
 base; alter: the (hash, perturbed tensors) we serve it), ``serve-log`` (alter: the log we serve ``source``, a list of
-[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order).
+[window, signed batches]), ``replay-from`` (alter: the peers a late start replays the run's log from, in order),
+``built`` (alter: the perturbed parameters' float32 values as the model was built, in the model's order; what it
+returns is the base we start from: a base with other low bits, as another CPU's kernels build one),
+``replay-leads`` (alter: whether the log just replayed from ``source`` leads to the weights the other peers said
+they held at its last window: True, False, or None where nothing tells).
 """
 
 from __future__ import annotations

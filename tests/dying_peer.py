@@ -121,14 +121,14 @@ if point.startswith("kill:"):
     elif (loop_name, phase) == ("spsa", "probe"):
         honest_step = spsa.SPSALoop._step
 
-        def step(self, w, i, contribute, me):
-            if armed["on"] and contribute:
+        def step(self, window, i):
+            if armed["on"] and window.contribute:
                 if armed["steps"] is None:
                     armed["steps"] = rng.randrange(1, self.cfg.window)
                 armed["steps"] -= 1
                 if armed["steps"] <= 0:
-                    die(f"window {w} step {i}")
-            return honest_step(self, w, i, contribute, me)
+                    die(f"window {window.w} step {i}")
+            return honest_step(self, window, i)
 
         spsa.SPSALoop._step = step
     elif (loop_name, phase) == ("sapo", "rollout"):

@@ -143,6 +143,25 @@ def test_a_partition_holds_bytes_and_refuses_dials_until_it_heals():
 
 
 @pytest.mark.timeout(30)
+def test_a_relayed_connection_carries_streams_but_is_not_direct_as_its_end_lists_it():
+    async def main():
+        net = MemoryNetwork(link=LinkSpec(latency=0.005))
+        a, b, c = _hosts(net, 3)
+        for t in (a, b, c):
+            await t.start()
+            await t.serve(ECHO, _echo)
+        net.relay(a.peer_id, b.peer_id)  # a's list shows its connection to b as relayed; b's own is b's
+        stream = await a.open_stream(b.peer_id, ECHO)
+        await stream.send(1, "through the relay")
+        echoed = (await stream.read_required()).body
+        await stream.close()
+        return echoed, [net.direct(x.peer_id, y.peer_id) for x, y in ((a, b), (b, a), (a, c))]
+
+    echoed, direct = run_virtual(main())
+    assert echoed == "through the relay" and direct == [False, True, True]
+
+
+@pytest.mark.timeout(30)
 def test_a_stopped_host_ends_its_streams():
     async def main():
         net = MemoryNetwork()

@@ -291,23 +291,16 @@ def test_a_log_is_read_from_its_parts_in_order_and_within_its_budget():
         asyncio.run(spsa.read_log_parts(_Parts(parts, kind=spsa.LOG_REQUEST.code)))
 
 
-def _built_elsewhere(base):
-    """A loop class whose base model has other low bits than the others' (as one built under another CPU's kernels:
-    torch's scalar ones, or an ARM CPU's, draw and pretrain a seed's model that way)."""
-    class Elsewhere(base):
-        def _build(self):
-            super()._build()
-            with torch.no_grad():
-                for p in self.weights.params:
-                    p.add_(2 ** -30)  # the regression task's base is zeros
-            self.weights.canonical = [p.detach().to(torch.float32).clone() for p in self.weights.params]
-    return Elsewhere
+def _built_elsewhere(sim: SpsaSim, peer: str) -> None:
+    """``peer``'s base model has other low bits than the others' (as one built under another CPU's kernels: torch's
+    scalar ones, or an ARM CPU's, draw and pretrain a seed's model that way)."""
+    sim.faults.alter("built", lambda e, values: [v + 2 ** -30 for v in values], peer=peer)  # the base is zeros
 
 
 def _sim_with_joiner(tmp_path, windows: int) -> tuple[SpsaSim, str]:
     """Four peers at min_peers 3, the last built elsewhere (``_built_elsewhere``): it joins late."""
     sim = _sim(tmp_path, 4, windows=windows, min_peers=3)
-    sim.classes[sim.peers[3]] = _built_elsewhere(sim.loop_cls)
+    _built_elsewhere(sim, sim.peers[3])
     return sim, sim.peers[3]
 
 
@@ -363,22 +356,18 @@ def test_a_joiner_that_took_the_runs_base_keeps_it_across_a_restart(tmp_path):
     assert again["resumed"]["round"] >= 1 and again["replay_windows_kept"] >= 1  # only the windows it missed
 
 
-def _join_asking_first(tmp_path, first_class=None, first=lambda founders: founders[:1], faults=None) -> tuple:
-    """Three founders, some of them (``first`` of them, in order) of ``first_class(base class, the joiner's id)``
-    or with the faults ``faults(sim, the founder, the joiner's id)`` adds, and a joiner built elsewhere that replays
-    from those before any other: (final hashes, the joiner's status, the first's counters, its penalty score at the
-    joiner, the other founders)."""
+def _join_asking_first(tmp_path, faults, first=lambda founders: founders[:1]) -> tuple:
+    """Three founders, some of them (``first`` of them, in order) with the faults ``faults(sim, the founder, the
+    joiner's id)`` adds, and a joiner built elsewhere that replays from those before any other: (final hashes, the
+    joiner's status, the first's counters, its penalty score at the joiner, the other founders)."""
     async def main():
         sim = _sim(tmp_path, 4, windows=12, min_peers=3)
         firsts, late = first(sim.peers[:3]), sim.peers[3]
         sim.faults.alter("replay-from", lambda e, peers: sorted(
             peers, key=lambda p: firsts.index(p) if p in firsts else len(firsts)), peer=late)
         for p in firsts:
-            if first_class is not None:
-                sim.classes[p] = first_class(sim.loop_cls, late)
-            if faults is not None:
-                faults(sim, p, late)
-        sim.classes[late] = _built_elsewhere(sim.loop_cls)
+            faults(sim, p, late)
+        _built_elsewhere(sim, late)
         async with sim:
             await _found_then_join(sim, late)
             await sim.until(sim.finished, 300, "everyone to finish")
@@ -406,13 +395,8 @@ def test_a_base_that_is_not_the_one_announced_is_refused_and_its_server_penalise
 def test_a_base_never_crosses_a_relay(tmp_path):
     """A base is a whole model's bytes: a peer reached through a relay only is not sent one (it gets the head, then
     the stream ends), and the joiner takes the next peer's base."""
-    def through_a_relay(base, late):
-        class ThroughARelay(base):
-            async def start(self, ctx):
-                seen = ctx.direct
-                ctx.direct = lambda p: p != late and seen(p)  # (the joiner's connection to it, as it sees it)
-                await super().start(ctx)
-        return ThroughARelay
+    def through_a_relay(sim, server, late):
+        sim.net.relay(server, late)  # as the server lists its connection to the joiner (the joiner's own is direct)
 
     finals, joiner, server, _, direct = _join_asking_first(tmp_path, through_a_relay)
     assert len(finals) == 1
@@ -452,17 +436,10 @@ def test_a_base_travels_in_parts_into_tensors_of_every_dtype_and_no_further():
     assert not nan.finite()
 
 
-def _base_of(base, scale: float):
-    """A loop class whose base model is the regression task's zeros moved to 0.5 (every peer's alike), times
-    ``scale`` (1: as the others; 1 + 2^-20: another CPU's rounding; 1.01: a base trained otherwise)."""
-    class Based(base):
-        def _build(self):
-            super()._build()
-            with torch.no_grad():
-                for p in self.weights.params:
-                    p.fill_(0.5).mul_(scale)
-            self.weights.canonical = [p.detach().to(torch.float32).clone() for p in self.weights.params]
-    return Based
+def _base_of(sim: SpsaSim, peer: str, scale: float) -> None:
+    """``peer``'s base model is the regression task's zeros moved to 0.5 (every peer's alike), times ``scale`` (1: as
+    the others; 1 + 2^-20: another CPU's rounding; 1.01: a base trained otherwise)."""
+    sim.faults.alter("built", lambda e, values: [torch.full_like(v, 0.5).mul_(scale) for v in values], peer=peer)
 
 
 @pytest.mark.timeout(120)
@@ -476,7 +453,7 @@ def test_founders_take_a_base_within_rounding_of_their_own_and_no_further(tmp_pa
         sim = _sim(tmp_path, 3, windows=6)
         odd = sim.peers[2]
         for p in sim.peers:
-            sim.classes[p] = _base_of(sim.loop_cls, scale if p == odd else 1.0)
+            _base_of(sim, p, scale if p == odd else 1.0)
         async with sim:
             await sim.start_all()
             if scale > 1.001:
@@ -546,8 +523,7 @@ def test_fresh_keys_that_announce_another_base_and_stall_cost_the_start_a_bounde
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("servers", [1, 2])
 @pytest.mark.parametrize("told", [True, False], ids=["the others' hashes tell", "nothing tells"])
-def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_a_server(tmp_path, monkeypatch,
-                                                                                          servers, told):
+def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_a_server(tmp_path, servers, told):
     """The peer a joiner asks first serves, every time it is asked, a base that is not the run's but whose bytes are
     the hash it announces (a peer that keeps another base than the one its weights came from: the joiner cannot
     tell from the bytes). The joiner replays onto it, and its weights are not the ones the other peers' batches of
@@ -556,11 +532,11 @@ def test_a_base_that_is_its_own_hash_but_not_the_runs_costs_a_joiner_one_replay_
     and it resyncs: from the other holders first, so the same base does not send it round again (before, that peer
     was first again, the smallest id of the holders, and the joiner went round for the whole run). Two such peers,
     the two smallest ids, cost it one replay each (where only the last one was put last, they took turns)."""
-    if not told:
-        monkeypatch.setattr(spsa.SPSALoop, "_log_leads_where_they_said", lambda self, peers: None)
     made = []
 
     def other_base(sim, server, late):
+        if not told:  # nothing tells: every loop finds a replayed log leads nowhere it can check (None)
+            sim.faults.alter("replay-leads", lambda e, leads: None)
         made.append(late)
         shift = 0.25 * len(made)  # each its own base
 

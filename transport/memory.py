@@ -291,6 +291,7 @@ class MemoryNetwork:
         self._rng = random.Random(seed)
         self._group: dict[str, int] = {}  # peer -> partition group (absent: group 0)
         self._held: list[_Pipe] = []  # pipes holding segments until a partition heals
+        self._relayed: set[tuple[str, str]] = set()  # (a, b): a reaches b through a relay only, as a lists it
         self._ports = itertools.count(10_000)
 
     # -------------------------------------------------------------- hosts
@@ -324,6 +325,16 @@ class MemoryNetwork:
         ha, hb = self.hosts.get(a), self.hosts.get(b)
         return (ha is not None and hb is not None and ha.running and hb.running
                 and self._group.get(a, 0) == self._group.get(b, 0))
+
+    def relay(self, a: str, b: str) -> None:
+        """``a`` lists its connection to ``b`` as a relayed one (a circuit, as between two peers behind NATs): their
+        streams still flow, but to ``a``, ``b`` is not directly connected (:meth:`direct`). Each end lists its own
+        connections: ``relay(b, a)`` too for both ends (one end alone: its list has not seen the link turn direct)."""
+        self._relayed.add((a, b))
+
+    def direct(self, a: str, b: str) -> bool:
+        """Whether ``a`` lists ``b`` as directly connected."""
+        return self.reachable(a, b) and (a, b) not in self._relayed
 
     def latency(self, a: str, b: str) -> float:
         return (self.hosts[a].link.latency + self.hosts[b].link.latency) / 2

@@ -20,7 +20,7 @@ windows peers publish a hash of their weights, and a peer that disagrees with th
 replaying the log. The log (every applied, signed batch) lets a late joiner rebuild the base model, verify each
 batch's signature and replay to the same weights bit for bit; where its CPU builds the base with other low bits
 (another CPU's kernels draw and pretrain a seed's model otherwise), it replays onto the base of the peer it replays
-from (``spsa-base``: ``_base_from``), and founders whose bases differ by rounding start from the one most of them
+from (``spsa-base``: ``Base.take_from``), and founders whose bases differ by rounding start from the one most of them
 hold (``_start_choice``).
 
 
@@ -29,8 +29,9 @@ kept of them), ``codes`` (a step's byte: seeds, its code, a window's screening),
 canonical weights), ``windows`` (publishing, closing a window, the bytes a step applies, the hash check), ``audits``
 (re-probing the others' steps), ``log`` (serving, reading and replaying the log of signed batches), ``base`` (the
 base model as peers serve it), ``start`` (the start barrier and the late path), ``checkpoints`` (ours),
-``validate`` (the pubsub validator), ``book`` (what is kept per window, and for how long) and ``state`` (the
-loop's other long-lived state, by concern); ``loop`` (SPSALoop) schedules the windows and composes them.
+``validate`` (the pubsub validator), ``model`` (the model we probe and its batches), ``book`` (the window we
+compute, what arrives for the open ones, what is kept per window and for how long) and ``state`` (the loop's other
+long-lived state, by concern); ``loop`` (SPSALoop) schedules the windows and composes them.
 """
 
 from swarmd.protocols.gossip import Verdict  # noqa: F401  (tests read verdicts through the package)
@@ -38,19 +39,19 @@ from swarmd.protocols.spsa.audits import (  # noqa: F401
     AUDIT_REL,
     AUDIT_TOL_Q,
     OFF_WEIGHTS_LIMIT,
+    Auditor,
     audit_agrees,
 )
 from swarmd.protocols.spsa.base import (  # noqa: F401
+    BASE_PREFIX,
+    Base,
     BaseReceiver,
     base_arrays,
     base_layout,
     base_parts,
     base_size,
 )
-from swarmd.protocols.spsa.book import Window, WindowBook  # noqa: F401
-from swarmd.protocols.spsa.checkpoints import (  # noqa: F401
-    BASE_PREFIX,
-)
+from swarmd.protocols.spsa.book import Arrivals, Window, WindowBook  # noqa: F401
 from swarmd.protocols.spsa.codes import (  # noqa: F401
     CAP_Q,
     EXTREME_Q,
@@ -78,7 +79,7 @@ from swarmd.protocols.spsa.loop import (  # noqa: F401
 from swarmd.protocols.spsa.start import (  # noqa: F401
     MISMATCH_SAID_AFTER,
 )
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start  # noqa: F401
+from swarmd.protocols.spsa.state import Resyncs, Start  # noqa: F401
 from swarmd.protocols.spsa.weights import (  # noqa: F401
     DRAW_CHUNK,
     NORMAL_TABLE,

@@ -3,13 +3,18 @@ gives (or that keeps probing other weights than the majority's so as not to be a
 
 from __future__ import annotations
 
+import collections
 import math
+import random
+from typing import TYPE_CHECKING
 
-from swarmd.protocols import rounds
 from swarmd.protocols.gossip import Message
+from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import G0, decode_grad
-from swarmd.protocols.spsa.wire import MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes, _batch_hash
-from swarmd.protocols.standing import fresh_round
+from swarmd.protocols.spsa.wire import MAX_PEER_ENTRIES, _batch_bytes, _batch_hash
+
+if TYPE_CHECKING:
+    from swarmd.protocols.spsa.config import SpsaConfig
 
 AUDIT_REL = 1e-5  # a loss re-computed on another device or by other kernels may differ by this much, relative
 AUDIT_TOL_Q = 4  # quarter-octaves (2x) a peer's |g| may differ from ours re-probed, beyond that rounding
@@ -36,75 +41,88 @@ def audit_agrees(sent: int, plus: float, minus: float, eps: float, clip: float) 
     return (got < 0) == (g < 0) and lo <= abs(got) <= hi
 
 
-class AuditsMixin:
-    """SPSALoop's audits."""
+class Auditor:
+    """Re-probing a few of the others' steps each window, and convicting a peer whose bytes are not what its step
+    gives (or that keeps probing other weights than the majority's so as not to be audited). It holds whom it
+    convicted, who is off our weights and for how long, and the secret draw of which steps it re-probes; a window's
+    own re-probes are its ``Window``'s."""
 
-    def _plan_audits(self, w: int, me: str) -> None:
-        """Which of window w's steps we re-probe, and whose: up to ``audit_peers`` of the peers we expect in it,
-        ``audit_steps`` steps each, drawn by our own secret generator."""
-        for old in [x for x in self.audits.plan if x < w]:
-            del self.audits.plan[old]
-        if not self.per_step or not self.cfg.audit_peers:
-            return
-        # the peers the window will take batches from (those whose word counts and the newcomers holding its
-        # slots, as _close_window picks them), not every key that announced a join: a hundred fresh keys that join
-        # and never deliver would take our re-probes
-        wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
-                                now=0.0, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
-        peers = sorted((wait.expected | wait.slots) - {me})
+    def __init__(self, cfg: SpsaConfig, counters: collections.Counter) -> None:
+        self._cfg, self._counters = cfg, counters
+        self._penalties = None  # the node's, from start
+        self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
+        # peer -> windows in a row it probed weights other than ours (the majority's)
+        self.off_weights: collections.Counter = collections.Counter()
+        self.rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps
+
+    def start(self, ctx) -> None:
+        # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
+        # from a signature of ours (deterministic, secret)
+        self.rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self._cfg.run.encode())[:16])
+        self._penalties = ctx.transport.penalties
+
+    def plan(self, peers: list[str]) -> dict[int, list[str]]:
+        """Which steps of a window we re-probe, and whose (step in window -> peers): up to ``audit_peers`` of
+        ``peers`` (the ones the window will take batches from, sorted), ``audit_steps`` steps each, drawn by our own
+        secret generator."""
         plan: dict[int, list[str]] = {}
-        for peer in self.audits.rng.sample(peers, min(self.cfg.audit_peers, len(peers))):
-            for i in self.audits.rng.sample(range(self.cfg.window), min(self.cfg.audit_steps, self.cfg.window)):
+        window, steps = self._cfg.window, self._cfg.audit_steps
+        for peer in self.rng.sample(peers, min(self._cfg.audit_peers, len(peers))):
+            for i in self.rng.sample(range(window), min(steps, window)):
                 plan.setdefault(i, []).append(peer)
-        self.audits.plan[w] = plan
+        return plan
 
-    def _other_weights(self, w: int, batches: dict[str, Message]) -> set[str]:
-        """The authors of window w's ``batches`` probed at weights other than ours; counts, per author, the windows
-        in a row it did so while ours were the weights of most of the window's batches."""
-        mine = self.book.my_hashes[w][:16]
+    def other_weights(self, mine: str, batches: dict[str, Message]) -> set[str]:
+        """The authors of a window's ``batches`` probed at weights other than ours (``mine``: our weights' hash at
+        its start); counts, per author, the windows in a row it did so while ours were the weights of most of the
+        window's batches."""
         hashes = {a: _batch_hash(m) for a, m in batches.items()}
-        other = {a for a, h in hashes.items() if h != mine}
+        other = {a for a, h in hashes.items() if h != mine[:16]}
         majority = len(hashes) - len(other) > len(hashes) / 2
-        for peer in [p for p in self.audits.off_weights if p not in other]:
-            del self.audits.off_weights[peer]
+        for peer in [p for p in self.off_weights if p not in other]:
+            del self.off_weights[peer]
         for peer in other:
-            self.audits.off_weights[peer] += int(majority)
-        self.counters["batches_other_weights"] += len(other)
+            self.off_weights[peer] += int(majority)
+        self._counters["batches_other_weights"] += len(other)
         return other
 
-    def _judge_audits(self, w: int, batches: dict[str, Message]) -> set[str]:
-        """The peers of window w whose bytes failed a re-probe of ours (they are convicted: refused from then on)."""
-        failed = set()
-        for peer, probes in self.audits.probes.pop(w, {}).items():
+    def dodging(self, other: set[str]) -> list[str]:
+        """The authors of ``other`` that stayed off the majority's weights past any hash check (an honest one that
+        diverged resyncs at the next): not resyncing, but claiming other weights so as not to be audited."""
+        return sorted(a for a in other if self.off_weights[a] > OFF_WEIGHTS_LIMIT * self._cfg.hash_every)
+
+    def judge(self, window: Window, batches: dict[str, Message]) -> set[str]:
+        """The peers of ``window`` whose bytes failed a re-probe of ours (they are convicted: refused from then
+        on)."""
+        cfg, w, failed = self._cfg, window.w, set()
+        for peer, probes in window.probes.items():
             message = batches.get(peer)
             if message is None:
                 continue  # its batch did not come: nothing to judge
             sent = _batch_bytes(message)
-            self.counters["audited_steps"] += len(probes)
+            self._counters["audited_steps"] += len(probes)
             wrong = [(i, plus, minus) for i, plus, minus in probes
-                     if not audit_agrees(sent[i], plus, minus, self.cfg.eps, self.cfg.clip)]
+                     if not audit_agrees(sent[i], plus, minus, cfg.eps, cfg.clip)]
             if not wrong:
                 continue
             i, plus, minus = wrong[0]
             failed.add(peer)
-            self._convict(peer, w, f"spsa window {w} step {w * self.cfg.window + i}: sent "
-                          f"{decode_grad(sent[i]):+.4g}, re-probing the step gives "
-                          f"{(plus - minus) / (2 * self.cfg.eps):+.4g} ({len(wrong)} of {len(probes)} audited steps "
-                          "wrong)")
-        for old in [x for x in self.audits.probes if x < w]:
-            del self.audits.probes[old]
+            self.convict(peer, w, f"spsa window {w} step {window.step(i)}: sent {decode_grad(sent[i]):+.4g}, "
+                         f"re-probing the step gives {(plus - minus) / (2 * cfg.eps):+.4g} ({len(wrong)} of "
+                         f"{len(probes)} audited steps wrong)")
         return failed
 
-    def _convict(self, peer: str, w: int, why: str) -> None:
-        self.audits.convicted[peer] = w
-        while len(self.audits.convicted) > MAX_PEER_ENTRIES:
-            self.audits.convicted.popitem(last=False)
-        self.counters["rejected_audit"] += 1
-        self._ctx.transport.penalties.penalize(peer, "invalid_message", f"{why}; its bytes are refused from now on")
+    def convict(self, peer: str, w: int, why: str) -> None:
+        self.convicted[peer] = w
+        while len(self.convicted) > MAX_PEER_ENTRIES:
+            self.convicted.popitem(last=False)
+        self._counters["rejected_audit"] += 1
+        self._penalties.penalize(peer, "invalid_message", f"{why}; its bytes are refused from now on")
 
-    def _audit_state(self) -> str | None:
-        if self.weights is None:
-            return None  # not built yet
-        if not self.per_step:
+    def state(self, built: bool, per_step: bool) -> str | None:
+        """For /status: whether we audit, and if not why."""
+        if not built:
+            return None
+        if not per_step:
             return "off: the task has no batch_at(), so no peer can re-probe another's step"
-        return "on" if self.cfg.audit_peers else "off: audit_peers = 0"
+        return "on" if self._cfg.audit_peers else "off: audit_peers = 0"

@@ -4,13 +4,14 @@ place of ours."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import math
 from collections.abc import Iterator
 
 import torch
 
-from swarmd.protocols import codecs, outer, rounds
+from swarmd.protocols import checkpoint, codecs, outer, rounds
 from swarmd.protocols.spsa.weights import _bytes_of, base_digest, tensors_hash
 from swarmd.protocols.spsa.wire import (
     BASE_HEAD,
@@ -25,8 +26,11 @@ from swarmd.protocols.spsa.wire import (
 )
 from swarmd.transport.base import Stream
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
+from swarmd.transport.penalties import RateLimitedLog
 
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
+
+BASE_PREFIX = "state.base."  # a checkpoint's copy of the base we replay onto, where it is a peer's
 
 
 def base_layout(model: torch.nn.Module, params: list[torch.nn.Parameter]) -> list[tuple[str, int | None, torch.Tensor]]:
@@ -104,45 +108,70 @@ class BaseReceiver:
         return all(codecs.all_finite(t) for t in self.tensors)
 
 
-class BaseMixin:
-    """SPSALoop's base model: serving ours, fetching and taking a peer's."""
+class Base:
+    """The base model we replay onto (the one we build, or a peer's we took in place of ours): serving it to the
+    peers that replay our log, fetching a peer's and taking it in place of ours. Its loop lends it the node's
+    context (from ``start``), its counters and work board; the loop's fault plan names the loop."""
 
-    async def _base_from(self, peer: str) -> bool:
+    def __init__(self, loop, counters: collections.Counter, work) -> None:
+        self._loop = loop  # (its fault plan, read as it is now: a test sets it after the loop is made)
+        self._counters, self._work = counters, work
+        self._ctx = None  # the node's, from start
+        self.hash: str | None = None  # of its perturbed parameters (tensors_hash)
+        self.tensors: list[torch.Tensor] = []  # the base's perturbed parameters (canonical float32)
+        self.layout: list = []  # the model's state dict as a base is served (base_layout)
+        self.state_hash: str | None = None  # of the whole base as served (base_digest)
+        self.taken: dict | None = None  # the base we replay onto, where a peer's replaced ours (/status)
+        self.replacing = False  # a peer's base is being taken in place of ours (none is served meanwhile)
+        self.serving = asyncio.Semaphore(BASE_SERVES)
+        self.served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
+        self.log = RateLimitedLog(logger, interval=30.0)
+
+    def start(self, ctx) -> None:
+        self._ctx = ctx
+
+    async def built(self, canonical: list[torch.Tensor]) -> None:
+        """Ours: the weights as the model was built."""
+        self.hash = tensors_hash(canonical)
+        self.tensors = [c.clone() for c in canonical]
+        self.state_hash = await asyncio.to_thread(lambda: base_digest(base_arrays(self.layout, self.tensors)))
+
+    async def take_from(self, peer: str) -> bool:
         """Ask ``peer``, whose log we are about to replay, for its base model, and take it where it is not ours (the
         same trust as in its log: the peers we replay from are the ones whose word counts, or two direct ones).
         True if we took it. A peer that serves no base (an older version, or one still building its own) leaves
         ours as it is; one whose base is not ours but does not send it raises (its log
         would replay onto the wrong weights: the caller tries another peer), and one that sends a base other than
         it announced is penalised (raises)."""
-        fetched = await self._fetch_base(peer)
+        fetched = await self.fetch(peer)
         if fetched is None:
             return False
-        self.base.replacing = True
+        self.replacing = True
         try:
-            await asyncio.to_thread(self._take_base, *fetched, peer, "join")  # passes over the whole model
+            await asyncio.to_thread(self.take, *fetched, peer, "join")  # passes over the whole model
         finally:
-            self.base.replacing = False
+            self.replacing = False
         return True
 
-    async def _fetch_base(self, peer: str) -> tuple[list[torch.Tensor], str] | None:
+    async def fetch(self, peer: str) -> tuple[list[torch.Tensor], str] | None:
         """``peer``'s base model (its tensors in base_layout's order, and its hash), checked against the hash it
-        announced, or None where it holds ours or serves none (see _base_from)."""
-        size = base_size(self.base.layout)
+        announced, or None where it holds ours or serves none (see take_from)."""
+        size = base_size(self.layout)
         head = None
         try:
             async with await self._ctx.transport.open_stream(peer, BASE_SPEC, timeout=10) as stream:
-                await stream.send(BASE_REQUEST.code, {"have": self.base.state_hash})
+                await stream.send(BASE_REQUEST.code, {"have": self.state_hash})
                 head = await asyncio.wait_for(stream.read_required(), 30)
                 if head.kind != BASE_HEAD.code:
                     raise MalformedMessage("spsa-base: the base's head expected")
-                if head.body["hash"] == self.base.state_hash:
+                if head.body["hash"] == self.state_hash:
                     return None
                 if head.body["size"] != size:  # before anything is allocated: a base is our own model's size
                     raise ProtocolViolation(f"spsa-base: {head.body['size']} B, our base model is {size} B")
                 if not self._ctx.direct(peer):  # a whole model's bytes never cross a relay (nor would it send them)
                     raise TransportError("it is reached through a relay only")
-                receiver = BaseReceiver(self.base.layout)
-                with self.work.track(f"base model pull from {peer[-8:]}", total=size, unit="B") as work:
+                receiver = BaseReceiver(self.layout)
+                with self._work.track(f"base model pull from {peer[-8:]}", total=size, unit="B") as work:
                     while not receiver.done:
                         part = await asyncio.wait_for(stream.read_required(), 60)
                         if part.kind != BASE_PART.code:
@@ -156,26 +185,26 @@ class BaseMixin:
                 raise ProtocolViolation("spsa-base: a base with non-finite values")
         except (TransportError, asyncio.TimeoutError) as e:
             if head is not None:
-                self.counters["base_pull_failed"] += 1
+                self._counters["base_pull_failed"] += 1
                 raise TransportError(f"its base model is not ours, and did not come: {e or type(e).__name__}") \
                     from None
-            self.counters["base_ask_failed"] += 1
-            self.base.log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
+            self._counters["base_ask_failed"] += 1
+            self.log.log(logging.WARNING, ("ask", peer), "spsa: could not ask %s for its base model (%s): "
                                "keeping ours", peer, e or type(e).__name__)
             return None
         except ProtocolViolation as e:
-            self.counters["base_unusable"] += 1
+            self._counters["base_unusable"] += 1
             self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
-            self.base.log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
+            self.log.log(logging.WARNING, ("bad", peer), "spsa: the base model of %s is unusable: %s", peer, e)
             raise
         return receiver.tensors, digest
 
-    def _base_apart(self, tensors: list[torch.Tensor]) -> float:
+    def apart(self, tensors: list[torch.Tensor]) -> float:
         """How far a fetched base is from ours: the largest difference of a floating tensor relative to its largest
         magnitude in ours (outer.relative_difference), inf where another tensor (integer buffers, masks) differs."""
         apart = 0.0
-        for (_, i, t), theirs in zip(self.base.layout, tensors):
-            ours = self.base.tensors[i] if i is not None else t.detach().to("cpu")
+        for (_, i, t), theirs in zip(self.layout, tensors):
+            ours = self.tensors[i] if i is not None else t.detach().to("cpu")
             if not ours.is_floating_point():
                 if not torch.equal(ours, theirs):
                     return math.inf
@@ -184,40 +213,41 @@ class BaseMixin:
                                                          theirs.reshape(-1).to(torch.float32), [ours.numel()]))
         return apart
 
-    def _take_base(self, tensors: list[torch.Tensor], digest: str, peer: str, when: str,
+    def take(self, tensors: list[torch.Tensor], digest: str, peer: str, when: str,
                    apart: float | None = None) -> None:
         """A peer's base model in place of ours: its perturbed parameters as our base, the rest into the model.
         ``when``: "start" (the founders' base, within rounding of ours) or "join" (the base of the log we replay)."""
-        base: list[torch.Tensor | None] = [None] * len(self.base.tensors)
-        for (_, i, _), value in zip(self.base.layout, tensors):
+        base: list[torch.Tensor | None] = [None] * len(self.tensors)
+        for (_, i, _), value in zip(self.layout, tensors):
             if i is not None:
                 base[i] = value
         if any(b is None for b in base):  # every parameter is in the state dict: not expected
             raise ProtocolViolation("spsa-base: a perturbed parameter missing")
         if apart is None:
-            apart = self._base_apart(tensors)
+            apart = self.apart(tensors)
         with torch.no_grad():
-            for (_, i, t), value in zip(self.base.layout, tensors):
+            for (_, i, t), value in zip(self.layout, tensors):
                 if i is None:
                     t.copy_(value)  # the model's own tensor (frozen parameter or buffer): its device and dtype
-        self.base.tensors = base
-        self.base.state_hash = digest
-        self.base.hash = tensors_hash(base)
-        self.base.taken = {"source": peer, "hash": self.base.hash, "apart": apart, "when": when}
-        self.counters["bases_taken"] += 1
+        self.tensors = base
+        self.state_hash = digest
+        self.hash = tensors_hash(base)
+        self.taken = {"source": peer, "hash": self.hash, "apart": apart, "when": when}
+        self._counters["bases_taken"] += 1
         logger.info("spsa: %s the base model of %s (%s; %.3g of a parameter's scale from ours: built on another CPU%s)",
-                    "starting from" if when == "start" else "replaying onto", peer, self.base.hash, apart,
+                    "starting from" if when == "start" else "replaying onto", peer, self.hash, apart,
                     "" if when == "start" else ", or trained another way")
 
-    async def _serve_base(self, stream: Stream) -> None:
+    async def serve(self, stream: Stream) -> None:
         message = await asyncio.wait_for(stream.read_required(), 10)
         if message.kind != BASE_REQUEST.code:
             raise MalformedMessage("spsa-base: expected a request")
-        digest, layout, base = self.base.state_hash, self.base.layout, self.base.tensors  # taking a base replaces them
-        if self.faults:  # a test's: a slow server, or a base other than ours (its hash, its tensors)
-            await self.faults.enter("serve-base", self, source=stream.peer_id)
-            digest, base = self.faults.altered("serve-base", self, (digest, base), source=stream.peer_id)
-        if digest is None or self.base.replacing:
+        digest, layout, base = self.state_hash, self.layout, self.tensors  # taking a base replaces them
+        faults = self._loop.faults
+        if faults:  # a test's: a slow server, or a base other than ours (its hash, its tensors)
+            await faults.enter("serve-base", self._loop, source=stream.peer_id)
+            digest, base = faults.altered("serve-base", self._loop, (digest, base), source=stream.peer_id)
+        if digest is None or self.replacing:
             return  # not built yet, or being replaced: the stream ends, and the asker replays onto its own
         size = base_size(layout)
         await stream.send(BASE_HEAD.code, {"hash": digest, "size": size})
@@ -225,17 +255,37 @@ class BaseMixin:
             return
         # the whole model's bytes: over a direct connection only (never through a relay), to one peer once in
         # BASE_SERVE_EVERY, to BASE_SERVES peers at once
-        peer, now = stream.peer_id, self.clock.monotonic()
-        if not self._ctx.direct(peer) or now - self.base.served.get(peer, -math.inf) < BASE_SERVE_EVERY \
-                or self.base.serving.locked():
-            self.counters["base_serve_refused"] += 1
-            self.base.log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
+        peer, now = stream.peer_id, self._ctx.clock.monotonic()
+        if not self._ctx.direct(peer) or now - self.served.get(peer, -math.inf) < BASE_SERVE_EVERY \
+                or self.serving.locked():
+            self._counters["base_serve_refused"] += 1
+            self.log.log(logging.INFO, "refused", "spsa: not serving our base model to %s now (through a "
                                "relay, served it lately, or %d others are being served)", peer, BASE_SERVES)
             return
-        rounds.keep_latest(self.base.served, peer, now, MAX_PEER_ENTRIES)
-        async with self.base.serving:
+        rounds.keep_latest(self.served, peer, now, MAX_PEER_ENTRIES)
+        async with self.serving:
             # an asker that reads slowly holds a slot: at most as long as 256 kB/s takes
             async with asyncio.timeout(30 + size / BASE_SERVE_RATE):
                 for part in base_parts(base_arrays(layout, base)):
                     await stream.send(BASE_PART.code, {"data": part})
-        self.counters["base_served"] += 1
+        self._counters["base_served"] += 1
+
+    def resume(self, tensors: dict[str, torch.Tensor], meta: dict, names: list[str]) -> None:
+        """The base our checkpoint kept, where we had taken a peer's (``take``): its perturbed parameters,
+        and the model's other tensors as saved (the base put its own there), so a restart replays onto the run's
+        base and probes the run's model, not the ones this CPU builds."""
+        taken = meta.get("base_taken")
+        base = [tensors.get(BASE_PREFIX + n) for n in names]
+        if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self.tensors)):
+            return
+        others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self.layout if i is None]
+        if any(v is None or v.shape != t.shape or v.dtype != t.dtype for t, v in others):
+            logger.warning("spsa: our checkpoint's base does not fit the model; replaying onto the one we build")
+            return
+        with torch.no_grad():
+            for t, v in others:
+                t.copy_(v)
+        self.tensors = [b.to(torch.float32) for b in base]
+        self.hash = tensors_hash(self.tensors)
+        self.state_hash = base_digest(base_arrays(self.layout, self.tensors))
+        self.taken = taken

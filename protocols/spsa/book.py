@@ -1,8 +1,11 @@
-"""``WindowBook``: everything the loop keeps per window (the open windows' batches and joins, the closed ones'
-applied batches, the log, the hash votes, the screening cache), and how long it keeps it."""
+"""A window's data: ``Window`` (the one we compute: its steps, audits and bytes, by argument through its phases),
+``Arrivals`` (what the others send for a window not closed yet) and ``WindowBook`` (everything the loop keeps across
+windows: the open windows' arrivals, the closed ones' applied batches, the log, the hash votes, the screening cache,
+and how long it keeps them)."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 from dataclasses import dataclass, field
 
@@ -12,13 +15,31 @@ from swarmd.protocols.spsa.wire import KEEP_APPLIED
 
 @dataclass
 class Window:
+    """Window ``w`` as we compute it, from its first step to its close: made at its start, dropped once closed
+    (what it held goes with it)."""
+
+    w: int
+    size: int  # steps in a window (``window``)
+    contribute: bool  # we send a batch for it (``w >= join_at``)
+    audits: dict[int, list[str]] = field(default_factory=dict)  # step in it -> peers we re-probe there
+    probes: dict[str, list] = field(default_factory=dict)  # peer -> [(step in window, L+, L-)] re-probed
+    codes: list[int] = field(default_factory=list)  # our byte for each step (if we contribute)
+
+    def step(self, i: int) -> int:
+        """The run's step of step ``i`` of this window."""
+        return self.w * self.size + i
+
+
+@dataclass
+class Arrivals:
     batches: dict[str, Message] = field(default_factory=dict)  # author -> signed batch
     joins: set[str] = field(default_factory=set)  # peers that announced they start contributing at this window
 
 
 class WindowBook:
     def __init__(self) -> None:
-        self.open: dict[int, Window] = collections.defaultdict(Window)  # windows not closed yet, as messages come
+        self.open: dict[int, Arrivals] = collections.defaultdict(Arrivals)  # windows not closed yet, as messages come
+        self.arrived = asyncio.Event()  # a batch came (a window's close waits on it)
         self.applied: dict[int, dict[str, Message]] = {}  # closed windows (the last few): author -> batch
         self.log: list[list] = []  # closed windows in order: [window, [signed batch, ...]] (possibly empty)
         self.hashes: dict[int, dict[str, str]] = collections.defaultdict(dict)  # window -> author -> hash

@@ -8,16 +8,11 @@ import logging
 import msgpack
 import torch
 
-from swarmd.protocols import checkpoint
 from swarmd.protocols.gossip import decode_message
-from swarmd.protocols.spsa.base import base_arrays
-from swarmd.protocols.spsa.weights import base_digest, tensors_hash
+from swarmd.protocols.spsa.base import BASE_PREFIX
 from swarmd.protocols.spsa.wire import KEEP_APPLIED
 
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
-
-
-BASE_PREFIX = "state.base."  # a checkpoint's copy of the base we replay onto, where it is a peer's
 
 
 class CheckpointsMixin:
@@ -27,13 +22,13 @@ class CheckpointsMixin:
         """The canonical weights (every window before the last closed one applied, or all of them when
         ``final``), the log of signed batches (for late joiners, and the last window's bytes to apply next)."""
         tensors = self._model_tensors(self.weights.model)
-        for name, c in zip(self.names, self.weights.canonical):
+        for name, c in zip(self.model.names, self.weights.canonical):
             tensors["model." + name] = c.to(tensors["model." + name].dtype).clone()
         log = msgpack.packb(self.book.log, use_bin_type=True)
         tensors["state.log"] = torch.frombuffer(bytearray(log), dtype=torch.uint8) if log else torch.zeros(0,
                                                                                                      dtype=torch.uint8)
         if self.base.taken is not None:  # the base we replay onto is a peer's, not the one we build: kept too
-            for name, b in zip(self.names, self.base.tensors):
+            for name, b in zip(self.model.names, self.base.tensors):
                 tensors[BASE_PREFIX + name] = b.clone()
         h = self.weights.hash()
         self._save(tensors, round=self.window, step=self.window * self.cfg.window, hash=h, final=final,
@@ -46,7 +41,7 @@ class CheckpointsMixin:
             return
         tensors, meta = found
         try:
-            canonical = [tensors["model." + n].to(torch.float32) for n in self.names]
+            canonical = [tensors["model." + n].to(torch.float32) for n in self.model.names]
             if [c.shape for c in canonical] != list(self.weights.shapes):
                 raise ValueError("its weights have other shapes")
             log = msgpack.unpackb(tensors["state.log"].numpy().tobytes(), raw=False) if tensors["state.log"].numel() \
@@ -66,7 +61,7 @@ class CheckpointsMixin:
             self._reset_to_base()
             return
         self.book.log = log
-        self._resume_base(tensors, meta)
+        self.base.resume(tensors, meta, self.model.names)
         for w, wires in log[-KEEP_APPLIED:]:
             self.book.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
@@ -76,23 +71,3 @@ class CheckpointsMixin:
                       "hash": saved_hash}
         logger.info("spsa: resuming run %s from our checkpoint at window %d (weights %s)", self.cfg.run,
                     self.window, saved_hash)
-
-    def _resume_base(self, tensors: dict[str, torch.Tensor], meta: dict) -> None:
-        """The base our checkpoint kept, where we had taken a peer's (``_take_base``): its perturbed parameters,
-        and the model's other tensors as saved (the base put its own there), so a restart replays onto the run's
-        base and probes the run's model, not the ones this CPU builds."""
-        taken = meta.get("base_taken")
-        base = [tensors.get(BASE_PREFIX + n) for n in self.names]
-        if not isinstance(taken, dict) or any(b is None or b.shape != c.shape for b, c in zip(base, self.base.tensors)):
-            return
-        others = [(t, tensors.get(checkpoint.MODEL_PREFIX + name)) for name, i, t in self.base.layout if i is None]
-        if any(v is None or v.shape != t.shape or v.dtype != t.dtype for t, v in others):
-            logger.warning("spsa: our checkpoint's base does not fit the model; replaying onto the one we build")
-            return
-        with torch.no_grad():
-            for t, v in others:
-                t.copy_(v)
-        self.base.tensors = [b.to(torch.float32) for b in base]
-        self.base.hash = tensors_hash(self.base.tensors)
-        self.base.state_hash = base_digest(base_arrays(self.base.layout, self.base.tensors))
-        self.base.taken = taken

@@ -132,14 +132,13 @@ class LogMixin:
             c.copy_(b)
         self.weights._load(None, 0.0)
         self.book.reset()
-        self.audits.probes.clear()
-        self.audits.plan.clear()
         self.window = 0
         self.final = False
 
-    async def _resync(self) -> None:
-        """Back to the base weights, then replay a majority peer's log (bit-exact), then rejoin."""
-        peers, self.resyncs.resync_from = self.resyncs.resync_from, []
+    async def _resync(self, peers: list[str]) -> None:
+        """Back to the base weights, then replay a majority peer's log (bit-exact: ``peers``' first, in order),
+        then rejoin."""
+        peers = list(peers)
         # then the other counting peers we reach directly: the majority's holders may be out of our reach, and a
         # log that is not the majority's is found out at the next hash check
         me = self._ctx.identity.peer_id
@@ -159,38 +158,12 @@ class LogMixin:
         windows is waited on (a peer a moment behind), at most ``deadline`` seconds."""
         self.state = "replaying"
         started = time.perf_counter()
-        until = self.clock.monotonic() + self.cfg.deadline
-        replayed = None  # the contributors of each window of the log we replayed
-        trusted, peers = set(peers), list(peers)  # (a peer whose log we could not use is still one we trust)
-        leads = None  # the log we replayed led to the weights the others said they held; None: nothing told
-        while replayed is None:
-            behind = 0
-            for peer_id in list(peers):
-                try:
-                    base_taken = await self._base_from(peer_id)  # the log replays onto its base: ours, or its own
-                    async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
-                        await stream.send(LOG_REQUEST.code, None)
-                        entries = await read_log_parts(stream)
-                    if len(entries) < at_least:  # it has not closed every window we had: ours would be lost
-                        behind += 1
-                        continue
-                    replayed = await self._replay(entries, from_base=base_taken)
-                    leads = await asyncio.to_thread(self._log_leads_where_they_said, trusted - {peer_id})
-                    if leads is False:
-                        self.counters["log_inconsistent"] += 1
-                        replayed = None
-                        raise ValueError("its windows do not lead to the weights the others said they held there")
-                    self.resyncs.replayed_from = peer_id
-                    break
-                except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
-                    logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
-                    peers.remove(peer_id)  # not asked again while we wait for a peer that is behind
-                    self._reset_to_base()
-            if replayed is None and not (behind and self.clock.monotonic() < until):
-                self.counters["replay_failed"] += 1
-                return False
-            if replayed is None:
-                await asyncio.sleep(0.2)  # a peer a few moments behind us closes the window soon
+        trusted = set(peers)  # (a peer whose log we could not use is still one we trust)
+        found = await self._first_usable_log(list(peers), trusted, at_least)
+        if found is None:
+            self.counters["replay_failed"] += 1
+            return False
+        replayed, leads = found
         self.replay_seconds = time.perf_counter() - started
         self.counters["replayed_windows"] = len(replayed)
         if rejoin:
@@ -200,27 +173,76 @@ class LogMixin:
             # own batches where they do not)
             self.standing.rebuild(self.start_state.initial, replayed)
         else:
-            # contribute two windows after the live one, and say so now, so everyone expects us from then on
-            self.join_at = next_fresh_round(max(self.window, max(self.book.open, default=self.window)) + 2)
-            self._publish(JOIN, {"w": self.join_at, "join": True})
-            # the peers we replayed on, and the authors of the log's window before its last where the log leads to
-            # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
-            # is its server's word alone; a server that added six fresh keys' batches would have them credited
-            # as founders, for good, and their votes would outweigh the run's); the last window's authors earn credit as
-            # newcomers do, unless they are among those. Where nothing told (its server is the one peer we trust,
-            # a bootstrap peer the user chose, or the others said nothing of that window: we started after it),
-            # the authors of its last two windows: without them we would not wait for the peers the
-            # others wait for, and close windows without them
-            windows = sorted(self.book.applied)
-            before_last = set(self.book.applied[windows[-2]]) if len(windows) >= 2 else set()
-            listed = set(self.book.applied[windows[-1]]) | before_last if windows else set()
-            confirmed = before_last if leads else listed
-            self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
-            self.standing.found(trusted | confirmed)
+            self._join_late(trusted, leads)
         self.state = "running"
         logger.info("spsa: replayed %d windows in %.2f s, following from window %d, contributing from %d",
                     len(replayed), self.replay_seconds, self.window, self.join_at)
         return True
+
+    async def _first_usable_log(self, peers: list[str], trusted: set[str], at_least: int
+                                ) -> tuple[list[set[str]], bool | None] | None:
+        """The peers asked in order until one serves a log we can use, replayed (its windows' contributors, and
+        whether it leads where the others said: ``_log_leads_where_they_said``); None if none did. While a peer is
+        behind (fewer than ``at_least`` windows), asked again, at most ``deadline`` seconds."""
+        until = self.clock.monotonic() + self.cfg.deadline
+        while True:
+            behind = 0
+            for peer_id in list(peers):
+                try:
+                    found = await self._replay_log_of(peer_id, trusted, at_least)
+                except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
+                    logger.warning("could not replay the spsa log from %s: %s", peer_id, e)
+                    peers.remove(peer_id)  # not asked again while we wait for a peer that is behind
+                    self._reset_to_base()
+                    continue
+                if found is None:  # it has not closed every window we had: ours would be lost
+                    behind += 1
+                    continue
+                self.resyncs.replayed_from = peer_id
+                return found
+            if not (behind and self.clock.monotonic() < until):
+                return None
+            await asyncio.sleep(0.2)  # a peer a few moments behind us closes the window soon
+
+    async def _replay_log_of(self, peer_id: str, trusted: set[str], at_least: int
+                             ) -> tuple[list[set[str]], bool | None] | None:
+        """Replay ``peer_id``'s log onto its base (ours, or its own); None where it has fewer than ``at_least``
+        windows. Raises where its base, its log or where the log leads is not usable."""
+        base_taken = await self.base.take_from(peer_id)  # the log replays onto its base: ours, or its own
+        async with await self._ctx.transport.open_stream(peer_id, LOG_SPEC, timeout=10) as stream:
+            await stream.send(LOG_REQUEST.code, None)
+            entries = await read_log_parts(stream)
+        if len(entries) < at_least:
+            return None
+        replayed = await self._replay(entries, from_base=base_taken)
+        # the log we replayed led to the weights the others said they held; None: nothing told
+        leads = await asyncio.to_thread(self._log_leads_where_they_said, trusted - {peer_id})
+        if self.faults:  # a test's: nothing tells (the others said nothing of its last window)
+            leads = self.faults.altered("replay-leads", self, leads, source=peer_id)
+        if leads is False:
+            self.counters["log_inconsistent"] += 1
+            raise ValueError("its windows do not lead to the weights the others said they held there")
+        return replayed, leads
+
+    def _join_late(self, trusted: set[str], leads: bool | None) -> None:
+        """After a late start's replay: contribute two windows after the live one, and say so now, so everyone
+        expects us from then on; and whose word counts, as far as the log can tell."""
+        self.join_at = next_fresh_round(max(self.window, max(self.book.open, default=self.window)) + 2)
+        self._publish(JOIN, {"w": self.join_at, "join": True})
+        # the peers we replayed on, and the authors of the log's window before its last where the log leads to
+        # the weights they said they held after it (_log_leads_where_they_said: which batches a window holds
+        # is its server's word alone; a server that added six fresh keys' batches would have them credited
+        # as founders, for good, and their votes would outweigh the run's); the last window's authors earn credit as
+        # newcomers do, unless they are among those. Where nothing told (its server is the one peer we trust,
+        # a bootstrap peer the user chose, or the others said nothing of that window: we started after it),
+        # the authors of its last two windows: without them we would not wait for the peers the
+        # others wait for, and close windows without them
+        windows = sorted(self.book.applied)
+        before_last = set(self.book.applied[windows[-2]]) if len(windows) >= 2 else set()
+        listed = set(self.book.applied[windows[-1]]) | before_last if windows else set()
+        confirmed = before_last if leads else listed
+        self.counters["log_authors_unconfirmed"] += len(listed - confirmed - trusted - {self._ctx.identity.peer_id})
+        self.standing.found(trusted | confirmed)
 
     def _log_leads_where_they_said(self, peers: set[str]) -> bool | None:
         """Whether the log we just replayed leads to the weights most of ``peers`` said they held at its last

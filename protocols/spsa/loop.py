@@ -7,32 +7,32 @@ import asyncio
 import collections
 import logging
 import math
-import random
 
 from swarmd.node.services import NodeContext
 from swarmd.protocols import task as tasks
 from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip
-from swarmd.protocols.spsa.audits import AuditsMixin
-from swarmd.protocols.spsa.base import BaseMixin, base_arrays, base_layout, base_size
-from swarmd.protocols.spsa.book import WindowBook
+from swarmd.protocols.spsa.audits import Auditor
+from swarmd.protocols.spsa.base import Base, base_layout, base_size
+from swarmd.protocols.spsa.book import Window, WindowBook
 from swarmd.protocols.spsa.checkpoints import CheckpointsMixin
 from swarmd.protocols.spsa.codes import encode_grad, step_seed
 from swarmd.protocols.spsa.config import SpsaConfig
 from swarmd.protocols.spsa.log import LogMixin
+from swarmd.protocols.spsa.model import Model
 from swarmd.protocols.spsa.start import StartMixin
-from swarmd.protocols.spsa.state import Audits, Base, Resyncs, Start
+from swarmd.protocols.spsa.state import Resyncs, Start
 from swarmd.protocols.spsa.validate import ValidateMixin
-from swarmd.protocols.spsa.weights import Weights, base_digest
+from swarmd.protocols.spsa.weights import Weights
 from swarmd.protocols.spsa.windows import WindowsMixin
 from swarmd.protocols.spsa.wire import BASE_SPEC, BATCH, HASH, HISTORY, LOG_SPEC
-from swarmd.protocols.task import Task, TaskError
+from swarmd.protocols.task import Task
 from swarmd.protocols.taskloop import TaskLoop
 
 logger = logging.getLogger("swarmd.protocols.spsa")  # one logger for the package
 
 
-class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
+class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMixin, TaskLoop):
     """The loop as a node service. Timeline of window w (``window`` steps):
 
     1. for each step t of w: apply window w-1's byte for step t - window (every participant's, canonical order),
@@ -43,7 +43,11 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
 
     A late joiner fetches the log (the signed batches of every closed window) from a peer, verifies each batch's
     signature, replays it onto the base model, follows the live windows without contributing, announces that it
-    joins two windows ahead, and contributes from there."""
+    joins two windows ahead, and contributes from there.
+
+    Its collaborators: the model it probes (``Model``), the base model it replays onto and serves (``Base``), the
+    audits (``Auditor``) and what it keeps across windows (``WindowBook``); each window it computes is a ``Window``,
+    passed through its phases (open, compute, send, evaluate, close, after the close)."""
 
     name = "spsa"
 
@@ -51,36 +55,52 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
         self.gossip = gossip
         self.cfg = config
         self._init_task(task)
-        self.topic = f"spsa/{config.run}"
         self.book = WindowBook()  # what we keep of each window, and for how long
-        self.base, self.start_state = Base(logger), Start()
-        self.resyncs, self.audits = Resyncs(), Audits()
         self.counters: collections.Counter = collections.Counter()
+        self.base = Base(self, self.counters, self.work)  # the base model we replay onto, and serve
+        self.start_state = Start()
+        self.resyncs = Resyncs()
+        self.audits = Auditor(config, self.counters)  # whose steps we re-probe, and whom that convicted
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
-        self.weights: Weights | None = None
+        self.model: Model | None = None  # built when the loop starts
         self.final = False  # every window applied (the run ended)
         self.final_hash: str | None = None
         self.replay_seconds: float | None = None
         self._sent_up_to = -1  # the last window we published a batch for
         self.state = "starting"
         self._ctx: NodeContext | None = None
-        self._arrived = asyncio.Event()
-        self._max_code = encode_grad(config.clip, config.clip) & 0x7F
-        self.per_step = False  # the task draws batches by step (batch_at): audits possible
         self.faults = FaultPlan()  # a test's faults by peer, window and phase (none in production)
+
+    @property
+    def topic(self) -> str:
+        return f"spsa/{self.cfg.run}"
+
+    @property
+    def weights(self) -> Weights | None:
+        """The model's canonical weights (None until it is built)."""
+        return self.model.weights if self.model is not None else None
+
+    @property
+    def per_step(self) -> bool:
+        """The task draws batches by step (batch_at): audits possible."""
+        return self.model is not None and self.model.per_step
+
+    @property
+    def _max_code(self) -> int:
+        """The largest magnitude code a byte may carry: the run's clip."""
+        return encode_grad(self.cfg.clip, self.cfg.clip) & 0x7F
 
     async def start(self, ctx: NodeContext) -> None:
         self._ctx = ctx
-        # which steps we audit must be ours alone to know (a peer that knew would be honest on those only): drawn
-        # from a signature of ours (deterministic, secret)
-        self.audits.rng = random.Random(ctx.identity.sign(b"swarmd/spsa/audit/" + self.cfg.run.encode())[:16])
+        self.audits.start(ctx)
         self._init_standing(ctx)
         self.standing.judge_self = True  # our own batch is taken only where the others take it (see _close_window)
         self.gossip.subscribe(self.topic, max_size=128 + self.cfg.window, validator=self._validate, queue_size=0)
         await ctx.transport.serve(LOG_SPEC, self._serve_log)
-        await ctx.transport.serve(BASE_SPEC, self._serve_base)
+        self.base.start(ctx)
+        await ctx.transport.serve(BASE_SPEC, self.base.serve)
 
     async def close(self) -> None:
         self._stop_progress()
@@ -90,88 +110,31 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
 
     def _build(self) -> None:
         self._setup_device()
-        model = tasks.build_model(self.task, self.cfg.base_seed)
-        named = tasks.trainable(model)
-        names = [n for n, _ in named]
-        if self.task.has("perturbed"):
-            chosen = self.task.call("perturbed", model)
-            if not isinstance(chosen, (list, tuple)) or not chosen or any(n not in names for n in chosen):
-                raise TaskError(f"{self.task.where('perturbed')} must return a non-empty list of trainable "
-                                "parameter names")
-            names = [n for n in names if n in set(chosen)]  # the model's order, whatever order it gave
-        model = model.to(self.device).eval()
-        by_name = dict(model.named_parameters())
-        perturbed = [(n, by_name[n]) for n in names]
+        self.model, perturbed = Model.build(self.task, self.cfg.base_seed, self.device, self._ctx.identity.peer_id)
         # peers that draw their batches by step (batch_at) and peers that read a stream cannot audit each other:
         # they are not one run
-        self.per_step = self.task.has("batch_at")
-        self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.per_step
+        self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.model.per_step
                                                 else "data"}, perturbed)
-        self.names = names
-        self.base.layout = base_layout(model, [p for _, p in perturbed])
-        self.weights = Weights(model, [p for _, p in perturbed],
-                               loss=lambda batch: tasks.loss_value(self.task, model, tasks.to_device(batch,
-                                                                                                    self.device)))
-        self.data = None if self.per_step else tasks.data_iter(self.task, tasks.shard_of(self._ctx.identity.peer_id),
-                                                               self.cfg.base_seed)
-
-    def _evaluate(self) -> float | None:
-        return tasks.evaluate(self.task, self.weights.model)
+        self.base.layout = base_layout(self.model.weights.model, [p for _, p in perturbed])
 
     async def run(self) -> None:
         await self._guarded(self._run)
 
     async def _run(self) -> None:
-        self.threads = tasks.set_threads(self.cfg.threads)
-        self.state = "building base model"
-        with self.work.track("base model build"):
-            await asyncio.to_thread(self._build)
-        self.base.hash = self.weights.hash()
-        self.base.tensors = [c.clone() for c in self.weights.canonical]
-        self.base.state_hash = await asyncio.to_thread(
-            lambda: base_digest(base_arrays(self.base.layout, self.base.tensors)))
+        await self._build_base()
         self._resume_own()
         total = self._total()
         if self.window < total:
             await self._start_or_catch_up()
-        me = self._ctx.identity.peer_id
         while self.window < total:
-            w = self.window
-            contribute = w >= self.join_at
-            self._plan_audits(w, me)
-            codes = []
-            for i in range(self.cfg.window):
-                g = await asyncio.to_thread(self._step, w, i, contribute, me)  # never on the event loop
-                if contribute:
-                    codes.append(self._code(g, w * self.cfg.window + i))
-            self.book.my_hashes[w] = self.weights.hash()  # windows < w applied
-            if contribute:
-                self._publish(BATCH, {"w": w, "b": bytes(codes), "h": bytes.fromhex(self.book.my_hashes[w][:16])})
-            elif w % self.cfg.hash_every == 0:
-                self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
-            if w % self.cfg.eval_every == 0:
-                loss = await asyncio.to_thread(self._evaluate)
-                if loss is not None:
-                    self.losses.append((w * self.cfg.window, round(loss, 5)))
-                    await self._report_progress(loss)
-            await self._close_window(w)
-            if w % self.cfg.hash_every == 0:
-                self._check_hashes(w)  # once the window's batches (their hashes) are in
-            self.window = w + 1
-            if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
-                await asyncio.to_thread(self._save_checkpoint, False)
-            if self.resyncs.resync_from:
-                await self._resync()
+            window = self._open_window(self.window)
+            await self._compute(window)
+            self._send(window)
+            await self._evaluate(window.w)
+            await self._close_window(window)
+            await self._after_close(window.w, total)
         if not self.final:
-            last = self.window - 1
-            for i in range(self.cfg.window):
-                await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
-                                        self._bytes_for(last, i), self.cfg.lr)
-            self.final = True
-            loss = await asyncio.to_thread(self._evaluate)
-            if loss is not None:
-                self.losses.append((self.window * self.cfg.window, round(loss, 5)))
-            await asyncio.to_thread(self._save_checkpoint, True)
+            await self._finish()
         self.final_hash = self.weights.hash()
         await self._last_progress()
         self.state = "done"
@@ -179,23 +142,82 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
                     self.final_hash)
         await asyncio.Event().wait()
 
-    def _step(self, w: int, i: int, contribute: bool, me: str) -> float | None:
-        """Step i of window w: apply window w-1's bytes for the step one window back, then probe (if we
-        contribute)."""
-        step = w * self.cfg.window + i
+    async def _build_base(self) -> None:
+        """The model, and the base we replay onto: the weights as built."""
+        self.threads = tasks.set_threads(self.cfg.threads)
+        self.state = "building base model"
+        with self.work.track("base model build"):
+            await asyncio.to_thread(self._build)
+        if self.faults:  # a test's model built with other bits (as another CPU's kernels build it)
+            built = self.faults.altered("built", self, [c.clone() for c in self.weights.canonical])
+            for c, value in zip(self.weights.canonical, built):
+                c.copy_(value)
+            self.weights._load(None, 0.0)
+        await self.base.built(self.weights.canonical)
+
+    def _open_window(self, w: int) -> Window:
+        """Window w as we start it: whether we contribute, and which of its steps we re-probe."""
+        return Window(w, self.cfg.window, contribute=w >= self.join_at, audits=self._audit_plan(w))
+
+    async def _compute(self, window: Window) -> None:
+        """The window's steps (never on the event loop), and our byte for each if we contribute."""
+        for i in range(self.cfg.window):
+            g = await asyncio.to_thread(self._step, window, i)
+            if window.contribute:
+                window.codes.append(self._code(g, window.step(i)))
+        self.book.my_hashes[window.w] = self.weights.hash()  # windows < w applied
+
+    def _send(self, window: Window) -> None:
+        """Our batch for the window (with our weights' hash), or our hash alone where a hash check is due."""
+        w = window.w
+        if window.contribute:
+            self._publish(BATCH, {"w": w, "b": bytes(window.codes), "h": bytes.fromhex(self.book.my_hashes[w][:16])})
+        elif w % self.cfg.hash_every == 0:
+            self._publish(HASH, {"w": w, "h": self.book.my_hashes[w]})
+
+    async def _evaluate(self, w: int) -> None:
+        if w % self.cfg.eval_every == 0:
+            loss = await asyncio.to_thread(self.model.evaluate)
+            if loss is not None:
+                self.losses.append((w * self.cfg.window, round(loss, 5)))
+                await self._report_progress(loss)
+
+    async def _after_close(self, w: int, total: float) -> None:
+        """Once window w is closed: the hash check, the next window, a checkpoint, a resync where one is due."""
+        # (the hash check once the window's batches, which carry their authors' hashes, are in)
+        resync_from = self._check_hashes(w) if w % self.cfg.hash_every == 0 else []
+        self.window = w + 1
+        if self.cfg.checkpoint_every and self.window % self.cfg.checkpoint_every == 0 and self.window < total:
+            await asyncio.to_thread(self._save_checkpoint, False)
+        if resync_from:
+            await self._resync(resync_from)
+
+    async def _finish(self) -> None:
+        """The run's end: the last window's bytes applied (the one-window lag), a last evaluation and checkpoint."""
+        last = self.window - 1
+        for i in range(self.cfg.window):
+            await asyncio.to_thread(self.weights.apply, self.cfg.run, last * self.cfg.window + i,
+                                    self._bytes_for(last, i), self.cfg.lr)
+        self.final = True
+        loss = await asyncio.to_thread(self.model.evaluate)
+        if loss is not None:
+            self.losses.append((self.window * self.cfg.window, round(loss, 5)))
+        await asyncio.to_thread(self._save_checkpoint, True)
+
+    def _step(self, window: Window, i: int) -> float | None:
+        """Step i of ``window``: apply the window before's bytes for the step one window back, re-probe the steps
+        we audit at the same weights, then probe (if we contribute)."""
+        w, step = window.w, window.step(i)
         if w > 0:
             self.weights.apply(self.cfg.run, step - self.cfg.window, self._bytes_for(w - 1, i), self.cfg.lr)
-        for peer in self.audits.plan.get(w, {}).get(i, ()):  # the same weights its probe of this step had
-            losses = self.weights.losses(self._batch(peer, step), step_seed(self.cfg.run, step, peer), self.cfg.eps)
-            self.audits.probes.setdefault(w, {}).setdefault(peer, []).append((i, *losses))
-        if not contribute:
+        for peer in window.audits.get(i, ()):  # the same weights its probe of this step had
+            losses = self.weights.losses(self.model.batch(peer, step), step_seed(self.cfg.run, step, peer),
+                                         self.cfg.eps)
+            window.probes.setdefault(peer, []).append((i, *losses))
+        if not window.contribute:
             return None
-        return self.weights.probe(self._batch(me, step), step_seed(self.cfg.run, step, me), self.cfg.eps)
-
-    def _batch(self, peer: str, step: int):
-        if not self.per_step:
-            return next(self.data)
-        return self.task.call("batch_at", tasks.shard_of(peer), self.cfg.base_seed, step)
+        me = self._ctx.identity.peer_id
+        return self.weights.probe(self.model.batch(me, step), step_seed(self.cfg.run, step, me), self.cfg.eps)
 
     def _code(self, g: float, step: int) -> int:
         if math.isfinite(g):
@@ -233,7 +255,7 @@ class SPSALoop(WindowsMixin, AuditsMixin, LogMixin, BaseMixin, StartMixin, Check
             "log_windows": len(self.book.log),
             "replay_seconds": self.replay_seconds,
             "wire_bytes_per_step": round(self.counters["step_wire_bytes"] / steps, 3),
-            "audits": self._audit_state(),
+            "audits": self.audits.state(self.model is not None, self.per_step),
             # peer -> the window its bytes failed an audit
             "convicted": dict(list(self.audits.convicted.items())[-64:]),
             **dict(sorted(self.counters.items())),

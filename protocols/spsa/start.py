@@ -91,14 +91,14 @@ class StartMixin:
             if not self.start_state.bases.ask(peer, target):  # asked once, whatever comes of it; a bounded number
                 break
             try:
-                fetched = await self._fetch_base(peer)
+                fetched = await self.base.fetch(peer)
                 if fetched is None:
                     raise ValueError("it served no base")
                 tensors, digest = fetched
                 perturbed = {i: t for (_, i, _), t in zip(self.base.layout, tensors) if i is not None}
                 if tensors_hash([perturbed[i] for i in sorted(perturbed)]) != target:
                     raise ValueError("not the base it said it was ready with")  # it may have taken another since
-                apart = await asyncio.to_thread(self._base_apart, tensors)
+                apart = await asyncio.to_thread(self.base.apart, tensors)
             except (TransportError, ProtocolViolation, asyncio.TimeoutError, ValueError) as e:
                 if not isinstance(e, ProtocolViolation):  # (counted and penalised where it was found)
                     self.counters["base_unusable"] += 1
@@ -114,7 +114,7 @@ class StartMixin:
                 continue
             self.base.replacing = True
             try:
-                await asyncio.to_thread(self._take_base, tensors, digest, peer, "start", apart)
+                await asyncio.to_thread(self.base.take, tensors, digest, peer, "start", apart)
                 self._reset_to_base()
             finally:
                 self.base.replacing = False

@@ -1,33 +1,9 @@
-"""The loop's long-lived state that is not a window's, in one holder per concern: the base model we replay onto
-(``Base``), the start barrier's (``Start``), what our resyncs came from (``Resyncs``) and the audits' (``Audits``)."""
+"""The loop's long-lived state that is not a window's nor the base's (``base.Base``), in one holder per concern: the
+start barrier's (``Start``) and what our resyncs came from (``Resyncs``)."""
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import logging
-import random
-
-import torch
-
 from swarmd.protocols import rounds
-from swarmd.protocols.spsa.wire import BASE_SERVES
-from swarmd.transport.penalties import RateLimitedLog
-
-
-class Base:
-    """The base model we replay onto (the one we build, or a peer's we took in its place), and its serving."""
-
-    def __init__(self, logger: logging.Logger) -> None:
-        self.hash: str | None = None  # of its perturbed parameters (tensors_hash)
-        self.tensors: list[torch.Tensor] = []  # the base's perturbed parameters (canonical float32)
-        self.layout: list = []  # the model's state dict as a base is served (base_layout)
-        self.state_hash: str | None = None  # of the whole base as served (base_digest)
-        self.taken: dict | None = None  # the base we replay onto, where a peer's replaced ours (/status)
-        self.replacing = False  # a peer's base is being taken in place of ours (none is served meanwhile)
-        self.serving = asyncio.Semaphore(BASE_SERVES)
-        self.served: collections.OrderedDict[str, float] = collections.OrderedDict()  # peer -> when
-        self.log = RateLimitedLog(logger, interval=30.0)
 
 
 class Start:
@@ -44,23 +20,10 @@ class Start:
 
 
 class Resyncs:
-    """Whom a resync asks, and whose base and log our last replays came from."""
+    """Whose base and log our last replays came from."""
 
     def __init__(self) -> None:
-        self.resync_from: list[str] = []  # the peers the next resync asks (empty: none due)
         self.replayed_from: str | None = None  # the peer whose base and log we replayed last
         # the peers whose base and log we had replayed when our weights left the majority's (the latest
         # MAX_PEER_ENTRIES): a resync asks them after the others
         self.led_off: dict[str, None] = {}
-
-
-class Audits:
-    """Which steps of whose we re-probe, what the re-probes gave, and whom they convicted."""
-
-    def __init__(self) -> None:
-        self.plan: dict[int, dict[int, list[str]]] = {}  # window -> step in it -> peers we re-probe there
-        self.probes: dict[int, dict[str, list]] = {}  # window -> peer -> [(step in window, L+, L-)] re-probed
-        self.convicted: collections.OrderedDict[str, int] = collections.OrderedDict()  # peer -> window it failed
-        self.off_weights: collections.Counter = collections.Counter()  # peer -> windows in a row off ours (the
-        # majority's)
-        self.rng = random.Random(0)  # seeded from our key at start: no one else can tell which steps

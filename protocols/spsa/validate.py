@@ -35,28 +35,42 @@ class ValidateMixin:
         # forwarded: honest peers say each thing once (a ready is repeated only to direct peers, which keep it),
         # and 100 fresh keys repeating their junk every second would have every honest node verify and relay it again
         if kind is HASH:
-            if self.book.hashes.get(w, {}).get(author) == body["h"][:16]:
-                return self._repeated()
-            self._vote(w, author, body["h"][:16])
-            return Verdict.ACCEPT
+            return self._take_hash(message, w, body)
         if kind is READY:
-            if self.start_state.ready.get(author) == body["ready"]:
-                return self._repeated()
-            # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
-            # one not listed as direct yet waits for our next look at the list (the start barrier's count)
-            if self.state != "running":
-                start = self.start_state
-                rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
-                                  MAX_PEER_ENTRIES, READY_UNLISTED)
-            return Verdict.ACCEPT
+            return self._take_ready(message, w, body)
         if kind is JOIN:
-            joins = self.book.open[w].joins
-            if author in joins:
-                return self._repeated()
-            if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(author):
-                joins.add(author)  # a newcomer among them gets a slot only if picked (see _close_window)
-            return Verdict.ACCEPT
-        if len(body["b"]) != self.cfg.window:  # a BATCH
+            return self._take_join(message, w, body)
+        return self._take_batch(message, w, body)
+
+    def _take_hash(self, message: Message, w: int, body: dict) -> Verdict:
+        if self.book.hashes.get(w, {}).get(message.author) == body["h"][:16]:
+            return self._repeated()
+        self._vote(w, message.author, body["h"][:16])
+        return Verdict.ACCEPT
+
+    def _take_ready(self, message: Message, w: int, body: dict) -> Verdict:
+        author = message.author
+        if self.start_state.ready.get(author) == body["ready"]:
+            return self._repeated()
+        # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
+        # one not listed as direct yet waits for our next look at the list (the start barrier's count)
+        if self.state != "running":
+            start = self.start_state
+            rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
+                              MAX_PEER_ENTRIES, READY_UNLISTED)
+        return Verdict.ACCEPT
+
+    def _take_join(self, message: Message, w: int, body: dict) -> Verdict:
+        joins = self.book.open[w].joins
+        if message.author in joins:
+            return self._repeated()
+        if len(joins) < MAX_PEER_ENTRIES or self.standing.counts(message.author):
+            joins.add(message.author)  # a newcomer among them gets a slot only if picked (see _close_window)
+        return Verdict.ACCEPT
+
+    def _take_batch(self, message: Message, w: int, body: dict) -> Verdict:
+        author = message.author
+        if len(body["b"]) != self.cfg.window:
             self.counters["rejected_malformed"] += 1
             return Verdict.REJECT
         if max(b & 0x7F for b in body["b"]) > self._max_code:
@@ -81,7 +95,7 @@ class ValidateMixin:
             return Verdict.IGNORE
         batches[author] = message
         self._vote(w, author, body["h"].hex())
-        self._arrived.set()
+        self.book.arrived.set()
         return Verdict.ACCEPT
 
     def _repeated(self) -> Verdict:

@@ -8,7 +8,8 @@ import logging
 import msgpack
 
 from swarmd.protocols import rounds
-from swarmd.protocols.spsa.audits import OFF_WEIGHTS_LIMIT
+from swarmd.protocols.gossip import Message
+from swarmd.protocols.spsa.book import Window
 from swarmd.protocols.spsa.codes import capped, screen_window
 from swarmd.protocols.spsa.wire import JOIN, MAX_PEER_ENTRIES, NEWCOMER_GRACE, _batch_bytes
 from swarmd.protocols.standing import fresh_round
@@ -37,10 +38,11 @@ class WindowsMixin:
         if "join" in body:
             self.book.open[body["w"]].joins.add(self._ctx.identity.peer_id)
 
-    async def _close_window(self, w: int) -> None:
+    async def _close_window(self, ours: Window) -> None:
         """Wait for the peers whose word counts (``protocols.standing``) and a few newcomers (picked the same way
         everywhere; brand-new ones only in fresh windows), at most the deadline; apply their batches."""
-        window = self.book.open[w]
+        w = ours.w
+        arrivals = self.book.open[w]
         opened = self.clock.monotonic()
         # a newcomer holding a slot gets NEWCOMER_GRACE once every counting peer is in, not the whole deadline (a
         # fresh key that joined and went quiet would stall every fresh window by the deadline). Our own batch is in
@@ -48,44 +50,63 @@ class WindowsMixin:
         wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
                                 now=opened, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
         expected, slots, waited = wait.expected, wait.slots, wait.waited
-        await self._wait_round(wait, self._arrived, lambda: set(window.batches))
-        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(window.batches))
-        if not waited <= set(window.batches):
+        await self._wait_round(wait, self.book.arrived, lambda: set(arrivals.batches))
+        self.counters["newcomers_not_waited"] += wait.newcomers_not_waited(set(arrivals.batches))
+        if not waited <= set(arrivals.batches):
             self.counters["deadline_missed"] += 1
-            logger.warning("spsa window %d closed without %s", w, sorted(waited - set(window.batches)))
+            logger.warning("spsa window %d closed without %s", w, sorted(waited - set(arrivals.batches)))
         # the window's batches, as we apply them (the closed window's entry in the book)
-        taken = self.book.applied[w] = {a: m for a, m in window.batches.items()
+        taken = self.book.applied[w] = {a: m for a, m in arrivals.batches.items()
                                         if (a in expected or a in slots) and a not in self.audits.convicted}
-        # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
-        # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
-        # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
-        # other weights so as not to be audited, and is convicted
-        other = self._other_weights(w, taken)
-        audited = self._judge_audits(w, {a: m for a, m in taken.items() if a not in other})
-        for peer in sorted(a for a in other if self.audits.off_weights[a] > OFF_WEIGHTS_LIMIT * self.cfg.hash_every):
-            self._convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed at "
-                          "weights other than the majority's, without resyncing")
-            audited.add(peer)
-        for peer in audited:  # out of the window, like a batch that never came (not in our log either)
-            del taken[peer]
-        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in taken.items()})
-        for peer in extreme:  # still in the log (every replaying peer refuses them the same way)
-            self.counters["rejected_extreme"] += 1
-            self._ctx.transport.penalties.penalize(peer, "invalid_message",
-                                                   f"spsa window {w}: gradients out of scale with the others'")
+        audited, extreme = self._refuse(ours, taken)
         self._record_round(w, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
-                           participants=set(taken) - extreme, missing=waited - set(window.batches),
+                           participants=set(taken) - extreme, missing=waited - set(arrivals.batches),
                            rejected={**{a: "extreme" for a in extreme}, **{a: "audit" for a in audited}})
         self.standing.record(set(taken) - extreme)
-        self.counters["unexpected_batches"] += len(window.batches) - len(taken)
+        self.counters["unexpected_batches"] += len(arrivals.batches) - len(taken)
         me = self._ctx.identity.peer_id
-        if me in window.batches and me not in taken:
+        if me in arrivals.batches and me not in taken:
             # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
             # expecting us; standing judges us as them): ask to be expected again, two windows on
             self.counters["joins_repeated"] += 1
             self._publish(JOIN, {"w": w + 2, "join": True})
         self.book.log.append([w, [m.wire() for _, m in sorted(taken.items())]])
         self.book.close(w, self.cfg.hash_every)
+
+    def _refuse(self, ours: Window, taken: dict[str, Message]) -> tuple[set[str], set[str]]:
+        """Window ``ours``'s batches that are refused: those that failed an audit (taken out of ``taken``: out of the
+        window, like a batch that never came, and not in our log either), and those out of scale with the others'
+        (left in: still in the log, every replaying peer refuses them the same way)."""
+        w = ours.w
+        # a batch probed at weights other than ours (its hash says so: its author, or we, diverged, and the hash
+        # check sends whoever is off to resync) is applied like the others, but cannot be audited. An author that stays
+        # off the majority's weights, window after window past any hash check, is not resyncing: it is claiming
+        # other weights so as not to be audited, and is convicted
+        other = self.audits.other_weights(self.book.my_hashes[w], taken)
+        audited = self.audits.judge(ours, {a: m for a, m in taken.items() if a not in other})
+        for peer in self.audits.dodging(other):
+            self.audits.convict(peer, w, f"spsa window {w}: {self.audits.off_weights[peer]} windows in a row probed "
+                                "at weights other than the majority's, without resyncing")
+            audited.add(peer)
+        for peer in audited:
+            del taken[peer]
+        extreme, _ = self._screen(w, {a: _batch_bytes(m) for a, m in taken.items()})
+        for peer in extreme:
+            self.counters["rejected_extreme"] += 1
+            self._ctx.transport.penalties.penalize(peer, "invalid_message",
+                                                   f"spsa window {w}: gradients out of scale with the others'")
+        return audited, extreme
+
+    def _audit_plan(self, w: int) -> dict[int, list[str]]:
+        """Which of window w's steps we re-probe, and whose (``Auditor.plan``): of the peers the window will take
+        batches from (those whose word counts and the newcomers holding its slots, as _close_window picks them), not
+        every key that announced a join: a hundred fresh keys that join and never deliver would take our
+        re-probes."""
+        if not self.per_step or not self.cfg.audit_peers:
+            return {}
+        wait = rounds.plan_wait(self.standing, self._expected(w), f"{self.cfg.run}/{w}", fresh=fresh_round(w),
+                                now=0.0, deadline=self.cfg.deadline, grace=NEWCOMER_GRACE)
+        return self.audits.plan(sorted((wait.expected | wait.slots) - {self._ctx.identity.peer_id}))
 
     def _expected(self, w: int) -> set[str]:
         joins = self.book.open[w].joins - set(self.audits.convicted)
@@ -109,7 +130,9 @@ class WindowsMixin:
                 del self.book.screened[old]
         return self.book.screened[w][1]
 
-    def _check_hashes(self, w: int) -> None:
+    def _check_hashes(self, w: int) -> list[str]:
+        """The hash check of window w: the peers to resync from, in order, where our weights are not the
+        majority's (empty: they are, or nothing to tell)."""
         verdict = rounds.hash_verdict(self.book.my_hashes[w][:16], self.book.hashes.get(w, {}), self.standing.vouched,
                                       me=self._ctx.identity.peer_id, salt=f"{self.cfg.run}/{w}")
         if verdict is not None and not verdict.agrees:
@@ -124,5 +147,5 @@ class WindowsMixin:
             # two could take turns
             if self.resyncs.replayed_from is not None:
                 rounds.keep_latest(self.resyncs.led_off, self.resyncs.replayed_from, None, MAX_PEER_ENTRIES)
-            self.resyncs.resync_from = sorted(verdict.holders,
-                                              key=lambda a: (a in self.resyncs.led_off, not self._ctx.direct(a)))
+            return sorted(verdict.holders, key=lambda a: (a in self.resyncs.led_off, not self._ctx.direct(a)))
+        return []
