@@ -220,7 +220,9 @@ def _loop_targets(ident: Identity, data_dir: Path) -> list[Target]:
     d = diloco.DilocoLoop(None, bulk.BulkService(None), d_cfg, load(d_cfg.task, d_cfg.options(), "diloco"))
     d._ctx = ctx
     d._init_standing(ctx)
-    d.state, d.rounds_done, d.participants = "running", [1, 1], {0: set(peers), 1: set(peers)}
+    d.state = "running"
+    for f in d.fragments:
+        f.participants = set(peers)
 
     async def no_pull(*_a, **_k):
         return None

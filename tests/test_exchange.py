@@ -565,7 +565,7 @@ def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_dec
 
     loop = built_loop(parts=4, codec=codec)
     with torch.no_grad():
-        for param in loop.params:
+        for param in loop.replica.params:
             param.add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())) * 0.01)
     payloads, hashes, mine, norm, _ = loop._prepare_update(0, whole=True)
     payloads2, hashes2, none, norm2, _ = loop._prepare_update(0, whole=False)
@@ -580,7 +580,7 @@ def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_dec
     loop.bulk.drop(hashes[1:2])
     assert loop._own_update(pending) is None  # a part the store no longer holds: no update, not a wrong one
     if codec == "none":  # the pseudo-gradient, computed without a flat copy of our weights first
-        local = torch.cat([loop.params[i].detach().reshape(-1) for i in loop.frag_index[0]])
+        local = torch.cat([loop.replica.params[i].detach().reshape(-1) for i in loop.frag_index[0]])
         assert torch.equal(mine, loop.global_flat[0] - local)
 
 
@@ -589,7 +589,7 @@ def test_an_update_prepared_for_scatter_is_not_kept_decoded_and_can_still_be_dec
 def test_an_update_from_weights_that_are_not_finite_is_not_prepared(codec):
     loop = built_loop(parts=4, codec=codec)
     with torch.no_grad():
-        loop.params[-1].view(-1)[0] = float("inf")
+        loop.replica.params[-1].view(-1)[0] = float("inf")
     assert loop._prepare_update(0, whole=False) is None  # the codec's own check: no pass of ours before it
 
 

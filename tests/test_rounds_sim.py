@@ -85,7 +85,7 @@ def test_a_peer_whose_weights_drift_resyncs_and_ends_with_the_others(tmp_path):
             await sim.start_all()
             await sim.until(lambda: all(sim.loop(p).rounds_done[0] >= 2 for p in sim.peers), 120, "round 2")
             drifter = sim.loop(sim.peers[0])
-            drifter.global_flat[0] = drifter.global_flat[0] + 0.01 * torch.randn(drifter.global_flat[0].shape)
+            drifter.fragments[0].weights = drifter.global_flat[0] + 0.01 * torch.randn(drifter.global_flat[0].shape)
             await sim.until(sim.finished, 300, "everyone to finish")
             return drifter.counters, _finals(sim)
 
@@ -1010,7 +1010,7 @@ def test_a_checkpoint_of_the_runs_weights_with_another_momentum_costs_a_joiner_o
     only the last one was put last, they took turns)."""
     def other_momentum(event, ckpt: dict) -> dict:
         none = codecs.get("none")
-        return {**ckpt, "momentum": [none.encode(b + 0.5).to_wire() for b in event.loop.outer_opt.buffers]}
+        return {**ckpt, "momentum": [none.encode(b + 0.5).to_wire() for b in event.loop.replica.outer_opt.buffers]}
 
     counters, finals, history, resumed, liars, _, _ = _late_join(
         tmp_path, other_momentum, lambda founders: sorted(founders)[:servers], rounds=16,
@@ -1111,7 +1111,7 @@ def test_a_checkpoint_malformed_past_its_schema_is_refused_and_the_next_taken(tm
     checked). Each is refused as unusable (its server
     penalised) and the joiner takes the next peer's; none crashes its loop or poisons its next outer step."""
     def malformed(event, ckpt: dict) -> dict:
-        ckpt, none, buffers = dict(ckpt), codecs.get("none"), event.loop.outer_opt.buffers
+        ckpt, none, buffers = dict(ckpt), codecs.get("none"), event.loop.replica.outer_opt.buffers
         if fault == "no rounds":
             ckpt["rounds_done"] = []
         elif fault == "too large":  # weights of 5M values (20 MB) for a model of 256
@@ -1220,7 +1220,7 @@ def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpo
     resumed = []
 
     def records(event) -> None:  # what it holds once its model is built and its own checkpoint resumed
-        resumed.append({p: r.clone() for p, r in event.loop.residual.items()})
+        resumed.append({f.index: f.residual.clone() for f in event.loop.fragments if f.residual is not None})
 
     async def main():
         sim = _sim(tmp_path, 4, rounds=8, dim=2048, codec="topk2", codec_options={"density": 1 / 16, "chunk": 256},

@@ -1,6 +1,8 @@
 """SAPO: the task generator and verifier, wire validation, the GRPO step, and the loop across real node processes."""
 
 import asyncio
+import importlib.util
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -126,6 +128,24 @@ def test_grpo_step_raises_the_probability_of_rewarded_completions():
     completions = policy.generate([q.prompt], 64)
     assert len(completions) == 1 and len(completions[0]) == 64 and all(len(c) == 2 for c in completions[0])
     assert completions[0].count(q.answer) > 8
+
+
+@pytest.mark.beside
+def test_the_bench_compares_both_settings_on_the_same_questions(monkeypatch):
+    """bench_sapo's 8/0 and 4/4 runs of a seed differ in I/J only: one run name and seed, so (with the same
+    identities) every peer gets the same policy init and the same questions in every round of both."""
+    benches = Path(__file__).parent.parent / "bench"
+    monkeypatch.syspath_prepend(str(benches))
+    spec = importlib.util.spec_from_file_location("bench_sapo", benches / "bench_sapo.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    base, shared = (SapoConfig(**tomllib.loads(bench.sapo_table(3, i, j, 60, 4, "hf-lm", bench.DATASETS["sparse"],
+                                                                {"sft_steps": 10}))["loops"]["sapo"])
+                    for i, j in ((8, 0), (4, 4)))
+    assert (base.local, base.external, shared.local, shared.external) == (8, 0, 4, 4)
+    assert base.model_dump(exclude={"local", "external"}) == shared.model_dump(exclude={"local", "external"})
+    assert all(question_seed(base.run, base.seed, AUTHOR, r) == question_seed(shared.run, shared.seed, AUTHOR, r)
+               for r in range(60))
 
 
 @pytest.mark.beside

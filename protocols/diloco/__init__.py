@@ -21,10 +21,12 @@ bulk path and continues from the next round.
 
 
 The package's modules, one concept each: ``config`` (DilocoConfig), ``wire`` (the messages and their limits),
-``pending`` (what a round of one fragment gathers), ``update`` (our update), ``close`` (closing a round), ``redo``
-(judging and redoing the last close), ``links`` (rates, parts, a round's time), ``pulls`` (pulling bytes),
-``scatter`` and ``conform`` (the reduce-scatter exchange), ``barrier`` (the start), ``checkpoints`` (ours, serving,
-joining), ``validate`` (the pubsub validator) and ``loop`` (DilocoLoop, which schedules and composes them).
+``fragment`` (a fragment's state from round to round), ``replica`` (our model and its optimizers), ``pending``
+(what a round of one fragment gathers), ``update`` (our update), ``round`` (closing one round of one fragment),
+``alltoall`` and ``scatter`` (the round's exchange, one interface and its two implementations), ``conform`` (taking
+the coordinator's parts), ``redo`` (judging and redoing the last close), ``links`` (rates, parts, a round's time),
+``pulls`` (pulling bytes), ``barrier`` (the start), ``checkpoints`` (ours, serving, joining), ``validate`` (the
+pubsub validator) and ``loop`` (DilocoLoop, which schedules and composes them).
 """
 
 from swarmd.node import allocator  # noqa: F401  (tests set the memory mode through it)

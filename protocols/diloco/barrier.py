@@ -30,7 +30,7 @@ class BarrierMixin:
         self.state = "waiting for peers"
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
-            claims = {a: h for (r, p), hashes in self.book.hashes.items() if r >= self.rounds_done[p]
+            claims = {a: h for (r, p), hashes in self.book.hashes.items() if r >= self.fragments[p].rounds_done
                       for a, h in hashes.items()}
             ahead = self._trusted_claimers(claims)
             if ahead:  # rounds we have not closed have closed without us: take a checkpoint and join
@@ -54,8 +54,8 @@ class BarrierMixin:
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self.start_state.initial = ready
-                if isinstance(self.inner_opt, SwarmAdamW):
-                    self.inner_opt.set_peers(len(ready))
+                if isinstance(self.replica.inner_opt, SwarmAdamW):
+                    self.replica.inner_opt.set_peers(len(ready))
                 self.standing.found(ready)
                 self.start_state.founder = len(ready) > 1
                 self.start_state.ready.clear()
@@ -98,8 +98,8 @@ class BarrierMixin:
                 ckpt, global_flat, _ = await self._pull_checkpoint(peer)  # its momentum is not taken: ours is 0
                 if any(ckpt["rounds_done"]) or ckpt["step"] or ckpt["global_hash"] != target:
                     raise ValueError("not the initial weights it announced")
-                apart = max(outer.relative_difference(ours, theirs, [self.params[i].numel() for i in frag])
-                            for ours, theirs, frag in zip(self.global_flat, global_flat, self.frag_index))
+                apart = max(outer.relative_difference(ours, theirs, [self.replica.params[i].numel() for i in frag])
+                            for ours, theirs, frag in zip(self.fragments.weights(), global_flat, self.frag_index))
             except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
                     ValueError) as e:
                 self.counters["initial_weights_unusable"] += 1
@@ -117,7 +117,7 @@ class BarrierMixin:
             self._adopt(global_flat, [torch.zeros_like(g) for g in global_flat], ckpt["rounds_done"], 0, {})
             self.start_state.weights.taken(peer)
             self.counters["initial_weights_taken"] += 1
-            self.initial_weights = {"source": peer, "hash": target, "apart": apart}
+            self.record.initial_weights = {"source": peer, "hash": target, "apart": apart}
             logger.info("diloco: starting from %s's initial weights %s (%.3g of a parameter's scale from ours: "
                         "another CPU's rounding)", peer, target, apart)
             return True

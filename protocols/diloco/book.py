@@ -34,6 +34,8 @@ class RoundBook:
         # behind pulls from us to close that round) until the round after, then none
         self.blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)
         self.own_blobs: dict[tuple[int, int], set[bytes]] = collections.defaultdict(set)  # ours among them
+        # (peer, fragment) -> the parts of its last update (the latest MAX_REMEMBERED_UPDATES): a replay is refused
+        self.last_parts: collections.OrderedDict[tuple[str, int], tuple] = collections.OrderedDict()
 
     def closed_contributed(self, r: int, p: int, participants: set[str]) -> None:
         self.contributed[(r, p)] = participants

@@ -42,45 +42,45 @@ class CheckpointsMixin:
     # ------------------------------------------------------------------ our own checkpoint (the data dir)
     def _global_state(self) -> dict[str, torch.Tensor]:
         """The model's state dict with the global weights in place of our local trainable parameters."""
-        tensors = self._model_tensors(self.model)
-        for p, frag in enumerate(self.frag_index):
+        tensors = self._model_tensors(self.replica.model)
+        for frag in self.fragments:
             offset = 0
-            for i in frag:
-                param = self.params[i]
+            for i in frag.params:
+                param = self.replica.params[i]
                 n = param.numel()
-                tensors["model." + self.names[i]] = self.global_flat[p][offset:offset + n].view(param.shape) \
+                tensors["model." + self.replica.names[i]] = frag.weights[offset:offset + n].view(param.shape) \
                     .to(param.dtype).clone()
                 offset += n
         return tensors
 
     def _save_checkpoint(self) -> None:
         tensors = self._global_state()
-        tensors.update({f"outer.{p}": b for p, b in enumerate(self.outer_opt.buffers)})
-        tensors, opt_meta = self._with_optimizer(tensors, self.inner_opt)  # the inner optimizer's moments too
+        tensors.update({f"outer.{p}": b for p, b in enumerate(self.replica.outer_opt.buffers)})
+        tensors, opt_meta = self._with_optimizer(tensors, self.replica.inner_opt)  # the inner optimizer's moments too
         # what the codec dropped of our last update (error feedback): ours alone, as the inner moments are; a peer's
         # checkpoint (``_checkpoint``) carries the swarm's state only
-        tensors.update({f"feedback.{p}": r for p, r in dict(self.residual).items()})
+        tensors.update({f"feedback.{f.index}": f.residual for f in self.fragments if f.residual is not None})
         h = self.global_hash()
-        self._save(tensors, round=self.rounds_done[-1], rounds_done=list(self.rounds_done), step=self.step, hash=h,
+        self._save(tensors, round=self.rounds_done[-1], rounds_done=self.rounds_done, step=self.step, hash=h,
                    participants={str(p): sorted(v) for p, v in self.participants.items()}, **opt_meta)
         self.counters["checkpoints_saved"] += 1
 
     def _adopt(self, global_flat: list[torch.Tensor], momentum: list[torch.Tensor], rounds_done: list[int],
                step: int, participants: dict) -> None:
         """Take checkpointed state (ours or a peer's) as our global and local weights, momentum and counters."""
-        for p in list(self._redo):  # their inputs were other weights
-            self._drop_redo(p)
-        self.residual.clear()  # what the codec dropped of updates from other weights
-        self._residual_norms.clear()
-        self.global_flat = global_flat
-        self._global_version += 1
-        self.outer_opt.buffers = momentum
+        for f in self.fragments:
+            if f.redo is not None:  # its inputs were other weights
+                self._drop_redo(f.index)
+            f.drop_residual()  # what the codec dropped of updates from other weights
+        self.fragments.replace_all(global_flat)
+        self.replica.outer_opt.buffers = momentum
         with torch.no_grad():
-            for p, frag in enumerate(self.frag_index):
-                outer.unflatten_into(global_flat[p], [self.params[i] for i in frag])
-        self.rounds_done = list(rounds_done)
+            for f in self.fragments:
+                outer.unflatten_into(global_flat[f.index], self.replica.of(f))
         self.step = step
-        self.participants = {int(p): set(v) for p, v in participants.items()}
+        listed = {int(p): set(v) for p, v in participants.items()}
+        for f, done in zip(self.fragments, rounds_done):
+            f.rounds_done, f.participants = done, listed.get(f.index)
 
     def _resume_own(self) -> None:
         """Continue from our own checkpoint of this run (if any, of this task, and intact). The start barrier then
@@ -98,7 +98,7 @@ class CheckpointsMixin:
         # this run by its resumable fingerprint): the same run's weights, checked by our hash
         other_rules = not self._listed(meta)
         try:
-            global_flat = [outer.flatten([tensors["model." + self.names[i]] for i in frag])
+            global_flat = [outer.flatten([tensors["model." + self.replica.names[i]] for i in frag])
                            for frag in self.frag_index]
             momentum = [tensors[f"outer.{p}"].to(torch.float32) for p in range(self.cfg.fragments)]
             if (outer.params_hash_before_blake3 if earlier else outer.params_hash)(global_flat) != meta["hash"]:
@@ -109,21 +109,24 @@ class CheckpointsMixin:
             logger.warning("diloco: ignoring our checkpoint %s: %s", self._checkpoint_path(), e)
             return
         self._adopt(global_flat, momentum, meta["rounds_done"], int(meta["step"]), meta.get("participants", {}))
-        inner = self._restore_optimizer(self.inner_opt, tensors, meta)
-        if inner and isinstance(self.inner_opt, SwarmAdamW):  # the last round's participants: state, not a setting
+        inner = self._restore_optimizer(self.replica.inner_opt, tensors, meta)
+        # the last round's participants: state, not a setting
+        if inner and isinstance(self.replica.inner_opt, SwarmAdamW):
             peers = (meta["optimizer"].get("param_groups") or [{}])[0].get("peers")
             if isinstance(peers, int) and peers >= 1:
-                self.inner_opt.set_peers(peers)
+                self.replica.inner_opt.set_peers(peers)
         if self.feedback:  # our last update's residual, where it fits its fragment (else it starts at zero)
             for p, g in enumerate(global_flat):
                 r = tensors.get(f"feedback.{p}")
                 if r is not None and r.numel() == g.numel() and codecs.all_finite(r):
-                    self.residual[p] = r.to(torch.float32).reshape(-1).clone()
-                    self._residual_norms[p] = round(float(self.residual[p].norm()), 6)
+                    f = self.fragments[p]
+                    f.residual = r.to(torch.float32).reshape(-1).clone()
+                    f.residual_norm = round(float(f.residual.norm()), 6)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
         digest = self.global_hash() if earlier else meta["hash"]
         self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": digest,
-                        "optimizer_state": inner, "residual": sorted(self.residual)}
+                        "optimizer_state": inner,
+                        "residual": [f.index for f in self.fragments if f.residual is not None]}
         if earlier:
             self.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
         elif other_rules:
@@ -137,9 +140,9 @@ class CheckpointsMixin:
     def _checkpoint(self) -> bytes:
         none = codecs.get("none")
         ckpt = {
-            "global": [none.encode(g).to_wire() for g in self.global_flat],
-            "momentum": [none.encode(b).to_wire() for b in self.outer_opt.buffers],
-            "rounds_done": list(self.rounds_done),
+            "global": [none.encode(f.weights).to_wire() for f in self.fragments],
+            "momentum": [none.encode(b).to_wire() for b in self.replica.outer_opt.buffers],
+            "rounds_done": self.rounds_done,
             "step": self.step,
             "participants": {str(p): sorted(v) for p, v in self.participants.items()},
             "global_hash": self.global_hash(),
@@ -156,7 +159,7 @@ class CheckpointsMixin:
         blob = self.bulk.put(payload, codec="diloco-checkpoint", topic=self.topic)
         await stream.send(CKPT_REPLY.code, {"blob": blob, "size": len(payload)})
         # it may ask us next for the announcements of the round it is about to follow (``_join_from_checkpoint``)
-        rounds.keep_latest(self._ckpt_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
+        rounds.keep_latest(self.links.checkpoint_served, stream.peer_id, self.clock.monotonic(), MAX_PEER_ENTRIES)
         if self.faults:
             await self.faults.enter("checkpoint-served", self, source=stream.peer_id)
 
@@ -178,7 +181,7 @@ class CheckpointsMixin:
         wanted = set()
         # (or one we just served a checkpoint, far larger than these: a joiner whose announcements of its first
         # round came while it pulled the checkpoint, before it could hold them)
-        joiner = self.clock.monotonic() - self._ckpt_served.get(asker, -math.inf) <= self.cfg.deadline_high
+        joiner = self.clock.monotonic() - self.links.checkpoint_served.get(asker, -math.inf) <= self.cfg.deadline_high
         if held and (asker in held or self.standing.counts(asker) or joiner) and asker not in served \
                 and len(served) < MAX_PEER_ENTRIES:
             served.add(asker)
@@ -258,7 +261,7 @@ class CheckpointsMixin:
         # past the schema, what only the model and the run can say (a ProtocolViolation: its server's fault).
         # Unchecked, no round counters would crash our loop (an IndexError) and a momentum of another size would
         # wedge it at its next outer step
-        done, sizes = ckpt["rounds_done"], [g.numel() for g in self.global_flat]
+        done, sizes = ckpt["rounds_done"], [f.numel() for f in self.fragments]
         if len(done) != self.cfg.fragments or max(done) - min(done) > 1 or max(done) > self._rounds():
             raise ProtocolViolation(f"diloco-ckpt: round counters {done[:4]} are not {self.cfg.fragments} "
                                     f"fragments' rounds of a {self._rounds()}-round run")
@@ -280,7 +283,7 @@ class CheckpointsMixin:
     def _checkpoint_budget(self) -> int:
         """The most bytes a peer's checkpoint of our model may take (``_checkpoint``): two fp32 tensors of every
         fragment, 4 KiB of header each, and 16 MiB for the rest (the participants of a swarm of thousands)."""
-        return 8 * sum(g.numel() for g in self.global_flat) + 8192 * self.cfg.fragments + (16 << 20)
+        return 8 * sum(f.numel() for f in self.fragments) + 8192 * self.cfg.fragments + (16 << 20)
 
     def _steps_of(self, rounds_done: list[int]) -> tuple[int, int]:
         """The inner steps a peer that closed ``rounds_done`` rounds (of each fragment) can be at: fragment p's
@@ -306,76 +309,90 @@ class CheckpointsMixin:
         # last is put last. No penalty: nothing shows they lied
         for peer in sorted(exchange.fastest_first(peers, self.links.source_rates),
                            key=lambda a: a in self.resyncs.led_off):
-            try:
-                ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
-                done = ckpt["rounds_done"]
-                published = self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
-                published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
-                    {a: h for a, h in published.items() if a in peers}
-                if published and ckpt["global_hash"] not in published.values():
-                    raise ValueError("checkpoint does not match any published global hash")
-            except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
-                    ValueError) as e:
-                self.counters["checkpoint_source_failed"] += 1
-                logger.warning("checkpoint from %s unusable: %s", peer, e)
-                if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
-                    self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
+            if (pulled := await self._usable_checkpoint(peer, peers)) is None:
                 continue
-            # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
-            # by their hash), and one past the run's end would have a joiner end the run at once on the weights it
-            # joined with, having never contributed (the simulator)
-            low, high = self._steps_of(done)
-            step = min(max(ckpt["step"], low), high)
-            if step != ckpt["step"]:
-                self.counters["checkpoint_step_clamped"] += 1
-                logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
-                               peer, ckpt["step"], done, low, high, step)
-            self._adopt(global_flat, momentum, done, step, ckpt["participants"])
-            self.resyncs.checkpoint_from = peer
-            # the peers that vouched for this state (they hold its hash), and those it was made with that say so
-            # themselves (they published its hash for its round): the list is its server's word alone, and a key
-            # credited from it would count as a founder of ours for good (a server that lists six fresh keys would
-            # have their word outvote the run's peers at our first hash check, and we would take their weights: the
-            # simulator)
-            holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
-                       if h == ckpt["global_hash"]}
-            listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
-            self.standing.found(set(peers) | (listed & holders))
-            self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
-            self.book.took_checkpoint(self.rounds_done)
-            self.start_state.initial = set()
-            # follow the next round of each fragment, contribute from the one after (announced now)
-            for p in range(self.cfg.fragments):
-                # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
-                # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
-                # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
-                # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
-                # have closed already, and they drop such a join (joins_ignored)
-                now = max(self.rounds_done[p], self._swarm_round(p) + 1)
-                self.join_round[p] = now + 1 if rejoin else next_fresh_round(now + 2)
-                self._publish(JOIN, {"r": self.join_round[p], "p": p, "join": True})
-            self.counters["joined_from_checkpoint"] += 1
-            # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
-            # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
-            # announces closes its first round alone at deadline_high, then falls behind and resyncs: the
-            # simulator, 1 MB updates at 2 MB/s)
-            ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
-                         - {rounds.short_id(self._ctx.identity.peer_id)})
-            for p in range(self.cfg.fragments):
-                if ids and self.rounds_done[p] < self._rounds():
-                    ask = asyncio.get_running_loop().create_task(
-                        self._fetch_announcements(peer, self.rounds_done[p], p, ids))
-                    self._asks.add(ask)
-                    ask.add_done_callback(self._asks.discard)
-            self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
-                            "hash": ckpt["global_hash"]}
-            self.state = "running"
-            logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
-                        ckpt["global_hash"])
+            self._joined(peer, peers, *pulled, rejoin)
             if self.faults:
                 await self.faults.enter("joined", self, source=peer)
             return True
         self.counters["checkpoint_join_failed"] += 1
         logger.warning("diloco: none of %d peer(s) served a usable checkpoint", len(peers))
         return False
+
+    async def _usable_checkpoint(self, peer: str, peers: list[str]) -> tuple[dict, list, list] | None:
+        """``peer``'s checkpoint, pulled and checked against the global hashes the peers that count (or else
+        ``peers``) published for its round; None (counted, and a penalty where it is malformed) if unusable."""
+        try:
+            ckpt, global_flat, momentum = await self._pull_checkpoint(peer)
+            done = ckpt["rounds_done"]
+            published = self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {})
+            published = {a: h for a, h in published.items() if self.standing.vouched(a)} or \
+                {a: h for a, h in published.items() if a in peers}
+            if published and ckpt["global_hash"] not in published.values():
+                raise ValueError("checkpoint does not match any published global hash")
+        except (TransportError, ProtocolViolation, BulkError, codecs.CodecError, asyncio.TimeoutError,
+                ValueError) as e:
+            self.counters["checkpoint_source_failed"] += 1
+            logger.warning("checkpoint from %s unusable: %s", peer, e)
+            if isinstance(e, ProtocolViolation):  # what it sent is malformed (not: the run moved on meanwhile)
+                self._ctx.transport.penalties.penalize(peer, "invalid_message", str(e))
+            return None
+        return ckpt, global_flat, momentum
+
+    def _joined(self, peer: str, peers: list[str], ckpt: dict, global_flat: list, momentum: list,
+                rejoin: bool) -> None:
+        """``peer``'s checkpoint taken: our weights, counters and standing from it, and the rounds we follow and
+        contribute to from here announced."""
+        done = ckpt["rounds_done"]
+        # its step, within what its rounds allow: the step is its server's word alone (its rounds are checked,
+        # by their hash), and one past the run's end would have a joiner end the run at once on the weights it
+        # joined with, having never contributed (the simulator)
+        low, high = self._steps_of(done)
+        step = min(max(ckpt["step"], low), high)
+        if step != ckpt["step"]:
+            self.counters["checkpoint_step_clamped"] += 1
+            logger.warning("diloco: %s's checkpoint says step %d, its rounds %s put it at %d to %d; at %d",
+                           peer, ckpt["step"], done, low, high, step)
+        self._adopt(global_flat, momentum, done, step, ckpt["participants"])
+        self.resyncs.checkpoint_from = peer
+        # the peers that vouched for this state (they hold its hash), and those it was made with that say so
+        # themselves (they published its hash for its round): the list is its server's word alone, and a key
+        # credited from it would count as a founder of ours for good (a server that lists six fresh keys would
+        # have their word outvote the run's peers at our first hash check, and we would take their weights: the
+        # simulator)
+        holders = {a for a, h in self.book.hashes.get((done[-1] - 1, self.cfg.fragments - 1), {}).items()
+                   if h == ckpt["global_hash"]}
+        listed = {a for v in self.participants.values() for a in v} - {self._ctx.identity.peer_id}
+        self.standing.found(set(peers) | (listed & holders))
+        self.counters["participants_unconfirmed"] += len(listed - holders - set(peers))
+        self.book.took_checkpoint(self.rounds_done)
+        self.start_state.initial = set()
+        # follow the next round of each fragment, contribute from the one after (announced now)
+        for p in range(self.cfg.fragments):
+            # a peer the others count (it resyncs after a divergence) contributes from the next round; a newcomer
+            # from a round in which newcomers are let in, two rounds ahead at least (peers a round further than
+            # our checkpoint must still hear the join in time). Counted from the last round the swarm is known
+            # to have closed, not from the checkpoint's: one that aged on its way would name a round the others
+            # have closed already, and they drop such a join (joins_ignored)
+            now = max(self.fragments[p].rounds_done, self._swarm_round(p) + 1)
+            self.fragments[p].join_round = now + 1 if rejoin else next_fresh_round(now + 2)
+            self._publish(JOIN, {"r": self.fragments[p].join_round, "p": p, "join": True})
+        self.counters["joined_from_checkpoint"] += 1
+        # the announcements of the rounds we now follow that came while we pulled the checkpoint were rounds
+        # ahead of ours then, and not held: ask its server for them (else a joiner that arrives as the swarm
+        # announces closes its first round alone at deadline_high, then falls behind and resyncs: the
+        # simulator, 1 MB updates at 2 MB/s)
+        ids = sorted({rounds.short_id(a) for v in self.participants.values() for a in v}
+                     - {rounds.short_id(self._ctx.identity.peer_id)})
+        for p in range(self.cfg.fragments):
+            if ids and self.fragments[p].rounds_done < self._rounds():
+                ask = asyncio.get_running_loop().create_task(
+                    self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
+                self.resyncs.asks.add(ask)
+                ask.add_done_callback(self.resyncs.asks.discard)
+        self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
+                        "hash": ckpt["global_hash"]}
+        self.state = "running"
+        logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
+                    ckpt["global_hash"])
 

@@ -28,7 +28,7 @@ class LinksMixin:
         depends on that round's participants and on the encoded update's size, which the codec fixes)."""
         if self.cfg.exchange != "auto":
             return self.cfg.exchange
-        peers = len(self.participants.get(p, self.start_state.initial))
+        peers = len(self.fragments[p].last_members(self.start_state.initial))
         return "scatter" if peers >= self.cfg.scatter_min_peers and self._update_bytes(p) >= \
             self.cfg.scatter_min_bytes else "all-to-all"
 
@@ -53,7 +53,7 @@ class LinksMixin:
         the default 10 MB/s get 0.05 s for seconds of transfers: over seeds 1-8, 4 runs end on 2 or 3 different
         weights, none has fewer than 5 resyncs (1.0 to 1.9 members a round); with the measured rate, 2 end
         split, 4 have 0-1 resyncs and 3.4-4 members; with the coordinator's minority parts replaced as well
-        (``_majority_parts``), all 8 end on one weights with no resync and 4 members a round
+        (``ConformStep._majority_parts``), all 8 end on one weights with no resync and 4 members a round
         (``bench/bench_sim.py --slow``).
 
         And, with ``slowest`` (kB/s: the slowest of the round's ``members`` members' rates, ``_slowest_rate``),
@@ -105,7 +105,7 @@ class LinksMixin:
     def _rate_reports(self, p: int) -> tuple[tuple[bytes, int], ...]:
         """What our announcement reports: the rates we measured from the last round's members (short ids, sorted)."""
         # round 0: the founders, as the link probe measured them
-        last = self.participants.get(p, self.start_state.initial)
+        last = self.fragments[p].last_members(self.start_state.initial)
         known = sorted((rounds.short_id(a), self.links.source_rates[a]) for a in last if a in self.links.source_rates)
         return tuple(known[:exchange.MAX_RATE_REPORTS])
 
@@ -192,21 +192,21 @@ class LinksMixin:
         """How many parts we cut our next update of fragment p into: ``parts``, or with "auto" as many as the last
         round's participants call for (``exchange.auto_parts``: every peer that closed that round with the same
         members cuts its update the same way, as with the exchange's mode)."""
-        n = self.global_flat[p].numel()
+        n = self.fragments[p].numel()
         if self.cfg.parts != "auto":
             return exchange.part_count(n, self.cfg.parts)
-        last = self.participants.get(p, self.start_state.initial)
+        last = self.fragments[p].last_members(self.start_state.initial)
         return exchange.part_count(n, exchange.auto_parts(len(last), self.cfg.audit))
 
     def _part_counts(self, p: int) -> set[int]:
         """The part counts an announcement for fragment p may have: ours, or with "auto" any that "auto" gives."""
-        n = self.global_flat[p].numel()
+        n = self.fragments[p].numel()
         if self.cfg.parts != "auto":
             return {exchange.part_count(n, self.cfg.parts)}
         return {exchange.part_count(n, x) for x in exchange.AUTO_PARTS}
 
     def _round_parts(self, key: tuple[int, int]) -> int:
-        """A round's part count: from its close on, the count most of its announcements have (``_close_round``);
+        """A round's part count: from its close on, the count most of its announcements have (``Round``);
         before, our announcement's if we sent one, else what we would cut an update into now. An announcement with
         another count (its author closed the last round with other members) is not counted in a scatter round, as
         one from other weights is not."""
@@ -218,7 +218,7 @@ class LinksMixin:
 
     def _bounds(self, p: int, count: int) -> list[tuple[int, int]]:
         """The value ranges fragment p's update is cut into when it is cut into ``count`` parts."""
-        return exchange.part_bounds(self.global_flat[p].numel(), count)
+        return exchange.part_bounds(self.fragments[p].numel(), count)
 
     def _part_bytes(self, p: int, reduced: bool = False, count: int | None = None) -> list[int]:
         """The size of each encoded part of fragment p cut into ``count`` parts (default: ``_want_parts``; the codec

@@ -63,7 +63,7 @@ class Pending:
     reduced: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     audits: dict[int, dict[str, tuple]] = field(default_factory=lambda: collections.defaultdict(dict))
     entries: int = 0  # reduced + audit messages held
-    # part k -> set when a reduced part or an audit verdict for it comes: what a part's wait in ``_scatter`` wakes
+    # part k -> set when a reduced part or an audit verdict for it comes: what a part's wait in ``ScatterRound`` wakes
     # on (each of a round's up to MAX_PARTS waits woke on every message of the round: at 16 peers and 64 parts,
     # thousands of wake-ups a round)
     part_events: dict[int, asyncio.Event] = field(default_factory=lambda: collections.defaultdict(asyncio.Event))

@@ -132,7 +132,7 @@ class PullsMixin:
     def _pull_late(self, r: int, p: int, peer: str, ann: Announced) -> None:
         """A counted peer's update for the round we closed last, computed from the weights we closed it from, came
         after the close: pulled all the same (a few a round) for a redo of that close (see ``_redo_last_close``)."""
-        redo = self._redo.get(p)
+        redo = self.fragments[p].redo
         if redo is None or redo.round != r or peer in redo.members or peer in redo.pulling or ann.base != redo.base \
                 or len(redo.pulling) >= MAX_LATE_PULLS or not self.standing.counts(peer):
             return
@@ -187,7 +187,7 @@ class PullsMixin:
             return
         pending = self.book.pending.get(key)
         if pending is None:
-            redo = self._redo.get(key[1])
+            redo = self.fragments[key[1]].redo
             if redo is not None and redo.round == key[0] and peer in redo.pulling:  # on its way when we closed
                 redo.late[peer] = update
             return

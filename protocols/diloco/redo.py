@@ -29,7 +29,7 @@ class RedoMixin:
         the round's order otherwise): a slow coordinator's own pulls, and so its parts list, wait behind its
         uploads."""
         me = self._ctx.identity.peer_id
-        last = self.participants.get(p, self.start_state.initial)
+        last = self.fragments[p].last_members(self.start_state.initial)
         chain = tuple(a for a in exchange.order(self.cfg.run, r, p, last) if a == me or self.standing.counts(a))
         return exchange.slow_last(chain, self.links.chain_weights.get(p, {}))
 
@@ -39,7 +39,7 @@ class RedoMixin:
         those weights, take them instead of pulling a checkpoint next round. The usual case: our update reached the
         others after their deadline (a far peer) but counted at ours, or one arrived just in time here and just too
         late there."""
-        redo = self._redo.get(p)
+        redo = self.fragments[p].redo
         me = self._ctx.identity.peer_id
         if redo is None or redo.round != r - 1:
             return
@@ -53,7 +53,8 @@ class RedoMixin:
 
     def _drop_redo(self, p: int) -> Redo | None:
         """Forget fragment p's redo (its late pulls cancelled); returns it, its tensors still usable."""
-        redo = self._redo.pop(p, None)
+        f = self.fragments[p]
+        redo, f.redo = f.redo, None
         if redo is not None:
             redo.drop()
         return redo
@@ -66,7 +67,8 @@ class RedoMixin:
         me = self._ctx.identity.peer_id
 
         def search() -> tuple[frozenset[str], torch.Tensor, torch.Tensor] | None:
-            opt = outer.OuterNesterov([], self.outer_opt.lr, self.outer_opt.momentum)  # the same step, bit for bit
+            steps = self.replica.outer_opt
+            opt = outer.OuterNesterov([], steps.lr, steps.momentum)  # the same step, bit for bit
             for members in redo.variants(me):
                 combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
                 opt.buffers = {p: redo.momentum.clone()}
@@ -78,12 +80,11 @@ class RedoMixin:
         found = await asyncio.to_thread(search)
         if found is None:
             return False
-        members, fixed, self.outer_opt.buffers[p] = found
-        frag = [self.params[i] for i in self.frag_index[p]]
+        members, fixed, self.replica.outer_opt.buffers[p] = found
+        frag = self.replica.of(self.fragments[p])
         with torch.no_grad():
-            outer.unflatten_into(outer.flatten(frag) + (fixed - self.global_flat[p]), frag)
-        self.global_flat[p] = fixed
-        self._global_version += 1
+            outer.unflatten_into(outer.flatten(frag) + (fixed - self.fragments[p].weights), frag)
+        self.fragments.replace(p, fixed)
         self.book.published.pop((redo.round, p), None)
         self.counters["redone"] += 1
         logger.warning("diloco: the others closed round %d/%d without %s; redone so, no checkpoint needed",
@@ -144,11 +145,11 @@ class RedoMixin:
             ann = pending.announced.get(a)
             if ann is None:
                 continue
-            if a != self._ctx.identity.peer_id and self._last_parts.get((a, p)) == ann.parts:
+            if a != self._ctx.identity.peer_id and self.book.last_parts.get((a, p)) == ann.parts:
                 out[a] = "replayed"
-            self._last_parts[(a, p)] = ann.parts
-            self._last_parts.move_to_end((a, p))
-        while len(self._last_parts) > MAX_REMEMBERED_UPDATES:
-            self._last_parts.popitem(last=False)
+            self.book.last_parts[(a, p)] = ann.parts
+            self.book.last_parts.move_to_end((a, p))
+        while len(self.book.last_parts) > MAX_REMEMBERED_UPDATES:
+            self.book.last_parts.popitem(last=False)
         return out
 

@@ -1,14 +1,15 @@
-"""The loop's long-lived state that is not a round's, in one holder per concern: the links to the others
-(``Links``), our standing in the swarm between resyncs (``Resyncs``), the start barrier's (``Start``), and where the
-loop's time goes (``Timings``)."""
+"""The loop's long-lived state that is not a round's nor a fragment's, in one holder per concern: the links to the
+others (``Links``), our standing in the swarm between resyncs (``Resyncs``), the start barrier's (``Start``), where
+the loop's time goes (``Timings``), and what the run reports (``Record``)."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import math
 
 from swarmd.protocols import rounds
-from swarmd.protocols.diloco.wire import RATE_ROUNDS
+from swarmd.protocols.diloco.wire import HISTORY, RATE_ROUNDS
 from swarmd.protocols.standing import EARN
 
 
@@ -28,6 +29,8 @@ class Links:
         self.slow_link_said = False
         self.encoded_size: dict[tuple[int, str], list[int]] = {}  # (fragment, codec) -> bytes of each part
         self.sources: dict[str, asyncio.Semaphore] = {}  # peer -> the pulls from it at once
+        self.checkpoint_served: dict[str, float] = {}  # peer -> when we last served it a checkpoint
+        self.missing_logged: dict[str, float] = {}  # peer -> when we last logged a part of its that did not come
         # peers we have no direct path to -> their updates we asked the members we reach for (MAX_PEER_ENTRIES)
         self.through_members: dict[str, int] = {}
 
@@ -45,6 +48,7 @@ class Resyncs:
         # asked after the others
         self.led_off: dict[str, None] = {}
         self.resync_from: list[str] = []
+        self.asks: set[asyncio.Task] = set()  # announcement fetches after a join (held until done)
 
 
 class Start:
@@ -75,3 +79,28 @@ class Timings:
         # part reduced again); all-to-all: combine (the pulled updates combined)
         self.phases: dict[str, collections.deque[float]] = collections.defaultdict(
             lambda: collections.deque(maxlen=32))
+
+
+class Record:
+    """What the run reports (``/status``, the simulator, the training API): its closed rounds, its losses, where it
+    ended and whose initial weights it started from."""
+
+    def __init__(self) -> None:
+        # per closed round: fragment, round, participants, global hash (the last HISTORY)
+        self.history: collections.deque[dict] = collections.deque(maxlen=HISTORY)
+        self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # (step, eval loss)
+        self.train_loss: float | None = None  # the last step's
+        self.recent: list[float] = []  # the training losses since the last evaluation
+        self.final_hash: str | None = None
+        self.initial_weights: dict | None = None  # whose initial weights we started from, where not ours
+        self.exchange: dict = {}  # the last round's exchange (``/status`` exchange)
+
+    def trained(self, value: float) -> None:
+        self.train_loss = value
+        self.recent.append(value)
+
+    def round_loss(self) -> float | None:
+        """The mean finite training loss since the last call (a task without evaluate())."""
+        recent = [x for x in self.recent if math.isfinite(x)]
+        self.recent.clear()
+        return sum(recent) / len(recent) if recent else None

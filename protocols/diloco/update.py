@@ -27,7 +27,7 @@ class UpdateMixin:
         """Announce our update for round r of fragment p. Its encoding (and the decoding of what the others will see,
         and the parts' hashes) runs in a worker thread: for a large model that is seconds of work, which on the
         event loop held gossip, the bulk service and the status endpoint."""
-        if r < self.join_round.get(p, 0):
+        if r < self.fragments[p].join_round:
             return  # a late joiner follows this round without contributing
         if self.links.probe is not None:  # our first update reports the probe's rates (at most PROBE_SECONDS in)
             probe, self.links.probe = self.links.probe, None
@@ -35,11 +35,13 @@ class UpdateMixin:
         # in scatter no peer needs our whole update decoded: each chunk we reduce is decoded from its part when
         # it is reduced (a copy of the update less held all round)
         whole = self._mode(p) != "scatter"
-        prepared = None if p in self.skipped else await asyncio.to_thread(self._prepare_update, p, whole)
+        frag = self.fragments[p]
+        prepared = None if frag.skipped is not None else await asyncio.to_thread(self._prepare_update, p, whole)
         if prepared is None:
-            self.skipped.setdefault(p, "our weights are not finite")
+            if frag.skipped is None:
+                frag.skipped = "our weights are not finite"
             self.counters["updates_withheld"] += 1
-            logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, self.skipped[p])
+            logger.warning("diloco: not sending our update for round %d/%d: %s", r, p, frag.skipped)
             return
         if self.faults:
             prepared = self.faults.altered("encoded", self, prepared, r=r, p=p)
@@ -72,9 +74,10 @@ class UpdateMixin:
         (if ``whole``; else None), its L2 norm, and the global weights' hash it was computed from; None if our
         update is not finite (our weights, since the global ones are: the codec refuses NaN and infinity, and that
         check is the only pass made for it)."""
-        delta = self._pseudo_gradient(p, [self.params[i] for i in self.frag_index[p]])
+        frag = self.fragments[p]
+        delta = self._pseudo_gradient(p, self.replica.of(frag))
         lossless = self.codec.lossless  # what the others decode is ``delta`` itself, bit for bit
-        residual = self.residual.get(p) if self.feedback and not lossless else None
+        residual = frag.residual if self.feedback and not lossless else None
         if residual is not None and residual.shape == delta.shape:
             delta.add_(residual, alpha=self.cfg.feedback_decay)  # what the codec dropped of our last update
         bounds = self._bounds(p, self._want_parts(p))
@@ -95,8 +98,7 @@ class UpdateMixin:
             except codecs.CodecError:
                 return None
             if self.feedback:
-                self.residual[p] = delta
-                self._residual_norms[p] = round(math.sqrt(dropped), 6)
+                frag.residual, frag.residual_norm = delta, round(math.sqrt(dropped), 6)
                 if residual is not None:  # the last residual, added in: its buffer is the next update's
                     self._buffers.give(residual)
             else:
@@ -111,8 +113,7 @@ class UpdateMixin:
             # nothing to decode: the parts' values are ours (and no residual: the codec drops nothing)
             squares = sum(float(delta[a:b].norm()) ** 2 for a, b in bounds)
             if self.feedback:
-                self.residual.pop(p, None)
-                self._residual_norms[p] = 0.0
+                frag.residual, frag.residual_norm = None, 0.0
             mine = delta if whole else None
             del delta
             return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
@@ -129,8 +130,7 @@ class UpdateMixin:
                 delta[a:b].sub_(part)  # the part of it the codec dropped: the next update's residual
             del part
         if self.feedback:
-            self.residual[p] = delta
-            self._residual_norms[p] = round(float(delta.norm()), 6)
+            frag.residual, frag.residual_norm = delta, round(float(delta.norm()), 6)
             if residual is not None:
                 self._buffers.give(residual)
         return payloads, [content_hash(x) for x in payloads], mine, math.sqrt(squares), self._base_hash(p)
@@ -147,7 +147,7 @@ class UpdateMixin:
         """Our update for fragment p: the global weights minus ``local``, our parameters of that fragment, in one new
         flat fp32 tensor on the CPU (one kept from an earlier round where there is one: ``_buffers``), each parameter
         subtracted where it lies (one pass: no flat copy of our weights made first to compute the difference in)."""
-        glob = self.global_flat[p]
+        glob = self.fragments[p].weights
         out = self._buffers.take(glob.numel())  # (global_flat's tensors: flat fp32 on the CPU)
         at = 0
         for t in local:
@@ -157,7 +157,7 @@ class UpdateMixin:
         if at != glob.numel():
             raise ValueError(f"{at} parameter values for a fragment of {glob.numel()}")
         if self.faults:
-            out = self.faults.altered("update", self, out, r=self.rounds_done[p], p=p)
+            out = self.faults.altered("update", self, out, r=self.fragments[p].rounds_done, p=p)
         return out
 
     def _publish(self, kind, body: dict) -> bytes:
