@@ -66,6 +66,18 @@ def auto_parts(peers: int, audit: float) -> int:
     return MAX_PARTS
 
 
+def fewer_bytes(peers: int, update: int, reduced: int) -> str:
+    """The exchange that moves fewer bytes through each peer's link in a round of ``peers`` participants, for
+    encoded updates of ``update`` bytes whose combined parts are encoded in ``reduced`` bytes in all: all-to-all
+    takes in (and serves) each other peer's update, (N - 1) x U; scatter takes in the chunks of the parts a peer
+    reduces and the others' combined parts, (N - 1)/N x (U + R), and serves as much. With a dense codec R is U and
+    scatter moves less from 3 peers up; with a sparse one (``topk2``: U about R / 18, since a sum of sparse updates is
+    not sparse and its parts travel dense) all-to-all, the all-gather of the sparse updates, moves less up to about
+    N = 19 (bench/bench_exchange.py, ``--codec topk2``). A tie goes to scatter (the busiest peer's bytes stay flat in
+    N). Pure: every peer that closed the last round with the same members gets the same answer."""
+    return "scatter" if (peers - 1) * (update + reduced) <= peers * (peers - 1) * update else "all-to-all"
+
+
 def part_bounds(n: int, parts: int) -> list[tuple[int, int]]:
     return [(i * n // parts, (i + 1) * n // parts) for i in range(parts)]
 

@@ -324,6 +324,29 @@ def test_auto_parts_follow_the_swarm_so_the_busiest_peer_moves_at_most_the_budge
 
 
 @pytest.mark.beside
+def test_the_exchange_with_fewer_bytes_is_all_to_all_for_sparse_updates_up_to_about_nineteen_peers():
+    """``exchange = "auto"`` takes the exchange that moves fewer bytes per peer: the codecs' own encoded sizes of a
+    1M-value update and of its combined parts (a scatter round's combined parts travel in e3m0 for topk2 and sign)."""
+    from swarmd.protocols import sparse  # noqa: F401  (registers topk2)
+
+    n = 1 << 20
+    size = {name: len(codecs.get(name).encode(torch.zeros(n)).to_wire()) for name in ("none", "e3m0", "sign", "topk2")}
+    assert 17 < size["e3m0"] / size["topk2"] < 20  # SparseLoCo's ~14 bits per kept value at 1/64
+    # dense updates, combined in the same codec: scatter whatever N (at 2 peers the bytes tie; scatter_min_peers
+    # keeps small rounds all-to-all)
+    assert {exchange.fewer_bytes(k, size["e3m0"], size["e3m0"]) for k in (2, 3, 4, 8, 64)} == {"scatter"}
+    assert exchange.fewer_bytes(4, size["none"], size["none"]) == "scatter"
+    # sparse updates: the all-gather of the sparse updates up to 19 peers, scatter (dense combined parts) beyond
+    modes = {k: exchange.fewer_bytes(k, size["topk2"], size["e3m0"]) for k in range(2, 40)}
+    assert {k for k, m in modes.items() if m == "scatter"} == set(range(20, 40)), modes
+    # sign (1 bit) combined in e3m0 (4 bits): all-to-all at 4 peers, scatter from 5
+    assert [exchange.fewer_bytes(k, size["sign"], size["e3m0"]) for k in (4, 5)] == ["all-to-all", "scatter"]
+    for k in range(2, 40):  # the rule is the bytes each peer takes in
+        a2a, sc = (k - 1) * size["topk2"], (k - 1) / k * (size["topk2"] + size["e3m0"])
+        assert (modes[k] == "scatter") == (sc <= a2a)
+
+
+@pytest.mark.beside
 def test_parts_reduced_apart_give_the_clipped_mean_of_the_whole_updates():
     g = torch.Generator().manual_seed(0)
     signal = torch.randn(10_000, generator=g)

@@ -1212,6 +1212,26 @@ def test_sparse_two_bit_updates_with_decayed_error_feedback_in_place_of_momentum
 
 
 @pytest.mark.timeout(120)
+def test_auto_takes_the_all_gather_of_sparse_updates_and_scatter_for_dense_ones_at_four_peers(tmp_path):
+    """``exchange = "auto"`` (with no size floor here) takes the exchange that moves fewer bytes: at 4 peers, the
+    all-gather of topk2's sparse updates (all-to-all: 3 x U in per peer) rather than scatter, whose combined parts
+    travel dense (3/4 x (U + R) with R ~ 18 U), and scatter for e3m0 updates. /status shows the mode, and the
+    sparse run's bytes per peer per round stay those of 3 sparse updates."""
+    async def run(codec: str):
+        sim = _sim(tmp_path / codec, 4, rounds=4, dim=1 << 14, codec=codec, scatter_min_bytes=0)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p).status() for p in sim.peers]
+
+    sparse, dense = run_virtual(run("topk2")), run_virtual(run("e3m0"))
+    assert {s["exchange"]["mode"] for s in sparse} == {"all-to-all"}
+    assert {s["exchange"]["mode"] for s in dense} == {"scatter"}
+    for s in sparse:  # received: the 3 others' sparse updates a round, 4 rounds (a little more for late pulls)
+        assert s["bytes_received"] < 4 * 3 * 1.2 * s["bytes_sent"] / 4, (s["bytes_received"], s["bytes_sent"])
+
+
+@pytest.mark.timeout(120)
 def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpoint(tmp_path):
     """What the topk2 codec left out of a peer's last update (its residual, per fragment) is saved in its own
     checkpoint and comes back when it restarts (kill -9 mid-round), bit for bit; it ends on the swarm's weights."""

@@ -25,12 +25,15 @@ class LinksMixin:
 
     def _mode(self, p: int) -> str:
         """How this round's updates move: the same answer at every peer that closed the last round with us (it
-        depends on that round's participants and on the encoded update's size, which the codec fixes)."""
+        depends on that round's participants and on the encoded sizes of an update and of the combined parts,
+        which the codecs fix): scatter from ``scatter_min_peers`` and ``scatter_min_bytes``, where it moves fewer
+        bytes than all-to-all (``exchange.fewer_bytes``: a sparse codec's all-gather moves less up to ~19 peers)."""
         if self.cfg.exchange != "auto":
             return self.cfg.exchange
         peers = len(self.fragments[p].last_members(self.start_state.initial))
-        return "scatter" if peers >= self.cfg.scatter_min_peers and self._update_bytes(p) >= \
-            self.cfg.scatter_min_bytes else "all-to-all"
+        if peers < self.cfg.scatter_min_peers or self._update_bytes(p) < self.cfg.scatter_min_bytes:
+            return "all-to-all"
+        return exchange.fewer_bytes(peers, self._update_bytes(p), sum(self._part_bytes(p, reduced=True)))
 
     def _update_bytes(self, p: int) -> int:
         return sum(self._part_bytes(p))
