@@ -621,6 +621,11 @@ async def main() -> None:
     parser.add_argument("--part", choices=["node", "loops", "lockout", "all"], default="all")
     parser.add_argument("--identities", type=int, default=30_000, help="the lock-out part's admitted identities "
                         "(minted on every core at 12 bits, about 2 ms each, and kept in /tmp for the next run)")
+    parser.add_argument("--bits", type=int, default=12, help="the lock-out part's ticket bits, the nodes' and the "
+                        "identities' (default 12, the demo's; from 17 the identities are minted by the native miner "
+                        "bench/ticket_miner.c in one process: at 22, the default, about 0.1 s of one core each)")
+    parser.add_argument("--mint-only", action="store_true", help="the lock-out part: only mint the identities the "
+                        "cache lacks, one cache file at a time, and exit (stopping it keeps every file it completed)")
     parser.add_argument("--attacks", default="", help="part 1's attacks to run, by the numbers their names start "
                         "with, comma-separated (default: all; the idle row always runs)")
     parser.add_argument("--nofile", type=int, default=0, help="part 1: the attacked node's file descriptor limit "
@@ -633,9 +638,12 @@ async def main() -> None:
         if args.part in ("loops", "all"):
             print_loops(await part_loops(Path(tmp) / "loops"))
         if args.part in ("lockout", "all"):
-            from hostile_lockout import part_lockout, print_lockout
+            from hostile_lockout import SWARM, identities, part_lockout, print_lockout
 
-            print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities))
+            if args.mint_only:
+                identities(SWARM, args.identities, args.bits, log=lambda line: print(line, flush=True))
+                return
+            print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities, bits=args.bits))
 
 
 if __name__ == "__main__":
