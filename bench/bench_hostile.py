@@ -7,6 +7,8 @@ honest 4-peer DiLoCo, SPSA and SAPO runs, next to the same runs unattacked.
     python bench/bench_hostile.py --part node --attacks 15 --nofile 1024   # ... the node limited to 1024 fds
     python bench/bench_hostile.py --part loops # the loop runs only
     python bench/bench_hostile.py --part lockout --identities 30000   # admitted identities vs a newcomer (issue 80)
+    python bench/bench_hostile.py --part members   # the DHT members key flooded with admitted records (issue 80)
+    python bench/bench_hostile.py --part closed    # outsiders reading a closed swarm's state (issue 80)
 
 Part 1: node ``a`` (with an honest peer ``b``) on loopback. For each attack, from fresh hostile processes' keys: the
 node's RSS (its Python process; its p2p daemon apart) before, at the peak while attacked and after; ``/healthz``
@@ -618,7 +620,7 @@ def print_loops(pairs) -> None:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["node", "loops", "lockout", "all"], default="all")
+    parser.add_argument("--part", choices=["node", "loops", "lockout", "members", "closed", "all"], default="all")
     parser.add_argument("--identities", type=int, default=30_000, help="the lock-out part's admitted identities "
                         "(minted on every core at 12 bits, about 2 ms each, and kept in /tmp for the next run)")
     parser.add_argument("--bits", type=int, default=12, help="the lock-out part's ticket bits, the nodes' and the "
@@ -644,6 +646,14 @@ async def main() -> None:
                 identities(SWARM, args.identities, args.bits, log=lambda line: print(line, flush=True))
                 return
             print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities, bits=args.bits))
+        if args.part in ("members", "all"):
+            from hostile_doors import part_members, print_members
+
+            print_members(await part_members(Path(tmp) / "members"))
+        if args.part in ("closed", "all"):
+            from hostile_doors import part_closed, print_closed
+
+            print_closed(await part_closed(Path(tmp) / "closed"))
 
 
 if __name__ == "__main__":

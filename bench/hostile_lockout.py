@@ -6,11 +6,12 @@ joins meanwhile and writes once; next to the same swarm unattacked, in the same 
     python bench/bench_hostile.py --part lockout --bits 22 --identities 20000
 
 Each run: ``nodes`` honest nodes (configs/local.toml, its tickets of 12 bits replaced by ``--bits``); the identities
-(each a fresh key with its ticketed op #1 for the swarm ``SWARM``, kept in /tmp for the next run: minted in Python on
-every core below NATIVE_FROM bits, by the native miner bench/ticket_miner.c in one process from it) are pushed at the first node over one connection, 1,000 a message, by a stranger (``stranger``) or by a member with
-standing that introduces them (``member``: its own op #1 first, from its own key). Halfway through the push a
-newcomer node starts and, once it is a member, writes one kv key: its latency is from its write's 200 to the key
-being in every honest node's state. RSS: each honest node's Python process, before the run and its peak during it.
+(each a fresh key with its ticketed op #1 for the swarm ``SWARM``, kept in /tmp for the next run: minted in Python
+on every core below NATIVE_FROM bits, by the native miner bench/ticket_miner.c in one process from it) are pushed at
+the first node over one connection, 1,000 a message, by a stranger (``stranger``) or by a member with standing that
+introduces them (``member``: its own op #1 first, from its own key). Halfway through the push a newcomer node starts
+and, once it is a member, writes one kv key: its latency is from its write's 200 to the key being in every honest
+node's state. RSS: each honest node's Python process, before the run and its peak during it.
 """
 
 from __future__ import annotations
