@@ -50,7 +50,8 @@ from swarmd.crdt import (
 )
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
-from swarmd.crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
+from swarmd.crdt.buckets import BUCKETS, DIGEST_SIZE
+from swarmd.crdt.store import BASE_OBJECT, MAX_BASE_SIZE
 from swarmd.crdt.types import MAX_KEY
 from swarmd.node.oplog import OpLog
 from swarmd.transport.base import Stream, Transport
