@@ -47,7 +47,7 @@ from swarmproc import Swarm, http_get, http_post, loop_config, wait_for  # noqa:
 
 from swarmd.crdt.admission import Admission  # noqa: E402
 from swarmd.crdt.ops import make_op  # noqa: E402
-from swarmd.node.replication import CRDT_SPEC, PUSH  # noqa: E402
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH  # noqa: E402
 from swarmd.transport.identity import Identity  # noqa: E402
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
 from swarmd.transport.wire import WIRE  # noqa: E402

@@ -27,7 +27,7 @@ from hostile_lockout import RssPeaks, local_config
 from swarmproc import Swarm, http_get, http_post, wait_for
 
 from swarmd.crdt.admission import Admission
-from swarmd.node.replication import CRDT_SPEC, SYNC, WANT
+from swarmd.node.crdt_wire import CRDT_SPEC, SYNC, WANT
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 

@@ -33,7 +33,7 @@ from swarmproc import LOCAL_CONFIG, Swarm, http_get, http_post, wait_for
 
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import make_op
-from swarmd.node.replication import CRDT_SPEC, PUSH
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
