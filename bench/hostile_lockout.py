@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import multiprocessing
 import os
 import re
@@ -68,22 +69,42 @@ def native_miner() -> Path:
     return exe
 
 
-def _mint_native(swarm: str, n: int, now: int, bits: int) -> tuple[list[bytes], int, float]:
-    """n identities whose tickets the native miner found (one process, one core); (wires, hashes, CPU seconds).
-    Each ticket is checked with crdt/admission.py before it is kept."""
-    keys = [Identity.generate() for _ in range(n)]
+def native_tickets(swarm: str, authors: list[str], bits: int) -> tuple[dict[str, int], int, float]:
+    """The op #1 tickets of ``authors``, found by the native miner (one process, one core), each checked with
+    crdt/admission.py; (tickets, hashes, CPU seconds)."""
     out = subprocess.run([str(native_miner()), swarm, "-", str(bits), "0", "0"], check=True, capture_output=True,
-                         text=True, input="".join(k.peer_id + "\n" for k in keys)).stdout.split("\n")
+                         text=True, input="".join(a + "\n" for a in authors)).stdout.split("\n")
     nonces = {line.split()[0]: int(line.split()[1]) for line in out if line and not line.startswith("total")}
     tries, seconds = next(line for line in out if line.startswith("total")).split()[1:]
+    adm = Admission(swarm, bits)
+    for author in authors:
+        if not adm.ticket_ok(author, nonces.get(author)):
+            raise RuntimeError(f"the native miner's ticket for {author} does not check")
+    return nonces, int(tries), float(seconds)
+
+
+def prepared(data_dir: Path, bits: int) -> Identity:
+    """A node's data dir with its identity and, from NATIVE_FROM bits, its op #1 ticket minted natively (kept where
+    the node looks for it, ``admission.ticket``): what the node would otherwise mint in Python as it starts (1.6 s
+    of a core on average at 22 bits, a geometric draw), four of them at once on a shared machine."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key, _ = Identity.load_or_create(data_dir / "identity.key")
+    if bits >= NATIVE_FROM:
+        ticket = native_tickets(SWARM, [key.peer_id], bits)[0][key.peer_id]
+        (data_dir / "admission.ticket").write_text(json.dumps({"swarm": SWARM, "ticket": ticket}))
+    return key
+
+
+def _mint_native(swarm: str, n: int, now: int, bits: int) -> tuple[list[bytes], int, float]:
+    """n identities whose tickets the native miner found (one process, one core); (wires, hashes, CPU seconds)."""
+    keys = [Identity.generate() for _ in range(n)]
+    nonces, tries, seconds = native_tickets(swarm, [k.peer_id for k in keys], bits)
     adm, wires = Admission(swarm, bits), []
     for k in keys:
         ticket = nonces[k.peer_id]
-        if not adm.ticket_ok(k.peer_id, ticket):
-            raise RuntimeError(f"the native miner's ticket for {k.peer_id} does not check")
         op = make_op(k.sign, k.peer_id, 1, (now, 0), [], "members", adm.payload(k.peer_id, ticket))
         wires.append(msgpack.packb(op.wire(), use_bin_type=True))
-    return wires, int(tries), float(seconds)
+    return wires, tries, seconds
 
 
 def chunk_size(bits: int) -> int:
@@ -195,6 +216,8 @@ def local_config(tmp: Path, bits: int) -> Path:
 
 async def one_run(tmp: Path, mode: str, wires: list, nodes: int, bits: int = BITS) -> dict:
     swarm = Swarm(tmp / mode, config=local_config(tmp, bits))
+    for name in [f"n{i}" for i in range(nodes)] + ["newcomer"]:
+        await asyncio.to_thread(prepared, tmp / mode / name, bits)
     try:
         honest = await asyncio.to_thread(swarm.start_chain, nodes)
         a = honest[0]
@@ -208,13 +231,16 @@ async def one_run(tmp: Path, mode: str, wires: list, nodes: int, bits: int = BIT
         elif mode == "member":
             boss = Identity.generate()
             adm = Admission(a.status()["swarm"], bits)
+            ticket = (await asyncio.to_thread(native_tickets, SWARM, [boss.peer_id], bits))[0][boss.peer_id] \
+                if bits >= NATIVE_FROM else await asyncio.to_thread(adm.mint, boss.peer_id)
             own = make_op(boss.sign, boss.peer_id, 1, (int(time.time() * 1000), 0), [], "members",
-                          adm.payload(boss.peer_id, await asyncio.to_thread(adm.mint, boss.peer_id))).wire()
+                          adm.payload(boss.peer_id, ticket)).wire()
             flood = asyncio.create_task(push(a, [own] + wires, boss, halfway, stop))
         else:
             halfway.set()
         await halfway.wait()
-        newcomer = await asyncio.to_thread(swarm.start, "newcomer", bootstrap=[a.tcp_addr])
+        newcomer = await asyncio.to_thread(swarm.start, "newcomer", bootstrap=[a.tcp_addr], wait=False)
+        await asyncio.to_thread(newcomer.wait_ready, 120)  # its record ticket is minted as it starts, amid the flood
         await asyncio.to_thread(wait_for, lambda: all(newcomer.peer_id in n.member_ids() for n in honest), 120,
                                 "the newcomer to be a member")
         key = f"{newcomer.peer_id}/hello"
