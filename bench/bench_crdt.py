@@ -36,7 +36,8 @@ from swarmproc import Swarm, http_get, http_post, wait_for  # noqa: E402
 from swarmd.crdt import OpStore  # noqa: E402
 from swarmd.crdt.ops import SIGN_DOMAIN  # noqa: E402
 from swarmd.crdt import LWWMap  # noqa: E402
-from swarmd.node.replication import BASE_SCHEMA, CRDT_SPEC  # noqa: E402
+from swarmd.node.crdt_wire import CRDT_SPEC  # noqa: E402
+from swarmd.node.replication import BASE_SCHEMA  # noqa: E402
 from swarmd.transport.identity import Identity, verify  # noqa: E402
 
 BASE_SCHEMA_NO_BASES = {**BASE_SCHEMA, "shared": LWWMap(namespaced=False)}  # a shared type: no author restates it

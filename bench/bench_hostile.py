@@ -7,6 +7,8 @@ honest 4-peer DiLoCo, SPSA and SAPO runs, next to the same runs unattacked.
     python bench/bench_hostile.py --part node --attacks 15 --nofile 1024   # ... the node limited to 1024 fds
     python bench/bench_hostile.py --part loops # the loop runs only
     python bench/bench_hostile.py --part lockout --identities 30000   # admitted identities vs a newcomer (issue 80)
+    python bench/bench_hostile.py --part members   # the DHT members key flooded with admitted records (issue 80)
+    python bench/bench_hostile.py --part closed    # outsiders reading a closed swarm's state (issue 80)
 
 Part 1: node ``a`` (with an honest peer ``b``) on loopback. For each attack, from fresh hostile processes' keys: the
 node's RSS (its Python process; its p2p daemon apart) before, at the peak while attacked and after; ``/healthz``
@@ -45,7 +47,7 @@ from swarmproc import Swarm, http_get, http_post, loop_config, wait_for  # noqa:
 
 from swarmd.crdt.admission import Admission  # noqa: E402
 from swarmd.crdt.ops import make_op  # noqa: E402
-from swarmd.node.replication import CRDT_SPEC, PUSH  # noqa: E402
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH  # noqa: E402
 from swarmd.transport.identity import Identity  # noqa: E402
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport  # noqa: E402
 from swarmd.transport.wire import WIRE  # noqa: E402
@@ -618,9 +620,14 @@ def print_loops(pairs) -> None:
 
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--part", choices=["node", "loops", "lockout", "all"], default="all")
+    parser.add_argument("--part", choices=["node", "loops", "lockout", "members", "closed", "all"], default="all")
     parser.add_argument("--identities", type=int, default=30_000, help="the lock-out part's admitted identities "
                         "(minted on every core at 12 bits, about 2 ms each, and kept in /tmp for the next run)")
+    parser.add_argument("--bits", type=int, default=12, help="the lock-out part's ticket bits, the nodes' and the "
+                        "identities' (default 12, the demo's; from 17 the identities are minted by the native miner "
+                        "bench/ticket_miner.c in one process: at 22, the default, about 0.1 s of one core each)")
+    parser.add_argument("--mint-only", action="store_true", help="the lock-out part: only mint the identities the "
+                        "cache lacks, one cache file at a time, and exit (stopping it keeps every file it completed)")
     parser.add_argument("--attacks", default="", help="part 1's attacks to run, by the numbers their names start "
                         "with, comma-separated (default: all; the idle row always runs)")
     parser.add_argument("--nofile", type=int, default=0, help="part 1: the attacked node's file descriptor limit "
@@ -633,9 +640,20 @@ async def main() -> None:
         if args.part in ("loops", "all"):
             print_loops(await part_loops(Path(tmp) / "loops"))
         if args.part in ("lockout", "all"):
-            from hostile_lockout import part_lockout, print_lockout
+            from hostile_lockout import SWARM, identities, part_lockout, print_lockout
 
-            print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities))
+            if args.mint_only:
+                identities(SWARM, args.identities, args.bits, log=lambda line: print(line, flush=True))
+                return
+            print_lockout(*await part_lockout(Path(tmp) / "lockout", args.identities, bits=args.bits))
+        if args.part in ("members", "all"):
+            from hostile_doors import part_members, print_members
+
+            print_members(await part_members(Path(tmp) / "members"))
+        if args.part in ("closed", "all"):
+            from hostile_doors import part_closed, print_closed
+
+            print_closed(await part_closed(Path(tmp) / "closed"))
 
 
 if __name__ == "__main__":

@@ -2,41 +2,52 @@
 joins meanwhile and writes once; next to the same swarm unattacked, in the same run.
 
     python bench/bench_hostile.py --part lockout --identities 30000
+    python bench/bench_hostile.py --part lockout --bits 22 --identities 100000 --mint-only   # mint, for later
+    python bench/bench_hostile.py --part lockout --bits 22 --identities 20000
 
-Each run: ``nodes`` honest nodes (configs/local.toml: tickets of 12 bits, ``state.max_authors`` 20,000); the
-identities (each a fresh key with its ticketed op #1, minted here on every core, kept in /tmp for the next run) are
-pushed at the first node over one connection, 1,000 a message, by a stranger (``stranger``) or by a member with
-standing that introduces them (``member``: its own op #1 first, from its own key). Halfway through the push a
-newcomer node starts and, once it is a member, writes one kv key: its latency is from its write's 200 to the key
-being in every honest node's state. RSS: each honest node's Python process, before the run and its peak during it.
+Each run: ``nodes`` honest nodes (configs/local.toml, its tickets of 12 bits replaced by ``--bits``); the identities
+(each a fresh key with its ticketed op #1 for the swarm ``SWARM``, kept in /tmp for the next run: minted in Python
+on every core below NATIVE_FROM bits, by the native miner bench/ticket_miner.c in one process from it) are pushed at
+the first node over one connection, 1,000 a message, by a stranger (``stranger``) or by a member with standing that
+introduces them (``member``: its own op #1 first, from its own key). Halfway through the push a newcomer node starts
+and, once it is a member, writes one kv key: its latency is from its write's 200 to the key being in every honest
+node's state. RSS: each honest node's Python process, before the run and its peak during it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import multiprocessing
 import os
+import re
+import shutil
+import subprocess
 import threading
 import time
 from pathlib import Path
 
 import msgpack
 import psutil
-from swarmproc import Swarm, http_get, http_post, wait_for
+from swarmproc import LOCAL_CONFIG, Swarm, http_get, http_post, wait_for
 
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import make_op
-from swarmd.node.replication import CRDT_SPEC, PUSH
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
 
 MB = 1 << 20
 BITS = 12  # configs/local.toml's, the demo's
+SWARM = "swarmd"  # the swarm name of configs/local.toml's nodes (the default): the identities' tickets are bound to it
+NATIVE_FROM = 17  # bits from which identities are minted by the native miner (bench/ticket_miner.c), one process
+MINER = Path(__file__).with_name("ticket_miner.c")
 
 
-def _mint(args: tuple[str, int, int]) -> list[bytes]:
-    swarm, n, now = args
-    adm, out = Admission(swarm, BITS), []
+def _mint(args: tuple[str, int, int, int]) -> list[bytes]:
+    swarm, n, now, bits = args
+    adm, out = Admission(swarm, bits), []
     for _ in range(n):
         k = Identity.generate()
         op = make_op(k.sign, k.peer_id, 1, (now, 0), [], "members", adm.payload(k.peer_id, adm.mint(k.peer_id)))
@@ -44,23 +55,101 @@ def _mint(args: tuple[str, int, int]) -> list[bytes]:
     return out
 
 
-CHUNK = 10_000  # identities per cache file
+def native_miner() -> Path:
+    """bench/ticket_miner.c compiled (cc -O3 -march=native) into /tmp, once per version of its source."""
+    src = MINER.read_bytes()
+    exe = Path(f"/tmp/swarmd-bench-ticket-miner-{hashlib.blake2b(src, digest_size=6).hexdigest()}")
+    if not exe.exists():
+        cc = shutil.which("cc")
+        if cc is None:
+            raise RuntimeError(f"minting at {NATIVE_FROM}+ bits needs a C compiler (cc) for {MINER.name}")
+        tmp = exe.with_suffix(f".{os.getpid()}")
+        subprocess.run([cc, "-O3", "-march=native", "-o", str(tmp), str(MINER)], check=True)
+        tmp.replace(exe)
+    return exe
 
 
-def identities(swarm: str, n: int) -> tuple[list[dict], float]:
+def native_tickets(swarm: str, authors: list[str], bits: int) -> tuple[dict[str, int], int, float]:
+    """The op #1 tickets of ``authors``, found by the native miner (one process, one core), each checked with
+    crdt/admission.py; (tickets, hashes, CPU seconds)."""
+    out = subprocess.run([str(native_miner()), swarm, "-", str(bits), "0", "0"], check=True, capture_output=True,
+                         text=True, input="".join(a + "\n" for a in authors)).stdout.split("\n")
+    nonces = {line.split()[0]: int(line.split()[1]) for line in out if line and not line.startswith("total")}
+    tries, seconds = next(line for line in out if line.startswith("total")).split()[1:]
+    adm = Admission(swarm, bits)
+    for author in authors:
+        if not adm.ticket_ok(author, nonces.get(author)):
+            raise RuntimeError(f"the native miner's ticket for {author} does not check")
+    return nonces, int(tries), float(seconds)
+
+
+def prepared(data_dir: Path, bits: int) -> Identity:
+    """A node's data dir with its identity and, from NATIVE_FROM bits, its op #1 ticket minted natively (kept where
+    the node looks for it, ``admission.ticket``): what the node would otherwise mint in Python as it starts (1.6 s
+    of a core on average at 22 bits, a geometric draw), four of them at once on a shared machine."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    key, _ = Identity.load_or_create(data_dir / "identity.key")
+    if bits >= NATIVE_FROM:
+        ticket = native_tickets(SWARM, [key.peer_id], bits)[0][key.peer_id]
+        (data_dir / "admission.ticket").write_text(json.dumps({"swarm": SWARM, "ticket": ticket}))
+    return key
+
+
+def _mint_native(swarm: str, n: int, now: int, bits: int) -> tuple[list[bytes], int, float]:
+    """n identities whose tickets the native miner found (one process, one core); (wires, hashes, CPU seconds)."""
+    keys = [Identity.generate() for _ in range(n)]
+    nonces, tries, seconds = native_tickets(swarm, [k.peer_id for k in keys], bits)
+    adm, wires = Admission(swarm, bits), []
+    for k in keys:
+        ticket = nonces[k.peer_id]
+        op = make_op(k.sign, k.peer_id, 1, (now, 0), [], "members", adm.payload(k.peer_id, ticket))
+        wires.append(msgpack.packb(op.wire(), use_bin_type=True))
+    return wires, tries, seconds
+
+
+def chunk_size(bits: int) -> int:
+    """Identities per cache file: small where each costs seconds, so a stopped minting keeps nearly all it did."""
+    return 10_000 if bits < NATIVE_FROM else 500
+
+
+def cache_file(swarm: str, bits: int, chunk: int) -> Path:
+    return Path(f"/tmp/swarmd-bench-identities-{swarm}-{bits}-{chunk}.msgpack")
+
+
+def cached(swarm: str, bits: int) -> int:
+    """How many identities the cache holds for (swarm, bits), in its leading complete files."""
+    chunk = 0
+    while cache_file(swarm, bits, chunk).exists():
+        chunk += 1
+    return chunk * chunk_size(bits)
+
+
+def identities(swarm: str, n: int, bits: int = BITS, log=None) -> tuple[list[dict], float]:
     """n admitted identities' op #1s (wires), and the seconds minting took (0: all read from the cache, which holds
-    them in files of CHUNK, so a larger run mints only what the cache lacks)."""
+    them in files of chunk_size(bits), so a larger run mints only what the cache lacks). Below NATIVE_FROM bits
+    they are minted in Python on every core; from it by the native miner, in one process. ``log``: called with a
+    line per file minted."""
     t0, procs, minted, packed = time.monotonic(), max(1, os.cpu_count() or 1), False, []
-    for chunk in range((n + CHUNK - 1) // CHUNK):
-        cache = Path(f"/tmp/swarmd-bench-identities-{swarm}-{BITS}-{chunk}.msgpack")
+    size = chunk_size(bits)
+    for chunk in range((n + size - 1) // size):
+        cache = cache_file(swarm, bits, chunk)
         if cache.exists():
             part = msgpack.unpackb(cache.read_bytes(), raw=False)
         else:
             now, minted = int(time.time() * 1000), True
-            with multiprocessing.Pool(procs) as pool:
-                parts = pool.map(_mint, [(swarm, CHUNK // procs + (i < CHUNK % procs), now) for i in range(procs)])
-            part = [w for p in parts for w in p]
-            cache.write_bytes(msgpack.packb(part, use_bin_type=True))
+            if bits >= NATIVE_FROM:
+                part, tries, cpu = _mint_native(swarm, size, now, bits)
+                if log:
+                    log(f"{cache.name}: {size} identities at {bits} bits, {tries / cpu / 1e6:.1f} M tries/s, "
+                        f"{cpu / size:.3f} CPU s each")
+            else:
+                with multiprocessing.Pool(procs) as pool:
+                    parts = pool.map(_mint, [(swarm, size // procs + (i < size % procs), now, bits)
+                                             for i in range(procs)])
+                part = [w for p in parts for w in p]
+            tmp = cache.with_suffix(f".{os.getpid()}")  # a minting stopped midway leaves no partial file
+            tmp.write_bytes(msgpack.packb(part, use_bin_type=True))
+            tmp.replace(cache)
         packed.extend(part)
     return [msgpack.unpackb(w, raw=False) for w in packed[:n]], time.monotonic() - t0 if minted else 0.0
 
@@ -115,11 +204,24 @@ class RssPeaks:
         return [(pk - b) / MB for pk, b in zip(self.peak, self.before)]
 
 
-async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
-    swarm = Swarm(tmp / mode)
+def local_config(tmp: Path, bits: int) -> Path:
+    """configs/local.toml with ``state.admission_bits`` = bits."""
+    text = LOCAL_CONFIG.read_text()
+    assert "\nadmission_bits = " in text, "configs/local.toml no longer sets admission_bits"
+    path = tmp / f"local-{bits}.toml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(re.sub(r"\nadmission_bits = \d+", f"\nadmission_bits = {bits}", text))
+    return path
+
+
+async def one_run(tmp: Path, mode: str, wires: list, nodes: int, bits: int = BITS) -> dict:
+    swarm = Swarm(tmp / mode, config=local_config(tmp, bits))
+    for name in [f"n{i}" for i in range(nodes)] + ["newcomer"]:
+        await asyncio.to_thread(prepared, tmp / mode / name, bits)
     try:
         honest = await asyncio.to_thread(swarm.start_chain, nodes)
         a = honest[0]
+        assert a.status()["swarm"] == SWARM, "the identities' tickets are bound to another swarm than the nodes'"
         await asyncio.sleep(3)  # start-up allocations settle
         rss = RssPeaks(honest)
         halfway, stop, t0 = asyncio.Event(), asyncio.Event(), time.monotonic()
@@ -128,14 +230,17 @@ async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
             flood = asyncio.create_task(push(a, wires, Identity.generate(), halfway, stop))
         elif mode == "member":
             boss = Identity.generate()
-            adm = Admission(a.status()["swarm"], BITS)
+            adm = Admission(a.status()["swarm"], bits)
+            ticket = (await asyncio.to_thread(native_tickets, SWARM, [boss.peer_id], bits))[0][boss.peer_id] \
+                if bits >= NATIVE_FROM else await asyncio.to_thread(adm.mint, boss.peer_id)
             own = make_op(boss.sign, boss.peer_id, 1, (int(time.time() * 1000), 0), [], "members",
-                          adm.payload(boss.peer_id, await asyncio.to_thread(adm.mint, boss.peer_id))).wire()
+                          adm.payload(boss.peer_id, ticket)).wire()
             flood = asyncio.create_task(push(a, [own] + wires, boss, halfway, stop))
         else:
             halfway.set()
         await halfway.wait()
-        newcomer = await asyncio.to_thread(swarm.start, "newcomer", bootstrap=[a.tcp_addr])
+        newcomer = await asyncio.to_thread(swarm.start, "newcomer", bootstrap=[a.tcp_addr], wait=False)
+        await asyncio.to_thread(newcomer.wait_ready, 120)  # its record ticket is minted as it starts, amid the flood
         await asyncio.to_thread(wait_for, lambda: all(newcomer.peer_id in n.member_ids() for n in honest), 120,
                                 "the newcomer to be a member")
         key = f"{newcomer.peer_id}/hello"
@@ -164,17 +269,17 @@ async def one_run(tmp: Path, mode: str, wires: list, nodes: int) -> dict:
         await asyncio.to_thread(swarm.close)
 
 
-async def part_lockout(tmp: Path, n: int, nodes: int = 4) -> tuple[list[dict], float]:
-    wires, minted = await asyncio.to_thread(identities, "swarmd", n)
+async def part_lockout(tmp: Path, n: int, nodes: int = 4, bits: int = BITS) -> tuple[list[dict], float, int]:
+    wires, minted = await asyncio.to_thread(identities, SWARM, n, bits)
     rows = []
     for mode in ("unattacked", "stranger", "member"):
-        rows.append(await one_run(tmp, mode, wires, nodes))
+        rows.append(await one_run(tmp, mode, wires, nodes, bits))
         print(f"  lock-out {mode}: done in {rows[-1]['seconds']:.0f} s", flush=True)
-    return rows, minted
+    return rows, minted, bits
 
 
-def print_lockout(rows: list[dict], minted: float) -> None:
-    print(f"\nLock-out (issue 80): admitted identities (tickets of {BITS} bits) pushed at node 0 of a "
+def print_lockout(rows: list[dict], minted: float, bits: int = BITS) -> None:
+    print(f"\nLock-out (issue 80): admitted identities (tickets of {bits} bits) pushed at node 0 of a "
           f"{len(rows[0]['growth'])}-node swarm; a newcomer joins halfway and writes once"
           + (f" (minting took {minted:.0f} s)" if minted else " (identities from the cache)"))
     print(f"{'run':10} | {'identities':>10} | {'acked/refused':>15} | {'newcomer write':>14} | "

@@ -4,11 +4,8 @@
 
 - ``applied``: verified and merged (with any held ops it unblocked);
 - ``duplicate``: already known (idempotent), or an op that its author's base we hold restates;
-- ``pending``: verified, but its author's previous op is unknown; held until it arrives, within a budget: at most
-  ``max_pending`` ops and ``max_pending_bytes`` of bodies in all, at most ``max_pending_share`` (a tenth) of either per
-  author, each for at most ``pending_ttl_ms``. When the budget is full the oldest held op gives way (anti-entropy
-  delivers it again in causal order later), so a flood of orphans can neither grow memory nor lock honest out-of-order
-  ops out;
+- ``pending``: verified, but its author's previous op is unknown; held until it arrives, within a budget
+  (``crdt.held``: ``max_pending`` ops, ``max_pending_bytes``, ``max_pending_share`` per author, ``pending_ttl_ms``);
 - ``rejected`` with a reason code: ``malformed``, ``oversized``, ``bad_signature``, ``unknown_object``,
   ``not_allowed`` (the author wrote outside what the type allows), ``future_clock`` (more than ``max_skew_ms``
   ahead of our clock), ``bad_causality`` (clock not after its author's previous op, or seq not following it),
@@ -23,22 +20,14 @@
   more than ``max_skew_ms``, so a chain cannot outrun the quota, and the rule reads only the chain, so every replica
   decides the same way).
 
-**Standing and probation.** Identities cost a ticket, not a wall, so no count of them may close the store: a
-new author is never refused for want of room. The caller says, for each op from the network, whether its author
-has *standing* (``vouch``: its own key sent the op, or a peer with standing introduced it within a quota; see
-``node.replication``). An author with standing is merged as above. One without is held on *probation*: its chain
-(from op #1 or a base, at most ``MAX_PROBATION_OPS`` ops) verified and kept aside, outside the merged state, the
-version vector and the digests, at most ``max_authors`` ops and ``max_probation_bytes`` of bodies; when full,
-the author on probation that was least recently heard from gives way (status ``probation``). An author on probation
-merges (with the ops it holds) as soon as an op of it arrives vouched. Since the merged state and the digests are
-functions of the merged authors only, replicas that merged the same authors have the same digest and the same
-state, whichever flood each of them saw on probation; a flood of fresh identities evicts only other identities
-that nobody vouched for, never a member that wrote with standing.
+**Standing and probation.** The caller says, for each op from the network, whether its author has *standing*
+(``vouch``). An author with standing is merged as above; one without is held on *probation* (``crdt.probation``: at
+most ``max_authors`` ops and ``max_probation_bytes`` in all, the least recent author giving way; status
+``probation``), outside the merged state and the digests, and merged as soon as an op of it arrives vouched.
 
 Each author's ops form a chain (``seq`` 1, 2, ...; each op lists the author's previous op as a parent), so a
-replica's content is summarized exactly by its version vector ``{author: last seq}``. An op is held (``pending``)
-only while its author's previous op is unknown: other parents are causal context (every type merges in any order),
-not a condition, so an op never waits on an op that no replica keeps any more.
+replica's content is summarized exactly by its version vector ``{author: last seq}``, which anti-entropy compares
+bucket by bucket (``crdt.buckets``).
 
 **Compaction.** An author's ops #1000, #2000, ... (every ``BASE_EVERY``-th) are *bases*: object ``_base``, payload
 ``{"parts": {object: the author's whole contribution to it}, "ticket": its admission ticket}`` (see each type's
@@ -46,58 +35,41 @@ not a condition, so an op never waits on an op that no replica keeps any more.
 the caller) in its log, so it never holds more than ``BASE_EVERY`` ops of one author, whatever the author wrote; a
 replica that lacks them takes the base without them (the base carries the author's admission). Only schemas whose
 every type is ``per_author`` take bases (the node's schema is). The node writes its bases itself: ``draft`` inserts
-one when a batch reaches such a seq. That vector grows with the
-number of authors, so anti-entropy never sends it whole: authors fall into ``BUCKETS`` buckets by hash, each with a
-16-byte digest (the XOR of a hash of each ``(author, seq)`` entry, updated as ops merge), and replicas compare the
-digests (at most 4 KiB, whatever the number of authors), then page through the entries of the buckets that differ
-(``entries``) and exchange the ops one side lacks (``ops_after``). Convergence is checked by ``digest`` (a hash of
-every bucket's digest: equal version vectors).
+one when a batch reaches such a seq.
 
 Pure: no I/O, no clock, no keys; the caller passes ``now_ms`` and a signature verifier.
 """
 
 from __future__ import annotations
 
-import hashlib
-from collections import Counter, OrderedDict
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import msgpack
 
 from swarmd.crdt.admission import Admission
+from swarmd.crdt.bases import BASE_OBJECT, Folds
+from swarmd.crdt.buckets import Buckets
+from swarmd.crdt.held import Held
 from swarmd.crdt.hlc import HLC
 from swarmd.crdt.ops import (
     MAX_PARENTS, SIGN_DOMAIN, Op, OpError, Signer, Verifier, decode_body, decode_wire, encode_body, verify_op,
 )
+from swarmd.crdt.probation import MAX_PROBATION_OPS, Probation
 from swarmd.crdt.types import CRDTType
 
 APPLIED, DUPLICATE, PENDING, REJECTED = "applied", "duplicate", "pending", "rejected"
 PROBATION = "probation"  # verified, held aside until its author has standing (not merged, not in the digest)
-MAX_PROBATION_OPS = 16  # ops of one author held on probation
 # an author's op must come QUOTA_WINDOW_MS after its op QUOTA_OPS back in the same base period, by their clocks (the
 # same on every node: part of the protocol). A period's first QUOTA_OPS ops are free, so a period of BASE_EVERY ops
 # takes at least QUOTA_WINDOW_MS: at most 1,000 ops a minute, sustained
 QUOTA_OPS = 500
 QUOTA_WINDOW_MS = 60_000
-BASE_OBJECT = "_base"  # the object name of a base op (no schema object may start with "_")
 BASE_EVERY = 1000  # an author's op #n is a base exactly when n is a multiple of this
 MAX_BASE_SIZE = 64 << 10  # a base's body (every other op: ``max_op_size``)
 MAX_BASE_PARTS = MAX_BASE_SIZE - 4096  # an author's contribution, as its base carries it (room for the envelope)
-BUCKETS = 256
-DIGEST_SIZE = 16
 MAX_DANGLING = 4096
-
-
-def bucket_of(author: str) -> int:
-    return hashlib.blake2b(author.encode(), digest_size=1).digest()[0]
-
-
-def _entry_hash(author: str, seq: int) -> int:
-    if seq == 0:
-        return 0  # an author we hold nothing of counts as absent
-    h = hashlib.blake2b(author.encode() + b"\x00" + seq.to_bytes(8, "big"), digest_size=DIGEST_SIZE)
-    return int.from_bytes(h.digest(), "big")
 
 
 @dataclass
@@ -128,22 +100,14 @@ class OpStore:
         self.schema = dict(schema)
         self._verify = verify
         self.admission = admission  # None: every author is admitted (tests of the types alone)
-        self.max_authors = max_authors  # ops (so authors) held on probation at most; merged authors: never refused
-        self.max_probation_bytes = max_probation_bytes
         # False: an op after #1 of an author we hold nothing of is held only while ``fetching`` names the author
         self.hold_unknown_authors = hold_unknown_authors
         self.fetching: set[str] = set()  # authors whose ops the caller is pulling now (op #1 on its way)
-        self.probation: OrderedDict[str, list[Op]] = OrderedDict()  # author -> its chain, least recent first
-        self._probation_bytes = 0
-        self._probation_ops = 0
-        self.probation_counts: Counter = Counter()  # "held", "evicted", "merged"
-        self._digests = [0] * BUCKETS  # per bucket: XOR of _entry_hash(author, seq) over its authors
-        self._bucket_authors: dict[int, set[str]] = {}  # bucket -> its authors (made when the first one merges)
+        # authors without standing (max_authors: ops, so authors, held at most; merged authors are never refused)
+        self.probation = Probation(max_authors, max_probation_bytes)
+        self.buckets = Buckets(self.last_seq)
         self.max_skew_ms = max_skew_ms
-        self.max_pending = max_pending
-        self.max_pending_bytes = max_pending_bytes
-        self.pending_ttl_ms = pending_ttl_ms
-        self.max_pending_share = max_pending_share
+        self.held = Held(max_pending, max_pending_bytes, pending_ttl_ms, max_pending_share)
         self.max_op_size = max_op_size
         if any(name.startswith("_") for name in self.schema):
             raise ValueError("schema object names may not start with '_' (reserved for bases)")
@@ -154,17 +118,23 @@ class OpStore:
         self.heads: set[bytes] = set()
         self._dangling: dict[bytes, None] = {}  # ids named as parents before we had them (not heads when they come)
         self.compacted = 0  # ops dropped because their author's base restated them
-        self._folded: dict[str, tuple[int, dict, Any]] = {}  # author -> (seq, its parts, ticket): see base_payload
-        self.pending: dict[bytes, Op] = {}  # in arrival order
-        self._held: dict[bytes, tuple[int, tuple]] = {}  # held op id -> (arrival ms, the (author, seq) it waits on)
-        self._waiting: dict[tuple, set[bytes]] = {}  # (author, seq) of a missing op -> held op ids waiting on it
-        self._pending_bytes = 0
-        self._pending_by_author: Counter = Counter()
-        self._author_bytes: Counter = Counter()
-        self.pending_dropped: Counter = Counter()  # "evicted" (budget full), "expired"
+        self.folds = Folds(self.schema)
         self.states: dict[str, Any] = {name: t.initial() for name, t in self.schema.items()}
         self.rejected: Counter = Counter()
         self.clock = HLC()
+
+    @property
+    def pending(self) -> dict[bytes, Op]:
+        """Ops held until their author's previous op arrives, in arrival order."""
+        return self.held.ops
+
+    @property
+    def pending_dropped(self) -> Counter:
+        return self.held.dropped
+
+    @property
+    def probation_counts(self) -> Counter:
+        return self.probation.counts
 
     # ------------------------------------------------------------------ receiving
     @property
@@ -277,91 +247,28 @@ class OpStore:
             return self._reject("bad_causality", op)
         if not verify_op(op, self._verify):
             return self._reject("bad_signature", op)
-        if chain is not None and op.seq != chain[-1].seq + 1:
-            self._drop_probation(op.author)  # a later base: it restates what we held
-            chain = None
-        if chain is None:
-            chain = self.probation[op.author] = []
-            self.probation_counts["held"] += 1
-        chain.append(op)
-        self.probation.move_to_end(op.author)
-        self._probation_bytes += len(op.body)
-        self._probation_ops += 1
-        while self._probation_ops > max(1, self.max_authors) or self._probation_bytes > self.max_probation_bytes:
-            oldest = next(iter(self.probation))
-            self._drop_probation(oldest)
-            self.probation_counts["evicted"] += 1
-            if oldest == op.author:
-                break
+        self.probation.add(op, restates=chain is not None and op.seq != chain[-1].seq + 1)  # a later base
         return Result(PROBATION, op=op)
-
-    def _drop_probation(self, author: str) -> list[Op]:
-        chain = self.probation.pop(author, [])
-        self._probation_bytes -= sum(len(o.body) for o in chain)
-        self._probation_ops -= len(chain)
-        return chain
 
     def _promote(self, author: str) -> list[Op]:
         """Merge the chain an author held on probation (verified when it came): the ops it applied."""
         applied: list[Op] = []
-        for op in self._drop_probation(author):
+        for op in self.probation.drop(author):
             result = self._apply_ready(op)
             if result.status == REJECTED:
                 break
             applied.extend(result.applied)
-        self.probation_counts["merged"] += 1
+        self.probation.counts["merged"] += 1
         return applied
 
     def _hold(self, op: Op, missing: tuple, now_ms: int) -> Result:
-        share = self.max_pending_share
-        if self._pending_by_author[op.author] >= max(1, int(self.max_pending * share)) \
-                or self._author_bytes[op.author] + len(op.body) > self.max_pending_bytes * share:
+        if not self.held.hold(op, missing, now_ms):
             return self._reject("pending_full", op)
-        while self.pending and (len(self.pending) >= self.max_pending
-                                or self._pending_bytes + len(op.body) > self.max_pending_bytes):
-            self._drop_held(next(iter(self.pending)), "evicted")
-        self._register(op, now_ms, missing)
         return Result(PENDING, op=op)
-
-    def _register(self, op: Op, since_ms: int, missing: tuple) -> None:
-        self.pending[op.id] = op
-        self._held[op.id] = (since_ms, missing)
-        self._waiting.setdefault(missing, set()).add(op.id)
-        self._pending_bytes += len(op.body)
-        self._pending_by_author[op.author] += 1
-        self._author_bytes[op.author] += len(op.body)
-
-    def _release(self, held_id: bytes) -> Op | None:
-        op = self.pending.pop(held_id, None)
-        if op is None:
-            return None
-        _, parent = self._held.pop(held_id)
-        waiting = self._waiting.get(parent)
-        if waiting is not None:
-            waiting.discard(held_id)
-            if not waiting:
-                del self._waiting[parent]
-        self._pending_bytes -= len(op.body)
-        self._pending_by_author[op.author] -= 1
-        self._author_bytes[op.author] -= len(op.body)
-        if not self._pending_by_author[op.author]:
-            del self._pending_by_author[op.author], self._author_bytes[op.author]
-        return op
-
-    def _drop_held(self, held_id: bytes, why: str) -> None:
-        if self._release(held_id) is not None:
-            self.pending_dropped[why] += 1
 
     def expire_pending(self, now_ms: int) -> int:
         """Drop held ops older than ``pending_ttl_ms`` (oldest first); returns how many."""
-        expired = 0
-        while self.pending:
-            oldest = next(iter(self.pending))
-            if self._held[oldest][0] > now_ms - self.pending_ttl_ms:
-                break
-            self._drop_held(oldest, "expired")
-            expired += 1
-        return expired
+        return self.held.expire(now_ms)
 
     def _apply_ready(self, op: Op) -> Result:
         reason = self._causality(op)
@@ -372,8 +279,8 @@ class OpStore:
         ready = [(op.author, op.seq)]
         while ready:
             key = ready.pop()
-            for held_id in sorted(self._waiting.get(key, ())):
-                held = self._release(held_id)
+            for held_id in self.held.waiting_on(key):
+                held = self.held.release(held_id)
                 reason = self._causality(held)
                 if reason is not None:
                     self.rejected[reason] += 1
@@ -415,9 +322,7 @@ class OpStore:
             self._rebase(op)
         self.ops[op.id] = op
         self.chains.setdefault(op.author, []).append(op.id)
-        b = bucket_of(op.author)
-        self._bucket_authors.setdefault(b, set()).add(op.author)
-        self._digests[b] ^= _entry_hash(op.author, last) ^ _entry_hash(op.author, op.seq)
+        self.buckets.advance(op.author, last, op.seq)
         self.heads.difference_update(op.parents)
         if op.id in self._dangling:  # an op we hold already names it as a parent: not a head
             del self._dangling[op.id]
@@ -443,8 +348,7 @@ class OpStore:
         if author in self.chains:
             self.chains[author] = []
         self.first[author] = base.seq
-        for held_id in [i for i, op in self.pending.items() if op.author == author and op.seq <= base.seq]:
-            self._drop_held(held_id, "restated")
+        self.held.restated(author, base.seq)
         parts = base.payload["parts"]
         for name, ctype in self.schema.items():
             self.states[name] = ctype.rebase(self.states[name], author, parts.get(name), base)
@@ -461,39 +365,11 @@ class OpStore:
             parents.add(chain[-1])
         return parents
 
-    def _fold(self, folded: tuple[int, dict, Any], ops) -> tuple[int, dict, Any]:
-        seq, parts, ticket = folded
-        for op in ops:
-            if op.object == BASE_OBJECT:
-                parts = {name: self.schema[name].unstate(part, op) for name, part in op.payload["parts"].items()}
-                ticket = op.payload.get("ticket", ticket)
-            else:
-                parts[op.object] = self.schema[op.object].fold(parts.get(op.object), op)
-                if op.seq == 1 and op.object == "members" and isinstance(op.payload, dict):
-                    ticket = op.payload.get("ticket")
-            seq = op.seq
-        return seq, parts, ticket
-
     def base_payload(self, author: str, drafted: list[Op] = ()) -> dict:
-        """``author``'s base as of its ops we hold and then ``drafted``: its contribution to every object, folded
-        from its latest base on, and its admission ticket. The fold of the ops we hold is kept (for the authors we
-        write as), so a write folds only what is new."""
-        first, last = self.first.get(author, 1), self.last_seq(author)
-        folded = self._folded.get(author)
-        if folded is None or folded[0] < first - 1 or folded[0] > last:
-            folded = (first - 1, {}, None)
-        if folded[0] < last:
-            chain = self.chains.get(author, ())
-            folded = self._fold(folded, [self.ops[i] for i in chain[folded[0] - first + 1:]])
-            self._folded[author] = folded
-        seq, parts, ticket = folded
-        if drafted:  # on a copy: the kept fold holds only applied ops
-            parts = {name: dict(part) if isinstance(part, dict) else part for name, part in parts.items()}
-            _, parts, ticket = self._fold((seq, parts, ticket), drafted)
-        out = {"parts": {name: self.schema[name].restate(part) for name, part in sorted(parts.items())}}
-        if ticket is not None:
-            out["ticket"] = ticket
-        return out
+        """``author``'s base as of its ops we hold and then ``drafted`` (``crdt.bases``)."""
+        first = self.first.get(author, 1)
+        return self.folds.payload(author, first, self.last_seq(author),
+                                  lambda seq: [self.ops[i] for i in self.chains.get(author, ())[seq - first:]], drafted)
 
     def draft(self, author: str, items: list[tuple[str, Any]], now_ms: int) -> tuple[list[bytes], str | None]:
         """Unsigned bodies for a batch of local ops, each checked as ``receive`` would check it, none applied.
@@ -568,55 +444,18 @@ class OpStore:
         return {author: self.last_seq(author) for author in self.chains}
 
     def digests(self) -> dict[int, bytes]:
-        """The digest of every non-empty bucket: at most ``BUCKETS`` entries of ``DIGEST_SIZE`` bytes, whatever the
-        number of authors (a small swarm sends a few)."""
-        return {b: d.to_bytes(DIGEST_SIZE, "big") for b, d in enumerate(self._digests) if d}
+        return self.buckets.digests()
 
     def differing(self, digests: dict[int, bytes]) -> list[int]:
-        """The buckets whose digest differs from ours (``digests`` as ``digests()`` makes them)."""
-        if not isinstance(digests, dict) or len(digests) > BUCKETS or not all(
-                type(b) is int and 0 <= b < BUCKETS and isinstance(d, bytes) and len(d) == DIGEST_SIZE
-                for b, d in digests.items()):
-            raise ValueError(f"digests are at most {BUCKETS} entries {{bucket: {DIGEST_SIZE} bytes}}")
-        return [b for b in range(BUCKETS)
-                if (int.from_bytes(digests[b], "big") if b in digests else 0) != self._digests[b]]
+        return self.buckets.differing(digests)
 
     def entries(self, buckets: list[int], after: tuple[int, str] | None, limit: int
                 ) -> tuple[dict[str, int], tuple[int, str] | None]:
-        """One page of our version vector: the entries of ``buckets`` in (bucket, author) order, from just after
-        ``after``, at most ``limit`` (>= 1) of them. Returns (entries, the last key of this page if more follow,
-        else None)."""
-        out: dict[str, int] = {}
-        last: tuple[int, str] | None = None
-        for b in sorted(set(buckets)):
-            if after is not None and b < after[0]:
-                continue
-            for a in sorted(a for a in self._bucket_authors.get(b, ()) if after is None or (b, a) > after):
-                if len(out) == limit:
-                    return out, last
-                out[a] = self.last_seq(a)
-                last = (b, a)
-        return out, None
-
-    def authors_in(self, buckets: list[int], start: tuple[int, str] | None, end: tuple[int, str] | None
-                   ) -> dict[str, int]:
-        """Our entries of ``buckets`` whose key (bucket, author) is in (start, end]: what one page of a peer's
-        entries covered (``end`` None: to the end)."""
-        out = {}
-        for b in set(buckets):
-            for a in self._bucket_authors.get(b, ()):
-                if (start is None or (b, a) > start) and (end is None or (b, a) <= end):
-                    out[a] = self.last_seq(a)
-        return out
+        return self.buckets.entries(buckets, after, limit)
 
     def page_diff(self, theirs: dict[str, int], buckets: list[int], start: tuple[int, str] | None,
                   end: tuple[int, str] | None) -> tuple[dict[str, int], dict[str, int]]:
-        """Compare one page of a peer's entries (``entries(buckets, start, ...)`` ending at ``end``) with ours:
-        (what to ask it for: {author: our seq} where it is ahead, what it lacks: {author: its seq} where we are)."""
-        want = {a: self.last_seq(a) for a, seq in theirs.items() if seq > self.last_seq(a)}
-        lacking = {a: theirs.get(a, 0) for a, seq in self.authors_in(buckets, start, end).items()
-                   if seq > theirs.get(a, 0)}
-        return want, lacking
+        return self.buckets.page_diff(theirs, buckets, start, end)
 
     def ops_after(self, have: dict[str, int], limit: int, max_bytes: int = 4 << 20) -> tuple[list[Op], bool]:
         """Our ops of the authors in ``have`` past the seq given for each (from the author's base, where we hold
@@ -642,10 +481,8 @@ class OpStore:
 
     # ------------------------------------------------------------------ views
     def digest(self) -> str:
-        """What this replica holds, in 32 hex digits: equal digests, equal version vectors, so the same ops (each
-        author's chain is hash-linked) and the same state, whichever of them compaction dropped."""
-        return hashlib.blake2b(b"".join(d.to_bytes(DIGEST_SIZE, "big") for d in self._digests),
-                               digest_size=16).hexdigest()
+        """What this replica holds (``crdt.buckets``): equal digests, equal version vectors."""
+        return self.buckets.digest()
 
     def value(self, name: str) -> Any:
         return self.schema[name].value(self.states[name])
@@ -661,10 +498,10 @@ class OpStore:
             "digest": self.digest(),
             "compacted": self.compacted,
             "pending": len(self.pending),
-            "pending_bytes": self._pending_bytes,
+            "pending_bytes": self.held.bytes,
             "probation": len(self.probation),
-            "probation_bytes": self._probation_bytes,
-            "probation_ops": self._probation_ops,
+            "probation_bytes": self.probation.bytes,
+            "probation_ops": self.probation.ops,
             **{f"probation_{k}": n for k, n in sorted(self.probation_counts.items())},
             **{f"pending_{why}": n for why, n in sorted(self.pending_dropped.items())},
             "rejected": dict(self.rejected),

@@ -1,23 +1,9 @@
 """Replication of the swarm's CRDT state: push on write, anti-entropy by version vectors, a durable op log.
 
-``/swarmd/crdt/2.0.0`` on one stream, requester first:
-
-- ``PUSH {"ops": [op, ...]}`` -> ``ACK {"applied": n, "rejected": n}``: new ops, sent at once to every connected
-  member when we write them;
-- ``SYNC {"d": [[bucket, digest], ...], "after": key | None}`` -> ``ENTRIES {"b": [bucket, ...], "vv": {author: seq},
-  "next": key | None}``: we send our bucket digests (at most 256 of 16 bytes, whatever the number of authors, see
-  ``crdt.store``); the responder names the buckets that differ and sends one page (at most ``PAGE`` entries) of its
-  version vector for them, in (bucket, author) order from just after ``after``; ``next`` is where the following page
-  starts.
-- ``WANT {"have": {author: seq}}`` -> ``OPS {"ops": [...], "more": bool}``: for the authors of the page where the
-  responder is ahead, the ops past our seq (in causal order, at most ``SYNC_BATCH`` per reply; we ask again while
-  ``more``). Then we PUSH on the same stream what the page shows the responder lacks, and ask for the next page.
-
-So a sync costs what differs, never the whole version vector: with a million authors a message is still at most
-``PAGE`` entries, and no honest peer ever exceeds a limit of ours.
-
-Anti-entropy runs every ``sync_interval`` with a random connected member, and at once with a peer we have just
-greeted, so a node that was offline or just joined catches up from any peer.
+The messages and their limits are in ``node.crdt_wire``; pushing (kept streams, the epidemic relay, what peers
+refuse of our ops) in ``node.crdt_push``; anti-entropy (every ``sync_interval`` with a random connected member, at
+once with a peer just greeted) in ``node.crdt_sync``. Here: the replicator's life (its op log, its admission ticket,
+its recovery after log damage), local writes, and what comes in (the responder's side, and every op's verdict).
 
 An op of an author we have not merged is merged only if its author has *standing* with us: its own key sent it
 (a node pushes and syncs its own ops itself), or a peer with standing introduced it, at most ``INTRO_BURST`` new
@@ -49,64 +35,24 @@ from swarmd.crdt import (
     PROBATION, REJECTED, GCounter, LWWMap, MaxRegister, Op, OpError, OpStore, ORSet, ProgressRegister, decode_wire,
 )
 from swarmd.crdt.admission import Admission
-from swarmd.crdt.ops import ID_SIZE, MAX_AUTHOR, MAX_OBJECT_NAME, MAX_PARENTS, MAX_SEQ, SIGN_DOMAIN
-from swarmd.crdt.store import BASE_OBJECT, BUCKETS, DIGEST_SIZE, MAX_BASE_SIZE
-from swarmd.crdt.types import MAX_KEY
+from swarmd.crdt.bases import BASE_OBJECT
+from swarmd.crdt.ops import SIGN_DOMAIN
+from swarmd.node.crdt_push import Pushing
+from swarmd.node.crdt_sync import Syncing
+from swarmd.node.crdt_wire import (
+    ACK, CRDT_SPEC, ENTRIES, MAX_PUSH_OPS, OPS, PUSH, SYNC, SYNC_BATCH, WANT, answer_sync, answer_want,
+)
 from swarmd.node.oplog import OpLog
 from swarmd.transport.base import Stream, Transport
 from swarmd.transport.clock import SYSTEM, Clock
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity, verify
 from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
-from swarmd.transport.wire import ANY, WIRE, Bool, Bytes, Dict, Int, List, Map, Nil, OneOf, Str, Tuple
 
 logger = logging.getLogger(__name__)
 
-PUSH, ACK, SYNC, OPS, ENTRIES, WANT = 1, 2, 3, 4, 5, 6
-CRDT_SPEC = ProtocolSpec("crdt", "2.0.0", max_frame=8 << 20, kinds=frozenset({PUSH, ACK, SYNC, OPS, ENTRIES, WANT}))
-MAX_PUSH_OPS = 1000
-SYNC_BATCH = 1000
-PUSH_BYTES = 4 << 20  # op bodies per PUSH or OPS frame (the frame limit is 8 MiB)
-# a push of few bytes (a node's progress record, a member op, their relays) goes over a stream kept to that peer, not
-# a new one: a p2p stream opened, used for one PUSH and ACK and closed costs both nodes and their p2p daemons 3.0 ms
-# of CPU against 0.37 ms on a kept stream (loopback, 2-core machine), and an 8-node DiLoCo swarm pushes about 20
-# times a node a round (each node's progress record, to everyone and relayed on), which its p2p daemon and event loop
-# carry as a fixed cost of every round (``docs/benchmarks/crdt.md``, Kept push streams)
-KEPT_PUSH_BYTES = 64 << 10  # op bodies: a larger push (a joiner's catch-up, a base) gets a stream of its own
-KEPT_REPLY = 5.0  # s: an ACK later than this on a kept stream: the stream is taken for broken (a partition, a peer
-# restarted), closed, and the push goes over a new stream, with the usual timeouts
-KEPT_IDLE = 20.0  # s: a kept stream unused this long is closed (the responder stops waiting for the next at 30 s)
 LOG_SLACK = 1000  # the op log is rewritten without restated ops once it holds this many more than twice the live ones
-PAGE = 2048  # version-vector entries per ENTRIES / WANT message
-MAX_PAGES = 64  # pages per sync (the next anti-entropy round goes on)
-MAX_WANTS = 64  # WANT round trips per page
 PREVERIFY_AT = 16  # batches of at least this many ops have their signatures checked in a worker thread
-
-_OPS = List(ANY("crdt.decode_wire, op by op: a bad op is refused alone"), MAX_PUSH_OPS)
-_VV = Dict(Str(MAX_KEY), Int(0), PAGE)  # a page of a version vector: {author: seq}
-_PAGE_KEY = OneOf((Nil(), Tuple.of(Int(0, BUCKETS - 1), Str(MAX_KEY))))
-_OP = {"b": b"\x97\x01...", "s": bytes(64)}
-WIRE.blob("(inside a signed op)", "crdt.op", Tuple.of(
-    Int(1, 1), Str(MAX_AUTHOR, min=1), Int(1, MAX_SEQ), Tuple.of(Int(0, 2**63 - 1), Int(0, 2**63 - 1)),
-    List(Bytes(exact=ID_SIZE), MAX_PARENTS), Str(MAX_OBJECT_NAME, min=1), ANY("the object's CRDT type")),
-    [1, "12D3KooW...", 1, [1_800_000_000_000, 0], [], "kv", {"k": "12D3KooW.../note", "v": "hi"}],
-    max_size=MAX_BASE_SIZE, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
-    doc="an op's body b: [1, author, seq, HLC clock, parent op ids (sorted), object, payload]; s signs it; the op "
-        "id is BLAKE2b-256(b). At most 4 KiB, but an author's every 1,000th op is its base (up to 64 KiB): object "
-        "'_base', payload {parts: {object: the author's whole contribution}, ticket?: its admission ticket}")
-WIRE.frame(CRDT_SPEC, PUSH, "crdt.push", Map.of(ops=_OPS), {"ops": [_OP]}, signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
-           doc="new ops, each signed by its author")
-WIRE.frame(CRDT_SPEC, ACK, "crdt.ack", Map.of(applied=Int(0), rejected=Int(0)), {"applied": 1, "rejected": 0})
-WIRE.frame(CRDT_SPEC, SYNC, "crdt.sync", Map.of(d=List(Tuple.of(Int(0, BUCKETS - 1), Bytes(exact=DIGEST_SIZE)),
-                                                       BUCKETS), after=_PAGE_KEY),
-           {"d": [[7, bytes(DIGEST_SIZE)]], "after": None}, doc="our bucket digests, and where the page starts")
-WIRE.frame(CRDT_SPEC, OPS, "crdt.ops", Map.of(ops=_OPS, more=Bool()), {"ops": [_OP], "more": False},
-           doc="the ops a WANT asked for, in causal order")
-WIRE.frame(CRDT_SPEC, ENTRIES, "crdt.entries", Map.of(b=List(Int(0, BUCKETS - 1), BUCKETS), vv=_VV, next=_PAGE_KEY),
-           {"b": [7], "vv": {"12D3KooW...": 3}, "next": None}, doc="the buckets that differ and a page of ours")
-WIRE.frame(CRDT_SPEC, WANT, "crdt.want", Map.of(have=_VV), {"have": {"12D3KooW...": 2}},
-           doc="send me each author's ops after these seqs")
 
 # how a rejected op counts against the peer that sent it (see transport.penalties.WEIGHTS)
 PENALTY = {
@@ -145,7 +91,7 @@ class WritesPaused(ValueError):
     """Local writes wait: the op log was damaged and this node has not yet re-fetched its own ops from a peer."""
 
 
-class Replicator:
+class Replicator(Pushing, Syncing):
     def __init__(
         self,
         identity: Identity,
@@ -504,223 +450,6 @@ class Replicator:
             else:
                 raise MalformedMessage(f"crdt: unexpected message kind {message.kind}")
 
-    # ------------------------------------------------------------------ protocol: client side
-    async def _push(self, peer_id: str, ops: list[Op]) -> None:
-        """Push ``ops`` to ``peer_id``: a few bytes over the stream kept to it (``KEPT_PUSH_BYTES``), opened on the
-        first push; a kept stream that fails or answers late is closed and the push goes over a new one (the ops
-        are idempotent: one the peer got twice is acked as known)."""
-        if self._private_from(peer_id):
-            self._refuse_outsider(peer_id, "outbound")
-            return
-        small = sum(len(op.body) for op in ops) <= KEPT_PUSH_BYTES
-        kept = self._kept.pop(peer_id, None) if small else None
-        if kept is not None:
-            stream, used = kept
-            if self.clock.monotonic() - used < KEPT_IDLE:  # else its responder may be ending it: not used
-                try:
-                    await self._push_on(stream, ops, reply_timeout=KEPT_REPLY)
-                    await self._keep(peer_id, stream)
-                    return
-                except (TransportError, ConnectionError, asyncio.IncompleteReadError, asyncio.TimeoutError) as e:
-                    self.counters["kept_push_failed"] += 1
-                    logger.debug("push to %s over the kept stream failed: %r; over a new one", peer_id, e)
-                except BaseException:
-                    await stream.close()
-                    raise
-            await stream.close()
-        stream = await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0)
-        self.counters["push_streams_opened"] += 1
-        keep = False
-        try:
-            await self._push_on(stream, ops)
-            keep = small
-        finally:
-            if keep:
-                await self._keep(peer_id, stream)
-            else:
-                await stream.close()
-
-    async def _keep(self, peer_id: str, stream: Stream) -> None:
-        """``stream`` becomes the one kept to ``peer_id``, unless another push to it kept one meanwhile."""
-        if peer_id in self._kept:
-            await stream.close()
-        else:
-            self._kept[peer_id] = (stream, self.clock.monotonic())
-
-    async def _close_idle(self, peers: list[str]) -> None:
-        """Close the kept streams unused for ``KEPT_IDLE`` and those to peers no longer among ``peers``."""
-        now, connected = self.clock.monotonic(), set(peers)
-        for peer_id, (stream, used) in list(self._kept.items()):
-            if now - used >= KEPT_IDLE or peer_id not in connected:
-                del self._kept[peer_id]
-                await stream.close()
-
-    async def _push_on(self, stream: Stream, ops: list[Op], reply_timeout: float = 30.0) -> None:
-        batches, size = [[]], 0
-        for op in ops:  # at most MAX_PUSH_OPS ops and PUSH_BYTES of bodies a frame (bases are up to 64 KiB)
-            if batches[-1] and (len(batches[-1]) == MAX_PUSH_OPS or size + len(op.body) > PUSH_BYTES):
-                batches.append([])
-                size = 0
-            batches[-1].append(op)
-            size += len(op.body)
-        for batch in batches if ops else []:
-            await stream.send(PUSH, {"ops": [o.wire() for o in batch]})
-            reply = await asyncio.wait_for(stream.read_required(), reply_timeout)
-            if reply.kind != ACK:
-                raise MalformedMessage("crdt: expected ACK")
-            self.counters["ops_sent"] += len(batch)
-            self._note_ack(stream.peer_id, batch, reply.body)
-
-    def _note_ack(self, peer_id: str, batch: list[Op], ack: Any) -> None:
-        """What a peer refused of a batch that carried our own ops: the writer learns that its writes do not spread
-        (``refused_by`` in /status, ``swarmd doctor``). An ACK counts the whole batch; ops of ours that a peer had
-        already are acked as applied or known, never as refused, so a refusal of a batch of ours alone is ours."""
-        if not isinstance(ack, dict) or type(ack.get("rejected")) is not int or ack["rejected"] <= 0:
-            return
-        me = self.identity.peer_id
-        ours = sum(op.author == me for op in batch)
-        if not ours:
-            return
-        n = min(ours, ack["rejected"])
-        if peer_id not in self.last_sync:
-            # a peer we never synced with may lack our earlier ops (it refuses a later one as unknown_author): a
-            # sync brings them, and only what it refuses after one counts
-            self.counters["own_ops_refused_before_sync"] += n
-            self.sync_soon(peer_id)
-            return
-        entry = self.refused_by.setdefault(peer_id, {"ops": 0, "at": 0.0})
-        entry["ops"] += n
-        entry["at"] = self.clock.time()
-        self.counters["own_ops_refused"] += n
-        self._log.log(logging.WARNING, ("refused_by", peer_id), "crdt: %s refused %d of our op(s) (it refused %d "
-                      "so far): our writes may not reach the swarm; see its log and `swarmd doctor`", peer_id, n,
-                      entry["ops"])
-        if len(self.refused_by) > 256:
-            self.refused_by.pop(min(self.refused_by, key=lambda p: self.refused_by[p]["at"]))
-
-    async def sync_with(self, peer_id: str) -> None:
-        """Page through the buckets where ``peer_id``'s state differs from ours: pull what we lack, push what it
-        lacks."""
-        if self._private_from(peer_id):
-            self._refuse_outsider(peer_id, "outbound")
-            return
-        async with await self.transport.open_stream(peer_id, CRDT_SPEC, timeout=10.0) as stream:
-            after = None
-            for _ in range(MAX_PAGES):
-                digests = [[b, d] for b, d in self.store.digests().items()]
-                await stream.send(SYNC, {"d": digests, "after": None if after is None else list(after)})
-                reply = await asyncio.wait_for(stream.read_required(), 30.0)
-                body = reply.body
-                if reply.kind != ENTRIES:
-                    raise MalformedMessage("crdt: expected ENTRIES")
-                buckets, theirs, nxt = parse_entries(body)
-                if nxt is not None and after is not None and nxt <= after:
-                    raise MalformedMessage("crdt: ENTRIES paging went backwards")
-                if not buckets:
-                    break
-                want, lacking = self.store.page_diff(theirs, buckets, after, nxt)
-                if want:
-                    self.store.fetching.update(want)  # their op #1 is on its way: later ops wait for it
-                    try:
-                        await self._pull_page(stream, peer_id, theirs)
-                    finally:
-                        self.store.fetching.difference_update(want)
-                ops, _ = self.store.ops_after(lacking, 10 * SYNC_BATCH, 10 * PUSH_BYTES)
-                if ops:
-                    await self._push_on(stream, ops)
-                if nxt is None:
-                    break
-                after = nxt
-        self.last_sync[peer_id] = self.clock.time()
-        self.counters["syncs"] += 1
-
-    async def _pull_page(self, stream: Stream, peer_id: str, theirs: dict[str, int]) -> None:
-        """WANT the ops of the authors where the peer is ahead, until it has sent everything up to its page."""
-        def known(author: str) -> int:
-            return max(self.store.last_seq(author), seen.get(author, 0))
-
-        seen: dict[str, int] = {}
-        for _ in range(MAX_WANTS):
-            want = {a: known(a) for a, seq in theirs.items() if seq > known(a)}
-            if not want:
-                return
-            await stream.send(WANT, {"have": want})
-            reply = await asyncio.wait_for(stream.read_required(), 30.0)
-            body = reply.body
-            if reply.kind != OPS or not isinstance(body, dict) or set(body) != {"ops", "more"}:
-                raise MalformedMessage("crdt: expected OPS {ops, more}")
-            before = dict(seen)
-            await self._ingest(peer_id, body["ops"], seen)
-            if body["more"] is not True or seen == before:
-                return
-
-    def sync_soon(self, peer_id: str) -> None:
-        self._sync_soon.add(peer_id)
-        self._sync_event.set()
-
-    # ------------------------------------------------------------------ background loops
-    async def _push_loop(self) -> None:
-        sem = asyncio.Semaphore(16)
-
-        async def push_one(peer_id: str, ops: list[Op]) -> None:
-            async with sem:
-                try:
-                    await self._push(peer_id, ops)
-                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
-                    self.counters["push_failures"] += 1
-                    logger.debug("push to %s failed: %s (anti-entropy will repair)", peer_id, e)
-
-        while True:
-            await self._outbox_event.wait()
-            self._outbox_event.clear()
-            ops, self._outbox = self._outbox, []
-            relays, self._relays = self._relays, []
-            peers = self._peers()
-            batches: dict[str, list[Op]] = {p: list(ops) for p in peers} if ops else {}
-            if ops:
-                self.counters["pushes"] += 1
-            for op, came_from in relays:
-                # an epidemic push: each new op goes on to a few random peers other than the one it came from and
-                # its author, so in a swarm too large for everyone to be connected it crosses the graph in hops of
-                # one round trip, not of one anti-entropy interval (a peer that has it already acks it as known)
-                others = [p for p in peers if p != came_from and p != op.author]
-                for p in self._rng.sample(others, min(self.relay_fanout, len(others))):
-                    batches.setdefault(p, []).append(op)
-                self.counters["ops_relayed"] += 1
-            if batches:
-                await asyncio.gather(*(push_one(p, batch) for p, batch in batches.items()))
-
-    async def _anti_entropy_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._sync_event.wait(), self.sync_interval * self._rng.uniform(0.8, 1.2))
-            except asyncio.TimeoutError:
-                pass
-            self._sync_event.clear()
-            try:
-                await self.compact_log()
-            except OSError as e:
-                self._log.log(logging.WARNING, "compact", "crdt: could not rewrite the op log: %s", e)
-            dropped = dict(self.store.pending_dropped)
-            self.store.expire_pending(self._now_ms())
-            if dict(self.store.pending_dropped) != dropped:
-                self._log.log(logging.WARNING, "pending", "crdt: held ops waiting for unknown parents dropped so "
-                              "far: %s (anti-entropy re-delivers honest ones)", dict(self.store.pending_dropped))
-            peers = self._peers()
-            await self._close_idle(peers)
-            targets = [p for p in sorted(self._sync_soon) if p in peers]
-            self._sync_soon.clear()
-            if not targets and peers:
-                targets = [self._rng.choice(peers)]
-            for peer_id in targets:
-                try:
-                    await self.sync_with(peer_id)
-                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
-                    self.counters["sync_failures"] += 1
-                    if isinstance(e, ProtocolViolation):
-                        self.transport.penalties.penalize(peer_id, e.kind, str(e))
-                    self._log.log(logging.DEBUG, ("sync", peer_id), "sync with %s failed: %s", peer_id, e)
-
     # ------------------------------------------------------------------ views
     def summary(self) -> dict:
         s = self.store.summary()
@@ -762,65 +491,3 @@ def still_live(wires: list) -> list[bool]:
     return [key is None or not isinstance(key[1], int) or key[1] >= bases.get(key[0], 0) for key in keys]
 
 
-def answer_sync(store: OpStore, body: Any) -> dict:
-    """A SYNC request's ENTRIES reply: the buckets that differ and one page of our entries for them."""
-    if not isinstance(body, dict) or set(body) != {"d", "after"}:
-        raise MalformedMessage("crdt: SYNC body must be {d: digests, after}")
-    try:
-        buckets = store.differing(_parse_digests(body["d"]))
-    except ValueError as e:
-        raise MalformedMessage(f"crdt: {e}") from None
-    entries, nxt = store.entries(buckets, _parse_key(body["after"]), PAGE)
-    return {"b": buckets, "vv": entries, "next": None if nxt is None else list(nxt)}
-
-
-def answer_want(store: OpStore, body: Any) -> dict:
-    """A WANT request's OPS reply: our ops past the seqs it names, in causal order, at most ``SYNC_BATCH``."""
-    if not isinstance(body, dict) or set(body) != {"have"}:
-        raise MalformedMessage("crdt: WANT body must be {have: {author: seq}}")
-    ops, more = store.ops_after(_parse_vv(body["have"]), SYNC_BATCH, PUSH_BYTES)
-    return {"ops": [o.wire() for o in ops], "more": more}
-
-
-def parse_entries(body: Any) -> tuple[list[int], dict[str, int], tuple[int, str] | None]:
-    """An ENTRIES reply: (differing buckets, the page of entries, where the next page starts)."""
-    if not isinstance(body, dict) or set(body) != {"b", "vv", "next"}:
-        raise MalformedMessage("crdt: expected ENTRIES {b, vv, next}")
-    return _parse_buckets(body["b"]), _parse_vv(body["vv"]), _parse_key(body["next"])
-
-
-def _parse_vv(vv: Any) -> dict[str, int]:
-    """One page of a version vector: at most ``PAGE`` entries {author: seq} (the protocol's limit for every
-    honest peer, so more is the sender's fault)."""
-    if (
-        not isinstance(vv, dict)
-        or len(vv) > PAGE
-        or not all(isinstance(k, str) and len(k) <= MAX_KEY and type(v) is int and v >= 0 for k, v in vv.items())
-    ):
-        raise MalformedMessage(f"crdt: a version-vector page is at most {PAGE} entries {{author: seq}}")
-    return vv
-
-
-def _parse_digests(d: Any) -> dict:
-    """[[bucket, digest], ...] -> {bucket: digest} (the store checks the entries)."""
-    if not isinstance(d, list) or len(d) > BUCKETS or not all(isinstance(x, list) and len(x) == 2 for x in d):
-        raise MalformedMessage("crdt: digests are at most 256 [bucket, digest] pairs")
-    out = {x[0]: x[1] for x in d if isinstance(x[0], int)}
-    if len(out) != len(d):
-        raise MalformedMessage("crdt: digests name each bucket once, by number")
-    return out
-
-
-def _parse_buckets(b: Any) -> list[int]:
-    if not isinstance(b, list) or len(b) > BUCKETS or not all(type(x) is int and 0 <= x < BUCKETS for x in b):
-        raise MalformedMessage("crdt: buckets are a list of bucket numbers")
-    return b
-
-
-def _parse_key(key: Any) -> tuple[int, str] | None:
-    if key is None:
-        return None
-    if not (isinstance(key, list) and len(key) == 2 and type(key[0]) is int and 0 <= key[0] < BUCKETS
-            and isinstance(key[1], str) and len(key[1]) <= MAX_KEY):
-        raise MalformedMessage("crdt: a page key is [bucket, author]")
-    return key[0], key[1]

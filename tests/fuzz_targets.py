@@ -75,7 +75,7 @@ def _pack(obj) -> bytes:
 
 # ------------------------------------------------------------------ wire and state
 def _wire_targets(ident: Identity) -> list[Target]:
-    from swarmd.node.replication import answer_sync, answer_want, parse_entries
+    from swarmd.node.crdt_wire import answer_sync, answer_want, parse_entries
     from swarmd.protocols import bulk
     from swarmd.protocols.gossip import decode_message as gossip_decode
 

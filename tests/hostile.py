@@ -87,7 +87,7 @@ def as_message(body, kind=None) -> bytes:
 def empty_map_bomb() -> bytes:
     """One CRDT frame just under 8 MiB of nested empty maps: as many as the decode budget lets through before it
     refuses the frame."""
-    from swarmd.node.replication import PUSH
+    from swarmd.node.crdt_wire import PUSH
     from swarmd.transport.framing import HEADER, encode
 
     payload = encode(PUSH, {"ops": [[{}] * 1000] * 8000})

@@ -286,7 +286,7 @@ async def test_big_frames_at_once_share_one_inbound_budget(swarm):
     import psutil
 
     from hostile import empty_map_bomb, send_raw_frames
-    from swarmd.node.replication import CRDT_SPEC
+    from swarmd.node.crdt_wire import CRDT_SPEC
 
     victim = swarm.start("victim")
     proc = psutil.Process(victim.pid)

@@ -151,7 +151,7 @@ def test_unknown_parents_are_held_then_applied_and_bounded():
     assert s.receive(ops[4].wire(), NOW).reason == "pending_full"  # its author holds its whole share
     r = s.receive(ops[0].wire(), NOW)
     assert r.status == APPLIED and [o.id for o in r.applied] == [o.id for o in ops[:4]]
-    assert s.value("count")["total"] == 4 and not s.pending and not s._waiting
+    assert s.value("count")["total"] == 4 and not s.pending and not s.held.waiting
     assert s.receive(ops[4].wire(), NOW).status == APPLIED  # anti-entropy delivers it again
     assert s.receive(ops[0].wire(), NOW).status == DUPLICATE
 
@@ -173,13 +173,13 @@ def test_an_orphan_flood_neither_grows_the_store_nor_locks_out_honest_ops():
         s.receive(make_op(fresh.sign, fresh.peer_id, 2, (NOW + i, 0), [os.urandom(32)], "count", {"n": 1}).wire(),
                   NOW + i)
     assert len(s.pending) == 100 and s.pending_dropped["evicted"] == 60
-    assert len(s._waiting) == 100  # one entry per held op, not one per missing parent
+    assert len(s.held.waiting) == 100  # one entry per held op, not one per missing parent
     honest = store()
     first, second = write(honest, IDS[0], "count", {"n": 1}), write(honest, IDS[0], "count", {"n": 2})
     assert s.receive(second.wire(), NOW + 200).status == PENDING
     r = s.receive(first.wire(), NOW + 200)
     assert r.status == APPLIED and len(r.applied) == 2
-    assert s.expire_pending(NOW + 200 + s.pending_ttl_ms) == 99 and not s.pending and not s._waiting
+    assert s.expire_pending(NOW + 200 + s.held.ttl_ms) == 99 and not s.pending and not s.held.waiting
     assert s.summary()["pending_expired"] == 99
 
 
@@ -486,7 +486,7 @@ def _many_authors(n: int, prefix: str, seqs=lambda i: 1) -> list:
 
 def _sync(a: OpStore, b: OpStore, page: int) -> dict:
     """What node/replication.py's sync_with does, on two stores: a pulls from and pushes to b, page by page."""
-    from swarmd.crdt.store import BUCKETS, DIGEST_SIZE
+    from swarmd.crdt.buckets import BUCKETS, DIGEST_SIZE
 
     sizes, after = {"digests": 0, "entries": 0, "pages": 0}, None
     while True:

@@ -9,7 +9,7 @@ import pytest
 
 from swarmd.crdt.admission import Admission
 from swarmd.crdt.ops import make_op
-from swarmd.node.replication import CRDT_SPEC, PUSH, SYNC, WANT
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH, SYNC, WANT
 from swarmproc import LOCAL_CONFIG, REPO, Swarm, http_get, http_post, run_cli, wait_for
 from swarmd.transport.errors import TransportError
 from swarmd.transport.identity import Identity

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from swarmd.crdt.ops import make_op
-from swarmd.node.replication import CRDT_SPEC, PUSH
+from swarmd.node.crdt_wire import CRDT_SPEC, PUSH
 from swarmproc import http_get, http_post, wait_for
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
@@ -232,7 +232,7 @@ async def test_fresh_keys_cannot_write_and_many_admitted_authors_still_sync(tmp_
     # tested is that each needs one, and the paging
     import asyncio
 
-    from swarmd.node.replication import PAGE
+    from swarmd.node.crdt_wire import PAGE
     from swarmproc import LOCAL_CONFIG, Swarm
 
     config = tmp_path / "cheap.toml"

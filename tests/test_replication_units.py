@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from swarmd.node.replication import KEPT_IDLE
+from swarmd.node.crdt_push import KEPT_IDLE
 from swarmd.node.sim import SimConfig, SimSwarm
 from swarmd.transport.memory import run_virtual
 

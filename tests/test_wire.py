@@ -90,7 +90,7 @@ def test_topic_messages_carry_kind_and_version_and_are_checked():
 
 def test_a_frame_whose_body_breaks_its_schema_is_refused_at_the_stream():
     _load()
-    from swarmd.node.replication import ACK, CRDT_SPEC
+    from swarmd.node.crdt_wire import ACK, CRDT_SPEC
     from swarmd.transport.base import _decode
 
     message, refusal = _decode(encode(ACK, {"applied": 1, "rejected": 0}), CRDT_SPEC)
