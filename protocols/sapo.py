@@ -212,7 +212,7 @@ class SapoLoop(TaskLoop):
         self.cfg = config
         self._init_task(task)
         self.rules = Rules(task, config)
-        self.fp = tasks.fingerprint(task, config.shared(), None)
+        self.fps.own = tasks.fingerprint(task, config.shared(), None)
         self.topic = f"sapo/{config.run}"
         # rounds are each peer's own: per author, the items of its newest round (its round number, its seeds)
         self.inbox: collections.OrderedDict[str, tuple[int, list]] = collections.OrderedDict()
@@ -263,7 +263,7 @@ class SapoLoop(TaskLoop):
         self.model = model if isinstance(model, torch.nn.Module) else None
 
     async def _run(self) -> None:
-        self.threads = tasks.set_threads(self.cfg.threads)
+        self.runtime.threads = tasks.set_threads(self.cfg.threads)
         cfg, me = self.cfg, self._ctx.identity.peer_id
         seed = cfg.policy_seed if cfg.policy_seed is not None else policy_seed(cfg.seed, me)
         self.state = "building the policy"
@@ -402,8 +402,9 @@ class SapoLoop(TaskLoop):
         self.round = self.joined_at = int(meta["round"])
         self.cumulative_reward = float(meta.get("cumulative_reward", 0.0))
         inner = self._restore_optimizer(getattr(self.policy, "opt", None), tensors, meta)
-        self.resumed = {"source": "own checkpoint", "round": self.round, "step": self.round, "optimizer_state": inner}
-        self.saved = {"path": str(self._checkpoint_path()), "round": self.round, "step": self.round}
+        self.ckpt.resumed = {"source": "own checkpoint", "round": self.round, "step": self.round,
+                             "optimizer_state": inner}
+        self.ckpt.saved = {"path": str(self._checkpoint_path()), "round": self.round, "step": self.round}
         logger.info("sapo: resuming run %s from our checkpoint at round %d", self.cfg.run, self.round)
 
     # ------------------------------------------------------------------ rounds
@@ -491,7 +492,7 @@ class SapoLoop(TaskLoop):
                 continue
             s = self.sources.get(author)
             self.counters["judged_useless"] += 1
-            self._offended(author, "useless", r)
+            self.round_log.offended(author, "useless", r)
             self._ctx.transport.penalties.penalize(
                 author, "suspect", f"sapo: no completion of its last {s.streak} items scored above 0 by our "
                 f"verifier, while the other sources' recent items had one that did at a median rate of "

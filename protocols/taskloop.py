@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,6 +15,9 @@ import torch
 from swarmd.node.services import WorkBoard
 from swarmd.protocols import checkpoint
 from swarmd.protocols.gossip import Message, Verdict
+from swarmd.protocols.loopstate import (
+    CheckpointRecord, Fingerprints, Halt, ProgressWrites, RoundTimeline, Runtime,
+)
 from swarmd.protocols.outer import wait_event
 from swarmd.protocols.rounds import RoundWait
 from swarmd.protocols.standing import Standing
@@ -27,53 +29,64 @@ from swarmd.transport.wire import WIRE, Str, Tuple, UnknownKind
 
 logger = logging.getLogger(__name__)
 
-MAX_MISMATCHED = 64  # peers whose mismatching fingerprint we remember
-TIMELINE_ROUNDS = 64  # closed rounds kept for the dashboard's round timeline
-TIMELINE_PEERS = 64  # peer ids kept per list in one round's record (the counts are always whole)
-MAX_OFFENDERS = 64  # peers whose refused contributions /status lists (the most recent offenders are kept)
-# our progress register (what every peer's dashboard shows of us) is written at most this often: each write is an
-# op every peer verifies, logs (fsync'd) and forwards, and a run's rounds can be a second apart
-PROGRESS_EVERY = 5.0
-NOT_OFFENCES = frozenset({"base"})  # refusals that are no one's fault (an update from weights we just left)
-
 
 TAG = Tuple.of(Str(32), Str(32))  # every loop message's "t": the run's fingerprint (model layout, shared config)
 
 
 class TaskLoop:
     """Mixed into DiLoCo, SPSA and SAPO. The subclass sets ``name``, ``cfg`` (with ``run``, ``device``) and calls
-    :meth:`_init_task`; it tags outgoing bodies with :meth:`_tag` and checks incoming ones with :meth:`_foreign`."""
+    :meth:`_init_task`; it tags outgoing bodies with :meth:`_tag` and checks incoming ones with :meth:`_foreign`.
+    The state kept here lives in a few holders of one concern each (``protocols.loopstate``), so that the loops, which
+    add their own, stay small classes."""
 
     name: str
-    progress_every = PROGRESS_EVERY  # seconds between our progress writes, at least (a test lowers it)
-    _progress_at = -math.inf  # when we last wrote our progress (the clock's monotonic time)
-    _progress_next: dict | None = None  # the newest progress not written yet
-    _progress_later: asyncio.Task | None = None  # the write that waits for the interval's end
 
     def _init_task(self, task: Task) -> None:
         self.task = task
-        self.device: torch.device | None = None
-        self.threads: int | None = None  # torch's CPU threads, set when the loop starts (task.set_threads)
-        self.fp: dict | None = None  # {"layout": ..., "config": ...}, set once the model is built
-        # this run's fingerprints under earlier versions whose checkpoints of it we still resume from (the loop
-        # checks what changed: DiLoCo's weights hash)
-        self.earlier_fps: list[dict] = []
-        # this run's fingerprint without the rules of how its peers compute together (a loop sets it: DiLoCo's
-        # reduction rule, outer step, encoder, weights hash), saved in each checkpoint: a later version whose rules
-        # changed still resumes its weights (never meets its nodes in a round: the full fingerprint differs)
-        self.resumable_fp: dict | None = None
-        self.error: str | None = None
-        self.refused: str | None = None
-        self.mismatched: collections.OrderedDict[str, list] = collections.OrderedDict()
-        self.resumed: dict | None = None
-        self.saved: dict | None = None
-        self._last_refusal_log = 0.0
+        self.runtime = Runtime()
+        self.fps = Fingerprints()
+        self.halt = Halt()
+        self.ckpt = CheckpointRecord()
         self.work = WorkBoard(logging.getLogger(f"protocols.{self.name}"))  # long work, in /status as it goes
-        self.timeline: collections.deque[dict] = collections.deque(maxlen=TIMELINE_ROUNDS)
-        self._timeline_bytes = 0  # bytes_sent() when the last round was recorded
-        # peer -> {reason: count} of its refused contributions, and the last round it offended in: /status shows
-        # who is sending bad updates (the transport's penalties ban them; this says what they did to this run)
-        self.offenders: collections.OrderedDict[str, dict] = collections.OrderedDict()
+        self.round_log = RoundTimeline()
+        self.progress = ProgressWrites()
+
+    # read-only views of the holders' state, for the loops' code and for readers outside (the API, the dashboard)
+    @property
+    def device(self) -> torch.device | None:
+        return self.runtime.device
+
+    @property
+    def fp(self) -> dict | None:
+        """The run's fingerprint, {"layout": ..., "config": ...}; None until the model is built."""
+        return self.fps.own
+
+    @property
+    def error(self) -> str | None:
+        """The task's error that failed the loop (None while it has not)."""
+        return self.halt.error
+
+    @property
+    def refused(self) -> str | None:
+        """Why the run is refused (None while it is not)."""
+        return self.halt.refused
+
+    @property
+    def saved(self) -> dict | None:
+        return self.ckpt.saved
+
+    @property
+    def resumed(self) -> dict | None:
+        return self.ckpt.resumed
+
+    @property
+    def timeline(self) -> collections.deque[dict]:
+        """The closed rounds, for the dashboard."""
+        return self.round_log.rounds
+
+    @property
+    def offenders(self) -> collections.OrderedDict[str, dict]:
+        return self.round_log.offenders
 
     @property
     def clock(self) -> Clock:
@@ -87,7 +100,7 @@ class TaskLoop:
         self.standing = Standing(ctx.identity.peer_id, self.cfg.peers, ctx.anchors)
 
     def _setup_device(self) -> None:
-        self.device = pick_device(self.cfg.device)
+        self.runtime.device = pick_device(self.cfg.device)
 
     # ------------------------------------------------------------------ failure
     async def _guarded(self, body) -> None:
@@ -95,14 +108,14 @@ class TaskLoop:
         try:
             await body()
         except TaskError as e:
-            self.error = str(e)
+            self.halt.error = str(e)
             self.state = "failed"
             logger.error("%s loop failed: %s", self.name, e)
             await asyncio.Event().wait()
 
     # ------------------------------------------------------------------ fingerprint on the wire
     def _tag(self, body: dict) -> dict:
-        body["t"] = [self.fp["layout"], self.fp["config"]]
+        body["t"] = self.fps.tag()
         return body
 
     def _unpack(self, carrier: str, message: Message) -> tuple[object, dict] | Verdict:
@@ -135,8 +148,8 @@ class TaskLoop:
         tag = body.pop("t", None)
         if not (isinstance(tag, list) and len(tag) == 2 and all(isinstance(x, str) and len(x) <= 32 for x in tag)):
             return False
-        if self.fp is None or tag == [self.fp["layout"], self.fp["config"]]:
-            self.mismatched.pop(author, None)
+        if self.fps.own is None or tag == self.fps.tag():
+            self.halt.mismatched.pop(author, None)
             return None
         self.counters["rejected_task_mismatch"] += 1
         if not self._witness(author):
@@ -144,10 +157,7 @@ class TaskLoop:
             # directly (a connection each, not a signature each), may tell us that the run trains something else
             self.counters["task_mismatch_unvouched"] += 1
             return True
-        self.mismatched[author] = tag
-        self.mismatched.move_to_end(author)
-        while len(self.mismatched) > MAX_MISMATCHED:
-            self.mismatched.popitem(last=False)
+        self.halt.saw(author, tag)
         return True
 
     def _witness(self, peer: str) -> bool:
@@ -159,18 +169,20 @@ class TaskLoop:
     def _check_refusal(self, matching_peers: int) -> None:
         """While waiting to start: peers are here but none trains what we train -> say why, in /status and once a
         minute in the log."""
-        if self.mismatched and matching_peers == 0:
-            tags = collections.Counter(tuple(t) for t in self.mismatched.values())
+        halt = self.halt
+        if halt.mismatched and matching_peers == 0:
+            tags = collections.Counter(tuple(t) for t in halt.mismatched.values())
             theirs, n = tags.most_common(1)[0]
-            self.refused = (f"peers with another task were seen in run {self.cfg.run!r} and none with ours: {n} "
-                            f"peer(s) train with {describe_mismatch(self.fp, list(theirs))}; if they are this run's "
-                            f"peers, the run's nodes must use the same task and task_options ([loops.{self.name}])")
+            halt.refused = (f"peers with another task were seen in run {self.cfg.run!r} and none with ours: {n} "
+                            f"peer(s) train with {describe_mismatch(self.fps.own, list(theirs))}; if they are this "
+                            f"run's peers, the run's nodes must use the same task and task_options "
+                            f"([loops.{self.name}])")
             self.state = "refused"
-            if self.clock.monotonic() - self._last_refusal_log > 60:
-                self._last_refusal_log = self.clock.monotonic()
-                logger.warning("%s: %s", self.name, self.refused)
-        elif self.refused:
-            self.refused = None
+            if self.clock.monotonic() - halt.logged_at > 60:
+                halt.logged_at = self.clock.monotonic()
+                logger.warning("%s: %s", self.name, halt.refused)
+        elif halt.refused:
+            halt.refused = None
             self.state = "waiting for peers"
 
     def _nonfinite(self, what: str, where: str) -> None:
@@ -189,14 +201,14 @@ class TaskLoop:
         return checkpoint.path_for(self._ctx.data_dir, self.name, self.cfg.run)
 
     def _meta(self, **extra) -> dict:
-        return {"loop": self.name, "run": self.cfg.run, "fingerprint": self.fp, "task": self.task.spec,
+        return {"loop": self.name, "run": self.cfg.run, "fingerprint": self.fps.own, "task": self.task.spec,
                 "task_options": self.task.options,
-                **({"resumable": self.resumable_fp} if self.resumable_fp is not None else {}), **extra}
+                **({"resumable": self.fps.resumable} if self.fps.resumable is not None else {}), **extra}
 
     def _save(self, tensors: dict[str, torch.Tensor], **meta) -> None:
         path = self._checkpoint_path()
         checkpoint.save(path, tensors, self._meta(**meta))
-        self.saved = {"path": str(path), **{k: meta[k] for k in ("round", "step", "hash") if k in meta}}
+        self.ckpt.saved = {"path": str(path), **{k: meta[k] for k in ("round", "step", "hash") if k in meta}}
 
     def _own_checkpoint(self) -> tuple[dict, dict] | None:
         """Our checkpoint for this run, if there is one and it is of this task (else None, said why)."""
@@ -208,10 +220,10 @@ class TaskLoop:
         except checkpoint.CheckpointError as e:
             logger.warning("%s: ignoring our checkpoint: %s", self.name, e)
             return None
-        same_run = self.resumable_fp is not None and meta.get("resumable") == self.resumable_fp
+        same_run = self.fps.resumable is not None and meta.get("resumable") == self.fps.resumable
         if not self._listed(meta) and not same_run:
             logger.warning("%s: ignoring our checkpoint %s: it is of another task or config (%s)", self.name, path,
-                           describe_mismatch(self.fp, [meta.get("fingerprint", {}).get(k, "?")
+                           describe_mismatch(self.fps.own, [meta.get("fingerprint", {}).get(k, "?")
                                                        for k in ("layout", "config")]))
             return None
         return tensors, meta
@@ -219,7 +231,7 @@ class TaskLoop:
     def _listed(self, meta: dict) -> bool:
         """Whether a checkpoint's metadata carries our fingerprint or one of the earlier versions' we list (else it
         can only be the same run by its resumable fingerprint, saved under rules we do not list)."""
-        return meta.get("fingerprint") == self.fp or meta.get("fingerprint") in self.earlier_fps
+        return meta.get("fingerprint") == self.fps.own or meta.get("fingerprint") in self.fps.earlier
 
     def _with_optimizer(self, tensors: dict[str, torch.Tensor], opt) -> tuple[dict[str, torch.Tensor], dict]:
         """``tensors`` plus ``opt``'s state (if it is a torch optimizer), and the meta that goes with it."""
@@ -255,7 +267,7 @@ class TaskLoop:
     async def _write_progress(self, step: int, samples: int, loss: float, sent: float, round_: int,
                               metrics: dict[str, float] | None = None) -> None:
         """Our progress into the replicated state (the CRDT's per-peer progress register), for every peer's view:
-        at most one write every ``progress_every`` seconds. A value that comes sooner waits, and only the newest
+        at most one write every ``progress.every`` seconds. A value that comes sooner waits, and only the newest
         one waiting is written when the interval ends (or at once when the run ends). Each write is a signed op
         that every peer of the swarm verifies, logs and forwards: written every round, at N = 8 and 1-second
         rounds, that is a tenth of a node's event loop (the exchange bench)."""
@@ -265,21 +277,22 @@ class TaskLoop:
                  "round": int(round_)}
         if metrics:
             value["metrics"] = metrics
-        self._progress_next = value
-        wait = self._progress_at + self.progress_every - self.clock.monotonic()
+        progress = self.progress
+        progress.waiting = value
+        wait = progress.at + progress.every - self.clock.monotonic()
         if wait <= 0:
             await self._flush_progress()
-        elif self._progress_later is None or self._progress_later.done():
-            self._progress_later = asyncio.get_running_loop().create_task(self._flush_progress(after=wait))
+        elif progress.later is None or progress.later.done():
+            progress.later = asyncio.get_running_loop().create_task(self._flush_progress(after=wait))
 
     async def _flush_progress(self, after: float = 0.0) -> None:
         """Write the progress waiting (if any) now, or after ``after`` seconds."""
         if after > 0:
             await asyncio.sleep(after)
-        value, self._progress_next = self._progress_next, None
+        value, self.progress.waiting = self.progress.waiting, None
         if value is None:
             return
-        self._progress_at = self.clock.monotonic()
+        self.progress.at = self.clock.monotonic()
         try:
             await self._ctx.replicator.write("progress", value)
         except ValueError as e:
@@ -292,48 +305,21 @@ class TaskLoop:
 
     def _stop_progress(self) -> None:
         """(At close.) No write waits on the interval any more."""
-        if self._progress_later is not None:
-            self._progress_later.cancel()
+        if self.progress.later is not None:
+            self.progress.later.cancel()
 
     # ------------------------------------------------------------------ the round timeline
     def _record_round(self, r: int, *, fragment: int | None = None, waited_s: float, deadline_s: float,
                       participants, missing, rejected: dict | None = None) -> None:
         """One closed round for the dashboard: who took part, who was waited for and missing, whose update was
         refused and why, and the bytes this loop sent since the previous record."""
-        sent = self.bytes_sent()
-        rejected = rejected or {}
-        self.timeline.append({
-            "round": r, "fragment": fragment, "closed_at": round(self.clock.time(), 3),
-            "waited_s": round(waited_s, 3), "deadline_s": round(deadline_s, 3),
-            "participants": len(participants), "missing": len(missing), "late": 0, "rejected": len(rejected),
-            "peers": {"participants": sorted(participants)[:TIMELINE_PEERS],
-                      "missing": sorted(missing)[:TIMELINE_PEERS], "late": [],
-                      "rejected": dict(sorted(rejected.items())[:TIMELINE_PEERS])},
-            "bytes_sent": sent - self._timeline_bytes,
-        })
-        self._timeline_bytes = sent
+        self.round_log.record(r, fragment, self.clock.time(), waited_s, deadline_s, participants, missing,
+                              rejected or {}, self.bytes_sent())
         self.counters["peers_missed"] += len(missing)
-        for peer, reason in rejected.items():
-            if reason not in NOT_OFFENCES:
-                self._offended(peer, reason, r)
-
-    def _offended(self, peer: str, reason: str, r: int) -> None:
-        entry = self.offenders.pop(peer, None) or {"refused": {}, "last_round": r}
-        entry["refused"][reason] = entry["refused"].get(reason, 0) + 1
-        entry["last_round"] = r
-        self.offenders[peer] = entry  # the most recent offender last
-        while len(self.offenders) > MAX_OFFENDERS:
-            self.offenders.popitem(last=False)
 
     def _record_late(self, r: int, peer: str, fragment: int | None = None) -> None:
         """A peer's contribution to round r came after we had closed it."""
-        for entry in reversed(self.timeline):
-            if entry["round"] == r and entry["fragment"] == fragment:
-                if peer not in entry["peers"]["late"]:
-                    entry["late"] += 1
-                    if len(entry["peers"]["late"]) < TIMELINE_PEERS:
-                        entry["peers"]["late"].append(peer)
-                return
+        self.round_log.late(r, peer, fragment)
 
     @property
     def loop_key(self) -> str:
@@ -357,7 +343,7 @@ class TaskLoop:
             "deadlines_missed": self.counters.get("deadline_missed", 0),
             "peers_missed": self.counters.get("peers_missed", 0),
             "task_mismatch": self.counters.get("rejected_task_mismatch", 0),
-            "peers_in_last_round": self.timeline[-1]["participants"] if self.timeline else None,
+            "peers_in_last_round": self.round_log.rounds[-1]["participants"] if self.round_log.rounds else None,
             "running": 1.0 if st.get("state") == "running" else 0.0,
         }
 
@@ -365,14 +351,14 @@ class TaskLoop:
     def _task_status(self) -> dict:
         return {
             "task": self.task.spec,
-            "device": str(self.device) if self.device else self.cfg.device,
-            "threads": self.threads,
-            "fingerprint": self.fp,
-            "error": self.error,
-            "refused": self.refused,
-            "mismatched_peers": len(self.mismatched),
-            "checkpoint": self.saved,
-            "resumed": self.resumed,
+            "device": str(self.runtime.device) if self.runtime.device else self.cfg.device,
+            "threads": self.runtime.threads,
+            "fingerprint": self.fps.own,
+            "error": self.halt.error,
+            "refused": self.halt.refused,
+            "mismatched_peers": len(self.halt.mismatched),
+            "checkpoint": self.ckpt.saved,
+            "resumed": self.ckpt.resumed,
             "work": self.work.view(),
-            "offenders": {peer: {**e, "refused": dict(e["refused"])} for peer, e in reversed(self.offenders.items())},
+            "offenders": self.round_log.offenders_view(),
         }

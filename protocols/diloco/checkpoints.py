@@ -124,15 +124,15 @@ class CheckpointsMixin:
                     f.residual_norm = round(float(f.residual.norm()), 6)
         self.standing.found(a for v in self.participants.values() for a in v)  # the peers we last trained with
         digest = self.global_hash() if earlier else meta["hash"]
-        self.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": digest,
-                        "optimizer_state": inner,
-                        "residual": [f.index for f in self.fragments if f.residual is not None]}
+        self.ckpt.resumed = {"source": "own checkpoint", "round": meta["round"], "step": self.step, "hash": digest,
+                             "optimizer_state": inner,
+                             "residual": [f.index for f in self.fragments if f.residual is not None]}
         if earlier:
-            self.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
+            self.ckpt.resumed["saved_by"] = "the version before the BLAKE3 weights hash"
         elif other_rules:
-            self.resumed["saved_by"] = "a version with other rules (the same run)"
-        self.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
-                      "hash": digest}
+            self.ckpt.resumed["saved_by"] = "a version with other rules (the same run)"
+        self.ckpt.saved = {"path": str(self._checkpoint_path()), "round": meta["round"], "step": self.step,
+                           "hash": digest}
         logger.info("diloco: resuming run %s from our checkpoint at round %d, step %d (global %s)%s", self.cfg.run,
                     meta["round"], self.step, digest,
                     " (saved by the version before the BLAKE3 weights hash)" if earlier else "")
@@ -390,8 +390,8 @@ class CheckpointsMixin:
                     self._fetch_announcements(peer, self.fragments[p].rounds_done, p, ids))
                 self.resyncs.asks.add(ask)
                 ask.add_done_callback(self.resyncs.asks.discard)
-        self.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
-                        "hash": ckpt["global_hash"]}
+        self.ckpt.resumed = {"source": f"checkpoint of {peer}", "round": self.rounds_done[-1], "step": self.step,
+                             "hash": ckpt["global_hash"]}
         self.state = "running"
         logger.info("diloco: joined from %s's checkpoint at step %d (global %s)", peer, self.step,
                     ckpt["global_hash"])

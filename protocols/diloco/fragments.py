@@ -22,20 +22,20 @@ class FragmentsMixin:
         model = tasks.build_model(self.task, self.cfg.seed)
         named = tasks.trainable(model)
         shared = self.cfg.shared()
-        self.fp = tasks.fingerprint(self.task, shared, named)
+        self.fps.own = tasks.fingerprint(self.task, shared, named)
         # the same run under older versions of the rules: one that names no e3m0 encoder (the log2 encoder), and
         # one that names no weights hash either (BLAKE2b). We resume their checkpoints (the weights are the same
         # run's), never mix with their nodes in a round
         before_encoder = {k: v for k, v in shared.items() if k != "e3m0_encoder"}
-        self.earlier_fps = [tasks.fingerprint(self.task, before_encoder, named), tasks.fingerprint(
+        self.fps.earlier = [tasks.fingerprint(self.task, before_encoder, named), tasks.fingerprint(
             self.task, {k: v for k, v in before_encoder.items() if k != "weights_hash"}, named)]
         # and one without the screen's exact products and the outer step's unfused operations: its rule's text, no
         # outer step named. (Its weights step with fused multiply-adds on AVX2 CPUs: the same run's weights to
         # resume from, where the start barrier finds the swarm at the same round and hash)
         before_exact = {**{k: v for k, v in shared.items() if k != "outer_step"},
                         "reduce_rule": exchange.REDUCE_RULE_BEFORE_EXACT}
-        self.earlier_fps.append(tasks.fingerprint(self.task, before_exact, named))
-        self.resumable_fp = tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k not in RULES}, named)
+        self.fps.earlier.append(tasks.fingerprint(self.task, before_exact, named))
+        self.fps.resumable = tasks.fingerprint(self.task, {k: v for k, v in shared.items() if k not in RULES}, named)
         replica = self.replica
         replica.model = model.to(self.device)
         named = tasks.trainable(replica.model)
@@ -81,7 +81,7 @@ class FragmentsMixin:
     @property
     def _fp_before_blake3(self) -> dict | None:
         """The fingerprint of this run under the version that hashed weights with BLAKE2b (``_build``)."""
-        return self.earlier_fps[1] if len(self.earlier_fps) > 1 else None
+        return self.fps.earlier[1] if len(self.fps.earlier) > 1 else None
 
     def global_hash(self) -> str:
         return self.fragments.global_hash()

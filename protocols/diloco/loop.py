@@ -145,7 +145,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
 
     async def _begin(self) -> None:
         """The model built, our own checkpoint resumed, the start barrier passed and the link probe begun."""
-        self.threads = tasks.set_threads(self.cfg.threads)
+        self.runtime.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building the model"
         with self.work.track("model build"):
             await asyncio.to_thread(self._build)

@@ -66,8 +66,8 @@ class CheckpointsMixin:
             self.book.applied[w] = {m.author: m for m in (decode_message(x) for x in wires)}
         self.window = meta["round"]
         self.final = bool(meta.get("final"))
-        self.resumed = {"source": "own checkpoint", "round": self.window, "step": meta["step"], "hash": saved_hash}
-        self.saved = {"path": str(self._checkpoint_path()), "round": self.window, "step": meta["step"],
-                      "hash": saved_hash}
+        self.ckpt.resumed = {"source": "own checkpoint", "round": self.window, "step": meta["step"], "hash": saved_hash}
+        self.ckpt.saved = {"path": str(self._checkpoint_path()), "round": self.window, "step": meta["step"],
+                           "hash": saved_hash}
         logger.info("spsa: resuming run %s from our checkpoint at window %d (weights %s)", self.cfg.run,
                     self.window, saved_hash)

@@ -113,8 +113,8 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
         self.model, perturbed = Model.build(self.task, self.cfg.base_seed, self.device, self._ctx.identity.peer_id)
         # peers that draw their batches by step (batch_at) and peers that read a stream cannot audit each other:
         # they are not one run
-        self.fp = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.model.per_step
-                                                else "data"}, perturbed)
+        self.fps.own = tasks.fingerprint(self.task, {**self.cfg.shared(), "batches": "batch_at" if self.model.per_step
+                                                     else "data"}, perturbed)
         self.base.layout = base_layout(self.model.weights.model, [p for _, p in perturbed])
 
     async def run(self) -> None:
@@ -150,7 +150,7 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
 
     async def _build_base(self) -> None:
         """The model, and the base we replay onto: the weights as built."""
-        self.threads = tasks.set_threads(self.cfg.threads)
+        self.runtime.threads = tasks.set_threads(self.cfg.threads)
         self.state = "building base model"
         with self.work.track("base model build"):
             await asyncio.to_thread(self._build)
