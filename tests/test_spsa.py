@@ -316,12 +316,13 @@ def test_a_node_joining_at_step_100_on_another_cpu_replays_onto_the_runs_base_an
     bits: replaying onto its own base it would never agree with the run. It takes the base of the peer it replays
     from.
 
-    1000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
-    ahead: protocols.standing), so a slow start of the late process must still leave it windows to contribute (two
-    peers at batch 8 make ~40 steps a second here, and the late one took ~15 s to start and build its base model:
-    with 500 steps it was let in at the run's last step). Two peers before it (it bootstraps from the one that is
-    not the run's first): a third would only share the same 2 cores"""
-    swarm = spsa_swarm(tmp_path, "late", 1000, 2)
+    3000 steps: a newcomer contributes from the next window in which newcomers are let in (every 4th, at least two
+    ahead: protocols.standing), so the late process's start must still leave it windows to contribute. Its start
+    takes seconds whatever the load, and the run's steps go faster the idler the machine: two peers at batch 8 make
+    ~40 steps a second under the suite's load and over 100 on an idle machine, where 1000 steps ended before the
+    late node was let in (3 runs of 5). Two peers before it (it bootstraps from the one that is not the run's
+    first): a third would only share the same 2 cores"""
+    swarm = spsa_swarm(tmp_path, "late", 3000, 2)
     try:
         nodes = swarm.start_chain(2, members_within=None)
         wait_for(lambda: spsa(nodes[0])["step"] >= 100, 120, "the run to pass step 100")
