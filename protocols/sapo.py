@@ -213,7 +213,6 @@ class SapoLoop(TaskLoop):
         self._init_task(task)
         self.rules = Rules(task, config)
         self.fps.own = tasks.fingerprint(task, config.shared(), None)
-        self.topic = f"sapo/{config.run}"
         # rounds are each peer's own: per author, the items of its newest round (its round number, its seeds)
         self.inbox: collections.OrderedDict[str, tuple[int, list]] = collections.OrderedDict()
         self.used: dict[str, int] = {}  # author -> the newest of its rounds we drew from

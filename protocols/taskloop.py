@@ -322,9 +322,15 @@ class TaskLoop:
         self.round_log.late(r, peer, fragment)
 
     @property
+    def topic(self) -> str:
+        """The run's pubsub topic: ``<loop>/<run>``."""
+        return f"{self.name}/{self.cfg.run}"
+
+    @property
     def loop_key(self) -> str:
-        """How this loop is named to others (the node's DHT record, ``/status`` -> ``loops``): ``<loop>/<run>``."""
-        return f"{self.name}/{self.cfg.run}"[:64]
+        """How this loop is named to others (the node's DHT record, ``/status`` -> ``loops``): its topic, at most 64
+        characters."""
+        return self.topic[:64]
 
     def bytes_sent(self) -> int:
         """Bytes this loop has put on the wire for its updates (each loop counts its own way)."""

@@ -77,10 +77,6 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
         self.faults = FaultPlan()  # a test's faults by peer, round and phase (none in production)
 
     @property
-    def topic(self) -> str:
-        return f"diloco/{self.cfg.run}"
-
-    @property
     def feedback(self) -> bool:
         """Whether what the codec drops of our update is carried into the next one (error feedback)."""
         cfg = self.cfg

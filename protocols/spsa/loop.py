@@ -74,10 +74,6 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
         self.faults = FaultPlan()  # a test's faults by peer, window and phase (none in production)
 
     @property
-    def topic(self) -> str:
-        return f"spsa/{self.cfg.run}"
-
-    @property
     def weights(self) -> Weights | None:
         """The model's canonical weights (None until it is built)."""
         return self.model.weights if self.model is not None else None
