@@ -193,24 +193,30 @@ def test_a_peer_with_another_model_is_told_in_one_line(tmp_path):
             s.close()
 
 
-@pytest.mark.swarm
-@pytest.mark.timeout(300)
-def test_a_transformers_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
+def _two_trainers(tmp_path: Path, source: str, name: str) -> list[dict]:
+    """Two peers running the trainer script ``source`` (copied into a project folder as ``name``), the second
+    bootstrapped from the first: what each printed at its end."""
     folder = tmp_path / "project"
     folder.mkdir()
-    shutil.copy(HERE / "trainer_script.py", folder / "train_hf.py")
+    shutil.copy(HERE / source, folder / name)
     peers: list[Script] = []
     try:
-        peers.append(Script(folder, tmp_path / "a", [2], script="train_hf.py"))
+        peers.append(Script(folder, tmp_path / "a", [2], script=name))
         boot = [a for a in peers[0].read(120)["addresses"] if "/tcp/" in a][:1]
-        peers.append(Script(folder, tmp_path / "b", [2], boot, script="train_hf.py"))
+        peers.append(Script(folder, tmp_path / "b", [2], boot, script=name))
         peers[1].read(120)
-        ends = [p.read(200) for p in peers]
-        assert ends[0]["final"] == ends[1]["final"] is not None, ends  # one model, trained by two Trainers
-        assert all(e["rounds"] == 4 and e["steps"] == 20 for e in ends), ends  # the callback ended training
+        return [p.read(200) for p in peers]
     finally:
         for p in peers:
             p.close()
+
+
+@pytest.mark.swarm
+@pytest.mark.timeout(300)
+def test_a_transformers_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
+    ends = _two_trainers(tmp_path, "trainer_script.py", "train_hf.py")
+    assert ends[0]["final"] == ends[1]["final"] is not None, ends  # one model, trained by two Trainers
+    assert all(e["rounds"] == 4 and e["steps"] == 20 for e in ends), ends  # the callback ended training
 
 
 @pytest.mark.swarm
@@ -218,24 +224,12 @@ def test_a_transformers_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
 def test_a_lightning_trainer_with_the_callback_is_a_diloco_peer(tmp_path):
     """Two Lightning fits of one module, each with the callback and two batches accumulated per optimizer step:
     they end on one model, after exactly rounds x sync_every optimizer steps (twice as many batches)."""
-    folder = tmp_path / "project"
-    folder.mkdir()
-    shutil.copy(HERE / "lightning_script.py", folder / "train_pl.py")
-    peers: list[Script] = []
-    try:
-        peers.append(Script(folder, tmp_path / "a", [2], script="train_pl.py"))
-        boot = [a for a in peers[0].read(120)["addresses"] if "/tcp/" in a][:1]
-        peers.append(Script(folder, tmp_path / "b", [2], boot, script="train_pl.py"))
-        peers[1].read(120)
-        ends = [p.read(200) for p in peers]
-        assert ends[0]["final"] == ends[1]["final"] is not None, ends  # one model, trained by two Trainers
-        assert all(e["rounds"] == 4 and e["steps"] == 20 and e["batches"] == 40 for e in ends), ends
-        assert all(e["state"] == "done" for e in ends), ends
-        # each round's loss is the mean of the losses the callback reported from the training steps' outputs
-        assert all(len(e["losses"]) == 4 and e["losses"][-1][1] < e["losses"][0][1] for e in ends), ends
-    finally:
-        for p in peers:
-            p.close()
+    ends = _two_trainers(tmp_path, "lightning_script.py", "train_pl.py")
+    assert ends[0]["final"] == ends[1]["final"] is not None, ends  # one model, trained by two Trainers
+    assert all(e["rounds"] == 4 and e["steps"] == 20 and e["batches"] == 40 for e in ends), ends
+    assert all(e["state"] == "done" for e in ends), ends
+    # each round's loss is the mean of the losses the callback reported from the training steps' outputs
+    assert all(len(e["losses"]) == 4 and e["losses"][-1][1] < e["losses"][0][1] for e in ends), ends
 
 
 @pytest.mark.beside
