@@ -183,6 +183,7 @@ KINDS = {
     "sym-both": {"mode_a": "sym", "mode_b": "sym"},
 }
 MAPPING_CAUSES = ("our-mapping", "their-mapping")
+START_WAIT = 120.0  # s a node may take to start (a shared machine's load: 30 s was not always enough)
 
 
 def kind_run(root: Path, kind: str, config_text: str, wait: float) -> dict:
@@ -193,11 +194,20 @@ def kind_run(root: Path, kind: str, config_text: str, wait: float) -> dict:
     config.write_text(config_text)
     with NatLab(**KINDS[kind]) as lab:
         swarm = Swarm(root / "nodes", config=config)
+
+        def start(x: str, bootstrap: list[str]):
+            node = swarm.start(x, bootstrap=bootstrap, prefix=lab.cmd(x), via=functools.partial(lab.call, x),
+                               wait=False)
+            node.wait_ready(START_WAIT)
+            return node
         try:
-            pub = swarm.start("pub", bootstrap=[], prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
-            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
-            a, b = (swarm.start(x, bootstrap=[bootstrap], prefix=lab.cmd(x), via=functools.partial(lab.call, x))
-                    for x in "ab")
+            try:
+                pub = start("pub", [])
+                bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+                a, b = start("a", [bootstrap]), start("b", [bootstrap])
+            except AssertionError:  # the machine's load, not the NATs: counted apart, never as relayed
+                return {"seen": False, "started": False, "direct": None, "path": None, "failures": [],
+                        "outcome": f"a node did not start in {START_WAIT:.0f} s"}
             try:
                 wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))),
                          60, "a and b connected", interval=0.1)
@@ -244,6 +254,7 @@ def main_defaults(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     configs = {"defaults": DEFAULTS_NODE, "lab": LAB_NODE}
     results: dict[tuple[str, str], list[dict]] = {}
+    load_before = os.getloadavg()
     for config in args.configs:
         for kind in args.kinds:
             runs = results[(config, kind)] = []
@@ -258,10 +269,13 @@ def main_defaults(args) -> None:
                 print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
     print(f"NAT lab, {args.runs} fresh labs per kind and config: 1 public node, 2 nodes behind their own NAT, each "
           "started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>; times from both listing the other")
+    print(f"machine: {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at the start and "
+          f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'config':<8} | {'kind':<8} | {'<= 10 s':>7} | {'<= 60 s':>7} | {'relayed':>7} | {'median':>7} | "
           f"{'how':<22} | failed attempts by cause")
     print("-" * 120)
     for (config, kind), runs in results.items():
+        runs = [r for r in runs if r.get("started", True)]  # a node that never started says nothing of the NATs
         n = len(runs)
         direct = [r["direct"] for r in runs if r["direct"] is not None]
         how = collections.Counter(r["outcome"] for r in runs)
@@ -273,6 +287,10 @@ def main_defaults(args) -> None:
               f"{', '.join(f'{k} {v}' for k, v in causes.most_common()) or '-'}")
     print(f"relayed = not direct within {args.punch_wait:.0f} s, or a symmetric NAT's punch failed for a mapping "
           "cause (no retry changes that; the run stops there). how: the path both ended on, else why not")
+    unseen = collections.Counter(r["outcome"] for runs in results.values() for r in runs
+                                 if not r.get("started", True))
+    if unseen:
+        print("labs left out (not a NAT outcome): " + ", ".join(f"{k} {v}" for k, v in unseen.most_common()))
 
 
 
