@@ -129,6 +129,10 @@ class LinksMixin:
         known = sorted(rounds.short_id(a) for a in relayed if a in connected)
         return tuple(known[:exchange.MAX_UNREACHED_REPORTS])
 
+    def _relayed(self, peer: str) -> bool:
+        """Connected to ``peer``, but only through a relay (not gone)."""
+        return not self._ctx.direct(peer) and peer in self._ctx.members()
+
     def _barred(self, ordered: list[str], announced: dict[str, Announced]) -> set[str]:
         """The round's members that take no reducer or auditor role: at an end of a missing direct path the
         members' announcements name (``exchange.cut_members``, ``exchange.barred``)."""

@@ -209,8 +209,9 @@ class ScatterRound:
             # sent at once (the simulator: two uplinks of 4 falling mid-round, the coordinator's among them)
             source = lp._chunk_source(pending, peer, first)
             # a member we reach only through a relay: its chunk from the members that hold it (a part's reducer or
-            # auditor pulled it), asked again until the end, as they may pull it only after we first ask
-            again = 0.0 if lp._ctx.direct(source) else THROUGH_MEMBERS_AGAIN
+            # auditor pulled it), asked again until the end, as they may pull it only after we first ask (one that
+            # is gone is not waited for: the others reduce its parts at once, ``_from_reducer``)
+            again = THROUGH_MEMBERS_AGAIN if lp._relayed(source) else 0.0
             pull = lp._fetch_part(rnd.key, source, ann.parts[k], ann.sizes[k], pending.announced[source].addrs,
                                   b - a, until, holders=[(x, pending.announced[x].addrs)
                                                          for x in dict.fromkeys([peer, *self.ordered])
