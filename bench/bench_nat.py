@@ -255,26 +255,36 @@ def main_defaults(args) -> None:
     configs = {"defaults": DEFAULTS_NODE, "lab": LAB_NODE}
     results: dict[tuple[str, str], list[dict]] = {}
     load_before = os.getloadavg()
-    for config in args.configs:
-        for kind in args.kinds:
-            runs = results[(config, kind)] = []
-            for i in range(args.runs):
-                with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
-                    r = kind_run(Path(tmp), kind, configs[config], args.punch_wait)
-                    runs.append(r)
-                    if r["direct"] is None or r["direct"] > 10 or r["failures"]:
-                        kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-{config}-{kind}-{i + 1}"
-                        shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-                        r["logs"] = str(kept)
-                print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
-    print(f"NAT lab, {args.runs} fresh labs per kind and config: 1 public node, 2 nodes behind their own NAT, each "
+    # one lab of each config and kind in turn, so a run cut short (SIGTERM, a timeout) still has about as many labs
+    # of each, and prints what it has
+    try:
+        for i in range(args.runs):
+            for config in args.configs:
+                for kind in args.kinds:
+                    with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
+                        r = kind_run(Path(tmp), kind, configs[config], args.punch_wait)
+                        results.setdefault((config, kind), []).append(r)
+                        if r["direct"] is None or r["direct"] > 10 or r["failures"]:
+                            kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-{config}-{kind}-{i + 1}"
+                            shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+                            r["logs"] = str(kept)
+                    print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
+    finally:
+        _per_kind_table(args, results, load_before)
+
+
+def _per_kind_table(args, results: dict[tuple[str, str], list[dict]], load_before: tuple[float, ...]) -> None:
+    done = sorted({len(runs) for runs in results.values()})
+    print(f"NAT lab, {'/'.join(map(str, done)) or 0} of {args.runs} fresh labs per kind and config: 1 public node, "
+          "2 nodes behind their own NAT, each "
           "started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>; times from both listing the other")
     print(f"machine: {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at the start and "
           f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'config':<8} | {'kind':<8} | {'<= 10 s':>7} | {'<= 60 s':>7} | {'relayed':>7} | {'median':>7} | "
           f"{'how':<22} | failed attempts by cause")
     print("-" * 120)
-    for (config, kind), runs in results.items():
+    for (config, kind), runs in sorted(results.items(), key=lambda x: (args.configs.index(x[0][0]),
+                                                                      args.kinds.index(x[0][1]))):
         runs = [r for r in runs if r.get("started", True)]  # a node that never started says nothing of the NATs
         n = len(runs)
         direct = [r["direct"] for r in runs if r["direct"] is not None]
