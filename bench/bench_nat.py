@@ -25,7 +25,7 @@ symmetric NAT: the two NATed ones have no direct path to each other) next to the
 the same invocation: rounds whose combination holds every peer's update, the symmetric peer's update, pulls made
 through the public members, bulk requests refused for coming over a relay, and the median round time:
 
-    python bench/bench_nat.py --diloco --runs 3 [--rounds 12]
+    python bench/bench_nat.py --diloco --runs 3 [--rounds 12] [--exchange scatter]
 """
 
 from __future__ import annotations
@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--diloco", action="store_true", help="a 4-peer DiLoCo run with one peer behind a symmetric "
                         "NAT next to the same run all public (--runs each, --rounds rounds)")
     parser.add_argument("--rounds", type=int, default=12, help="with --diloco: the run's rounds")
+    parser.add_argument("--exchange", default="auto", choices=["auto", "all-to-all", "scatter"],
+                        help="with --diloco: the exchange (auto: all-to-all for the lab's small model)")
     args = parser.parse_args()
     if args.per_kind:
         return main_defaults(args)
@@ -304,11 +306,12 @@ def _per_kind_table(args, results: dict[tuple[str, str], list[dict]], load_befor
 
 
 
-def diloco_run(root: Path, public: bool, rounds: int) -> dict:
+def diloco_run(root: Path, public: bool, rounds: int, mode: str = "auto") -> dict:
     """One 4-peer DiLoCo run in a fresh lab: pub and pub2 public; a (endpoint-independent NAT) and b (symmetric
-    NAT), or (``public``) two more public nodes in their place."""
+    NAT), or (``public``) two more public nodes in their place; ``mode``: the exchange."""
     config = root / "lab.toml"
-    config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}"))
+    config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}").replace(
+        'codec = "e3m0"\n', f'codec = "e3m0"\nexchange = "{mode}"\n'))
     with NatLab(mode_a="eim", mode_b="sym") as lab:
         swarm = Swarm(root / "nodes", config=config)
         try:
@@ -335,6 +338,11 @@ def diloco_run(root: Path, public: bool, rounds: int) -> dict:
                 "rounds": rounds,
                 "last_in": last["reach"]["rounds_with_our_update"],
                 "through": sum(s.get("pulls_through_members", 0) for s in final),
+                "mode": last["exchange"].get("mode"),
+                "missing": sum(s.get("chunks_missing", 0) for s in final),
+                # (a node before this count: None)
+                "without": (sum(s.get("members_missing_from_parts", 0) for s in final)
+                            if all("rounds_not_reducing" in s["reach"] for s in final) else None),
                 "refused_relayed": sum(n.status()["services"]["bulk"].get("refused_relayed", 0) for n in nodes),
                 "round_s": took / rounds,
                 "same": len({s["final_hash"] for s in final}) == 1,
@@ -352,18 +360,21 @@ def main_diloco(args) -> None:
     for i in range(args.runs):  # alternated, so both settings see the machine's load alike
         for public in (True, False):
             with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-diloco-") as tmp:
-                r = {"setting": "all public" if public else "one symmetric NAT", **diloco_run(Path(tmp), public,
-                                                                                             args.rounds)}
+                r = {"setting": "all public" if public else "one symmetric NAT",
+                     **diloco_run(Path(tmp), public, args.rounds, args.exchange)}
             print(f"run {i + 1}: {r}", file=sys.stderr, flush=True)
             rows.append(r)
     print(f"DiLoCo in the NAT lab: 4 peers, {args.rounds} rounds of 20 inner steps (tests/test_nat.py's LAB_DILOCO), "
-          f"{args.runs} run(s) per setting, alternated")
-    print("| setting | run | rounds with all 4 updates | the 4th peer's update in | pulls through members | "
-          "bulk requests over a relay | round time (s) | one final hash |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"exchange = \"{args.exchange}\", {args.runs} run(s) per setting, alternated")
+    print("| setting | run | exchange | rounds with all 4 updates | the 4th peer's update in | pulls through members | "
+          "chunks missing | members missing from parts | bulk requests over a relay | round time (s) | "
+          "one final hash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {r['setting']} | {i // 2 + 1} | {r['full']} of {r['rounds']} | {r['last_in']} of {r['rounds']} | "
-              f"{r['through']} | {r['refused_relayed']} | {r['round_s']:.2f} | {'yes' if r['same'] else 'NO'} |")
+        print(f"| {r['setting']} | {i // 2 + 1} | {r['mode']} | {r['full']} of {r['rounds']} | "
+              f"{r['last_in']} of {r['rounds']} | {r['through']} | {r['missing']} | "
+              f"{'-' if r['without'] is None else r['without']} | {r['refused_relayed']} | {r['round_s']:.2f} | "
+              f"{'yes' if r['same'] else 'NO'} |")
     for setting in ("all public", "one symmetric NAT"):
         times = [r["round_s"] for r in rows if r["setting"] == setting]
         print(f"{setting}: median round time {statistics.median(times):.2f} s")
