@@ -317,8 +317,10 @@ def diloco_run(root: Path, public: bool, rounds: int, mode: str = "auto") -> dic
         try:
             def start(where, name, port, bootstrap=()):
                 extra = ("--listen", f"/ip4/0.0.0.0/tcp/{port}", "--http", f"127.0.0.1:{8470 + port - 4001}")
-                return swarm.start(name, *extra, bootstrap=list(bootstrap), prefix=lab.cmd(where),
-                                   via=functools.partial(lab.call, where))
+                node = swarm.start(name, *extra, bootstrap=list(bootstrap), prefix=lab.cmd(where),
+                                   via=functools.partial(lab.call, where), wait=False)
+                node.wait_ready(START_WAIT)
+                return node
             pub = start("pub", "pub", 4001)
             bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
             nodes = [pub, start("pub", "pub2", 4002, bootstrap)]
