@@ -16,7 +16,8 @@ track TCP sequence numbers), sym (a new random port per destination).
 
 With --per-kind, per NAT kind (endpoint-, address-, port-dependent filtering; symmetric on one side, on both) and
 config (the embedded defaults as users get them, and/or the lab config): N fresh labs each, direct within 10 s and
-60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause:
+60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause (one
+lab of each config and kind in turn; cut short by SIGTERM, it prints the table of the labs that ran):
 
     python bench/bench_nat.py --per-kind --runs 50 [--kinds ...] [--configs defaults lab] [--punch-wait 60]
 
