@@ -27,6 +27,13 @@ the same invocation: rounds whose combination holds every peer's update, the sym
 through the public members, bulk requests refused for coming over a relay, and the median round time:
 
     python bench/bench_nat.py --diloco --runs 3 [--rounds 12] [--exchange scatter]
+
+With --birthday, not swarmd but a measurement of what it could do where one side is symmetric: a behind a symmetric
+NAT opens N flows to b's port at once (N random public ports), b behind a port-keeping NAT that lets in only replies
+opens N flows to N random ports of a's address; where a guess meets one of a's ports the SYNs cross and a TCP
+simultaneous open completes (the birthday estimate: 1 - exp(-N^2 / 64512)):
+
+    python bench/bench_nat.py --birthday --runs 10 [--flows 128 256 512]
 """
 
 from __future__ import annotations
@@ -38,6 +45,7 @@ import os
 import shutil
 import signal
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -128,7 +136,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="with --diloco: the run's rounds")
     parser.add_argument("--exchange", default="auto", choices=["auto", "all-to-all", "scatter"],
                         help="with --diloco: the exchange (auto: all-to-all for the lab's small model)")
+    parser.add_argument("--birthday", action="store_true", help="a measurement, not swarmd: TCP punching across a "
+                        "symmetric NAT by --flows simultaneous flows on each side (--runs trials per count)")
+    parser.add_argument("--flows", type=int, nargs="+", default=[128, 256, 512], help="with --birthday")
     args = parser.parse_args()
+    if args.birthday:
+        return main_birthday(args)
     if args.per_kind:
         return main_defaults(args)
     if args.diloco:
@@ -381,6 +394,92 @@ def main_diloco(args) -> None:
     for setting in ("all public", "one symmetric NAT"):
         times = [r["round_s"] for r in rows if r["setting"] == setting]
         print(f"{setting}: median round time {statistics.median(times):.2f} s")
+
+
+# --birthday: TCP punching across a symmetric NAT by many flows at once (not what swarmd does: a measurement of
+# whether it would work). a sits behind MASQUERADE --random-fully (a random public port per flow, from 1024-65535),
+# b behind a NAT that keeps the port and lets in only replies (the lab's "port" kind)
+BIRTHDAY_PORTS = (1024, 65536)
+
+
+def _flows(targets: list[tuple[str, int]], local_port: int, wait: float) -> tuple[float, tuple] | None:
+    """(In a lab namespace.) A non-blocking connect() to each of ``targets``, every socket bound to ``local_port``
+    (0: a port each); the first to connect within ``wait`` s: (seconds, its peer), held 1 s so that the other side
+    sees its end connected before the resets of closing."""
+    import select
+    import socket as so
+    socks, t0, done = [], time.monotonic(), None
+    try:
+        for host, port in targets:
+            s = so.socket(so.AF_INET, so.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(so.SOL_SOCKET, so.SO_REUSEADDR, 1)
+            s.setsockopt(so.SOL_SOCKET, so.SO_REUSEPORT, 1)
+            s.bind(("0.0.0.0", local_port))
+            s.setblocking(False)
+            try:
+                s.connect((host, port))
+            except BlockingIOError:
+                pass
+        poll, by_fd = select.poll(), {s.fileno(): s for s in socks}
+        for fd in by_fd:
+            poll.register(fd, select.POLLOUT)
+        while time.monotonic() - t0 < wait and by_fd and done is None:
+            for fd, _ in poll.poll(50):
+                s = by_fd.pop(fd)
+                poll.unregister(fd)
+                if s.getsockopt(so.SOL_SOCKET, so.SO_ERROR) == 0:
+                    done = (time.monotonic() - t0, s.getpeername())
+                    break
+        if done is not None:
+            time.sleep(1.0)
+    finally:
+        for s in socks:
+            s.setsockopt(so.SOL_SOCKET, so.SO_LINGER, struct.pack("ii", 1, 0))  # a reset: no TIME_WAIT left
+            s.close()
+    return done
+
+
+def main_birthday(args) -> None:
+    """Per flow count n: --runs trials in one lab, a opening n flows to b's port 4001 from n local ports (n random
+    public ports at its NAT) while b opens n flows from its port 4001 to n random ports of a's public address; a
+    trial succeeds where both ends hold a connection (one guess met one of a's ports: the SYNs cross, and a TCP
+    simultaneous open completes through both NATs)."""
+    import math
+    import random
+    import resource
+    import threading
+    reason = unavailable()
+    if reason:
+        sys.exit(f"bench_nat: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(4 * max(args.flows) + 256, 1024),) * 2)
+    rows = []
+    with NatLab(mode_a="sym") as lab:
+        for n in args.flows:
+            ok, times = 0, []
+            for i in range(args.runs):
+                out: dict = {}
+                guesses = random.sample(range(*BIRTHDAY_PORTS), n)
+                sides = {"a": ([(lab.wan["b"], 4001)] * n, 0), "b": ([(lab.wan["a"], g) for g in guesses], 4001)}
+                threads = [threading.Thread(target=lambda x=x: out.__setitem__(x, lab.call(
+                    x, _flows, *sides[x], 4.0, timeout=60))) for x in "ab"]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if out.get("a") and out.get("b"):
+                    ok += 1
+                    times.append(max(out["a"][0], out["b"][0]))
+                print(f"{n} flows, trial {i + 1}: a {out.get('a')}, b {out.get('b')}", file=sys.stderr, flush=True)
+            rows.append((n, ok, times, 1 - math.exp(-n * n / (BIRTHDAY_PORTS[1] - BIRTHDAY_PORTS[0]))))
+    print(f"birthday punching in the NAT lab: a behind a symmetric NAT (random port per flow, 1024-65535), b behind a "
+          f"port-keeping NAT that lets in only replies; {args.runs} trials per flow count, one lab")
+    print("| flows each side | connected | birthday estimate | time to connect (median) |")
+    print("|---|---|---|---|")
+    for n, ok, times, expect in rows:
+        print(f"| {n} | {ok} of {args.runs} | {expect:.0%} | "
+              f"{f'{statistics.median(times):.2f} s' if times else '-'} |")
 
 
 if __name__ == "__main__":
