@@ -132,10 +132,11 @@ class ScatterRound:
 
     def without(self) -> set[str]:
         """The members whose chunk some part we ended on does not combine (a chunk that never came to its
-        reducer; a part over another member view counts as lacking everyone)."""
+        reducer). A part over another member view names no members of ours: it says nothing either way."""
         out: set[str] = set()
         for _, whose in self.used.values():
-            out |= self.members - (whose or frozenset())
+            if whose is not None:
+                out |= self.members - whose
         return out
 
     # ------------------------------------------------------------------ reducing a part
