@@ -16,7 +16,8 @@ track TCP sequence numbers), sym (a new random port per destination).
 
 With --per-kind, per NAT kind (endpoint-, address-, port-dependent filtering; symmetric on one side, on both) and
 config (the embedded defaults as users get them, and/or the lab config): N fresh labs each, direct within 10 s and
-60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause:
+60 s of the two NATed nodes seeing each other, still relayed, median time to direct, failed attempts by cause (one
+lab of each config and kind in turn; cut short by SIGTERM, it prints the table of the labs that ran):
 
     python bench/bench_nat.py --per-kind --runs 50 [--kinds ...] [--configs defaults lab] [--punch-wait 60]
 
@@ -25,7 +26,14 @@ symmetric NAT: the two NATed ones have no direct path to each other) next to the
 the same invocation: rounds whose combination holds every peer's update, the symmetric peer's update, pulls made
 through the public members, bulk requests refused for coming over a relay, and the median round time:
 
-    python bench/bench_nat.py --diloco --runs 3 [--rounds 12]
+    python bench/bench_nat.py --diloco --runs 3 [--rounds 12] [--exchange scatter]
+
+With --birthday, not swarmd but a measurement of what it could do where one side is symmetric: a behind a symmetric
+NAT opens N flows to b's port at once (N random public ports), b behind a port-keeping NAT that lets in only replies
+opens N flows to N random ports of a's address; where a guess meets one of a's ports the SYNs cross and a TCP
+simultaneous open completes (the birthday estimate: 1 - exp(-N^2 / 64512)):
+
+    python bench/bench_nat.py --birthday --runs 10 [--flows 128 256 512]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ import os
 import shutil
 import signal
 import statistics
+import struct
 import sys
 import tempfile
 import time
@@ -125,7 +134,14 @@ def main() -> None:
     parser.add_argument("--diloco", action="store_true", help="a 4-peer DiLoCo run with one peer behind a symmetric "
                         "NAT next to the same run all public (--runs each, --rounds rounds)")
     parser.add_argument("--rounds", type=int, default=12, help="with --diloco: the run's rounds")
+    parser.add_argument("--exchange", default="auto", choices=["auto", "all-to-all", "scatter"],
+                        help="with --diloco: the exchange (auto: all-to-all for the lab's small model)")
+    parser.add_argument("--birthday", action="store_true", help="a measurement, not swarmd: TCP punching across a "
+                        "symmetric NAT by --flows simultaneous flows on each side (--runs trials per count)")
+    parser.add_argument("--flows", type=int, nargs="+", default=[128, 256, 512], help="with --birthday")
     args = parser.parse_args()
+    if args.birthday:
+        return main_birthday(args)
     if args.per_kind:
         return main_defaults(args)
     if args.diloco:
@@ -183,6 +199,7 @@ KINDS = {
     "sym-both": {"mode_a": "sym", "mode_b": "sym"},
 }
 MAPPING_CAUSES = ("our-mapping", "their-mapping")
+START_WAIT = 120.0  # s a node may take to start (a shared machine's load: 30 s was not always enough)
 
 
 def kind_run(root: Path, kind: str, config_text: str, wait: float) -> dict:
@@ -193,11 +210,20 @@ def kind_run(root: Path, kind: str, config_text: str, wait: float) -> dict:
     config.write_text(config_text)
     with NatLab(**KINDS[kind]) as lab:
         swarm = Swarm(root / "nodes", config=config)
+
+        def start(x: str, bootstrap: list[str]):
+            node = swarm.start(x, bootstrap=bootstrap, prefix=lab.cmd(x), via=functools.partial(lab.call, x),
+                               wait=False)
+            node.wait_ready(START_WAIT)
+            return node
         try:
-            pub = swarm.start("pub", bootstrap=[], prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
-            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
-            a, b = (swarm.start(x, bootstrap=[bootstrap], prefix=lab.cmd(x), via=functools.partial(lab.call, x))
-                    for x in "ab")
+            try:
+                pub = start("pub", [])
+                bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+                a, b = start("a", [bootstrap]), start("b", [bootstrap])
+            except AssertionError:  # the machine's load, not the NATs: counted apart, never as relayed
+                return {"seen": False, "started": False, "direct": None, "path": None, "failures": [],
+                        "outcome": f"a node did not start in {START_WAIT:.0f} s"}
             try:
                 wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))),
                          60, "a and b connected", interval=0.1)
@@ -244,24 +270,38 @@ def main_defaults(args) -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     configs = {"defaults": DEFAULTS_NODE, "lab": LAB_NODE}
     results: dict[tuple[str, str], list[dict]] = {}
-    for config in args.configs:
-        for kind in args.kinds:
-            runs = results[(config, kind)] = []
-            for i in range(args.runs):
-                with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
-                    r = kind_run(Path(tmp), kind, configs[config], args.punch_wait)
-                    runs.append(r)
-                    if r["direct"] is None or r["direct"] > 10 or r["failures"]:
-                        kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-{config}-{kind}-{i + 1}"
-                        shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-                        r["logs"] = str(kept)
-                print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
-    print(f"NAT lab, {args.runs} fresh labs per kind and config: 1 public node, 2 nodes behind their own NAT, each "
+    load_before = os.getloadavg()
+    # one lab of each config and kind in turn, so a run cut short (SIGTERM, a timeout) still has about as many labs
+    # of each, and prints what it has
+    try:
+        for i in range(args.runs):
+            for config in args.configs:
+                for kind in args.kinds:
+                    with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-") as tmp:
+                        r = kind_run(Path(tmp), kind, configs[config], args.punch_wait)
+                        results.setdefault((config, kind), []).append(r)
+                        if r["direct"] is None or r["direct"] > 10 or r["failures"]:
+                            kept = Path(tempfile.gettempdir()) / f"swarmd-bench-nat-{config}-{kind}-{i + 1}"
+                            shutil.copytree(tmp, kept, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+                            r["logs"] = str(kept)
+                    print(f"{config} {kind} run {i + 1}: {r}", file=sys.stderr, flush=True)
+    finally:
+        _per_kind_table(args, results, load_before)
+
+
+def _per_kind_table(args, results: dict[tuple[str, str], list[dict]], load_before: tuple[float, ...]) -> None:
+    done = sorted({len(runs) for runs in results.values()})
+    print(f"NAT lab, {'/'.join(map(str, done)) or 0} of {args.runs} fresh labs per kind and config: 1 public node, "
+          "2 nodes behind their own NAT, each "
           "started with --listen /ip4/0.0.0.0/tcp/4001 --bootstrap <public node>; times from both listing the other")
+    print(f"machine: {os.cpu_count()} CPUs, load average {load_before[0]:.1f} at the start and "
+          f"{os.getloadavg()[0]:.1f} at the end")
     print(f"{'config':<8} | {'kind':<8} | {'<= 10 s':>7} | {'<= 60 s':>7} | {'relayed':>7} | {'median':>7} | "
           f"{'how':<22} | failed attempts by cause")
     print("-" * 120)
-    for (config, kind), runs in results.items():
+    for (config, kind), runs in sorted(results.items(), key=lambda x: (args.configs.index(x[0][0]),
+                                                                      args.kinds.index(x[0][1]))):
+        runs = [r for r in runs if r.get("started", True)]  # a node that never started says nothing of the NATs
         n = len(runs)
         direct = [r["direct"] for r in runs if r["direct"] is not None]
         how = collections.Counter(r["outcome"] for r in runs)
@@ -273,21 +313,28 @@ def main_defaults(args) -> None:
               f"{', '.join(f'{k} {v}' for k, v in causes.most_common()) or '-'}")
     print(f"relayed = not direct within {args.punch_wait:.0f} s, or a symmetric NAT's punch failed for a mapping "
           "cause (no retry changes that; the run stops there). how: the path both ended on, else why not")
+    unseen = collections.Counter(r["outcome"] for runs in results.values() for r in runs
+                                 if not r.get("started", True))
+    if unseen:
+        print("labs left out (not a NAT outcome): " + ", ".join(f"{k} {v}" for k, v in unseen.most_common()))
 
 
 
-def diloco_run(root: Path, public: bool, rounds: int) -> dict:
+def diloco_run(root: Path, public: bool, rounds: int, mode: str = "auto") -> dict:
     """One 4-peer DiLoCo run in a fresh lab: pub and pub2 public; a (endpoint-independent NAT) and b (symmetric
-    NAT), or (``public``) two more public nodes in their place."""
+    NAT), or (``public``) two more public nodes in their place; ``mode``: the exchange."""
     config = root / "lab.toml"
-    config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}"))
+    config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}").replace(
+        'codec = "e3m0"\n', f'codec = "e3m0"\nexchange = "{mode}"\n'))
     with NatLab(mode_a="eim", mode_b="sym") as lab:
         swarm = Swarm(root / "nodes", config=config)
         try:
             def start(where, name, port, bootstrap=()):
                 extra = ("--listen", f"/ip4/0.0.0.0/tcp/{port}", "--http", f"127.0.0.1:{8470 + port - 4001}")
-                return swarm.start(name, *extra, bootstrap=list(bootstrap), prefix=lab.cmd(where),
-                                   via=functools.partial(lab.call, where))
+                node = swarm.start(name, *extra, bootstrap=list(bootstrap), prefix=lab.cmd(where),
+                                   via=functools.partial(lab.call, where), wait=False)
+                node.wait_ready(START_WAIT)
+                return node
             pub = start("pub", "pub", 4001)
             bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
             nodes = [pub, start("pub", "pub2", 4002, bootstrap)]
@@ -307,6 +354,11 @@ def diloco_run(root: Path, public: bool, rounds: int) -> dict:
                 "rounds": rounds,
                 "last_in": last["reach"]["rounds_with_our_update"],
                 "through": sum(s.get("pulls_through_members", 0) for s in final),
+                "mode": last["exchange"].get("mode"),
+                "missing": sum(s.get("chunks_missing", 0) for s in final),
+                # (a node before this count: None)
+                "without": (sum(s.get("members_missing_from_parts", 0) for s in final)
+                            if all("rounds_not_reducing" in s["reach"] for s in final) else None),
                 "refused_relayed": sum(n.status()["services"]["bulk"].get("refused_relayed", 0) for n in nodes),
                 "round_s": took / rounds,
                 "same": len({s["final_hash"] for s in final}) == 1,
@@ -324,21 +376,110 @@ def main_diloco(args) -> None:
     for i in range(args.runs):  # alternated, so both settings see the machine's load alike
         for public in (True, False):
             with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-diloco-") as tmp:
-                r = {"setting": "all public" if public else "one symmetric NAT", **diloco_run(Path(tmp), public,
-                                                                                             args.rounds)}
+                r = {"setting": "all public" if public else "one symmetric NAT",
+                     **diloco_run(Path(tmp), public, args.rounds, args.exchange)}
             print(f"run {i + 1}: {r}", file=sys.stderr, flush=True)
             rows.append(r)
     print(f"DiLoCo in the NAT lab: 4 peers, {args.rounds} rounds of 20 inner steps (tests/test_nat.py's LAB_DILOCO), "
-          f"{args.runs} run(s) per setting, alternated")
-    print("| setting | run | rounds with all 4 updates | the 4th peer's update in | pulls through members | "
-          "bulk requests over a relay | round time (s) | one final hash |")
-    print("|---|---|---|---|---|---|---|---|")
+          f"exchange = \"{args.exchange}\", {args.runs} run(s) per setting, alternated")
+    print("| setting | run | exchange | rounds with all 4 updates | the 4th peer's update in | pulls through members | "
+          "chunks missing | members missing from parts | bulk requests over a relay | round time (s) | "
+          "one final hash |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for i, r in enumerate(rows):
-        print(f"| {r['setting']} | {i // 2 + 1} | {r['full']} of {r['rounds']} | {r['last_in']} of {r['rounds']} | "
-              f"{r['through']} | {r['refused_relayed']} | {r['round_s']:.2f} | {'yes' if r['same'] else 'NO'} |")
+        print(f"| {r['setting']} | {i // 2 + 1} | {r['mode']} | {r['full']} of {r['rounds']} | "
+              f"{r['last_in']} of {r['rounds']} | {r['through']} | {r['missing']} | "
+              f"{'-' if r['without'] is None else r['without']} | {r['refused_relayed']} | {r['round_s']:.2f} | "
+              f"{'yes' if r['same'] else 'NO'} |")
     for setting in ("all public", "one symmetric NAT"):
         times = [r["round_s"] for r in rows if r["setting"] == setting]
         print(f"{setting}: median round time {statistics.median(times):.2f} s")
+
+
+# --birthday: TCP punching across a symmetric NAT by many flows at once (not what swarmd does: a measurement of
+# whether it would work). a sits behind MASQUERADE --random-fully (a random public port per flow, from 1024-65535),
+# b behind a NAT that keeps the port and lets in only replies (the lab's "port" kind)
+BIRTHDAY_PORTS = (1024, 65536)
+
+
+def _flows(targets: list[tuple[str, int]], local_port: int, wait: float) -> tuple[float, tuple] | None:
+    """(In a lab namespace.) A non-blocking connect() to each of ``targets``, every socket bound to ``local_port``
+    (0: a port each); the first to connect within ``wait`` s: (seconds, its peer), held 1 s so that the other side
+    sees its end connected before the resets of closing."""
+    import select
+    import socket as so
+    socks, t0, done = [], time.monotonic(), None
+    try:
+        for host, port in targets:
+            s = so.socket(so.AF_INET, so.SOCK_STREAM)
+            socks.append(s)
+            s.setsockopt(so.SOL_SOCKET, so.SO_REUSEADDR, 1)
+            s.setsockopt(so.SOL_SOCKET, so.SO_REUSEPORT, 1)
+            s.bind(("0.0.0.0", local_port))
+            s.setblocking(False)
+            try:
+                s.connect((host, port))
+            except BlockingIOError:
+                pass
+        poll, by_fd = select.poll(), {s.fileno(): s for s in socks}
+        for fd in by_fd:
+            poll.register(fd, select.POLLOUT)
+        while time.monotonic() - t0 < wait and by_fd and done is None:
+            for fd, _ in poll.poll(50):
+                s = by_fd.pop(fd)
+                poll.unregister(fd)
+                if s.getsockopt(so.SOL_SOCKET, so.SO_ERROR) == 0:
+                    done = (time.monotonic() - t0, s.getpeername())
+                    break
+        if done is not None:
+            time.sleep(1.0)
+    finally:
+        for s in socks:
+            s.setsockopt(so.SOL_SOCKET, so.SO_LINGER, struct.pack("ii", 1, 0))  # a reset: no TIME_WAIT left
+            s.close()
+    return done
+
+
+def main_birthday(args) -> None:
+    """Per flow count n: --runs trials in one lab, a opening n flows to b's port 4001 from n local ports (n random
+    public ports at its NAT) while b opens n flows from its port 4001 to n random ports of a's public address; a
+    trial succeeds where both ends hold a connection (one guess met one of a's ports: the SYNs cross, and a TCP
+    simultaneous open completes through both NATs)."""
+    import math
+    import random
+    import resource
+    import threading
+    reason = unavailable()
+    if reason:
+        sys.exit(f"bench_nat: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(4 * max(args.flows) + 256, 1024),) * 2)
+    rows = []
+    with NatLab(mode_a="sym") as lab:
+        for n in args.flows:
+            ok, times = 0, []
+            for i in range(args.runs):
+                out: dict = {}
+                guesses = random.sample(range(*BIRTHDAY_PORTS), n)
+                sides = {"a": ([(lab.wan["b"], 4001)] * n, 0), "b": ([(lab.wan["a"], g) for g in guesses], 4001)}
+                threads = [threading.Thread(target=lambda x=x: out.__setitem__(x, lab.call(
+                    x, _flows, *sides[x], 4.0, timeout=60))) for x in "ab"]
+                for t in threads:
+                    t.start()
+                for t in threads:
+                    t.join()
+                if out.get("a") and out.get("b"):
+                    ok += 1
+                    times.append(max(out["a"][0], out["b"][0]))
+                print(f"{n} flows, trial {i + 1}: a {out.get('a')}, b {out.get('b')}", file=sys.stderr, flush=True)
+            rows.append((n, ok, times, 1 - math.exp(-n * n / (BIRTHDAY_PORTS[1] - BIRTHDAY_PORTS[0]))))
+    print(f"birthday punching in the NAT lab: a behind a symmetric NAT (random port per flow, 1024-65535), b behind a "
+          f"port-keeping NAT that lets in only replies; {args.runs} trials per flow count, one lab")
+    print("| flows each side | connected | birthday estimate | time to connect (median) |")
+    print("|---|---|---|---|")
+    for n, ok, times, expect in rows:
+        print(f"| {n} | {ok} of {args.runs} | {expect:.0%} | "
+              f"{f'{statistics.median(times):.2f} s' if times else '-'} |")
 
 
 if __name__ == "__main__":

@@ -36,6 +36,11 @@ def punch_hints(nat: dict, relayed: list[str]) -> list[str]:
     return hints
 
 
+def _ids(peers) -> str:
+    """A few peers by the last 8 characters of their ids."""
+    return ", ".join(p[-8:] for p in sorted(peers)[:3]) + ("..." if len(peers) > 3 else "")
+
+
 def diagnose(s: dict) -> dict:
     """A doctor's report from a node's /status (pure: tested on its own)."""
     nat = s.get("services", {}).get("nat", {})
@@ -114,10 +119,14 @@ def diagnose(s: dict) -> dict:
         if not isinstance(paths, dict) or not paths.get("rounds_closed"):
             continue
         ours, closed, through = paths["rounds_with_our_update"], paths["rounds_closed"], paths["through_members"]
+        around, idle = paths.get("reduced_by_members") or {}, paths.get("rounds_not_reducing", 0)
         training.append(f"{name}: this node's update was in {ours} of {closed} rounds"
                         + (f"; {len(through)} peer(s) without a direct path, their updates pulled through members "
-                           f"({', '.join(p[-8:] for p in sorted(through)[:3])}{'...' if len(through) > 3 else ''})"
-                           if through else ""))
+                           f"({_ids(through)})" if through else "")
+                        + (f"; {len(around)} peer(s) without a direct path, their chunks reduced by members that "
+                           f"reach both ({_ids(around)})" if around else "")
+                        + (f"; this node reduced no part in {idle} round(s), lacking a direct path to a member"
+                           if idle else ""))
         if closed - ours > closed // 4:
             hints.append(f"{name}: this node's update was left out of {closed - ours} of {closed} rounds: its "
                          "uplink may be too slow for the round deadline (see transfer_rate_bps and deadline_s), or "

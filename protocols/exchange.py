@@ -255,6 +255,32 @@ def rate_weights(members, reports: dict[str, dict[bytes, int]], short) -> dict[s
     return {x: w if w >= WEIGHT_FULL // 8 else 0 for x, w in weights.items()}
 
 
+MAX_UNREACHED_REPORTS = MAX_RATE_REPORTS  # peers an announcement names as reached only through a relay
+
+
+def cut_members(members, reports: Mapping[str, Sequence[bytes]], short) -> set[str]:
+    """The members at either end of a missing direct path between two members, as ``reports`` (member -> the short
+    ids of the peers it reaches only through a relay, from its announcement) say: bulk bytes never cross a relay,
+    so such a member can neither take the other's chunks (reduce or audit a part) nor be sure to get them. One
+    end's report cuts both ends: a member that claims a missing path to others cuts itself too, so no claim makes
+    the claimant a reducer, and a claim against every member cuts them all (``barred``: then no one is barred)."""
+    by_short = {short(x): x for x in members}
+    cut: set[str] = set()
+    for m in sorted(members):
+        for sid in tuple(reports.get(m, ()))[:MAX_UNREACHED_REPORTS]:
+            x = by_short.get(sid)
+            if x is not None and x != m:
+                cut.update((m, x))
+    return cut
+
+
+def barred(members, cut: set[str]) -> set[str]:
+    """Who takes no reducer or auditor role in a round: the ``cut`` members (``cut_members``), where at least one
+    member is not cut (someone must reduce); else no one (each part then lacks the chunks its reducer cannot reach,
+    as without the reports)."""
+    return set(cut) if set(members) - set(cut) else set()
+
+
 def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = None) -> list[str]:
     """The reducer of each part: each member gets its share of the parts by weight (largest remainders first, ties
     in the round's order), as a change from the plain round robin ``ordered[k % n]``: a member over its share gives
@@ -282,14 +308,15 @@ def reducers(ordered: list[str], parts: int, weights: dict[str, int] | None = No
 
 
 def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fraction: float,
-               owners: list[str] | None = None) -> dict[int, str]:
+               owners: list[str] | None = None, barred: set[str] = frozenset()) -> dict[int, str]:
     """The round's audited parts (``audited_parts``) and their auditors: each by a peer other than its reducer, the
     first after it in the round's order that audits fewer than ceil(audited / N) parts (parts placed before move
     where that makes room), so no peer audits more than its share: an audit pulls its part's chunks, (N - 1)/parts
     x S more bytes in (with each part's auditor the peer after its reducer, the peer after one whose two parts are
     both drawn audits both, and its bytes in go from 2.2 to 2.6 x S at N = 8). Where every other peer already
-    has its share (a reducer of many of the drawn parts), the least loaded other peer audits. Every peer computes
-    the same plan from the round and its agreed order."""
+    has its share (a reducer of many of the drawn parts), the least loaded other peer audits. A ``barred`` peer
+    (``barred``: it lacks a direct path to a member, so it cannot take every chunk) audits nothing while another
+    peer than the part's reducer can. Every peer computes the same plan from the round and its agreed order."""
     n = len(ordered)
     if n < 2:
         return {}
@@ -306,7 +333,8 @@ def audit_plan(run: str, r: int, p: int, ordered: list[str], parts: int, fractio
 
     def others(k: int) -> list[int]:
         after = [(reducer[k] + step) % n for step in range(1, n)]
-        return sorted(after, key=lambda j: busy[ordered[j]] > share)  # stable: the round's order otherwise
+        able = [j for j in after if ordered[j] not in barred]
+        return sorted(able or after, key=lambda j: busy[ordered[j]] > share)  # stable: the round's order otherwise
 
     def place(k: int, seen: set[int]) -> bool:
         """Give part k an auditor under the cap, moving parts already placed along the way where that frees one
@@ -618,7 +646,8 @@ def gram_norms(g: list[list[int]], shifts: list[int]) -> list[float]:
 REDUCE_RULE = ("clip-scaled, summed in sorted peer order, divided by the count (2); audits spread by audit_plan, "
                "a fixed share of parts, reducers of over an even share last (7); all-to-all combines by the same "
                "rule (4); parts assigned by reported rates (5); the screen's dot products exact, on values "
-               "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1)")
+               "quantized to 19 bits (gram, 2); all-to-all's norms from them (gram_norms, 1); no part reduced or "
+               "audited across a missing direct path the members announce (cut_members, 1)")
 
 # the rule's text of the older version whose screen takes its dot products by blocks, not exactly: a checkpoint
 # that version saved is resumed (DilocoLoop._build's earlier fingerprints), while its nodes never join ours in a round

@@ -111,6 +111,39 @@ def test_parts_go_by_the_rates_the_others_measured_only_slow_peers_reduce_fewer(
 
 
 @pytest.mark.beside
+def test_no_part_is_reduced_or_audited_across_a_missing_direct_path_a_member_announces():
+    """Bulk bytes never cross a relay, so a member that reaches another only through one cannot take its chunks:
+    the members at both ends of a path either announces as missing reduce and audit nothing (while someone else
+    can), every other member's share grows, and a claim cuts the claimant too (it cannot make itself a reducer)."""
+    members = [f"peer{i}" for i in range(6)]
+
+    def short(x: str) -> bytes:
+        return x.encode()[-8:].rjust(8, b"-")
+    # a (peer4) and b (peer5) reach each other through a relay only; b's announcement says so, a's does not
+    reports = {"peer5": [short("peer4"), short("stranger")], "peer0": []}
+    cut = exchange.cut_members(members, reports, short)
+    assert cut == {"peer4", "peer5"} and exchange.barred(members, cut) == cut
+    for r in range(20):
+        ordered = exchange.order("run", r, 0, members)
+        weights = {a: 0 if a in cut else exchange.WEIGHT_FULL for a in members}
+        owners = exchange.reducers(ordered, 16, weights)
+        assert not cut & set(owners) and set(owners) == set(members) - cut
+        assert max(collections.Counter(owners).values()) - min(collections.Counter(owners).values()) <= 1
+        plan = exchange.audit_plan("run", r, 0, ordered, 16, 1.0, owners, cut)
+        assert sorted(plan) == list(range(16)) and not cut & set(plan.values())
+        assert all(plan[k] != owners[k] for k in plan)
+    # a liar claiming every path missing cuts everyone, itself included: then no one is barred (as without reports)
+    lie = {"peer0": [short(x) for x in members]}
+    assert exchange.cut_members(members, lie, short) == set(members)
+    assert exchange.barred(members, exchange.cut_members(members, lie, short)) == set()
+    # and one claiming a path to a single member missing bars itself with it
+    assert exchange.cut_members(members, {"peer1": [short("peer2")]}, short) == {"peer1", "peer2"}
+    # two members, one cut pair: no one left to reduce, so the plan is the one without reports
+    pair = members[:2]
+    assert exchange.barred(pair, exchange.cut_members(pair, {"peer0": [short("peer1")]}, short)) == set()
+
+
+@pytest.mark.beside
 def test_a_change_of_one_members_weight_moves_only_the_parts_its_share_gained_or_lost():
     """``reducers`` starts from the round robin and moves only what the shares change: a member over its share
     gives up its last parts, the members under theirs take them. So one member's weight going down (a report that

@@ -236,3 +236,53 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_
                     f"path, their updates pulled through members ({a.peer_id[-8:]})") in doctor.stdout
         finally:
             swarm.close()
+
+
+@pytest.mark.timeout(300)
+def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the_public_members(tmp_path):
+    """The same four peers as above, the exchange forced to reduce-scatter (what ``exchange = "auto"`` picks from 4
+    peers and 1 MiB updates): there each part's reducer takes a chunk of every member's update, and a and b have no
+    direct path to each other. Every peer announces the members it reaches only through a relay, and no part is
+    reduced or audited across such a path: pub and pub2 reduce every part, every part of every round combines all
+    four chunks, and no bulk byte crosses the relay. Before, a reduced parts without b's chunk and b without a's
+    (each chunk missing after the round's pulls waited it out)."""
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE + LAB_DILOCO.replace('codec = "e3m0"\n', 'codec = "e3m0"\nexchange = "scatter"\n'))
+    with NatLab(mode_a="eim", mode_b="sym") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
+            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
+                               bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+            a, b = start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)
+            nodes = [pub, pub2, a, b]
+
+            def diloco(n) -> dict:
+                return n.status()["services"]["diloco"]
+            final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
+                             260, "the run to end on every node")
+            assert len({s["final_hash"] for s in final}) == 1
+            for s in final:
+                assert s["exchange"]["mode"] == "scatter" and s["exchange"]["parts"] > 1, s["exchange"]
+                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
+                assert s.get("chunks_missing", 0) == 0, s  # every part we reduced or took combines all four chunks
+                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
+                assert not s.get("resyncs")
+            for n, other, s in ((a, b, final[2]), (b, a, final[3])):
+                assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
+                assert s.get("parts_reduced", 0) == 0  # no part of theirs lacks the other's chunk
+                assert s["reach"]["reduced_by_members"].get(other.peer_id, 0) >= 8
+                assert s["reach"]["rounds_not_reducing"] >= 8
+            for s in final[:2]:
+                assert s["parts_reduced"] > 0 and s["reach"]["reduced_by_members"] == {}
+            for n in nodes:
+                assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
+            doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
+                                                    str(b.data_dir)], capture_output=True, text=True, timeout=30)
+            assert doctor.returncode == 0, doctor.stderr
+            assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
+                    f"path, their chunks reduced by members that reach both ({a.peer_id[-8:]}); this node reduced "
+                    "no part in 8 round(s), lacking a direct path to a member") in doctor.stdout
+        finally:
+            swarm.close()

@@ -159,3 +159,13 @@ def test_doctor_says_what_a_training_run_receives_through_members_and_what_this_
     assert any("left out of 6 of 12 rounds" in h for h in diagnose(s)["hints"])
     s["services"]["diloco"]["reach"]["rounds_closed"] = 0  # nothing closed yet: nothing to say
     assert diagnose(s)["training"] == []
+
+
+def test_doctor_says_whose_chunks_members_reduced_in_scatter_and_that_this_node_reduced_none():
+    s = status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"])
+    s["services"]["diloco"] = {"state": "running", "reach": {
+        "through_members": {}, "reduced_by_members": {"12D3KooW" + "B" * 44: 12}, "rounds_not_reducing": 12,
+        "rounds_with_our_update": 12, "rounds_closed": 12}}
+    assert diagnose(s)["training"] == ["diloco: this node's update was in 12 of 12 rounds; 1 peer(s) without a "
+                                       "direct path, their chunks reduced by members that reach both (BBBBBBBB); "
+                                       "this node reduced no part in 12 round(s), lacking a direct path to a member"]

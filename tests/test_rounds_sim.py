@@ -1259,3 +1259,37 @@ def test_a_restarted_peer_resumes_its_sparse_error_feedback_from_its_own_checkpo
     assert len(finals) == 1
     assert float(saved["feedback.0"].norm()) > 0
     assert resumed and torch.equal(resumed[0][0], saved["feedback.0"])
+
+
+@pytest.mark.timeout(120)
+def test_two_peers_without_a_direct_path_to_each_other_reduce_and_audit_no_part_in_scatter(tmp_path):
+    """Scatter, 4 peers, 8 parts, every part audited: the last two list each other as reached through a relay only
+    (as two peers behind NATs that punching cannot join). Their announcements say so, so every peer gives the parts
+    and the audits to the two that reach everyone: no reducer or auditor role lies across the missing path, every
+    part of every round combines all four chunks, and all end on one weights. Before, each of the two reduced a
+    quarter of the parts, across the path bulk bytes may not take."""
+    from swarmd.protocols.exchange import PART_MIN
+
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=5, dim=8 * PART_MIN, exchange="scatter", audit=1.0)
+        a, b = sim.peers[2:]
+        sim.net.relay(a, b)
+        sim.net.relay(b, a)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers], (a, b)
+
+    loops, (a, b) = run_virtual(main())
+    assert len({lp.final_hash for lp in loops}) == 1
+    for lp in loops:
+        assert [h["participants"] for h in lp.history] == [4] * 5, lp.history
+        assert lp.counters.get("members_missing_from_parts", 0) == 0 and lp.counters.get("resyncs", 0) == 0
+        assert lp.counters["rounds_with_our_update"] == 5
+    for lp, other in ((loops[2], b), (loops[3], a)):
+        assert lp.counters.get("parts_reduced", 0) == 0 and lp.counters.get("parts_audited", 0) == 0
+        assert lp.status()["reach"]["reduced_by_members"] == {other: 5}
+        assert lp.status()["reach"]["rounds_not_reducing"] == 5
+    for lp in loops[:2]:
+        assert lp.counters["parts_reduced"] >= 5 * 4 and lp.counters["parts_audited"] >= 5 * 4
+        assert lp.status()["reach"]["reduced_by_members"] == {} and lp.status()["reach"]["rounds_not_reducing"] == 0

@@ -112,6 +112,34 @@ class LinksMixin:
         known = sorted((rounds.short_id(a), self.links.source_rates[a]) for a in last if a in self.links.source_rates)
         return tuple(known[:exchange.MAX_RATE_REPORTS])
 
+    def _unreached_reports(self, p: int, r: int) -> tuple[bytes, ...]:
+        """What our announcement names as reached only through a relay (short ids, sorted): the peers of the
+        round (the last round's members, and those that announced for this one) we are connected to, but not
+        directly (behind a symmetric NAT, or punching failed). Every peer keeps reducer and auditor roles off those
+        paths (``_owners``). A peer we are not connected to at all (gone, or a partition) is not named: that says
+        nothing about a path."""
+        pending = self.book.pending.get((r, p))
+        me, ctx = self._ctx.identity.peer_id, self._ctx
+        peers = self.fragments[p].last_members(self.start_state.initial) | set(pending.announced if pending else ())
+        peers.discard(me)
+        relayed = [a for a in peers if not ctx.direct(a)]
+        if not relayed:
+            return ()
+        connected = set(ctx.members())
+        known = sorted(rounds.short_id(a) for a in relayed if a in connected)
+        return tuple(known[:exchange.MAX_UNREACHED_REPORTS])
+
+    def _relayed(self, peer: str) -> bool:
+        """Connected to ``peer``, but only through a relay (not gone)."""
+        return not self._ctx.direct(peer) and peer in self._ctx.members()
+
+    def _barred(self, ordered: list[str], announced: dict[str, Announced]) -> set[str]:
+        """The round's members that take no reducer or auditor role: at an end of a missing direct path the
+        members' announcements name (``exchange.cut_members``, ``exchange.barred``)."""
+        cut = exchange.cut_members(ordered, {a: announced[a].unreached for a in ordered if a in announced},
+                                   rounds.short_id)
+        return exchange.barred(ordered, cut)
+
     async def _serve_probe(self) -> None:
         """Hold the blobs the others' link probe pulls from us (``exchange.probe_payload``), from before the start
         barrier (a peer past it probes at once) until our first round closes."""
@@ -173,9 +201,16 @@ class LinksMixin:
 
     def _owners(self, ordered: list[str], parts: int, announced: dict[str, Announced]) -> list[str]:
         """Who reduces each part this round: the round's order, weighted by the rates its members' announcements
-        report (``exchange.rate_weights``: only peers the others receive slowly from reduce fewer parts)."""
+        report (``exchange.rate_weights``: only peers the others receive slowly from reduce fewer parts), none to a
+        member without a direct path to another (``_barred``: it could not take that member's chunks, and bulk
+        bytes never cross a relay)."""
         weights = exchange.rate_weights(ordered, {a: dict(announced[a].rates) for a in ordered if a in announced},
                                         rounds.short_id)
+        barred = self._barred(ordered, announced)
+        if barred:
+            weights = {a: 0 if a in barred else weights.get(a, exchange.WEIGHT_FULL) for a in ordered}
+            if not any(weights.values()):  # every unbarred member measured too slow to reduce: they reduce all
+                weights = {a: 0 if a in barred else exchange.WEIGHT_FULL for a in ordered}
         return exchange.reducers(ordered, parts, weights)
 
     def _measure_rate(self, moving: Received) -> None:

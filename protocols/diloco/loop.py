@@ -445,7 +445,11 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             "exchange": {"setting": self.cfg.exchange, **self.record.exchange},
             # how the others' updates reach us and ours reaches the rounds: peers we have no direct path to, whose
             # updates came through members we reach (pulls asked of them), and the rounds our update was in
+            # (scatter) members we lack a direct path to whose chunks members reaching both reduced, by rounds, and
+            # the rounds we reduced no part for lack of a path
             "reach": {"through_members": dict(sorted(self.links.through_members.items())),
+                      "reduced_by_members": dict(sorted(self.links.reduced_by_members.items())),
+                      "rounds_not_reducing": self.counters["rounds_not_reducing"],
                       "rounds_with_our_update": self.counters["rounds_with_our_update"],
                       "rounds_closed": self.counters["rounds_with_our_update"]
                       + self.counters["rounds_without_our_update"]},

@@ -48,6 +48,7 @@ class Announced:
     norm: float  # the L2 norm of the whole (decoded) update: every reducer clips with the same factors
     addrs: tuple[str, ...]  # its bulk TCP addresses
     rates: tuple[tuple[bytes, int], ...] = ()  # (short id, kB/s): what it received from those peers last round
+    unreached: tuple[bytes, ...] = ()  # short ids of the peers it reaches only through a relay
 
 
 @dataclass

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 
 import torch
 from swarmd.protocols import exchange, outer, rounds
-from swarmd.protocols.diloco.alltoall import EXCHANGES
+from swarmd.protocols.diloco.alltoall import EXCHANGES, Exchange
+from swarmd.protocols.diloco.scatter import ScatterRound
 from swarmd.protocols.diloco.pending import Pending
 from swarmd.protocols.diloco.wire import (
     FETCH_AFTER,
@@ -50,6 +51,7 @@ class Round:
         self.wait: rounds.RoundWait | None = None  # whom the round waits for, and how long
         self.chain_head: tuple[str, ...] = ()  # the first of the round's chain of coordinators (none: no agreement)
         self.blocked_from = 0.0  # when the training loop started waiting for this close
+        self.exchange: Exchange | None = None  # the close's exchange, once it runs
 
     async def announce(self) -> None:
         """Our update for the round, announced (``UpdateMixin._send_update``)."""
@@ -341,7 +343,8 @@ class Round:
     async def _combine(self, members: set[str], base_now: str,
                        started: float) -> tuple[torch.Tensor | None, dict[str, str]]:
         """The members' updates combined (None: nothing to combine), and the refused ones with why."""
-        return await EXCHANGES[self.mode](self, members, base_now, started).combine()
+        self.exchange = EXCHANGES[self.mode](self, members, base_now, started)
+        return await self.exchange.combine()
 
     def _time(self, members: set[str], started: float) -> None:
         """Where the round's time went (``/status``: timings, the exchange's view)."""
@@ -377,7 +380,11 @@ class Round:
                          participants=participants, missing=missing, rejected={**other_base, **rejected})
         lp.standing.record(participants)
         lp.book.closed_contributed(self.r, self.p, participants)
-        lp.counters["rounds_with_our_update" if self.me in participants else "rounds_without_our_update"] += 1
+        # in scatter our update is in the round where every part we ended on combines our chunk
+        without = self.exchange.without() if isinstance(self.exchange, ScatterRound) else set()
+        lp.counters["members_missing_from_parts"] += len(without & participants)
+        ours = self.me in participants and self.me not in without
+        lp.counters["rounds_with_our_update" if ours else "rounds_without_our_update"] += 1
         return participants
 
     async def _apply(self, combined: torch.Tensor | None) -> str:

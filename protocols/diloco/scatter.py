@@ -11,9 +11,11 @@ from swarmd.protocols import codecs, exchange, outer
 from swarmd.protocols.bulk import BulkError, content_hash
 from swarmd.protocols.diloco.conform import ConformStep
 from swarmd.protocols.diloco.pending import Received, StepEnd, _decode_part
+from swarmd.protocols.diloco.pulls import THROUGH_MEMBERS_AGAIN
 from swarmd.protocols.diloco.wire import (
     AUDIT,
     CLIP,
+    MAX_PEER_ENTRIES,
     REDUCED,
     SERVING_POLL,
 )
@@ -54,6 +56,7 @@ class ScatterRound:
         self.computed: dict[int, tuple[bytes, torch.Tensor, int, frozenset[str]]] = {}  # our reductions (and whose)
         self.owners: list[str] = []  # part -> its reducer
         self.plan: dict[int, str] = {}  # part -> its auditor
+        self.barred: set[str] = set()  # members without a direct path to another member: they reduce and audit none
         self._slowest: int | None = None  # the slowest member's rate (kB/s) the span took into account
 
     async def combine(self) -> tuple[torch.Tensor | None, dict[str, str]]:
@@ -78,7 +81,8 @@ class ScatterRound:
         lp.links.assignment = {"parts_reducing": len(mine), "members_reducing": len(set(self.owners)),
                                "span_seconds": round(self.span, 3), "slowest_member_kBps": self._slowest}
         self.plan = exchange.audit_plan(lp.cfg.run, rnd.r, rnd.p, self.ordered, len(self.bounds), lp.cfg.audit,
-                                        self.owners)
+                                        self.owners, self.barred)
+        self._note_reach()
         auditing = {k for k, auditor in self.plan.items() if auditor == me}
         started = lp.clock.monotonic()
         await asyncio.gather(*(self._reduce_mine(k) for k in mine),
@@ -111,7 +115,29 @@ class ScatterRound:
         self.pulls = lp._pulls_end(rnd.key, self.end, self.span)
         self.combined = lp._buffers.take(rnd.frag.numel())  # (the last global weights' buffer, where given back)
         self.owners = lp._owners(self.ordered, len(self.bounds), announced)
+        self.barred = lp._barred(self.ordered, announced)
         return True
+
+    def _note_reach(self) -> None:
+        """``/status`` reach: the members we lack a direct path to whose chunks members that reach both reduced
+        this round (no part went to us or them), and whether we reduced nothing for lack of a path."""
+        lp, me = self.loop, self.rnd.me
+        if me not in self.barred:
+            return
+        lp.counters["rounds_not_reducing"] += 1
+        around = lp.links.reduced_by_members
+        for peer in sorted(self.barred - {me}):
+            if not lp._ctx.direct(peer) and (peer in around or len(around) < MAX_PEER_ENTRIES):
+                around[peer] = around.get(peer, 0) + 1
+
+    def without(self) -> set[str]:
+        """The members whose chunk some part we ended on does not combine (a chunk that never came to its
+        reducer). A part over another member view names no members of ours: it says nothing either way."""
+        out: set[str] = set()
+        for _, whose in self.used.values():
+            if whose is not None:
+                out |= self.members - whose
+        return out
 
     # ------------------------------------------------------------------ reducing a part
     async def compute(self, k: int, until: float | StepEnd, only: frozenset[str] | None = None,
@@ -183,12 +209,16 @@ class ScatterRound:
             # the fast peers' went through its uplink too, and the others gave up on parts their owners could have
             # sent at once (the simulator: two uplinks of 4 falling mid-round, the coordinator's among them)
             source = lp._chunk_source(pending, peer, first)
+            # a member we reach only through a relay: its chunk from the members that hold it (a part's reducer or
+            # auditor pulled it), asked again until the end, as they may pull it only after we first ask (one that
+            # is gone is not waited for: the others reduce its parts at once, ``_from_reducer``)
+            again = THROUGH_MEMBERS_AGAIN if lp._relayed(source) else 0.0
             pull = lp._fetch_part(rnd.key, source, ann.parts[k], ann.sizes[k], pending.announced[source].addrs,
                                   b - a, until, holders=[(x, pending.announced[x].addrs)
                                                          for x in dict.fromkeys([peer, *self.ordered])
                                                          if x not in (rnd.me, source)],
                                   counter="chunks_from_other_holders" if source == peer
-                                  else "chunks_not_from_coordinator", decode=False)
+                                  else "chunks_not_from_coordinator", decode=False, again=again)
         try:
             got[peer] = await pull
         except (BulkError, asyncio.TimeoutError) as e:

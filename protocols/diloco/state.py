@@ -33,6 +33,9 @@ class Links:
         self.missing_logged: dict[str, float] = {}  # peer -> when we last logged a part of its that did not come
         # peers we have no direct path to -> their updates we asked the members we reach for (MAX_PEER_ENTRIES)
         self.through_members: dict[str, int] = {}
+        # scatter: peers we have no direct path to -> the rounds their chunks were reduced by members that reach
+        # both (no part to us nor them: ``ScatterRound._note_reach``; MAX_PEER_ENTRIES)
+        self.reduced_by_members: dict[str, int] = {}
 
 
 class Resyncs:

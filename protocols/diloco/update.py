@@ -51,11 +51,15 @@ class UpdateMixin:
         self.book.blobs[(r, p)].update(hashes)
         self.book.own_blobs[(r, p)].update(hashes)
         rates = self._rate_reports(p)
-        ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs), rates)
+        unreached = self._unreached_reports(p, r)
+        ann = Announced(tuple(hashes), tuple(len(x) for x in payloads), base, norm, tuple(self.bulk.addrs), rates,
+                        unreached)
         body = {"r": r, "p": p, "parts": hashes, "sizes": list(ann.sizes), "base": base, "norm": ann.norm,
                 "addrs": list(ann.addrs)}
         if rates:
             body["bw"] = [list(x) for x in rates]
+        if unreached:
+            body["nd"] = list(unreached)
         mid = self._publish(UPDATE, body)
         pending = self.book.pending[(r, p)]
         if (signed := self.gossip.cache.get(mid)) is not None:  # for a peer our member view names, if it asks

@@ -222,5 +222,6 @@ class ValidateMixin:
                 and all(x <= self._max_part(p, k, len(parts)) for k, x in enumerate(sizes)) and norm >= 0):
             return None
         return Announced(tuple(parts), tuple(sizes), body["base"], norm, tuple(body["addrs"]),
-                         tuple((bytes(sid), int(rate)) for sid, rate in body.get("bw", ())))
+                         tuple((bytes(sid), int(rate)) for sid, rate in body.get("bw", ())),
+                         tuple(bytes(sid) for sid in body.get("nd", ())))
 

@@ -27,7 +27,8 @@ REDUCED_AUTO = {"sign": "e3m0", "topk2": "e3m0"}  # reduced_codec = "auto": the 
 PART_SLACK = 256  # bytes an encoded part may exceed the codec's size for it by (its header)
 MAX_PARTS = exchange.MAX_PARTS
 MAX_REMEMBERED_UPDATES = 4096  # (peer, fragment) -> the parts of its last update, to refuse a replayed one
-MAX_MESSAGE = 1024 + MAX_PARTS * 40  # an update announcement names up to MAX_PARTS parts (hash and size)
+# an update announcement names up to MAX_PARTS parts (hash and size) and up to MAX_UNREACHED_REPORTS peers (short ids)
+MAX_MESSAGE = 1024 + MAX_PARTS * 40 + exchange.MAX_UNREACHED_REPORTS * 10
 # the fingerprint's entries that say how peers compute together, not which run and weights: a checkpoint saved
 # under other rules is the same run's weights (resumed; checked by our weights hash), its nodes never in our rounds
 RULES = frozenset({"reduce_rule", "outer_step", "e3m0_encoder", "weights_hash"})
@@ -84,12 +85,15 @@ ROUND_HASH = WIRE.message(CARRIER, 3, "diloco.round-hash", Map.of(r=_R, p=_P, h=
 UPDATE = WIRE.message(CARRIER, 4, "diloco.update", Map.of(
     r=_R, p=_P, parts=List(Bytes(exact=32), MAX_PARTS, min=1), sizes=List(Int(1, MAX_PART_BYTES), MAX_PARTS, min=1),
     base=_HASH, norm=Float(), addrs=_ADDRS, bw=List(Tuple.of(Bytes(exact=8), Int(0, 2**31)),
-                                                    exchange.MAX_RATE_REPORTS), t=TAG, optional=("bw",)), {
+                                                    exchange.MAX_RATE_REPORTS),
+    nd=List(Bytes(exact=8), exchange.MAX_UNREACHED_REPORTS), t=TAG, optional=("bw", "nd")), {
     "r": 3, "p": 0, "parts": [bytes(32)], "sizes": [4096], "base": "ab" * 16, "norm": 1.5, "addrs": [],
-    "bw": [[bytes(8), 1500]], **_TAG}, max_size=MAX_MESSAGE, version=2,
+    "bw": [[bytes(8), 1500]], "nd": [b"\x01" * 8], **_TAG}, max_size=MAX_MESSAGE, version=2,
     doc="my update for (r, p): its encoded parts' hashes and sizes, the base it was computed from, its norm, where to "
-    "pull it; and (bw, optional) the receive rates in kB/s I measured in my last exchange "
-    "from the last round's members (short ids), from which every peer weighs who reduces how many parts")
+    "pull it; (bw, optional) the receive rates in kB/s I measured in my last exchange "
+    "from the last round's members (short ids), from which every peer weighs who reduces how many parts; and (nd, "
+    "optional) the peers of the round I reach only through a relay (short ids): no part is reduced or audited "
+    "across such a path (bulk bytes never cross a relay)")
 _BITS = Bytes(max=MAX_VIEW // 8)  # a subset of the round's ordered members (exchange.pack_set)
 REDUCED = WIRE.message(CARRIER, 5, "diloco.reduced", Map.of(
     r=_R, p=_P, red=Int(0, MAX_PARTS - 1), blob=Bytes(exact=32), size=Int(1, MAX_PART_BYTES), m=Str(32),
