@@ -261,10 +261,20 @@ def _frames_in(nodes: list) -> dict[str, float]:
     return out
 
 
+STARTUP = 300.0  # s a node may take to come up
+
+
 def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     """N nodes on loopback (each bootstrapped from the first), or each on its own host of the star lab."""
     if lab is None:
-        return swarm.start_chain(peers, members_within=None)
+        # one after the other, each given STARTUP s: on 2 cores that others share, N processes importing torch at
+        # once took over start_chain's 32 s to come up
+        nodes = [swarm.start("n0", wait=False)]
+        nodes[0].wait_ready(STARTUP)
+        nodes += [swarm.start(f"n{i}", bootstrap=[nodes[0].tcp_addr], wait=False) for i in range(1, peers)]
+        for node in nodes[1:]:
+            node.wait_ready(STARTUP)
+        return nodes
 
     def start(i, bootstrap=(), wait=False):
         return swarm.start(f"n{i}", "--listen", f"/ip4/{lab.ips[i]}/tcp/0", bootstrap=list(bootstrap), wait=wait,
