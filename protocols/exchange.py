@@ -45,39 +45,25 @@ def part_count(n: int, want: int) -> int:
 
 
 # ``parts = "auto"``: the number of parts follows the swarm. A scatter round's busiest peer takes in (N - 1)/N x S of
-# chunks for the parts it reduces, as much of the others' combined parts, and the N - 1 chunks of each part it audits,
-# (N - 1)/parts x S each. A round audits about fraction x parts parts, spread so that no peer audits more than
-# ceil(audits / N) (``audit_plan``): with fewer audits than peers, some peers audit one part and the others none, and
-# the round waits for those (16 parts at N = 8: 4 audits, 4 peers take in 2.19 x S and 4 take 1.75, where 32 parts
-# give every peer one audit of half the chunks, 1.97 x S each, and a round less CPU). So "auto" takes the fewest
-# parts whose busiest peer takes in the least (within AUTO_SLACK) among AUTO_PARTS of up to AUTO_PER_PEER parts a
-# peer (each part costs messages): 16 (AUTO_PARTS_MIN) up to N = 6, 32 from 8 to 15, 64 from 16 to 31, 128 from
-# 32 to 63, then MAX_PARTS
+# chunks for the parts it reduces, as much of the others' combined parts, and, when it audits a part, that part's
+# N - 1 chunks: (N - 1)/parts x S more. With 16 parts at N = 16 that audit alone is about S (2.50 x S in at the
+# busiest peer, bench_exchange); so the parts double until the whole fits BYTES_BUDGET x S: 16 (AUTO_PARTS_MIN) up
+# to N = 8, 32 to N = 12, 64 to N = 22, 128 to N = 44, then MAX_PARTS
 AUTO_PARTS_MIN = 16
 AUTO_PARTS = tuple(AUTO_PARTS_MIN << i for i in range((MAX_PARTS // AUTO_PARTS_MIN).bit_length()))  # 16 ... 256
-AUTO_PER_PEER = 8  # parts a peer reduces a round, at most, in the counts "auto" considers (16 whatever N)
-AUTO_SLACK = 0.01  # x S
-BYTES_BUDGET = 2.2  # x S, a scatter round's bytes in at its busiest peer, audits included, up to N = 32
-
-
-def busiest_in(peers: int, parts: int, audit: float) -> float:
-    """The bytes in (x S) of a scatter round's busiest peer with ``parts`` parts and a fraction ``audit`` of them
-    audited: its share of the chunks and of the combined parts, 2 (N - 1)/N, and the chunks of the most parts one
-    peer audits (``audit_plan``: at most ceil(audits / N), the audits rounded up)."""
-    audits = math.ceil(audit * parts) if audit < 1 else parts
-    return 2 * (peers - 1) / peers + -(-audits // peers) * (peers - 1) / parts
+BYTES_BUDGET = 2.2  # x S, a scatter round's bytes in at its busiest peer, audits included
 
 
 def auto_parts(peers: int, audit: float) -> int:
     """How many parts ``parts = "auto"`` cuts an update into for a round of about ``peers`` participants (the last
     round's: every peer that closed it with the same members gets the same answer) when a fraction ``audit`` of the
-    reduced parts is audited: the fewest of AUTO_PARTS (up to AUTO_PER_PEER a peer) whose busiest peer takes in the
-    least bytes (above)."""
+    reduced parts is audited: the fewest of AUTO_PARTS that keep a round within BYTES_BUDGET x S (above)."""
     if audit <= 0 or peers < 2:
         return AUTO_PARTS_MIN  # no audit: every peer moves 2 (N - 1)/N x S whatever the parts
-    counts = [x for x in AUTO_PARTS if x <= max(AUTO_PARTS_MIN, AUTO_PER_PEER * peers)]
-    least = min(busiest_in(peers, x, audit) for x in counts)
-    return next(x for x in counts if busiest_in(peers, x, audit) <= least + AUTO_SLACK)
+    for parts in AUTO_PARTS:
+        if 2 * (peers - 1) / peers + (peers - 1) / parts <= BYTES_BUDGET:
+            return parts
+    return MAX_PARTS
 
 
 def fewer_bytes(peers: int, update: int, reduced: int) -> str:
