@@ -268,8 +268,8 @@ STARTUP = 300.0  # s a node may take to come up
 def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     """N nodes on loopback (each bootstrapped from the first), or each on its own host of the star lab."""
     if lab is None:
-        # one after the other, each given STARTUP s: on 2 cores that others share, N processes importing torch at
-        # once took over start_chain's 32 s to come up
+        # the first, then the others, each given STARTUP s to come up: on 2 cores that others share, N processes
+        # importing torch at once took over start_chain's 32 s
         nodes = [swarm.start("n0", wait=False)]
         nodes[0].wait_ready(STARTUP)
         nodes += [swarm.start(f"n{i}", bootstrap=[nodes[0].tcp_addr], wait=False) for i in range(1, peers)]
@@ -281,10 +281,11 @@ def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
         return swarm.start(f"n{i}", "--listen", f"/ip4/{lab.ips[i]}/tcp/0", bootstrap=list(bootstrap), wait=wait,
                            prefix=lab.cmd(i), via=functools.partial(lab.call, i))
 
-    nodes = [start(0, wait=True)]
+    nodes = [start(0)]
+    nodes[0].wait_ready(STARTUP)
     nodes += [start(i, [nodes[0].tcp_addr]) for i in range(1, peers)]
     for node in nodes[1:]:
-        node.wait_ready()
+        node.wait_ready(STARTUP)
     return nodes
 
 
