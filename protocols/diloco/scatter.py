@@ -261,19 +261,12 @@ class ScatterRound:
         """Part k from its reducer (audited where the round draws us for it, or its audit awaited); reduced
         ourselves where its reducer fails us or is judged wrong."""
         audit = asyncio.get_running_loop().create_task(self.compute(k, self.pulls)) if auditing else None
-        # an auditor waits for the reducer's hash only: where its own reduction of the same chunks has that hash, it
-        # holds the part's bytes already, and pulls them only where it cannot compare (S / parts a peer saves a
-        # round for every part it audits)
-        got = await (self._reduced(k) if audit is not None else self._from_reducer(k))  # (blob, digest, part, whose)
+        got = await self._from_reducer(k)  # (blob, digest, part, whose chunks)
         if audit is not None:
             await audit
             got = await self._audit(k, got) if got is not None else None
-            if got is not None and got[0] != self.computed[k][0]:  # agreed, but not compared: its bytes pulled
-                got = await self._pull(k, got)
-            if got is None or got[0] == self.computed[k][0]:
-                # (the audit's reduction: a failed one from exactly the reducer's chunks keeps it; an agreed one is
-                # the reducer's bytes)
-                self._own(k)
+            if got is None:
+                self._own(k)  # (the audit's reduction: a failed one from exactly the reducer's chunks keeps it)
                 return
         elif got is not None and k in self.plan:
             got = await self._audited(k, got)
@@ -288,13 +281,8 @@ class ScatterRound:
     async def _from_reducer(self, k: int) -> tuple | None:
         """Part k as its reducer published it, pulled into its place in the combined update: (blob, digest, part,
         whose chunks), or None where it did not come or is not one to take."""
-        got = await self._reduced(k)
-        return await self._pull(k, got) if got is not None else None
-
-    async def _reduced(self, k: int) -> tuple | None:
-        """Part k as its reducer announced it, not pulled yet: (blob, digest, None, whose chunks), or None where it
-        did not come or is not one to take."""
         lp, pending, reducer = self.loop, self.pending, self.owners[k]
+        a, b = self.bounds[k]
         # a reducer gone (killed, or cut off) publishes nothing more: we reduce its part ourselves at once, not
         # at the span's end (the kill bench: a reducer killed mid-round cost the others the span, then the
         # fallback's pulls, 2 deadlines and more on a loaded machine)
@@ -308,20 +296,12 @@ class ScatterRound:
             # the reducer lacked most chunks (or named no members of ours): not a part to take
             lp.counters["reduced_parts_partial"] += 1
             return None
-        return blob, m, None, whose
-
-    async def _pull(self, k: int, got: tuple) -> tuple | None:
-        """Part k's bytes (``got``: ``_reduced``'s) pulled from its reducer (or a member that holds them) into its
-        place in the combined update: ``got`` with the part, or None where no member could give it to us in time,
-        or its bytes are not a part."""
-        reducer, pending = self.owners[k], self.pending
-        a, b = self.bounds[k]
         try:
-            part = await self.loop._pull_reduced(self.rnd.key, pending, self.ordered, reducer,
-                                                 pending.reduced[k][reducer], b - a, self.pulls, out=self.combined[a:b])
+            part = await lp._pull_reduced(self.rnd.key, pending, self.ordered, reducer, pending.reduced[k][reducer],
+                                          b - a, self.pulls, out=self.combined[a:b])
         except (BulkError, asyncio.TimeoutError):
             return None  # no member could give it to us in time: we reduce it ourselves
-        return (got[0], got[1], part, got[3]) if part is not None else None
+        return (blob, m, part, whose) if part is not None else None
 
     async def _audit(self, k: int, got: tuple) -> tuple | None:
         """We audit part k: judged on the chunks the reducer says it combined (one that did not come in time at the
