@@ -19,7 +19,7 @@ timed from the trigger after matchmaking (every peer waits at a barrier for it) 
 slowest peer's; the median of the rounds).
 
     python bench/bench_exchange.py [--peers 4,8] [--mb 25] [--rounds 4] [--only swarmd|hivemind] [--link 100]
-    python bench/bench_exchange.py --e2e [--layers 15] [--link 100]  # DiLoCo end to end, 4 peers, a ~109M Llama
+    python bench/bench_exchange.py --e2e [--layers 15]     # DiLoCo end to end, 4 peers, a ~109M-parameter Llama
 
 --link 100: each peer (swarmd node, or hivemind averager with its DHT) runs on its own host of a star lab of network
 namespaces (tests/natlab.py StarLab: one switch, each host's link capped at 100 Mbit/s both ways by tc tbf, as a
@@ -27,8 +27,7 @@ home connection), so bytes, not this machine's CPU, set the time. Needs root.
 
 --e2e: 4 peers run DiLoCo (default settings: e3m0, exchange auto) on the hf-text task with a Llama of hidden 768,
 15 layers (random init), batch 1 x 64 tokens, H = 4, 3 rounds; reported: round time, the fraction of time a node was
-not blocked on the exchange, each node's peak RSS, the exchange chosen; with ``--link``, each peer on its own
-capped link of the star lab.
+not blocked on the exchange, each node's peak RSS, the exchange chosen.
 """
 
 from __future__ import annotations
@@ -412,15 +411,14 @@ num_key_value_heads = 12
 """
 
 
-def e2e(peers: int, layers: int, rounds: int, h: int, root: Path, memory: str = "reuse",
-        lab: StarLab | None = None) -> None:
+def e2e(peers: int, layers: int, rounds: int, h: int, root: Path, memory: str = "reuse") -> None:
     import psutil
 
     config = loop_config(root / "diloco.toml", E2E.format(peers=peers, layers=layers, rounds=rounds, h=h,
                                                            memory=memory))
     swarm = Swarm(root / "nodes", config=config)
     try:
-        nodes = _start(swarm, peers, lab)
+        nodes = swarm.start_chain(peers, members_within=None)
         procs = [psutil.Process(n.pid) for n in nodes]
         peak = [0] * peers
 
@@ -438,8 +436,7 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path, memory: str = 
         s0 = final[0]
         print(f"DiLoCo end to end: {peers} peers, Llama hidden 768 x {layers} layers, {s0['parameters']:,} parameters, "
               f"H = {h}, {rounds} rounds, codec e3m0 ({s0['bytes_sent'] / rounds / 1e6:.1f} MB per update), "
-              f"node.memory = {memory}, "
-              + (f"each peer on its own {lab.rate_mbit:g} Mbit/s link" if lab is not None else "loopback"))
+              f"node.memory = {memory}")
         print(f"exchange: {s0['exchange']}")
         refused = {k: sum(s.get(k, 0) for s in final) for k in sorted({k for s in final for k in s})
                    if k.startswith("rejected_")}
@@ -637,9 +634,8 @@ def main() -> None:
         parser.error("--intervals: default, tests, or both")
     if args.e2e:
         for memory in args.memory.split(","):
-            with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp, \
-                    (StarLab(4, rate_mbit=args.link) if args.link else contextlib.nullcontext()) as star:
-                e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp), memory, star)
+            with tempfile.TemporaryDirectory(prefix="swarmd-bench-e2e-") as tmp:
+                e2e(4, args.layers, args.rounds if args.rounds != 4 else 3, 4, Path(tmp), memory)
         return
     size = int(args.mb * 1e6) // 4 * 4
     rows = []
