@@ -261,19 +261,30 @@ def _frames_in(nodes: list) -> dict[str, float]:
     return out
 
 
+STARTUP = 300.0  # s a node may take to come up
+
+
 def _start(swarm: Swarm, peers: int, lab: StarLab | None) -> list:
     """N nodes on loopback (each bootstrapped from the first), or each on its own host of the star lab."""
     if lab is None:
-        return swarm.start_chain(peers, members_within=None)
+        # the first, then the others, each given STARTUP s to come up: on 2 cores that others share, N processes
+        # importing torch at once took over start_chain's 32 s
+        nodes = [swarm.start("n0", wait=False)]
+        nodes[0].wait_ready(STARTUP)
+        nodes += [swarm.start(f"n{i}", bootstrap=[nodes[0].tcp_addr], wait=False) for i in range(1, peers)]
+        for node in nodes[1:]:
+            node.wait_ready(STARTUP)
+        return nodes
 
     def start(i, bootstrap=(), wait=False):
         return swarm.start(f"n{i}", "--listen", f"/ip4/{lab.ips[i]}/tcp/0", bootstrap=list(bootstrap), wait=wait,
                            prefix=lab.cmd(i), via=functools.partial(lab.call, i))
 
-    nodes = [start(0, wait=True)]
+    nodes = [start(0)]
+    nodes[0].wait_ready(STARTUP)
     nodes += [start(i, [nodes[0].tcp_addr]) for i in range(1, peers)]
     for node in nodes[1:]:
-        node.wait_ready()
+        node.wait_ready(STARTUP)
     return nodes
 
 
@@ -447,6 +458,23 @@ def e2e(peers: int, layers: int, rounds: int, h: int, root: Path, memory: str = 
         swarm.close()
 
 
+def _no_compression():
+    from hivemind.compression import NoCompression
+
+    return NoCompression()
+
+
+def _float16():
+    from hivemind.compression import Float16Compression
+
+    return Float16Compression()
+
+
+# hivemind's compressions the bench runs (``--hivemind-codec``), and the bytes each sends of fp32's
+HIVEMIND_CODECS = {"none": _no_compression, "float16": _float16}
+HIVEMIND_BYTES = {"none": 1.0, "float16": 0.5}
+
+
 def _tree_cpu() -> tuple[float, float]:
     """The CPU seconds (user + system) this process and every process under it have used, and those of the p2p
     daemons among them."""
@@ -465,9 +493,11 @@ def _tree_cpu() -> tuple[float, float]:
     return total, daemons
 
 
-def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out, host=None) -> None:
+def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrier, out, host=None,
+                   codec: str = "none") -> None:
     """One averager; ``host`` = (namespace file, IP): this process moves into that host of the star lab first (its
-    DHT and averager processes, forked from it, live there too)."""
+    DHT and averager processes, forked from it, live there too); ``codec``: its all-reduce's compression
+    (``HIVEMIND_CODECS``)."""
     mp.set_start_method("fork", force=True)  # hivemind's DHT and averager are processes forked from this one
     ip = "127.0.0.1"
     if host is not None:
@@ -489,7 +519,7 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
         dht = hivemind.DHT(start=True, host_maddrs=[f"/ip4/{ip}/tcp/0"], initial_peers=list(addrs))
     averager = hivemind.averaging.DecentralizedAverager(
         [torch.randn(size)], dht, prefix="bench", target_group_size=peers, min_group_size=peers,
-        min_matchmaking_time=2.0, request_timeout=10.0, start=True)
+        min_matchmaking_time=2.0, request_timeout=10.0, start=True, compression=HIVEMIND_CODECS[codec]())
     times = []
     cpu_from, window = None, 0.0
     for _ in range(rounds):
@@ -513,13 +543,14 @@ def _averager_peer(index: int, peers: int, size: int, rounds: int, addrs, barrie
     dht.shutdown()
 
 
-def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | None = None) -> dict:
+def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | None = None,
+                      codec: str = "none") -> dict:
     ctx = mp.get_context("spawn")
     manager = ctx.Manager()
     addrs, barrier, out = manager.list(), ctx.Barrier(peers), ctx.Queue()
     hosts = [None] * peers if lab is None else [(f"/run/netns/{lab.ns[i]}", lab.ips[i]) for i in range(peers)]
     procs = [ctx.Process(target=_averager_peer, args=(i, peers, size_bytes // 4, rounds, addrs, barrier, out,
-                                                      hosts[i]))
+                                                      hosts[i], codec))
              for i in range(peers)]
     for p in procs:
         p.start()
@@ -549,7 +580,8 @@ def hivemind_averager(peers: int, size_bytes: int, rounds: int, lab: StarLab | N
             "exchange_s": statistics.median(per_round), "cpu_s": cpu,
             "window_cpu_s": window,
             "p2pd_cpu_s": daemons,
-            "in": 2 * (peers - 1) / peers, "out": 2 * (peers - 1) / peers,
+            "in": 2 * (peers - 1) / peers * HIVEMIND_BYTES[codec],
+            "out": 2 * (peers - 1) / peers * HIVEMIND_BYTES[codec],
             "same": True, "mode": "butterfly", "fallback": 0,
             "conformed": 0, "resyncs": 0, "peak_gb": max(peak) / 1e9, "evicted": 0}
 
@@ -578,6 +610,9 @@ def main() -> None:
     parser.add_argument("--audit", type=float, default=0.25, help="the fraction of parts audited (the default)")
     parser.add_argument("--codec", default="none", help="swarmd's codec (default none: an update is S bytes, as "
                         "hivemind's; e3m0, the loop's default, sends about S/7.5, hivemind's averager fp32 either way)")
+    parser.add_argument("--hivemind-codec", default="none", choices=sorted(HIVEMIND_CODECS),
+                        help="hivemind's all-reduce compression: none (fp32, the same bytes as swarmd's codec none) "
+                             "or float16 (its best that works: its 8-bit codecs send fp32 on numpy 2)")
     parser.add_argument("--inner-sgd", action="store_true", help="the vector trained by plain SGD (no optimizer "
                         "state: a node's memory is then the exchange's; default AdamW, the loop's)")
     parser.add_argument("--free", action="store_true", help="swarmd's peers train and announce as they go (the "
@@ -624,13 +659,13 @@ def main() -> None:
                         print(f"N={n} {name}: {result[name]}", file=sys.stderr, flush=True)
             if args.only != "swarmd":
                 with lab() as star:
-                    result["hivemind"] = hivemind_averager(n, size, args.rounds, star)
+                    result["hivemind"] = hivemind_averager(n, size, args.rounds, star, args.hivemind_codec)
                 print(f"N={n} hivemind: {result['hivemind']}", file=sys.stderr, flush=True)
             rows.append((n, result))
     where = (f"each peer in its own network namespace, its link capped at {args.link:g} Mbit/s both ways (tc tbf)"
              if args.link else "loopback")
     print(f"One update of S = {size / 1e6:.0f} MB among N peers, {where}, {args.rounds} rounds; bytes per peer per "
-          "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N)")
+          "round in units of S (the most any peer moved; hivemind's from its design: 2(N-1)/N, half that in float16)")
     print(f"{'N':>3} | {'exchange':<30} | {'parts':>5} | {'s/round':>8} | {'after all in':>12} | {'in (xS)':>7} | "
           f"{'out (xS)':>8} | "
           f"{'vs hivemind':>11} | {'exchange s':>10} | {'vs hivemind':>11} | "
@@ -645,7 +680,8 @@ def main() -> None:
             alone_ratio = f"{alone / base:.2f}" if base and math.isfinite(alone) else "-"
             codec = "" if args.codec == "none" else f", {args.codec}"
             together = "" if args.free else ", together"
-            label = name if name == "hivemind" else f"{name} (swarmd{codec}{together})"
+            label = (name + ("" if args.hivemind_codec == "none" else f" ({args.hivemind_codec})")
+                     if name == "hivemind" else f"{name} (swarmd{codec}{together})")
             print(f"{n:>3} | {label:<30} | {r.get('parts') or '-':>5} | {r['round_s']:>8.2f} | "
                   f"{r['close_s']:>12.2f} | "
                   f"{r['in']:>7.2f} | {r['out']:>8.2f} | {ratio:>11} | {alone:>10.2f} | {alone_ratio:>11} | "

@@ -800,6 +800,28 @@ def test_auto_parts_follow_the_swarm_so_the_busiest_peer_of_nine_moves_at_most_t
     assert max(received) <= BYTES_BUDGET, received
 
 
+@pytest.mark.timeout(240)
+def test_a_lying_reducers_parts_are_caught_by_their_auditors_and_the_honest_peers_agree(tmp_path):
+    """Every part audited (audit = 1.0), one of 4 peers shifting each part it reduces: its auditors' own reductions
+    have other hashes, so they dispute its parts, take their own, and every honest peer ends on the same weights."""
+    from swarmd.protocols.exchange import PART_MIN
+
+    async def main():
+        sim = DilocoSim(SimConfig(peers=4, seed=3), ChurnConfig(rounds=3, dim=8 * PART_MIN), tmp_path,
+                        exchange="scatter", audit=1.0)
+        liar = sim.peers[-1]
+        sim.faults.alter("reduced", lambda event, part: part + 0.05, peer=liar)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 600, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers if p != liar]
+
+    honest = run_virtual(main())
+    assert len({lp.final_hash for lp in honest}) == 1
+    assert sum(lp.counters["lying_reducers"] for lp in honest) >= 3  # each round's liar's parts, by their auditors
+    assert all(h["participants"] >= 3 for lp in honest for h in lp.history)
+
+
 @pytest.mark.timeout(120)
 def test_a_scatter_rounds_waits_wake_on_their_own_parts_messages_not_on_every_message_of_the_round(
         tmp_path, monkeypatch):
