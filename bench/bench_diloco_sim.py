@@ -38,12 +38,12 @@ REPO = Path(__file__).resolve().parent.parent
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
         "mom": 0.0, "warmup": 0, "cosine": False, "betas": (0.9, 0.95),
-        "recode": None, "options": {}, "decay": 1.0}
+        "recode": None, "options": {}, "decay": 1.0, "senders": False}
 # issue 82's rows: every one with the best DiLoCo row's inner tuning (h4-sign-ef-b2.99-lr1.5e-3, as in
 # configs/diloco-hf-1bit), the reference too (dp-b2.99-lr1.5e-3: pass it as --reference); the sparse rows as SparseLoCo
 # runs them: error feedback with decay 0.95 in place of outer momentum (outer SGD, lr 1)
 TUNED = {"betas": (0.9, 0.99), "lr": 1.5e-3}
-SPARSE = {**TUNED, "h": 30, "codec": "topk2", "ef": True, "decay": 0.95}
+SPARSE = {**TUNED, "h": 30, "codec": "topk2", "ef": True, "decay": 0.95, "senders": True}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
@@ -158,7 +158,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             if i == 0:
                 sent += len(enc.to_wire())
             updates[f"w{i}"] = codec.decode_flat(enc, None)
-        combined, rejected = outer.combine(updates, global_flat.numel())
+        combined, rejected = outer.combine(updates, global_flat.numel(), senders=s["senders"])
         refused += len(rejected)
         if s["recode"]:  # the scatter path: each reducer sends its part of the mean encoded (reduced_codec)
             recode = codecs.get(s["recode"])
