@@ -38,12 +38,13 @@ REPO = Path(__file__).resolve().parent.parent
 # (outer lr 1, no momentum) unless it says otherwise
 BASE = {"h": 13, "codec": "e3m0", "ratio": 0.01, "ef": False, "inner": "swarm-adamw", "lr": 1e-3, "olr": 1.0,
         "mom": 0.0, "warmup": 0, "cosine": False, "betas": (0.9, 0.95),
-        "recode": None, "options": {}, "decay": 1.0}
+        "recode": None, "options": {}, "decay": 1.0, "senders": False}
 # issue 82's rows: every one with the best DiLoCo row's inner tuning (h4-sign-ef-b2.99-lr1.5e-3, as in
 # configs/diloco-hf-1bit), the reference too (dp-b2.99-lr1.5e-3: pass it as --reference); the sparse rows as SparseLoCo
-# runs them: error feedback with decay 0.95 in place of outer momentum (outer SGD, lr 1)
+# runs them: error feedback with decay 0.95 in place of outer momentum (outer SGD, lr 1), each value averaged over
+# the peers that sent it (the loop's outer_average "auto" for topk2)
 TUNED = {"betas": (0.9, 0.99), "lr": 1.5e-3}
-SPARSE = {**TUNED, "h": 30, "codec": "topk2", "ef": True, "decay": 0.95}
+SPARSE = {**TUNED, "h": 30, "codec": "topk2", "ef": True, "decay": 0.95, "senders": True}
 SETTINGS: dict[str, tuple[str, dict]] = {
     "dp": ("data-parallel reference (N x batch)", {"dp": True}),
     "dp-lr1.5e-3": ("data-parallel reference, lr 1.5e-3", {"dp": True, "lr": 1.5e-3}),
@@ -88,14 +89,21 @@ SETTINGS: dict[str, tuple[str, dict]] = {
     "topk-h6": ("H=6 top-3.3% + error feedback", {"h": 6, "codec": "topk", "ratio": 0.033, "ef": True}),
     "h30-nesterov-fp32": ("plain DiLoCo: H=30 fp32, outer Nesterov (0.7, 0.9), tuned inner",
                           {**TUNED, "h": 30, "codec": "none", "olr": 0.7, "mom": 0.9}),
-    "h30-topk2": ("H=30 top-1/64 of 4096, 2-bit, ef 0.95, no outer momentum", SPARSE),
+    "h30-topk2": ("H=30 top-1/64 of 4096, 2-bit, ef 0.95, mean over senders", SPARSE),
+    "h30-topk2-all": ("H=30 topk2, ef 0.95, the mean over all peers", {**SPARSE, "senders": False}),
+    "h30-topk2-d72": ("H=30 top-57 of 4096 (1/72), 2-bit, ef 0.95", {**SPARSE, "options": {"density": 1 / 72}}),
     "h30-topk2-ef1": ("H=30 topk2, ef without decay", {**SPARSE, "decay": 1.0}),
     "h30-topk2-d32": ("H=30 top-1/32 of 4096, 2-bit, ef 0.95", {**SPARSE, "options": {"density": 1 / 32}}),
     "h15-topk2": ("H=15 topk2, ef 0.95", {**SPARSE, "h": 15}),
     "h4-topk2": ("H=4 topk2, ef 0.95", {**SPARSE, "h": 4}),
     "h4-topk2-d12": ("H=4 top-1/12 of 4096, 2-bit, ef 0.95 (sign's bytes)", {**SPARSE, "h": 4,
                                                                              "options": {"density": 1 / 12}}),
+    "h4-topk2-all": ("H=4 topk2, ef 0.95, the mean over all peers", {**SPARSE, "h": 4, "senders": False}),
+    "h4-topk2-d12-all": ("H=4 top-1/12 of 4096, ef 0.95, the mean over all peers",
+                         {**SPARSE, "h": 4, "options": {"density": 1 / 12}, "senders": False}),
     "h30-topk2-muon": ("H=30 topk2, ef 0.95, Muon inner (AdamW on the rest)", {**SPARSE, "inner": "muon"}),
+    "h30-topk2-muon-all": ("H=30 topk2, ef 0.95, Muon inner, the mean over all peers", {**SPARSE, "inner": "muon",
+                                                                                          "senders": False}),
     "h30-topk2-muon-lr1e-3": ("H=30 topk2, ef 0.95, Muon inner, lr 1e-3", {**SPARSE, "inner": "muon", "lr": 1e-3}),
 }
 DEFAULT = ["dp", "h13", "h13-none", "h13-ef", "h13-adamw", "h50-nesterov"]
@@ -158,7 +166,7 @@ def one(name: str, steps: int, peers: int, task_spec: str, options: dict, device
             if i == 0:
                 sent += len(enc.to_wire())
             updates[f"w{i}"] = codec.decode_flat(enc, None)
-        combined, rejected = outer.combine(updates, global_flat.numel())
+        combined, rejected = outer.combine(updates, global_flat.numel(), senders=s["senders"])
         refused += len(rejected)
         if s["recode"]:  # the scatter path: each reducer sends its part of the mean encoded (reduced_codec)
             recode = codecs.get(s["recode"])

@@ -172,14 +172,20 @@ def relative_difference(ours: torch.Tensor, theirs: torch.Tensor, sizes: list[in
 
 
 def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipped_mean", clip: float = 2.0,
-            trim: float = 0.2, screen: bool = True) -> tuple[torch.Tensor | None, dict[str, str]]:
+            trim: float = 0.2, screen: bool = True,
+            senders: bool = False) -> tuple[torch.Tensor | None, dict[str, str]]:
     """Combine peers' pseudo-gradients robustly. Returns (combined or None, {peer: rejection reason}).
 
     Rejected before combining: wrong size, non-finite values; with ``screen`` (3 updates or more, the rules of
     ``protocols.exchange``) an update whose norm is more than 10x the median ("norm_outlier") and one no closer in
     direction to the others than noise ("uncorrelated"). ``clipped_mean``: each update's L2 norm is clipped to
     ``clip`` x the median norm, then averaged. ``trimmed_mean``: per coordinate, the ``trim`` fraction of the
-    largest and of the smallest values are dropped, the rest averaged (needs >= 3 updates to trim anything)."""
+    largest and of the smallest values are dropped, the rest averaged (needs >= 3 updates to trim anything).
+
+    ``senders`` (the clipped mean of sparse updates, ``DilocoConfig.outer_average``): each coordinate's sum divided
+    by the number of updates not zero there, not by all of them. A peer's error feedback forgets what it sent, so a
+    value only one peer sent and the mean divided by N is (N - 1) / N lost, neither applied nor carried; templar's
+    SparseLoCo (``TopKCompressor.batch_decompress``: a scatter mean over the indices sent) averages this way."""
     rejected: dict[str, str] = {}
     good: dict[str, torch.Tensor] = {}
     for peer in sorted(updates):
@@ -211,7 +217,7 @@ def combine(updates: dict[str, torch.Tensor], size: int, *, method: str = "clipp
         # the scatter exchange's rule on whole updates (``exchange.reduce_part``): the same bits whichever way a
         # round combines, and no stacked copies (a stack, its scaled copy and the mean hold 2N + 1 updates at
         # once: 28 GB for 3 peers of a 1B model)
-        return exchange.reduce_part(good, exchange.clip_factors(norms, clip), size), rejected
+        return exchange.reduce_part(good, exchange.clip_factors(norms, clip), size, senders), rejected
     stacked = torch.stack([good[peer] for peer in sorted(good)])
     if method == "trimmed_mean":
         k = int(math.floor(trim * len(good)))

@@ -143,6 +143,55 @@ def test_combine_is_bit_identical_whatever_the_arrival_order():
     assert rejected == {} and torch.equal(a, b)
 
 
+def test_sparse_updates_are_averaged_over_the_peers_that_sent_each_value():
+    """``senders``: a value only one peer's top-k sent is applied whole (the mean over all peers would apply a
+    quarter of it, while that peer's error feedback forgets all of it); where several sent one, their mean; zero
+    where none did. Clipping still scales each update first. The reduced parts of a scatter round give the same
+    bits as the whole updates combined."""
+    from swarmd.protocols import exchange
+
+    n = 4096
+    updates = {}
+    for i in range(4):  # each peer: the same signal on its own 1/16 of the values, and 8 values all 4 send
+        u = torch.zeros(n)
+        u[i * 256:(i + 1) * 256] = 1.0 + 0.1 * i
+        u[-8:] = 2.0 + i
+        updates[f"p{i}"] = u
+    everyone, rejected = outer.combine(updates, n, screen=False)
+    senders, _ = outer.combine(updates, n, screen=False, senders=True)
+    assert rejected == {}
+    for i in range(4):
+        assert torch.allclose(senders[i * 256:(i + 1) * 256], torch.tensor(1.0 + 0.1 * i))
+        assert torch.allclose(everyone[i * 256:(i + 1) * 256], torch.tensor((1.0 + 0.1 * i) / 4))
+    assert torch.allclose(senders[-8:], torch.tensor(3.5)) and torch.equal(senders[-8:], everyone[-8:])
+    assert not senders[1024:-8].any()
+    # a peer clipped to 2x the median norm: its values scaled, still divided by the senders alone
+    big = {**updates, "p3": updates["p3"] * 100}
+    clipped, _ = outer.combine(big, n, screen=False, senders=True)
+    factor = exchange.clip_factors({a: float(u.norm()) for a, u in big.items()})["p3"]
+    assert factor < 0.1
+    assert torch.allclose(clipped[768:1024], 130.0 * factor * torch.ones(256), rtol=1e-6)
+    # part by part (a scatter round's reducers) the same bits as the whole
+    factors = {a: 1.0 for a in updates}
+    whole = exchange.reduce_part(updates, factors, n, senders=True)
+    parts = torch.cat([exchange.reduce_part({a: u[a0:a0 + 1000] for a, u in updates.items()}, factors,
+                                            min(1000, n - a0), senders=True) for a0 in range(0, n, 1000)])
+    assert torch.equal(whole, parts) and torch.equal(whole, senders)
+
+
+def test_the_sparse_codec_averages_over_senders_and_says_so_in_the_runs_fingerprint():
+    from swarmd.protocols.diloco import DilocoConfig
+
+    sparse = DilocoConfig(run="x", codec="topk2")
+    assert sparse.senders() and sparse.shared()["outer_average"] == "senders"
+    assert not DilocoConfig(run="x", codec="topk2", outer_average="all").senders()
+    assert "outer_average" not in DilocoConfig(run="x", codec="topk2", outer_average="all").shared()
+    assert not DilocoConfig(run="x").senders() and "outer_average" not in DilocoConfig(run="x").shared()
+    assert DilocoConfig(run="x", codec="sign", outer_average="senders").shared()["outer_average"] == "senders"
+    with pytest.raises(ValueError):
+        DilocoConfig(run="x", outer_average="median")
+
+
 def test_flatten_unflatten_and_hash():
     params = [torch.randn(3, 4), torch.randn(5)]
     flat = outer.flatten(params)

@@ -1210,21 +1210,24 @@ def test_a_round_takes_its_large_buffers_from_the_last_and_ends_on_the_same_bits
 @pytest.mark.parametrize("exchange", ["all-to-all", "scatter"])
 def test_sparse_two_bit_updates_with_decayed_error_feedback_in_place_of_momentum_train_and_agree(tmp_path, exchange):
     """The sparse "topk2" codec (protocols/sparse.py: 1/16 of each 256-long chunk, 2-bit values) with SparseLoCo's
-    outer step: error feedback (decay 0.95) in place of outer momentum (outer SGD, lr 1). Every peer ends on the
-    same weights, the loss falls well below where the same swarm ends without error feedback, and /status shows the
-    bits a peer sent per parameter per inner step, from the bytes of its updates."""
-    async def run(feedback: str):
-        sim = _sim(tmp_path / feedback, 4, rounds=10, dim=2048, exchange=exchange, codec="topk2",
+    outer step: error feedback (decay 0.95) in place of outer momentum (outer SGD, lr 1), the updates averaged over
+    their senders (``outer_average`` "auto") or over all of them. Every peer ends on the same weights; with error
+    feedback the loss falls well below where the same swarm ends without it, either way; and /status shows the bits
+    a peer sent per parameter per inner step, from the bytes of its updates."""
+    async def run(feedback: str, average: str = "auto"):
+        sim = _sim(tmp_path / f"{feedback}-{average}", 4, rounds=10, dim=2048, exchange=exchange, codec="topk2",
                    codec_options={"density": 1 / 16, "chunk": 256}, error_feedback=feedback, feedback_decay=0.95,
-                   outer_lr=1.0, outer_momentum=0.0)
+                   outer_lr=1.0, outer_momentum=0.0, outer_average=average)
         async with sim:
             await sim.start_all()
             await sim.until(sim.finished, 300, "everyone to finish")
             return sim.report(0.0), [sim.loop(p).status() for p in sim.peers]
 
-    (with_ef, statuses), (without, _) = run_virtual(run("auto")), run_virtual(run("off"))
-    assert with_ef["same_final_weights"] == without["same_final_weights"] == 4
-    assert with_ef["loss_end"] < 0.8 * without["loss_end"], (with_ef["loss_end"], without["loss_end"])
+    (with_ef, statuses), (without, _) = run_virtual(run("auto")), run_virtual(run("off", "all"))
+    over_all, _ = run_virtual(run("auto", "all"))
+    assert with_ef["same_final_weights"] == without["same_final_weights"] == over_all["same_final_weights"] == 4
+    for ended in (with_ef, over_all):
+        assert ended["loss_end"] < 0.8 * without["loss_end"], (ended["loss_end"], without["loss_end"])
     assert all(s["codec"] == "topk2" and s["residual_norm"]["0"] > 0 for s in statuses)
     # 1/16 kept, 8 + 2 bits each, two bfloat16 levels a chunk: 0.75 bits a value a sync (and the headers), over
     # 10 inner steps a sync

@@ -40,7 +40,7 @@ class AllToAllRound:
         updates = {a: pending.updates[a] for a in members}
         if lp.faults:
             await lp.faults.enter("reduce", lp, r=rnd.r, p=rnd.p)
-        combined, rejected = await asyncio.to_thread(outer.combine, updates, frag.numel())
+        combined, rejected = await asyncio.to_thread(outer.combine, updates, frag.numel(), senders=lp.cfg.senders())
         lp.timings.phases["combine"].append(lp.clock.monotonic() - self.started)
         if (len(updates) + 2 + MAX_LATE_PULLS) * 4 * frag.numel() <= lp.cfg.redo_bytes:
             late = sorted((pending.arrivals[a], a) for a in members if a != rnd.me and a in pending.arrivals)

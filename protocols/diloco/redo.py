@@ -70,7 +70,8 @@ class RedoMixin:
             steps = self.replica.outer_opt
             opt = outer.OuterNesterov([], steps.lr, steps.momentum)  # the same step, bit for bit
             for members in redo.variants(me):
-                combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel())
+                combined, _ = outer.combine({a: redo.update(a) for a in members}, redo.global_before.numel(),
+                                            senders=self.cfg.senders())
                 opt.buffers = {p: redo.momentum.clone()}
                 fixed = redo.global_before if combined is None else opt.step(p, redo.global_before, combined)
                 if matches(fixed):

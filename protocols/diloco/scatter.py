@@ -263,7 +263,7 @@ class ScatterRound:
         """(In a worker thread.) Part k reduced and encoded: its payload, the payload's hash, and its values."""
         a, b = self.bounds[k]
         codec = self.loop.reduced_codec
-        combined = exchange.reduce_part(chunks, self.factors, b - a)
+        combined = exchange.reduce_part(chunks, self.factors, b - a, self.loop.cfg.senders())
         if self.loop.faults:
             combined = self.loop.faults.altered("reduced", self.loop, combined, r=self.rnd.r, p=self.rnd.p,
                                                 info={"part": k})
