@@ -83,6 +83,7 @@ class NatService:
     PUNCH_BURST = 4  # punches a peer may start with us at once (a retry comes right after a failure), 1 per 5 s more
     BURST_EVERY = 300.0  # a burst of many flows (transport.birthday) with one peer at most this often (either role)
     MAX_BURSTS = 1  # bursts in flight at once, for all peers: never a port scanner
+    BURST_GAP = 30.0  # seconds between two bursts, for all peers (so many peer ids cannot chain bursts either)
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0, member_addrs=None, data_dir=None, hole_punching: bool = True,
@@ -104,7 +105,8 @@ class NatService:
                                          "punch_attempts": 0, "punch_successes": 0, "punch_served": 0,
                                          "punch_served_ok": 0, "punch_failed_closed": 0,
                                          "punch_failed_our_mapping": 0, "punch_failed_their_mapping": 0,
-                                         "punch_failed_timeout": 0, "punch_bursts": 0, "punch_burst_successes": 0}
+                                         "punch_failed_timeout": 0, "punch_bursts": 0, "punch_burst_successes": 0,
+                                         "punch_bursts_refused": 0}
         self.last_probe: float | None = None
         self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
         self.punches: list[dict] = []  # latest first
@@ -231,7 +233,7 @@ class NatService:
         peer = conn.peer_id
         started = time.monotonic()
         entry = {"peer": peer, "at": time.time()}
-        outcome, burst = None, False
+        outcome, burst, made = None, False, False
         for tries in range(1, self.PUNCH_TRIES + 1):
             again = await self._punch_once(conn, burst)
             if again is None:  # the peer did not take part (this time)
@@ -239,7 +241,7 @@ class NatService:
                     return None
                 tries -= 1
                 break
-            outcome = again
+            outcome, made = again, burst
             ok, cause, detail = outcome
             if ok or tries == self.PUNCH_TRIES:
                 break
@@ -255,13 +257,13 @@ class NatService:
         if not ok:
             self.counters["punch_failed_" + cause.replace("-", "_")] += 1
             self.punches = [{**entry, "ok": False, "cause": cause, "error": detail[:160], "tries": tries,
-                             "seconds": seconds}] + self.punches[:11]
+                             "seconds": seconds, "burst": made}] + self.punches[:11]
             logger.info("hole punch to %s failed after %d attempt(s) (%s: %s); staying on the relay", peer, tries,
                         cause, detail)
             await self._back_to_relay(peer, conn)
             return False
         self.counters["punch_successes"] += 1
-        self.punches = [{**entry, "ok": True, "seconds": seconds, "tries": tries}] + self.punches[:11]
+        self.punches = [{**entry, "ok": True, "seconds": seconds, "tries": tries, "burst": made}] + self.punches[:11]
         logger.info("hole punch to %s succeeded in %.2f s (attempt %d): direct connection %s", peer, seconds, tries,
                     detail)
         return True
@@ -270,7 +272,8 @@ class NatService:
         now = time.monotonic()
         if len(self._burst_at) > 256:
             self._burst_at = {p: t for p, t in self._burst_at.items() if now - t < self.BURST_EVERY}
-        return self._bursting < self.MAX_BURSTS and now - self._burst_at.get(peer, -1e9) >= self.BURST_EVERY
+        return (self._bursting < self.MAX_BURSTS and now - max(self._burst_at.values(), default=-1e9) >= self.BURST_GAP
+                and now - self._burst_at.get(peer, -1e9) >= self.BURST_EVERY)
 
     def _may_burst(self, peer: str) -> bool:
         return roles(self.mapping(), self._peer_mapping.get(peer, "unknown")) is not None and self._burst_free(peer)
@@ -411,7 +414,12 @@ class NatService:
         if request.body.get("burst") is True:  # asked for a burst: granted when the two mappings make roles
             self._note_mapping(stream.peer_id, request.body, theirs)
             role = roles(self.mapping(), self._peer_mapping[stream.peer_id])
-            refuse = refuse or role is None or not self._burst_free(stream.peer_id)
+            if not refuse and (role is None or not self._burst_free(stream.peer_id)):
+                self.counters["punch_bursts_refused"] += 1
+                logger.debug("hole punch from %s: burst refused (%s)", stream.peer_id, "no roles: mappings "
+                             f"{self.mapping()} / {self._peer_mapping[stream.peer_id]}" if role is None else
+                             "one burst per peer every 5 minutes, one every 30 s in all")
+                refuse = True
         if refuse or not self._punch_budget.allow(stream.peer_id):
             await stream.send(CONNECT, {"addrs": []} if role is None else
                               {"addrs": [], "mapping": self.mapping(), "burst": False})
