@@ -320,6 +320,7 @@ class NatService:
                 role = roles(self.mapping(), self._peer_mapping[peer]) if reply.body.get("burst") is True else None
                 if role is None or not self._burst_free(peer):
                     return None
+                self._burst_at[peer] = time.monotonic()  # taken now: no other burst starts before ours
             await stream.send(SYNC, {})
             closing = asyncio.ensure_future(stream.close(linger=self.PUNCH_DIAL_TIMEOUT))  # the peer closes first
         except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
@@ -357,7 +358,6 @@ class NatService:
         """The many-flow simultaneous open (``transport.birthday``), counted against the per-peer and global
         budgets: the keeper aims at random ports of ``remote``'s IP, the scatterer at ``remote`` (the kept port)."""
         self._bursting += 1
-        self._burst_at[peer] = time.monotonic()
         self.counters["punch_bursts"] += 1
         logger.info("hole punch with %s: a burst of many flows (we %s the port; the peer's NAT %s)", peer,
                     "keep" if role == "keep" else "change", "changes it" if role == "keep" else "keeps it")
@@ -429,6 +429,8 @@ class NatService:
         if stale is not None and not stale.done():  # the peer gave up on that one: free its ports for this one
             stale.cancel()
             await asyncio.gather(stale, return_exceptions=True)
+        if role is not None:
+            self._burst_at[stream.peer_id] = time.monotonic()  # taken now: no other burst starts before this one
         await stream.send(CONNECT, {"addrs": self._candidates()} if role is None else
                           {"addrs": self._candidates(), "mapping": self.mapping(), "burst": True})
         sync = await asyncio.wait_for(stream.read_required(), 10)
