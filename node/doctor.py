@@ -8,10 +8,13 @@ from __future__ import annotations
 FORWARD = ("forward a TCP port on the router to this node and start with --announce /ip4/<public ip>/tcp/<port>, "
            "or turn on port mapping (network.port_mapping = true) if the router speaks UPnP / NAT-PMP")
 PUNCH_CAUSES = {
-    "our-mapping": "this node's NAT gives each destination its own port (a symmetric NAT): no peer can aim at it, "
-                   "so hole punching from here cannot work; " + FORWARD,
-    "their-mapping": "the peer's NAT changes the port (symmetric): hole punching to it cannot work; the peer (or "
-                     "this node) can " + FORWARD.replace("this node", "it"),
+    "our-mapping": "this node's NAT gives each destination its own port (a symmetric NAT): no peer can aim one "
+                   "connection at it; a burst of many at once reaches peers whose NAT keeps the port (most of the "
+                   "time, once per peer every 5 minutes), never peers behind another symmetric NAT; " + FORWARD,
+    "their-mapping": "the peer's NAT changes the port (symmetric): no single connection can aim at it; a burst of "
+                     "many at once gets through where our NAT keeps the port (most of the time, once per "
+                     "peer every 5 minutes); for a sure path the peer (or this node) can "
+                     + FORWARD.replace("this node", "it"),
     "closed": "the hole-punched connection closed while it was handed to the p2p daemon, again on the attempts made "
               "at once after it: a firewall or NAT that resets new connections, or a peer that restarted",
     "timeout": "no packet got through although both NATs keep the port: a firewall or NAT that filters inbound "
@@ -62,7 +65,8 @@ def diagnose(s: dict) -> dict:
         nat_text = (f"translated: this node's addresses are {', '.join(sorted(local_ips - {'127.0.0.1'})) or '-'}, "
                     f"peers see {', '.join(sorted(observed_ips))}"
                     + ("; the listen port is kept (endpoint-independent mapping likely: hole punching can work)"
-                       if kept else "; the port changes (a symmetric NAT likely: hole punching will fail)"))
+                       if kept else "; the port changes (a symmetric NAT likely: hole punching only by bursts of many "
+                       "connections, to peers whose NAT keeps the port)"))
     punches = nat.get("punches", [])
     last = punches[0] if punches else None
     punch = (f"{nat.get('punch_successes', 0)} of {nat.get('punch_attempts', 0)} attempts succeeded"

@@ -25,6 +25,7 @@ from swarmd.transport.errors import MalformedMessage, ProtocolViolation, Transpo
 from swarmd.transport.multiaddrs import split_peer_addr, validate_peer_addr
 from swarmd.transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply, public)
+from swarmd.transport.birthday import burst_open, roles
 from swarmd.transport.penalties import TokenBuckets
 from swarmd.transport.punch import PairTaken, simultaneous_open
 
@@ -80,6 +81,9 @@ class NatService:
     MAX_RESPONDING = 4  # punches we answer at once
     PUNCH_TRIES = 3  # attempts in a row when the first fails in a way a retry can fix (see punch)
     PUNCH_BURST = 4  # punches a peer may start with us at once (a retry comes right after a failure), 1 per 5 s more
+    BURST_EVERY = 300.0  # a burst of many flows (transport.birthday) with one peer at most this often (either role)
+    MAX_BURSTS = 1  # bursts in flight at once, for all peers: never a port scanner
+    BURST_GAP = 30.0  # seconds between two bursts, for all peers (so many peer ids cannot chain bursts either)
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0, member_addrs=None, data_dir=None, hole_punching: bool = True,
@@ -101,7 +105,8 @@ class NatService:
                                          "punch_attempts": 0, "punch_successes": 0, "punch_served": 0,
                                          "punch_served_ok": 0, "punch_failed_closed": 0,
                                          "punch_failed_our_mapping": 0, "punch_failed_their_mapping": 0,
-                                         "punch_failed_timeout": 0}
+                                         "punch_failed_timeout": 0, "punch_bursts": 0, "punch_burst_successes": 0,
+                                         "punch_bursts_refused": 0}
         self.last_probe: float | None = None
         self.punch_backoff: dict[str, tuple[float, float]] = {}  # peer -> (next attempt at, current backoff)
         self.punches: list[dict] = []  # latest first
@@ -109,6 +114,9 @@ class NatService:
         self._relayed_since: dict[str, float] = {}
         self._responding: set[asyncio.Task] = set()
         self._responding_to: dict[str, asyncio.Task] = {}  # peer -> its hole punch we are answering
+        self._peer_mapping: dict[str, str] = {}  # peer -> its NAT's mapping, as its last punch message showed it
+        self._burst_at: dict[str, float] = {}  # peer -> when our last burst with it started
+        self._bursting = 0
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
@@ -225,18 +233,21 @@ class NatService:
         peer = conn.peer_id
         started = time.monotonic()
         entry = {"peer": peer, "at": time.time()}
-        outcome = None
+        outcome, burst, made = None, False, False
         for tries in range(1, self.PUNCH_TRIES + 1):
-            again = await self._punch_once(conn)
+            again = await self._punch_once(conn, burst)
             if again is None:  # the peer did not take part (this time)
                 if outcome is None:
                     return None
                 tries -= 1
                 break
-            outcome = again
+            outcome, made = again, burst
             ok, cause, detail = outcome
-            if ok or cause not in ("closed", "timeout") or (cause == "timeout" and tries > 1) \
-                    or tries == self.PUNCH_TRIES:
+            if ok or tries == self.PUNCH_TRIES:
+                break
+            if cause in ("our-mapping", "their-mapping") and not burst and self._may_burst(peer):
+                burst = True  # one side symmetric, the other keeping its port: many flows at once can meet
+            elif burst or cause not in ("closed", "timeout") or (cause == "timeout" and tries > 1):
                 break
             logger.info("hole punch to %s: attempt %d failed (%s: %s); trying again at once", peer, tries, cause,
                         detail)
@@ -246,22 +257,45 @@ class NatService:
         if not ok:
             self.counters["punch_failed_" + cause.replace("-", "_")] += 1
             self.punches = [{**entry, "ok": False, "cause": cause, "error": detail[:160], "tries": tries,
-                             "seconds": seconds}] + self.punches[:11]
+                             "seconds": seconds, "burst": made}] + self.punches[:11]
             logger.info("hole punch to %s failed after %d attempt(s) (%s: %s); staying on the relay", peer, tries,
                         cause, detail)
             await self._back_to_relay(peer, conn)
             return False
         self.counters["punch_successes"] += 1
-        self.punches = [{**entry, "ok": True, "seconds": seconds, "tries": tries}] + self.punches[:11]
+        self.punches = [{**entry, "ok": True, "seconds": seconds, "tries": tries, "burst": made}] + self.punches[:11]
         logger.info("hole punch to %s succeeded in %.2f s (attempt %d): direct connection %s", peer, seconds, tries,
                     detail)
         return True
 
-    async def _punch_once(self, conn) -> tuple[bool, str, str] | None:
+    def _burst_free(self, peer: str) -> bool:
+        now = time.monotonic()
+        if len(self._burst_at) > 256:
+            self._burst_at = {p: t for p, t in self._burst_at.items() if now - t < self.BURST_EVERY}
+        return (self._bursting < self.MAX_BURSTS and now - max(self._burst_at.values(), default=-1e9) >= self.BURST_GAP
+                and now - self._burst_at.get(peer, -1e9) >= self.BURST_EVERY)
+
+    def _may_burst(self, peer: str) -> bool:
+        return roles(self.mapping(), self._peer_mapping.get(peer, "unknown")) is not None and self._burst_free(peer)
+
+    def _note_mapping(self, peer: str, body: object, theirs: list[tuple[str, int]]) -> None:
+        """The peer's mapping: as it declares it (burst messages), else as its candidates show it (its listen
+        port first, then the ports peers observed it at: one port for all is a kept port)."""
+        declared = body.get("mapping") if isinstance(body, dict) else None
+        if not isinstance(declared, str):
+            declared = "unknown" if not theirs else "kept" if len({p for _, p in theirs}) == 1 else "changed"
+        self._peer_mapping.pop(peer, None)
+        self._peer_mapping[peer] = declared
+        if len(self._peer_mapping) > 256:
+            del self._peer_mapping[next(iter(self._peer_mapping))]
+
+    async def _punch_once(self, conn, burst: bool = False) -> tuple[bool, str, str] | None:
         """One attempt: (True, "", the direct address) or (False, cause, what failed); None if the peer did not
-        take part. Causes: "closed" (the punched connection closed in the hand-over), "our-mapping" / "their-
-        mapping" (no SYN got through, and our / the peer's NAT changes the port), "timeout" (no SYN got through,
-        the ports kept: a firewall or filtering NAT, or SYNs lost)."""
+        take part (or refused the burst asked for). A burst (``transport.birthday``) is one attempt whose
+        simultaneous open is many flows, the roles set by the two mappings. Causes: "closed" (the punched
+        connection closed in the hand-over), "our-mapping" / "their-mapping" (no SYN got through, and our / the
+        peer's NAT changes the port), "timeout" (no SYN got through, the ports kept: a firewall or filtering NAT,
+        or SYNs lost)."""
         peer = conn.peer_id
         port = self._listen_port()
         try:
@@ -269,15 +303,24 @@ class NatService:
         except TransportError as e:
             logger.debug("hole punch to %s: cannot open a stream over the relay: %s", peer, e)
             return None
-        closing = None
+        closing, role = None, None
         try:
             sent = time.monotonic()
-            await stream.send(CONNECT, {"addrs": self._candidates()})
+            ask = {"addrs": self._candidates()}
+            if burst:
+                ask.update(mapping=self.mapping(), burst=True)
+            await stream.send(CONNECT, ask)
             reply = await asyncio.wait_for(stream.read_required(), 10)
             rtt = time.monotonic() - sent
             theirs = parse_addrs(reply.body)
             if reply.kind != CONNECT or not theirs:
                 return None  # the peer does not know its own address yet, or is busy: ask again soon
+            self._note_mapping(peer, reply.body, theirs)
+            if burst:
+                role = roles(self.mapping(), self._peer_mapping[peer]) if reply.body.get("burst") is True else None
+                if role is None or not self._burst_free(peer):
+                    return None
+                self._burst_at[peer] = time.monotonic()  # taken now: no other burst starts before ours
             await stream.send(SYNC, {})
             closing = asyncio.ensure_future(stream.close(linger=self.PUNCH_DIAL_TIMEOUT))  # the peer closes first
         except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
@@ -290,7 +333,10 @@ class NatService:
         try:
             await asyncio.sleep(rtt / 2)
             try:
-                sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
+                if role is not None:
+                    sock = await self._burst(peer, role, port, theirs[0])
+                else:
+                    sock = await simultaneous_open(port, theirs[:4], self.PUNCH_DIAL_TIMEOUT)
             except PairTaken:  # the NATs let new connections in: an ordinary dial is enough
                 return await self._dial_direct(peer, theirs)
             except OSError as e:  # TimeoutError is an OSError
@@ -304,7 +350,21 @@ class NatService:
                 return False, "closed", str(e) or type(e).__name__
         finally:
             await closing
+        if role is not None:
+            self.counters["punch_burst_successes"] += 1
         return True, "", now.addrs[0]
+
+    async def _burst(self, peer: str, role: str, port: int, remote: tuple[str, int]):
+        """The many-flow simultaneous open (``transport.birthday``), counted against the per-peer and global
+        budgets: the keeper aims at random ports of ``remote``'s IP, the scatterer at ``remote`` (the kept port)."""
+        self._bursting += 1
+        self.counters["punch_bursts"] += 1
+        logger.info("hole punch with %s: a burst of many flows (we %s the port; the peer's NAT %s)", peer,
+                    "keep" if role == "keep" else "change", "changes it" if role == "keep" else "keeps it")
+        try:
+            return await burst_open(role, port, remote, self.PUNCH_DIAL_TIMEOUT)
+        finally:
+            self._bursting -= 1
 
     async def _dial_direct(self, peer: str, theirs: list[tuple[str, int]]) -> tuple[bool, str, str]:
         """The peer's SYN reached our listener, so new connections pass the NATs: replace the relayed connection
@@ -350,34 +410,53 @@ class NatService:
         port = self._listen_port()
         refuse = (port is None or not self.hole_punching or not self.relay_client or not theirs
                   or not self._predicted() or len(self._responding) >= self.MAX_RESPONDING)
+        role = None
+        if request.body.get("burst") is True:  # asked for a burst: granted when the two mappings make roles
+            self._note_mapping(stream.peer_id, request.body, theirs)
+            role = roles(self.mapping(), self._peer_mapping[stream.peer_id])
+            if not refuse and (role is None or not self._burst_free(stream.peer_id)):
+                self.counters["punch_bursts_refused"] += 1
+                logger.debug("hole punch from %s: burst refused (%s)", stream.peer_id, "no roles: mappings "
+                             f"{self.mapping()} / {self._peer_mapping[stream.peer_id]}" if role is None else
+                             "one burst per peer every 5 minutes, one every 30 s in all")
+                refuse = True
         if refuse or not self._punch_budget.allow(stream.peer_id):
-            await stream.send(CONNECT, {"addrs": []})
+            await stream.send(CONNECT, {"addrs": []} if role is None else
+                              {"addrs": [], "mapping": self.mapping(), "burst": False})
             await stream.close(linger=2.0)
             return
         stale = self._responding_to.get(stream.peer_id)
         if stale is not None and not stale.done():  # the peer gave up on that one: free its ports for this one
             stale.cancel()
             await asyncio.gather(stale, return_exceptions=True)
-        await stream.send(CONNECT, {"addrs": self._candidates()})
+        if role is not None:
+            self._burst_at[stream.peer_id] = time.monotonic()  # taken now: no other burst starts before this one
+        await stream.send(CONNECT, {"addrs": self._candidates()} if role is None else
+                          {"addrs": self._candidates(), "mapping": self.mapping(), "burst": True})
         sync = await asyncio.wait_for(stream.read_required(), 10)
         if sync.kind != SYNC:
             raise MalformedMessage("punch: expected SYNC")
         self.counters["punch_served"] += 1
-        task = asyncio.ensure_future(self._respond(stream.peer_id, port, theirs[:4]))
+        task = asyncio.ensure_future(self._respond(stream.peer_id, port, theirs[:4], role))
         self._responding.add(task)
         self._responding_to[stream.peer_id] = task
         task.add_done_callback(self._responding.discard)
         task.add_done_callback(lambda t, p=stream.peer_id: self._responding_to.get(p) is t
                                and self._responding_to.pop(p))
 
-    async def _respond(self, peer: str, port: int, theirs: list[tuple[str, int]]) -> None:
+    async def _respond(self, peer: str, port: int, theirs: list[tuple[str, int]], role: str | None = None) -> None:
         try:
-            sock = await simultaneous_open(port, theirs, self.PUNCH_DIAL_TIMEOUT)
+            if role is not None:
+                sock = await self._burst(peer, role, port, theirs[0])
+            else:
+                sock = await simultaneous_open(port, theirs, self.PUNCH_DIAL_TIMEOUT)
             await self.transport.adopt(peer, sock, dialer=False, timeout=10)
         except (TransportError, OSError) as e:
             logger.info("hole punch from %s: no direct connection (%s)", peer, e)
             return
         self.counters["punch_served_ok"] += 1
+        if role is not None:
+            self.counters["punch_burst_successes"] += 1
         logger.info("hole punch from %s: connected directly, handed to the p2p daemon", peer)
 
     def _ports(self, addrs: list[str]) -> list[int]:

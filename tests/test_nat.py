@@ -179,6 +179,48 @@ def test_a_punched_connection_that_closes_in_the_hand_over_is_punched_again_at_o
             swarm.close()
 
 
+# the embedded defaults, as a new user runs them (`swarmd start --listen /ip4/0.0.0.0/tcp/4001 --bootstrap ...`)
+DEFAULTS_NODE = """
+[network]
+listen = ["/ip4/0.0.0.0/tcp/4001"]
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_symmetric_nat_on_one_side_is_punched_by_a_burst_of_flows_with_the_defaults(tmp_path):
+    """a behind a symmetric NAT (a random port per destination), b behind a port-keeping NAT that lets in only
+    replies: the ordinary punch fails on the mapping, then one burst of many flows (transport.birthday) meets one of
+    a's ports and the pair is hole-punched within seconds, on the embedded defaults. (By the birthday estimate
+    about 1 lab in 50 stays relayed: the burst is made once per peer per BURST_EVERY.)"""
+    config = tmp_path / "defaults.toml"
+    config.write_text(DEFAULTS_NODE)
+    with NatLab(mode_a="sym") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"
+            a = start_in(lab, swarm, "a", [bootstrap])
+            b = start_in(lab, swarm, "b", [bootstrap])
+            wait_for(lambda: all((p := peer(x, y.peer_id)) and p["connected"] for x, y in ((a, b), (b, a))), 60,
+                     "a and b connected (through the relay)")
+            seen = time.monotonic()
+            wait_for(lambda: all((p := peer(x, y.peer_id)) and p["path"] == "hole-punched"
+                                 for x, y in ((a, b), (b, a))), 30, "a hole-punched connection on both sides")
+            assert time.monotonic() - seen < 20
+            first, second = sorted((a, b), key=lambda n: n.peer_id)
+            punch = first.status()["services"]["nat"]["punches"][0]
+            assert punch["ok"] and punch["tries"] == 2 and punch["burst"], punch  # the ordinary attempt, then a burst
+            for node in (a, b):
+                nat = node.status()["services"]["nat"]
+                assert nat["punch_bursts"] == 1 and nat["punch_burst_successes"] == 1, nat
+            assert a.status()["services"]["nat"]["mapping"] in ("changed", "varies")
+            assert b.status()["services"]["nat"]["mapping"] == "kept"
+            conn = peer(b, a.peer_id)
+            assert conn["relay"] is None and conn["conn_addrs"][0].startswith(f"/ip4/{lab.wan['a']}/tcp/")
+        finally:
+            swarm.close()
+
+
 LAB_DILOCO = """
 [loops.diloco]
 run = "lab"

@@ -93,6 +93,7 @@ def test_doctor_names_why_hole_punching_failed_and_what_to_do():
     ours = hints(mapping="changed", punches=[{"ok": False, "cause": "our-mapping", "error": "no simultaneous open",
                                               "peer": "peerBBBB"}])
     assert "this node's NAT gives each destination its own port" in ours and "with peerBBBB" in ours
+    assert "a burst of many at once reaches peers whose NAT keeps the port" in ours  # not hopeless any more
     assert "--announce /ip4/<public ip>/tcp/<port>" in ours and "network.port_mapping = true" in ours
     theirs = hints(mapping="kept", punches=[{"ok": False, "cause": "their-mapping", "error": "x", "peer": "B"}])
     assert "the peer's NAT changes the port" in theirs and "this node's NAT" not in theirs

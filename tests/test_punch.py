@@ -2,11 +2,14 @@
 to two real p2p daemons (the whole punch through NATs runs in tests/test_nat.py)."""
 
 import asyncio
+import os
 import socket
 
 import pytest
 
+from swarmd.transport import birthday
 from swarmd.transport.base import PathType
+from swarmd.transport.birthday import KEEP, SCATTER, burst_open, roles
 from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity
 from swarmd.transport.p2pd import P2PDaemonConfig, P2PDaemonTransport
@@ -135,3 +138,93 @@ async def test_a_socket_to_the_wrong_peer_is_not_adopted():
     finally:
         await a.close()
         await b.close()
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_burst_roles_follow_the_two_mappings():
+    assert roles("kept", "varies") == KEEP and roles("kept", "changed") == KEEP
+    assert roles("varies", "kept") == SCATTER and roles("changed", "kept") == SCATTER
+    for ours, theirs in (("kept", "kept"), ("varies", "varies"), ("changed", "varies"), ("unknown", "kept"),
+                         ("kept", "unknown")):
+        assert roles(ours, theirs) is None  # nothing to aim at, or an ordinary punch suffices
+
+
+async def test_the_keeper_takes_the_first_flow_that_connects_marks_it_and_resets_the_others():
+    """Loopback stands in for the NATs: one of the keeper's guessed ports is a listener (where a symmetric NAT's
+    port would be); that flow wins and carries the mark, every other socket is gone when the burst returns."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(8)
+        listener.setblocking(False)
+        target = listener.getsockname()[1]
+        guesses = [p for p in range(*birthday.PORTS) if p != target][:15] + [target]
+
+        class Rng:  # the keeper's guesses: 15 closed ports and the listener's
+            def sample(self, population, n):
+                assert len(population) == 65536 - 1024 and n == 16
+                return guesses
+
+        before = open_fds()
+        sock = await burst_open(KEEP, free_port(), ("127.0.0.1", target), 3.0, flows=16, rng=Rng())
+        try:
+            assert sock.getpeername()[1] == target
+            assert open_fds() == before + 1  # the winner only
+            server, _ = await loop.sock_accept(listener)
+            with server:
+                server.setblocking(False)
+                assert await asyncio.wait_for(loop.sock_recv(server, 1), 3) == birthday.MARK
+        finally:
+            sock.close()
+
+
+async def test_the_scatterer_takes_the_flow_that_carries_the_mark_and_closes_every_other():
+    """Several of the scatterer's flows connect (the keeper's listener stands in for its guesses meeting more than
+    one of the symmetric NAT's ports); the keeper marks the third one: that one wins, the others are reset."""
+    loop = asyncio.get_running_loop()
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(16)
+        listener.setblocking(False)
+        before = open_fds()
+        burst = asyncio.ensure_future(burst_open(SCATTER, 0, listener.getsockname(), 5.0, flows=8))
+        accepted = [(await loop.sock_accept(listener))[0] for _ in range(3)]
+        try:
+            accepted[2].setblocking(False)
+            await loop.sock_sendall(accepted[2], birthday.MARK)
+            sock = await asyncio.wait_for(burst, 5)
+            with sock:
+                assert sock.getsockname() == accepted[2].getpeername()
+                assert open_fds() == before + 3 + 1  # the accepted ones and the winner: the other flows are closed
+                await loop.sock_sendall(sock, b"x")
+                assert await loop.sock_recv(accepted[2], 1) == b"x"
+            for other in accepted[:2]:  # reset, not left open
+                other.setblocking(False)
+                with pytest.raises(ConnectionResetError):
+                    await asyncio.wait_for(loop.sock_recv(other, 1), 3)
+        finally:
+            for s in accepted:
+                s.close()
+
+
+async def test_a_burst_that_meets_nothing_gives_up_in_time_and_leaves_no_socket():
+    before = open_fds()
+    with socket.socket() as closed:  # a port nobody listens on: every flow is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(TimeoutError):
+        await burst_open(SCATTER, 0, ("127.0.0.1", port), 2.0, flows=32)
+    assert open_fds() == before
+    with socket.socket() as listener:  # it never writes the mark: every flow waits, until the burst is cancelled
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(64)
+        task = asyncio.ensure_future(burst_open(SCATTER, 0, listener.getsockname(), 30.0, flows=32))
+        await asyncio.sleep(0.3)
+        assert open_fds() == before + 1 + 32
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert open_fds() == before + 1

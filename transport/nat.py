@@ -24,7 +24,7 @@ import time
 from swarmd.transport.base import Stream
 from swarmd.transport.errors import MalformedMessage
 from swarmd.transport.framing import ProtocolSpec
-from swarmd.transport.wire import WIRE, Int, List, Map, OneOf, Str
+from swarmd.transport.wire import WIRE, Bool, Int, List, Map, OneOf, Str
 
 logger = logging.getLogger(__name__)
 
@@ -132,8 +132,12 @@ def parse_reply(body: object) -> tuple[str, list[int]] | str:
 # trip after sending it, so the two SYNs cross (transport.punch); then both hand the socket to their daemon.
 PUNCH_SPEC = ProtocolSpec("punch", "2.0.0", max_frame=2048, kinds=frozenset({1, 2}))
 CONNECT, SYNC = 1, 2
-WIRE.frame(PUNCH_SPEC, CONNECT, "punch.connect", Map.of(addrs=List(Str(128), 8)),
-           {"addrs": ["/ip4/203.0.113.7/tcp/4001"]}, doc="the sender's predicted public addresses (empty: not now)")
+WIRE.frame(PUNCH_SPEC, CONNECT, "punch.connect",
+           Map.of(("mapping", "burst"), addrs=List(Str(128), 8), mapping=Str(8), burst=Bool()),
+           {"addrs": ["/ip4/203.0.113.7/tcp/4001"], "mapping": "kept", "burst": False},
+           doc="the sender's predicted public addresses (empty: not now), its NAT's mapping (kept, changed, varies, "
+           "unknown), and whether this attempt is a burst of many flows (transport.birthday): asked by the "
+           "initiator, granted by the responder's reply")
 WIRE.frame(PUNCH_SPEC, SYNC, "punch.sync", Map.of(), {}, doc="dial now")
 
 
