@@ -237,14 +237,14 @@ batch = 8
 
 @pytest.mark.timeout(240)
 def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_members(tmp_path):
-    """Four DiLoCo peers: two public (pub, pub2), a behind an endpoint-independent NAT, b behind a symmetric one, so
-    a and b have no direct path to each other (punching fails; the relay carries control traffic only). Each pulls
+    """Four DiLoCo peers: two public (pub, pub2), a and b each behind a symmetric NAT, so a and b have no direct path
+    to each other (nothing to aim a punch or a burst at; the relay carries control traffic only). Each pulls
     the other's update from the public members, which pulled it themselves: every round combines all four, b's
     update included, and no bulk byte crosses the relay. Before, a and b could not start the run with the others
     (only directly connected peers counted at the start) and their rounds closed without each other's update."""
     config = tmp_path / "lab.toml"
     config.write_text(LAB_NODE + LAB_DILOCO)
-    with NatLab(mode_a="eim", mode_b="sym") as lab:
+    with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(tmp_path / "nodes", config=config)
         try:
             pub = start_in(lab, swarm, "pub")
@@ -290,7 +290,7 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
     (each chunk missing after the round's pulls waited it out)."""
     config = tmp_path / "lab.toml"
     config.write_text(LAB_NODE + LAB_DILOCO.replace('codec = "e3m0"\n', 'codec = "e3m0"\nexchange = "scatter"\n'))
-    with NatLab(mode_a="eim", mode_b="sym") as lab:
+    with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(tmp_path / "nodes", config=config)
         try:
             pub = start_in(lab, swarm, "pub")
@@ -316,8 +316,9 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
                 assert s.get("parts_reduced", 0) == 0  # no part of theirs lacks the other's chunk
                 assert s["reach"]["reduced_by_members"].get(other.peer_id, 0) >= 8
                 assert s["reach"]["rounds_not_reducing"] >= 8
-            for s in final[:2]:
-                assert s["parts_reduced"] > 0 and s["reach"]["reduced_by_members"] == {}
+            # the public members reduce every part (which of them, round by round, follows the paths each round's
+            # announcements name: one may reach b only through the relay for a while after it started)
+            assert sum(s.get("parts_reduced", 0) for s in final[:2]) > 0, [s["reach"] for s in final[:2]]
             for n in nodes:
                 assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
             doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
