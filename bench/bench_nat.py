@@ -21,8 +21,8 @@ lab of each config and kind in turn; cut short by SIGTERM, it prints the table o
 
     python bench/bench_nat.py --per-kind --runs 50 [--kinds ...] [--configs defaults lab] [--punch-wait 60]
 
-With --diloco, a 4-peer DiLoCo run (two public peers, one behind an endpoint-independent NAT, one behind a
-symmetric NAT: the two NATed ones have no direct path to each other) next to the same run with all four public, in
+With --diloco, a 4-peer DiLoCo run (two public peers, two behind symmetric NATs: the two NATed ones have no direct
+path to each other, since neither keeps a port a burst could aim at) next to the same run with all four public, in
 the same invocation: rounds whose combination holds every peer's update, the symmetric peer's update, pulls made
 through the public members, bulk requests refused for coming over a relay, and the median round time:
 
@@ -324,12 +324,12 @@ def _per_kind_table(args, results: dict[tuple[str, str], list[dict]], load_befor
 
 
 def diloco_run(root: Path, public: bool, rounds: int, mode: str = "auto") -> dict:
-    """One 4-peer DiLoCo run in a fresh lab: pub and pub2 public; a (endpoint-independent NAT) and b (symmetric
-    NAT), or (``public``) two more public nodes in their place; ``mode``: the exchange."""
+    """One 4-peer DiLoCo run in a fresh lab: pub and pub2 public; a and b each behind a symmetric NAT (no punch or
+    burst joins them), or (``public``) two more public nodes in their place; ``mode``: the exchange."""
     config = root / "lab.toml"
     config.write_text(LAB_NODE + LAB_DILOCO.replace("rounds = 8", f"rounds = {rounds}").replace(
         'codec = "e3m0"\n', f'codec = "e3m0"\nexchange = "{mode}"\n'))
-    with NatLab(mode_a="eim", mode_b="sym") as lab:
+    with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(root / "nodes", config=config)
         try:
             def start(where, name, port, bootstrap=()):
@@ -379,7 +379,7 @@ def main_diloco(args) -> None:
     for i in range(args.runs):  # alternated, so both settings see the machine's load alike
         for public in (True, False):
             with tempfile.TemporaryDirectory(prefix="swarmd-bench-nat-diloco-") as tmp:
-                r = {"setting": "all public" if public else "one symmetric NAT",
+                r = {"setting": "all public" if public else "two symmetric NATs",
                      **diloco_run(Path(tmp), public, args.rounds, args.exchange)}
             print(f"run {i + 1}: {r}", file=sys.stderr, flush=True)
             rows.append(r)
@@ -394,7 +394,7 @@ def main_diloco(args) -> None:
               f"{r['last_in']} of {r['rounds']} | {r['through']} | {r['missing']} | "
               f"{'-' if r['without'] is None else r['without']} | {r['refused_relayed']} | {r['round_s']:.2f} | "
               f"{'yes' if r['same'] else 'NO'} |")
-    for setting in ("all public", "one symmetric NAT"):
+    for setting in ("all public", "two symmetric NATs"):
         times = [r["round_s"] for r in rows if r["setting"] == setting]
         print(f"{setting}: median round time {statistics.median(times):.2f} s")
 
