@@ -235,6 +235,23 @@ batch = 8
 """
 
 
+def _diloco(n) -> dict:
+    return n.status()["services"]["diloco"]
+
+
+def _run_with_two_public_members(lab, swarm, timeout: float) -> tuple[list, list[dict]]:
+    """pub and pub2 public (both in the lab's public namespace), a and b behind their NATs, all four bootstrapped
+    from pub; once the run ended on every node: the nodes and their final ``services.diloco``."""
+    pub = start_in(lab, swarm, "pub")
+    bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
+    pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
+                       bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+    nodes = [pub, pub2, start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)]
+    final = wait_for(lambda: all(_diloco(n)["state"] == "done" for n in nodes) and [_diloco(n) for n in nodes],
+                     timeout, "the run to end on every node")
+    return nodes, final
+
+
 @pytest.mark.timeout(240)
 def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_members(tmp_path):
     """Four DiLoCo peers: two public (pub, pub2), a and b each behind a symmetric NAT, so a and b have no direct path
@@ -247,17 +264,8 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_
     with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(tmp_path / "nodes", config=config)
         try:
-            pub = start_in(lab, swarm, "pub")
-            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
-            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
-                               bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
-            a, b = start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)
-            nodes = [pub, pub2, a, b]
-
-            def diloco(n) -> dict:
-                return n.status()["services"]["diloco"]
-            final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
-                             200, "the run to end on every node")
+            nodes, final = _run_with_two_public_members(lab, swarm, 200)
+            pub, pub2, a, b = nodes
             assert len({s["final_hash"] for s in final}) == 1
             for s in final:
                 assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
@@ -265,8 +273,8 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_
                 assert not s.get("resyncs")
             for n, other in ((a, b), (b, a)):
                 assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
-                assert diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
-                assert diloco(n)["via_members"] >= 8
+                assert _diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
+                assert _diloco(n)["via_members"] >= 8
             for s in final[:2]:  # the public members pull every update from its author
                 assert s["reach"]["through_members"] == {}
             for n in nodes:
@@ -293,17 +301,8 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
     with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(tmp_path / "nodes", config=config)
         try:
-            pub = start_in(lab, swarm, "pub")
-            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
-            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
-                               bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
-            a, b = start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)
-            nodes = [pub, pub2, a, b]
-
-            def diloco(n) -> dict:
-                return n.status()["services"]["diloco"]
-            final = wait_for(lambda: all(diloco(n)["state"] == "done" for n in nodes) and [diloco(n) for n in nodes],
-                             260, "the run to end on every node")
+            nodes, final = _run_with_two_public_members(lab, swarm, 260)
+            pub, pub2, a, b = nodes
             assert len({s["final_hash"] for s in final}) == 1
             for s in final:
                 assert s["exchange"]["mode"] == "scatter" and s["exchange"]["parts"] > 1, s["exchange"]
