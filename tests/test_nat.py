@@ -1,6 +1,7 @@
 """NAT traversal in the lab: one public bootstrap/relay node, two nodes each behind its own NAT (real processes,
 real sockets, network namespaces this test creates and removes)."""
 
+import contextlib
 import functools
 import os
 import subprocess
@@ -239,17 +240,40 @@ def _diloco(n) -> dict:
     return n.status()["services"]["diloco"]
 
 
-def _run_with_two_public_members(lab, swarm, timeout: float) -> tuple[list, list[dict]]:
-    """pub and pub2 public (both in the lab's public namespace), a and b behind their NATs, all four bootstrapped
-    from pub; once the run ended on every node: the nodes and their final ``services.diloco``."""
-    pub = start_in(lab, swarm, "pub")
-    bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
-    pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
-                       bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
-    nodes = [pub, pub2, start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)]
-    final = wait_for(lambda: all(_diloco(n)["state"] == "done" for n in nodes) and [_diloco(n) for n in nodes],
-                     timeout, "the run to end on every node")
-    return nodes, final
+@contextlib.contextmanager
+def _run_across_two_symmetric_nats(tmp_path, diloco_toml: str, timeout: float):
+    """A DiLoCo run of four peers: pub and pub2 public (both in the lab's public namespace), a and b each behind a
+    symmetric NAT, all four bootstrapped from pub. Once the run ended on every node, checks what both exchanges must
+    give (one final hash; 8 rounds, each with all four updates and ours; no resync; a and b never direct; no bulk
+    byte over the relay) and yields the nodes, their final ``services.diloco`` and b's ``swarmd doctor`` output."""
+    config = tmp_path / "lab.toml"
+    config.write_text(LAB_NODE + diloco_toml)
+    with NatLab(mode_a="sym", mode_b="sym") as lab:
+        swarm = Swarm(tmp_path / "nodes", config=config)
+        try:
+            pub = start_in(lab, swarm, "pub")
+            bootstrap = [f"/ip4/{lab.pub_ip}/tcp/4001/p2p/{pub.peer_id}"]
+            pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
+                               bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
+            nodes = [pub, pub2, start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)]
+            final = wait_for(lambda: all(_diloco(n)["state"] == "done" for n in nodes) and [_diloco(n) for n in nodes],
+                             timeout, "the run to end on every node")
+            assert len({s["final_hash"] for s in final}) == 1
+            for s in final:
+                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
+                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
+                assert not s.get("resyncs")
+            a, b = nodes[2:]
+            for n, other in ((a, b), (b, a)):
+                assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
+            for n in nodes:
+                assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
+            doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
+                                                    str(b.data_dir)], capture_output=True, text=True, timeout=30)
+            assert doctor.returncode == 0, doctor.stderr
+            yield nodes, final, doctor.stdout
+        finally:
+            swarm.close()
 
 
 @pytest.mark.timeout(240)
@@ -259,33 +283,15 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_
     the other's update from the public members, which pulled it themselves: every round combines all four, b's
     update included, and no bulk byte crosses the relay. Before, a and b could not start the run with the others
     (only directly connected peers counted at the start) and their rounds closed without each other's update."""
-    config = tmp_path / "lab.toml"
-    config.write_text(LAB_NODE + LAB_DILOCO)
-    with NatLab(mode_a="sym", mode_b="sym") as lab:
-        swarm = Swarm(tmp_path / "nodes", config=config)
-        try:
-            nodes, final = _run_with_two_public_members(lab, swarm, 200)
-            pub, pub2, a, b = nodes
-            assert len({s["final_hash"] for s in final}) == 1
-            for s in final:
-                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
-                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
-                assert not s.get("resyncs")
-            for n, other in ((a, b), (b, a)):
-                assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
-                assert _diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
-                assert _diloco(n)["via_members"] >= 8
-            for s in final[:2]:  # the public members pull every update from its author
-                assert s["reach"]["through_members"] == {}
-            for n in nodes:
-                assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
-            doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
-                                                    str(b.data_dir)], capture_output=True, text=True, timeout=30)
-            assert doctor.returncode == 0, doctor.stderr
-            assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
-                    f"path, their updates pulled through members ({a.peer_id[-8:]})") in doctor.stdout
-        finally:
-            swarm.close()
+    with _run_across_two_symmetric_nats(tmp_path, LAB_DILOCO, 200) as (nodes, final, doctor):
+        a, b = nodes[2:]
+        for n, other in ((a, b), (b, a)):
+            assert _diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
+            assert _diloco(n)["via_members"] >= 8
+        for s in final[:2]:  # the public members pull every update from its author
+            assert s["reach"]["through_members"] == {}
+        assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
+                f"path, their updates pulled through members ({a.peer_id[-8:]})") in doctor
 
 
 @pytest.mark.timeout(300)
@@ -296,35 +302,19 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
     reduced or audited across such a path: pub and pub2 reduce every part, every part of every round combines all
     four chunks, and no bulk byte crosses the relay. Before, a reduced parts without b's chunk and b without a's
     (each chunk missing after the round's pulls waited it out)."""
-    config = tmp_path / "lab.toml"
-    config.write_text(LAB_NODE + LAB_DILOCO.replace('codec = "e3m0"\n', 'codec = "e3m0"\nexchange = "scatter"\n'))
-    with NatLab(mode_a="sym", mode_b="sym") as lab:
-        swarm = Swarm(tmp_path / "nodes", config=config)
-        try:
-            nodes, final = _run_with_two_public_members(lab, swarm, 260)
-            pub, pub2, a, b = nodes
-            assert len({s["final_hash"] for s in final}) == 1
-            for s in final:
-                assert s["exchange"]["mode"] == "scatter" and s["exchange"]["parts"] > 1, s["exchange"]
-                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
-                assert s.get("chunks_missing", 0) == 0, s  # every part we reduced or took combines all four chunks
-                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
-                assert not s.get("resyncs")
-            for n, other, s in ((a, b, final[2]), (b, a, final[3])):
-                assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
-                assert s.get("parts_reduced", 0) == 0  # no part of theirs lacks the other's chunk
-                assert s["reach"]["reduced_by_members"].get(other.peer_id, 0) >= 8
-                assert s["reach"]["rounds_not_reducing"] >= 8
-            # the public members reduce every part (which of them, round by round, follows the paths each round's
-            # announcements name: one may reach b only through the relay for a while after it started)
-            assert sum(s.get("parts_reduced", 0) for s in final[:2]) > 0, [s["reach"] for s in final[:2]]
-            for n in nodes:
-                assert n.status()["services"]["bulk"].get("refused_relayed", 0) == 0
-            doctor = subprocess.run(lab.cmd("b") + [sys.executable, "-m", "swarmd", "doctor", "--data-dir",
-                                                    str(b.data_dir)], capture_output=True, text=True, timeout=30)
-            assert doctor.returncode == 0, doctor.stderr
-            assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
-                    f"path, their chunks reduced by members that reach both ({a.peer_id[-8:]}); this node reduced "
-                    "no part in 8 round(s), lacking a direct path to a member") in doctor.stdout
-        finally:
-            swarm.close()
+    scatter = LAB_DILOCO.replace('codec = "e3m0"\n', 'codec = "e3m0"\nexchange = "scatter"\n')
+    with _run_across_two_symmetric_nats(tmp_path, scatter, 260) as (nodes, final, doctor):
+        a, b = nodes[2:]
+        for s in final:
+            assert s["exchange"]["mode"] == "scatter" and s["exchange"]["parts"] > 1, s["exchange"]
+            assert s.get("chunks_missing", 0) == 0, s  # every part we reduced or took combines all four chunks
+        for other, s in ((b, final[2]), (a, final[3])):
+            assert s.get("parts_reduced", 0) == 0  # no part of theirs lacks the other's chunk
+            assert s["reach"]["reduced_by_members"].get(other.peer_id, 0) >= 8
+            assert s["reach"]["rounds_not_reducing"] >= 8
+        # the public members reduce every part (which of them, round by round, follows the paths each round's
+        # announcements name: one may reach b only through the relay for a while after it started)
+        assert sum(s.get("parts_reduced", 0) for s in final[:2]) > 0, [s["reach"] for s in final[:2]]
+        assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
+                f"path, their chunks reduced by members that reach both ({a.peer_id[-8:]}); this node reduced "
+                "no part in 8 round(s), lacking a direct path to a member") in doctor
