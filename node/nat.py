@@ -20,12 +20,13 @@ import time
 import psutil
 
 from swarmd.node import datadir
+from swarmd.node.bursts import Bursts
 from swarmd.transport.base import PathType, Reachability
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
 from swarmd.transport.multiaddrs import split_peer_addr, validate_peer_addr
 from swarmd.transport.nat import (AUTONAT_SPEC, CONNECT, PUNCH_SPEC, REQUEST, SYNC, AutoNATServer, ip_of, natted,
                            parse_addrs, parse_reply, public)
-from swarmd.transport.birthday import burst_open, roles
+from swarmd.transport.birthday import burst_open
 from swarmd.transport.penalties import TokenBuckets
 from swarmd.transport.punch import PairTaken, simultaneous_open
 
@@ -81,9 +82,6 @@ class NatService:
     MAX_RESPONDING = 4  # punches we answer at once
     PUNCH_TRIES = 3  # attempts in a row when the first fails in a way a retry can fix (see punch)
     PUNCH_BURST = 4  # punches a peer may start with us at once (a retry comes right after a failure), 1 per 5 s more
-    BURST_EVERY = 300.0  # a burst of many flows (transport.birthday) with one peer at most this often (either role)
-    MAX_BURSTS = 1  # bursts in flight at once, for all peers: never a port scanner
-    BURST_GAP = 30.0  # seconds between two bursts, for all peers (so many peer ids cannot chain bursts either)
 
     def __init__(self, transport, *, relays: list[str], relay_client: bool, relay_service: bool,
                  probe_interval: float = 300.0, member_addrs=None, data_dir=None, hole_punching: bool = True,
@@ -114,9 +112,7 @@ class NatService:
         self._relayed_since: dict[str, float] = {}
         self._responding: set[asyncio.Task] = set()
         self._responding_to: dict[str, asyncio.Task] = {}  # peer -> its hole punch we are answering
-        self._peer_mapping: dict[str, str] = {}  # peer -> its NAT's mapping, as its last punch message showed it
-        self._burst_at: dict[str, float] = {}  # peer -> when our last burst with it started
-        self._bursting = 0
+        self.bursts = Bursts()  # when a burst of many flows is made (peers' mappings, budgets)
 
     async def start(self, ctx) -> None:
         await self.transport.serve(AUTONAT_SPEC, self.server.handle)
@@ -245,7 +241,8 @@ class NatService:
             ok, cause, detail = outcome
             if ok or tries == self.PUNCH_TRIES:
                 break
-            if cause in ("our-mapping", "their-mapping") and not burst and self._may_burst(peer):
+            mapping_cause = cause in ("our-mapping", "their-mapping")
+            if mapping_cause and not burst and self.bursts.may(self.mapping(), peer, time.monotonic()):
                 burst = True  # one side symmetric, the other keeping its port: many flows at once can meet
             elif burst or cause not in ("closed", "timeout") or (cause == "timeout" and tries > 1):
                 break
@@ -267,27 +264,6 @@ class NatService:
         logger.info("hole punch to %s succeeded in %.2f s (attempt %d): direct connection %s", peer, seconds, tries,
                     detail)
         return True
-
-    def _burst_free(self, peer: str) -> bool:
-        now = time.monotonic()
-        if len(self._burst_at) > 256:
-            self._burst_at = {p: t for p, t in self._burst_at.items() if now - t < self.BURST_EVERY}
-        return (self._bursting < self.MAX_BURSTS and now - max(self._burst_at.values(), default=-1e9) >= self.BURST_GAP
-                and now - self._burst_at.get(peer, -1e9) >= self.BURST_EVERY)
-
-    def _may_burst(self, peer: str) -> bool:
-        return roles(self.mapping(), self._peer_mapping.get(peer, "unknown")) is not None and self._burst_free(peer)
-
-    def _note_mapping(self, peer: str, body: object, theirs: list[tuple[str, int]]) -> None:
-        """The peer's mapping: as it declares it (burst messages), else as its candidates show it (its listen
-        port first, then the ports peers observed it at: one port for all is a kept port)."""
-        declared = body.get("mapping") if isinstance(body, dict) else None
-        if not isinstance(declared, str):
-            declared = "unknown" if not theirs else "kept" if len({p for _, p in theirs}) == 1 else "changed"
-        self._peer_mapping.pop(peer, None)
-        self._peer_mapping[peer] = declared
-        if len(self._peer_mapping) > 256:
-            del self._peer_mapping[next(iter(self._peer_mapping))]
 
     async def _punch_once(self, conn, burst: bool = False) -> tuple[bool, str, str] | None:
         """One attempt: (True, "", the direct address) or (False, cause, what failed); None if the peer did not
@@ -315,12 +291,12 @@ class NatService:
             theirs = parse_addrs(reply.body)
             if reply.kind != CONNECT or not theirs:
                 return None  # the peer does not know its own address yet, or is busy: ask again soon
-            self._note_mapping(peer, reply.body, theirs)
+            self.bursts.note_mapping(peer, reply.body, theirs)
             if burst:
-                role = roles(self.mapping(), self._peer_mapping[peer]) if reply.body.get("burst") is True else None
-                if role is None or not self._burst_free(peer):
+                role = self.bursts.role(self.mapping(), peer) if reply.body.get("burst") is True else None
+                if role is None or not self.bursts.free(peer, time.monotonic()):
                     return None
-                self._burst_at[peer] = time.monotonic()  # taken now: no other burst starts before ours
+                self.bursts.take(peer, time.monotonic())
             await stream.send(SYNC, {})
             closing = asyncio.ensure_future(stream.close(linger=self.PUNCH_DIAL_TIMEOUT))  # the peer closes first
         except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
@@ -357,14 +333,11 @@ class NatService:
     async def _burst(self, peer: str, role: str, port: int, remote: tuple[str, int]):
         """The many-flow simultaneous open (``transport.birthday``), counted against the per-peer and global
         budgets: the keeper aims at random ports of ``remote``'s IP, the scatterer at ``remote`` (the kept port)."""
-        self._bursting += 1
         self.counters["punch_bursts"] += 1
         logger.info("hole punch with %s: a burst of many flows (we %s the port; the peer's NAT %s)", peer,
                     "keep" if role == "keep" else "change", "changes it" if role == "keep" else "keeps it")
-        try:
+        with self.bursts.flowing():
             return await burst_open(role, port, remote, self.PUNCH_DIAL_TIMEOUT)
-        finally:
-            self._bursting -= 1
 
     async def _dial_direct(self, peer: str, theirs: list[tuple[str, int]]) -> tuple[bool, str, str]:
         """The peer's SYN reached our listener, so new connections pass the NATs: replace the relayed connection
@@ -412,12 +385,12 @@ class NatService:
                   or not self._predicted() or len(self._responding) >= self.MAX_RESPONDING)
         role = None
         if request.body.get("burst") is True:  # asked for a burst: granted when the two mappings make roles
-            self._note_mapping(stream.peer_id, request.body, theirs)
-            role = roles(self.mapping(), self._peer_mapping[stream.peer_id])
-            if not refuse and (role is None or not self._burst_free(stream.peer_id)):
+            self.bursts.note_mapping(stream.peer_id, request.body, theirs)
+            role = self.bursts.role(self.mapping(), stream.peer_id)
+            if not refuse and (role is None or not self.bursts.free(stream.peer_id, time.monotonic())):
                 self.counters["punch_bursts_refused"] += 1
                 logger.debug("hole punch from %s: burst refused (%s)", stream.peer_id, "no roles: mappings "
-                             f"{self.mapping()} / {self._peer_mapping[stream.peer_id]}" if role is None else
+                             f"{self.mapping()} / {self.bursts.mapping_of(stream.peer_id)}" if role is None else
                              "one burst per peer every 5 minutes, one every 30 s in all")
                 refuse = True
         if refuse or not self._punch_budget.allow(stream.peer_id):
@@ -430,7 +403,7 @@ class NatService:
             stale.cancel()
             await asyncio.gather(stale, return_exceptions=True)
         if role is not None:
-            self._burst_at[stream.peer_id] = time.monotonic()  # taken now: no other burst starts before this one
+            self.bursts.take(stream.peer_id, time.monotonic())
         await stream.send(CONNECT, {"addrs": self._candidates()} if role is None else
                           {"addrs": self._candidates(), "mapping": self.mapping(), "burst": True})
         sync = await asyncio.wait_for(stream.read_required(), 10)

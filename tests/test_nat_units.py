@@ -170,3 +170,26 @@ def test_doctor_says_whose_chunks_members_reduced_in_scatter_and_that_this_node_
     assert diagnose(s)["training"] == ["diloco: this node's update was in 12 of 12 rounds; 1 peer(s) without a "
                                        "direct path, their chunks reduced by members that reach both (BBBBBBBB); "
                                        "this node reduced no part in 12 round(s), lacking a direct path to a member"]
+
+
+def test_a_burst_is_made_only_where_the_mappings_give_roles_and_the_budgets_allow():
+    from swarmd.node.bursts import Bursts
+
+    b = Bursts()
+    assert b.note_mapping("p", {"mapping": "varies", "burst": True}, [("1.2.3.4", 4001)]) == "varies"
+    assert b.note_mapping("q", {}, [("1.2.3.5", 4001), ("1.2.3.5", 4001)]) == "kept"  # one port for all: kept
+    assert b.note_mapping("r", {}, [("1.2.3.6", 4001), ("1.2.3.6", 5555)]) == "changed"
+    assert b.role("kept", "p") == "keep" and b.role("varies", "q") == "scatter"
+    assert b.role("kept", "q") is None and b.role("varies", "p") is None and b.role("kept", "unheard") is None
+    assert not b.may("varies", "r", 0.0)  # both change the port: nothing to aim a burst at
+    assert b.may("kept", "p", 0.0)
+    b.take("p", 0.0)
+    with b.flowing():
+        assert not b.free("q", 100.0)  # one burst in flight at once, for all peers
+    assert not b.free("q", b.GAP - 1) and b.free("q", b.GAP)  # one every GAP seconds in all
+    assert not b.free("p", b.EVERY - 1) and b.free("p", b.EVERY)  # one per peer every EVERY seconds
+    for i in range(1000):  # a peer id per punch message: what is remembered stays bounded
+        b.note_mapping(f"x{i}", {"mapping": "kept"}, [])
+        b.take(f"x{i}", 10_000.0 + i * b.GAP)
+        b.free("y", 10_000.0 + i * b.GAP)
+    assert len(b.mappings) <= 256 and len(b.started) <= 257
