@@ -3,6 +3,7 @@
 import asyncio
 import contextlib
 import os
+import struct
 import time
 
 import pytest
@@ -429,7 +430,7 @@ async def test_a_kept_connection_its_source_closed_or_spoke_on_is_not_used_again
         n = len(connections)
         try:
             for i in range(2):
-                (length,) = bulk.struct.unpack(">I", await reader.readexactly(4))
+                (length,) = struct.unpack(">I", await reader.readexactly(4))
                 await reader.readexactly(length)
                 requests.append((n, i))
                 if i == 1:
@@ -471,8 +472,9 @@ async def test_a_kept_connection_its_source_closed_or_spoke_on_is_not_used_again
 @pytest.mark.timeout(30)
 async def test_a_server_closes_a_connection_idle_for_its_keepalive(tmp_path, monkeypatch):
     import swarmd.protocols.bulk as bulk
+    import swarmd.protocols.bulk.serve as serve
 
-    monkeypatch.setattr(bulk, "KEEPALIVE", 0.3)
+    monkeypatch.setattr(serve, "KEEPALIVE", 0.3)  # (read by the server's module)
     data = os.urandom(10_000)
     service, addr, request = await _served_by_a_service(tmp_path, [data])
     pool = bulk.ConnectionPool()
