@@ -49,6 +49,7 @@ from swarmd.protocols.checkpoint import model_state
 from swarmd.protocols.faults import FaultPlan
 from swarmd.protocols.gossip import Gossip, Message, Verdict
 from swarmd.protocols.grpo import Group
+from swarmd.protocols.reach import Reach
 from swarmd.protocols.standing import check_peer_ids
 from swarmd.protocols.task import Task, TaskError
 from swarmd.protocols.taskloop import TAG, TaskLoop
@@ -223,6 +224,7 @@ class SapoLoop(TaskLoop):
         self.counters: collections.Counter = collections.Counter()
         # per peer, what our verifier made of its completions (ours included), and which peers are useless
         self.sources = rounds.Sources("")
+        self.reach = Reach("gossiped")  # our rounds, and the items of peers without a direct path they took
         self.round = 0
         self.joined_at = 0  # the round we started at (> 0: resumed from our checkpoint); nobody moves our round
         self.cumulative_reward = 0.0
@@ -418,15 +420,17 @@ class SapoLoop(TaskLoop):
                                                                    use_bin_type=True)) + 4
 
     async def _wait_for_peers(self) -> None:
-        """Our first round starts once ``min_peers`` (us included) are here: directly connected peers that said
-        they are ready or already share items (a run in progress). Rounds are each peer's own: a peer that arrives
-        late starts at its own round 0 (or its checkpoint's), and no message moves our round."""
+        """Our first round starts once ``min_peers`` (us included) are here: connected peers (directly or through a
+        relay: ``rounds.linked``) that said they are ready or already share items (a run in progress). Rounds are
+        each peer's own: a peer that arrives late starts at its own round 0 (or its checkpoint's), and no message
+        moves our round."""
         self.state = "waiting for peers"
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
             if barrier.announce(self.clock.monotonic()):
                 self.gossip.publish(self.topic, WIRE.pack(READY, self._tag({"r": 0, "ready": True})))
-            here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
+            linked = rounds.linked(self._ctx)  # a peer reached through a relay only counts: its items are
+            here = {p for p in self.ready | set(self.inbox) if linked(p)}  # gossiped through the members
             self._check_refusal(len(here))
             if barrier.start(self.clock.monotonic(), len(here) + 1):
                 self._participants = here
@@ -454,6 +458,8 @@ class SapoLoop(TaskLoop):
         self._record_round(r, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=self._participants, missing=expected - self._participants)
         self.standing.record(self._participants)
+        me = self._ctx.identity.peer_id
+        self.reach.took(self._participants | {me}, me, self._ctx.direct)  # ours: shared before the close
         self._rate.prune()
 
     def _draw_external(self, rng: random.Random) -> tuple[list[Group], float | None, list[str]]:
@@ -518,7 +524,7 @@ class SapoLoop(TaskLoop):
             return refused
         author = message.author
         if kind is READY:
-            if self.state != "running" and self._ctx.direct(author) and len(self.ready) < MAX_AUTHORS:
+            if self.state != "running" and rounds.linked(self._ctx)(author) and len(self.ready) < MAX_AUTHORS:
                 self.ready.add(author)
             return Verdict.ACCEPT
         try:
@@ -581,6 +587,7 @@ class SapoLoop(TaskLoop):
             "external_reward_last50": round(sum(ext) / len(ext), 4) if ext else None,
             "peers_in_round": len(self._participants),
             "peers_with_items": len(self.inbox),
+            "reach": self.reach.status(),
             "standing": self.standing.status() if hasattr(self, "standing") else None,
             "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
             # per source peer, as scored by our verifier: items, mean reward of their completions, the recent
