@@ -125,8 +125,8 @@ def diagnose(s: dict) -> dict:
         ours, closed, through = paths["rounds_with_our_update"], paths["rounds_closed"], paths["through_members"]
         around, idle = paths.get("reduced_by_members") or {}, paths.get("rounds_not_reducing", 0)
         training.append(f"{name}: this node's update was in {ours} of {closed} rounds"
-                        + (f"; {len(through)} peer(s) without a direct path, their updates pulled through members "
-                           f"({_ids(through)})" if through else "")
+                        + (f"; {len(through)} peer(s) without a direct path, their updates "
+                           f"{paths.get('via', 'pulled')} through members ({_ids(through)})" if through else "")
                         + (f"; {len(around)} peer(s) without a direct path, their chunks reduced by members that "
                            f"reach both ({_ids(around)})" if around else "")
                         + (f"; this node reduced no part in {idle} round(s), lacking a direct path to a member"

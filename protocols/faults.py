@@ -39,7 +39,7 @@ last window: True, False, or None where nothing tells), ``start`` (enter: our mo
 checkpoint resumed, before the start barrier or a late start), ``close`` (enter: window r is about to close; the
 simulator's compute time is a delay here), ``closed`` (enter: window r closed).
 
-SAPO's phases (``protocols/sapo.py``): ``rollouts`` (alter: our round's (scored groups, completions), as we train on
+SAPO's phases (``protocols/sapo/``): ``rollouts`` (alter: our round's (scored groups, completions), as we train on
 and share them; ``info`` as ``share``'s), ``share`` (alter: the completions we share for a round, a list per
 question; ``info["q_seed"]``, ``info["specs"]`` the questions' (dataset, index)), ``close`` (enter: round r is
 about to close; the simulator's compute time is a delay here), ``closed`` (enter: round r closed).

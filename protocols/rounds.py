@@ -53,20 +53,39 @@ def take_listed(held: dict, listed) -> list[tuple]:
     return taken
 
 
-def hear_ready(ready: dict, unlisted: dict, author: str, value, direct: bool, cap: int, unlisted_cap: int) -> None:
-    """A start barrier's "ready" from ``author``: only directly connected peers can found a run with us, so only
-    theirs count (first come, ``cap`` of them); one whose author is not listed as direct yet is held in
+def linked(ctx):
+    """Whether a peer can found a run with us (a predicate on peer ids): connected, directly or through a relay.
+    A peer we reach only through a relay (behind a symmetric NAT, or one punching failed for) still counts in
+    every round: its contributions come through the members we both reach directly (a DiLoCo update is pulled
+    from them, SPSA batches and SAPO items are gossiped through them), never as bulk bytes over the relay. The
+    member list is read once per predicate, and only for a peer not directly connected."""
+    members: set[str] | None = None
+
+    def linked(peer: str) -> bool:
+        nonlocal members
+        if ctx.direct(peer):
+            return True
+        if members is None:
+            members = set(ctx.members())
+        return peer in members
+    return linked
+
+
+def hear_ready(ready: dict, unlisted: dict, author: str, value, listed: bool, cap: int, unlisted_cap: int) -> None:
+    """A start barrier's "ready" from ``author``: only peers we are connected to (``linked``) can found a run with
+    us, so only theirs count (first come, ``cap`` of them); one whose author is not listed yet is held in
     ``unlisted`` (the newest ``unlisted_cap``) until ``count_listed`` finds it listed."""
-    if not direct:
+    if not listed:
         keep_latest(unlisted, author, value, unlisted_cap)
     elif author in ready or len(ready) < cap:
         ready[author] = value
         unlisted.pop(author, None)
 
 
-def count_listed(ready: dict, unlisted: dict, direct, cap: int) -> None:
-    """The held "ready"s whose authors are listed as direct now, counted (a newer one heard since stands)."""
-    for author, value in take_listed(unlisted, direct):
+def count_listed(ready: dict, unlisted: dict, listed, cap: int) -> None:
+    """The held "ready"s whose authors are listed now (``listed``: a predicate such as ``linked``'s), counted (a
+    newer one heard since stands)."""
+    for author, value in take_listed(unlisted, listed):
         if author not in ready and len(ready) < cap:
             ready[author] = value
 

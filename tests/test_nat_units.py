@@ -162,6 +162,15 @@ def test_doctor_says_what_a_training_run_receives_through_members_and_what_this_
     assert diagnose(s)["training"] == []
 
 
+def test_doctor_says_whose_batches_a_gossiping_loop_took_without_a_direct_path():
+    s = status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"])
+    s["services"]["spsa"] = {"state": "running", "reach": {
+        "via": "gossiped", "through_members": {"12D3KooW" + "C" * 44: 6}, "rounds_with_our_update": 6,
+        "rounds_closed": 6}}
+    assert diagnose(s)["training"] == ["spsa: this node's update was in 6 of 6 rounds; 1 peer(s) without a direct "
+                                       "path, their updates gossiped through members (CCCCCCCC)"]
+
+
 def test_doctor_says_whose_chunks_members_reduced_in_scatter_and_that_this_node_reduced_none():
     s = status(observed_addrs=["/ip4/198.51.100.1/tcp/31337"])
     s["services"]["diloco"] = {"state": "running", "reach": {

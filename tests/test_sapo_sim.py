@@ -144,3 +144,34 @@ def test_a_peer_restarted_after_sharing_rounds_past_its_checkpoint_never_shares_
     assert victim.resumed["round"] == shared - 1  # its checkpoint: the round before the one it shared last
     assert victim.joined_at == shared + 1 and victim.counters["rounds_skipped_after_restart"] == 1
     assert all(lp.counters.get("equivocation", 0) == 0 for lp in survivors)
+
+
+@pytest.mark.timeout(120)
+def test_two_peers_without_a_direct_path_to_each_other_start_together_and_score_each_others_items(tmp_path):
+    """Four peers, the last two listing each other as reached through a relay only (two peers behind symmetric
+    NATs). Their completions are signed pubsub messages, which the mesh carries through the members: all four start
+    together, each scores the items of the three others in every round, and ``reach`` says which peers came
+    without a direct path. Before, only directly connected peers counted at the start: the two waited for a
+    fourth peer that never came, and the run never began for them."""
+    async def main():
+        sim = _sim(tmp_path, 4, rounds=6)
+        a, b = sim.peers[2:]
+        sim.net.relay(a, b)
+        sim.net.relay(b, a)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers], (a, b)
+
+    loops, (a, b) = run_virtual(main())
+    for lp in loops:
+        assert lp.state == "done" and lp.round == 6 and lp.joined_at == 0
+        assert len([p for p, s in lp.sources.by_peer.items() if s.items > 0 and p != lp.sources.me]) == 3
+        reach = lp.status()["reach"]
+        assert reach["rounds_with_our_update"] == reach["rounds_closed"] == 6, reach
+    for lp, other in ((loops[2], b), (loops[3], a)):
+        through = lp.status()["reach"]["through_members"]
+        assert set(through) == {other} and through[other] >= 5, through  # a round may close before its items come
+        assert lp.sources.by_peer[other].items >= 5 * 4
+    for lp in loops[:2]:
+        assert lp.status()["reach"]["through_members"] == {}

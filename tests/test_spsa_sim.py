@@ -660,3 +660,34 @@ def test_a_ready_heard_before_its_author_is_listed_as_direct_still_counts_at_the
     counters, initial, finals = run_virtual(main())
     assert len(finals) == 1 and set(initial) == set(sim.peers)
     assert counters.get("replayed_windows", 0) == 0
+
+
+@pytest.mark.timeout(120)
+def test_two_peers_without_a_direct_path_to_each_other_found_the_run_and_count_in_every_window(tmp_path):
+    """Four peers, the last two listing each other as reached through a relay only (two peers behind symmetric
+    NATs: punching cannot join them). Their batches are signed pubsub messages, which the mesh carries through the
+    members, so they found the run with the others and every window takes all four batches; ``reach`` says which
+    peers came without a direct path. Before, only directly connected peers counted at the start: the two joined
+    late by replaying the others' log, and the first window closed without them."""
+    async def main():
+        sim = _sim(tmp_path, 4, windows=6)
+        a, b = sim.peers[2:]
+        sim.net.relay(a, b)
+        sim.net.relay(b, a)
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers], (a, b)
+
+    loops, (a, b) = run_virtual(main())
+    assert len({lp.final_hash for lp in loops}) == 1
+    for lp in loops:
+        assert len(lp.start_state.initial) == 4
+        assert lp.counters.get("replayed_windows", 0) == 0 and lp.counters.get("peers_missed", 0) == 0
+        assert lp.counters.get("deadline_missed", 0) == 0
+        reach = lp.status()["reach"]
+        assert reach["rounds_with_our_update"] == reach["rounds_closed"] == 6, reach
+    for lp, other in ((loops[2], b), (loops[3], a)):
+        assert lp.status()["reach"]["through_members"] == {other: 6}
+    for lp in loops[:2]:
+        assert lp.status()["reach"]["through_members"] == {}

@@ -33,7 +33,7 @@ LOOP_MEANINGS = ROOT / "docs" / "reference" / "loop-fields.toml"
 LOOP_MODELS = (("diloco", "protocols/diloco/config.py", "DilocoConfig", "DiLoCo and Streaming DiLoCo",
                 "../loops/diloco.md"),
                ("spsa", "protocols/spsa/config.py", "SpsaConfig", "SPSA", "../loops/spsa.md"),
-               ("sapo", "protocols/sapo.py", "SapoConfig", "SAPO", "../loops/sapo.md"))
+               ("sapo", "protocols/sapo/config.py", "SapoConfig", "SAPO", "../loops/sapo.md"))
 
 
 # ---------------------------------------------------------------------------------------------------- comments
@@ -334,7 +334,7 @@ def status_fields() -> list[str]:
     raise LookupError("Node.status not found in node/core.py")
 
 
-LOOP_SOURCES = {"diloco": "protocols/diloco", "spsa": "protocols/spsa", "sapo": "protocols/sapo.py"}
+LOOP_SOURCES = {"diloco": "protocols/diloco", "spsa": "protocols/spsa", "sapo": "protocols/sapo"}
 
 
 def _loop_sources(loop: str) -> list[Path]:

@@ -65,19 +65,9 @@ class BarrierMixin:
             await asyncio.sleep(0.1)
 
     def _linked(self):
-        """Whether a peer can found a run with us: connected, directly or through a relay. A peer we reach only
-        through a relay (behind a symmetric NAT, or one punching failed for) still counts in every round: its bulk
-        bytes come through the members we both reach directly (``PullsMixin._through_members``), never the relay."""
-        members: set[str] | None = None  # read once, and only for a peer not directly connected
-
-        def linked(peer: str) -> bool:
-            nonlocal members
-            if self._ctx.direct(peer):
-                return True
-            if members is None:
-                members = set(self._ctx.members())
-            return peer in members
-        return linked
+        """Whether a peer can found a run with us (``rounds.linked``): its bulk bytes come through the members we
+        both reach directly (``PullsMixin._through_members``), never the relay."""
+        return rounds.linked(self._ctx)
 
     def _initial_choice(self, base: str) -> str | None:
         """The initial weights to start from, where they are not ours: the hash most of the directly connected

@@ -447,7 +447,7 @@ class DilocoLoop(FragmentsMixin, UpdateMixin, RedoMixin, LinksMixin, PullsMixin,
             # updates came through members we reach (pulls asked of them), and the rounds our update was in
             # (scatter) members we lack a direct path to whose chunks members reaching both reduced, by rounds, and
             # the rounds we reduced no part for lack of a path
-            "reach": {"through_members": dict(sorted(self.links.through_members.items())),
+            "reach": {"via": "pulled", "through_members": dict(sorted(self.links.through_members.items())),
                       "reduced_by_members": dict(sorted(self.links.reduced_by_members.items())),
                       "rounds_not_reducing": self.counters["rounds_not_reducing"],
                       "rounds_with_our_update": self.counters["rounds_with_our_update"],

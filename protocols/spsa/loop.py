@@ -11,6 +11,7 @@ import math
 from swarmd.node.services import NodeContext
 from swarmd.protocols import task as tasks
 from swarmd.protocols.faults import FaultPlan
+from swarmd.protocols.reach import Reach
 from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.spsa.audits import Auditor
 from swarmd.protocols.spsa.base import Base, base_layout, base_size
@@ -61,6 +62,7 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
         self.start_state = Start()
         self.resyncs = Resyncs()
         self.audits = Auditor(config, self.counters)  # whose steps we re-probe, and whom that convicted
+        self.reach = Reach("gossiped")  # the windows that took our batch, and those of peers without a direct path
         self.window = 0  # the window being computed
         self.join_at = 0  # the first window we contribute to
         self.losses: collections.deque[tuple[int, float]] = collections.deque(maxlen=HISTORY)  # the last evaluations
@@ -260,6 +262,7 @@ class SPSALoop(WindowsMixin, LogMixin, StartMixin, CheckpointsMixin, ValidateMix
             "audits": self.audits.state(self.model is not None, self.per_step),
             # peer -> the window its bytes failed an audit
             "convicted": dict(list(self.audits.convicted.items())[-64:]),
+            "reach": self.reach.status(),
             **dict(sorted(self.counters.items())),
         }
 

@@ -46,9 +46,9 @@ class StartMixin:
                 self.start_state.hash = start = self.weights.hash()
                 self._publish(READY, {"w": self.window, "ready": start})  # at once: our new base
                 continue
-            rounds.count_listed(self.start_state.ready, self.start_state.ready_unlisted, self._ctx.direct,
-                                MAX_PEER_ENTRIES)
-            ready = {p for p, h in self.start_state.ready.items() if h == start and self._ctx.direct(p)} | {me}
+            linked = rounds.linked(self._ctx)  # a peer reached through a relay only founds too: its batches
+            rounds.count_listed(self.start_state.ready, self.start_state.ready_unlisted, linked, MAX_PEER_ENTRIES)
+            ready = {p for p, h in self.start_state.ready.items() if h == start and linked(p)} | {me}
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self.start_state.initial = ready

@@ -52,12 +52,13 @@ class ValidateMixin:
         author = message.author
         if self.start_state.ready.get(author) == body["ready"]:
             return self._repeated()
-        # only directly connected peers can found a run with us, so only theirs are kept (first come, capped);
-        # one not listed as direct yet waits for our next look at the list (the start barrier's count)
+        # only peers we are connected to (directly or through a relay) can found a run with us, so only theirs are
+        # kept (first come, capped); one not listed yet waits for our next look at the list (the barrier's count)
         if self.state != "running":
             start = self.start_state
-            rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._ctx.direct(author),
-                              MAX_PEER_ENTRIES, READY_UNLISTED)
+            linked = rounds.linked(self._ctx)(author)
+            rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], linked, MAX_PEER_ENTRIES,
+                              READY_UNLISTED)
         return Verdict.ACCEPT
 
     def _take_join(self, message: Message, w: int, body: dict) -> Verdict:

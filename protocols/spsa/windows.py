@@ -65,6 +65,7 @@ class WindowsMixin:
         self.standing.record(set(taken) - extreme)
         self.counters["unexpected_batches"] += len(arrivals.batches) - len(taken)
         me = self._ctx.identity.peer_id
+        self.reach.took(set(taken) - extreme, me, self._ctx.direct)
         if me in arrivals.batches and me not in taken:
             # we sent a batch that no one takes (we were cut off, or rejoined after a resync, and the others stopped
             # expecting us; standing judges us as them): ask to be expected again, two windows on

@@ -1,32 +1,4 @@
-"""SAPO (Swarm sAmpling Policy Optimization): RL post-training where peers share rollouts, not weights.
-
-Each round r, every peer (``docs/loops/sapo.md``; the SAPO paper's loop, with its reference implementation's
-weaknesses fixed):
-
-1. samples ``questions`` tasks from its generator, at a seed that is a function of (run, seed, its peer id, r), so
-   anyone can tell whether a spec really is that peer's for that round;
-2. samples ``completions`` (G) answers per question from its own policy and scores them with its own verifier;
-3. publishes ``{"r": r, "items": [{"spec": [gen, ver, seed, idx], "comps": [str] * G}, ...]}``, a signed pubsub
-   message: task specs instead of questions and answers, so no peer is trusted with ground truth;
-4. waits (at most ``deadline`` seconds) for new items from the peers of its last round whose word counts
-   (``protocols.standing``: a fresh key is never waited for);
-5. builds its training set: ``local`` (I) of its own groups (the informative ones first: ``rounds.pick_local``),
-   and ``external`` (J) groups drawn uniformly from the newest items each peer shared since we last drew from it,
-   after regenerating each question from its spec and re-scoring every completion with its own verifier; groups
-   whose completions all scored the same carry no advantage and are dropped, and at most ``max_per_source`` groups
-   come from any one peer;
-6. takes one GRPO step (``protocols.grpo``: clipped ratio, no KL).
-
-Rounds are each peer's own: r in a message is its author's round (its seeds), and no peer's message moves
-another's round; a peer that arrives late starts at its own round 0. Validation runs before anything is forwarded:
-malformed, oversized (message, item count, completion count and length, alphabet), forged (a spec that is not the
-author's for that round), equivocating (two item sets for one round) and out-of-run items are rejected, which penalises
-the peer that sent them; an author's older rounds are ignored, and messages faster than 2 per second ignored and
-penalised (a flood). Completions are text (at most ``max_completion`` characters, so 4 bytes each in UTF-8, in the
-task's alphabet: printable text for a language model's), re-tokenized by each receiver, so peers may run policies of
-any size or tokenizer; completions and their bytes received are counted. Rewards (own and external), items shared and
-used, and bytes go to ``/status`` and, every ``report_every`` rounds, into the replicated progress register.
-"""
+"""The SAPO loop as a node service (the algorithm: the package's docstring)."""
 
 from __future__ import annotations
 
@@ -40,170 +12,36 @@ import random
 import msgpack
 import torch
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from swarmd.node.services import NodeContext
 from swarmd.protocols import checkpoint, codecs, rounds
 from swarmd.protocols import task as tasks
 from swarmd.protocols.checkpoint import model_state
 from swarmd.protocols.faults import FaultPlan
-from swarmd.protocols.gossip import Gossip, Message, Verdict
+from swarmd.protocols.gossip import Gossip
 from swarmd.protocols.grpo import Group
-from swarmd.protocols.standing import check_peer_ids
+from swarmd.protocols.reach import Reach
+from swarmd.protocols.sapo.config import SapoConfig
+from swarmd.protocols.sapo.items import (
+    ITEM_BURST, ITEM_RATE, MAX_AUTHORS, READY, ROLLOUTS, Rules, question, question_seed, reward, score,
+)
+from swarmd.protocols.sapo.validate import ValidateMixin
 from swarmd.protocols.task import Task, TaskError
-from swarmd.protocols.taskloop import TAG, TaskLoop
+from swarmd.protocols.taskloop import TaskLoop
 from swarmd.transport.penalties import TokenBuckets
-from swarmd.transport.wire import WIRE, Bool, Int, List, Map, Str, Tuple
+from swarmd.transport.wire import WIRE
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("swarmd.protocols.sapo")  # one logger for the whole package
 
-MAX_ITEMS = 64  # questions per message
-MAX_COMPLETIONS = 32  # completions per question
-MAX_COMPLETION_CHARS = 1024  # the most a task may allow (its max_completion)
-
-CARRIER = "sapo/<run>"  # the run's pubsub topic
-_TAG = {"t": ["layout-hash", "config-hash"]}
-_ITEM = Map.of(spec=Tuple.of(Str(64, min=1), Int(0), Int(0, MAX_ITEMS - 1)),
-               comps=List(Str(MAX_COMPLETION_CHARS), MAX_COMPLETIONS, min=2))
-ROLLOUTS = WIRE.message(CARRIER, 1, "sapo.rollouts", Map.of(r=Int(0), items=List(_ITEM, MAX_ITEMS, min=1), t=TAG),
-                        {"r": 2, "items": [{"spec": ["chain_sum", 1234, 0], "comps": ["12", "13"]}], **_TAG},
-                        max_size=8 * 1024 + MAX_ITEMS * (96 + MAX_COMPLETIONS * (4 * MAX_COMPLETION_CHARS + 5)),
-                        doc="round r's questions (as specs any peer regenerates: dataset, the author's seed for r, "
-                            "index) and my completions of each; never an answer or a reward")
-READY = WIRE.message(CARRIER, 2, "sapo.ready", Map.of(r=Int(0, 0), ready=Bool(only=True), t=TAG),
-                     {"r": 0, "ready": True, **_TAG}, max_size=256, doc="I am here and can start")
 HISTORY = 5000  # per-round records kept (for /sapo/history)
-MAX_AUTHORS = 1024  # peers whose newest items we hold
-ITEM_RATE, ITEM_BURST = 2.0, 8.0  # messages with new items per second one peer may send (a round takes seconds)
-
-
-def question_seed(run: str, seed: int, peer_id: str, round_: int) -> int:
-    """The generator seed of ``peer_id``'s questions in round ``round_`` (63 bits)."""
-    h = hashlib.blake2b(f"{run}/{seed}/{peer_id}/{round_}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "big") >> 1
 
 
 def policy_seed(seed: int, peer_id: str) -> int:
     return int.from_bytes(hashlib.blake2b(f"policy/{seed}/{peer_id}".encode(), digest_size=4).digest(), "big")
 
 
-class SapoConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
-    run: str = Field("sapo-demo", pattern=r"^[A-Za-z0-9._-]{1,64}$")
-    task: str = "arith"  # "path/to/file.py:factory", "package.module:factory" or a built-in name
-    task_options: dict = {}  # keyword arguments of the task's factory (the built-ins': the policy's size, lr, ...)
-    device: str = Field("auto", pattern=r"^(auto|cpu|mps|cuda(:\d+)?)$")
-    threads: int = Field(0, ge=0, le=4096)  # torch's CPU threads for the loop's compute (0: auto, protocols.task)
-    checkpoint_every: int = Field(50, ge=0)  # rounds between checkpoints of the policy (0: only at the end)
-    seed: int = Field(1, ge=0)
-    rounds: int = Field(300, ge=0, le=10_000_000)  # 0: until stopped
-    questions: int = Field(8, ge=1, le=MAX_ITEMS)  # sampled per round
-    completions: int = Field(8, ge=2, le=MAX_COMPLETIONS)  # G, per question
-    local: int = Field(4, ge=0)  # I: own groups per update
-    external: int = Field(4, ge=0)  # J: groups from other peers per update (0: the no-sharing baseline)
-    max_per_source: int = Field(2, ge=1)  # external groups from any one peer per update
-    min_peers: int = Field(1, ge=1)  # wait for this many peers (us included) before round 0
-    deadline: float = Field(5.0, gt=0)  # seconds to wait for a round's items from the last round's peers
-    report_every: int = Field(5, ge=1)  # rounds between writes to the replicated progress register
-    policy_seed: int | None = Field(None, ge=0)  # default: derived from seed and our peer id
-    peers: list[str] = Field([], max_length=10_000)  # a closed run: only these peer ids take part (empty: open)
-
-    _peers = field_validator("peers")(check_peer_ids)
-
-    @model_validator(mode="after")
-    def _consistent(self):
-        if self.local > self.questions:
-            raise ValueError(f"local ({self.local}) cannot exceed questions per round ({self.questions})")
-        if self.local + self.external < 1:
-            raise ValueError("local + external must be at least 1")
-        return self
-
-    def options(self) -> dict:
-        return dict(self.task_options)
-
-    def shared(self) -> dict:
-        """The settings every peer of a run must share (part of the run's fingerprint); the policy is each
-        peer's own."""
-        return self.model_dump(include={"run", "seed", "rounds", "questions", "completions", "peers"})
-
-
-def _printable(text: str) -> bool:
-    return text.isascii() and text.isprintable()
-
-
-class Rules:
-    """What a rollout message of this run may hold: the task's datasets, completion length and alphabet."""
-
-    def __init__(self, task: Task, cfg: SapoConfig):
-        self.datasets = frozenset(task.obj.datasets)
-        self.max_completion = int(getattr(task.obj, "max_completion", None) or 64)
-        if not 1 <= self.max_completion <= MAX_COMPLETION_CHARS:
-            raise TaskError(f"task {task.spec}: max_completion must be 1..{MAX_COMPLETION_CHARS}")
-        valid = getattr(task.obj, "valid_completion", None)
-        self.valid = valid if valid is not None else _printable
-        self.questions, self.completions = cfg.questions, cfg.completions
-        self.max_message = 8 * 1024 + cfg.questions * (96 + cfg.completions * (4 * self.max_completion + 5))
-
-
-def parse_items(body: object, *, run: str, seed: int, author: str, rules: Rules
-                ) -> tuple[int, list[tuple[str, int, list[str]]]]:
-    """Check a rollout message from the wire; returns ``(round, [(dataset, index, completions), ...])``.
-
-    Raises ValueError (with the reason) on anything malformed, oversized or forged."""
-    if not isinstance(body, dict) or set(body) != {"r", "items"}:
-        raise ValueError("not a rollout message")
-    r, items = body["r"], body["items"]
-    if type(r) is not int or r < 0:
-        raise ValueError("bad round")
-    if not isinstance(items, list) or not 0 < len(items) <= rules.questions:
-        raise ValueError(f"items must be a list of 1..{rules.questions}")
-    expected_seed = question_seed(run, seed, author, r)
-    out, seen = [], set()
-    for item in items:
-        if not isinstance(item, dict) or set(item) != {"spec", "comps"}:
-            raise ValueError("an item must have exactly spec and comps")
-        spec = item["spec"]
-        if not (isinstance(spec, list) and len(spec) == 3 and spec[0] in rules.datasets and type(spec[1]) is int
-                and type(spec[2]) is int and 0 <= spec[2] < MAX_ITEMS):
-            raise ValueError("a spec must be [one of the run's datasets, seed, index < 64]")
-        dataset, q_seed, index = spec
-        if q_seed != expected_seed:
-            raise ValueError("a spec that is not the author's for this round")
-        if index in seen:
-            raise ValueError("duplicate item")
-        seen.add(index)
-        comps = item["comps"]
-        if not isinstance(comps, list) or not 2 <= len(comps) <= rules.completions:
-            raise ValueError(f"comps must be a list of 2..{rules.completions}")
-        for c in comps:
-            if not isinstance(c, str) or len(c) > rules.max_completion or not rules.valid(c):
-                raise ValueError("a completion is too long or outside the task's alphabet")
-        out.append((dataset, index, comps))
-    return r, out
-
-
-def question(task: Task, dataset: str, q_seed: int, index: int):
-    q = task.call("question", dataset, q_seed, index)
-    if not isinstance(getattr(q, "prompt", None), str):
-        raise TaskError(f"{task.where('question')} returned {type(q).__name__} without a text .prompt")
-    return q
-
-
-def score(task: Task, dataset: str, q_seed: int, index: int, comps: list[str]) -> Group:
-    """Regenerate the question from its spec and score the completions with our verifier."""
-    q = question(task, dataset, q_seed, index)
-    return Group(q.prompt, comps, [reward(task, q, c) for c in comps])
-
-
-def reward(task: Task, q, completion: str) -> float:
-    value = task.call("score", q, completion)
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
-        raise TaskError(f"{task.where('score')} returned {value!r}, expected a float in [0, 1]")
-    return float(value)
-
-
-class SapoLoop(TaskLoop):
-    """The loop as a node service (see the module docstring)."""
+class SapoLoop(ValidateMixin, TaskLoop):
+    """The loop as a node service (see the package's docstring)."""
 
     name = "sapo"
 
@@ -223,6 +61,7 @@ class SapoLoop(TaskLoop):
         self.counters: collections.Counter = collections.Counter()
         # per peer, what our verifier made of its completions (ours included), and which peers are useless
         self.sources = rounds.Sources("")
+        self.reach = Reach("gossiped")  # our rounds, and the items of peers without a direct path they took
         self.round = 0
         self.joined_at = 0  # the round we started at (> 0: resumed from our checkpoint); nobody moves our round
         self.cumulative_reward = 0.0
@@ -418,15 +257,17 @@ class SapoLoop(TaskLoop):
                                                                    use_bin_type=True)) + 4
 
     async def _wait_for_peers(self) -> None:
-        """Our first round starts once ``min_peers`` (us included) are here: directly connected peers that said
-        they are ready or already share items (a run in progress). Rounds are each peer's own: a peer that arrives
-        late starts at its own round 0 (or its checkpoint's), and no message moves our round."""
+        """Our first round starts once ``min_peers`` (us included) are here: connected peers (directly or through a
+        relay: ``rounds.linked``) that said they are ready or already share items (a run in progress). Rounds are
+        each peer's own: a peer that arrives late starts at its own round 0 (or its checkpoint's), and no message
+        moves our round."""
         self.state = "waiting for peers"
         barrier = rounds.StartBarrier(self.cfg.min_peers)
         while True:
             if barrier.announce(self.clock.monotonic()):
                 self.gossip.publish(self.topic, WIRE.pack(READY, self._tag({"r": 0, "ready": True})))
-            here = {p for p in self.ready | set(self.inbox) if self._ctx.direct(p)}
+            linked = rounds.linked(self._ctx)  # a peer reached through a relay only counts: its items are
+            here = {p for p in self.ready | set(self.inbox) if linked(p)}  # gossiped through the members
             self._check_refusal(len(here))
             if barrier.start(self.clock.monotonic(), len(here) + 1):
                 self._participants = here
@@ -454,6 +295,8 @@ class SapoLoop(TaskLoop):
         self._record_round(r, waited_s=self.clock.monotonic() - opened, deadline_s=self.cfg.deadline,
                            participants=self._participants, missing=expected - self._participants)
         self.standing.record(self._participants)
+        me = self._ctx.identity.peer_id
+        self.reach.took(self._participants | {me}, me, self._ctx.direct)  # ours: shared before the close
         self._rate.prune()
 
     def _draw_external(self, rng: random.Random) -> tuple[list[Group], float | None, list[str]]:
@@ -506,60 +349,6 @@ class SapoLoop(TaskLoop):
         await self._write_progress(self.round, self.round * self.cfg.questions * self.cfg.completions, loss,
                                    self.counters["wire_bytes_published"], self.round, metrics)
 
-    # ------------------------------------------------------------------ validation (runs before forwarding)
-    def _validate(self, message: Message) -> Verdict:
-        unpacked = self._unpack(CARRIER, message)
-        if isinstance(unpacked, Verdict):
-            if unpacked is Verdict.REJECT:
-                self.counters["rejected_malformed"] += 1
-            return unpacked
-        kind, body = unpacked
-        if (refused := self._refusal(message.author, body)) is not None:
-            return refused
-        author = message.author
-        if kind is READY:
-            if self.state != "running" and self._ctx.direct(author) and len(self.ready) < MAX_AUTHORS:
-                self.ready.add(author)
-            return Verdict.ACCEPT
-        try:
-            r, items = parse_items(body, run=self.cfg.run, seed=self.cfg.seed, author=message.author,
-                                   rules=self.rules)
-        except ValueError as e:
-            self.counters["rejected_malformed"] += 1
-            logger.debug("sapo: rejected items from %s: %s", message.author, e)
-            return Verdict.REJECT
-        if self.cfg.rounds and r >= self.cfg.rounds:
-            self.counters["rejected_future"] += 1
-            return Verdict.REJECT  # a round the run does not have
-        held = self.inbox.get(author)
-        if held is not None and r <= held[0]:
-            if r == held[0]:
-                self.counters["equivocation"] += 1
-                return Verdict.REJECT  # a second, different set of items for one round
-            self.counters["stale"] += 1
-            return Verdict.IGNORE  # older than what we hold from that peer: not forwarded
-        if not self._rate.allow(author):
-            # rounds faster than anyone computes them: not used, not forwarded, and the author's fault (its
-            # signature is on them; an honest relay forwards only what it accepted, at the same rate)
-            self.counters["ignored_rate"] += 1
-            self._ctx.transport.penalties.penalize(author, "rate_limited", f"sapo: items faster than "
-                                                   f"{ITEM_RATE:g} rounds per second")
-            return Verdict.IGNORE
-        if held is None and len(self.inbox) >= MAX_AUTHORS:  # make room: the oldest entry of a peer without standing
-            victim = next((a for a in self.inbox if not self.standing.counts(a)), None)
-            if victim is None:
-                return Verdict.IGNORE
-            del self.inbox[victim]
-            self.used.pop(victim, None)
-            self.counters["inbox_evicted"] += 1
-        self.inbox[author] = (r, items)
-        self.inbox.move_to_end(author)
-        comps = [c for _, _, cs in items for c in cs]
-        self.counters["completions_received"] += len(comps)
-        self.counters["completion_bytes_received"] += sum(len(c.encode()) for c in comps)
-        self._arrived.set()
-        return Verdict.ACCEPT
-
     # ------------------------------------------------------------------ views
     def status(self) -> dict:
         recent = list(self.history)[-50:]
@@ -581,6 +370,7 @@ class SapoLoop(TaskLoop):
             "external_reward_last50": round(sum(ext) / len(ext), 4) if ext else None,
             "peers_in_round": len(self._participants),
             "peers_with_items": len(self.inbox),
+            "reach": self.reach.status(),
             "standing": self.standing.status() if hasattr(self, "standing") else None,
             "history": recent[-40:],  # [round, own reward, external reward, ext used, groups]
             # per source peer, as scored by our verifier: items, mean reward of their completions, the recent
