@@ -16,6 +16,10 @@ rule (``admitted``: the record's work ticket, or the allowlist; the price of an 
 comes in a hello or an introduction (but for a few that say another rule: ``MAX_UNADMITTED``). Records from the network
 are parsed strictly; a bad one is dropped and counted against the peer that sent it (hello) or ignored (DHT, where
 the storing peer is not known).
+
+Where each part lives: this module is the service (lifecycle, DHT calls, our record, announcing it, bootstrap);
+``dht/members.py`` the member table (polls, admission of records, expiry, greeting); ``dht/hello.py`` the hello
+exchange and its wire messages; ``dht/records.py`` the records, their seals and the DHT's validator.
 """
 
 from __future__ import annotations
@@ -28,40 +32,24 @@ import time
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
+from swarmd.dht.hello import HELLO_SPEC, HelloExchange
+from swarmd.dht.members import MAX_MEMBERS, Member, MemberTable
 from swarmd.dht.records import (
-    Ed25519RecordValidator, NodeRecord, dht_key_id, member_check, member_value_ok, open_envelope, owner_tag, seal,
+    Ed25519RecordValidator, NodeRecord, dht_key_id, member_check, member_value_ok, owner_tag,
 )
 from swarmd.dht.room import BoundedKey
-from swarmd.transport.framing import unpack_record
 from swarmd.transport._compat import load_hivemind
-from swarmd.transport.base import Stream
-from swarmd.transport.errors import MalformedMessage, PeerUnreachable, ProtocolViolation, TransportError
-from swarmd.transport.framing import ProtocolSpec
+from swarmd.transport.errors import PeerUnreachable, ProtocolViolation, TransportError
 from swarmd.transport.identity import Identity
 from swarmd.transport.multiaddrs import split_peer_addr
 from swarmd.transport.p2pd import P2PDaemonTransport
 from swarmd.transport.penalties import RateLimitedLog, TokenBuckets
-from swarmd.transport.wire import WIRE, Bytes, Map, Nil, OneOf
+
+# importers find these here (tests, bench): each is owned by the module it comes from
+from swarmd.dht.hello import HELLO, HELLO_ACK, INTRODUCE, MAX_RECORD  # noqa: F401
+from swarmd.dht.members import MAX_UNADMITTED, POLL_GROWTH_MEMBERS  # noqa: F401
 
 logger = logging.getLogger(__name__)
-
-HELLO, HELLO_ACK, INTRODUCE = 1, 2, 3
-HELLO_SPEC = ProtocolSpec("hello", "1.0.0", max_frame=16 * 1024, kinds=frozenset({HELLO, HELLO_ACK, INTRODUCE}))
-MAX_RECORD = 8 * 1024
-_ENVELOPE = Map.of(p=Bytes(MAX_RECORD), s=Bytes(exact=64))  # a record sealed by its peer (dht.records.seal)
-_EXAMPLE_ENVELOPE = {"p": b"\x81\xa4peer\xa4(id)", "s": bytes(64)}
-WIRE.frame(HELLO_SPEC, HELLO, "hello.hello", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
-           doc="the greeter's own sealed node record")
-WIRE.frame(HELLO_SPEC, HELLO_ACK, "hello.ack", OneOf((_ENVELOPE, Nil())), _EXAMPLE_ENVELOPE,
-           signed="swarmd/envelope/v1", doc="the greeted node's sealed record (nil after an INTRODUCE)")
-WIRE.frame(HELLO_SPEC, INTRODUCE, "hello.introduce", _ENVELOPE, _EXAMPLE_ENVELOPE, signed="swarmd/envelope/v1",
-           doc="a newcomer's own sealed record, passed on one hop by a member it greeted")
-MAX_MEMBERS = 10_000
-# members taken from a hello without our swarm's admission, because their record says another rule (an honest node
-# configured otherwise is still seen and named, `dht.other_rule`); anyone can claim another rule, so few of them
-MAX_UNADMITTED = 64
-POLL_GROWTH_MEMBERS = 1_000  # the member poll slows by its base interval for each this many members (poll_every)
-
 
 MAX_DETACHED = 16  # DHT calls past their timeout left running to end by themselves (see Discovery._dht_call)
 
@@ -78,15 +66,6 @@ class DiscoveryConfig:
     backoff_initial: float = 1.0
     backoff_max: float = 60.0
     dht_timeout: float = 15.0  # every DHT call (get, store, ping, walk) gives up after this long
-
-
-@dataclass
-class Member:
-    record: NodeRecord
-    expires: float  # wall clock
-    last_seen: float  # wall clock of the last hello, ping or DHT refresh
-    source: str  # "dht" | "hello"
-    admitted: bool = True  # False: greeted us with another admission rule and no ticket for ours (MAX_UNADMITTED)
 
 
 @dataclass
@@ -111,7 +90,11 @@ class BootstrapState:
         }
 
 
-class Discovery:
+class Discovery(MemberTable, HelloExchange):
+    """The discovery service: its lifecycle, every DHT call (each bounded), our record and its announcements, and
+    bootstrap. Its member table (the poll, admission of records, greeting: ``dht/members.py``) and the hello exchange
+    (``dht/hello.py``) are parts of it, written as classes of their own that run on its state."""
+
     def __init__(
         self,
         transport: P2PDaemonTransport,
@@ -265,19 +248,6 @@ class Discovery:
         self._my_record = record
         return record
 
-    # ------------------------------------------------------------------ admission rule
-    def policy_ok(self, peer_id: str) -> bool:
-        """Whether ``peer_id`` judges authors as we do (its record says the same admission digest, or says none:
-        an older node whose record does not carry it, or one we have no record of). A peer with another rule (other
-        ``state.admission_bits`` or ``state.allow``, in the same swarm) would refuse our authors' ops as forged, and
-        we theirs: replicating with it would only get honest nodes to penalise and ban each other."""
-        member = self.members.get(peer_id)
-        return member is None or not member.record.policy or not self.policy or member.record.policy == self.policy
-
-    def policy_mismatch(self) -> list[str]:
-        """The members whose record says another admission rule than ours."""
-        return sorted(p for p in self.members if not self.policy_ok(p))
-
     async def _announce_loop(self) -> None:
         while True:
             try:
@@ -379,235 +349,6 @@ class Discovery:
                              self._dht_call("walk", self.dht.find_nearest_nodes([self.dht.node_id])))
         logger.info("first member sync: %d members in %.0f ms", len(self.members),
                     (time.perf_counter() - started) * 1e3)
-
-    # ------------------------------------------------------------------ members
-    async def _poll_loop(self) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(self._poll_now.wait(), self.poll_every() * random.uniform(0.8, 1.2))
-            except asyncio.TimeoutError:
-                pass
-            self._poll_now.clear()
-            try:
-                await self.poll()
-            except asyncio.CancelledError:
-                raise
-            except Exception as e:
-                self._log.log(logging.WARNING, "poll", "member poll failed: %s", e)
-
-    def poll_every(self) -> float:
-        """Seconds between member polls: ``poll_interval``, and once more of it for every ``POLL_GROWTH_MEMBERS``
-        members we know (a poll returns every member's record, and every member polls), up to half of how long a
-        record outlives its owner's last refresh (``record_ttl`` - 1.1 x ``refresh_interval``, the refresh's
-        jitter included), so no member's record expires between two polls. Newcomers do not wait for a poll: a
-        hello and its one-hop introductions show them at once."""
-        base = self.config.poll_interval
-        ceiling = (self.config.record_ttl - 1.1 * self.config.refresh_interval) / 2
-        return max(base, min(base * (1 + len(self.members) / POLL_GROWTH_MEMBERS), ceiling))
-
-    async def poll(self) -> None:
-        result = await self._dht_call("get", self.dht.get(self.members_key, latest=True))
-        self.counters["dht_polls"] += 1
-        now = self._clock()
-        entries = result.value if result is not None and isinstance(result.value, dict) else {}
-        parsed: dict[bytes, tuple[object, NodeRecord]] = {}
-        for subkey, item in list(entries.items())[:MAX_MEMBERS]:
-            known = self._parsed.get(subkey) if isinstance(subkey, bytes) else None
-            if known is not None and known[0] == item.value:
-                record = known[1]  # the same record as the poll before: parsed and checked then
-            else:
-                try:
-                    record = NodeRecord.from_wire(item.value)
-                except MalformedMessage:
-                    self.counters["records_rejected"] += 1
-                    continue
-                if not isinstance(subkey, bytes) or subkey != owner_tag(record.peer_id):
-                    self.counters["records_rejected"] += 1  # signed by someone, but about someone else
-                    continue
-            parsed[subkey] = (item.value, record)
-            self._upsert(record, expires=item.expiration_time, source="dht", now=now)
-            member = self.members.get(record.peer_id)
-            if member is not None:
-                member.admitted = True  # the DHT's records passed the validator, which asks for admission
-        self._parsed = parsed
-        self._expire(now)
-        await self._greet_new_members()
-
-    def _upsert(self, record: NodeRecord, *, expires: float, source: str, now: float) -> bool:
-        """Add or refresh a member; returns True if it is new."""
-        if record.peer_id == self.identity.peer_id:
-            return False
-        member = self.members.get(record.peer_id)
-        if record.policy and self.policy and record.policy != self.policy and (
-                member is None or member.record.policy != record.policy):
-            self.counters["policy_mismatch"] = self.counters.get("policy_mismatch", 0) + 1
-            self._log.log(logging.WARNING, ("policy", record.peer_id),
-                          "member %s runs another admission rule than ours (digest %s, ours %s: check "
-                          "state.admission_bits and state.allow, the same on every node of a swarm, and that it "
-                          "runs a swarmd as recent as ours): our "
-                          "replicated states cannot merge, so we do not replicate with it", record.peer_id,
-                          record.policy, self.policy)
-        if member is None:
-            if len(self.members) >= MAX_MEMBERS:
-                return False
-            self.members[record.peer_id] = Member(record, expires, now, source)
-            logger.info("member %s joined (%s)", record.peer_id, source)
-            return True
-        if record.issued >= member.record.issued:
-            member.record = record
-        member.expires = max(member.expires, expires)
-        member.last_seen = now
-        return False
-
-    def _expire(self, now: float) -> None:
-        for peer_id in [p for p, m in self.members.items() if m.expires < now]:
-            logger.info("member %s left (record expired)", peer_id)
-            del self.members[peer_id]
-            self._greeted.discard(peer_id)
-
-    def touch(self, peer_id: str) -> None:
-        member = self.members.get(peer_id)
-        if member is not None:
-            now = self._clock()
-            member.last_seen = now
-            member.expires = max(member.expires, now + self.config.record_ttl)
-
-    async def _greet_new_members(self) -> None:
-        """Say hello to members we have not greeted yet (dialing them first if needed), up to ``max_peers``."""
-        connected = {p.peer_id for p in await self.transport.peers()}
-        room = self.config.max_peers - len(connected & set(self._greeted))
-        todo = [
-            p
-            for p in self.members
-            if p not in self._greeted and p not in self._dialing and not self.transport.penalties.is_banned(p)
-        ]
-        random.shuffle(todo)
-        for peer_id in todo[: max(0, room)]:
-            self._dialing.add(peer_id)
-            self._spawn(self._dial_and_greet(peer_id, connected=peer_id in connected))
-
-    async def _dial_and_greet(self, peer_id: str, connected: bool) -> None:
-        try:
-            member = self.members.get(peer_id)
-            if member is None:
-                return
-            if not connected:
-                await self.transport.connect_peer(peer_id, list(member.record.addrs), timeout=self.config.dial_timeout)
-            await self._hello(peer_id)
-        except (TransportError, ProtocolViolation) as e:
-            logger.debug("could not greet member %s: %s", peer_id, e)
-        finally:
-            self._dialing.discard(peer_id)
-
-    # ------------------------------------------------------------------ hello
-    async def _hello(self, peer_id: str) -> None:
-        envelope = seal(self.identity, (await self.my_record()).to_wire())
-        async with await self.transport.open_stream(peer_id, HELLO_SPEC, timeout=self.config.dial_timeout) as stream:
-            await stream.send(HELLO, envelope)
-            try:
-                reply = await asyncio.wait_for(stream.read_required(), self.config.dial_timeout)
-            except asyncio.TimeoutError:  # a TransportError like any unreachable peer's (it escaped the callers)
-                raise PeerUnreachable(f"{peer_id} did not answer our hello within "
-                                      f"{self.config.dial_timeout:.0f} s") from None
-            if reply.kind != HELLO_ACK:
-                raise MalformedMessage("hello: expected HELLO_ACK")
-            try:
-                self._accept_envelope(peer_id, reply.body)
-            except ProtocolViolation as e:
-                self.transport.penalties.penalize(peer_id, e.kind, str(e))
-                self.transport.stats.errors[e.kind] += 1
-                raise
-        self._greeted.add(peer_id)
-        self.counters["hello_out"] += 1
-        self._on_greeted(peer_id)
-
-    def _accept_envelope(self, peer_id: str, body, source: str = "hello") -> bool:
-        """Verify a sealed record signed by ``peer_id`` about itself; returns True if the member is new."""
-        record = NodeRecord.from_wire(open_envelope(body, peer_id, max_size=MAX_RECORD))
-        if record.peer_id != peer_id:
-            raise ProtocolViolation(f"hello: record is about {record.peer_id}, sent by {peer_id}", kind="forged")
-        verdict = True if self._admitted is None else self._admitted(record)
-        admitted = verdict is True
-        if not admitted and not self._take_unadmitted(record):
-            self.counters["records_unadmitted"] = self.counters.get("records_unadmitted", 0) + 1
-            if verdict == "old_ticket":
-                self._log.log(logging.WARNING, ("old_ticket", peer_id), "a %s record of %s carries an admission "
-                              "ticket of an older swarmd (not bound to a time window): not taken as a member; that "
-                              "node must be upgraded", source, peer_id)
-            else:
-                self._log.log(logging.INFO, ("unadmitted", source), "a %s record of %s carries no admission to "
-                              "this swarm (a work ticket for its peer id and the time, or a place in state.allow): "
-                              "not taken as a member", source, peer_id)
-            return False
-        now = self._clock()
-        is_new = self._upsert(record, expires=now + self.config.record_ttl, source=source, now=now)
-        member = self.members.get(peer_id)
-        if member is not None:
-            member.admitted = admitted
-        return is_new
-
-    def _take_unadmitted(self, record: NodeRecord) -> bool:
-        """Whether to take a record without our admission anyway: only one that says another rule than ours (an
-        honest node configured otherwise: its ticket is for its rule, and we want to see and name it), and only
-        up to MAX_UNADMITTED of them, so that fresh keys claiming some other rule cannot fill our member list."""
-        if not record.policy or not self.policy or record.policy == self.policy:
-            return False
-        known = self.members.get(record.peer_id)
-        if known is not None and not known.admitted:
-            return True  # already holds one of the places
-        return sum(not m.admitted for m in self.members.values()) < MAX_UNADMITTED
-
-    async def _on_hello(self, stream: Stream) -> None:
-        message = await asyncio.wait_for(stream.read_required(), 10.0)
-        if message.kind == INTRODUCE:
-            # honest members introduce every newcomer they meet: a generous allowance, and no penalty past it
-            if self._introduce_rate.allow(stream.peer_id):
-                await self._on_introduce(stream, message.body)
-            else:
-                self.counters["introduced_dropped"] = self.counters.get("introduced_dropped", 0) + 1
-            return
-        if not self._hello_rate.allow(stream.peer_id):
-            raise ProtocolViolation("hello: too many hellos", kind="rate_limited")
-        if message.kind != HELLO:
-            raise MalformedMessage("hello: expected HELLO")
-        is_new = self._accept_envelope(stream.peer_id, message.body)
-        self._greeted.add(stream.peer_id)  # they know us: they just got our record in the reply
-        self.counters["hello_in"] += 1
-        self._on_greeted(stream.peer_id)
-        await stream.send(HELLO_ACK, seal(self.identity, (await self.my_record()).to_wire()))
-        if is_new:
-            self._spawn(self._introduce(message.body, exclude=stream.peer_id))
-
-    async def _on_introduce(self, stream: Stream, envelope) -> None:
-        """A member tells us about a newcomer it has just met: the newcomer's own sealed record (one hop only)."""
-        if not isinstance(envelope, dict) or not isinstance(envelope.get("p"), bytes):
-            raise MalformedMessage("introduce: body must be a sealed record")
-        claimed = unpack_record(envelope["p"], max_size=MAX_RECORD)
-        peer_id = claimed.get("peer") if isinstance(claimed, dict) else None
-        if not isinstance(peer_id, str):
-            raise MalformedMessage("introduce: record without a peer id")
-        self._accept_envelope(peer_id, envelope, source="introduced")  # verified against the newcomer's own key
-        self.counters["introduced_in"] += 1
-        await stream.send(HELLO_ACK, None)
-
-    async def _introduce(self, envelope, exclude: str) -> None:
-        """Pass a newcomer's record to the members we are connected to, so it is visible everywhere at once
-        (over connections that already exist, instead of the newcomer dialing every member first)."""
-        connected = {p.peer_id for p in await self.transport.peers()}
-        targets = [p for p in self._greeted if p != exclude and p in connected]
-        sem = asyncio.Semaphore(16)
-
-        async def one(peer_id: str) -> None:
-            async with sem:
-                try:
-                    async with await self.transport.open_stream(peer_id, HELLO_SPEC, timeout=5.0) as stream:
-                        await stream.send(INTRODUCE, envelope)
-                        await asyncio.wait_for(stream.read_required(), 5.0)
-                    self.counters["introduced_out"] += 1
-                except (TransportError, ProtocolViolation, asyncio.TimeoutError) as e:
-                    logger.debug("could not introduce a newcomer to %s: %s", peer_id, e)
-
-        await asyncio.gather(*(one(p) for p in targets))
 
     def _spawn(self, coro) -> None:
         task = asyncio.create_task(coro)
