@@ -50,7 +50,7 @@ def _torch_e3m0(flat: torch.Tensor, b: int) -> tuple[bytes, bytes]:
 
 def _torch_e3m0_decode(enc: C.Encoded) -> torch.Tensor:
     """The plain e3m0 decode: numpy's take through the 256-row pairs table, then each block times its
-    scale (codecs._decode_by_table)."""
+    scale (blockcodecs._decode_by_table)."""
     n, b = math.prod(enc.shape), enc.block
     result = torch.empty(n, dtype=torch.float32)
     if not n:
