@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.protocols import codecs as C
-from swarmd.protocols import exchange, kernels
+from swarmd.protocols import exchange, kernels, screen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -214,7 +214,7 @@ def test_gram_kernel_gives_the_exact_integers(n, contiguous, monkeypatch):
     want = _torch_gram(vectors)
     assert exchange.gram(vectors) == want
     # (the compiled pass) its int64 sums handed to Python integers after every window: the same integers
-    monkeypatch.setattr(exchange, "GRAM_FLUSH_VALUES", 1)
+    monkeypatch.setattr(screen, "GRAM_FLUSH_VALUES", 1)
     assert exchange.gram(vectors) == want
 
 
