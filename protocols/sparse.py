@@ -1,5 +1,6 @@
 """Sparse outer updates: per-chunk top-k, each kept value in 2 bits (SparseLoCo's class of codec; codec id 7,
-``"topk2"``), and the bit accounting of what a peer sends.
+``"topk2"``), the plain top-k it refines (codec id 5, ``"topk"``: the largest magnitudes of the whole tensor, kept
+exactly), and the bit accounting of what a peer sends.
 
 Why: SparseLoCo (arXiv 2508.15706: top-1.56% of each 4096-long chunk, 2-bit values, 12-bit indices, about 0.23 bits a
 parameter a sync, error feedback in place of outer momentum) reports better loss than full-precision DiLoCo at
@@ -41,7 +42,7 @@ import math
 import numpy as np
 import torch
 
-from swarmd.protocols import codecs
+from swarmd.protocols.codecbase import Codec, CodecError, Encoded, _check_finite, _flat32, _need, _out
 
 MIN_CHUNK, MAX_CHUNK = 16, 1 << 14
 LEVELS = {1: 1, 2: 2, 4: 3, 8: 4}  # magnitude levels per chunk -> bits per value (sign included)
@@ -55,7 +56,51 @@ def check_chunk(chunk: int) -> int:
     return chunk
 
 
-class SparseCodec(codecs.Codec):
+class TopKCodec(Codec):
+    """Top-k sparsification: the k = ceil(ratio * n) largest magnitudes, as uint32 indices + float32 values.
+
+    Stateless here; ``codecs.ErrorFeedback`` adds Deep Gradient Compression's error feedback (carry what was dropped
+    into the next round)."""
+
+    id, name = 5, "topk"
+
+    def __init__(self, ratio: float = 0.01):
+        if not 0 < ratio <= 1:
+            raise ValueError("ratio must be in (0, 1]")
+        self.ratio = ratio
+
+    def _parts(self, x: torch.Tensor):
+        flat = _flat32(x)
+        n = flat.numel()
+        k = min(n, max(1, math.ceil(self.ratio * n))) if n else 0
+        if k:
+            _, idx = torch.topk(flat.abs(), k, sorted=False)
+            idx, _ = torch.sort(idx)
+        else:
+            idx = torch.zeros(0, dtype=torch.int64)
+        values = flat[idx]
+        return (Encoded(self.id, x.dtype, tuple(x.shape), 0, k, idx.to(torch.int32).numpy().tobytes(), b""),
+                values.contiguous().view(torch.uint8))
+
+    def decode_flat(self, enc: Encoded, out):
+        n, k = math.prod(enc.shape), enc.k
+        if k > n:
+            raise CodecError("topk: k exceeds the element count")
+        _need(len(enc.scales), 4 * k, "indices")
+        _need(len(enc.data), 4 * k, "values")
+        result = _out(enc, out)
+        result.zero_()
+        if k:
+            idx = torch.frombuffer(bytearray(enc.scales), dtype=torch.int32).to(torch.int64)
+            if bool((idx < 0).any()) or bool((idx >= n).any()):
+                raise CodecError("topk: index out of range")
+            values = torch.frombuffer(bytearray(enc.data), dtype=torch.float32)
+            _check_finite(values)
+            result.index_put_((idx,), values, accumulate=False)
+        return result
+
+
+class SparseCodec(Codec):
     """Per-chunk top-k with ``bits``-bit values (sign + level) and packed offsets: see the module's docstring."""
 
     id, name = 7, "topk2"
@@ -71,7 +116,7 @@ class SparseCodec(codecs.Codec):
         self.bits, self.levels, self.density = bits, 1 << (bits - 1), density
 
     def _parts(self, x: torch.Tensor):
-        flat = codecs._flat32(x)
+        flat = _flat32(x)
         n, c = flat.numel(), self.chunk
         full, rem = divmod(n, c)
         offsets, codes, levels = [], [], []
@@ -88,46 +133,46 @@ class SparseCodec(codecs.Codec):
         scales = torch.cat(levels).to(torch.bfloat16).view(torch.int16).numpy().tobytes() if levels else b""
         data = np.concatenate([pack(torch.cat(offsets).numpy(), c.bit_length() - 1),
                                pack(torch.cat(codes).numpy(), self.bits)]) if offsets else np.zeros(0, np.uint8)
-        return (codecs.Encoded(self.id, x.dtype, tuple(x.shape), c, self.k, scales, b""), torch.from_numpy(data))
+        return (Encoded(self.id, x.dtype, tuple(x.shape), c, self.k, scales, b""), torch.from_numpy(data))
 
-    def decode_flat(self, enc: codecs.Encoded, out):
+    def decode_flat(self, enc: Encoded, out):
         n, c, k = math.prod(enc.shape), enc.block, enc.k
         if c < MIN_CHUNK or c > MAX_CHUNK or c & (c - 1):
-            raise codecs.CodecError(f"{self.name}: chunk must be a power of two from {MIN_CHUNK} to {MAX_CHUNK}")
+            raise CodecError(f"{self.name}: chunk must be a power of two from {MIN_CHUNK} to {MAX_CHUNK}")
         if not 1 <= k <= c:
-            raise codecs.CodecError(f"{self.name}: k must be from 1 to the chunk")
+            raise CodecError(f"{self.name}: k must be from 1 to the chunk")
         full, rem = divmod(n, c)
         chunks = full + (rem > 0)
         if not chunks:
-            codecs._need(len(enc.scales), 0, "scales")
-            codecs._need(len(enc.data), 0, "data")
-            return codecs._out(enc, out)
+            _need(len(enc.scales), 0, "scales")
+            _need(len(enc.data), 0, "data")
+            return _out(enc, out)
         levels = len(enc.scales) // (2 * chunks)
         if len(enc.scales) != 2 * chunks * levels or levels not in LEVELS:
-            raise codecs.CodecError(f"{self.name}: scales must hold 1, 2, 4 or 8 bfloat16 levels per chunk")
+            raise CodecError(f"{self.name}: scales must hold 1, 2, 4 or 8 bfloat16 levels per chunk")
         bits, width = LEVELS[levels], c.bit_length() - 1
         last = last_kept(k, rem, c)
         kept = full * k + last
         at = -(-kept * width // 8)
-        codecs._need(len(enc.data), at + -(-kept * bits // 8), "data")
+        _need(len(enc.data), at + -(-kept * bits // 8), "data")
         raw = np.frombuffer(enc.data, dtype=np.uint8)
         offsets = unpack(raw[:at], kept, width)
         codes = unpack(raw[at:], kept, bits)
         if offsets is None or codes is None:
-            raise codecs.CodecError(f"{self.name}: nonzero padding bits")
+            raise CodecError(f"{self.name}: nonzero padding bits")
         # each chunk's offsets strictly increasing: one comparison over the rows of whole chunks, one for the last
         if full and k > 1 and not bool((np.diff(offsets[: full * k].reshape(full, k), axis=1) > 0).all()):
-            raise codecs.CodecError(f"{self.name}: a chunk's offsets must increase")
+            raise CodecError(f"{self.name}: a chunk's offsets must increase")
         if last:
             tail = offsets[full * k:]
             if int(tail[-1]) >= rem or (last > 1 and not bool((np.diff(tail) > 0).all())):
-                raise codecs.CodecError(f"{self.name}: an offset outside the last chunk, or not increasing")
+                raise CodecError(f"{self.name}: an offset outside the last chunk, or not increasing")
         table = bf16_to_f32(np.frombuffer(enc.scales, dtype=np.uint16)).reshape(chunks, levels)
         if not (np.isfinite(table).all() and (table >= 0).all()):
-            raise codecs.CodecError(f"{self.name}: levels must be finite and not negative")
+            raise CodecError(f"{self.name}: levels must be finite and not negative")
         row = np.repeat(np.arange(chunks, dtype=np.int64), [k] * full + ([last] if last else []))
         values = table[row, codes >> 1] * (1.0 - 2.0 * (codes & 1)).astype(np.float32)
-        result = codecs._out(enc, out)
+        result = _out(enc, out)
         result.zero_()
         result.numpy()[row * c + offsets] = values
         return result

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from swarmd.protocols import codecs, exchange, outer
+from swarmd.protocols import codecs, exchange, outer, screen
 from swarmproc import REPO, Swarm, loop_config, wait_for
 
 CONFIG = """
@@ -502,7 +502,7 @@ def test_the_screens_dot_products_are_the_exact_products_of_the_values_quantized
             assert abs(value - real[i][j]) <= 1e-5 * scale
     norms = exchange.gram_norms(g, shifts)
     assert all(math.isclose(norms[i], math.sqrt(real[i][i]), rel_tol=1e-5) for i in range(k))
-    monkeypatch.setattr(exchange, "GRAM_FLUSH", 2)  # the int64 sums handed to Python integers every 2 blocks
+    monkeypatch.setattr(screen, "GRAM_FLUSH", 2)  # the int64 sums handed to Python integers every 2 blocks
     assert exchange.gram(vectors) == (g, shifts)
     # and the screen on them refuses what it refused before: one vector of noise among those that agree
     noise = torch.randn(n, generator=torch.Generator().manual_seed(n))

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from swarmd.protocols import codecs as C
-from swarmd.protocols import exchange, kernels
+from swarmd.protocols import exchange, kernels, screen
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -50,7 +50,7 @@ def _torch_e3m0(flat: torch.Tensor, b: int) -> tuple[bytes, bytes]:
 
 def _torch_e3m0_decode(enc: C.Encoded) -> torch.Tensor:
     """The plain e3m0 decode: numpy's take through the 256-row pairs table, then each block times its
-    scale (codecs._decode_by_table)."""
+    scale (blockcodecs._decode_by_table)."""
     n, b = math.prod(enc.shape), enc.block
     result = torch.empty(n, dtype=torch.float32)
     if not n:
@@ -214,7 +214,7 @@ def test_gram_kernel_gives_the_exact_integers(n, contiguous, monkeypatch):
     want = _torch_gram(vectors)
     assert exchange.gram(vectors) == want
     # (the compiled pass) its int64 sums handed to Python integers after every window: the same integers
-    monkeypatch.setattr(exchange, "GRAM_FLUSH_VALUES", 1)
+    monkeypatch.setattr(screen, "GRAM_FLUSH_VALUES", 1)
     assert exchange.gram(vectors) == want
 
 
