@@ -334,6 +334,45 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
                 "no part in 8 round(s), lacking a direct path to a member") in doctor
 
 
+LAB_SPSA = """
+[loops.spsa]
+run = "lab"
+steps = 120
+window = 20
+min_peers = 4
+deadline = 30.0  # a loaded CI machine: a window closes as soon as every batch is in, so this costs nothing
+hash_every = 2
+eval_every = 3
+[loops.spsa.task_options]
+domain = "target"
+pretrain_steps = 30
+batch = 8
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_behind_a_symmetric_nat_counts_in_every_spsa_window_through_the_public_members(tmp_path):
+    """The same four peers running SPSA: a and b have no direct path to each other, and their batches (signed
+    pubsub messages of a few bytes a step) are gossiped through the public members. All four found the run together
+    and every one of its 6 windows takes all four batches, the same on every node: one final hash, no replay.
+    Before, a and b could not found the run with the others (only directly connected peers counted at the start):
+    they joined late by replaying the others' log, and the first windows closed without them. And the peer ready
+    last (b here), whose links formed after the others' announcements and which they counted before it heard them
+    all, waited out the first window and joined late as well: a founder that hears a founder's "ready" after it
+    started says its own again."""
+    with _run_across_two_symmetric_nats(tmp_path, "spsa", LAB_SPSA, 6, 200) as (nodes, final, doctor):
+        a, b = nodes[2:]
+        assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
+        for s in final:
+            assert s.get("replayed_windows", 0) == 0 and s.get("peers_missed", 0) == 0, s
+        for s, other in ((final[2], b), (final[3], a)):
+            assert s["reach"]["through_members"] == {other.peer_id: 6}, s["reach"]
+        for s in final[:2]:  # the public members reach all three directly
+            assert s["reach"]["through_members"] == {}, s["reach"]
+        assert ("training      spsa: this node's update was in 6 of 6 rounds; 1 peer(s) without a direct path, "
+                f"their updates gossiped through members ({a.peer_id[-8:]})") in doctor
+
+
 LAB_SAPO = """
 [loops.sapo]
 run = "lab"
