@@ -241,13 +241,18 @@ def _diloco(n) -> dict:
 
 
 @contextlib.contextmanager
-def _run_across_two_symmetric_nats(tmp_path, diloco_toml: str, timeout: float):
-    """A DiLoCo run of four peers: pub and pub2 public (both in the lab's public namespace), a and b each behind a
-    symmetric NAT, all four bootstrapped from pub. Once the run ended on every node, checks what both exchanges must
-    give (one final hash; 8 rounds, each with all four updates and ours; no resync; a and b never direct; no bulk
-    byte over the relay) and yields the nodes, their final ``services.diloco`` and b's ``swarmd doctor`` output."""
+def _run_across_two_symmetric_nats(tmp_path, loop: str, loop_toml: str, rounds: int, timeout: float):
+    """A run of ``loop`` (its config table: ``loop_toml``) on four peers: pub and pub2 public (both in the lab's
+    public namespace), a and b each behind a symmetric NAT, all four bootstrapped from pub. Once the run ended on
+    every node, checks what every loop must give there (each node's own contribution in all ``rounds`` rounds it
+    closed; a and b never direct; no bulk byte over the relay) and yields the nodes, their final
+    ``services.<loop>`` and b's ``swarmd doctor`` output."""
     config = tmp_path / "lab.toml"
-    config.write_text(LAB_NODE + diloco_toml)
+    config.write_text(LAB_NODE + loop_toml)
+
+    def service(n) -> dict:
+        return n.status()["services"][loop]
+
     with NatLab(mode_a="sym", mode_b="sym") as lab:
         swarm = Swarm(tmp_path / "nodes", config=config)
         try:
@@ -256,13 +261,10 @@ def _run_across_two_symmetric_nats(tmp_path, diloco_toml: str, timeout: float):
             pub2 = swarm.start("pub2", "--listen", "/ip4/0.0.0.0/tcp/4002", "--http", "127.0.0.1:8471",
                                bootstrap=bootstrap, prefix=lab.cmd("pub"), via=functools.partial(lab.call, "pub"))
             nodes = [pub, pub2, start_in(lab, swarm, "a", bootstrap), start_in(lab, swarm, "b", bootstrap)]
-            final = wait_for(lambda: all(_diloco(n)["state"] == "done" for n in nodes) and [_diloco(n) for n in nodes],
+            final = wait_for(lambda: all(service(n)["state"] == "done" for n in nodes) and [service(n) for n in nodes],
                              timeout, "the run to end on every node")
-            assert len({s["final_hash"] for s in final}) == 1
             for s in final:
-                assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
-                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == 8
-                assert not s.get("resyncs")
+                assert s["reach"]["rounds_with_our_update"] == s["reach"]["rounds_closed"] == rounds, s["reach"]
             a, b = nodes[2:]
             for n, other in ((a, b), (b, a)):
                 assert peer(n, other.peer_id) is None or peer(n, other.peer_id)["path"] != "direct"
@@ -276,6 +278,18 @@ def _run_across_two_symmetric_nats(tmp_path, diloco_toml: str, timeout: float):
             swarm.close()
 
 
+@contextlib.contextmanager
+def _diloco_across_two_symmetric_nats(tmp_path, diloco_toml: str, timeout: float):
+    """The DiLoCo run above, with what both exchanges must give: one final hash; 8 rounds, each with all four
+    updates; no resync."""
+    with _run_across_two_symmetric_nats(tmp_path, "diloco", diloco_toml, 8, timeout) as (nodes, final, doctor):
+        assert len({s["final_hash"] for s in final}) == 1
+        for s in final:
+            assert [h["participants"] for h in s["history"]] == [4] * 8, s["history"]
+            assert not s.get("resyncs")
+        yield nodes, final, doctor
+
+
 @pytest.mark.timeout(240)
 def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_members(tmp_path):
     """Four DiLoCo peers: two public (pub, pub2), a and b each behind a symmetric NAT, so a and b have no direct path
@@ -283,7 +297,7 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_round_through_the_public_
     the other's update from the public members, which pulled it themselves: every round combines all four, b's
     update included, and no bulk byte crosses the relay. Before, a and b could not start the run with the others
     (only directly connected peers counted at the start) and their rounds closed without each other's update."""
-    with _run_across_two_symmetric_nats(tmp_path, LAB_DILOCO, 200) as (nodes, final, doctor):
+    with _diloco_across_two_symmetric_nats(tmp_path, LAB_DILOCO, 200) as (nodes, final, doctor):
         a, b = nodes[2:]
         for n, other in ((a, b), (b, a)):
             assert _diloco(n)["reach"]["through_members"].get(other.peer_id, 0) >= 8
@@ -303,7 +317,7 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
     four chunks, and no bulk byte crosses the relay. Before, a reduced parts without b's chunk and b without a's
     (each chunk missing after the round's pulls waited it out)."""
     scatter = LAB_DILOCO.replace('codec = "e3m0"\n', 'codec = "e3m0"\nexchange = "scatter"\n')
-    with _run_across_two_symmetric_nats(tmp_path, scatter, 260) as (nodes, final, doctor):
+    with _diloco_across_two_symmetric_nats(tmp_path, scatter, 260) as (nodes, final, doctor):
         a, b = nodes[2:]
         for s in final:
             assert s["exchange"]["mode"] == "scatter" and s["exchange"]["parts"] > 1, s["exchange"]
@@ -318,3 +332,80 @@ def test_a_peer_behind_a_symmetric_nat_counts_in_every_scatter_round_through_the
         assert ("training      diloco: this node's update was in 8 of 8 rounds; 1 peer(s) without a direct "
                 f"path, their chunks reduced by members that reach both ({a.peer_id[-8:]}); this node reduced "
                 "no part in 8 round(s), lacking a direct path to a member") in doctor
+
+
+def _gossiped_through_members(nodes, final, doctor: str, loop: str, rounds: int, least: int) -> None:
+    """a's ``reach.through_members`` holds b in at least ``least`` rounds, and b's a. Besides them, only pub2 may be
+    in a tally (a NATed peer may reach it through pub's relay for a while after it started, as its record may name
+    only its relayed address then; the DiLoCo scatter test sees the same); pub, whom everyone dials, tallies none.
+    b's ``swarmd doctor`` says so on its training line."""
+    pub, pub2, a, b = nodes
+    for s, other in ((final[2], b), (final[3], a)):
+        through = s["reach"]["through_members"]
+        assert through.get(other.peer_id, 0) >= least and set(through) <= {other.peer_id, pub2.peer_id}, through
+    assert final[0]["reach"]["through_members"] == {}, final[0]["reach"]
+    assert set(final[1]["reach"]["through_members"]) <= {a.peer_id, b.peer_id}, final[1]["reach"]
+    through = sorted(final[3]["reach"]["through_members"])
+    assert (f"training      {loop}: this node's update was in {rounds} of {rounds} rounds; {len(through)} peer(s) "
+            f"without a direct path, their updates gossiped through members ({', '.join(p[-8:] for p in through)})"
+            ) in doctor, doctor
+
+
+LAB_SPSA = """
+[loops.spsa]
+run = "lab"
+steps = 120
+window = 20
+min_peers = 4
+deadline = 30.0  # a loaded CI machine: a window closes as soon as every batch is in, so this costs nothing
+hash_every = 2
+eval_every = 3
+[loops.spsa.task_options]
+domain = "target"
+pretrain_steps = 30
+batch = 8
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_behind_a_symmetric_nat_counts_in_every_spsa_window_through_the_public_members(tmp_path):
+    """The same four peers running SPSA: a and b have no direct path to each other, and their batches (signed
+    pubsub messages of a few bytes a step) are gossiped through the public members. All four found the run together
+    and every one of its 6 windows takes all four batches, the same on every node: one final hash, no replay.
+    Before, a and b could not found the run with the others (only directly connected peers counted at the start):
+    they joined late by replaying the others' log, and the first windows closed without them. And the peer ready
+    last (b here), whose links formed after the others' announcements and which they counted before it heard them
+    all, waited out the first window and joined late as well: a founder that hears a founder's "ready" after it
+    started says its own again."""
+    with _run_across_two_symmetric_nats(tmp_path, "spsa", LAB_SPSA, 6, 200) as (nodes, final, doctor):
+        assert len({s["final_hash"] for s in final}) == 1, [s["final_hash"] for s in final]
+        for s in final:
+            assert s.get("replayed_windows", 0) == 0 and s.get("peers_missed", 0) == 0, s
+        _gossiped_through_members(nodes, final, doctor, "spsa", 6, 6)
+
+
+LAB_SAPO = """
+[loops.sapo]
+run = "lab"
+rounds = 6
+min_peers = 4
+deadline = 20.0  # a loaded CI machine: a round closes as soon as every peer's items are in, so this costs nothing
+[loops.sapo.task_options]
+d = 32
+layers = 1
+heads = 2
+"""
+
+
+@pytest.mark.timeout(240)
+def test_a_peer_behind_a_symmetric_nat_counts_in_every_sapo_round_through_the_public_members(tmp_path):
+    """The same four peers running SAPO: a and b have no direct path to each other, and their completions (signed
+    pubsub messages) are gossiped through the public members. All four start together at round 0, each scores the
+    items of the three others, and a's rounds take b's items (a round may close before a slower peer's items
+    came). Before, a and b waited at the start for a fourth directly connected peer that never came."""
+    with _run_across_two_symmetric_nats(tmp_path, "sapo", LAB_SAPO, 6, 200) as (nodes, final, doctor):
+        for n, s in zip(nodes, final):
+            assert s["round"] == 6 and s["joined_at"] == 0, s
+            others = {o.peer_id for o in nodes} - {n.peer_id}
+            assert {p for p, src in s["sources"].items() if src["items"] > 0} == others, s["sources"]
+        _gossiped_through_members(nodes, final, doctor, "sapo", 6, 5)  # a round may close before its items came

@@ -691,3 +691,30 @@ def test_two_peers_without_a_direct_path_to_each_other_found_the_run_and_count_i
         assert lp.status()["reach"]["through_members"] == {other: 6}
     for lp in loops[:2]:
         assert lp.status()["reach"]["through_members"] == {}
+
+
+@pytest.mark.timeout(120)
+def test_the_peer_ready_last_that_missed_a_founders_ready_is_answered_and_starts_with_them(tmp_path):
+    """The peer ready last can miss a founder's "ready": its links form after the founder's announcements (here:
+    every one the founder makes before it starts is lost on the way to it), and the founder starts a grace after
+    counting it and announces no more. The founder, running, hears its repeated "ready" and says its own again:
+    it founds the run with the others and every window takes all four batches. Before, it waited out the first
+    window and joined late by replaying the others' log (the lab's four peers behind NATs did so, tests/test_nat.py)."""
+    sim = _sim(tmp_path, 4, windows=6)
+    founder, last = sim.peers[0], sim.peers[3]
+    sim.faults.drop("message", peer=last, source=founder, kind=spsa.READY,
+                    when=lambda e: sim.loop(founder).state != "running")
+
+    async def main():
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers]
+
+    loops = run_virtual(main())
+    assert len({lp.final_hash for lp in loops}) == 1
+    # (the others' last repeats, which crossed the founder's start, may be answered too: once each)
+    assert loops[3].start_state.initial == set(sim.peers) and last in loops[0].start_state.answered
+    for lp in loops:
+        assert lp.counters.get("replayed_windows", 0) == 0 and lp.counters.get("peers_missed", 0) == 0, lp.counters
+        assert lp.status()["reach"]["rounds_with_our_update"] == lp.status()["reach"]["rounds_closed"] == 6

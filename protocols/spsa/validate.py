@@ -52,14 +52,27 @@ class ValidateMixin:
         author = message.author
         if self.start_state.ready.get(author) == body["ready"]:
             return self._repeated()
-        # only peers we are connected to (directly or through a relay) can found a run with us, so only theirs are
-        # kept (first come, capped); one not listed yet waits for our next look at the list (the barrier's count)
-        if self.state != "running":
+        if self.state == "running":
+            self._answer_waiting_founder(author, body["ready"])
+        else:
+            # only peers we are connected to (directly or through a relay) can found a run with us, so only theirs
+            # are kept (first come, capped); one not listed yet waits for our next look at the list (the barrier's)
             start = self.start_state
             linked = rounds.linked(self._ctx)(author)
             rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], linked, MAX_PEER_ENTRIES,
                               READY_UNLISTED)
         return Verdict.ACCEPT
+
+    def _answer_waiting_founder(self, author: str, ready: str) -> None:
+        """A peer we founded the run with still says it is ready with our start: it is waiting at its barrier,
+        without our "ready". The peer that completed the barrier can miss it: its links form after our earlier
+        announcements, a "ready" said again is forwarded by no one, and we stopped announcing a grace after hearing
+        it. Its repeats come to us over its own links once they form, so we say ours again over ours, once per
+        founder: it starts in our first window instead of waiting it out and joining late by a replay."""
+        start = self.start_state
+        if author in start.initial and author not in start.answered and ready == start.hash:
+            start.answered.add(author)
+            self._publish(READY, {"w": self.window, "ready": start.hash})
 
     def _take_join(self, message: Message, w: int, body: dict) -> Verdict:
         joins = self.book.open[w].joins
