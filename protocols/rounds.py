@@ -134,6 +134,31 @@ class StartBarrier:
         return self._start_at is not None and now >= self._start_at
 
 
+class FounderAnswers:
+    """Whom a running founder says its "ready" again to: a founder still at its barrier without ours.
+
+    The peer that completes a start barrier last can miss a founder's "ready": its links form after the founder's
+    announcements, a "ready" said again is forwarded by no one, and the founder stops announcing once it starts.
+    That peer's repeats reach the founder over its own links, so the founder answers over its own, once per
+    founder. A "ready" sent before its author's own start crosses ours within a grace and a repeat of the barrier
+    (``AFTER``): those are not answered, so a start that went well costs no message."""
+
+    AFTER = 2.0  # s: StartBarrier's default grace + repeat
+
+    def __init__(self) -> None:
+        self.started_at: float | None = None
+        self.answered: set[str] = set()  # bounded by the founders
+
+    def due(self, author: str, ready: str, start: str | None, founders: Collection[str], now: float) -> bool:
+        """Whether to say our "ready" (``start``) again for this one from ``author`` (then counted as answered)."""
+        if self.started_at is None or now - self.started_at <= self.AFTER or ready != start:
+            return False
+        if author not in founders or author in self.answered:
+            return False
+        self.answered.add(author)
+        return True
+
+
 class StartWeights:
     """Which peer's initial weights (DiLoCo) or base model (SPSA) to start from where they are not ours, and what
     asking for them may cost.

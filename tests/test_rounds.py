@@ -370,3 +370,16 @@ def test_readys_of_authors_not_listed_yet_are_kept_bounded_and_taken_once_listed
     assert rounds.take_listed(held, listed.__contains__) == [("k10", "h10"), ("b", "hb")]
     assert "b" not in held and "k10" not in held and len(held) == 62
     assert rounds.take_listed(held, listed.__contains__) == []
+
+
+def test_a_running_founder_answers_a_founder_still_at_its_barrier_once_and_not_a_ready_crossing_its_start():
+    answers = rounds.FounderAnswers()
+    founders = {"a", "b", "me"}
+    assert not answers.due("b", "h", "h", founders, 0.0)  # not started yet
+    answers.started_at = 10.0
+    assert not answers.due("b", "h", "h", founders, 10.0 + answers.AFTER)  # sent before its own start: crosses ours
+    assert not answers.due("b", "other", "h", founders, 20.0)  # ready with other weights: not our run's start
+    assert not answers.due("stranger", "h", "h", founders, 20.0)  # not a founder: a fresh key gets no answer
+    assert answers.due("b", "h", "h", founders, 20.0)
+    assert not answers.due("b", "h", "h", founders, 21.0)  # once
+    assert answers.answered == {"b"}

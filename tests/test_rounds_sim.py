@@ -1318,3 +1318,29 @@ def test_two_peers_without_a_direct_path_to_each_other_reduce_and_audit_no_part_
     for lp in loops[:2]:
         assert lp.counters["parts_reduced"] >= 5 * 4 and lp.counters["parts_audited"] >= 5 * 4
         assert lp.status()["reach"]["reduced_by_members"] == {} and lp.status()["reach"]["rounds_not_reducing"] == 0
+
+
+@pytest.mark.timeout(120)
+def test_the_peer_ready_last_that_missed_a_founders_ready_is_answered_and_starts_with_them(tmp_path):
+    """The peer ready last can miss a founder's "ready": its links form after the founder's announcements (here:
+    every one the founder makes before it starts is lost on the way to it), and the founder starts once it counted
+    it and announces no more. The founder, running, hears its repeated "ready" and says its own again: it founds
+    the run with the others and every round combines all four updates. Before, it waited at its barrier while the
+    others closed rounds without it, and joined late from a checkpoint."""
+    sim = _sim(tmp_path, 4, rounds=6)
+    founder, last = sim.peers[0], sim.peers[3]
+    sim.faults.drop("message", peer=last, source=founder, kind=diloco.READY,
+                    when=lambda e: sim.loop(founder).state != "running")
+
+    async def main():
+        async with sim:
+            await sim.start_all()
+            await sim.until(sim.finished, 300, "everyone to finish")
+            return [sim.loop(p) for p in sim.peers]
+
+    loops = run_virtual(main())
+    assert len({lp.final_hash for lp in loops}) == 1
+    assert loops[3].start_state.initial == set(sim.peers) and last in loops[0].start_state.answers.answered
+    for lp in loops:
+        assert [h["participants"] for h in lp.history] == [4] * 6, lp.history
+        assert lp.counters.get("joined_from_checkpoint", 0) == 0 and lp.counters.get("peers_missed", 0) == 0

@@ -54,6 +54,8 @@ class BarrierMixin:
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self.start_state.initial = ready
+                self.start_state.hash = base
+                self.start_state.answers.started_at = self.clock.monotonic()
                 if isinstance(self.replica.inner_opt, SwarmAdamW):
                     self.replica.inner_opt.set_peers(len(ready))
                 self.standing.found(ready)

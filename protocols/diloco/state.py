@@ -59,6 +59,8 @@ class Start:
 
     def __init__(self) -> None:
         self.initial: set[str] = set()  # who we started with (round 0 waits for them)
+        self.hash: str | None = None  # the weights we started the run from, with them
+        self.answers = rounds.FounderAnswers()  # founders still at their barrier after our start, answered once
         self.founder = False  # we started the run with the others: they count us from the start
         self.ready: dict[str, str] = {}
         # "ready"s from authors our connection list does not show as direct yet (it lags our links: the daemon's

@@ -30,6 +30,14 @@ class ValidateMixin:
     """DilocoLoop's validate methods (the loop composes them; they share its state)."""
 
     # ------------------------------------------------------------------ validation
+    def _answer_waiting_founder(self, author: str, ready: str) -> None:
+        """A founder still says it is ready with our start: it is at its barrier without our "ready"
+        (``rounds.FounderAnswers``). We say ours again, once: it starts in our first round instead of waiting it
+        out and joining late from a checkpoint."""
+        start = self.start_state
+        if start.answers.due(author, ready, start.hash, start.initial, self.clock.monotonic()):
+            self._publish(READY, {"r": 0, "p": 0, "ready": start.hash})
+
     def _validate(self, message: Message) -> Verdict:
         unpacked = self._unpack(CARRIER, message)
         if isinstance(unpacked, Verdict):
@@ -51,7 +59,9 @@ class ValidateMixin:
         if kind is READY:
             # only connected peers (``_linked``) can found a run with us, so only theirs are kept (first come,
             # capped); one not listed yet waits for our next look at the list (``rounds.count_listed``)
-            if self.state != "running":
+            if self.state == "running":
+                self._answer_waiting_founder(author, body["ready"])
+            else:
                 start = self.start_state
                 rounds.hear_ready(start.ready, start.ready_unlisted, author, body["ready"], self._linked()(author),
                                   MAX_PEER_ENTRIES, READY_UNLISTED)

@@ -52,6 +52,7 @@ class StartMixin:
             self._check_refusal(len(ready) - 1)
             if barrier.start(self.clock.monotonic(), len(ready)):
                 self.start_state.initial = ready
+                self.start_state.answers.started_at = self.clock.monotonic()
                 self.standing.found(ready)
                 self.start_state.ready.clear()
                 self.start_state.ready_unlisted.clear()

@@ -15,7 +15,7 @@ class Start:
         # announcing once it starts): counted once they are, the newest READY_UNLISTED kept
         self.ready_unlisted: dict[str, str] = {}
         self.initial: set[str] = set()  # who we started with (window 0 waits for them)
-        self.answered: set[str] = set()  # founders still waiting after our start, told our "ready" again (once)
+        self.answers = rounds.FounderAnswers()  # founders still at their barrier after our start, answered once
         self.hash: str | None = None  # the weights we start from (base, or our checkpoint's)
         self.bases = rounds.StartWeights()  # whose base we asked for at the start, and how many asks left
 

@@ -64,14 +64,11 @@ class ValidateMixin:
         return Verdict.ACCEPT
 
     def _answer_waiting_founder(self, author: str, ready: str) -> None:
-        """A peer we founded the run with still says it is ready with our start: it is waiting at its barrier,
-        without our "ready". The peer that completed the barrier can miss it: its links form after our earlier
-        announcements, a "ready" said again is forwarded by no one, and we stopped announcing a grace after hearing
-        it. Its repeats come to us over its own links once they form, so we say ours again over ours, once per
-        founder: it starts in our first window instead of waiting it out and joining late by a replay."""
+        """A founder still says it is ready with our start: it is at its barrier without our "ready"
+        (``rounds.FounderAnswers``). We say ours again, once: it starts in our first window instead of waiting it
+        out and joining late by a replay."""
         start = self.start_state
-        if author in start.initial and author not in start.answered and ready == start.hash:
-            start.answered.add(author)
+        if start.answers.due(author, ready, start.hash, start.initial, self.clock.monotonic()):
             self._publish(READY, {"w": self.window, "ready": start.hash})
 
     def _take_join(self, message: Message, w: int, body: dict) -> Verdict:
