@@ -598,7 +598,8 @@ def sim(peers, scenarios, degree, latency_ms, mbit, loss, seed, no_crdt, as_json
 # the modules that declare wire messages (transport.wire): importing them fills the registry
 WIRE_MODULES = tuple(f"swarmd.{m}" for m in (
     "transport.ping", "transport.nat", "dht.discovery", "dht.records", "node.replication", "node.reach",
-    "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa", "protocols.sapo"))
+    "protocols.gossip_message", "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa",
+    "protocols.sapo"))
 
 
 @cli.command()
