@@ -227,7 +227,8 @@ def doctor(data_dir, http, as_json) -> None:
 # the modules that declare wire messages (transport.wire): importing them fills the registry
 WIRE_MODULES = tuple(f"swarmd.{m}" for m in (
     "transport.ping", "transport.nat", "dht.discovery", "dht.hello", "dht.records", "node.replication", "node.reach",
-    "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa", "protocols.sapo"))
+    "protocols.gossip_message", "protocols.gossip", "protocols.bulk", "protocols.diloco", "protocols.spsa",
+    "protocols.sapo"))
 
 
 @click.command()

@@ -20,6 +20,9 @@ gossipsub ideas itself on ``/swarmd/pubsub/1.0.0``, one long-lived stream per di
   de-duplicated per peer and heartbeat.
 - **Backpressure**: each peer has a bounded send queue and each subscription a bounded receive queue; overflow
   drops the oldest (send) or the newest (receive) message *and counts it* in status and metrics.
+
+The message, its signature and id, and the kinds on the wire are :mod:`protocols.gossip_message`; the per-topic
+and per-peer queues are :mod:`protocols.gossip_queues`. Both are importable from here too.
 """
 
 from __future__ import annotations
@@ -27,145 +30,26 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import enum
-import hashlib
 import inspect
 import logging
 import random
-from dataclasses import dataclass, field
-from typing import Any, Awaitable, Callable
+from typing import Any
 
-import msgpack
 from aiohttp import web
 
 from swarmd.node.services import NodeContext
+from swarmd.protocols.gossip_message import (GRAFT, IHAVE, IWANT, MAX_IDS, MAX_MESSAGE, MAX_TOPIC,
+                                             MAX_TOPICS_PER_PEER, MSG, PRUNE, PUBSUB_SPEC, SUB, UNSUB, Message,
+                                             Validator, Verdict, _mid, decode_message, sign_message, signed_by_author)
+from swarmd.protocols.gossip_message import SIGN_DOMAIN  # noqa: F401  (re-exported: loops that check signed pubsub messages)
+from swarmd.protocols.gossip_queues import KEEPALIVE  # noqa: F401  (re-exported)
+from swarmd.protocols.gossip_queues import PeerLink, Subscription, Topic
 from swarmd.transport.base import Stream
 from swarmd.transport.clock import Clock
 from swarmd.transport.errors import MalformedMessage, ProtocolViolation, TransportError
-from swarmd.transport.framing import ProtocolSpec, unpack
-from swarmd.transport.identity import verify
 from swarmd.transport.penalties import RateLimitedLog
-from swarmd.transport.wire import WIRE, Bytes, List, Map, Str
 
 logger = logging.getLogger(__name__)
-
-SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE = range(1, 8)
-MAX_MESSAGE = 4 << 20
-PUBSUB_SPEC = ProtocolSpec("pubsub", "1.0.0", max_frame=MAX_MESSAGE + 65536,
-                           kinds=frozenset({SUB, UNSUB, MSG, IHAVE, IWANT, GRAFT, PRUNE}), idle_timeout=120.0)
-KEEPALIVE = 30.0  # a link with nothing to send says SUB [] this often, so the peer's idle timeout never closes it
-SIGN_DOMAIN = b"swarmd/pubsub/v1\x00"
-MAX_TOPIC = 128
-MAX_TOPICS_PER_PEER = 256
-MAX_IDS = 512
-
-_TOPICS = List(Str(MAX_TOPIC, min=1), MAX_TOPICS_PER_PEER)
-_ID = Bytes(exact=16)
-for _code, _name, _doc in ((SUB, "sub", "topics the sender subscribes to (also a keepalive, empty)"),
-                           (UNSUB, "unsub", "topics it leaves"), (GRAFT, "graft", "add me to your mesh of these"),
-                           (PRUNE, "prune", "take me out of your mesh of these")):
-    WIRE.frame(PUBSUB_SPEC, _code, f"pubsub.{_name}", _TOPICS, ["diloco/run"], doc=_doc)
-WIRE.frame(PUBSUB_SPEC, MSG, "pubsub.msg", Map.of(b=Bytes(MAX_MESSAGE + 1024), s=Bytes(exact=64)),
-           {"b": msgpack.packb([1, "diloco/run", "12D3KooW...", 1, 1_800_000_000_000, b"data"]), "s": bytes(64)},
-           signed=SIGN_DOMAIN.rstrip(b"\0").decode(),
-           doc="b: msgpack [1, topic, author, seq, ts_ms, data], signed by the author; id = BLAKE2b-128(b)")
-WIRE.frame(PUBSUB_SPEC, IHAVE, "pubsub.ihave", Map.of(topic=Str(MAX_TOPIC), ids=List(_ID, MAX_IDS)),
-           {"topic": "diloco/run", "ids": [bytes(16)]}, doc="ids of recent messages of a topic")
-WIRE.frame(PUBSUB_SPEC, IWANT, "pubsub.iwant", List(_ID, MAX_IDS), [bytes(16)], doc="send me these messages")
-
-
-class Verdict(enum.Enum):
-    ACCEPT = "accept"
-    REJECT = "reject"  # invalid: not forwarded, counts against the sender
-    IGNORE = "ignore"  # not for us (e.g. a round already closed): not forwarded, no penalty
-
-
-@dataclass(frozen=True)
-class Message:
-    id: bytes
-    topic: str
-    author: str
-    seq: int
-    ts_ms: int
-    data: bytes
-    body: bytes
-    sig: bytes
-    received_from: str | None = None
-
-    def wire(self) -> dict:
-        return {"b": self.body, "s": self.sig}
-
-
-Validator = Callable[[Message], "Verdict | Awaitable[Verdict]"]
-
-
-@dataclass
-class Topic:
-    name: str
-    max_size: int
-    validator: Validator | None
-    queue: asyncio.Queue | None  # None: read over HTTP only (the ring buffer below)
-    mesh: set[str] = field(default_factory=set)
-    delivered: int = 0
-    dropped_full: int = 0
-    rejected: int = 0
-    ignored: int = 0
-    recent: collections.deque = field(default_factory=lambda: collections.deque(maxlen=256))  # for HTTP readers
-    recent_seq: int = 0
-
-
-class Subscription:
-    """Async iterator over accepted messages of one topic."""
-
-    def __init__(self, topic: Topic):
-        self._topic = topic
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> Message:
-        return await self._topic.queue.get()
-
-    def get_nowait(self) -> Message:
-        return self._topic.queue.get_nowait()
-
-
-class PeerLink:
-    """Our outbound stream to one peer, with a bounded send queue drained by one writer task."""
-
-    def __init__(self, peer_id: str, stream: Stream, limit: int, counters: collections.Counter):
-        self.peer_id = peer_id
-        self.stream = stream
-        self.queue: collections.deque = collections.deque()
-        self.limit = limit
-        self.counters = counters
-        self.event = asyncio.Event()
-        self.task: asyncio.Task | None = None
-        self.alive = True
-
-    def send(self, kind: int, body: Any) -> None:
-        if len(self.queue) >= self.limit:
-            self.queue.popleft()
-            self.counters["send_queue_dropped"] += 1
-        self.queue.append((kind, body))
-        self.event.set()
-
-    async def run(self) -> None:
-        try:
-            while True:
-                try:
-                    await asyncio.wait_for(self.event.wait(), KEEPALIVE)
-                except asyncio.TimeoutError:
-                    self.queue.append((SUB, []))
-                self.event.clear()
-                while self.queue:
-                    kind, body = self.queue.popleft()
-                    await self.stream.send(kind, body)
-        except (TransportError, ProtocolViolation, ConnectionError) as e:
-            logger.debug("pubsub link to %s closed: %s", self.peer_id, e)
-        finally:
-            self.alive = False
-            await self.stream.close()
 
 
 class Gossip:
@@ -267,12 +151,8 @@ class Gossip:
             raise ValueError(f"subscribe to {topic!r} before publishing on it")
         if len(data) > t.max_size:
             raise ValueError(f"{len(data)} B exceeds {topic!r}'s limit of {t.max_size} B")
-        ident = self._ctx.identity
         self._seq += 1
-        ts_ms = self._now_ms()
-        body = msgpack.packb([1, topic, ident.peer_id, self._seq, ts_ms, data], use_bin_type=True)
-        message = Message(_mid(body), topic, ident.peer_id, self._seq, ts_ms, data, body,
-                          ident.sign(SIGN_DOMAIN + body))
+        message = sign_message(self._ctx.identity, topic, self._seq, self._now_ms(), data)
         self._remember(message)
         self.counters["published"] += 1
         self._forward(message, exclude=None)
@@ -474,7 +354,7 @@ class Gossip:
         if len(message.data) > t.max_size:
             raise ProtocolViolation(f"pubsub: {len(message.data)} B on {t.name} exceeds {t.max_size} B",
                                     kind="oversized")
-        if not verify(message.author, SIGN_DOMAIN + message.body, message.sig):
+        if not signed_by_author(message):
             raise ProtocolViolation(f"pubsub: bad signature on a message claiming {message.author}",
                                     kind="bad_signature")
         now = self._now_ms()
@@ -565,34 +445,3 @@ class Gossip:
             for seq, m in t.recent if seq > after
         ]
         return web.json_response({"topic": t.name, "delivered": t.delivered, "messages": items})
-
-
-def _mid(body: bytes) -> bytes:
-    return hashlib.blake2b(body, digest_size=16).digest()
-
-
-def decode_message(wire: Any) -> Message:
-    """A signed pubsub message from its wire form (structure only: the caller verifies the signature)."""
-    if not isinstance(wire, dict) or set(wire) != {"b", "s"}:
-        raise MalformedMessage("pubsub: message must be {b, s}")
-    body, sig = wire["b"], wire["s"]
-    if not isinstance(body, bytes) or not isinstance(sig, bytes) or len(body) > MAX_MESSAGE + 1024:
-        raise MalformedMessage("pubsub: bad message fields")
-    try:
-        obj = unpack(body)
-    except MalformedMessage:
-        raise MalformedMessage("pubsub: undecodable message body") from None
-    if (
-        not isinstance(obj, list)
-        or len(obj) != 6
-        or obj[0] != 1
-        or not isinstance(obj[1], str)
-        or not 0 < len(obj[1]) <= MAX_TOPIC
-        or not isinstance(obj[2], str)
-        or type(obj[3]) is not int
-        or type(obj[4]) is not int
-        or not isinstance(obj[5], bytes)
-    ):
-        raise MalformedMessage("pubsub: message body must be [1, topic, author, seq, ts_ms, data]")
-    _, topic, author, seq, ts_ms, data = obj
-    return Message(_mid(body), topic, author, seq, ts_ms, data, body, sig)

@@ -1,5 +1,5 @@
-"""The in-memory transport and the virtual-time loop (transport/memory.py): what the simulator and the one-process
-tests rely on. Each test runs on virtual time, so its waits cost no wall time."""
+"""The in-memory transport and the virtual-time loop (transport/memory.py, memory_streams.py, virtual_time.py): what
+the simulator and the one-process tests rely on. Each test runs on virtual time, so its waits cost no wall time."""
 
 import asyncio
 import time

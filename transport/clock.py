@@ -2,8 +2,8 @@
 
 Two readings, as the standard library has them: ``monotonic()`` for durations, deadlines and rates (never goes
 back), ``time()`` for wall-clock timestamps that travel (message stamps, record expiry, logs of rounds). In a normal
-node both are the system's (:data:`SYSTEM`). Under :class:`transport.memory.VirtualTimeLoop` both follow the loop's
-virtual time, so a deadline of ten minutes passes in the CPU time the code between needs.
+node both are the system's (:data:`SYSTEM`). Under :class:`transport.virtual_time.VirtualTimeLoop` both follow the
+loop's virtual time, so a deadline of ten minutes passes in the CPU time the code between needs.
 
 Code that runs inside a node gets its clock from the node (``NodeContext.clock``) or takes one as an argument;
 code with neither asks :func:`current`, which returns the running loop's clock.

@@ -16,201 +16,34 @@ Semantics, chosen to match what the real backend shows:
   through a short cut); the node's idle timeouts see the silence, as they would.
 - Stopping a host closes every stream it had (the peer reads an end of stream), as a killed process does.
 
-:class:`VirtualTimeLoop` is an asyncio event loop whose clock is virtual: when nothing is ready to run and no worker
-thread is busy, it jumps to the next timer instead of sleeping, so a minute of a simulated swarm takes the CPU time
-its code needs, not a minute, and a run with the same seed takes the same steps. Code that reads the time must read
-``loop.time()`` (or a :class:`transport.clock.Clock` over it), not ``time.monotonic()``.
+The virtual-time loop they run on lives in :mod:`transport.virtual_time` (:class:`VirtualTimeLoop`,
+:func:`run_virtual`), the streams' pipes in :mod:`transport.memory_streams`; both are importable from here too.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import concurrent.futures
 import itertools
 import logging
 import random
-import selectors
-import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
 from swarmd.transport import clock
 from swarmd.transport.base import (ConnectedPeer, HandlerRunner, InboundBudget, PathType, Reachability, Stream,
                             StreamHandler, TransportStats)
-from swarmd.transport.clock import LoopClock
 from swarmd.transport.errors import PeerUnreachable, TransportError
 from swarmd.transport.framing import ProtocolSpec
 from swarmd.transport.identity import Identity
+from swarmd.transport.memory_streams import SEND_BUFFER  # noqa: F401  (re-exported)
+from swarmd.transport.memory_streams import _Connection, _Pipe, _Writer
 from swarmd.transport.penalties import PeerPenalties
+from swarmd.transport.virtual_time import DEADLOCK_WAIT, VirtualTimeLoop, run_virtual  # noqa: F401  (re-exported)
 
 logger = logging.getLogger(__name__)
 
 READ_LIMIT = 1 << 20  # a stream's read buffer, as asyncio's default transports keep it bounded
-SEND_BUFFER = 0.25  # seconds of queued uplink a writer may run ahead before drain() waits
 RTO = 0.2  # what a lost segment costs: one retransmission timeout (Linux's minimum)
-DEADLOCK_WAIT = 10.0  # real seconds an idle virtual loop waits for another thread before calling it a deadlock
-
-
-# ---------------------------------------------------------------------------------------------------- virtual time
-class _VirtualSelector(selectors.BaseSelector):
-    """The loop's selector: the real one for the loop's own wake-up pipe (worker threads finishing), and for
-    waits, a jump of the virtual clock instead of a sleep whenever no worker thread is busy."""
-
-    def __init__(self, loop: VirtualTimeLoop):
-        self._real = selectors.DefaultSelector()
-        self._loop = loop
-
-    def register(self, fileobj, events, data=None):
-        return self._real.register(fileobj, events, data)
-
-    def unregister(self, fileobj):
-        return self._real.unregister(fileobj)
-
-    def modify(self, fileobj, events, data=None):
-        return self._real.modify(fileobj, events, data)
-
-    def get_map(self):
-        return self._real.get_map()
-
-    def close(self) -> None:
-        self._real.close()
-
-    def select(self, timeout=None):
-        # a worker thread is computing: virtual time stands still, and nothing else runs until every thread has
-        # finished; then the finished work's results are handed over, in the order it was started (so they land at
-        # the same point of the schedule in every run, also work that finished while the loop ran callbacks), and
-        # their callbacks run before the clock moves
-        waited = bool(self._loop.threads_in_flight())
-        events = {}
-        while self._loop.threads_in_flight():
-            events.update((key.fd, (key, mask)) for key, mask in self._real.select(None))
-            self._loop._read_from_self()  # the wake-up pipe, drained (else the wait spins until the last)
-        if self._loop.deliver() or waited:
-            events.update((key.fd, (key, mask)) for key, mask in self._real.select(0))
-            return list(events.values())
-        if timeout is not None and timeout <= 0:
-            return self._real.select(0)
-        if timeout is None:
-            # nothing is scheduled: only another thread (one not started through run_in_executor, such as the
-            # executor's shutdown) can still wake us; wait a while for it, then call it what it is
-            events = self._real.select(DEADLOCK_WAIT)
-            if not events:
-                raise RuntimeError("simulation deadlock: nothing is scheduled and nothing is running")
-            return events
-        self._loop.advance(timeout)
-        return self._real.select(0)
-
-
-class VirtualTimeLoop(asyncio.SelectorEventLoop):
-    """An event loop on virtual time (see the module's docstring). ``epoch`` is the wall-clock time (seconds since
-    1970) that virtual time 0 stands for: the loop's :attr:`clock` reads ``epoch + time()`` as the wall clock.
-
-    Worker threads (``asyncio.to_thread``, ``run_in_executor``) still run for real, and the loop waits for them:
-    virtual time does not move and no other callback runs while one is busy, so what they compute is free in
-    simulated time and lands at the same point of the schedule in every run."""
-
-    def __init__(self, epoch: float = 1_800_000_000.0):
-        self._now = 0.0
-        self.epoch = epoch
-        # work handed to worker threads through run_in_executor, in the order it was started: token -> its asyncio
-        # future, until the loop hands it its result; and the work finished (token -> its concurrent future)
-        self._in_flight: dict[object, asyncio.Future] = {}
-        self._finished: dict[object, concurrent.futures.Future] = {}
-        self._lock = threading.Lock()
-        self.clock = LoopClock(self, epoch)  # what transport.clock.current() hands to code on this loop
-        super().__init__(selector=_VirtualSelector(self))
-        self._clock_resolution = 1e-9
-
-    def time(self) -> float:
-        return self._now
-
-    def advance(self, seconds: float) -> None:
-        if seconds > 0:
-            self._now += seconds
-
-    def threads_in_flight(self) -> int:
-        """Work the loop waits for: not finished, and still awaited. A cancelled one is not (its task was cancelled,
-        as a killed simulated node's are): if it had not started it never will, and its result is dropped anyway."""
-        with self._lock:
-            return sum(1 for token, f in self._in_flight.items() if token not in self._finished and not f.cancelled())
-
-    def run_in_executor(self, executor, func, *args):
-        """asyncio's, but the result is handed to its future by the loop itself, at its next wait (``select``),
-        in the order the work was started: not by the worker thread as soon as it is done, which would put it among
-        the callbacks of the current step when it is fast and after them when it is slow (a run under load would
-        replay another schedule than the same run alone)."""
-        self._check_closed()
-        if executor is None:
-            executor = self._default_executor
-            if executor is None:
-                executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="swarmd-sim")
-                self.set_default_executor(executor)
-        fut = self.create_future()
-        token = object()
-        with self._lock:
-            self._in_flight[token] = fut
-        try:
-            work = executor.submit(func, *args)
-        except BaseException:
-            self._forget(token)
-            raise
-
-        def finished(done: concurrent.futures.Future) -> None:  # in the worker thread (or here, if already done)
-            with self._lock:
-                if token in self._in_flight:  # (not cancelled meanwhile)
-                    self._finished[token] = done
-            self._write_to_self()  # wake the loop's wait
-
-        work.add_done_callback(finished)
-        fut.add_done_callback(lambda f: (work.cancel(), self._forget(token)) if f.cancelled() else None)
-        return fut
-
-    def _forget(self, token: object) -> None:
-        with self._lock:
-            self._in_flight.pop(token, None)
-            self._finished.pop(token, None)
-
-    def deliver(self) -> int:
-        """Finished work's results into their futures, in the order it was started (on the loop's thread); how
-        many were handed over."""
-        if not self._finished:  # (every select asks: nothing to lock for in the usual case)
-            return 0
-        with self._lock:
-            done = [(self._in_flight.pop(token), self._finished.pop(token)) for token in list(self._in_flight)
-                    if token in self._finished]
-        handed = 0
-        for fut, work in done:
-            if fut.cancelled() or work.cancelled():
-                continue
-            exc = work.exception()
-            if exc is not None:
-                fut.set_exception(exc)
-            else:
-                fut.set_result(work.result())
-            handed += 1
-        return handed
-
-
-def run_virtual(main, *, epoch: float = 1_800_000_000.0, workers: int = 1):
-    """Run coroutine ``main`` to completion on a fresh :class:`VirtualTimeLoop` (like ``asyncio.run``). One worker
-    thread by default: threads finish in the order they were started, so a run is the same every time."""
-    loop = VirtualTimeLoop(epoch)
-    loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=workers,
-                                                                    thread_name_prefix="swarmd-sim"))
-    try:
-        return loop.run_until_complete(main)
-    finally:
-        try:
-            tasks = [t for t in asyncio.all_tasks(loop) if not t.done()]
-            for t in tasks:
-                t.cancel()
-            if tasks:
-                loop.run_until_complete(asyncio.gather(*tasks, return_exceptions=True))
-            loop.run_until_complete(loop.shutdown_asyncgens())
-            loop.run_until_complete(loop.shutdown_default_executor())
-        finally:
-            loop.close()
 
 
 # ---------------------------------------------------------------------------------------------------- the network
@@ -362,136 +195,6 @@ class MemoryNetwork:
     def uplink_backlog(self, peer_id: str, now: float) -> float:
         host = self.hosts.get(peer_id)
         return 0.0 if host is None else max(0.0, host.up_busy - now)
-
-
-# ---------------------------------------------------------------------------------------------------- streams
-class _Pipe:
-    """One direction of a connection: bytes from ``src`` to ``dst``'s reader, in order, on the network's timing."""
-
-    def __init__(self, net: MemoryNetwork, src: str, dst: str, reader: asyncio.StreamReader):
-        self.net, self.src, self.dst, self.reader = net, src, dst, reader
-        self.last = 0.0  # arrival time of the last segment: later writes never overtake it
-        self.closed = False  # the writer closed (eof sent)
-        self.broken = False  # an end (host) went away: nothing more is delivered
-        self.held: collections.deque = collections.deque()  # segments a partition holds, in order
-        self.inflight: collections.deque = collections.deque()  # (arrival time, segment), in order
-
-    def schedule(self, data: bytes | None) -> None:
-        loop = asyncio.get_running_loop()
-        n = len(data) if data else 0
-        when = max(self.net.arrival(self.src, self.dst, n, loop.time()), self.last)
-        self.last = when
-        self.inflight.append((when, data))
-        if len(self.inflight) == 1:  # one timer per pipe, for its head: the loop's timers are not FIFO on ties
-            loop.call_at(when, self._pump)
-
-    def _pump(self) -> None:
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        while self.inflight and self.inflight[0][0] <= now:
-            self._deliver(self.inflight.popleft()[1])
-        if self.inflight:
-            loop.call_at(self.inflight[0][0], self._pump)
-
-    def _deliver(self, data: bytes | None) -> None:
-        if self.broken:
-            return
-        if self.held or not self.net.reachable(self.src, self.dst):
-            if not self.held:
-                self.net._held.append(self)
-            self.held.append(data)
-            self.net.stats.held_by_partition += 1
-            return
-        self._feed(data)
-
-    def _feed(self, data: bytes | None) -> None:
-        if data is None:
-            self.reader.feed_eof()
-        else:
-            self.reader.feed_data(data)
-
-    def flush(self) -> None:
-        """After a heal: what the partition held, in order (or keep holding it if cut again meanwhile)."""
-        if self.broken:
-            self.held.clear()
-            return
-        if not self.net.reachable(self.src, self.dst):
-            if self.held:
-                self.net._held.append(self)
-            return
-        while self.held:
-            self._feed(self.held.popleft())
-
-    def break_(self) -> None:
-        if not self.broken:
-            self.broken = True
-            self.held.clear()
-            self.inflight.clear()
-            if not self.reader.at_eof():
-                self.reader.feed_eof()
-
-
-class _Writer:
-    """The writer half a :class:`~transport.base.Stream` needs (write, drain, close, wait_closed)."""
-
-    def __init__(self, pipe: _Pipe, conn: _Connection):
-        self._pipe = pipe
-        self._conn = conn
-        self._closing = False
-
-    def write(self, data) -> None:
-        if self._pipe.closed or self._pipe.broken:
-            raise ConnectionResetError("stream closed")
-        if data:
-            self._pipe.schedule(bytes(data))
-
-    async def drain(self) -> None:
-        if self._pipe.broken:
-            raise ConnectionResetError("stream reset")
-        loop = asyncio.get_running_loop()
-        backlog = self._pipe.net.uplink_backlog(self._pipe.src, loop.time())
-        if backlog > SEND_BUFFER:
-            await asyncio.sleep(backlog - SEND_BUFFER)
-        if self._pipe.broken:
-            raise ConnectionResetError("stream reset")
-
-    def is_closing(self) -> bool:
-        return self._pipe.closed or self._pipe.broken
-
-    def close(self) -> None:
-        if self._closing:
-            return
-        self._closing = True
-        if not self._pipe.closed and not self._pipe.broken:
-            self._pipe.closed = True
-            self._pipe.schedule(None)
-        self._conn.closed_half()
-
-    async def wait_closed(self) -> None:
-        return None
-
-    def get_extra_info(self, name, default=None):
-        return default
-
-
-class _Connection:
-    """Both directions of one stream, so a host that stops can break them; forgotten by both hosts once both ends
-    have closed."""
-
-    def __init__(self, a_to_b: _Pipe, b_to_a: _Pipe, hosts: tuple[MemoryTransport, MemoryTransport]):
-        self.pipes = (a_to_b, b_to_a)
-        self.hosts = hosts
-        self._closed = 0
-
-    def closed_half(self) -> None:
-        self._closed += 1
-        if self._closed >= 2:
-            for host in self.hosts:
-                host._streams.discard(self)
-
-    def break_(self) -> None:
-        for pipe in self.pipes:
-            pipe.break_()
 
 
 # ---------------------------------------------------------------------------------------------------- the transport
