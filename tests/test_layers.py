@@ -26,7 +26,8 @@ ALLOWED = {
     # the Python API (swarmd.Node, swarmd.DiLoCo): a composition root like the CLI, above every layer
     "swarmd": PACKAGES,
 }
-COMPOSITION_ROOTS = {"node/cli.py", "node/__main__.py", "node/sim.py"}  # may import protocols to plug loops in
+# may import protocols to plug loops in
+COMPOSITION_ROOTS = {"node/cli.py", "node/__main__.py", "node/sim.py", "node/sim_node.py", "node/sim_loops.py"}
 PROTOCOLS_MAY_USE_FROM_NODE = {"node.services", "node"}
 TORCH_ALLOWED = {"protocols", "swarmd"}
 
