@@ -3,24 +3,24 @@
 Lifecycle: :meth:`Node.run` starts the parts in order (p2p daemon, ping, DHT, HTTP), signals readiness once through
 ``on_ready``, then runs the background loops (``run_loops``) until it is cancelled; teardown runs in reverse order
 whatever happened. Cancellation is the only way to stop it (the CLI cancels it on SIGINT/SIGTERM).
+
+The node's views (``/status``, the peer list) are ``node/status.py``; the supervision of its background loops and
+the bounds on each shutdown step are ``node/supervise.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import gc
 import logging
 import os
-import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Awaitable, Callable
+from typing import Callable
 
 from swarmd.crdt.admission import Admission, RecordTicket
 from swarmd.dht.discovery import Discovery, DiscoveryConfig
-from swarmd.node import __version__, allocator, datadir
+from swarmd.node import __version__, datadir
 from swarmd.node.config import Config, parse_host_port
 from swarmd.node.dashboard import Recorder
 from swarmd.node.http import StatusServer
@@ -28,6 +28,8 @@ from swarmd.node.nat import NatService, guess_private
 from swarmd.node.reach import AddressBook, Reach
 from swarmd.node.replication import Replicator
 from swarmd.node.services import NodeContext, Service
+from swarmd.node.status import MAX_PEERS_VIEW, LoopLag, NodeViews, PeerState  # noqa: F401 (importable from here)
+from swarmd.node.supervise import _bounded, end_tasks, run_loops, supervise, where  # noqa: F401 (importable here)
 from swarmd.transport.base import ConnectedPeer, PathType
 from swarmd.transport.errors import ProtocolViolation, TransportError
 from swarmd.transport.identity import Identity
@@ -36,62 +38,8 @@ from swarmd.transport.ping import ping, serve_ping
 
 logger = logging.getLogger(__name__)
 
-MAX_PEERS_VIEW = 512  # peers /status lists one by one (the counts cover all)
 
-
-class LoopLag:
-    """How late the event loop runs a timer: a 100 ms sleep measured against the clock, kept for a minute. What
-    a peer's burst, a big decode or a slow handler costs everyone else on the node shows here (``/status`` ->
-    ``event_loop``, ``swarmd_event_loop_lag_seconds``)."""
-
-    INTERVAL = 0.1
-    WINDOW = 60.0
-    STALL = 0.1  # a lag over this is counted as a stall
-
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
-        self._clock = clock
-        self.samples: collections.deque = collections.deque()  # (when, lag seconds)
-        self.stalls = 0
-
-    def record(self, when: float, lag: float) -> None:
-        self.samples.append((when, lag))
-        if lag > self.STALL:
-            self.stalls += 1
-        while self.samples and self.samples[0][0] < when - self.WINDOW:
-            self.samples.popleft()
-
-    async def run(self) -> None:
-        while True:
-            start = self._clock()
-            await asyncio.sleep(self.INTERVAL)
-            now = self._clock()
-            self.record(now, max(0.0, now - start - self.INTERVAL))
-
-    def view(self) -> dict:
-        lags = sorted(lag for _, lag in self.samples) or [0.0]
-        now = self._clock()
-        by_second = [0.0] * int(self.WINDOW)  # the largest lag in each of the last 60 seconds, oldest first
-        for when, lag in self.samples:
-            i = int(self.WINDOW) - 1 - int(now - when)
-            if 0 <= i < len(by_second):
-                by_second[i] = max(by_second[i], round(lag * 1e3, 1))
-        return {"lag_ms_p50": round(lags[len(lags) // 2] * 1e3, 2),
-                "lag_ms_p99": round(lags[min(len(lags) - 1, int(0.99 * len(lags)))] * 1e3, 2),
-                "lag_ms_max": round(lags[-1] * 1e3, 2), "window_s": self.WINDOW, "stalls": self.stalls,
-                "lag_ms_by_second": by_second}
-
-
-@dataclass
-class PeerState:
-    latency_ms: float | None = None
-    last_seen: float | None = None  # wall clock of the last successful ping or hello
-    path: str = PathType.NONE.value
-    path_since: float | None = None
-    relay: str | None = None
-    ping_failures: int = 0
-
-
-class Node:
+class Node(NodeViews):
     PINGS_PER_ROUND = 8
 
     def __init__(self, config: Config, identity: Identity, data_dir: Path, services: list[Service] = ()):
@@ -397,205 +345,3 @@ class Node:
             if targets:
                 await asyncio.gather(*(ping_one(p) for p in targets))
             await asyncio.sleep(self.config.discovery.ping_interval)
-
-    # ------------------------------------------------------------------ views
-    def uptime(self) -> float:
-        return 0.0 if self._started_mono is None else time.monotonic() - self._started_mono
-
-    def _known_peers(self) -> tuple[set[str], set[str]]:
-        """(the other members of the replicated set, the peers discovered or connected), ourselves excluded."""
-        me = self.identity.peer_id
-        return (set(self.replicator.store.value("members")) - {me},
-                (set(self.discovery.members) | set(self.connected)) - {me})
-
-    def peers_view(self, known: tuple[set[str], set[str]] | None = None) -> list[dict]:
-        """Connected and discovered peers first, then members of the replicated set, at most MAX_PEERS_VIEW."""
-        crdt_members, near = known or self._known_peers()
-        ids = sorted(near)[:MAX_PEERS_VIEW]
-        ids += sorted(crdt_members - near)[: MAX_PEERS_VIEW - len(ids)]
-        out = []
-        for peer_id in sorted(ids):
-            member = self.discovery.members.get(peer_id)
-            conn = self.connected.get(peer_id)
-            state = self.peer_state.get(peer_id, PeerState())
-            last_seen = max(filter(None, [state.last_seen, member.last_seen if member else None]), default=None)
-            out.append(
-                {
-                    "peer_id": peer_id,
-                    "member": peer_id in crdt_members,  # membership comes from the replicated member set
-                    "discovered": member is not None,  # has a live record in the DHT or sent us a hello
-                    "connected": conn is not None,
-                    "path": conn.path.value if conn else PathType.NONE.value,
-                    "relay": conn.relay if conn else None,
-                    "path_since": state.path_since,
-                    "addrs": list(member.record.addrs) if member else list(conn.addrs if conn else ()),
-                    "conn_addrs": list(conn.addrs) if conn else [],
-                    "latency_ms": None if state.latency_ms is None else round(state.latency_ms, 3),
-                    "last_seen": last_seen,
-                    "version": member.record.version if member else None,
-                    "loops": list(member.record.loops) if member else [],
-                    "source": member.source if member else "connection",
-                    "penalty_score": round(self.transport.penalties.score(peer_id), 1),
-                }
-            )
-        return out
-
-    def status(self) -> dict:
-        stats = self.transport.stats
-        known = self._known_peers()  # the member set is sorted once per status, not three times
-        peers = self.peers_view(known)
-        services = {svc.name: svc.status() for svc in self.services}
-        return {
-            "peer_id": self.identity.peer_id,
-            "version": __version__,
-            "swarm": self.config.node.swarm,
-            "uptime_s": round(self.uptime(), 3),
-            "started_at": self.started_at,
-            "listen": list(self.config.network.listen),
-            "addresses": self.addresses,
-            "announce": list(self.config.network.announce),
-            "reachability": self.transport.reachability.value,
-            "joined": self.discovery.joined,
-            "bootstrap": [b.to_json() for b in self.discovery.bootstrap],
-            "dht": {
-                "routing_table_size": self.discovery.routing_table_size(),
-                "members_key": self.discovery.members_key,
-                "poll_every_s": round(self.discovery.poll_every(), 2),
-                **self.discovery.counters,
-                "admission_rule": self.discovery.policy,
-                "other_rule": self.discovery.policy_mismatch()[:16],
-                "records_refused": dict(self.discovery.validator.refused) if self.discovery.validator else {},
-                "records_checked": dict(self.discovery.validator.checks) if self.discovery.validator else {},
-            },
-            "members": len(known[0]),  # others
-            "peers_omitted": len(known[0] | known[1]) - len(peers),
-            "connected": len(self.connected),
-            "split": self.reach.view(),
-            "peers": peers,
-            "crdt": self.replicator.summary(),
-            "services": services,
-            "loops": {svc.loop_key: {"service": svc.name, **{k: st.get(k) for k in ("state", "round", "step")}}
-                      for svc in self.training_loops() for st in [services[svc.name]]},
-            "traffic": {
-                "bytes_in": stats.bytes_in,
-                "bytes_out": stats.bytes_out,
-                "messages_in": sum(stats.messages_in.values()),
-                "messages_out": sum(stats.messages_out.values()),
-                "bytes_in_by_protocol": dict(stats.bytes_in_by_protocol),
-                "bytes_out_by_protocol": dict(stats.bytes_out_by_protocol),
-                "note": "swarmd protocol streams; DHT RPCs are counted under dht",
-            },
-            "errors": dict(stats.errors),
-            "event_loop": {**self.loop_lag.view(), "inbound_frames_waited": self.transport.inbound.waits},
-            "allocator": allocator.applied(),  # node.memory as applied (mode None: not set in this process)
-            "penalties": dict(self.transport.penalties.totals),
-            "banned": self.transport.penalties.banned(),
-            "http": self.http.url,
-            "data_dir": str(self.data_dir),
-        }
-
-
-async def supervise(name: str, run: Callable[[], Awaitable[None]], *, max_delay: float = 30.0) -> None:
-    """Run a background loop forever; if it crashes (a bug), log it and restart it with backoff.
-
-    A bug in one loop must not take the node down; cancellation passes through."""
-    delay = 1.0
-    while True:
-        started = time.monotonic()
-        try:
-            await run()
-            return
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            logger.exception("%s loop crashed; restarting in %.0f s", name, delay)
-        if time.monotonic() - started > 60:
-            delay = 1.0
-        await asyncio.sleep(delay)
-        delay = min(delay * 2, max_delay)
-
-
-async def run_loops(loops: list[tuple[str, Callable[[], Awaitable[None]]]], added: asyncio.Queue | None = None) -> None:
-    """Run the node's background loops (each supervised) until they all end or this is cancelled; then end them all.
-    Loops put on ``added`` join them as they come (while ``added`` is given, this runs until cancelled).
-
-    One cancellation is not always enough: on Python 3.11 ``asyncio.wait_for`` swallows a cancellation that lands
-    just as the awaited future completes (fixed in 3.12), and a loop around it runs on, so a TaskGroup, which cancels
-    its tasks once, could wait for it forever (seen: a node given SIGTERM that never exited). Here each loop still
-    running is cancelled again every half second, up to SHUTDOWN_STEP_S; one still running then is named in a
-    warning and abandoned."""
-    tasks = {asyncio.create_task(supervise(name, run), name=f"loop: {name}"): name for name, run in loops}
-    arriving = None if added is None else asyncio.ensure_future(added.get())
-    try:
-        while True:
-            running = [t for t in tasks if not t.done()]
-            if not running and arriving is None:
-                return
-            done, _ = await asyncio.wait([*running, *([arriving] if arriving else [])],
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if arriving in done:
-                name, run = arriving.result()
-                tasks[asyncio.create_task(supervise(name, run), name=f"loop: {name}")] = name
-                arriving = asyncio.ensure_future(added.get())
-    finally:
-        if arriving is not None:
-            arriving.cancel()
-        await end_tasks(tasks)
-
-
-async def end_tasks(tasks: dict[asyncio.Task, str]) -> None:
-    """Cancel these tasks until they end (again every half second, since one cancellation can be swallowed), up to
-    SHUTDOWN_STEP_S; those still running then are named in a warning and abandoned."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SHUTDOWN_STEP_S
-    pending = {t for t in tasks if not t.done()}
-    while pending:
-        for t in pending:
-            t.cancel()
-        left = deadline - loop.time()
-        if left <= 0:
-            logger.warning("shutdown: %s did not end within %.0f s of being cancelled; abandoned (%s)",
-                           ", ".join(sorted(tasks[t] for t in pending)), SHUTDOWN_STEP_S,
-                           "; ".join(sorted(f"{tasks[t]} at {where(t)}" for t in pending)))
-            others = [t for t in asyncio.all_tasks() - set(tasks) - {asyncio.current_task()} if not t.done()]
-            if others:  # a stuck task is often waiting for one of these (a TaskGroup's children, a stream's reader)
-                logger.warning("shutdown: tasks still running then: %s%s",
-                               "; ".join(sorted(f"{t.get_name()} at {where(t)}" for t in others)[:MAX_STUCK_SHOWN]),
-                               f" (and {len(others) - MAX_STUCK_SHOWN} more)" if len(others) > MAX_STUCK_SHOWN else "")
-            return
-        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
-
-
-SHUTDOWN_STEP_S = 5.0  # the most one step of a shutdown may take before it is abandoned (and named in the log)
-MAX_STUCK_SHOWN = 8  # tasks named, with where each waits, when a shutdown step is abandoned
-
-
-def where(task: asyncio.Task, depth: int = 3) -> str:
-    """Where a pending task waits: the innermost ``depth`` coroutine frames of its await chain, outer to inner
-    (``file:line function > ...``), the line that says what a stuck shutdown was waiting for."""
-    coro, frames = task.get_coro(), []
-    while coro is not None:
-        f = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
-        if f is None:
-            break
-        frames.append(f)
-        coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
-    return " > ".join(f"{_short(f.f_code.co_filename)}:{f.f_lineno} {f.f_code.co_name}" for f in frames[-depth:]) or "?"
-
-
-def _short(path: str) -> str:
-    """A path relative to the sys.path entry it was imported from, where there is one."""
-    for root in sys.path:
-        root = root.rstrip("/")
-        if root and path.startswith(root + "/"):
-            return path[len(root) + 1:]
-    return path
-
-
-async def _bounded(what: str, step: Awaitable) -> None:
-    """One shutdown step, abandoned after SHUTDOWN_STEP_S with a warning naming it, so a stuck step neither keeps
-    the node from exiting nor goes unnoticed."""
-    try:
-        await asyncio.wait_for(step, SHUTDOWN_STEP_S)
-    except asyncio.TimeoutError:
-        logger.warning("shutdown: %s took more than %.0f s; abandoned", what, SHUTDOWN_STEP_S)

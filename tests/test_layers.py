@@ -27,7 +27,8 @@ ALLOWED = {
     "swarmd": PACKAGES,
 }
 # may import protocols to plug loops in: the CLI (its commands that run nodes and export weights) and the simulator
-COMPOSITION_ROOTS = {"node/cli.py", "node/cli_run.py", "node/cli_export.py", "node/__main__.py", "node/sim.py"}
+COMPOSITION_ROOTS = {"node/cli.py", "node/cli_run.py", "node/cli_export.py", "node/__main__.py", "node/sim.py",
+                     "node/sim_node.py", "node/sim_loops.py"}
 PROTOCOLS_MAY_USE_FROM_NODE = {"node.services", "node"}
 TORCH_ALLOWED = {"protocols", "swarmd"}
 

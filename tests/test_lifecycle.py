@@ -1,4 +1,4 @@
-"""The node's background loops end on shutdown even when one swallows a cancellation (node.core.run_loops)."""
+"""The node's background loops end on shutdown even when one swallows a cancellation (node.supervise.run_loops)."""
 
 import asyncio
 import logging
@@ -6,6 +6,7 @@ import logging
 import pytest
 
 import swarmd.node.core as core
+import swarmd.node.supervise as supervise_module
 
 
 def _stubborn(swallow: int, ended: list[str], name: str, deaf: asyncio.Event | None = None):
@@ -40,7 +41,7 @@ async def test_a_loop_that_swallows_a_cancellation_still_ends():
 
 @pytest.mark.timeout(30)
 async def test_a_loop_that_never_ends_is_named_and_abandoned(monkeypatch, caplog):
-    monkeypatch.setattr(core, "SHUTDOWN_STEP_S", 0.6)
+    monkeypatch.setattr(supervise_module, "SHUTDOWN_STEP_S", 0.6)  # read where run_loops is
     ended = []
     deaf = asyncio.Event()
     deaf.set()

@@ -324,14 +324,15 @@ def protocol_ids() -> set[str]:
 # ---------------------------------------------------------------------------------------------------- /status
 
 def status_fields() -> list[str]:
-    """The top-level keys of ``/status``: the dict literal ``Node.status`` returns (node/core.py)."""
-    tree = ast.parse((ROOT / "node" / "core.py").read_text())
+    """The top-level keys of ``/status``: the dict literal ``Node.status`` returns (``NodeViews.status``,
+    node/status.py)."""
+    tree = ast.parse((ROOT / "node" / "status.py").read_text())
     for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
         for fn in cls.body:
             if isinstance(fn, ast.FunctionDef) and fn.name == "status":
                 ret = next(n for n in ast.walk(fn) if isinstance(n, ast.Return) and isinstance(n.value, ast.Dict))
                 return [k.value for k in ret.value.keys if isinstance(k, ast.Constant)]
-    raise LookupError("Node.status not found in node/core.py")
+    raise LookupError("NodeViews.status not found in node/status.py")
 
 
 LOOP_SOURCES = {"diloco": "protocols/diloco", "spsa": "protocols/spsa", "sapo": "protocols/sapo"}
@@ -380,7 +381,7 @@ def status_page() -> str:
         raise ValueError(f"/status fields without a meaning in {STATUS_MEANINGS.relative_to(ROOT)}: {missing}")
     parts = ["# /status fields reference", "",
              "`GET /status` on the node's HTTP endpoint (`http.listen`, default `127.0.0.1:8470`) answers one JSON "
-             "object. Its top-level fields, generated at build time from `Node.status` (`node/core.py`), with "
+             "object. Its top-level fields, generated at build time from `Node.status` (`node/status.py`), with "
              "their meanings from `docs/reference/status-fields.toml`. Each training loop's own fields are under "
              "`services.<loop>`: see its guide ([DiLoCo](../loops/diloco.md), [SPSA](../loops/spsa.md), "
              "[SAPO](../loops/sapo.md)).", "", "| field | meaning |", "|---|---|"]
