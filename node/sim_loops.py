@@ -22,7 +22,7 @@ from swarmd.protocols.faults import FaultPlan
 from swarmd.transport.clock import current
 from swarmd.transport.errors import TransportError
 from swarmd.transport.identity import Identity
-from swarmd.transport.memory import LinkSpec, MemoryNetwork
+from swarmd.transport.memory import LinkSpec, MemoryNetwork, run_virtual
 
 
 @dataclass
@@ -133,6 +133,16 @@ class LoopSim:
 
     async def until(self, cond, timeout: float, what: str) -> float:
         return await until(cond, timeout, what, 0.1)
+
+    def run_to_end(self, timeout: float = 300.0) -> list:
+        """Start every peer and run the swarm on virtual time until every loop has ended (``timeout`` simulated
+        seconds at most); the loops, in peer order."""
+        async def main() -> list:
+            async with self:
+                await self.start_all()
+                await self.until(self.finished, timeout, "everyone to finish")
+                return [self.loop(p) for p in self.peers]
+        return run_virtual(main())
 
     async def stop(self) -> None:
         for n in self.nodes.values():

@@ -1331,14 +1331,7 @@ def test_the_peer_ready_last_that_missed_a_founders_ready_is_answered_and_starts
     founder, last = sim.peers[0], sim.peers[3]
     sim.faults.drop("message", peer=last, source=founder, kind=diloco.READY,
                     when=lambda e: sim.loop(founder).state != "running")
-
-    async def main():
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers]
-
-    loops = run_virtual(main())
+    loops = sim.run_to_end()
     assert len({lp.final_hash for lp in loops}) == 1
     assert loops[3].start_state.initial == set(sim.peers) and last in loops[0].start_state.answers.answered
     for lp in loops:

@@ -153,17 +153,11 @@ def test_two_peers_without_a_direct_path_to_each_other_start_together_and_score_
     together, each scores the items of the three others in every round, and ``reach`` says which peers came
     without a direct path. Before, only directly connected peers counted at the start: the two waited for a
     fourth peer that never came, and the run never began for them."""
-    async def main():
-        sim = _sim(tmp_path, 4, rounds=6)
-        a, b = sim.peers[2:]
-        sim.net.relay(a, b)
-        sim.net.relay(b, a)
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers], (a, b)
-
-    loops, (a, b) = run_virtual(main())
+    sim = _sim(tmp_path, 4, rounds=6)
+    a, b = sim.peers[2:]
+    sim.net.relay(a, b)
+    sim.net.relay(b, a)
+    loops = sim.run_to_end()
     for lp in loops:
         assert lp.state == "done" and lp.round == 6 and lp.joined_at == 0
         assert len([p for p, s in lp.sources.by_peer.items() if s.items > 0 and p != lp.sources.me]) == 3

@@ -669,17 +669,11 @@ def test_two_peers_without_a_direct_path_to_each_other_found_the_run_and_count_i
     members, so they found the run with the others and every window takes all four batches; ``reach`` says which
     peers came without a direct path. Before, only directly connected peers counted at the start: the two joined
     late by replaying the others' log, and the first window closed without them."""
-    async def main():
-        sim = _sim(tmp_path, 4, windows=6)
-        a, b = sim.peers[2:]
-        sim.net.relay(a, b)
-        sim.net.relay(b, a)
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers], (a, b)
-
-    loops, (a, b) = run_virtual(main())
+    sim = _sim(tmp_path, 4, windows=6)
+    a, b = sim.peers[2:]
+    sim.net.relay(a, b)
+    sim.net.relay(b, a)
+    loops = sim.run_to_end()
     assert len({lp.final_hash for lp in loops}) == 1
     for lp in loops:
         assert len(lp.start_state.initial) == 4
@@ -704,14 +698,7 @@ def test_the_peer_ready_last_that_missed_a_founders_ready_is_answered_and_starts
     founder, last = sim.peers[0], sim.peers[3]
     sim.faults.drop("message", peer=last, source=founder, kind=spsa.READY,
                     when=lambda e: sim.loop(founder).state != "running")
-
-    async def main():
-        async with sim:
-            await sim.start_all()
-            await sim.until(sim.finished, 300, "everyone to finish")
-            return [sim.loop(p) for p in sim.peers]
-
-    loops = run_virtual(main())
+    loops = sim.run_to_end()
     assert len({lp.final_hash for lp in loops}) == 1
     # (the others' last repeats, which crossed the founder's start, may be answered too: once each)
     assert loops[3].start_state.initial == set(sim.peers) and last in loops[0].start_state.answers.answered
