@@ -70,7 +70,10 @@ class LoopSim:
         raise NotImplementedError
 
     def _make_loop(self, cls, gossip, bulk):
-        raise NotImplementedError
+        """The loop of one node, with the swarm's faults (a loop that moves no bulk bytes: SPSA's, SAPO's)."""
+        loop = cls(gossip, self.dcfg, self.task)
+        loop.faults = self.faults
+        return loop
 
     def report(self, took: float) -> dict:
         raise NotImplementedError
@@ -220,11 +223,6 @@ class SpsaSim(LoopSim):
         self.loop_cls = spsa.SPSALoop
         self.faults.delay("close", self.dcfg.window * churn.step_seconds)  # a window's simulated compute
 
-    def _make_loop(self, cls, gossip, bulk):
-        loop = cls(gossip, self.dcfg, self.task)
-        loop.faults = self.faults
-        return loop
-
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values() if n.loop is not None]
         finals = collections.Counter(lp.final_hash for lp in loops if lp.final_hash)
@@ -252,11 +250,6 @@ class SapoSim(LoopSim):
         self.dcfg = sapo.SapoConfig(**{**defaults, **settings})
         self.loop_cls = sapo.SapoLoop
         self.faults.delay("close", churn.inner_steps * churn.step_seconds)  # a round's simulated compute
-
-    def _make_loop(self, cls, gossip, bulk):
-        loop = cls(gossip, self.dcfg, self.task)
-        loop.faults = self.faults
-        return loop
 
     def report(self, took: float) -> dict:
         loops = [n.loop for n in self.nodes.values() if n.loop is not None]
